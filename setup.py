@@ -1,0 +1,61 @@
+"""Build script for grpo_mem.
+
+The C++ CPU extension (``grpo_mem._C``, sources in ``csrc/``) is built when torch is importable at build time and
+``GRPO_MEM_SKIP_EXT`` is unset; otherwise the package installs without it and falls back to its torch paths
+(``grpo_mem.ops.HAS_EXT`` tells which). Install with ``pip install --no-build-isolation`` so the build sees the
+torch that is already installed instead of pulling a CUDA wheel into an isolated build environment.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ext_modules = []
+cmdclass = {}
+sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+if sources and not os.environ.get("GRPO_MEM_SKIP_EXT"):
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:  # torch not installed in the build environment: pure-Python install
+        pass
+    else:
+        ext_modules.append(
+            CppExtension(
+                "grpo_mem._C",
+                sources,
+                extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2"] if os.uname().machine == "x86_64"
+                else ["-O3", "-fopenmp"],
+                extra_link_args=["-fopenmp"],
+            )
+        )
+        cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
+
+setup(
+    name="grpo_mem",
+    version="0.1.0",
+    description="Memory- and time-efficient GRPO-family scoring for Hugging Face TRL: prompt-once group forward, "
+    "shared-prefix attention and fused selective log-softmax.",
+    packages=find_packages(include=["grpo_mem", "grpo_mem.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.5",
+        "transformers>=5.0,<6",
+        "trl>=1.16,<1.17",
+        "accelerate>=1.0",
+        "datasets",
+        "reasoning-gym",
+        "gguf",
+        "matplotlib",
+        "tqdm",
+        "triton; platform_system == 'Linux'",
+    ],
+    extras_require={
+        "test": ["pytest", "peft"],
+        "gpu": ["flash-attn"],
+        "bench": ["liger-kernel"],
+    },
+    entry_points={"console_scripts": ["grpo-mem=grpo_mem.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
