@@ -1,0 +1,233 @@
+"""Shared-prefix attention against naive full-sequence attention with the prompt K/V materialised per row."""
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grpo_mem.ops.attention import (
+    SharedPrefixAttentionFunction,
+    SharedPrefixAttentionParams,
+    shared_prefix_attention,
+    shared_prefix_attention_ref,
+)
+
+GRAD_NAMES = ("q", "k", "v", "prefix_k", "prefix_v")
+
+
+def make_inputs(B, Hq, Hkv, C, P, d, prefix_index, prompt_lens, completion_lens=None, dtype=torch.float32, seed=0):
+    """Random inputs; prompt u is left-padded to P with ``prompt_lens[u]`` real keys; padding holds random junk."""
+    g = torch.Generator().manual_seed(seed)
+    U = len(prompt_lens)
+    t = {
+        "q": torch.randn(B, Hq, C, d, generator=g, dtype=torch.float64),
+        "k": torch.randn(B, Hkv, C, d, generator=g, dtype=torch.float64),
+        "v": torch.randn(B, Hkv, C, d, generator=g, dtype=torch.float64),
+        "prefix_k": torch.randn(U, Hkv, P, d, generator=g, dtype=torch.float64),
+        "prefix_v": torch.randn(U, Hkv, P, d, generator=g, dtype=torch.float64),
+    }
+    t = {n: x.to(dtype) for n, x in t.items()}
+    prefix_index = torch.tensor(prefix_index, dtype=torch.int64)
+    prefix_mask = torch.arange(P)[None, :] >= (P - torch.tensor(prompt_lens))[:, None]
+    key_mask = None
+    if completion_lens is not None:
+        key_mask = torch.arange(C)[None, :] < torch.tensor(completion_lens)[:, None]
+    grad_out = torch.randn(B, Hq, C, d, generator=g, dtype=torch.float64).to(dtype)
+    return t, prefix_index, prefix_mask, key_mask, grad_out
+
+
+def run(fn, tensors, prefix_index, prefix_mask, key_mask, grad_out, dtype=None, **kw):
+    """Output and gradients of ``fn`` (inputs cast to ``dtype`` if given), as a dict of detached tensors."""
+    leaves = {n: x.detach().to(dtype or x.dtype).requires_grad_(True) for n, x in tensors.items()}
+    out = fn(*(leaves[n] for n in GRAD_NAMES), prefix_index, prefix_mask, key_mask, **kw)
+    grads = torch.autograd.grad(out, [leaves[n] for n in GRAD_NAMES], grad_out.to(out.dtype))
+    res = {"out": out.detach()}
+    res.update({"d" + n: gr for n, gr in zip(GRAD_NAMES, grads)})
+    return res
+
+
+def assert_close(name, got, want, atol):
+    """Elementwise |got − want| ≤ atol; on failure name the worst index and both values."""
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got - want).abs()
+    worst = int(err.argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
+    assert err.max() <= atol, (
+        f"{name}: max |err| {err.max():.3e} > {atol:.1e} at {idx}: got {got[idx]:.8f}, want {want[idx]:.8f}"
+    )
+
+
+def check_fp32_against_truth(res, truth):
+    """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient|."""
+    assert_close("out", res["out"], truth["out"], 1e-5)
+    for n in GRAD_NAMES:
+        want = truth["d" + n]
+        assert_close("d" + n, res["d" + n], want, 1e-4 * max(want.abs().max().item(), 1e-6))
+
+
+def torch_path(*args, scale, chunk_elems=1 << 20):
+    return SharedPrefixAttentionFunction.apply(
+        *args, SharedPrefixAttentionParams(scale=scale, backend="torch", chunk_elems=chunk_elems))
+
+
+# (B, Hq, Hkv, C, P, d, prefix_index, prompt_lens, completion_lens)
+CASES = {
+    # unsorted rows, unequal groups (4, 2, 1), mixed left padding, GQA 4, head dim 64
+    "mixed_gqa4_d64": (7, 8, 2, 9, 13, 64, [2, 0, 2, 1, 2, 0, 2], [13, 5, 9], [9, 3, 9, 7, 1, 9, 6]),
+    # G = 1: every row its own prompt, no GQA
+    "g1_mha": (3, 4, 4, 6, 10, 64, [1, 2, 0], [4, 10, 7], None),
+    # C = 1: a single completion token per row
+    "c1": (5, 4, 1, 1, 12, 64, [0, 1, 1, 0, 1], [12, 3], None),
+    # GQA 8, head dim 128
+    "gqa8_d128": (4, 8, 1, 5, 11, 128, [1, 0, 0, 1], [6, 11], [5, 2, 5, 4]),
+    # one prompt shared by every row (the benchmark shape, scaled down)
+    "one_prompt": (6, 6, 2, 8, 17, 64, [0] * 6, [15], [8, 8, 5, 8, 2, 8]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("chunk_elems", [1 << 20, 300])
+def test_torch_path_matches_reference(case, chunk_elems):
+    B, Hq, Hkv, C, P, d, idx, plens, clens = CASES[case]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
+    scale = d ** -0.5
+    truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float64, scale=scale)
+    naive32 = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=scale)
+    check_fp32_against_truth(naive32, truth)  # the reference itself is exact in fp32
+    res = run(torch_path, t, pi, pm, km, go, scale=scale, chunk_elems=chunk_elems)
+    check_fp32_against_truth(res, truth)
+    # padding positions get exactly zero gradient
+    dpk, dpv = res["dprefix_k"].transpose(1, 2), res["dprefix_v"].transpose(1, 2)  # (U, P, Hkv, d)
+    assert (dpk[~pm] == 0).all() and (dpv[~pm] == 0).all()
+    if km is not None:
+        dk, dv = res["dk"].transpose(1, 2), res["dv"].transpose(1, 2)  # (B, C, Hkv, d)
+        assert (dk[~km] == 0).all() and (dv[~km] == 0).all()
+
+
+def test_public_api_fp64_is_exact():
+    B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, dtype=torch.float64)
+    truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=0.11)
+    res = run(shared_prefix_attention, t, pi, pm, km, go, scale=0.11)
+    for n in truth:
+        assert_close(n, res[n], truth[n], 1e-12)
+
+
+def test_prompt_gradient_is_sum_over_group():
+    """dprefix_k of a prompt equals the sum of the per-row materialised-copy gradients (what stock TRL accumulates)."""
+    B, Hq, Hkv, C, P, d = 5, 4, 2, 6, 9, 64
+    idx = [1, 0, 1, 1, 0]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, [9, 4], None, dtype=torch.float64)
+    res = run(shared_prefix_attention, t, pi, pm, km, go, scale=0.125)
+    for u in range(2):
+        total = torch.zeros(Hkv, P, d, dtype=torch.float64)
+        for b in (i for i, x in enumerate(idx) if x == u):
+            one = {n: x[b:b + 1] if n in ("q", "k", "v") else x[u:u + 1] for n, x in t.items()}
+            r = run(shared_prefix_attention_ref, one, torch.zeros(1, dtype=torch.int64), pm[u:u + 1], None,
+                    go[b:b + 1], scale=0.125)
+            total += r["dprefix_k"][0]
+        assert_close(f"dprefix_k[{u}]", res["dprefix_k"][u], total, 1e-12)
+
+
+@pytest.mark.parametrize("fn", [shared_prefix_attention, shared_prefix_attention_ref])
+def test_no_leakage_between_completions(fn):
+    B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
+    base = fn(*(t[n] for n in GRAD_NAMES), pi, pm, km, scale=0.1)
+    j = 2  # shares prompt 2 with rows 0, 4, 6
+    pert = dict(t)
+    for n in ("q", "k", "v"):
+        pert[n] = t[n].clone()
+        pert[n][j] += 3.0
+    out = fn(*(pert[n] for n in GRAD_NAMES), pi, pm, km, scale=0.1)
+    others = [i for i in range(B) if i != j]
+    assert torch.equal(out[others], base[others])
+    assert not torch.allclose(out[j], base[j])
+    # a prompt's padding and another prompt's keys never leak either
+    pert = dict(t)
+    pert["prefix_k"] = t["prefix_k"].clone()
+    pert["prefix_k"][1] += 5.0  # only row 3 uses prompt 1
+    pert["prefix_k"][0][:, ~pm[0]] += 5.0  # prompt 0 padding
+    out = fn(*(pert[n] for n in GRAD_NAMES), pi, pm, km, scale=0.1)
+    others = [i for i in range(B) if i != 3]
+    assert torch.equal(out[others], base[others])
+    assert not torch.allclose(out[3], base[3])
+
+
+def test_rows_without_visible_keys_give_zero():
+    """A fully padded prompt plus a padded first completion key: query 0 sees nothing → 0, finite gradients."""
+    B, Hq, Hkv, C, P, d = 3, 4, 2, 4, 6, 64
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, [0, 1, 0], [0, 6], [4, 4, 4])
+    km[0, 0] = False
+    km[2, :2] = False
+    truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float64, scale=0.125)
+    res = run(shared_prefix_attention, t, pi, pm, km, go, scale=0.125)
+    assert (res["out"][0, :, 0] == 0).all() and (res["out"][2, :, :2] == 0).all()
+    check_fp32_against_truth(res, truth)
+
+
+def test_does_not_materialise_prompt_copies():
+    """No intermediate as large as prefix_k[prefix_index] (B·Hkv·P·d) in forward or backward."""
+    B, Hq, Hkv, C, P, d = 16, 8, 2, 4, 64, 16
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, [0] * B, [50], None)
+    per_row_copy = B * Hkv * P * d  # 32768 elements
+
+    class MaxNumel(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, torch.Tensor):
+                    MaxNumel.largest = max(MaxNumel.largest, o.numel())
+            return out
+
+    leaves = [t[n].clone().requires_grad_(True) for n in GRAD_NAMES]
+    with MaxNumel():
+        out = torch_path(*leaves, pi, pm, km, scale=0.25, chunk_elems=4096)
+        out.backward(go)
+    assert MaxNumel.largest < per_row_copy / 2, MaxNumel.largest
+    with MaxNumel():  # the check itself sees the reference's copies
+        MaxNumel.largest = 0
+        shared_prefix_attention_ref(*leaves, pi, pm, km, scale=0.25)
+    assert MaxNumel.largest >= per_row_copy
+
+
+def test_saves_only_inputs_output_and_lse():
+    B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
+    leaves = [t[n].clone().requires_grad_(True) for n in GRAD_NAMES]
+    out = shared_prefix_attention(*leaves, pi, pm, km, scale=0.1)
+    saved = out.grad_fn.saved_tensors
+    inputs_bytes = sum(x.numel() * x.element_size() for x in leaves + [pi, pm, km])
+    saved_bytes = sum(x.numel() * x.element_size() for x in saved if x is not None)
+    assert saved_bytes == inputs_bytes + out.numel() * 4 + B * Hq * C * 4
+
+
+def test_bad_input_raises():
+    B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
+    args = [t[n] for n in GRAD_NAMES]
+    with pytest.raises(ValueError, match="Hq=8.*Hkv=3"):
+        k3 = torch.randn(B, 3, C, d)
+        shared_prefix_attention(args[0], k3, k3, torch.randn(3, 3, P, d), torch.randn(3, 3, P, d), pi, pm, km,
+                                scale=0.1)
+    with pytest.raises(ValueError, match="got 3"):
+        shared_prefix_attention(*args, torch.tensor([0, 1, 2, 3, 0, 1, 2]), pm, km, scale=0.1)
+    with pytest.raises(ValueError, match="got -1"):
+        shared_prefix_attention(*args, torch.tensor([0, 1, 2, -1, 0, 1, 2]), pm, km, scale=0.1)
+    with pytest.raises(ValueError, match=r"k must have shape"):
+        shared_prefix_attention(args[0], args[1][:, :, :-1], args[2], *args[3:], pi, pm, km, scale=0.1)
+    with pytest.raises(ValueError, match=r"prefix_mask must have shape"):
+        shared_prefix_attention(*args, pi, pm[:, 1:], km, scale=0.1)
+    with pytest.raises(TypeError, match="int64"):
+        shared_prefix_attention(*args, pi.int(), pm, km, scale=0.1)
+    with pytest.raises(ValueError, match="scale"):
+        shared_prefix_attention(*args, pi, pm, km, scale=-1.0)
+    with pytest.raises(ValueError, match="backend"):
+        shared_prefix_attention(*args, pi, pm, km, scale=0.1, backend="cuda")
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(ValueError, match="triton"):
+            shared_prefix_attention(*args, pi, pm, km, scale=0.1, backend="triton")
