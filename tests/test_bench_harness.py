@@ -1,0 +1,121 @@
+"""The benchmark harness measures known allocations and writes its CSV schema exactly."""
+
+import csv
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import harness  # noqa: E402
+
+ALLOC_BYTES = 200 * 10**6  # 200 MB, fp32
+THIS = os.path.abspath(__file__)
+
+
+def alloc_worker(args: dict) -> dict:
+    """Worker run in a fresh process: one op that allocates, touches and frees ``args['bytes']`` bytes."""
+    n = args["bytes"] // 4
+
+    def op():
+        t = torch.ones(n, dtype=torch.float32)  # ones() writes every page, so all of it becomes resident
+        return float(t[-1])
+
+    return harness.measure(op, warmup=1, repeats=2, memory_repeats=2).to_dict()
+
+
+def grow_worker(args: dict) -> dict:
+    keep = torch.ones(args["bytes"] // 4)
+    return {"n": keep.numel()}
+
+
+def failing_worker(args: dict) -> dict:
+    raise ValueError(f"bad value {args['x']}")
+
+
+def test_known_allocation_in_fresh_process():
+    res = harness.run_isolated(f"{THIS}:alloc_worker", {"bytes": ALLOC_BYTES}, timeout_s=120)
+    assert "skipped" not in res, res
+    m = harness.Measurement.from_dict(res)
+    mb = ALLOC_BYTES / harness.MB
+    # The tracker sees exactly the storage (ones + the 4-byte scalar of t[-1]); RSS sees it plus a little slack
+    for peak in m.peak_tensor_bytes:
+        assert abs(peak / harness.MB - mb) <= 0.01 * mb, (peak, mb)
+    for peak in m.peak_rss_above_base_bytes:
+        assert abs(peak / harness.MB - mb) <= 0.05 * mb, (peak, mb)
+    assert m.rss_method in ("vmhwm", "sampler")
+    assert len(m.times_s) == 2 and all(t > 0 for t in m.times_s)
+    assert m.threads == 2
+
+
+def test_tracker_counts_views_once_and_ignores_inputs_and_inplace():
+    w = torch.randn(300, 300, requires_grad=True)
+    pre = torch.zeros(1_000_000)
+    with harness.TensorMemoryTracker() as t:
+        pre.add_(1.0)  # in place on a tensor made before the block: nothing new
+        x = torch.randn(300, 300)  # 360 kB
+        y = (x @ w).relu()  # mm output 360 kB, relu output 360 kB
+        view = y[:10]
+        del y  # the view keeps relu's storage alive; mm's output died (relu's backward needs only its own output)
+        assert t.live_bytes == 2 * 360_000
+        view.sum().backward()
+        del x, view
+    # w.grad (360 kB) outlives the block; everything else is gone
+    assert t.live_bytes == 360_000
+    assert t.peak_bytes >= 3 * 360_000
+
+
+def test_rss_budget_and_failures_become_skips():
+    res = harness.run_isolated(f"{THIS}:grow_worker", {"bytes": 3 * 10**9}, rss_budget_mb=1500, timeout_s=120)
+    assert res["skipped"].startswith("over the RSS budget of 1500 MB"), res
+    res = harness.run_isolated(f"{THIS}:failing_worker", {"x": -3}, timeout_s=120)
+    assert "ValueError: bad value -3" in res["skipped"], res
+
+
+def test_percentiles_match_numpy():
+    v = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4]
+    p50, p20, p80 = harness.percentiles(v)
+    np.testing.assert_allclose([p50, p20, p80], np.percentile(v, [50, 20, 80]), rtol=0, atol=1e-12)
+    assert all(math.isnan(x) for x in harness.percentiles([]))
+
+
+def test_csv_schema_plot_and_table(tmp_path):
+    m = harness.Measurement(times_s=[1.0, 2.0, 3.0], peak_rss_above_base_bytes=[5 * 10**6],
+                            peak_tensor_bytes=[4 * 10**6], base_rss_bytes=10**8, rss_method="vmhwm", threads=2)
+    rows = harness.measurement_rows("group", "trl", "full", "P", 256, m, {"G": 4, "model": "llama"})
+    rows += harness.measurement_rows("group", "trl", "full", "P", 512, m, {"G": 4, "model": "llama"})
+    rows += harness.skipped_rows("group", "grpo_mem", "full", "P", 512, {"G": 4, "model": "llama"}, "too big")
+    path = tmp_path / "r.csv"
+    harness.write_csv(rows, str(path))
+    with open(path, newline="") as f:
+        header = next(csv.reader(f))
+    assert header == ["op", "provider", "mode", "metric", "unit", "x_name", "x_value", "p50", "p20", "p80",
+                      "config", "device", "timestamp", "version"]
+    back = harness.read_csv(str(path))
+    assert len(back) == 9
+    by = {(r["provider"], r["metric"], r["x_value"]): r for r in back}
+    t = by[("trl", "wall_time", "256")]
+    assert (t["unit"], t["p50"], t["p20"], t["p80"]) == ("s", 2.0, 1.4, 2.6)
+    assert t["config"] == {"G": 4, "model": "llama", "n": 3}
+    r = by[("trl", "peak_rss_above_base", "512")]
+    assert (r["unit"], r["p50"]) == ("MB", 5.0)
+    assert by[("trl", "peak_tensor", "512")]["p50"] == 4.0
+    s = by[("grpo_mem", "wall_time", "512")]
+    assert math.isnan(s["p50"]) and s["config"]["skipped"] == "too big"
+    for key in ("grpo_mem=", ";torch=", ";transformers=", ";trl="):
+        assert key in t["version"]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        harness.measurement_rows("group", "trl", "fwdbwd", "P", 1, m, {})
+    harness.write_csv(rows[:1], str(path), append=True)
+    assert len(harness.read_csv(str(path))) == 10
+
+    png = tmp_path / "r.png"
+    harness.plot_csv(str(path), str(png), op="group", panel_keys=("model", "G"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    table = harness.markdown_table(["P", "provider", "time s"], [[256, "trl", 1.23456], [512, "trl", float("nan")]])
+    assert table.splitlines() == ["| P | provider | time s |", "|---:|---|---:|", "| 256 | trl | 1.23 |",
+                                  "| 512 | trl | - |"]
