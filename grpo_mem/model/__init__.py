@@ -1,0 +1,1 @@
+"""Model glue: the prompt-once group forward and its attention hook. Knows transformers, not TRL."""

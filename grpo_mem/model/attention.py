@@ -1,0 +1,126 @@
+"""The attention hook of the group forward, registered through transformers' attention interface.
+
+A model taken over by grpo_mem runs with the attention implementation ``grpo_mem_<inner>`` (``inner`` being what it
+had: ``sdpa``, ``eager``, ``flash_attention_2``...). Without a grpo_mem context among the attention kwargs the hook
+calls ``inner`` unchanged, so every other use of the model (generation, evaluation, stock TRL calls) computes exactly
+what it computed before. With a context, passed as the model-forward kwarg ``grpo_mem_ctx`` and carried by transformers
+down to every attention call, it either records each layer's prompt K/V (prompt pass) or attends completion queries to
+that K/V plus their own causal K/V (completion pass).
+
+The context travels as a forward kwarg on purpose: under non-reentrant gradient checkpointing transformers re-runs each
+layer in backward with the kwargs it was first called with, so the recomputation sees the same prompt K/V tensors and
+gradient reaches the prompt's graph. A global switch would have been reset by then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..ops.attention import shared_prefix_attention
+
+PREFIX = "grpo_mem_"
+CTX_KWARG = "grpo_mem_ctx"
+
+
+@dataclass
+class PromptCapture:
+    """Context of the prompt pass: each layer's post-RoPE K/V, (U, kv_heads, P, head_dim), keyed by layer index.
+
+    Each layer records once; the replay of a checkpointed layer in backward finds its entry and leaves it alone, so the
+    completion pass and its own replay always read the tensors of the first forward.
+    """
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionContext:
+    """Context of the completion pass.
+
+    Attributes:
+        kv: the prompt pass's ``PromptCapture.kv``.
+        prefix_index: (B,) int64, row b's unique prompt.
+        prefix_mask: (U, P) bool, real (non-padding) prompt positions.
+        key_mask: (B, C') bool, real completion positions.
+    """
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    prefix_index: torch.Tensor
+    prefix_mask: torch.Tensor
+    key_mask: torch.Tensor
+
+
+def _make_hook(inner: str):
+    def grpo_mem_attention(module, query, key, value, attention_mask, **kwargs):
+        ctx = kwargs.pop(CTX_KWARG, None)
+        inner_fn = ALL_ATTENTION_FUNCTIONS[inner]
+        if ctx is None:
+            return inner_fn(module, query, key, value, attention_mask, **kwargs)
+        layer = module.layer_idx
+        if isinstance(ctx, PromptCapture):
+            ctx.kv.setdefault(layer, (key, value))
+            return inner_fn(module, query, key, value, attention_mask, **kwargs)
+        prefix_k, prefix_v = ctx.kv[layer]
+        out = shared_prefix_attention(
+            query,
+            key,
+            value,
+            prefix_k,
+            prefix_v,
+            ctx.prefix_index,
+            ctx.prefix_mask,
+            ctx.key_mask,
+            scale=kwargs.get("scaling") if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"
+    return grpo_mem_attention
+
+
+def hook_name(inner: str) -> str:
+    """Name under which the hook wrapping the attention implementation ``inner`` is registered."""
+    return inner if inner.startswith(PREFIX) else PREFIX + inner
+
+
+def ensure_registered(inner: str) -> str:
+    """Register the hook around ``inner`` (idempotent) and return its name.
+
+    Raises:
+        ValueError: ``inner`` is not a registered transformers attention implementation.
+    """
+    name = hook_name(inner)
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return name
+    if inner not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"attention implementation {inner!r} is not registered in transformers' AttentionInterface")
+    AttentionInterface.register(name, _make_hook(inner))
+    if inner in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    return name
+
+
+def inner_implementation(model) -> str:
+    """The attention implementation the model had before grpo_mem took it over."""
+    impl = model.config._attn_implementation or "eager"
+    return impl[len(PREFIX) :] if impl.startswith(PREFIX) else impl
+
+
+def take_over(model) -> str | None:
+    """Switch ``model`` (a transformers ``PreTrainedModel``) to the hook; return the implementation it had, or None
+    when it already ran the hook. The switch is exact for every call without a grpo_mem context."""
+    impl = model.config._attn_implementation or "eager"
+    if impl.startswith(PREFIX):
+        return None
+    model.set_attn_implementation(ensure_registered(impl))
+    return impl
+
+
+def give_back(model, impl: str) -> None:
+    """Restore the attention implementation ``impl`` that ``take_over`` returned."""
+    model.set_attn_implementation(impl)

@@ -1,0 +1,327 @@
+"""Prompt-once group forward: completion log-probs and entropies with each unique prompt forwarded once.
+
+Stock TRL forwards ``cat(prompt, completion)`` for every row. Here the unique prompts of a batch go through the model
+once, with gradients, recording each layer's K/V; the completions then run as a second pass whose attention reads that
+K/V (``grpo_mem.model.attention``) at the positions stock TRL uses, ``arange(P + C)`` including left padding. The last
+prompt position's hidden state predicts completion token 1; the completion pass only needs tokens 1..C-1, since the
+last token predicts nothing that is scored.
+
+This module knows transformers, not TRL.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import ModelOutput
+
+from . import attention as attn_hook
+from .head import completion_head
+
+# Decoder-only text architectures whose layers take RoPE positions from `position_ids` and call the attention
+# interface with `module.layer_idx`; each is exact here unless a per-call check below says otherwise.
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi3", "smollm3", "qwen3_moe"}
+)
+# RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
+
+_warned: set[str] = set()
+
+
+def warn_fallback(cause: str) -> None:
+    """Warn once per process and cause that the stock path is used."""
+    if cause not in _warned:
+        _warned.add(cause)
+        warnings.warn(f"grpo_mem: falling back to the stock full-sequence path: {cause}", stacklevel=3)
+
+
+def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside DDP/DeepSpeed/FSDP/compile wrappers and a PEFT model."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and type(model).__module__.startswith("peft"):
+        model = get_base()
+    return model
+
+
+def find_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group identical prompt rows.
+
+    Two rows are the same prompt when their masks and their ids at unmasked positions agree; ids in padding slots are
+    ignored. Rows of one prompt need not be adjacent.
+
+    Args:
+        prompt_ids: (B, P) int64 token ids.
+        prompt_mask: (B, P) 0/1 or bool.
+
+    Returns:
+        first: (U,) int64, the first row of each unique prompt, in order of first appearance.
+        inverse: (B,) int64 in [0, U), row b's unique prompt.
+    """
+    key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(key.shape[0], device=key.device)
+    first = torch.full((int(inverse.max()) + 1,), key.shape[0], dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")
+    order = torch.argsort(first)  # renumber unique prompts by first appearance
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return first[order], rank[inverse]
+
+
+def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> None:
+    """Raise ``ValueError``/``TypeError`` for inputs stock TRL would score wrongly or not at all."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D (B, P+C) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(getattr(attention_mask, 'shape', ()))} does not match input_ids shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise TypeError(f"logits_to_keep must be an int, got {logits_to_keep!r}")
+    if not 0 < logits_to_keep < input_ids.shape[1]:
+        raise ValueError(
+            f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}] (sequence length {input_ids.shape[1]}), "
+            f"got {logits_to_keep}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    prompt_mask = attention_mask[:, : input_ids.shape[1] - logits_to_keep].bool()
+    right_padded = (prompt_mask[:, :-1] & ~prompt_mask[:, 1:]).any(dim=1)
+    if bool(right_padded.any()):
+        rows = right_padded.nonzero().flatten().tolist()
+        raise ValueError(
+            f"prompts must be left-padded (a 1 in the prompt mask followed by a 0), rows {rows[:8]} are not"
+        )
+
+
+def _reentrant_checkpointing(model) -> bool:
+    """Whether a checkpointed layer of ``model`` would run reentrant checkpointing (which drops kwarg gradients)."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            func = module._gradient_checkpointing_func
+            if not isinstance(func, functools.partial) or func.keywords.get("use_reentrant", True) is not False:
+                return True
+    return False
+
+
+def unsupported_reason(causal_lm, seq_len: int) -> str | None:
+    """Why the prompt-once path cannot be exact for ``causal_lm`` on sequences of ``seq_len`` tokens, or None."""
+    config = causal_lm.config
+    if config.get_text_config() is not config:
+        return "vision-language (multi-config) model"
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"architecture {config.model_type!r} is not among the supported {sorted(SUPPORTED_MODEL_TYPES)}"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return f"layer types {sorted(set(layer_types))} (sliding-window or linear-attention layers)"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and seq_len > window:
+        return f"sliding window {window} shorter than the sequence ({seq_len} tokens)"
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"RoPE type {rope_type!r} depends on the sequence length"
+    if attn_hook.inner_implementation(causal_lm) not in SUPPORTED_ATTENTION:
+        return f"attention implementation {attn_hook.inner_implementation(causal_lm)!r}"
+    if causal_lm.training and getattr(config, "attention_dropout", 0.0):
+        return "attention dropout is active"
+    if _reentrant_checkpointing(causal_lm):
+        return "reentrant gradient checkpointing drops gradients of tensors passed as kwargs"
+    return None
+
+
+@dataclass
+class GroupRequest:
+    """Non-tensor options of one prompt-once call, passed to the model forward as the ``grpo_mem`` kwarg."""
+
+    logits_to_keep: int
+    temperature: float = 1.0
+    compute_entropy: bool = False
+    cast_lm_head_to_fp32: bool = False
+
+
+@dataclass
+class GroupLogprobsOutput(ModelOutput):
+    """log_probs, entropy: (B, C) fp32, zero where the completion mask is 0 (entropy None unless asked)."""
+
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def prompt_once_logprobs(causal_lm, input_ids, attention_mask, request: GroupRequest):
+    """The prompt-once computation on an unwrapped causal LM; shapes as in ``grpo_mem.shared_prompt_logprobs``."""
+    C = request.logits_to_keep
+    P = input_ids.shape[1] - C
+    prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]
+    completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
+    first, inverse = find_groups(prompt_ids, prompt_mask)
+    backbone = causal_lm.base_model
+    attn_hook.take_over(causal_lm)
+    _taken_over.add(causal_lm)
+
+    capture = attn_hook.PromptCapture()
+    unique_mask = prompt_mask[first]
+    prompt_out = backbone(
+        input_ids=prompt_ids[first], attention_mask=unique_mask, use_cache=False, grpo_mem_ctx=capture
+    )
+    hidden = [prompt_out.last_hidden_state[:, -1].index_select(0, inverse).unsqueeze(1)]
+    if C > 1:
+        ctx = attn_hook.CompletionContext(
+            kv=capture.kv,
+            prefix_index=inverse,
+            prefix_mask=unique_mask.bool(),
+            key_mask=completion_mask[:, :-1].bool(),
+        )
+        positions = torch.arange(P, P + C - 1, device=input_ids.device).unsqueeze(0)
+        completion_out = backbone(
+            input_ids=completion_ids[:, :-1], position_ids=positions, use_cache=False, grpo_mem_ctx=ctx
+        )
+        hidden.append(completion_out.last_hidden_state)
+    hidden = torch.cat(hidden, dim=1)
+    return completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
+
+
+def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request: GroupRequest):
+    """Stock-equivalent path: the whole prompt+completion sequence per row, the head on completion positions only."""
+    C = request.logits_to_keep
+    out = causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state[:, -C - 1 : -1]
+    return completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], request)
+
+
+_taken_over: weakref.WeakSet = weakref.WeakSet()
+_FORWARD_MARK = "_grpo_mem_previous_forward"
+
+
+def install_forward(causal_lm) -> None:
+    """Give ``causal_lm`` a forward that also accepts ``grpo_mem=GroupRequest(...)`` (idempotent).
+
+    Without that kwarg the model's previous forward (TRL's fused head, if installed) runs unchanged. With it, the
+    prompt-once computation runs inside the forward call, so DDP/DeepSpeed/FSDP hooks of a wrapping module fire once
+    per call as they do for stock TRL.
+    """
+    if _FORWARD_MARK in causal_lm.__dict__:
+        return
+    previous = causal_lm.__dict__.get("forward")
+    inner_forward = causal_lm.forward
+
+    @functools.wraps(type(causal_lm).forward)
+    def forward(self, *args, grpo_mem: GroupRequest | None = None, **kwargs):
+        if grpo_mem is None:
+            return inner_forward(*args, **kwargs)
+        if args:
+            raise TypeError("the grpo_mem forward takes input_ids and attention_mask as keywords")
+        return _forward_group(self, kwargs["input_ids"], kwargs["attention_mask"], grpo_mem)
+
+    causal_lm.forward = types.MethodType(forward, causal_lm)
+    causal_lm.__dict__[_FORWARD_MARK] = previous
+    _taken_over.add(causal_lm)
+
+
+def restore(causal_lm) -> None:
+    """Undo ``install_forward`` and the attention take-over on ``causal_lm``; no-op on an untouched model."""
+    if _FORWARD_MARK in causal_lm.__dict__:
+        previous = causal_lm.__dict__.pop(_FORWARD_MARK)
+        if previous is None:
+            causal_lm.__dict__.pop("forward", None)
+        else:
+            causal_lm.forward = previous
+    impl = causal_lm.config._attn_implementation or ""
+    if impl.startswith(attn_hook.PREFIX):
+        attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
+    _taken_over.discard(causal_lm)
+
+
+def restore_all() -> None:
+    """``restore`` every model this process took over."""
+    for model in list(_taken_over):
+        restore(model)
+
+
+def _forward_group(causal_lm, input_ids, attention_mask, request: GroupRequest) -> GroupLogprobsOutput:
+    reason = unsupported_reason(causal_lm, input_ids.shape[1])
+    if reason is not None:
+        warn_fallback(reason)
+        logps, entropy = full_sequence_logprobs(causal_lm, input_ids, attention_mask, request)
+    else:
+        logps, entropy = prompt_once_logprobs(causal_lm, input_ids, attention_mask, request)
+    return GroupLogprobsOutput(log_probs=logps, entropy=entropy)
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    cast_lm_head_to_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
+
+    Same contract and numbers as TRL 1.16's ``GRPOTrainer._get_per_token_logps_and_entropies`` for text models
+    (within fp32 rounding), gradients included: each unique prompt row is forwarded once with gradients, its per-layer
+    K/V serve every completion of the group, and log-probs come from completion hidden states through a chunked head
+    that never builds (B, C, V) logits. Rows of one prompt need not be adjacent: identical prompts (ids and mask,
+    padding slots ignored) are found anywhere in the batch. Runs inside one call of ``model``'s forward, so wrappers'
+    hooks (DDP, DeepSpeed, FSDP) fire; works on a plain causal LM, a PEFT model, and a model given TRL's fused head.
+
+    Side effect: the first call gives the underlying causal LM a pass-through forward and attention implementation
+    (``grpo_mem_<impl>``); calls without grpo_mem compute exactly what they did. ``grpo_mem.restore(model)`` undoes it.
+    Where the path cannot be exact (see ``unsupported_reason``) it warns once and runs the full-sequence path.
+
+    Args:
+        model: transformers causal LM, possibly PEFT- and DDP/DeepSpeed/FSDP-wrapped.
+        input_ids: (B, P + C) int64, left-padded prompts followed by right-padded completions.
+        attention_mask: (B, P + C) 0/1, same shape.
+        logits_to_keep: C, the completion width, 1 <= C < P + C.
+        temperature: > 0, the logits are divided by it (after logit scale and final softcap, as TRL does).
+        compute_entropy: also return the entropy of each next-token distribution.
+        cast_lm_head_to_fp32: run the LM head in fp32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
+
+    Returns:
+        log_probs: (B, C) fp32, zero where the completion mask is 0.
+        entropies: (B, C) fp32 (zero where masked) if ``compute_entropy``, else None.
+
+    Raises:
+        ValueError: shape mismatch, ``logits_to_keep`` out of range, ``temperature <= 0``, right-padded prompts.
+        TypeError: non-integer ids or ``logits_to_keep``.
+    """
+    validate_inputs(input_ids, attention_mask, logits_to_keep, temperature)
+    install_forward(unwrap_causal_lm(model))
+    request = GroupRequest(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
+    out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=request)
+    return out.log_probs, out.entropy
+
+
+__all__ = [
+    "GroupRequest",
+    "GroupLogprobsOutput",
+    "find_groups",
+    "full_sequence_logprobs",
+    "install_forward",
+    "prompt_once_logprobs",
+    "restore",
+    "restore_all",
+    "shared_prompt_logprobs",
+    "unsupported_reason",
+    "unwrap_causal_lm",
+    "validate_inputs",
+    "warn_fallback",
+]

@@ -1,0 +1,99 @@
+"""The completion LM head: per-token log-probs and entropies from hidden states, logits computed as TRL computes them."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+# TRL 1.16 `ChunkedLogProbFunction` vocabulary tile, used until the project's own kernel replaces it.
+_TRL_CHUNK = 32768
+
+
+def logit_transform(config) -> tuple[float, float | None]:
+    """(logit_scale, final_logit_softcapping) of a text config, resolved the way TRL 1.16's fused head does.
+
+    Scale attributes, first found wins: ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, then
+    ``logits_scaling`` (a divisor, a multiplier on ``hyperclovax``); none means 1.0.
+    """
+    text = config.get_text_config()
+    scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scale = text.logits_scaling if text.model_type == "hyperclovax" else 1 / text.logits_scaling
+    return (1.0 if scale is None else float(scale)), getattr(text, "final_logit_softcapping", None)
+
+
+def _lm_head_params(causal_lm):
+    """The LM head's weight and bias as plain tensors (FSDP2 DTensors gathered)."""
+    head = causal_lm.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        DTensor = ()
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    return weight, bias
+
+
+def _gather_zero3(*params):
+    """Gather ZeRO-3 partitioned parameters for a direct read of the head weight (a null context otherwise)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    pending = {id(p): p for p in params if p is not None and getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE}
+    return deepspeed.zero.GatheredParameters(list(pending.values())) if pending else nullcontext()
+
+
+def completion_head(causal_lm, hidden, completion_ids, completion_mask, request):
+    """Log-probs (and entropies) of ``completion_ids`` given the hidden states that predict them.
+
+    Args:
+        causal_lm: the unwrapped transformers causal LM (its output embeddings and config are read).
+        hidden: (B, C, H) hidden states; ``hidden[:, t]`` predicts ``completion_ids[:, t]``.
+        completion_ids: (B, C) int64.
+        completion_mask: (B, C) 0/1; only positions with 1 are scored.
+        request: ``GroupRequest`` (temperature, compute_entropy, cast_lm_head_to_fp32).
+
+    Returns:
+        (B, C) fp32 log-probs and (B, C) fp32 entropies or None, zero where the mask is 0.
+    """
+    from trl.kernels import ChunkedLogProbFunction
+
+    weight, bias = _lm_head_params(causal_lm)
+    scale, softcap = logit_transform(causal_lm.config)
+    mask = completion_mask.bool().to(weight.device)
+    rows = hidden.to(weight.device)[mask]
+    autocast = nullcontext()
+    if request.cast_lm_head_to_fp32:
+        rows = rows.float()
+        autocast = torch.autocast(rows.device.type, enabled=False)
+    outputs = ("log_probs", "entropy") if request.compute_entropy else ("log_probs",)
+    with autocast, _gather_zero3(weight, bias):
+        logps, entropy, *_ = ChunkedLogProbFunction.apply(
+            rows,
+            weight,
+            bias,
+            completion_ids.to(weight.device)[mask],
+            request.temperature,
+            _TRL_CHUNK,
+            softcap,
+            scale,
+            outputs,
+        )
+    # masked_scatter keeps the output connected to the graph even when no position is scored
+    logps = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logps.float())
+    if entropy is not None:
+        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(
+            mask, entropy.float()
+        )
+    return logps, entropy

@@ -1,0 +1,118 @@
+"""Tiny random models, GRPO-shaped batches and the stock TRL computation, shared by the tests."""
+
+from __future__ import annotations
+
+import inspect
+import types
+from contextlib import nullcontext
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 101
+EOS = 3
+
+
+def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=torch.float32, **overrides):
+    """A random 2-layer model: Llama with tied embeddings, or Qwen2 (untied, q/k/v bias)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0, pad_token_id=0,
+        eos_token_id=EOS, bos_token_id=1,
+    )  # fmt: skip
+    common.update(overrides)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
+    else:
+        raise ValueError(arch)
+    return model.to(dtype)
+
+
+def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False):
+    """Left-padded prompts (one per entry of ``prompt_lens``), each repeated G times (or ``group_sizes[i]`` times),
+    followed by right-padded completions of random lengths in [1, C], ending with EOS where shorter than C.
+
+    Returns input_ids (B, P+C), attention_mask (B, P+C), logits_to_keep=C, and the row -> prompt index.
+    """
+    g = torch.Generator().manual_seed(seed)
+    junk = torch.Generator().manual_seed(seed + 1000)  # separate stream: junk leaves the real tokens unchanged
+    P = max(prompt_lens)
+    sizes = group_sizes or [G] * len(prompt_lens)
+    rows_ids, rows_mask, owner = [], [], []
+    for i, (plen, n) in enumerate(zip(prompt_lens, sizes)):
+        prompt = torch.randint(4, VOCAB, (plen,), generator=g)
+        for _ in range(n):
+            ids = torch.zeros(P + C, dtype=torch.long)
+            mask = torch.zeros(P + C, dtype=torch.long)
+            if junk_in_padding:
+                ids[: P - plen] = torch.randint(4, VOCAB, (P - plen,), generator=junk)
+            ids[P - plen : P] = prompt
+            mask[P - plen : P] = 1
+            clen = int(torch.randint(1, C + 1, (1,), generator=g))
+            ids[P : P + clen] = torch.randint(4, VOCAB, (clen,), generator=g)
+            if clen < C:
+                ids[P + clen - 1] = EOS
+                if junk_in_padding:
+                    ids[P + clen :] = torch.randint(4, VOCAB, (C - clen,), generator=junk)
+            mask[P : P + clen] = 1
+            rows_ids.append(ids)
+            rows_mask.append(mask)
+            owner.append(i)
+    ids, mask, owner = torch.stack(rows_ids), torch.stack(rows_mask), torch.tensor(owner)
+    if shuffle:
+        perm = torch.randperm(ids.shape[0], generator=g)
+        ids, mask, owner = ids[perm], mask[perm], owner[perm]
+    return ids, mask, C, owner
+
+
+def stock_logps(model, input_ids, attention_mask, logits_to_keep, *, temperature=1.0, compute_entropy=False,
+                batch_size=None):  # fmt: skip
+    """TRL 1.16's own ``GRPOTrainer._get_per_token_logps_and_entropies`` on ``model`` (given TRL's fused head)."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_mem.model.group_forward import unwrap_causal_lm
+
+    base = unwrap_causal_lm(model)
+    if not getattr(base, "_test_fused", False):
+        add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+        base._test_fused = True
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=temperature)
+    fn = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])  # past the profiling decorator
+    logps, ent, _ = fn(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                       compute_entropy=compute_entropy)  # fmt: skip
+    return logps, ent
+
+
+def grads_of(model, logps, entropies, seed=1):
+    """Backward of a random weighting of log-probs and entropies; returns {name: grad clone} and zeroes grads."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(logps.shape, generator=g)
+    loss = (logps * w).sum()
+    if entropies is not None:
+        loss = loss + (entropies * torch.randn(entropies.shape, generator=g)).sum()
+    loss.backward()
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_grads_close(ours: dict, ref: dict, rel=1e-4):
+    """Every parameter gradient within ``rel`` of its largest absolute value (worst parameter named on failure)."""
+    assert ours.keys() == ref.keys(), (sorted(set(ours) ^ set(ref)))
+    for name, r in ref.items():
+        scale = r.abs().max().clamp_min(1e-12)
+        err = (ours[name] - r).abs().max()
+        assert err <= rel * scale, f"{name}: max |diff| {err:.3e} > {rel} x max |grad| {scale:.3e}"
+
+
+def assert_close(ours, ref, atol, what="values"):
+    err = (ours - ref).abs()
+    idx = int(err.argmax())
+    assert err.max() <= atol, (
+        f"{what}: max |diff| {err.max():.3e} at flat index {idx}: ours {ours.flatten()[idx]:.6g} ref "
+        f"{ref.flatten()[idx]:.6g}"
+    )

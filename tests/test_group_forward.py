@@ -1,0 +1,197 @@
+"""grpo_mem.shared_prompt_logprobs against TRL 1.16's own _get_per_token_logps_and_entropies, fp32."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import (
+    VOCAB,
+    assert_close,
+    assert_grads_close,
+    grads_of,
+    make_batch,
+    stock_logps,
+    tiny_model,
+)
+
+import grpo_mem
+from grpo_mem.model.group_forward import find_groups
+
+CASES = {
+    "mixed_prompts": dict(prompt_lens=[5, 9, 7], G=3, C=6),
+    "C1": dict(prompt_lens=[4, 6], G=3, C=1),
+    "G1": dict(prompt_lens=[4, 6, 3], G=1, C=5),
+    "unequal_groups_shuffled": dict(prompt_lens=[6, 3, 8], G=0, C=7, group_sizes=[1, 4, 2], shuffle=True),
+}
+
+
+def _run_both(model, ids, mask, C, temperature, entropy=True):
+    ref, ref_e = stock_logps(model, ids, mask, C, temperature=temperature, compute_entropy=entropy)
+    ref_g = grads_of(model, ref, ref_e)
+    ours, ours_e = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, temperature=temperature,
+                                                   compute_entropy=entropy)  # fmt: skip
+    ours_g = grads_of(model, ours, ours_e)
+    return (ours, ours_e, ours_g), (ref, ref_e, ref_g)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_stock_trl(arch, checkpointing, case):
+    cfg = dict(CASES[case])
+    model = tiny_model(arch)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids, mask, C, _ = make_batch(cfg.pop("prompt_lens"), cfg.pop("G"), cfg.pop("C"), **cfg)
+    temperature = 0.7 if case != "C1" else 1.0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        (ours, ours_e, ours_g), (ref, ref_e, ref_g) = _run_both(model, ids, mask, C, temperature)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape == (ids.shape[0], C)
+    assert_close(ours, ref, 1e-5, "log-probs")
+    assert_close(ours_e, ref_e, 1e-5, "entropies")
+    assert_grads_close(ours_g, ref_g, 1e-4)
+
+
+def test_peft_lora_and_disabled_adapter():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                      init_lora_weights=False))  # fmt: skip
+    lora.train()
+    ids, mask, C, _ = make_batch([6, 4], 3, 5, shuffle=True, seed=3)
+    (ours, ours_e, ours_g), (ref, ref_e, ref_g) = _run_both(lora, ids, mask, C, 0.9)
+    assert any("lora_" in n for n in ref_g)
+    assert_close(ours, ref, 1e-5, "log-probs")
+    assert_close(ours_e, ref_e, 1e-5, "entropies")
+    assert_grads_close(ours_g, ref_g)
+    with torch.no_grad(), lora.disable_adapter():  # TRL's PEFT reference caller
+        ref, _ = stock_logps(lora, ids, mask, C, temperature=0.9)
+        ours, _ = grpo_mem.shared_prompt_logprobs(lora, ids, mask, C, temperature=0.9)
+    with torch.no_grad():
+        enabled, _ = grpo_mem.shared_prompt_logprobs(lora, ids, mask, C, temperature=0.9)
+    assert_close(ours, ref, 1e-5, "reference log-probs")
+    assert (ours - enabled).abs().max() > 1e-3  # the adapter really was off
+
+
+def test_no_grad_callers_chunked():
+    """Old log-probs / separate reference model: no grad, eval mode, batch_size chunking as TRL does it."""
+    model = tiny_model("qwen2").eval()
+    ids, mask, C, _ = make_batch([5, 8, 6, 7], 4, 6, seed=5)
+    with torch.no_grad():
+        ref, _ = stock_logps(model, ids, mask, C, batch_size=8)
+        ours = torch.cat([grpo_mem.shared_prompt_logprobs(model, ids[s : s + 8], mask[s : s + 8], C)[0]
+                          for s in range(0, ids.shape[0], 8)])  # fmt: skip
+    assert not ours.requires_grad
+    assert_close(ours, ref, 1e-5, "log-probs")
+
+
+def test_each_prompt_forwarded_once():
+    model = tiny_model("llama")
+    ids, mask, C, _ = make_batch([5, 9, 7], 4, 6, shuffle=True)
+    rows = []
+    handle = model.model.embed_tokens.register_forward_hook(lambda m, i, o: rows.append(tuple(i[0].shape)))
+    grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+    handle.remove()
+    P = ids.shape[1] - C
+    assert rows == [(3, P), (ids.shape[0], C - 1)]  # 3 unique prompts once, then the completions without their last token
+
+
+def test_gradient_reaches_prompt_and_first_completion_token():
+    model = tiny_model("llama")
+    ids, mask, C, _ = make_batch([6, 4], 3, 5)
+    emb = model.model.embed_tokens
+    seen = {}
+
+    def keep(module, args, out):
+        out.retain_grad()
+        seen[len(seen)] = out
+
+    handle = emb.register_forward_hook(keep)
+    logps, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+    handle.remove()
+    logps[:, 0].sum().backward()  # only completion token 1: predicted from the last prompt position
+    prompt_emb = seen[0]
+    assert prompt_emb.grad is not None and prompt_emb.grad[:, -1].abs().sum() > 0
+    assert prompt_emb.grad[:, :-1].abs().sum() > 0  # earlier prompt tokens, through attention
+    for name in ("k_proj", "v_proj"):
+        assert model.model.layers[0].self_attn.__getattr__(name).weight.grad.abs().sum() > 0
+
+
+def test_completions_do_not_leak_and_padding_is_inert():
+    model = tiny_model("qwen2").eval()
+    ids, mask, C, owner = make_batch([6, 4], 3, 6, seed=7)
+    with torch.no_grad():
+        base, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+        changed = ids.clone()
+        changed[1, -C:] = torch.randint(4, VOCAB, (C,))  # another completion of row 0's prompt
+        other, _ = grpo_mem.shared_prompt_logprobs(model, changed, mask, C)
+        assert torch.equal(other[0], base[0]) and torch.equal(other[2:], base[2:])
+        junk_ids, junk_mask, _, _ = make_batch([6, 4], 3, 6, seed=7, junk_in_padding=True)
+        assert torch.equal(junk_mask, mask) and not torch.equal(junk_ids, ids)
+        junk, _ = grpo_mem.shared_prompt_logprobs(model, junk_ids, junk_mask, C)
+    assert_close(junk, base, 1e-6, "log-probs with junk in padding slots")
+    assert (base[mask[:, -C:] == 0] == 0).all()
+
+
+def test_find_groups_ignores_padding_slots_and_order():
+    ids = torch.tensor([[0, 5, 6], [9, 5, 6], [0, 5, 7], [7, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [0, 1, 1], [1, 1, 1]])
+    first, inverse = find_groups(ids, mask)
+    assert first.tolist() == [0, 2, 3] and inverse.tolist() == [0, 0, 1, 2]
+
+
+def test_reentrant_checkpointing_falls_back_exactly():
+    model = tiny_model("llama")
+    model.train()
+    model.gradient_checkpointing_enable({"use_reentrant": True})
+    model.enable_input_require_grads()
+    ids, mask, C, _ = make_batch([5, 7], 3, 4)
+    with pytest.warns(UserWarning, match="reentrant"):
+        (ours, _, ours_g), (ref, _, ref_g) = _run_both(model, ids, mask, C, 1.0)
+    assert_close(ours, ref, 1e-5)
+    assert_grads_close(ours_g, ref_g)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=0.0), "temperature must be > 0, got 0.0"),
+        (dict(temperature=-1.0), "temperature must be > 0, got -1.0"),
+        (dict(logits_to_keep=0), "logits_to_keep must be in"),
+        (dict(logits_to_keep=12), "got 12"),
+        (dict(mask_cols=11), "does not match"),
+        (dict(right_pad=True), "left-padded"),
+    ],
+)
+def test_bad_inputs_raise(kwargs, match):
+    model = tiny_model("llama")
+    ids, mask, C, _ = make_batch([3, 5], 2, 4)  # width 9... shapes below adapt
+    ids, mask = ids[:, :12] if ids.shape[1] >= 12 else ids, mask
+    C = kwargs.pop("logits_to_keep", 4)
+    if kwargs.pop("mask_cols", None):
+        mask = mask[:, :-1]
+    if kwargs.pop("right_pad", False):
+        mask = mask.clone()
+        mask[0, 0], mask[0, ids.shape[1] - C - 1] = 1, 0
+    if C == 12:
+        C = ids.shape[1] + 3
+        match = f"got {C}"
+    with pytest.raises(ValueError, match=match):
+        grpo_mem.shared_prompt_logprobs(model, ids, mask, C, **kwargs)
+
+
+def test_restore_gives_the_model_back():
+    model = tiny_model("llama")
+    impl = model.config._attn_implementation
+    ids, mask, C, _ = make_batch([3, 5], 2, 4)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+        assert model.config._attn_implementation == f"grpo_mem_{impl}"
+        during = model(input_ids=ids, attention_mask=mask).logits  # pass-through is exact
+        grpo_mem.restore(model)
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == impl and "forward" not in model.__dict__
+    assert torch.equal(before, during) and torch.equal(before, after)
