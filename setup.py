@@ -24,7 +24,11 @@ if sources and not os.environ.get("GRPO_MEM_SKIP_EXT"):
             CppExtension(
                 "grpo_mem._C",
                 sources,
-                extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2"] if os.uname().machine == "x86_64"
+                # x86-64: AVX2 + FMA (x86-64-v3) with ATen's AVX2 vector types; grpo_mem/ops/_ext.py loads the
+                # extension only where torch reports AVX2 or AVX512, so an older CPU falls back to torch instead of
+                # faulting on an illegal instruction.
+                extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v3", "-DCPU_CAPABILITY=AVX2",
+                                    "-DCPU_CAPABILITY_AVX2"] if os.uname().machine == "x86_64"
                 else ["-O3", "-fopenmp"],
                 extra_link_args=["-fopenmp"],
             )

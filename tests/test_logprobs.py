@@ -1,0 +1,284 @@
+"""Accuracy of the fused selective log-softmax (grpo_mem.ops.logprobs) on every backend.
+
+Error bound after Apple's Cut Cross-Entropy tests: an fp64 ground truth computed from the same (rounded) inputs, the
+same-dtype naive result (``linear_logprobs_ref``, full logits) and the kernel result; elementwise
+``|kernel - truth| <= |naive - truth| + tol`` for log-probs, entropies, d_hidden, d_weight and d_bias (tol: fp32 1e-5,
+bf16 1e-2; for gradients times max(1, max |truth|), since d_weight entries sum over every row).
+"""
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpo_mem.ops import _ext
+from grpo_mem.ops import logprobs as lp_mod
+from grpo_mem.ops.logprobs import (
+    linear_logprobs,
+    linear_logprobs_ref,
+    selective_log_softmax,
+    selective_log_softmax_ref,
+)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+CPU_BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not _ext.HAS_EXT, reason=str(_ext.LOAD_ERROR)))]
+
+
+def assert_bound(name, kernel, naive, truth, tol):
+    """|kernel - truth| <= |naive - truth| + tol elementwise; on failure name the worst element and all three values."""
+    kernel, naive, truth = kernel.double(), naive.double(), truth.double()
+    assert kernel.shape == truth.shape, f"{name}: shape {tuple(kernel.shape)} != {tuple(truth.shape)}"
+    assert torch.isfinite(kernel).all(), f"{name}: non-finite values"
+    excess = (kernel - truth).abs() - (naive - truth).abs() - tol
+    worst = int(excess.argmax())
+    if excess.flatten()[worst] > 0:
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), kernel.shape))
+        raise AssertionError(
+            f"{name}: at {idx} kernel={kernel[idx].item():.8g} naive={naive[idx].item():.8g} "
+            f"truth={truth[idx].item():.8g} exceeds |naive-truth|+{tol} by {excess.flatten()[worst].item():.3g}"
+        )
+
+
+def make_inputs(n, h, v, dtype, *, seed=0, bias=False, logit_std=3.0, ignore_every=0, confident=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (logit_std / math.sqrt(h))
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    index = torch.randint(0, v, (n,), generator=g)
+    if confident:
+        # make the target row dominate: p_y > 0.999 for the first `confident` rows
+        hidden[:confident] = weight[index[:confident]] * (40.0 / (logit_std**2 / h * h))
+    if ignore_every:
+        index[::ignore_every] = -100
+    cast = [x if x is None else x.to(dtype) for x in (hidden, weight, b)]
+    return cast, index
+
+
+def run(fn, tensors, index, kw, g_lp, g_ent, frozen_weight=False, **extra):
+    hidden, weight, bias = [None if x is None else x.detach().clone().requires_grad_() for x in tensors]
+    if frozen_weight:
+        weight.requires_grad_(False)
+    logp, ent = fn(hidden, weight, index, bias=bias, return_entropy=True, **kw, **extra)
+    loss = (logp.double() * g_lp).sum() + (ent.double() * g_ent).sum()
+    wrt = [x for x in (hidden, weight, bias) if x is not None and x.requires_grad]
+    grads = torch.autograd.grad(loss, wrt)
+    return [logp, ent, *grads]
+
+
+CASES = {
+    "plain": dict(kw={}),
+    "temperature": dict(kw=dict(temperature=0.7)),
+    "softcap": dict(kw=dict(softcap=4.0, logit_scale=1.5)),
+    "logit_scale": dict(kw=dict(logit_scale=0.37, temperature=1.3)),
+    "bias": dict(kw=dict(temperature=0.7), bias=True),
+    "frozen_weight": dict(kw=dict(softcap=5.0), frozen=True),
+    "confident": dict(kw={}, confident=40),
+    "ignored": dict(kw=dict(temperature=0.9), ignore=5),
+}
+
+
+def check_case(backend, dtype, case, n=251, h=123, v=5003):
+    spec = CASES[case]
+    tensors, index = make_inputs(
+        n, h, v, dtype, bias=spec.get("bias", False), ignore_every=spec.get("ignore", 0),
+        confident=spec.get("confident", 0),
+    )
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_ent = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    frozen = spec.get("frozen", False)
+    truth = run(linear_logprobs_ref, [None if x is None else x.double() for x in tensors], index, spec["kw"], g_lp,
+                g_ent, frozen)
+    naive = run(linear_logprobs_ref, tensors, index, spec["kw"], g_lp, g_ent, frozen)
+    kernel = run(linear_logprobs, tensors, index, spec["kw"], g_lp, g_ent, frozen, backend=backend)
+    names = ["logp", "entropy", "d_hidden"] + ([] if frozen else ["d_weight"]) + (["d_bias"] if spec.get("bias") else [])
+    assert len(kernel) == len(names)
+    assert kernel[0].dtype == torch.float32 and kernel[1].dtype == torch.float32
+    for name, k, nv, t, x in zip(names, kernel, naive, truth, [None, None, *tensors]):
+        if x is not None:
+            assert k.dtype == x.dtype, f"{name} dtype {k.dtype} != input dtype {x.dtype}"
+        # gradients: tol relative to the gradient's scale (d_weight entries sum over all rows and reach ~10)
+        tol = TOL[dtype] * (1.0 if name in ("logp", "entropy") else max(1.0, t.abs().max().item()))
+        assert_bound(f"{backend}/{dtype}/{case}/{name}", k, nv, t, tol)
+    if spec.get("confident"):
+        p_y = truth[0][: spec["confident"]].exp()
+        assert (p_y > 0.999).all(), f"confident rows not confident: min p_y {p_y.min().item()}"
+    if spec.get("ignore"):
+        ign = index == -100
+        assert (kernel[0][ign] == 0).all() and (kernel[1][ign] == 0).all()
+        assert (kernel[2][ign] == 0).all(), "ignored rows must get no hidden gradient"
+    return kernel
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_linear_logprobs_accuracy(backend, dtype, case):
+    check_case(backend, dtype, case)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_crosses_every_block_boundary(backend, monkeypatch):
+    # torch backend: shrink its tiles so 251 x 5003 spans 4 x 6 unaligned tiles; cpp: N > its BLOCK_N (2048)
+    if backend == "torch":
+        monkeypatch.setattr(lp_mod, "TORCH_BLOCK_N", 64)
+        monkeypatch.setattr(lp_mod, "TORCH_BLOCK_V", 1000)
+        check_case(backend, torch.float32, "bias")
+    else:
+        assert _ext.C.BLOCK_N < 2100 and 1100 % _ext.C.BLOCK_V != 0
+        check_case(backend, torch.float32, "softcap", n=2100, h=17, v=_ext.C.BLOCK_V + 77)
+
+
+def test_fp16_inputs():
+    check_case("torch", torch.float16, "temperature", n=64, h=40, v=777)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_matches_trl_chunked_logprob(backend):
+    """Parity with the thing replaced: TRL 1.16's ChunkedLogProbFunction (fp32, bias, scale, softcap, temperature)."""
+    trl_kernels = pytest.importorskip("trl.kernels.chunked_logprob")
+    (hidden, weight, bias), index = make_inputs(300, 64, 3001, torch.float32, bias=True, seed=3)
+    kw = dict(temperature=0.7, logit_scale=1.2, softcap=6.0)
+    outs = []
+    for impl in ("ours", "trl"):
+        hh, ww, bb = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+        if impl == "ours":
+            logp, ent = linear_logprobs(hh, ww, index, bias=bb, return_entropy=True, backend=backend, **kw)
+        else:
+            logp, ent, *_ = trl_kernels.ChunkedLogProbFunction.apply(
+                hh, ww, bb, index, kw["temperature"], 1024, kw["softcap"], kw["logit_scale"], ("entropy",)
+            )
+        (logp.sum() - 0.5 * ent.sum()).backward()
+        outs.append([logp, ent, hh.grad, ww.grad, bb.grad])
+    for name, a, b in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], *outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_selective_log_softmax_accuracy(backend, dtype):
+    g = torch.Generator().manual_seed(0)
+    logits64 = (torch.randn(3, 37, 1501, generator=g, dtype=torch.float64) * 4).to(dtype).double()
+    index = torch.randint(0, 1501, (3, 37), generator=g)
+    gl, ge = torch.randn(3, 37, generator=g, dtype=torch.float64), torch.randn(3, 37, generator=g, dtype=torch.float64)
+
+    def go(fn, x, **extra):
+        x = x.clone().requires_grad_()
+        logp, ent = fn(x, index, temperature=0.7, return_entropy=True, **extra)
+        (dx,) = torch.autograd.grad((logp.double() * gl).sum() + (ent.double() * ge).sum(), x)
+        return logp, ent, dx
+
+    truth = go(selective_log_softmax_ref, logits64)
+    naive = go(selective_log_softmax_ref, logits64.to(dtype))
+    kernel = go(selective_log_softmax, logits64.to(dtype), backend=backend)
+    assert kernel[0].shape == (3, 37) and kernel[0].dtype == torch.float32 and kernel[2].dtype == dtype
+    for name, k, nv, t in zip(["logp", "entropy", "d_logits"], kernel, naive, truth):
+        assert_bound(f"{backend}/{dtype}/{name}", k, nv, t, TOL[dtype])
+    # and against TRL's own selective_log_softmax (fp32 path)
+    if dtype == torch.float32:
+        from trl.trainer.utils import selective_log_softmax as trl_sls
+
+        torch.testing.assert_close(kernel[0], trl_sls(logits64.float() / 0.7, index), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_single_output_gradients_and_no_grad(backend):
+    (hidden, weight, _), index = make_inputs(97, 33, 1201, torch.float32, ignore_every=4)
+    for which in ("logp", "entropy"):
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        out = linear_logprobs(hh, ww, index, return_entropy=True, backend=backend)
+        ref = linear_logprobs_ref(h2, w2, index, return_entropy=True)
+        k = 0 if which == "logp" else 1
+        out[k].sum().backward()
+        ref[k].sum().backward()
+        torch.testing.assert_close(hh.grad.double(), h2.grad, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ww.grad.double(), w2.grad, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        logp = linear_logprobs(hidden.requires_grad_(), weight, index, backend=backend)
+    assert not logp.requires_grad and logp.shape == (97,) and logp.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), linear_logprobs_ref(hidden.double(), weight.double(), index), atol=1e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_deterministic(backend):
+    (hidden, weight, bias), index = make_inputs(300, 40, 2500, torch.bfloat16, bias=True)
+    grads = []
+    for _ in range(2):
+        hh, ww, bb = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+        logp, ent = linear_logprobs(hh, ww, index, bias=bb, return_entropy=True, backend=backend)
+        (logp.sum() + ent.sum()).backward()
+        grads.append((logp, ent, hh.grad, ww.grad, bb.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_mixed_dtypes_follow_inputs():
+    (hidden, weight, _), index = make_inputs(50, 24, 300, torch.float32)
+    hh, ww = hidden.clone().requires_grad_(), weight.bfloat16().requires_grad_()
+    logp = linear_logprobs(hh, ww, index, backend="torch")
+    logp.sum().backward()
+    assert hh.grad.dtype == torch.float32 and ww.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logp, linear_logprobs_ref(hidden, ww.detach().float(), index), atol=1e-5, rtol=0)
+
+
+def test_auto_without_extension(monkeypatch):
+    """Graceful absence: with HAS_EXT False, auto uses torch and an explicit "cpp" raises."""
+    monkeypatch.setattr(_ext, "HAS_EXT", False)
+    assert lp_mod._resolve_backend("auto", torch.device("cpu")) == "torch"
+    (hidden, weight, _), index = make_inputs(20, 8, 50, torch.float32)
+    torch.testing.assert_close(
+        linear_logprobs(hidden, weight, index), linear_logprobs_ref(hidden, weight, index), atol=1e-6, rtol=0
+    )
+    with pytest.raises(RuntimeError, match="extension is not loaded"):
+        linear_logprobs(hidden, weight, index, backend="cpp")
+
+
+def test_import_with_extension_skipped():
+    """A process that skips the extension imports grpo_mem.ops, reports HAS_EXT False and computes with torch."""
+    code = (
+        "import torch, grpo_mem.ops as ops\n"
+        "from grpo_mem.ops import logprobs as m\n"
+        "assert ops.HAS_EXT is False, ops.HAS_EXT\n"
+        "assert m._resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
+        "h, w, y = torch.randn(5, 4), torch.randn(9, 4), torch.tensor([0, 8, 3, -100, 2])\n"
+        "print(float((ops.linear_logprobs(h, w, y) - m.linear_logprobs_ref(h, w, y)).abs().max()))\n"
+    )
+    env = dict(os.environ, GRPO_MEM_SKIP_EXT="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert float(res.stdout.strip()) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda h, w, y: linear_logprobs(h, w, y, temperature=0.0), ValueError, "temperature"),
+        (lambda h, w, y: linear_logprobs(h, w, y, temperature="1"), TypeError, "temperature"),
+        (lambda h, w, y: linear_logprobs(h, w, y, softcap=-1.0), ValueError, "softcap"),
+        (lambda h, w, y: linear_logprobs(h, w, y, logit_scale=float("nan")), ValueError, "logit_scale"),
+        (lambda h, w, y: linear_logprobs(h, w, y, backend="cuda"), ValueError, "backend"),
+        (lambda h, w, y: linear_logprobs(h, w[:, :3], y), ValueError, "weight"),
+        (lambda h, w, y: linear_logprobs(h[0], w, y), ValueError, "hidden"),
+        (lambda h, w, y: linear_logprobs(h, w, y[:3]), ValueError, "index"),
+        (lambda h, w, y: linear_logprobs(h, w, y.float()), TypeError, "index"),
+        (lambda h, w, y: linear_logprobs(h.long(), w, y), TypeError, "hidden"),
+        (lambda h, w, y: linear_logprobs(h, w, torch.full_like(y, 9)), ValueError, r"index\[0\] = 9"),
+        (lambda h, w, y: linear_logprobs(h, w, y, bias=torch.zeros(4)), ValueError, "bias"),
+        (lambda h, w, y: linear_logprobs(h, w, y, ignore_index=None), TypeError, "ignore_index"),
+        (lambda h, w, y: selective_log_softmax(h, y[:2]), ValueError, "index"),
+        (lambda h, w, y: selective_log_softmax(h, torch.full_like(y, -1)), ValueError, "outside"),
+        (lambda h, w, y: selective_log_softmax(h, y, temperature=-2.0), ValueError, "temperature"),
+        (lambda h, w, y: linear_logprobs(h, w, y, backend="triton"), RuntimeError, "triton"),
+    ],
+)
+def test_bad_inputs(call, exc, match, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h, w, y = torch.randn(5, 4), torch.randn(9, 4), torch.tensor([0, 8, 3, 1, 2])
+    with pytest.raises(exc, match=match):
+        call(h, w, y)
