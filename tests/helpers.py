@@ -116,3 +116,55 @@ def assert_close(ours, ref, atol, what="values"):
         f"{what}: max |diff| {err.max():.3e} at flat index {idx}: ours {ours.flatten()[idx]:.6g} ref "
         f"{ref.flatten()[idx]:.6g}"
     )
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer of VOCAB ids built in memory (no hub): ids 0-3 are pad/bos/unk/eos."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.ascii_letters + string.digits + " .,:;!?+-*/=()'\"\n")[: VOCAB - 4]
+    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "</s>": EOS, **{c: i + 4 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", unk_token="<unk>", eos_token="</s>",
+        padding_side="left",
+    )  # fmt: skip
+
+
+PROMPTS = ["1+2=", "What is 7-3?", "Say hi", "Count: 1 2 3", "Add 4 and 5:", "x", "Spell cat", "9*9="]
+
+
+def length_reward(completions, **kwargs):
+    """A deterministic reward with spread within a group: closeness of the completion length to 5 characters."""
+    return [-abs(len(c) - 5) / 5.0 for c in completions]
+
+
+def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, output_dir, **args):
+    """A tiny GRPOTrainer/RLOOTrainer on CPU: random Llama, character tokenizer, 8 string prompts."""
+    from datasets import Dataset
+    from transformers import set_seed
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    import grpo_mem
+
+    set_seed(seed)
+    model = tiny_model("llama", seed=seed)
+    config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
+    defaults = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        max_steps=2, learning_rate=1e-2, logging_steps=1, report_to="none", use_cpu=True, seed=seed,
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, bf16=False,
+    )  # fmt: skip
+    defaults.update(args)
+    model_dir = f"{output_dir}/model"  # a path, so that TRL can load a separate reference model when beta > 0
+    model.save_pretrained(model_dir)
+    trainer = trainer_cls(
+        model=model_dir, reward_funcs=length_reward, args=config_cls(**defaults),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=char_tokenizer(),
+    )  # fmt: skip
+    handle = grpo_mem.patch_trl(trainer, group_shuffle=group_shuffle) if patch else None
+    return trainer, handle

@@ -65,18 +65,23 @@ def _make_hook(inner: str):
         if isinstance(ctx, PromptCapture):
             ctx.kv.setdefault(layer, (key, value))
             return inner_fn(module, query, key, value, attention_mask, **kwargs)
-        prefix_k, prefix_v = ctx.kv[layer]
-        out = shared_prefix_attention(
-            query,
-            key,
-            value,
-            prefix_k,
-            prefix_v,
-            ctx.prefix_index,
-            ctx.prefix_mask,
-            ctx.key_mask,
-            scale=kwargs.get("scaling") if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5,
-        )
+        tensors = (query, key, value, *ctx.kv[layer])
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            # autocast runs SDPA in its lower-precision dtype; do the same, then keep the op's own accumulation
+            dtype = torch.get_autocast_dtype(device)
+            tensors = tuple(t.to(dtype) for t in tensors)
+        elif len({t.dtype for t in tensors}) > 1:
+            raise TypeError(f"query/key/value dtypes differ outside autocast: {sorted({str(t.dtype) for t in tensors})}")
+        scaling = kwargs.get("scaling")
+        with torch.autocast(device, enabled=False):
+            out = shared_prefix_attention(
+                *tensors,
+                ctx.prefix_index,
+                ctx.prefix_mask,
+                ctx.key_mask,
+                scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            )
         return out.transpose(1, 2).contiguous(), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"

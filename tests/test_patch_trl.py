@@ -1,0 +1,197 @@
+"""patch_trl against stock TRL 1.16: losses, gradients, whole training runs, shuffling, and the patch mechanics."""
+
+import inspect
+import warnings
+
+import pytest
+import torch
+from helpers import assert_close, assert_grads_close, make_trainer
+from transformers import TrainerCallback
+
+import grpo_mem
+from grpo_mem.patches.trl import LOGPS_METHOD, PREPARE_METHOD, group_shuffle
+
+
+def _generation_batch(trainer, seed=0):
+    torch.manual_seed(seed)
+    trainer.model.train()
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by Trainer.train
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_compute_loss_matches_stock(tmp_path, loss_type, beta):
+    trainer, _ = make_trainer(output_dir=tmp_path, loss_type=loss_type, beta=beta, per_device_train_batch_size=8,
+                              steps_per_generation=1, num_iterations=2)  # fmt: skip
+    inputs = trainer._prepare_inputs(_generation_batch(trainer))  # stock inputs: old and reference log-probs
+    assert inputs["old_per_token_logps"] is not None and (beta == 0) == (inputs.get("ref_per_token_logps") is None)
+    stock_loss, stock_grads = _loss_and_grads(trainer, inputs)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    C = inputs["completion_ids"].shape[1]
+    with torch.no_grad():  # the no-grad callers: old log-probs (policy) and the separate reference model
+        stock_old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C, batch_size=4)
+        stock_ref = (trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C, batch_size=4)[0]
+                     if beta else None)  # fmt: skip
+    with grpo_mem.patch_trl(trainer), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        loss, grads = _loss_and_grads(trainer, inputs)
+        with torch.no_grad():
+            old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C, batch_size=4)
+            if beta:
+                ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C, batch_size=4)
+                assert_close(ref, stock_ref, 1e-5, "reference log-probs")
+    assert_close(loss, stock_loss, 1e-6, "loss")
+    assert_close(old, stock_old, 1e-5, "old log-probs")
+    assert_grads_close(grads, stock_grads)
+
+
+class _Record(TrainerCallback):
+    def __init__(self):
+        self.grads, self.lrs = [], []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def _train(tmp_path, kind, patch, group_shuffle=False, **args):
+    trainer, handle = make_trainer(kind, patch=patch, group_shuffle=group_shuffle, output_dir=tmp_path, **args)
+    record = _Record()
+    trainer.add_callback(record)
+    try:
+        trainer.train()
+    finally:
+        if handle is not None:
+            handle.revert()
+    return trainer, record
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_two_step_training_matches_stock(tmp_path, kind):
+    args = dict(max_steps=2, gradient_accumulation_steps=2, num_iterations=2, lr_scheduler_type="cosine",
+                warmup_steps=1, beta=0.04, optim="sgd")  # fmt: skip
+    # SGD: weights differ by lr x gradient difference; Adam's first step is ~lr x sign(grad), which turns rounding
+    # noise in near-zero gradient entries into lr-sized weight differences. Gradients are compared at every step.
+    stock, stock_rec = _train(tmp_path / "stock", kind, patch=False, **args)
+    ours, ours_rec = _train(tmp_path / "ours", kind, patch=True, **args)
+    assert ours.state.global_step == stock.state.global_step == 2
+    assert ours_rec.lrs == stock_rec.lrs and len(ours_rec.lrs) == 2
+    assert [h.get("epoch") for h in ours.state.log_history] == [h.get("epoch") for h in stock.state.log_history]
+    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+        assert_grads_close(g_ours, g_stock, 1e-4)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in ours.model.named_parameters():
+        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
+def test_group_shuffle_keeps_rows_and_step_gradient(tmp_path, loss_type):
+    """Whole groups per micro-batch; the optimizer step's gradient equals stock's row-shuffled one."""
+    args = dict(max_steps=1, gradient_accumulation_steps=2, loss_type=loss_type)
+    seen = []
+    stock, stock_rec = _train(tmp_path / "stock", "grpo", patch=False, **args)
+    ours, ours_rec = _train(tmp_path / "ours", "grpo", patch=True, group_shuffle=True, **args)
+    for batch in ours._buffered_inputs:
+        seen.append(batch)
+        prompts = batch["prompt_ids"].masked_fill(batch["prompt_mask"] == 0, -1)
+        assert (prompts == prompts[0]).all(), "a micro-batch of 4 = G rows must hold one whole group"
+    rows = lambda bs: sorted(  # noqa: E731
+        torch.cat([b["prompt_ids"], b["completion_ids"]], 1)[i].tolist() for b in bs for i in range(len(b["prompt_ids"]))
+    )
+    assert rows(seen) == rows(stock._buffered_inputs)
+    assert_grads_close(ours_rec.grads[0], stock_rec.grads[0], 1e-4)
+
+
+def test_group_shuffle_splits_only_when_needed():
+    torch.manual_seed(0)
+    ids = torch.tensor([[1, 2]] * 3 + [[3, 4]] * 3 + [[5, 6]] * 3)
+    batch = {"prompt_ids": ids, "prompt_mask": torch.ones_like(ids), "text": list(range(9)), "n": torch.tensor(9)}
+    out = group_shuffle(batch, 3)
+    assert sorted(out["text"]) == list(range(9)) and out["n"] is batch["n"]
+    assert torch.equal(out["prompt_ids"], ids[torch.tensor(out["text"])])
+    for start in range(0, 9, 3):  # each micro-batch of 3 holds one whole group
+        assert len({tuple(r) for r in out["prompt_ids"][start : start + 3].tolist()}) == 1
+
+
+def test_patch_is_idempotent_and_reverts_exactly():
+    from trl import GRPOTrainer, RLOOTrainer
+
+    before = {c: {n: c.__dict__[n] for n in (LOGPS_METHOD, PREPARE_METHOD)} for c in (GRPOTrainer, RLOOTrainer)}
+    handle = grpo_mem.patch_trl()
+    assert grpo_mem.patch_trl() is handle and handle.active
+    for cls in (GRPOTrainer, RLOOTrainer):
+        assert cls.__dict__[LOGPS_METHOD] is not before[cls][LOGPS_METHOD]
+    handle.revert()
+    handle.revert()
+    for cls in (GRPOTrainer, RLOOTrainer):
+        for name, fn in before[cls].items():
+            assert cls.__dict__[name] is fn
+    with grpo_mem.patch_trl(GRPOTrainer) as h:
+        assert h.active and GRPOTrainer.__dict__[LOGPS_METHOD] is not before[GRPOTrainer][LOGPS_METHOD]
+    assert GRPOTrainer.__dict__[LOGPS_METHOD] is before[GRPOTrainer][LOGPS_METHOD]
+
+
+def test_instance_patch_touches_only_the_instance(tmp_path):
+    from trl import GRPOTrainer
+
+    trainer, handle = make_trainer(patch=True, output_dir=tmp_path)
+    assert LOGPS_METHOD in trainer.__dict__ and "__grpo_mem_patch__" not in dir(GRPOTrainer.__dict__[LOGPS_METHOD])
+    handle.revert()
+    assert LOGPS_METHOD not in trainer.__dict__ and PREPARE_METHOD not in trainer.__dict__
+    assert "forward" not in trainer.model.__dict__ or not hasattr(trainer.model, "_grpo_mem_previous_forward")
+
+
+def test_wrong_trl_version_is_refused(monkeypatch):
+    import trl
+    from trl import GRPOTrainer
+
+    original = GRPOTrainer.__dict__[LOGPS_METHOD]
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.raises(RuntimeError, match=r"TRL 1\.16\.x only .* found trl 1\.17\.0"):
+        grpo_mem.patch_trl()
+    assert GRPOTrainer.__dict__[LOGPS_METHOD] is original
+
+
+def test_changed_signature_is_refused():
+    from trl import GRPOTrainer
+
+    class Changed(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, extra=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="grpo_mem was written against"):
+        grpo_mem.patch_trl(Changed)
+    assert "_prepare_inputs" not in Changed.__dict__
+    assert inspect.signature(Changed._get_per_token_logps_and_entropies).parameters.get("extra") is not None
+
+
+def test_micro_batch_without_repeated_prompt_falls_back_once(tmp_path):
+    trainer, handle = make_trainer(patch=False, output_dir=tmp_path, per_device_train_batch_size=4)
+    inputs = trainer._prepare_inputs(_generation_batch(trainer))
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    ids[:, 0], mask[:, 0] = torch.arange(4, 8), 1  # four different prompts
+    C = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        with grpo_mem.patch_trl(trainer):
+            from grpo_mem.model import group_forward
+
+            group_forward._warned.discard("a micro-batch holds no repeated prompt")
+            with pytest.warns(UserWarning, match="no repeated prompt") as record:
+                ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+                trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    assert sum("no repeated prompt" in str(w.message) for w in record) == 1
+    assert torch.equal(ours, stock)
