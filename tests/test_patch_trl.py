@@ -195,3 +195,30 @@ def test_micro_batch_without_repeated_prompt_falls_back_once(tmp_path):
                 trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
     assert sum("no repeated prompt" in str(w.message) for w in record) == 1
     assert torch.equal(ours, stock)
+
+
+@pytest.mark.parametrize("per_device", [1, 2, 4])
+def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_device):
+    """G=8 completions over 8/per_device micro-batches of one optimizer step: one prompt pass with gradients, and
+    the step's gradient equals stock TRL's (whose micro-batches each forward the full sequences)."""
+    args = dict(max_steps=1, num_generations=8, per_device_train_batch_size=per_device,
+                gradient_accumulation_steps=8 // per_device, loss_type="dapo", beta=0.04)  # fmt: skip
+    stock, stock_rec = _train(tmp_path / "stock", "grpo", patch=False, **args)
+
+    trainer, handle = make_trainer("grpo", patch=True, output_dir=tmp_path / "ours", **args)
+    record, widths = _Record(), []
+    trainer.add_callback(record)
+    embed = trainer.model.get_input_embeddings()
+    hook = embed.register_forward_hook(
+        lambda m, i, o: widths.append(i[0].shape) if torch.is_grad_enabled() and m.training else None
+    )
+    try:
+        trainer.train()
+    finally:
+        hook.remove()
+        handle.revert()
+    P = trainer._buffered_inputs[0]["prompt_ids"].shape[1]
+    prompt_passes = [w for w in widths if w[1] == P]
+    assert prompt_passes == [torch.Size([1, P])], widths
+    assert len(trainer.__dict__["_grpo_mem_store"]) == 0  # nothing left pending after the window
+    assert_grads_close(record.grads[0], stock_rec.grads[0], 1e-4)

@@ -145,14 +145,120 @@ def unsupported_reason(causal_lm, seq_len: int) -> str | None:
     return None
 
 
+def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[bytes]:
+    """One hashable key per row: equal keys exactly when ``find_groups`` would group the rows together."""
+    key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
+    return [row.tobytes() for row in key.to(torch.int64).cpu().numpy()]
+
+
+@dataclass
+class PromptStates:
+    """What completions need of a prompt pass: per-layer post-RoPE K/V (n, kv_heads, P, head_dim) and the last prompt
+    position's final hidden state (n, H), which predicts completion token 1."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    last_hidden: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self.kv for t in pair] + [self.last_hidden]
+
+    @classmethod
+    def from_tensors(cls, tensors) -> PromptStates:
+        tensors = list(tensors)
+        return cls(kv=list(zip(tensors[:-1:2], tensors[1:-1:2])), last_hidden=tensors[-1])
+
+    @classmethod
+    def cat(cls, parts: list[PromptStates]) -> PromptStates:
+        if len(parts) == 1:
+            return parts[0]
+        return cls.from_tensors(torch.cat(ts, 0) for ts in zip(*(p.tensors() for p in parts)))
+
+
+class _AddStoredGrad(torch.autograd.Function):
+    """Identity on the prompt states; backward adds the gradient earlier micro-batches left on their detached leaves,
+    so the prompt graph is traversed once, with the whole group's gradient."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        ctx.leaves = tensors[n:]
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = [g if leaf.grad is None else (leaf.grad if g is None else g + leaf.grad) for g, leaf in zip(grads, ctx.leaves)]
+        return (None, *out, *([None] * len(ctx.leaves)))
+
+
+class _FlushStored(torch.autograd.Function):
+    """Identity on ``anchor`` (an output of the window's last micro-batch); backward also sends each pending prompt's
+    stored gradient into its graph, inside that micro-batch's backward call (where DDP synchronises gradients)."""
+
+    @staticmethod
+    def forward(ctx, anchor, n, *tensors):
+        ctx.leaves = tensors[n:]
+        return anchor.view_as(anchor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None, *(leaf.grad for leaf in ctx.leaves), *([None] * len(ctx.leaves)))
+
+
+class PromptStore:
+    """Prompt passes kept across the micro-batches of one optimizer step (gradient-accumulation window).
+
+    A group whose completions are spread over several micro-batches has its prompt forwarded once, in the first of
+    them. Until its last micro-batch, completions attend to detached copies (leaves) of the prompt states, whose
+    ``.grad`` sums each micro-batch's contribution; the last one attends to the real states and its backward adds the
+    stored sum, so the prompt graph is backpropagated once, inside that micro-batch's backward call. Whatever is still
+    pending when the window ends is sent into its graph by ``flush_into`` on the window's last output. Parameters
+    must not change within a window (they do not between optimizer steps), which keeps this exact.
+    """
+
+    def __init__(self):
+        self.entries: dict[bytes, tuple[PromptStates, PromptStates]] = {}  # key -> (real, leaves)
+
+    def __len__(self):
+        return len(self.entries)
+
+    def keep(self, key: bytes, real: PromptStates) -> PromptStates:
+        leaves = PromptStates.from_tensors(t.detach().requires_grad_(t.requires_grad) for t in real.tensors())
+        self.entries[key] = (real, leaves)
+        return leaves
+
+    def take(self, key: bytes, *, last: bool) -> PromptStates:
+        real, leaves = self.entries[key]
+        if not last:
+            return leaves
+        del self.entries[key]
+        tensors = real.tensors()
+        return PromptStates.from_tensors(_AddStoredGrad.apply(len(tensors), *tensors, *leaves.tensors()))
+
+    def flush_into(self, anchor: torch.Tensor) -> torch.Tensor:
+        """Return ``anchor`` unchanged in value, carrying every pending prompt's stored gradient in its backward."""
+        reals, leaves = [], []
+        for real, leaf in self.entries.values():
+            reals += real.tensors()
+            leaves += leaf.tensors()
+        self.entries.clear()
+        if not reals:
+            return anchor
+        return _FlushStored.apply(anchor, len(reals), *reals, *leaves)
+
+
 @dataclass
 class GroupRequest:
-    """Non-tensor options of one prompt-once call, passed to the model forward as the ``grpo_mem`` kwarg."""
+    """Non-tensor options of one prompt-once call, passed to the model forward as the ``grpo_mem`` kwarg.
+
+    ``store``/``later``: in a training micro-batch, the gradient-accumulation window's ``PromptStore`` and the keys
+    (``prompt_keys``) of prompts that a later micro-batch of the same window will use again.
+    """
 
     logits_to_keep: int
     temperature: float = 1.0
     compute_entropy: bool = False
     cast_lm_head_to_fp32: bool = False
+    store: PromptStore | None = None
+    later: frozenset = frozenset()
 
 
 @dataclass
@@ -161,6 +267,36 @@ class GroupLogprobsOutput(ModelOutput):
 
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+
+
+def _prompt_pass(backbone, prompt_ids, prompt_mask) -> PromptStates:
+    capture = attn_hook.PromptCapture()
+    out = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=False, grpo_mem_ctx=capture)
+    return PromptStates(kv=[capture.kv[i] for i in sorted(capture.kv)], last_hidden=out.last_hidden_state[:, -1])
+
+
+def _prompt_states(backbone, prompt_ids, prompt_mask, first, request: GroupRequest) -> PromptStates:
+    """States of the unique prompts (rows ``first``), from the window's store where it has them."""
+    store = request.store
+    if store is None:
+        return _prompt_pass(backbone, prompt_ids[first], prompt_mask[first])
+    keys = prompt_keys(prompt_ids[first], prompt_mask[first])
+    parts: list[PromptStates | None] = [None] * len(keys)
+    fresh = [u for u, key in enumerate(keys) if key not in store.entries and key not in request.later]
+    if fresh:  # used by this micro-batch only: one batched pass, backpropagated by this micro-batch
+        rows = first[fresh]
+        states = _prompt_pass(backbone, prompt_ids[rows], prompt_mask[rows])
+        for i, u in enumerate(fresh):
+            parts[u] = PromptStates.from_tensors(t[i : i + 1] for t in states.tensors())
+    for u, key in enumerate(keys):
+        if parts[u] is not None:
+            continue
+        if key in store.entries:
+            parts[u] = store.take(key, last=key not in request.later)
+        else:  # first of several micro-batches: its own pass, since its graph is backpropagated at another time
+            row = first[u : u + 1]
+            parts[u] = store.keep(key, _prompt_pass(backbone, prompt_ids[row], prompt_mask[row]))
+    return PromptStates.cat(parts)
 
 
 def prompt_once_logprobs(causal_lm, input_ids, attention_mask, request: GroupRequest):
@@ -174,17 +310,13 @@ def prompt_once_logprobs(causal_lm, input_ids, attention_mask, request: GroupReq
     attn_hook.take_over(causal_lm)
     _taken_over.add(causal_lm)
 
-    capture = attn_hook.PromptCapture()
-    unique_mask = prompt_mask[first]
-    prompt_out = backbone(
-        input_ids=prompt_ids[first], attention_mask=unique_mask, use_cache=False, grpo_mem_ctx=capture
-    )
-    hidden = [prompt_out.last_hidden_state[:, -1].index_select(0, inverse).unsqueeze(1)]
+    states = _prompt_states(backbone, prompt_ids, prompt_mask, first, request)
+    hidden = [states.last_hidden.index_select(0, inverse).unsqueeze(1)]
     if C > 1:
         ctx = attn_hook.CompletionContext(
-            kv=capture.kv,
+            kv=dict(enumerate(states.kv)),
             prefix_index=inverse,
-            prefix_mask=unique_mask.bool(),
+            prefix_mask=prompt_mask[first].bool(),
             key_mask=completion_mask[:, :-1].bool(),
         )
         positions = torch.arange(P, P + C - 1, device=input_ids.device).unsqueeze(0)
@@ -272,6 +404,8 @@ def shared_prompt_logprobs(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     cast_lm_head_to_fp32: bool = False,
+    _store: PromptStore | None = None,
+    _later: frozenset | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
 
@@ -294,6 +428,8 @@ def shared_prompt_logprobs(
         temperature: > 0, the logits are divided by it (after logit scale and final softcap, as TRL does).
         compute_entropy: also return the entropy of each next-token distribution.
         cast_lm_head_to_fp32: run the LM head in fp32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
+        _store, _later: used by the TRL patch to share prompt passes across the micro-batches of one
+            gradient-accumulation window (``PromptStore``); leave them unset.
 
     Returns:
         log_probs: (B, C) fp32, zero where the completion mask is 0.
@@ -305,7 +441,10 @@ def shared_prompt_logprobs(
     """
     validate_inputs(input_ids, attention_mask, logits_to_keep, temperature)
     install_forward(unwrap_causal_lm(model))
-    request = GroupRequest(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
+    request = GroupRequest(
+        logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32), _store,
+        frozenset(_later or ()),
+    )  # fmt: skip
     out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=request)
     return out.log_probs, out.entropy
 

@@ -23,7 +23,9 @@ import types
 import torch
 
 from ..model.group_forward import (
+    PromptStore,
     find_groups,
+    prompt_keys,
     restore_all,
     shared_prompt_logprobs,
     unsupported_reason,
@@ -131,13 +133,22 @@ def _make_logps(original):
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extras,
             )  # fmt: skip
 
+        # A training micro-batch (gradients on) shares prompt passes with the other micro-batches of its
+        # gradient-accumulation window, as planned by the patched _prepare_inputs for exactly these rows.
+        plan = self.__dict__.pop("_grpo_mem_plan", None)
+        store = later = None
+        if plan is not None and torch.is_grad_enabled() and model.training and plan["rows"] == input_ids.shape[0]:
+            store, later, final = plan["store"], plan["later"], plan["final"]
         batch_size = batch_size or input_ids.size(0)
         all_logps, all_entropies = [], []
         P = input_ids.shape[1] - logits_to_keep
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             first, _ = find_groups(ids[:, :P], mask[:, :P])
-            if first.numel() == ids.shape[0]:
+            shared = store is not None and any(
+                k in later or k in store.entries for k in prompt_keys(ids[first, :P], mask[first, :P])
+            )
+            if first.numel() == ids.shape[0] and not shared:
                 warn_fallback("a micro-batch holds no repeated prompt")
                 logps, entropies, _ = stock(ids, mask)
             else:
@@ -146,16 +157,44 @@ def _make_logps(original):
                         model, ids, mask, logits_to_keep, temperature=self.temperature,
                         compute_entropy=compute_entropy,
                         cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+                        _store=store, _later=later,
                     )  # fmt: skip
             all_logps.append(logps)
             all_entropies.append(entropies)
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        if store is not None and final:
+            logps = store.flush_into(logps)
         return logps, entropies, None
 
     _get_per_token_logps_and_entropies.__wrapped_original__ = original
     setattr(_get_per_token_logps_and_entropies, _MARK, True)
     return _get_per_token_logps_and_entropies
+
+
+def _window_plan(trainer, inputs) -> dict:
+    """How the micro-batch about to be trained shares prompt passes within its gradient-accumulation window.
+
+    ``later``: prompts that a later micro-batch of the same generation buffer holds, when this micro-batch does not
+    close the window (``accelerator.sync_gradients`` is False: the Trainer sets it before each micro-batch, True on
+    the window's last). ``final``: close the window, resolving every pending prompt in this micro-batch's backward.
+    """
+    store = trainer.__dict__.setdefault("_grpo_mem_store", PromptStore())
+    final = bool(trainer.accelerator.sync_gradients)
+    later: set = set()
+    buffered = getattr(trainer, "_buffered_inputs", None)
+    spg = trainer.args.steps_per_generation
+    if not final and buffered:
+        index = trainer._step % spg
+        generate_every = spg * trainer.num_iterations
+        step = trainer._step + 1
+        # micro-batches still to come from this buffer (regeneration starts a new one)
+        while step % spg > index and step % generate_every != 0:
+            batch = buffered[step % spg]
+            P = batch["prompt_ids"].shape[1]
+            later.update(prompt_keys(batch["prompt_ids"], batch["prompt_mask"][:, :P]))
+            step += 1
+    return {"store": store, "later": frozenset(later), "final": final, "rows": inputs["prompt_ids"].shape[0]}
 
 
 def _make_prepare(original):
@@ -167,9 +206,12 @@ def _make_prepare(original):
         stock_shuffle = module.shuffle_sequence_dict
         module.shuffle_sequence_dict = lambda seq_dict: group_shuffle(seq_dict, batch_size)
         try:
-            return original(self, generation_batch)
+            inputs = original(self, generation_batch)
         finally:
             module.shuffle_sequence_dict = stock_shuffle
+        if self.model.training:
+            self.__dict__["_grpo_mem_plan"] = _window_plan(self, inputs)
+        return inputs
 
     _prepare_inputs.__wrapped_original__ = original
     setattr(_prepare_inputs, _MARK, True)
