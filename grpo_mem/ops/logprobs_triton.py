@@ -1,0 +1,517 @@
+"""Triton kernels of the fused selective log-softmax (the "triton" backend of ``grpo_mem.ops.logprobs``).
+
+Same math and contract as the torch backend in ``logprobs.py`` (its ``linear_logprobs_ref`` is the reference):
+z = softcap * tanh((h W^T + b) * logit_scale / softcap) / temperature, log p_y = z_y - LSE(z), H = LSE - sum p z.
+Tiling after Apple's Cut Cross-Entropy (arXiv 2411.09009): the logits tile lives only in registers.
+
+Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
+- ``_linear_logprobs_fwd_kernel``: grid (token blocks, vocabulary splits). Each program runs the GEMM tile by tile over
+  its vocabulary range and keeps fp32 online statistics per row: max m, s = sum e^(z-m), sz = sum e^(z-m) (z-m), the
+  target logit. Splits are merged in torch (O(N * splits)).
+- ``_linear_logprobs_bwd_dh_kernel``: grid (token blocks, vocabulary splits); recomputes each tile, forms dlogits in
+  fp32 and accumulates d_hidden into a per-split fp32 slab that only this program touches.
+- ``_linear_logprobs_bwd_dw_kernel``: grid (vocabulary blocks, token splits); same tile recompute, accumulates d_weight
+  (and d_bias) into a per-split fp32 slab owned by the program.
+  Determinism: no atomics; each slab has one writer and the splits are summed by torch in split order, so results are
+  bitwise reproducible. The backward recomputes the logits twice (once per gradient kernel): 5 GEMM passes in all
+  instead of 4, the price of a fixed reduction order without atomics.
+- ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
+
+Float hyperparameters are runtime arguments cast to fp32 inside the kernels (Inductor passes Python floats as fp64,
+Liger-Kernel #1366). fp32 inputs use ``input_precision="ieee"`` dots (no TF32); bf16/fp16 inputs use native dots with fp32 accumulators,
+the dlogits tile being rounded to the input dtype as the dot operand of the backward (as CCE does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "linear_logprobs_fwd",
+    "linear_logprobs_bwd",
+    "selective_log_softmax_fwd",
+    "selective_log_softmax_bwd",
+    "KERNELS",
+    "SHIPPED_CONFIGS",
+]
+
+# Shipped block sizes on CUDA (AOT-checked for 0 spills on sm_90 in tests/test_logprobs_triton_aot.py) and the small
+# ones the CPU interpreter uses (tl.dot needs every dimension >= 16).
+CUDA_CONFIG = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=2)
+INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16, num_warps=4, num_stages=1)
+SLS_CUDA_CONFIG = dict(BLOCK_V=2048, num_warps=8, num_stages=1)
+SLS_INTERPRET_CONFIG = dict(BLOCK_V=128, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _logits_tile(
+    HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # (BLOCK_N, BLOCK_V) fp32 tile of h W^T + b (pre-scale logits); masked rows/cols hold finite junk
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < H
+        h = tl.load(HIDDEN + rows[:, None] * stride_hn + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(WEIGHT + cols[:, None] * stride_wv + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2 sigmoid(2x) - 1 (core Triton has no tanh)
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _neg_expm1(x):
+    # 1 - e^x for x <= 0 without cancellation near 0 (Taylor series for |x| < 0.1: truncation < 2e-8 relative)
+    series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
+    return tl.where(x > -0.1, series, 1.0 - tl.exp(x))
+
+
+@triton.jit
+def _fold(z, valid, m, s, sz, HAS_ENTROPY: tl.constexpr):
+    # fold a transformed tile z (invalid entries -inf) into the running row statistics
+    new_m = tl.maximum(m, tl.max(z, axis=1))
+    d = z - new_m[:, None]
+    e = tl.where(valid, tl.exp(d), 0.0)
+    alpha = tl.exp(m - new_m)
+    if HAS_ENTROPY:
+        old = tl.where(s > 0.0, alpha * (sz + (m - new_m) * s), 0.0)
+        sz = old + tl.sum(tl.where(valid, e * d, 0.0), axis=1)
+    s = alpha * s + tl.sum(e, axis=1)
+    return new_m, s, sz
+
+
+@triton.jit
+def _dlogits(a, cols, tgt, lse, ent, glp, gent, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr):
+    # d(sum glp*logp + gent*H)/d(a) for a pre-scale tile a, fp32. Zero rows give zero (glp = gent = 0).
+    u = a * scale
+    if HAS_SOFTCAP:
+        t = _tanh(u / softcap)
+        lp = t * (softcap * inv_t) - lse[:, None]
+        chain = (1.0 - t * t) * (inv_t * scale)
+    else:
+        lp = u * inv_t - lse[:, None]
+        chain = inv_t * scale
+    p = tl.exp(lp)
+    h_term = gent[:, None] * (lp + ent[:, None])
+    dz = -p * (glp[:, None] + h_term)
+    dz_y = glp[:, None] * _neg_expm1(lp) - p * h_term
+    dz = tl.where(cols[None, :] == tgt[:, None], dz_y, dz)
+    return dz * chain
+
+
+@triton.jit
+def _transform(a, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr):
+    u = a * scale
+    if HAS_SOFTCAP:
+        u = _tanh(u / softcap) * softcap
+    return u * inv_t
+
+
+@triton.jit
+def _linear_logprobs_fwd_kernel(
+    HIDDEN, WEIGHT, BIAS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT,
+    N, V, H, stride_hn, stride_wv, V_PER_SPLIT,
+    scale, softcap, inv_t,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    scale = tl.cast(scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    inv_t = tl.cast(inv_t, tl.float32)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    tgt = tl.load(TARGET + rows, mask=row_mask, other=-1)
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    sz = tl.zeros((BLOCK_N,), tl.float32)
+    zy = tl.zeros((BLOCK_N,), tl.float32)
+    v_begin = split * V_PER_SPLIT
+    v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        a = _logits_tile(HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
+                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = _transform(a, scale, softcap, inv_t, HAS_SOFTCAP)
+        valid = col_mask[None, :] & (cols[None, :] >= 0)
+        z = tl.where(valid, z, float("-inf"))  # pad the vocabulary tail with -inf, not 0
+        zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        m, s, sz = _fold(z, valid, m, s, sz, HAS_ENTROPY)
+    out = split * N + rows
+    tl.store(M_OUT + out, m, mask=row_mask)
+    tl.store(S_OUT + out, s, mask=row_mask)
+    tl.store(ZY_OUT + out, zy, mask=row_mask)
+    if HAS_ENTROPY:
+        tl.store(SZ_OUT + out, sz, mask=row_mask)
+
+
+@triton.jit
+def _linear_logprobs_bwd_dh_kernel(
+    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, DH,
+    N, V, H, stride_hn, stride_wv, V_PER_SPLIT,
+    scale, softcap, inv_t,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    scale = tl.cast(scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    inv_t = tl.cast(inv_t, tl.float32)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    tgt = tl.load(TARGET + rows, mask=row_mask, other=-1)
+    lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
+    glp = tl.zeros((BLOCK_N,), tl.float32)
+    gent = tl.zeros((BLOCK_N,), tl.float32)
+    ent = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_GLP:
+        glp = tl.load(GLP + rows, mask=row_mask, other=0.0)
+    if HAS_GENT:
+        gent = tl.load(GENT + rows, mask=row_mask, other=0.0)
+        ent = tl.load(ENT + rows, mask=row_mask, other=0.0)
+    v_begin = split * V_PER_SPLIT
+    v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
+    dh_base = DH + split.to(tl.int64) * N * H
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        a = _logits_tile(HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
+                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+        da = _dlogits(a, cols, tgt, lse, ent, glp, gent, scale, softcap, inv_t, HAS_SOFTCAP)
+        da = tl.where(row_mask[:, None] & col_mask[None, :], da, 0.0).to(WEIGHT.dtype.element_ty)
+        if UPCAST:
+            da = da.to(tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_mask = ks < H
+            w = tl.load(WEIGHT + cols[:, None] * stride_wv + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            if UPCAST:
+                w = w.to(tl.float32)
+            # this program is the only reader/writer of these rows of its split's slab
+            ptrs = dh_base + rows[:, None] * H + ks[None, :]
+            msk = row_mask[:, None] & k_mask[None, :]
+            acc = tl.load(ptrs, mask=msk, other=0.0)
+            acc = tl.dot(da, w, acc, input_precision=PRECISION)
+            tl.store(ptrs, acc, mask=msk)
+
+
+@triton.jit
+def _linear_logprobs_bwd_dw_kernel(
+    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, DW, DB,
+    N, V, H, stride_hn, stride_wv, N_PER_SPLIT,
+    scale, softcap, inv_t,
+    HAS_BIAS: tl.constexpr, HAS_DB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    scale = tl.cast(scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    inv_t = tl.cast(inv_t, tl.float32)
+    pid_v = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    n_begin = split * N_PER_SPLIT
+    n_end = tl.minimum(n_begin + N_PER_SPLIT, N)
+    dw_base = DW + split.to(tl.int64) * V * H
+    db_acc = tl.zeros((BLOCK_V,), tl.float32)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_mask = rows < n_end
+        tgt = tl.load(TARGET + rows, mask=row_mask, other=-1)
+        lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
+        glp = tl.zeros((BLOCK_N,), tl.float32)
+        gent = tl.zeros((BLOCK_N,), tl.float32)
+        ent = tl.zeros((BLOCK_N,), tl.float32)
+        if HAS_GLP:
+            glp = tl.load(GLP + rows, mask=row_mask, other=0.0)
+        if HAS_GENT:
+            gent = tl.load(GENT + rows, mask=row_mask, other=0.0)
+            ent = tl.load(ENT + rows, mask=row_mask, other=0.0)
+        a = _logits_tile(HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
+                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+        da = _dlogits(a, cols, tgt, lse, ent, glp, gent, scale, softcap, inv_t, HAS_SOFTCAP)
+        da = tl.where(row_mask[:, None] & col_mask[None, :], da, 0.0)
+        if HAS_DB:
+            db_acc += tl.sum(da, axis=0)
+        da_t = tl.trans(da.to(HIDDEN.dtype.element_ty))
+        if UPCAST:
+            da_t = da_t.to(tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_mask = ks < H
+            h = tl.load(HIDDEN + rows[:, None] * stride_hn + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            if UPCAST:
+                h = h.to(tl.float32)
+            # this program is the only reader/writer of these vocabulary rows of its split's slab
+            ptrs = dw_base + cols[:, None] * H + ks[None, :]
+            msk = col_mask[:, None] & k_mask[None, :]
+            acc = tl.load(ptrs, mask=msk, other=0.0)
+            acc = tl.dot(da_t, h, acc, input_precision=PRECISION)
+            tl.store(ptrs, acc, mask=msk)
+    if HAS_DB:
+        tl.store(DB + split.to(tl.int64) * V + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _selective_log_softmax_fwd_kernel(
+    LOGITS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT, V, stride_n, inv_t,
+    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # one program per row; statistics as in _linear_logprobs_fwd_kernel with a (1, BLOCK_V) tile
+    inv_t = tl.cast(inv_t, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    tgt = tl.load(TARGET + row)
+    m = tl.full((1,), float("-inf"), tl.float32)
+    s = tl.zeros((1,), tl.float32)
+    sz = tl.zeros((1,), tl.float32)
+    zy = tl.zeros((1,), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        valid = (cols < V)[None, :]
+        z = tl.load(LOGITS + row * stride_n + cols[None, :], mask=valid, other=0.0).to(tl.float32) * inv_t
+        z = tl.where(valid, z, float("-inf"))
+        zy += tl.sum(tl.where(cols[None, :] == tgt, z, 0.0), axis=1)
+        m, s, sz = _fold(z, valid, m, s, sz, HAS_ENTROPY)
+    one = tl.arange(0, 1)
+    tl.store(M_OUT + row + one, m)
+    tl.store(S_OUT + row + one, s)
+    tl.store(ZY_OUT + row + one, zy)
+    if HAS_ENTROPY:
+        tl.store(SZ_OUT + row + one, sz)
+
+
+@triton.jit
+def _selective_log_softmax_bwd_kernel(
+    LOGITS, DLOGITS, TARGET, LSE, ENT, GLP, GENT, V, stride_n, inv_t,
+    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    inv_t = tl.cast(inv_t, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    one = tl.arange(0, 1)
+    tgt = tl.load(TARGET + row + one)
+    lse = tl.load(LSE + row + one)
+    glp = tl.zeros((1,), tl.float32)
+    gent = tl.zeros((1,), tl.float32)
+    ent = tl.zeros((1,), tl.float32)
+    if HAS_GLP:
+        glp = tl.load(GLP + row + one)
+    if HAS_GENT:
+        gent = tl.load(GENT + row + one)
+        ent = tl.load(ENT + row + one)
+    a = tl.load(LOGITS + row * stride_n + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+    da = _dlogits(a, cols, tgt, lse, ent, glp, gent, 1.0, 1.0, inv_t, False)
+    tl.store(DLOGITS + row * stride_n + cols[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
+
+
+KERNELS = {
+    "linear_logprobs_fwd": _linear_logprobs_fwd_kernel,
+    "linear_logprobs_bwd_dh": _linear_logprobs_bwd_dh_kernel,
+    "linear_logprobs_bwd_dw": _linear_logprobs_bwd_dw_kernel,
+    "selective_log_softmax_fwd": _selective_log_softmax_fwd_kernel,
+    "selective_log_softmax_bwd": _selective_log_softmax_bwd_kernel,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _config(device: torch.device) -> dict:
+    return dict(CUDA_CONFIG if device.type == "cuda" else INTERPRET_CONFIG)
+
+
+def _num_programs_target(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: exercise the split merge on small shapes
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    # The CPU interpreter's tl.dot returns garbage for bf16/fp16 operands (triton 3.9, measured: 2e10 error on a 16x16
+    # bf16 product), so under the interpreter operands are widened to fp32 after loading and after the dlogits
+    # rounding. Products of bf16 values are exact in fp32, so this is the GPU's bf16-dot-with-fp32-accumulator math.
+    return t.device.type != "cuda" and t.dtype != torch.float32
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _splits(blocks_main: int, blocks_other: int, block: int, target_programs: int, cap: int) -> tuple[int, int]:
+    """Split the loop dimension (``blocks_other`` blocks of ``block``) so that blocks_main * splits >= target, at most
+    ``cap`` splits. Returns (splits, elements per split, a multiple of ``block``)."""
+    splits = max(1, min(cap, blocks_other, -(-target_programs // max(blocks_main, 1))))
+    per = -(-blocks_other // splits) * block
+    splits = -(-(blocks_other * block) // per)
+    return splits, per
+
+
+def _common(hidden, weight, p):
+    return (float(p.logit_scale), float(p.softcap or 1.0), float(p.inv_t)), p.softcap is not None
+
+
+def linear_logprobs_fwd(hidden, weight, bias, target, p):
+    """Triton forward. hidden (N, H), weight (V, H) same dtype, contiguous; bias (V,) or None; target (N,) int64 with
+    -1 on ignored rows. Returns (logp, entropy or None, lse), each (N,) fp32."""
+    from .logprobs import _finish
+
+    n_tok, hid = hidden.shape
+    vocab = weight.shape[0]
+    cfg = _config(hidden.device)
+    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
+    n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
+    splits, per = _splits(n_blocks, v_blocks, bv, _num_programs_target(hidden.device), cap=64)
+    stats = torch.empty((4, splits, n_tok), device=hidden.device, dtype=torch.float32)
+    m, s, sz, zy = stats
+    (scale, softcap, inv_t), has_cap = _common(hidden, weight, p)
+    _linear_logprobs_fwd_kernel[(n_blocks, splits)](
+        hidden, weight, bias if bias is not None else weight, target, m, s, sz, zy,
+        n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per,
+        scale, softcap, inv_t,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_ENTROPY=p.return_entropy,
+        PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=cfg["BLOCK_H"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    m_all, s_all, sz_all, zy_all = _merge_splits(m, s, sz if p.return_entropy else None, zy)
+    return _finish(m_all, s_all, sz_all, zy_all, target, p.return_entropy)
+
+
+def _merge_splits(m, s, sz, zy):
+    """Merge per-split (splits, N) statistics in split order (fixed, deterministic)."""
+    m_all = m.amax(0)
+    alpha = torch.exp(m - m_all)
+    s_all = (alpha * s).sum(0)
+    sz_all = None
+    if sz is not None:
+        term = torch.where(s > 0, alpha * (sz + (m - m_all) * s), torch.zeros_like(s))
+        sz_all = term.sum(0)
+    else:
+        sz_all = torch.zeros_like(s_all)
+    return m_all, s_all, sz_all, zy.sum(0)
+
+
+def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db):
+    """Triton backward: (dh, dw, db) in the inputs' dtypes (None where not requested). g_lp / g_ent: (N,) fp32 with
+    zeros on ignored rows, or None."""
+    n_tok, hid = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    cfg = _config(dev)
+    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
+    n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
+    (scale, softcap, inv_t), has_cap = _common(hidden, weight, p)
+    dummy = lse
+    common = dict(
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
+        PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=cfg["BLOCK_H"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    args = (
+        hidden, weight, bias if bias is not None else weight, target, lse, ent if ent is not None else dummy,
+        g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy,
+    )
+    target_programs = _num_programs_target(dev)
+    dh = dw = db = None
+    if need_dh:
+        # per-split fp32 slabs: cap the splits so they stay within the size of d_weight
+        cap = max(1, min(64, vocab // max(n_tok, 1)))
+        splits, per = _splits(n_blocks, v_blocks, bv, target_programs, cap=cap)
+        slab = torch.zeros((splits, n_tok, hid), device=dev, dtype=torch.float32)
+        _linear_logprobs_bwd_dh_kernel[(n_blocks, splits)](
+            *args, slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap, inv_t, **common
+        )
+        dh = _sum_splits(slab).to(hidden.dtype)
+    if need_dw or need_db:
+        cap = 1 if dev.type == "cuda" else 2  # d_weight slabs are (V, H) each: one split on GPU
+        splits, per = _splits(v_blocks, n_blocks, bn, target_programs, cap=cap)
+        direct = splits == 1 and weight.dtype == torch.float32 and need_dw
+        slab = (torch.zeros_like(weight) if direct else
+                torch.zeros((splits, vocab, hid), device=dev, dtype=torch.float32))
+        slab_view = slab.unsqueeze(0) if direct else slab
+        db_slab = torch.zeros((splits, vocab), device=dev, dtype=torch.float32) if need_db else dummy
+        _linear_logprobs_bwd_dw_kernel[(v_blocks, splits)](
+            *args, slab_view, db_slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap,
+            inv_t, HAS_DB=need_db, **common,
+        )
+        if need_dw:
+            dw = slab if direct else _sum_splits(slab).to(weight.dtype)
+        if need_db:
+            db = _sum_splits(db_slab).to(bias.dtype)
+    return dh, dw, db
+
+
+def _sum_splits(slab):
+    out = slab[0].clone() if slab.shape[0] > 1 else slab[0]
+    for i in range(1, slab.shape[0]):
+        out += slab[i]
+    return out
+
+
+def selective_log_softmax_fwd(logits, target, p):
+    """Triton forward over (N, V) contiguous logits: (logp, entropy or None, lse), each (N,) fp32."""
+    from .logprobs import _finish
+
+    n_tok, vocab = logits.shape
+    cfg = dict(SLS_CUDA_CONFIG if logits.device.type == "cuda" else SLS_INTERPRET_CONFIG)
+    stats = torch.empty((4, n_tok), device=logits.device, dtype=torch.float32)
+    m, s, sz, zy = stats
+    if n_tok:
+        _selective_log_softmax_fwd_kernel[(n_tok,)](
+            logits, target, m, s, sz, zy, vocab, logits.stride(0), float(p.inv_t),
+            HAS_ENTROPY=p.return_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+    if not p.return_entropy:
+        sz = torch.zeros_like(s)
+    return _finish(m, s, sz, zy, target, p.return_entropy)
+
+
+def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
+    """Triton backward: d_logits (N, V) in the dtype of ``logits``."""
+    n_tok, vocab = logits.shape
+    cfg = dict(SLS_CUDA_CONFIG if logits.device.type == "cuda" else SLS_INTERPRET_CONFIG)
+    out = torch.empty_like(logits)
+    dummy = lse
+    if n_tok:
+        _selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
+            logits, out, target, lse, ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
+            g_ent if g_ent is not None else dummy, vocab, logits.stride(0), float(p.inv_t),
+            HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out
+
+
+SHIPPED_CONFIGS = {
+    "linear_logprobs_fwd": CUDA_CONFIG,
+    "linear_logprobs_bwd_dh": CUDA_CONFIG,
+    "linear_logprobs_bwd_dw": CUDA_CONFIG,
+    "selective_log_softmax_fwd": SLS_CUDA_CONFIG,
+    "selective_log_softmax_bwd": SLS_CUDA_CONFIG,
+}
