@@ -1,6 +1,8 @@
 """Shared-prefix attention against naive full-sequence attention with the prompt K/V materialised per row."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -231,3 +233,111 @@ def test_bad_input_raises():
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         with pytest.raises(ValueError, match="triton"):
             shared_prefix_attention(*args, pi, pm, km, scale=0.1, backend="triton")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (TRITON_INTERPRET=1 runs them on CPU tensors)
+# ----------------------------------------------------------------------------------------------------------------------
+
+# Small shapes: the interpreter runs every program in numpy. fp32 tiles are 16 keys wide, so P=40 with 20+ padding
+# positions skips a whole tile and crosses tile edges; C=19 crosses query-block edges.
+TRITON_CASES = {
+    "mixed_gqa4_d64": (5, 4, 1, 19, 40, 64, [1, 0, 1, 2, 1], [38, 13, 17], [19, 4, 19, 11, 1]),
+    "g1_mha_d128": (2, 2, 2, 6, 20, 128, [1, 0], [20, 5], None),
+    "c1_gqa8": (3, 8, 1, 1, 24, 64, [0, 0, 0], [9], None),
+}
+
+
+def _interpreter_ready():
+    from grpo_mem.ops.attention import _triton_can_run
+
+    return _triton_can_run(torch.device("cpu"))[0]
+
+
+# Triton's interpreter works only if TRITON_INTERPRET=1 was set before triton's first import, which cannot be arranged
+# inside a shared pytest process (and would turn every other module's @triton.jit kernels into interpreted ones).
+# test_triton_kernels_under_interpreter therefore reruns the tests marked `needs_interpreter` in a fresh
+# TRITON_INTERPRET=1 process; in a process that already has it they run directly.
+INTERPRETER_READY = _interpreter_ready()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER_READY, reason="run in a TRITON_INTERPRET=1 subprocess by test_triton_kernels_under_interpreter")
+
+
+@pytest.fixture
+def interpret():
+    assert INTERPRETER_READY
+
+
+def triton_path(*args, scale):
+    return shared_prefix_attention(*args, scale=scale, backend="triton")
+
+
+@pytest.mark.parametrize("case", list(TRITON_CASES))
+@needs_interpreter
+def test_triton_fp32_matches_torch_path(interpret, case):
+    B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES[case]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=1)
+    ref = run(torch_path, t, pi, pm, km, go, scale=d ** -0.5)
+    res = run(triton_path, t, pi, pm, km, go, scale=d ** -0.5)
+    assert_close("out", res["out"], ref["out"], 1e-5)
+    for n in GRAD_NAMES:
+        want = ref["d" + n]
+        assert_close("d" + n, res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0))
+
+
+@needs_interpreter
+def test_triton_rows_without_visible_keys(interpret):
+    B, Hq, Hkv, C, P, d = 3, 2, 1, 4, 20, 64
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, [0, 1, 0], [0, 20], [4, 4, 4])
+    km[0, 0] = False
+    km[2, :2] = False
+    ref = run(torch_path, t, pi, pm, km, go, scale=0.125)
+    res = run(triton_path, t, pi, pm, km, go, scale=0.125)
+    assert (res["out"][0, :, 0] == 0).all() and (res["out"][2, :, :2] == 0).all()
+    for n in ref:
+        assert_close(n, res[n], ref[n], 1e-5)
+
+
+@pytest.mark.parametrize("case", ["mixed_gqa4_d64", "g1_mha_d128"])
+@needs_interpreter
+def test_triton_bf16_error_within_twice_naive(interpret, case):
+    """bf16 kernel error against an fp32 truth ≤ 2 × the naive bf16 reference's error (max over each tensor)."""
+    B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES[case]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, dtype=torch.bfloat16, seed=2)
+    truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float32, scale=d ** -0.5)
+    naive = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=d ** -0.5)
+    res = run(triton_path, t, pi, pm, km, go, scale=d ** -0.5)
+    for n in truth:
+        assert res[n].dtype == torch.bfloat16
+        err = (res[n].float() - truth[n]).abs().max().item()
+        naive_err = (naive[n].float() - truth[n]).abs().max().item()
+        assert err <= 2 * naive_err + 1e-6, f"{n}: triton bf16 error {err:.3e} > 2 × naive bf16 error {naive_err:.3e}"
+
+
+@needs_interpreter
+def test_triton_prompt_gradient_is_deterministic(interpret):
+    """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit."""
+    B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES["c1_gqa8"]  # 3 rows × 8 query heads share one prompt
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=3)
+    a = run(triton_path, t, pi, pm, km, go, scale=0.125)
+    b = run(triton_path, t, pi, pm, km, go, scale=0.125)
+    assert torch.equal(a["dprefix_k"], b["dprefix_k"]) and torch.equal(a["dprefix_v"], b["dprefix_v"])
+
+
+N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 2 + 1
+
+
+def test_triton_kernels_under_interpreter():
+    if INTERPRETER_READY:
+        pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-x", "-p", "no:cacheprovider",
+         "-k", "triton and not under_interpreter"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    report = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    assert f"{N_INTERPRETER_TESTS} passed" in proc.stdout, report

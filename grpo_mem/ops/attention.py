@@ -193,6 +193,22 @@ def _query_chunks(rows: torch.Tensor, per_row: int, C: int, budget: int):
     return [(rows[i:i + 1], c0, min(C, c0 + cl)) for i in range(rows.numel()) for c0 in range(0, C, cl)]
 
 
+def _take(x: torch.Tensor, rows: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    """``x[rows, :, c0:c1]`` for x of shape (B, H, C, ...), via ``index_select`` (faster than advanced indexing)."""
+    x = x.index_select(0, rows)
+    return x if c0 == 0 and c1 == x.shape[2] else x[:, :, c0:c1]
+
+
+def _put(x: torch.Tensor, rows: torch.Tensor, c0: int, c1: int, val: torch.Tensor, accumulate: bool = False):
+    """``x[rows, :, c0:c1] = val`` (or ``+=``) in place; ``rows`` holds no duplicates."""
+    if c0 == 0 and c1 == x.shape[2]:
+        (x.index_add_ if accumulate else x.index_copy_)(0, rows, val)
+    elif accumulate:
+        x[rows, :, c0:c1] += val
+    else:
+        x[rows, :, c0:c1] = val
+
+
 def _fold(x: torch.Tensor, Hkv: int) -> torch.Tensor:
     """(n, Hq, c, d) → (Hkv, n·rep·c, d): the queries of one kv head across rows and its query heads, as one matrix."""
     n, Hq, c, d = x.shape
@@ -226,14 +242,14 @@ def _prefix_region_fwd(q, prefix_k, prefix_v, prefix_mask, groups, Hkv, scale, b
         kmask = prefix_mask[u]  # (P,)
         for rc, c0, c1 in _query_chunks(rows, Hq * P, C, budget):
             n, c = rc.numel(), c1 - c0
-            qc = _fold(q[rc, :, c0:c1].to(acc), Hkv)  # (Hkv, M, d)
+            qc = _fold(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
             s = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, P)
             s.masked_fill_(~kmask, float("-inf"))
             lse = torch.logsumexp(s, dim=-1)  # (Hkv, M), -inf where no key visible
             s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
             o = torch.matmul(s, vu)  # (Hkv, M, d), normalised
-            o_acc[rc, :, c0:c1] = _unfold(o, n, Hq, c)
-            l_acc[rc, :, c0:c1] = _unfold(lse[..., None], n, Hq, c)[..., 0]
+            _put(o_acc, rc, c0, c1, _unfold(o, n, Hq, c))
+            _put(l_acc, rc, c0, c1, _unfold(lse[..., None], n, Hq, c)[..., 0])
 
 
 def _completion_region_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc):
@@ -244,15 +260,15 @@ def _completion_region_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc):
     all_rows = torch.arange(B, device=q.device)
     for rc, c0, c1 in _query_chunks(all_rows, Hq * C, C, budget):
         n, c = rc.numel(), c1 - c0
-        qc = q[rc, :, c0:c1].to(acc).reshape(n, Hkv, rep * c, d)
-        kc, vc = k[rc].to(acc), v[rc].to(acc)  # (n, Hkv, C, d)
+        qc = _take(q, rc, c0, c1).to(acc).reshape(n, Hkv, rep * c, d)
+        kc, vc = k.index_select(0, rc).to(acc), v.index_select(0, rc).to(acc)  # (n, Hkv, C, d)
         s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # (n, Hkv, rep·c, C)
         s.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, q.device), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
         o = torch.matmul(s, vc)  # (n, Hkv, rep·c, d)
-        o_acc[rc, :, c0:c1] = o.reshape(n, Hq, c, d)
-        l_acc[rc, :, c0:c1] = lse.reshape(n, Hq, c)
+        _put(o_acc, rc, c0, c1, o.reshape(n, Hq, c, d))
+        _put(l_acc, rc, c0, c1, lse.reshape(n, Hq, c))
 
 
 def _merge(o1, l1, o2, l2):
@@ -305,35 +321,35 @@ def _torch_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key
         kmask = prefix_mask[u]
         for rc, c0, c1 in _query_chunks(rows, Hq * P, C, budget):
             n, c = rc.numel(), c1 - c0
-            qc = _fold(q[rc, :, c0:c1].to(acc), Hkv)  # (Hkv, M, d)
-            doc = _fold(do32[rc, :, c0:c1], Hkv)
-            lc = _fold(lse_safe[rc, :, c0:c1, None], Hkv)  # (Hkv, M, 1)
-            dc = _fold(delta[rc, :, c0:c1, None], Hkv)
+            qc = _fold(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
+            doc = _fold(_take(do32, rc, c0, c1), Hkv)
+            lc = _fold(_take(lse_safe, rc, c0, c1)[..., None], Hkv)  # (Hkv, M, 1)
+            dc = _fold(_take(delta, rc, c0, c1)[..., None], Hkv)
             p = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, P)
             p.masked_fill_(~kmask, float("-inf")).sub_(lc).exp_()
             dpv[u] += torch.matmul(p.transpose(1, 2), doc)
             ds = torch.matmul(doc, vu.transpose(1, 2)).sub_(dc).mul_(p)  # dS = P ∘ (dP − D)
             del p
-            dq[rc, :, c0:c1] += _unfold(torch.matmul(ds, ku), n, Hq, c).mul_(scale)
+            _put(dq, rc, c0, c1, _unfold(torch.matmul(ds, ku), n, Hq, c).mul_(scale), accumulate=True)
             dpk[u] += torch.matmul(ds.transpose(1, 2), qc).mul_(scale)
 
     # region 2: each row's own completion, causal
     all_rows = torch.arange(B, device=dev)
     for rc, c0, c1 in _query_chunks(all_rows, Hq * C, C, budget):
         n, c = rc.numel(), c1 - c0
-        qc = q[rc, :, c0:c1].to(acc).reshape(n, Hkv, rep * c, d)
-        doc = do32[rc, :, c0:c1].reshape(n, Hkv, rep * c, d)
-        lc = lse_safe[rc, :, c0:c1].reshape(n, Hkv, rep * c, 1)
-        dc = delta[rc, :, c0:c1].reshape(n, Hkv, rep * c, 1)
-        kc, vc = k[rc].to(acc), v[rc].to(acc)
+        qc = _take(q, rc, c0, c1).to(acc).reshape(n, Hkv, rep * c, d)
+        doc = _take(do32, rc, c0, c1).reshape(n, Hkv, rep * c, d)
+        lc = _take(lse_safe, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
+        dc = _take(delta, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
+        kc, vc = k.index_select(0, rc).to(acc), v.index_select(0, rc).to(acc)
         p = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # (n, Hkv, rep·c, C)
         p.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, dev), float("-inf"))
         p.sub_(lc).exp_()
-        dv[rc] += torch.matmul(p.transpose(-1, -2), doc)
+        dv.index_add_(0, rc, torch.matmul(p.transpose(-1, -2), doc))
         ds = torch.matmul(doc, vc.transpose(-1, -2)).sub_(dc).mul_(p)
         del p
-        dq[rc, :, c0:c1] += torch.matmul(ds, kc).mul_(scale).reshape(n, Hq, c, d)
-        dk[rc] += torch.matmul(ds.transpose(-1, -2), qc).mul_(scale)
+        _put(dq, rc, c0, c1, torch.matmul(ds, kc).mul_(scale).reshape(n, Hq, c, d), accumulate=True)
+        dk.index_add_(0, rc, torch.matmul(ds.transpose(-1, -2), qc).mul_(scale))
     return dq, dk, dv, dpk, dpv
 
 
@@ -375,14 +391,23 @@ class SharedPrefixAttentionFunction(torch.autograd.Function):
 
 
 def _triton_can_run(device: torch.device) -> tuple[bool, str]:
-    """Whether the Triton backend can run on ``device``, and why not."""
+    """Whether the Triton backend can run on ``device``, and why not.
+
+    CPU tensors run under Triton's interpreter, which works only if ``TRITON_INTERPRET=1`` was set before triton was
+    first imported (``triton.language``'s own helpers are wrapped for the interpreter at import time).
+    """
     try:
-        import triton  # noqa: F401
+        import triton.language.standard as tl_standard
+        from triton.runtime.interpreter import InterpretedFunction
     except ImportError as exc:  # pragma: no cover - triton ships with torch on Linux
         return False, f"triton is not importable ({exc})"
     if device.type == "cuda":
         return True, ""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return False, "tensors are on cpu; triton needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
+        if not isinstance(tl_standard.sum, InterpretedFunction):
+            return False, "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import"
         return True, ""
     return False, f"tensors are on {device}; triton needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
 
