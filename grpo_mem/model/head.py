@@ -6,8 +6,7 @@ from contextlib import nullcontext
 
 import torch
 
-# TRL 1.16 `ChunkedLogProbFunction` vocabulary tile, used until the project's own kernel replaces it.
-_TRL_CHUNK = 32768
+from ..ops.logprobs import linear_logprobs
 
 
 def logit_transform(config) -> tuple[float, float | None]:
@@ -67,29 +66,25 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
     Returns:
         (B, C) fp32 log-probs and (B, C) fp32 entropies or None, zero where the mask is 0.
     """
-    from trl.kernels import ChunkedLogProbFunction
-
     weight, bias = _lm_head_params(causal_lm)
     scale, softcap = logit_transform(causal_lm.config)
     mask = completion_mask.bool().to(weight.device)
     rows = hidden.to(weight.device)[mask]
-    autocast = nullcontext()
     if request.cast_lm_head_to_fp32:
         rows = rows.float()
-        autocast = torch.autocast(rows.device.type, enabled=False)
-    outputs = ("log_probs", "entropy") if request.compute_entropy else ("log_probs",)
-    with autocast, _gather_zero3(weight, bias):
-        logps, entropy, *_ = ChunkedLogProbFunction.apply(
+    # the kernel accumulates in fp32 itself: autocast must not re-cast its tiles
+    with torch.autocast(rows.device.type, enabled=False), _gather_zero3(weight, bias):
+        out = linear_logprobs(
             rows,
             weight,
-            bias,
             completion_ids.to(weight.device)[mask],
-            request.temperature,
-            _TRL_CHUNK,
-            softcap,
-            scale,
-            outputs,
+            bias=bias,
+            temperature=request.temperature,
+            logit_scale=scale,
+            softcap=softcap,
+            return_entropy=request.compute_entropy,
         )
+    logps, entropy = out if request.compute_entropy else (out, None)
     # masked_scatter keeps the output connected to the graph even when no position is scored
     logps = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logps.float())
     if entropy is not None:
