@@ -17,6 +17,8 @@ Metrics (the ``metric`` column; units in the ``unit`` column):
 
 - ``wall_time`` [s]: ``time.perf_counter`` around one call of the op, after ``warmup`` untimed calls; p20/p50/p80 over
   the timed repeats. No tracker or sampler runs during the timed calls.
+- ``cpu_time`` [s]: user + system CPU seconds of the whole process (all threads) during the same timed calls
+  (``resource.getrusage``). On a shared machine it moves less with other processes' load than wall time does.
 - ``peak_rss_above_base`` [MB = 10**6 bytes]: the process's peak resident set size during one call minus its resident
   set size just before the call (after ``gc.collect()`` and ``malloc_trim(0)``). The peak is read from ``VmHWM`` after
   resetting it through ``/proc/self/clear_refs`` (Linux >= 4.0); where that is not possible a thread samples
@@ -26,8 +28,9 @@ Metrics (the ``metric`` column; units in the ``unit`` column):
   seen by :class:`TensorMemoryTracker` (a ``TorchDispatchMode``). Storages made outside the dispatcher (scratch
   buffers inside a C++ kernel) are not seen; storages that exist before the call (weights, inputs) are not counted.
 
-Workers run with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc): every allocation above 64 KiB is its own ``mmap`` and goes
-back to the OS on free, so RSS follows live memory instead of glibc's dynamic threshold keeping freed blocks.
+Timed calls run under glibc's default allocator settings. Before the memory calls the harness fixes glibc's mmap
+threshold at 64 KiB (``mallopt(M_MMAP_THRESHOLD)``, which also stops its dynamic adjustment) and trims the heap, so
+every allocation above 64 KiB is its own ``mmap``, returned to the OS on free, and RSS follows live memory.
 
 CSV columns, exactly: ``op, provider, mode, metric, unit, x_name, x_value, p50, p20, p80, config, device, timestamp,
 version``. ``mode`` is ``fwd``, ``bwd`` or ``full`` (forward + backward); ``config`` is a JSON object of everything that
@@ -41,6 +44,7 @@ import argparse
 import csv
 import ctypes
 import datetime as _dt
+import functools
 import gc
 import importlib
 import importlib.util
@@ -48,6 +52,7 @@ import json
 import math
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -97,13 +102,31 @@ def _reset_hwm() -> bool:
         return False
 
 
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def release_free_memory() -> None:
     """``gc.collect()`` then glibc ``malloc_trim(0)`` (a no-op where glibc is absent), so RSS reflects live memory."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+
+
+def fix_mmap_threshold(nbytes: int = 65536) -> bool:
+    """Make glibc serve every allocation above ``nbytes`` with its own ``mmap`` (freed straight back to the OS) and stop
+    its dynamic threshold adjustment; True if glibc accepted it. Irreversible for the process."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
 
 
 class PeakRSS:
@@ -154,9 +177,9 @@ class TensorMemoryTracker(TorchDispatchMode):
     Usage: ``with TensorMemoryTracker() as t: op()`` then ``t.peak_bytes``; ``t.live_bytes`` is what is still alive
     (e.g. parameter gradients the op created). Every operator output that goes through the dispatcher (forward and,
     on CPU, backward, which runs on the calling thread) is attributed to its storage; a storage counts once however
-    many views share it and is released when its last reference dies (``weakref.finalize``). Tensors existing before
-    the block are not counted, nor are outputs sharing an input's storage (views, in-place and ``out=`` ops); memory allocated inside C++ kernels without a tensor (scratch) is not seen. Storages
-    grown in place by ``resize_`` are counted at the size first seen.
+    many views share it and is released when its last reference dies (``weakref.finalize``). Not counted: tensors
+    existing before the block, outputs sharing an input's storage (views, in-place and ``out=`` ops), memory a C++
+    kernel allocates without a tensor (scratch). Storages grown in place by ``resize_`` count at the size first seen.
 
     Implemented with ``torch.utils._python_dispatch.TorchDispatchMode`` (as torch's own
     ``torch.distributed._tools.mem_tracker`` does, re-written here).
@@ -197,6 +220,11 @@ class TensorMemoryTracker(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------------------------------------------ measurement
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def percentiles(values: Sequence[float]) -> tuple[float, float, float]:
     """(p50, p20, p80) of ``values`` with linear interpolation (numpy's default); NaNs if ``values`` is empty."""
     if not values:
@@ -217,22 +245,28 @@ class Measurement:
     """Raw samples of one op in one process. Times in seconds, memory in bytes."""
 
     times_s: list[float] = field(default_factory=list)
+    cpu_times_s: list[float] = field(default_factory=list)
     peak_rss_above_base_bytes: list[int] = field(default_factory=list)
     peak_tensor_bytes: list[int] = field(default_factory=list)
     base_rss_bytes: int = 0
     rss_method: str = ""
+    mmap_threshold_fixed: bool = False
     warmup: int = 0
     threads: int = 0
 
     def metrics(self) -> dict[str, tuple[str, tuple[float, float, float], int]]:
         """``{metric: (unit, (p50, p20, p80), n_samples)}`` for the CSV; memory in MB (10**6 bytes)."""
         out = {"wall_time": ("s", percentiles(self.times_s), len(self.times_s))}
+        if self.cpu_times_s:
+            out["cpu_time"] = ("s", percentiles(self.cpu_times_s), len(self.cpu_times_s))
         if self.peak_rss_above_base_bytes:
             out["peak_rss_above_base"] = (
                 "MB", percentiles([b / MB for b in self.peak_rss_above_base_bytes]), len(self.peak_rss_above_base_bytes)
             )
         if self.peak_tensor_bytes:
-            out["peak_tensor"] = ("MB", percentiles([b / MB for b in self.peak_tensor_bytes]), len(self.peak_tensor_bytes))
+            out["peak_tensor"] = (
+                "MB", percentiles([b / MB for b in self.peak_tensor_bytes]), len(self.peak_tensor_bytes)
+            )
         return out
 
     def to_dict(self) -> dict:
@@ -256,10 +290,11 @@ def measure(
 ) -> Measurement:
     """Time ``fn()`` and measure its peak memory in the current process.
 
-    Order: ``warmup`` untimed calls; then timed calls, at most ``repeats``, stopping early once ``min_repeats`` are
-    done and their total exceeds ``time_budget_s``; then ``memory_repeats`` calls under :class:`PeakRSS` (and
-    :class:`TensorMemoryTracker` if ``track_tensors``), each from a freshly released base. ``setup()`` (e.g. dropping
-    parameter gradients with ``model.zero_grad(set_to_none=True)``) runs before every call, outside timing and memory
+    Order: ``warmup`` untimed calls; then timed calls (wall and CPU time), at most ``repeats``, stopping early once
+    ``min_repeats`` are done and their total exceeds ``time_budget_s``; then (glibc's mmap threshold fixed, see the
+    module docstring) ``memory_repeats`` calls under :class:`PeakRSS` (and :class:`TensorMemoryTracker` if
+    ``track_tensors``), each from a freshly released base. ``setup()`` (e.g. dropping parameter gradients with
+    ``model.zero_grad(set_to_none=True)``) runs before every call, outside timing and memory
     measurement. ``fn``'s return value is dropped before the next call.
 
     Args:
@@ -271,8 +306,8 @@ def measure(
         track_tensors: also run :class:`TensorMemoryTracker` during the memory calls.
 
     Returns:
-        :class:`Measurement` with ``times_s`` (seconds), ``peak_rss_above_base_bytes`` and ``peak_tensor_bytes``
-        (bytes), one entry per call.
+        :class:`Measurement` with ``times_s`` and ``cpu_times_s`` (seconds), ``peak_rss_above_base_bytes`` and
+        ``peak_tensor_bytes`` (bytes), one entry per call.
 
     Raises:
         ValueError: a count out of range, naming it.
@@ -299,14 +334,18 @@ def measure(
     total = 0.0
     for i in range(repeats):
         setup()
+        c0 = _cpu_seconds()
         t0 = time.perf_counter()
         out = fn()
         dt = time.perf_counter() - t0
+        m.cpu_times_s.append(_cpu_seconds() - c0)
         del out
         m.times_s.append(dt)
         total += dt
         if time_budget_s is not None and i + 1 >= min_repeats and total >= time_budget_s:
             break
+    if memory_repeats:
+        m.mmap_threshold_fixed = fix_mmap_threshold()
     for _ in range(memory_repeats):
         setup()
         release_free_memory()
@@ -390,7 +429,6 @@ def run_isolated(
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     child_env = dict(os.environ)
-    child_env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     child_env["OMP_NUM_THREADS"] = str(threads)
     child_env["TOKENIZERS_PARALLELISM"] = "false"
     child_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -457,9 +495,11 @@ def _worker_main(argv: Sequence[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------- CSV rows
+@functools.lru_cache(maxsize=None)
 def versions() -> str:
     """``"grpo_mem=X;torch=Y;transformers=Z;trl=W"``; ``X`` from package metadata, else ``grpo_mem.__version__``, plus
-    ``+g<commit>`` when the repository is a git checkout. Missing packages read ``none``."""
+    ``+g<commit>`` when the repository is a git checkout (``.dirty`` if ``grpo_mem/`` differs from that commit).
+    Missing packages read ``none``."""
     from importlib import metadata
 
     def ver(name: str) -> str:
@@ -478,12 +518,15 @@ def versions() -> str:
         sha = subprocess.run(["git", "-C", _REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
         if sha:
-            gm += f"+g{sha}"
+            dirty = subprocess.run(["git", "-C", _REPO, "status", "--porcelain", "--", "grpo_mem"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            gm += f"+g{sha}" + (".dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
     return ";".join([f"grpo_mem={gm}"] + [f"{n}={ver(n)}" for n in ("torch", "transformers", "trl")])
 
 
+@functools.lru_cache(maxsize=None)
 def device_name(threads: int | None = None) -> str:
     """``"cpu (<model name>, <threads> threads)"`` from ``/proc/cpuinfo``."""
     name = platform.processor() or "unknown"
@@ -528,6 +571,7 @@ def measurement_rows(
         if metric == "peak_rss_above_base":
             cfg["rss_method"] = measurement.rss_method
             cfg["base_rss_mb"] = round(measurement.base_rss_bytes / MB, 1)
+            cfg["mmap_threshold_fixed"] = measurement.mmap_threshold_fixed
         rows.append(dict(op=op, provider=provider, mode=mode, metric=metric, unit=unit, x_name=x_name,
                          x_value=x_value, p50=p50, p20=p20, p80=p80, config=json.dumps(cfg, sort_keys=True),
                          device=device, timestamp=timestamp, version=version))
@@ -536,7 +580,8 @@ def measurement_rows(
 
 def skipped_rows(
     op: str, provider: str, mode: str, x_name: str, x_value: Any, config: dict, reason: str,
-    *, metrics: Iterable[tuple[str, str]] = (("wall_time", "s"), ("peak_rss_above_base", "MB"), ("peak_tensor", "MB")),
+    *, metrics: Iterable[tuple[str, str]] = (("wall_time", "s"), ("cpu_time", "s"), ("peak_rss_above_base", "MB"),
+                                           ("peak_tensor", "MB")),
     device: str | None = None, version: str | None = None, timestamp: str | None = None,
 ) -> list[dict]:
     """Rows recording that ``provider`` could not run this configuration: empty p-columns, ``"skipped": reason`` in
@@ -552,7 +597,8 @@ def skipped_rows(
 
 
 def write_csv(rows: Iterable[dict], path: str, *, append: bool = False) -> None:
-    """Write ``rows`` (dicts with exactly the keys of :data:`CSV_COLUMNS`) to ``path``, header first.
+    """Write ``rows`` (dicts with exactly the keys of :data:`CSV_COLUMNS`) to ``path``, header first; NaN floats are
+    written as empty cells.
 
     With ``append`` and an existing file, rows are added without a second header. Raises ValueError if a row's keys
     differ from :data:`CSV_COLUMNS`.
@@ -568,7 +614,8 @@ def write_csv(rows: Iterable[dict], path: str, *, append: bool = False) -> None:
         if new:
             w.writeheader()
         for r in rows:
-            w.writerow({k: (repr(float(v)) if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: (("" if math.isnan(v) else repr(float(v))) if isinstance(v, float) else v)
+                        for k, v in r.items()})
 
 
 def read_csv(path: str) -> list[dict]:
@@ -646,7 +693,8 @@ def plot_csv(
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, floatfmt: str = ".3g") -> str:
-    """A GitHub markdown table. Floats are formatted with ``floatfmt`` (NaN and None print as ``-``); numeric
+    """A GitHub markdown table. Floats are formatted with ``floatfmt``, from 1000 up as integers (NaN and None print
+    as ``-``); numeric
     columns (all cells numbers) are right-aligned. Raises ValueError if a row's length differs from ``headers``."""
     rows = [list(r) for r in rows]
     for r in rows:
@@ -657,7 +705,7 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, flo
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return "-"
         if isinstance(v, float):
-            return format(v, floatfmt)
+            return f"{v:.0f}" if abs(v) >= 1000 else format(v, floatfmt)
         return str(v)
 
     numeric = [all(isinstance(r[j], (int, float)) or r[j] is None for r in rows) and bool(rows)

@@ -4,6 +4,7 @@ import csv
 import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -36,8 +37,22 @@ def failing_worker(args: dict) -> dict:
     raise ValueError(f"bad value {args['x']}")
 
 
-def test_known_allocation_in_fresh_process():
-    res = harness.run_isolated(f"{THIS}:alloc_worker", {"bytes": ALLOC_BYTES}, timeout_s=120)
+@pytest.fixture(scope="module")
+def isolated_results():
+    """The three fresh-process runs, launched together to save wall time (each child spends seconds importing torch)."""
+    calls = {
+        "alloc": dict(target=f"{THIS}:alloc_worker", args={"bytes": ALLOC_BYTES}, timeout_s=120),
+        "grow": dict(target=f"{THIS}:grow_worker", args={"bytes": 3 * 10**9}, rss_budget_mb=1500, timeout_s=120),
+        "fail": dict(target=f"{THIS}:failing_worker", args={"x": -3}, timeout_s=120),
+    }
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {k: pool.submit(harness.run_isolated, kw.pop("target"), kw.pop("args"), **kw)
+                   for k, kw in calls.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def test_known_allocation_in_fresh_process(isolated_results):
+    res = isolated_results["alloc"]
     assert "skipped" not in res, res
     m = harness.Measurement.from_dict(res)
     mb = ALLOC_BYTES / harness.MB
@@ -47,7 +62,7 @@ def test_known_allocation_in_fresh_process():
     for peak in m.peak_rss_above_base_bytes:
         assert abs(peak / harness.MB - mb) <= 0.05 * mb, (peak, mb)
     assert m.rss_method in ("vmhwm", "sampler")
-    assert len(m.times_s) == 2 and all(t > 0 for t in m.times_s)
+    assert len(m.times_s) == len(m.cpu_times_s) == 2 and all(t > 0 for t in m.times_s + m.cpu_times_s)
     assert m.threads == 2
 
 
@@ -68,11 +83,10 @@ def test_tracker_counts_views_once_and_ignores_inputs_and_inplace():
     assert t.peak_bytes >= 3 * 360_000
 
 
-def test_rss_budget_and_failures_become_skips():
-    res = harness.run_isolated(f"{THIS}:grow_worker", {"bytes": 3 * 10**9}, rss_budget_mb=1500, timeout_s=120)
+def test_rss_budget_and_failures_become_skips(isolated_results):
+    res = isolated_results["grow"]
     assert res["skipped"].startswith("over the RSS budget of 1500 MB"), res
-    res = harness.run_isolated(f"{THIS}:failing_worker", {"x": -3}, timeout_s=120)
-    assert "ValueError: bad value -3" in res["skipped"], res
+    assert "ValueError: bad value -3" in isolated_results["fail"]["skipped"], isolated_results["fail"]
 
 
 def test_percentiles_match_numpy():
@@ -83,7 +97,7 @@ def test_percentiles_match_numpy():
 
 
 def test_csv_schema_plot_and_table(tmp_path):
-    m = harness.Measurement(times_s=[1.0, 2.0, 3.0], peak_rss_above_base_bytes=[5 * 10**6],
+    m = harness.Measurement(times_s=[1.0, 2.0, 3.0], cpu_times_s=[2.0, 4.0, 6.0], peak_rss_above_base_bytes=[5 * 10**6],
                             peak_tensor_bytes=[4 * 10**6], base_rss_bytes=10**8, rss_method="vmhwm", threads=2)
     rows = harness.measurement_rows("group", "trl", "full", "P", 256, m, {"G": 4, "model": "llama"})
     rows += harness.measurement_rows("group", "trl", "full", "P", 512, m, {"G": 4, "model": "llama"})
@@ -95,11 +109,12 @@ def test_csv_schema_plot_and_table(tmp_path):
     assert header == ["op", "provider", "mode", "metric", "unit", "x_name", "x_value", "p50", "p20", "p80",
                       "config", "device", "timestamp", "version"]
     back = harness.read_csv(str(path))
-    assert len(back) == 9
+    assert len(back) == 2 * 4 + 4  # 4 metrics for each of 2 measured configurations, 4 skipped metrics
     by = {(r["provider"], r["metric"], r["x_value"]): r for r in back}
     t = by[("trl", "wall_time", "256")]
     assert (t["unit"], t["p50"], t["p20"], t["p80"]) == ("s", 2.0, 1.4, 2.6)
     assert t["config"] == {"G": 4, "model": "llama", "n": 3}
+    assert (by[("trl", "cpu_time", "256")]["unit"], by[("trl", "cpu_time", "256")]["p50"]) == ("s", 4.0)
     r = by[("trl", "peak_rss_above_base", "512")]
     assert (r["unit"], r["p50"]) == ("MB", 5.0)
     assert by[("trl", "peak_tensor", "512")]["p50"] == 4.0
@@ -110,12 +125,16 @@ def test_csv_schema_plot_and_table(tmp_path):
     with pytest.raises(ValueError, match="mode must be one of"):
         harness.measurement_rows("group", "trl", "fwdbwd", "P", 1, m, {})
     harness.write_csv(rows[:1], str(path), append=True)
-    assert len(harness.read_csv(str(path))) == 10
+    assert len(harness.read_csv(str(path))) == 13
+    with open(path, newline="") as f:
+        skipped = [r for r in csv.DictReader(f) if r["provider"] == "grpo_mem"]
+    assert skipped and all(r["p50"] == r["p20"] == r["p80"] == "" for r in skipped)
 
     png = tmp_path / "r.png"
     harness.plot_csv(str(path), str(png), op="group", panel_keys=("model", "G"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    table = harness.markdown_table(["P", "provider", "time s"], [[256, "trl", 1.23456], [512, "trl", float("nan")]])
+    table = harness.markdown_table(["P", "provider", "time s"],
+                                   [[256, "trl", 1.23456], [512, "trl", float("nan")], [1024, "trl", 3001.4]])
     assert table.splitlines() == ["| P | provider | time s |", "|---:|---|---:|", "| 256 | trl | 1.23 |",
-                                  "| 512 | trl | - |"]
+                                  "| 512 | trl | - |", "| 1024 | trl | 3001 |"]

