@@ -463,13 +463,18 @@ def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
 def _prefix_tables(prefix_index, prefix_mask):
     """First real key of each prompt (P if none), int32 (U,); rows grouped by prompt and CSR offsets, int32."""
     U, P = prefix_mask.shape
-    has = prefix_mask.any(dim=1)
-    pstart = torch.where(has, prefix_mask.to(torch.int8).argmax(dim=1), torch.full_like(has, P, dtype=torch.int64))
+    dev = prefix_mask.device
+    if P == 0:
+        pstart = torch.zeros(U, dtype=torch.int32, device=dev)
+    else:
+        # weight key j by P − j: the largest weight among real keys marks the first one; a prompt with none gives P
+        weight = torch.arange(P, 0, -1, device=dev)
+        pstart = (P - (prefix_mask * weight).amax(dim=1)).to(torch.int32)
     rows = torch.argsort(prefix_index, stable=True).to(torch.int32)
     counts = torch.bincount(prefix_index, minlength=U)
     row_start = torch.zeros(U + 1, dtype=torch.int32, device=prefix_index.device)
     row_start[1:] = torch.cumsum(counts, 0)
-    return pstart.to(torch.int32).contiguous(), rows.contiguous(), row_start
+    return pstart.contiguous(), rows.contiguous(), row_start
 
 
 def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale):
