@@ -18,10 +18,12 @@ Providers:
   plain model: each prompt forwarded once, its K/V shared by the group's completions.
 
 Ideal ratio of the token-linear work, grpo_mem over full sequence: rho = (P + G·C) / (G·(P + C)). Each
-(configuration, provider) runs in a fresh process (``harness.run_isolated``); wall time is p50 over timed repeats after
-one warm-up, memory is the peak RSS above the process's base just before the op (model, inputs and optimizer-free
-parameters are in the base; parameter gradients are not) and the op's own peak live tensor bytes. Every provider's
-log-probs and gradient norm are compared with ``trl``'s and the differences printed and stored.
+(configuration, provider) runs in a fresh process (``harness.run_isolated``) and is warmed up on a tiny group first.
+Wall and CPU time are p50 over the timed calls (up to ``--repeats``); memory is the peak RSS above the process's base
+just before the op (weights and inputs are in the base; the gradients the op creates are not) and the op's own peak
+live tensor bytes. After measuring, every provider's log-probs are compared with a plain no-grad full-sequence
+forward (log_softmax over the vocabulary) in the same process, and with ``trl``'s log-probs and gradient norm when
+``trl`` ran in the same sweep; the differences are printed and stored in ``config``.
 
 Models (random weights, fp32, SDPA attention, train mode, gradient checkpointing off):
 
@@ -213,6 +215,15 @@ def _measure_group(args: dict, model, fn, input_ids, attention_mask, completion_
                             repeats=args.get("repeats", 3), min_repeats=args.get("min_repeats", 1),
                             time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
     res = m.to_dict()
+    # Check after measuring (so nothing here is timed or counted): log-probs of a plain no-grad forward of the full
+    # sequences, log_softmax over the whole vocabulary, fp32
+    with torch.no_grad():
+        C = args["C"]
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     use_cache=False).last_hidden_state[:, -C - 1:-1]
+        logits = model.get_output_embeddings()(hidden).float()
+        ref = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -C:, None])[..., 0] * cmask
+    res["logp_max_abs_diff_vs_plain_forward"] = float((last["lp"] * cmask - ref).abs().max())
     res["log_probs"] = (last["lp"] * cmask).tolist()
     res["entropies"] = (last["ent"] * cmask).tolist()
     res["grad_norm"] = _grad_norm(model)
@@ -314,7 +325,8 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
                 rows += harness.skipped_rows(op, prov, "full", "P", P, config, res["skipped"], device=device,
                                              version=version)
                 continue
-            c = dict(config, grad_norm=res["grad_norm"], n_params=res["n_params"])
+            c = dict(config, grad_norm=res["grad_norm"], n_params=res["n_params"],
+                     logp_max_abs_diff_vs_plain_forward=res["logp_max_abs_diff_vs_plain_forward"])
             if res["fallback_warnings"]:
                 c["fallback"] = res["fallback_warnings"]
             if prov == "trl":
@@ -328,8 +340,9 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
             print(f"[{op}] {cfg} {prov}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, "
                   f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)}), "
                   f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB, "
-                  f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB, child {took:.0f} s"
-                  + (f", |dlogp| {c['logp_max_abs_diff_vs_trl']:.2e}, grad-norm rel diff "
+                  f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB, child {took:.0f} s, "
+                  f"|dlogp| vs plain forward {res['logp_max_abs_diff_vs_plain_forward']:.1e}"
+                  + (f", |dlogp| vs trl {c['logp_max_abs_diff_vs_trl']:.1e}, grad-norm rel diff "
                      f"{c['grad_norm_rel_diff_vs_trl']:.1e}" if "logp_max_abs_diff_vs_trl" in c else "")
                   + (f", FALLBACK {c['fallback']}" if "fallback" in c else ""), file=sys.stderr, flush=True)
         if on_config_done is not None:
@@ -368,13 +381,13 @@ def _index(rows: list[dict]) -> dict:
 def table(path: str = CSV_PATH, op: str = OP) -> str:
     """Markdown table of ``op`` from the CSV: per configuration, p50 wall time (s) and peak RSS above base (MB) of each
     provider, grpo_mem's ratios to full_seq and trl (also of CPU time and of the tracked tensor peak), the ideal ratio
-    beside them, and grpo_mem's largest log-prob difference from trl."""
+    beside them, and grpo_mem's largest log-prob difference from a plain no-grad full-sequence forward."""
     rows = [r for r in harness.read_csv(path) if r["op"] == op]
     idx = _index(rows)
     headers = ["model", "G", "P", "groups", "ideal ρ",
                "time trl s", "time full_seq s", "time grpo_mem s", "time gm/fs", "time gm/trl", "cpu gm/fs",
                "mem trl MB", "mem full_seq MB", "mem grpo_mem MB", "mem gm/fs", "mem gm/trl",
-               "tensor gm/fs", "max |Δlogp| gm"]
+               "tensor gm/fs", "gm max |Δlogp|"]
     out = []
 
     def p50(d, prov, met):
@@ -391,7 +404,7 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
         m = {p: p50(d, p, "peak_rss_above_base") for p in PROVIDERS}
         tp = {p: p50(d, p, "peak_tensor") for p in PROVIDERS}
         gm = d.get("grpo_mem", {}).get("wall_time")
-        diff = gm["config"].get("logp_max_abs_diff_vs_trl") if gm else None
+        diff = gm["config"].get("logp_max_abs_diff_vs_plain_forward") if gm else None
         if gm and gm["config"].get("fallback"):
             diff = "fallback"
         out.append([model, G, P, groups, ideal_ratio(G, P, C), t["trl"], t["full_seq"], t["grpo_mem"],
