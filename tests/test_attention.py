@@ -89,16 +89,23 @@ CASES = {
 }
 
 
+def cpu_path(*args, scale):
+    return shared_prefix_attention(*args, scale=scale, backend="cpu")
+
+
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("chunk_elems", [1 << 20, 300])
-def test_torch_path_matches_reference(case, chunk_elems):
+@pytest.mark.parametrize("path", ["torch", "torch_chunk300", "cpu"])
+def test_torch_path_matches_reference(case, path):
     B, Hq, Hkv, C, P, d, idx, plens, clens = CASES[case]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
     scale = d ** -0.5
     truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float64, scale=scale)
     naive32 = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=scale)
     check_fp32_against_truth(naive32, truth)  # the reference itself is exact in fp32
-    res = run(torch_path, t, pi, pm, km, go, scale=scale, chunk_elems=chunk_elems)
+    if path == "cpu":
+        res = run(cpu_path, t, pi, pm, km, go, scale=scale)
+    else:
+        res = run(torch_path, t, pi, pm, km, go, scale=scale, chunk_elems=300 if path == "torch_chunk300" else 1 << 20)
     check_fp32_against_truth(res, truth)
     # padding positions get exactly zero gradient
     dpk, dpv = res["dprefix_k"].transpose(1, 2), res["dprefix_v"].transpose(1, 2)  # (U, P, Hkv, d)
@@ -170,7 +177,8 @@ def test_rows_without_visible_keys_give_zero():
     check_fp32_against_truth(res, truth)
 
 
-def test_does_not_materialise_prompt_copies():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_does_not_materialise_prompt_copies(backend):
     """No intermediate as large as prefix_k[prefix_index] (B·Hkv·P·d) in forward or backward."""
     B, Hq, Hkv, C, P, d = 16, 8, 2, 4, 64, 16
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, [0] * B, [50], None)
@@ -188,7 +196,10 @@ def test_does_not_materialise_prompt_copies():
 
     leaves = [t[n].clone().requires_grad_(True) for n in GRAD_NAMES]
     with MaxNumel():
-        out = torch_path(*leaves, pi, pm, km, scale=0.25, chunk_elems=4096)
+        if backend == "cpu":
+            out = cpu_path(*leaves, pi, pm, km, scale=0.25)
+        else:
+            out = torch_path(*leaves, pi, pm, km, scale=0.25, chunk_elems=4096)
         out.backward(go)
     assert MaxNumel.largest < per_row_copy / 2, MaxNumel.largest
     with MaxNumel():  # the check itself sees the reference's copies

@@ -16,8 +16,9 @@ autograd graph holds only the inputs, the output and the (B, Hq, C) fp32 log-sum
 LSE merge follows Hydragen (arXiv 2402.05099) and ring-flash-attention's ``_update_out_and_lse``; the fused CUDA
 analogue is DualKV (arXiv 2605.15422).
 
-Backends: ``"torch"`` (any device, chunked so temporaries stay bounded), ``"triton"`` (``attention_triton.py``;
-CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
+Backends: ``"torch"`` (any device, chunked so temporaries stay bounded), ``"cpu"`` (the same two regions on ATen's
+fused CPU attention kernels, whose forward returns the log-sum-exp and whose backward takes the merged output and
+log-sum-exp), ``"triton"`` (``attention_triton.py``; CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class SharedPrefixAttentionParams:
     """Non-tensor options of :class:`SharedPrefixAttentionFunction`.
 
     scale: softmax scale applied to ``q·k`` (dimensionless, usually ``d**-0.5``).
-    backend: ``"torch"`` or ``"triton"`` (already resolved, never ``"auto"``).
+    backend: ``"torch"``, ``"cpu"`` or ``"triton"`` (already resolved, never ``"auto"``).
     chunk_elems: upper bound on the elements of one score matrix chunk in the torch path.
     """
 
@@ -353,6 +354,89 @@ def _torch_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key
     return dq, dk, dv, dpk, dpv
 
 
+def _flash_cpu_ops():
+    """ATen's fused CPU attention kernels (forward returns the log-sum-exp), or None when this torch lacks them."""
+    ops = torch.ops.aten
+    try:
+        return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
+    except (AttributeError, RuntimeError):  # pragma: no cover - present in every torch this package supports
+        return None
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool visibility → additive mask (0 visible, −inf hidden) in ``dtype``, as the ATen CPU kernels take it."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _region2_layout(q, k, key_mask, Hkv):
+    """Region 2 as one batched attention: queries (B, Hkv, rep·C, d) against each row's own (B, Hkv, C, d) keys,
+    with the (B, 1, rep·C, C) causal-and-padding mask. Folding the query heads of a kv head avoids repeating K/V."""
+    B, Hq, C, d = q.shape
+    rows = torch.arange(B, device=q.device)
+    visible = _completion_visibility(rows, 0, C, C, Hq // Hkv, key_mask, q.device)
+    return q.reshape(B, Hkv, -1, d), _additive(visible, q.dtype)
+
+
+def _has_key(prefix_index, prefix_mask, key_mask, B, Hq, C, device):
+    """(B, Hq, C) bool: which queries see at least one key in region 1 and region 2 (the kernels report LSE 0, not
+    −inf, for a query that sees none)."""
+    has1 = prefix_mask.any(-1)[prefix_index][:, None, None].expand(B, Hq, C)
+    seen = torch.ones(B, C, dtype=torch.bool, device=device) if key_mask is None else key_mask.cumsum(-1) > 0
+    return has1, seen[:, None, :].expand(B, Hq, C)
+
+
+def _cpu_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params):
+    """Forward on ATen's fused CPU kernels: one call per unique prompt (its group's queries folded against its K/V in
+    place) and one batched call for the completions; merged by LSE. Returns ``(out in q.dtype, lse fp32)``."""
+    fwd, _ = _flash_cpu_ops()
+    B, Hq, C, d = q.shape
+    Hkv, U = k.shape[1], prefix_k.shape[0]
+    acc = _acc_dtype(q.dtype)
+    o1 = torch.empty(B, Hq, C, d, dtype=acc, device=q.device)
+    l1 = torch.empty(B, Hq, C, dtype=acc, device=q.device)
+    for u, rows in _groups(prefix_index, U):
+        n = rows.numel()
+        qu = _fold(q.index_select(0, rows), Hkv)[None]  # (1, Hkv, n·rep·C, d)
+        mask = _additive(prefix_mask[u][None, None, None, :], q.dtype)
+        o, lse = fwd(qu, prefix_k[u : u + 1], prefix_v[u : u + 1], 0.0, False, attn_mask=mask, scale=params.scale)
+        o1.index_copy_(0, rows, _unfold(o[0].to(acc), n, Hq, C))
+        l1.index_copy_(0, rows, _unfold(lse[0, ..., None].to(acc), n, Hq, C)[..., 0])
+    q2, mask2 = _region2_layout(q, k, key_mask, Hkv)
+    o2, l2 = fwd(q2, k, v, 0.0, False, attn_mask=mask2, scale=params.scale)
+    o2, l2 = o2.reshape(B, Hq, C, d).to(acc), l2.reshape(B, Hq, C).to(acc)
+    has1, has2 = _has_key(prefix_index, prefix_mask, key_mask, B, Hq, C, q.device)
+    l1.masked_fill_(~has1, float("-inf"))
+    l2 = l2.masked_fill(~has2, float("-inf"))
+    out, lse = _merge(o1, l1, o2, l2)
+    return out.to(q.dtype), lse
+
+
+def _cpu_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse, params):
+    """Backward on ATen's fused CPU kernels: each region's FlashAttention-2 backward given the merged ``out`` and
+    ``lse``, so the kernel's ``D = rowsum(dO ∘ O)`` and ``P = exp(S − L)`` are those of the whole attention."""
+    _, bwd = _flash_cpu_ops()
+    B, Hq, C, d = q.shape
+    Hkv, U = k.shape[1], prefix_k.shape[0]
+    lse = torch.where(torch.isinf(lse), 0.0, lse).to(_acc_dtype(q.dtype))  # no key: all P = exp(−inf) = 0
+    dout = dout.contiguous()
+    dq = torch.zeros(B, Hq, C, d, dtype=_acc_dtype(q.dtype), device=q.device)
+    dpk, dpv = torch.zeros_like(prefix_k), torch.zeros_like(prefix_v)
+    for u, rows in _groups(prefix_index, U):
+        n = rows.numel()
+        fold = lambda x: _fold(x.index_select(0, rows), Hkv)[None]  # noqa: E731
+        fold_l = _fold(lse.index_select(0, rows)[..., None], Hkv)[None, ..., 0]
+        mask = _additive(prefix_mask[u][None, None, None, :], q.dtype)
+        g = bwd(fold(dout), fold(q), prefix_k[u : u + 1], prefix_v[u : u + 1], fold(out), fold_l, 0.0, False,
+                attn_mask=mask, scale=params.scale)  # fmt: skip
+        dq.index_add_(0, rows, _unfold(g[0][0].to(dq.dtype), n, Hq, C))
+        dpk[u], dpv[u] = g[1][0], g[2][0]
+    q2, mask2 = _region2_layout(q, k, key_mask, Hkv)
+    g = bwd(dout.reshape(B, Hkv, -1, d), q2, k, v, out.reshape(B, Hkv, -1, d), lse.reshape(B, Hkv, -1), 0.0, False,
+            attn_mask=mask2, scale=params.scale)  # fmt: skip
+    dq += g[0].reshape(B, Hq, C, d)
+    return dq, g[1], g[2], dpk, dpv
+
+
 class SharedPrefixAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: saves only the inputs, the output and the fp32 log-sum-exp; recomputes scores in backward.
 
@@ -367,6 +451,8 @@ class SharedPrefixAttentionFunction(torch.autograd.Function):
 
             out, lse = shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask,
                                                    params.scale)
+        elif params.backend == "cpu":
+            out, lse = _cpu_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params)
         else:
             out, lse = _torch_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params)
         ctx.save_for_backward(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse)
@@ -383,6 +469,8 @@ class SharedPrefixAttentionFunction(torch.autograd.Function):
 
             grads = shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask,
                                                 key_mask, out, lse, params.scale)
+        elif params.backend == "cpu":
+            grads = _cpu_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse, params)
         else:
             grads = _torch_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse,
                                params)
@@ -437,7 +525,9 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
         prefix_mask: (U, P) bool, True where the prompt key position is real.
         key_mask: (B, C) bool, True where the completion key position is real; None means all real.
         scale: softmax scale (``module.scaling``), a finite positive Python float.
-        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (triton for CUDA tensors, torch otherwise).
+        backend: ``"torch"`` (chunked matmuls, any device), ``"cpu"`` (ATen's fused CPU attention kernels, called
+            once per unique prompt on its folded queries and once for all completions), ``"triton"``, or ``"auto"``
+            (triton for CUDA tensors, cpu for CPU tensors, torch otherwise).
 
     Returns:
         (B, Hq, C, d) tensor of q's dtype. Differentiable in q, k, v, prefix_k, prefix_v (prompt gradients are summed
@@ -450,10 +540,17 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
         TypeError: non-tensor arguments, non-float q/k/v, non-int64 ``prefix_index``, non-bool masks.
     """
     _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale)
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
     if backend == "auto":
-        backend = "triton" if q.device.type == "cuda" and _triton_can_run(q.device)[0] else "torch"
+        if q.device.type == "cuda" and _triton_can_run(q.device)[0]:
+            backend = "triton"
+        elif q.device.type == "cpu" and _flash_cpu_ops() is not None:
+            backend = "cpu"
+        else:
+            backend = "torch"
+    elif backend == "cpu" and (q.device.type != "cpu" or _flash_cpu_ops() is None):
+        raise ValueError(f"backend='cpu' needs CPU tensors and ATen's fused CPU attention, got device {q.device}")
     elif backend == "triton":
         ok, why = _triton_can_run(q.device)
         if not ok:
