@@ -302,7 +302,7 @@ TRITON_CASES += [("bf16", c) for c in ("bias", "confident", "ignored")]
 @pytest.mark.parametrize("dtype_name, case", TRITON_CASES)
 def test_triton_interpreter_accuracy(triton_interpret, dtype_name, case):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    # N=37, H=45, V=301: unaligned to the interpreter blocks (16, 16, 32) and split over several vocabulary ranges
+    # N=37, H=45, V=301: unaligned to the interpreter blocks (32, 64, 32) and split over several vocabulary ranges
     check_case("triton", dtype, case, n=37, h=45, v=301)
 
 

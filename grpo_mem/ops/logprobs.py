@@ -342,7 +342,7 @@ def _fwd(hidden, weight, bias, target, p):
     return linear_logprobs_fwd_torch(hidden, weight, bias, target, p)
 
 
-def _bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db):
+def _bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp=None):
     if p.backend == "cpp":
         return _ext.C.linear_logprobs_bwd(
             hidden, weight, bias, target, lse, ent, g_lp, g_ent, p.logit_scale, p.softcap or 0.0, p.inv_t,
@@ -351,7 +351,9 @@ def _bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_d
     if p.backend == "triton":
         from .logprobs_triton import linear_logprobs_bwd
 
-        return linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db)
+        return linear_logprobs_bwd(
+            hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp
+        )
     return linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db)
 
 
@@ -370,19 +372,21 @@ class LinearLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, params: LogprobParams):
         ctx.set_materialize_grads(False)
         logp, ent, lse = _fwd(hidden, weight, bias, target, params)
-        ctx.save_for_backward(hidden, weight, bias, target, lse, ent)
+        # the triton backward takes the target term from the saved log-probs (see logprobs_triton._dlogits)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, ent, logp if params.backend == "triton" else None)
         ctx.params = params
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, target, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, target, lse, ent, logp = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         g_lp, g_ent = _row_grad(g_lp, target), _row_grad(g_ent, target)
         if (g_lp is None and g_ent is None) or not (need_dh or need_dw or need_db):
             return None, None, None, None, None
         dh, dw, db = _bwd(
-            hidden, weight, bias, target, lse, ent, g_lp, g_ent, ctx.params, need_dh, need_dw, need_db and bias is not None
+            hidden, weight, bias, target, lse, ent, g_lp, g_ent, ctx.params, need_dh, need_dw,
+            need_db and bias is not None, logp,
         )
         return dh, dw, db, None, None
 

@@ -18,7 +18,8 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
 - ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
 
 Float hyperparameters are runtime arguments cast to fp32 inside the kernels (Inductor passes Python floats as fp64,
-Liger-Kernel #1366). fp32 inputs use ``input_precision="ieee"`` dots (no TF32); bf16/fp16 inputs use native dots with fp32 accumulators,
+Liger-Kernel #1366). On GPUs, fp32 inputs use 3xTF32 dots (``input_precision="tf32x3"``: hi/lo TF32 split, error
+near fp32 rounding; plain "ieee" FMA dots spilled on sm_90); bf16/fp16 inputs use native dots with fp32 accumulators,
 the dlogits tile being rounded to the input dtype as the dot operand of the backward (as CCE does).
 """
 
@@ -37,35 +38,66 @@ __all__ = [
     "SHIPPED_CONFIGS",
 ]
 
-# Shipped block sizes on CUDA (AOT-checked for 0 spills on sm_90 in tests/test_logprobs_triton_aot.py) and the small
-# ones the CPU interpreter uses (tl.dot needs every dimension >= 16).
-CUDA_CONFIG = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=2)
-INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16, num_warps=4, num_stages=1)
+# Shipped block sizes on CUDA, per operand dtype: the largest tiles that compile without spills on sm_90 (checked by
+# tests/test_logprobs_triton_aot.py; e.g. BLOCK_H=64 spills in the d_weight kernel). The CPU interpreter uses small
+# ones (tl.dot needs every dimension >= 16).
+CUDA_CONFIG = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=2)  # bf16 / fp16 operands
+CUDA_CONFIG_FP32 = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=16, num_warps=4, num_stages=2)  # fp32 operands (3xTF32 dots)
+INTERPRET_CONFIG = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=1)
 SLS_CUDA_CONFIG = dict(BLOCK_V=2048, num_warps=8, num_stages=1)
 SLS_INTERPRET_CONFIG = dict(BLOCK_V=128, num_warps=4, num_stages=1)
 
 
 @triton.jit
 def _logits_tile(
-    HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
+    H_BLK, W_BLK, B_BLK, n_rows, n_cols, H, stride_hn, stride_wv,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    # (BLOCK_N, BLOCK_V) fp32 tile of h W^T + b (pre-scale logits); masked rows/cols hold finite junk
+    # (BLOCK_N, BLOCK_V) fp32 tile of h W^T + b (pre-scale logits) for the block whose first hidden row is H_BLK and
+    # first weight row is W_BLK (64-bit scalar bases; in-block offsets stay 32-bit). Masked entries hold finite junk.
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_V)
+    r_in = r < n_rows
+    c_in = c < n_cols
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
-        k_mask = ks < H
-        h = tl.load(HIDDEN + rows[:, None] * stride_hn + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(WEIGHT + cols[:, None] * stride_wv + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        k_in = ks < H
+        h = tl.load(H_BLK + r[:, None] * stride_hn + ks[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
+        w = tl.load(W_BLK + c[:, None] * stride_wv + ks[None, :], mask=c_in[:, None] & k_in[None, :], other=0.0)
         if UPCAST:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(B_BLK + c, mask=c_in, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _logits_tile_t(
+    H_BLK, W_BLK, B_BLK, n_rows, n_cols, H, stride_hn, stride_wv,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # transpose of _logits_tile: (BLOCK_V, BLOCK_N) fp32 tile of W h^T + b[:, None]
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_V)
+    r_in = r < n_rows
+    c_in = c < n_cols
+    acc = tl.zeros((BLOCK_V, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_in = ks < H
+        w = tl.load(W_BLK + c[:, None] * stride_wv + ks[None, :], mask=c_in[:, None] & k_in[None, :], other=0.0)
+        h = tl.load(H_BLK + r[:, None] * stride_hn + ks[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(w, tl.trans(h), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B_BLK + c, mask=c_in, other=0.0).to(tl.float32)[:, None]
     return acc
 
 
@@ -97,21 +129,31 @@ def _fold(z, valid, m, s, sz, HAS_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _dlogits(a, cols, tgt, lse, ent, glp, gent, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr):
-    # d(sum glp*logp + gent*H)/d(a) for a pre-scale tile a, fp32. Zero rows give zero (glp = gent = 0).
+def _dlogits(a, is_y, lse, ent, glp, gent, lp_y, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr,
+             HAS_LP_Y: tl.constexpr):
+    # d(sum glp*logp + gent*H)/d(a) for a pre-scale tile a, fp32; is_y marks the target entries and the per-row
+    # lse, ent, glp, gent (and lp_y, the forward's saved log-prob) come broadcastable to a (rows on axis 0, or on
+    # axis 1 for a transposed tile). Rows with glp = gent = 0 give 0.
+    # With HAS_LP_Y the target entry uses the saved log p_y: a recomputed tile may differ from the forward's by an ulp
+    # of z (another dot orientation), and for a confident row (1 - p_y ~ 1e-12) that ulp (~4e-6 at z = 50) would
+    # dominate 1 - p_y = -expm1(log p_y).
     u = a * scale
     if HAS_SOFTCAP:
         t = _tanh(u / softcap)
-        lp = t * (softcap * inv_t) - lse[:, None]
+        lp = t * (softcap * inv_t) - lse
         chain = (1.0 - t * t) * (inv_t * scale)
     else:
-        lp = u * inv_t - lse[:, None]
+        lp = u * inv_t - lse
         chain = inv_t * scale
     p = tl.exp(lp)
-    h_term = gent[:, None] * (lp + ent[:, None])
-    dz = -p * (glp[:, None] + h_term)
-    dz_y = glp[:, None] * _neg_expm1(lp) - p * h_term
-    dz = tl.where(cols[None, :] == tgt[:, None], dz_y, dz)
+    h_term = gent * (lp + ent)
+    # off target: -p (glp + h_term); on target: glp (1 - p) - p h_term, with 1 - p = -expm1(lp) formed accurately
+    if HAS_LP_Y:
+        lp_t = lp_y
+    else:
+        lp_t = lp
+    dz_y = glp * _neg_expm1(lp_t) - tl.exp(lp_t) * (gent * (lp_t + ent))
+    dz = tl.where(is_y, dz_y, -p * (glp + h_term))
     return dz * chain
 
 
@@ -121,6 +163,27 @@ def _transform(a, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr):
     if HAS_SOFTCAP:
         u = _tanh(u / softcap) * softcap
     return u * inv_t
+
+
+@triton.jit
+def _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0,
+               HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr):
+    # per-row saved statistics and upstream gradients of rows [n0, n0 + n_rows); target made tile-local to v0
+    r = tl.arange(0, BLOCK_N)
+    r_in = r < n_rows
+    tgt = tl.load(TARGET + n0 + r, mask=r_in, other=-1)
+    local = tl.where(tgt >= 0, tgt - v0, -1)
+    lse = tl.load(LSE + n0 + r, mask=r_in, other=0.0)
+    lp_y = tl.load(LOGP + n0 + r, mask=r_in, other=0.0)
+    glp = tl.zeros((BLOCK_N,), tl.float32)
+    gent = tl.zeros((BLOCK_N,), tl.float32)
+    ent = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_GLP:
+        glp = tl.load(GLP + n0 + r, mask=r_in, other=0.0)
+    if HAS_GENT:
+        gent = tl.load(GENT + n0 + r, mask=r_in, other=0.0)
+        ent = tl.load(ENT + n0 + r, mask=r_in, other=0.0)
+    return local, lse, ent, glp, gent, lp_y
 
 
 @triton.jit
@@ -135,38 +198,39 @@ def _linear_logprobs_fwd_kernel(
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
-    pid_n = tl.program_id(0)
+    n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
     split = tl.program_id(1)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    tgt = tl.load(TARGET + rows, mask=row_mask, other=-1)
+    n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
+    r = tl.arange(0, BLOCK_N)
+    r_in = r < n_rows
+    tgt = tl.load(TARGET + n0 + r, mask=r_in, other=-1)
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
     sz = tl.zeros((BLOCK_N,), tl.float32)
     zy = tl.zeros((BLOCK_N,), tl.float32)
     v_begin = split * V_PER_SPLIT
     v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
+    h_blk = HIDDEN + n0 * stride_hn
     for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < v_end
-        a = _logits_tile(HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
-                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-        z = _transform(a, scale, softcap, inv_t, HAS_SOFTCAP)
-        valid = col_mask[None, :] & (cols[None, :] >= 0)
-        z = tl.where(valid, z, float("-inf"))  # pad the vocabulary tail with -inf, not 0
-        zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        n_cols = tl.minimum(v_end - v0, BLOCK_V)
+        a = _logits_tile(h_blk, WEIGHT + tl.cast(v0, tl.int64) * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
+                         stride_wv, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+        c = tl.arange(0, BLOCK_V)
+        valid = (c < n_cols)[None, :]
+        z = tl.where(valid, _transform(a, scale, softcap, inv_t, HAS_SOFTCAP), float("-inf"))  # -inf tail, not 0
+        zy += tl.sum(tl.where(c[None, :] == (tgt - v0)[:, None], z, 0.0), axis=1)
         m, s, sz = _fold(z, valid, m, s, sz, HAS_ENTROPY)
-    out = split * N + rows
-    tl.store(M_OUT + out, m, mask=row_mask)
-    tl.store(S_OUT + out, s, mask=row_mask)
-    tl.store(ZY_OUT + out, zy, mask=row_mask)
+    out = split * N + n0 + r
+    tl.store(M_OUT + out, m, mask=r_in)
+    tl.store(S_OUT + out, s, mask=r_in)
+    tl.store(ZY_OUT + out, zy, mask=r_in)
     if HAS_ENTROPY:
-        tl.store(SZ_OUT + out, sz, mask=row_mask)
+        tl.store(SZ_OUT + out, sz, mask=r_in)
 
 
 @triton.jit
 def _linear_logprobs_bwd_dh_kernel(
-    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, DH,
+    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, LOGP, DH,
     N, V, H, stride_hn, stride_wv, V_PER_SPLIT,
     scale, softcap, inv_t,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
@@ -176,50 +240,46 @@ def _linear_logprobs_bwd_dh_kernel(
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
-    pid_n = tl.program_id(0)
+    n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
     split = tl.program_id(1)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    tgt = tl.load(TARGET + rows, mask=row_mask, other=-1)
-    lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
-    glp = tl.zeros((BLOCK_N,), tl.float32)
-    gent = tl.zeros((BLOCK_N,), tl.float32)
-    ent = tl.zeros((BLOCK_N,), tl.float32)
-    if HAS_GLP:
-        glp = tl.load(GLP + rows, mask=row_mask, other=0.0)
-    if HAS_GENT:
-        gent = tl.load(GENT + rows, mask=row_mask, other=0.0)
-        ent = tl.load(ENT + rows, mask=row_mask, other=0.0)
+    n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
+    r = tl.arange(0, BLOCK_N)
+    r_in = r < n_rows
+    c = tl.arange(0, BLOCK_V)
     v_begin = split * V_PER_SPLIT
     v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
-    dh_base = DH + split.to(tl.int64) * N * H
+    h_blk = HIDDEN + n0 * stride_hn
+    # this program is the only reader/writer of these rows of its split's fp32 slab
+    dh_blk = DH + (tl.cast(split, tl.int64) * N + n0) * H
     for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < v_end
-        a = _logits_tile(HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
+        n_cols = tl.minimum(v_end - v0, BLOCK_V)
+        w_blk = WEIGHT + tl.cast(v0, tl.int64) * stride_wv
+        a = _logits_tile(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
                          HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-        da = _dlogits(a, cols, tgt, lse, ent, glp, gent, scale, softcap, inv_t, HAS_SOFTCAP)
-        da = tl.where(row_mask[:, None] & col_mask[None, :], da, 0.0).to(WEIGHT.dtype.element_ty)
+        local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0, HAS_GLP,
+                                                      HAS_GENT, BLOCK_N)
+        is_y = c[None, :] == local[:, None]
+        da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lp_y[:, None], scale,
+                      softcap, inv_t, HAS_SOFTCAP, True)
+        c_in = c < n_cols
+        da = tl.where(r_in[:, None] & c_in[None, :], da, 0.0).to(WEIGHT.dtype.element_ty)
         if UPCAST:
             da = da.to(tl.float32)
         for k0 in range(0, H, BLOCK_H):
             ks = k0 + tl.arange(0, BLOCK_H)
-            k_mask = ks < H
-            w = tl.load(WEIGHT + cols[:, None] * stride_wv + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+            k_in = ks < H
+            w = tl.load(w_blk + c[:, None] * stride_wv + ks[None, :], mask=c_in[:, None] & k_in[None, :], other=0.0)
             if UPCAST:
                 w = w.to(tl.float32)
-            # this program is the only reader/writer of these rows of its split's slab
-            ptrs = dh_base + rows[:, None] * H + ks[None, :]
-            msk = row_mask[:, None] & k_mask[None, :]
-            acc = tl.load(ptrs, mask=msk, other=0.0)
-            acc = tl.dot(da, w, acc, input_precision=PRECISION)
+            ptrs = dh_blk + r[:, None] * H + ks[None, :]
+            msk = r_in[:, None] & k_in[None, :]
+            acc = tl.dot(da, w, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
             tl.store(ptrs, acc, mask=msk)
 
 
 @triton.jit
 def _linear_logprobs_bwd_dw_kernel(
-    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, DW, DB,
+    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, LOGP, DW, DB,
     N, V, H, stride_hn, stride_wv, N_PER_SPLIT,
     scale, softcap, inv_t,
     HAS_BIAS: tl.constexpr, HAS_DB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
@@ -229,51 +289,49 @@ def _linear_logprobs_bwd_dw_kernel(
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
-    pid_v = tl.program_id(0)
+    v0 = tl.program_id(0) * BLOCK_V
     split = tl.program_id(1)
-    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
+    n_cols = tl.minimum(V - v0, BLOCK_V)
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_V)
+    c_in = c < n_cols
     n_begin = split * N_PER_SPLIT
     n_end = tl.minimum(n_begin + N_PER_SPLIT, N)
-    dw_base = DW + split.to(tl.int64) * V * H
+    w_blk = WEIGHT + tl.cast(v0, tl.int64) * stride_wv
+    # this program is the only reader/writer of these vocabulary rows of its split's fp32 slab
+    dw_blk = DW + (tl.cast(split, tl.int64) * V + v0) * H
     db_acc = tl.zeros((BLOCK_V,), tl.float32)
     for n0 in range(n_begin, n_end, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        row_mask = rows < n_end
-        tgt = tl.load(TARGET + rows, mask=row_mask, other=-1)
-        lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
-        glp = tl.zeros((BLOCK_N,), tl.float32)
-        gent = tl.zeros((BLOCK_N,), tl.float32)
-        ent = tl.zeros((BLOCK_N,), tl.float32)
-        if HAS_GLP:
-            glp = tl.load(GLP + rows, mask=row_mask, other=0.0)
-        if HAS_GENT:
-            gent = tl.load(GENT + rows, mask=row_mask, other=0.0)
-            ent = tl.load(ENT + rows, mask=row_mask, other=0.0)
-        a = _logits_tile(HIDDEN, WEIGHT, BIAS, rows, cols, row_mask, col_mask, H, stride_hn, stride_wv,
-                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-        da = _dlogits(a, cols, tgt, lse, ent, glp, gent, scale, softcap, inv_t, HAS_SOFTCAP)
-        da = tl.where(row_mask[:, None] & col_mask[None, :], da, 0.0)
+        n_rows = tl.minimum(n_end - n0, BLOCK_N)
+        r_in = r < n_rows
+        h_blk = HIDDEN + tl.cast(n0, tl.int64) * stride_hn
+        # the tile is computed transposed, (BLOCK_V, BLOCK_N) = W h^T, so that dlogits^T is already the left
+        # operand of the d_weight dot (no register transpose through shared memory)
+        a_t = _logits_tile_t(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
+                             HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+        local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0, HAS_GLP,
+                                                      HAS_GENT, BLOCK_N)
+        is_y = c[:, None] == local[None, :]
+        da_t = _dlogits(a_t, is_y, lse[None, :], ent[None, :], glp[None, :], gent[None, :], lp_y[None, :], scale,
+                        softcap, inv_t, HAS_SOFTCAP, True)
+        da_t = tl.where(c_in[:, None] & r_in[None, :], da_t, 0.0)
         if HAS_DB:
-            db_acc += tl.sum(da, axis=0)
-        da_t = tl.trans(da.to(HIDDEN.dtype.element_ty))
+            db_acc += tl.sum(da_t, axis=1)
+        da_t = da_t.to(HIDDEN.dtype.element_ty)
         if UPCAST:
             da_t = da_t.to(tl.float32)
         for k0 in range(0, H, BLOCK_H):
             ks = k0 + tl.arange(0, BLOCK_H)
-            k_mask = ks < H
-            h = tl.load(HIDDEN + rows[:, None] * stride_hn + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+            k_in = ks < H
+            h = tl.load(h_blk + r[:, None] * stride_hn + ks[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
             if UPCAST:
                 h = h.to(tl.float32)
-            # this program is the only reader/writer of these vocabulary rows of its split's slab
-            ptrs = dw_base + cols[:, None] * H + ks[None, :]
-            msk = col_mask[:, None] & k_mask[None, :]
-            acc = tl.load(ptrs, mask=msk, other=0.0)
-            acc = tl.dot(da_t, h, acc, input_precision=PRECISION)
+            ptrs = dw_blk + c[:, None] * H + ks[None, :]
+            msk = c_in[:, None] & k_in[None, :]
+            acc = tl.dot(da_t, h, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
             tl.store(ptrs, acc, mask=msk)
     if HAS_DB:
-        tl.store(DB + split.to(tl.int64) * V + cols, db_acc, mask=col_mask)
+        tl.store(DB + tl.cast(split, tl.int64) * V + v0 + c, db_acc, mask=c_in)
 
 
 @triton.jit
@@ -325,7 +383,9 @@ def _selective_log_softmax_bwd_kernel(
         gent = tl.load(GENT + row + one)
         ent = tl.load(ENT + row + one)
     a = tl.load(LOGITS + row * stride_n + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
-    da = _dlogits(a, cols, tgt, lse, ent, glp, gent, 1.0, 1.0, inv_t, False)
+    is_y = (tl.arange(0, BLOCK_V)[None, :] + tl.program_id(1) * BLOCK_V) == tgt[:, None]
+    da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lse[:, None], 1.0, 1.0, inv_t,
+                  False, False)
     tl.store(DLOGITS + row * stride_n + cols[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
 
 
@@ -342,14 +402,16 @@ KERNELS = {
 # launchers
 
 
-def _config(device: torch.device) -> dict:
-    return dict(CUDA_CONFIG if device.type == "cuda" else INTERPRET_CONFIG)
+def _config(device: torch.device, dtype: torch.dtype) -> dict:
+    if device.type != "cuda":
+        return dict(INTERPRET_CONFIG)
+    return dict(CUDA_CONFIG_FP32 if dtype == torch.float32 else CUDA_CONFIG)
 
 
 def _num_programs_target(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: exercise the split merge on small shapes
+    return 16  # interpreter: small test shapes still get several splits in every kernel (merge paths exercised)
 
 
 def _upcast(t: torch.Tensor) -> bool:
@@ -360,7 +422,9 @@ def _upcast(t: torch.Tensor) -> bool:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 operands: 3xTF32 (hi/lo split, error near fp32 rounding) on tensor cores; "ieee" FMA dots spilled on sm_90
+    # at every block size tried. For bf16/fp16 operands the value is ignored.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _splits(blocks_main: int, blocks_other: int, block: int, target_programs: int, cap: int) -> tuple[int, int]:
@@ -383,7 +447,7 @@ def linear_logprobs_fwd(hidden, weight, bias, target, p):
 
     n_tok, hid = hidden.shape
     vocab = weight.shape[0]
-    cfg = _config(hidden.device)
+    cfg = _config(hidden.device, hidden.dtype)
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
     splits, per = _splits(n_blocks, v_blocks, bv, _num_programs_target(hidden.device), cap=64)
@@ -416,13 +480,13 @@ def _merge_splits(m, s, sz, zy):
     return m_all, s_all, sz_all, zy.sum(0)
 
 
-def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db):
+def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp):
     """Triton backward: (dh, dw, db) in the inputs' dtypes (None where not requested). g_lp / g_ent: (N,) fp32 with
-    zeros on ignored rows, or None."""
+    zeros on ignored rows, or None; logp: the forward's (N,) fp32 log-probs (target term of the dlogits)."""
     n_tok, hid = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    cfg = _config(dev)
+    cfg = _config(dev, hidden.dtype)
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
     (scale, softcap, inv_t), has_cap = _common(hidden, weight, p)
@@ -434,7 +498,7 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
     )
     args = (
         hidden, weight, bias if bias is not None else weight, target, lse, ent if ent is not None else dummy,
-        g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy,
+        g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, logp,
     )
     target_programs = _num_programs_target(dev)
     dh = dw = db = None
@@ -509,9 +573,8 @@ def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
 
 
 SHIPPED_CONFIGS = {
-    "linear_logprobs_fwd": CUDA_CONFIG,
-    "linear_logprobs_bwd_dh": CUDA_CONFIG,
-    "linear_logprobs_bwd_dw": CUDA_CONFIG,
-    "selective_log_softmax_fwd": SLS_CUDA_CONFIG,
-    "selective_log_softmax_bwd": SLS_CUDA_CONFIG,
+    (name, dtype): (SLS_CUDA_CONFIG if name.startswith("selective") else
+                    CUDA_CONFIG_FP32 if dtype == torch.float32 else CUDA_CONFIG)
+    for name in KERNELS
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
 }
