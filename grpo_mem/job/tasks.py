@@ -1,0 +1,216 @@
+"""reasoning-gym tasks as a TRL prompt dataset plus an exact reward function.
+
+A task is a ``reasoning_gym`` procedural dataset (``reasoning_gym.create_dataset(name, size=, seed=, **config)``) whose
+entries hold ``question`` and ``answer``. Each entry becomes one chat prompt: a system message asking for the bare
+answer (:func:`system_prompt`) and the question as the user message, unchanged; the reward of a completion is ``dataset.score_answer(extract_answer(completion), entry)``, the
+task's own scorer, applied to the answer text pulled out of the completion (see :func:`extract_answer`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+DEFAULT_TASK = "chain_sum"
+
+DEFAULT_TASK_CONFIGS: dict[str, dict[str, Any]] = {
+    # Sums/differences of two one-digit numbers: SmolLM2-135M-Instruct gets some but not all of a group of 8 right,
+    # which is what gives GRPO a signal. At reasoning-gym's default difficulty its reward is all zeros.
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+}
+"""Task configurations used when no ``--task-config`` is given; other tasks get reasoning-gym's defaults."""
+
+DEFAULT_SYSTEM_PROMPTS: dict[str, str] = {
+    # Measured on SmolLM2-135M-Instruct, 12 chain_sum questions x 8 samples, 32 new tokens: at temperature 0.7 this
+    # system prompt gave mean reward 0.39 with 10/12 groups mixed; the question followed by "Reply with just the
+    # number." and the default system prompt gave 0.15 (8/12 mixed) at temperature 1.0.
+    "chain_sum": "You are a calculator. Reply with only the resulting number.",
+}
+"""System prompts of tasks that have one tuned for the default model; see :func:`system_prompt` for the others."""
+
+NUMERIC_SYSTEM_PROMPT = "Reply with only the final number."
+TEXT_SYSTEM_PROMPT = "Reply with only the final answer."
+
+# A signed decimal number with optional thousands separators: "-4", "+12", "1,000", "3.50". A sign counts only when it
+# touches the digits, so in "5 - 9 = -4" the numbers are 5, 9 and -4.
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?\s*", re.IGNORECASE)
+_CHAT_MARKERS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
+
+
+def extract_answer(completion: str, *, numeric: bool) -> str | None:
+    """The answer a completion gives, as text for the task's ``score_answer``; ``None`` when it gives none.
+
+    Rules, first match wins (the completion is first cut at the first chat marker such as ``<|im_end|>``):
+
+    1. the content of the last ``<answer>...</answer>`` tag (reasoning-gym's own answer format);
+    2. the content of the last ``\\boxed{...}``;
+    3. numeric tasks: the last number in the text, thousands commas removed (``"3 + 4 = 7."`` → ``"7"``,
+       ``"5 - 9 = -4"`` → ``"-4"``), the usual "last number" rule of GSM8K-style graders;
+    4. other tasks: the last non-empty line, without an ``Answer:`` / ``The answer is`` lead-in and without one
+       trailing full stop.
+
+    Args:
+        completion: decoded completion text (str).
+        numeric: whether the task's answers are numbers (:attr:`Task.numeric`).
+
+    Raises:
+        TypeError: ``completion`` is not a ``str``.
+    """
+    if not isinstance(completion, str):
+        raise TypeError(f"completion must be a str, got {type(completion).__name__}")
+    text = completion
+    for marker in _CHAT_MARKERS:
+        text = text.split(marker, 1)[0]
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        return tags[-1].strip()
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    if numeric:
+        numbers = _NUMBER.findall(text)
+        if not numbers:
+            return None
+        return numbers[-1].replace(",", "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return None
+    answer = _LEAD_IN.sub("", lines[-1]).strip()
+    if answer.endswith(".") and not answer.endswith(".."):
+        answer = answer[:-1].rstrip()
+    return answer or None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        Decimal(text.replace(",", ""))
+    except (InvalidOperation, ValueError):
+        return False
+    return True
+
+
+def completion_text(completion: Any) -> str:
+    """Text of one TRL completion: a ``str`` (standard format) or a list of chat messages (conversational format,
+    the assistant message contents are joined).
+
+    Raises:
+        TypeError: any other type.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    raise TypeError(f"completion must be a str or a list of chat messages, got {type(completion).__name__}")
+
+
+@dataclass
+class Task:
+    """A reasoning-gym dataset, its prompts in TRL's conversational format and its reward.
+
+    Attributes:
+        name: reasoning-gym dataset name (e.g. ``"chain_sum"``).
+        config: keyword arguments given to ``reasoning_gym.create_dataset``.
+        data: the reasoning-gym dataset (indexable; entries are dicts with ``question``, ``answer``, ``metadata``).
+        numeric: True when every answer in ``data`` parses as a decimal number; selects the extraction rule and
+            the default system prompt.
+        system: system message of every prompt (empty: none).
+    """
+
+    name: str
+    config: dict[str, Any]
+    data: Any
+    numeric: bool
+
+    system: str = ""
+
+    def prompt(self, index: int) -> list[dict[str, str]]:
+        """Chat prompt of entry ``index``: the system message :attr:`system` (if any), then the question as is."""
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        return messages + [{"role": "user", "content": str(self.data[index]["question"])}]
+
+    def score(self, completion: Any, index: int) -> float:
+        """Reward in [0, 1] of one completion for entry ``index``: the task's ``score_answer`` on the extracted answer."""
+        answer = extract_answer(completion_text(completion), numeric=self.numeric)
+        return float(self.data.score_answer(answer, self.data[index]))
+
+    def hf_dataset(self):
+        """``datasets.Dataset`` with columns ``prompt`` (chat messages) and ``rg_index`` (int, entry index)."""
+        from datasets import Dataset
+
+        n = len(self.data)
+        return Dataset.from_dict({"prompt": [self.prompt(i) for i in range(n)], "rg_index": list(range(n))})
+
+    def reward_func(self):
+        """A TRL reward function: ``f(prompts, completions, rg_index, **kwargs) -> list[float]``.
+
+        TRL passes dataset columns as keyword lists aligned with ``completions``; ``rg_index`` locates each entry.
+        Its ``__name__`` (TRL's metric name, ``rewards/<name>/mean``) is ``score_<task>``.
+        """
+
+        def reward(prompts=None, completions=None, rg_index=None, **kwargs) -> list[float]:
+            if completions is None or rg_index is None:
+                raise ValueError("reward needs `completions` and the dataset column `rg_index`")
+            if len(completions) != len(rg_index):
+                raise ValueError(f"{len(completions)} completions but {len(rg_index)} rg_index values")
+            return [self.score(c, int(i)) for c, i in zip(completions, rg_index)]
+
+        reward.__name__ = f"score_{self.name}"
+        return reward
+
+
+def system_prompt(name: str, numeric: bool) -> str:
+    """Default system prompt of task ``name``: :data:`DEFAULT_SYSTEM_PROMPTS` ``[name]`` if tuned, else
+    :data:`NUMERIC_SYSTEM_PROMPT` or :data:`TEXT_SYSTEM_PROMPT`."""
+    if name in DEFAULT_SYSTEM_PROMPTS:
+        return DEFAULT_SYSTEM_PROMPTS[name]
+    return NUMERIC_SYSTEM_PROMPT if numeric else TEXT_SYSTEM_PROMPT
+
+
+def make_task(
+    name: str = DEFAULT_TASK,
+    *,
+    size: int,
+    seed: int = 0,
+    config: dict[str, Any] | None = None,
+    system: str | None = None,
+) -> Task:
+    """Build a :class:`Task` of ``size`` entries.
+
+    Args:
+        name: reasoning-gym dataset name (``reasoning_gym.factory.DATASETS`` lists them).
+        size: number of entries (int >= 1).
+        seed: dataset seed (int).
+        config: dataset options; ``None`` takes :data:`DEFAULT_TASK_CONFIGS` ``[name]`` or reasoning-gym's defaults.
+        system: system message of every prompt; ``None`` = :func:`system_prompt`, ``""`` = no system message (the
+            chat template may then insert its own default).
+
+    Raises:
+        ValueError: unknown task name, ``size`` < 1, or options the dataset rejects.
+        TypeError: ``config`` is not a dict.
+    """
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        raise ValueError(f"unknown reasoning-gym task {name!r}; known: {', '.join(sorted(DATASETS))}")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be an int >= 1, got {size!r}")
+    if config is None:
+        config = dict(DEFAULT_TASK_CONFIGS.get(name, {}))
+    if not isinstance(config, dict):
+        raise TypeError(f"task config must be a dict, got {type(config).__name__}")
+    try:
+        data = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
+    except (TypeError, AssertionError) as exc:  # reasoning-gym validates its configs with assert
+        raise ValueError(f"task {name!r} rejects config {config!r}: {exc}") from exc
+    numeric = all(_is_number(str(data[i]["answer"])) for i in range(len(data)))
+    if system is None:
+        system = system_prompt(name, numeric)
+    elif not isinstance(system, str):
+        raise TypeError(f"system must be a str, got {type(system).__name__}")
+    return Task(name=name, config=config, data=data, numeric=numeric, system=system)

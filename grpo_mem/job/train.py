@@ -1,0 +1,394 @@
+"""The main job: GRPO on a reasoning-gym task with TRL's ``GRPOTrainer`` on CPU, patched by grpo_mem.
+
+:func:`run` loads a local HF causal LM (default: SmolLM2-135M-Instruct converted offline by
+:func:`grpo_mem.job.smollm2.ensure_smollm2`), builds the task's prompts and exact reward (:mod:`grpo_mem.job.tasks`),
+trains ``steps`` optimizer steps with ``GRPOTrainer`` (``grpo_mem.patch_trl(trainer)`` applied unless
+``patch=False``), records per step the mean reward, the peak RSS and the wall time (:mod:`grpo_mem.job.memory`), then
+prints a summary and writes ``summary.json`` and ``summary.png`` into the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpo_mem.job.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
+from grpo_mem.job.smollm2 import ensure_smollm2, force_offline
+from grpo_mem.job.tasks import DEFAULT_TASK, make_task
+
+# Per-step metrics copied from TRL's logs into summary.json (TRL name -> summary name).
+_LOGGED = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+    "completions/mean_length": "completion_mean_length",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "learning_rate": "learning_rate",
+}
+
+
+@dataclass
+class TrainSettings:
+    """Options of one run; the defaults are the default ``grpo-mem train`` run.
+
+    Attributes:
+        model: local HF causal-LM directory (with tokenizer and chat template); ``None`` = SmolLM2-135M-Instruct.
+        task: reasoning-gym dataset name.
+        task_config: reasoning-gym options; ``None`` = ``tasks.DEFAULT_TASK_CONFIGS[task]`` or reasoning-gym's.
+        system_prompt: system message of every prompt; ``None`` = ``tasks.system_prompt(task, numeric)``.
+        steps: optimizer steps (int >= 1).
+        num_generations: completions per prompt, G (int >= 2: GRPO normalises rewards within a group).
+        per_device_train_batch_size: completions per micro-batch (multiple of ``num_generations`` divided by
+            ``gradient_accumulation_steps``, as TRL requires); prompts per step = this x accumulation / G.
+        gradient_accumulation_steps: micro-batches per optimizer step (int >= 1).
+        max_completion_length: completion tokens generated at most, C.
+        learning_rate: AdamW learning rate, constant schedule.
+        temperature: sampling temperature (> 0); TRL scores log-probs at the same temperature.
+        beta: KL coefficient (0 = no reference model, TRL's default).
+        loss_type: TRL loss type (``None`` = TRL's default, ``"dapo"`` in 1.16).
+        gradient_checkpointing: TRL's default (on, non-reentrant).
+        seed: seed of the dataset, the sampler, generation and the trainer.
+        output_dir: where ``summary.json``, ``summary.png`` and TRL's run files go.
+        patch: apply ``grpo_mem.patch_trl(trainer)``.
+        threads: torch intra-op threads (``None`` = torch's default, one per core).
+        model_cache: directory of the converted SmolLM2 (``None`` = ``$GRPO_MEM_CACHE``/smollm2-135m-instruct).
+    """
+
+    model: str | None = None
+    task: str = DEFAULT_TASK
+    task_config: dict[str, Any] | None = None
+    system_prompt: str | None = None
+    steps: int = 30
+    num_generations: int = 8
+    per_device_train_batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    max_completion_length: int = 32
+    learning_rate: float = 1e-5
+    temperature: float = 0.7
+    beta: float = 0.0
+    loss_type: str | None = None
+    gradient_checkpointing: bool = True
+    seed: int = 0
+    output_dir: str = "grpo-mem-train"
+    patch: bool = True
+    threads: int | None = None
+    model_cache: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad value."""
+        for name in ("steps", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+                     "max_completion_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (GRPO compares completions of a prompt), got "
+                             f"{self.num_generations}")
+        completions = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if completions % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size x gradient_accumulation_steps = {completions} must be a multiple of "
+                f"num_generations = {self.num_generations}"
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not self.beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
+        if self.task_config is not None and not isinstance(self.task_config, dict):
+            raise ValueError(f"task_config must be a dict, got {self.task_config!r}")
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps // self.num_generations
+
+
+def _apply_patch(trainer):
+    try:
+        from grpo_mem import patch_trl
+    except ImportError as exc:
+        raise RuntimeError(
+            f"grpo_mem.patch_trl is not available ({exc}); run with --no-patch to train with stock TRL"
+        ) from exc
+    return patch_trl(trainer)
+
+
+def _compact_progress_callback():
+    """transformers' progress bar, printing one short line per logged step instead of TRL's full metrics dict."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class CompactProgressCallback(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or self.training_bar is None or not logs or "reward" not in logs:
+                return
+            parts = [f"step {state.global_step}", f"reward {logs['reward']:.3f}"]
+            if "reward_std" in logs:
+                parts.append(f"std {logs['reward_std']:.3f}")
+            if "completions/mean_length" in logs:
+                parts.append(f"len {logs['completions/mean_length']:.1f}")
+            if "loss" in logs:
+                parts.append(f"loss {logs['loss']:.4f}")
+            self.training_bar.write("  ".join(parts))
+
+    return CompactProgressCallback()
+
+
+def _step_rows(records: list[dict]) -> list[dict]:
+    rows = []
+    for rec in records:
+        row = {"step": rec["step"], "step_time_s": rec["step_time_s"], "peak_rss_mb": rec["peak_rss_mb"]}
+        for src, dst in _LOGGED.items():
+            value = rec["logs"].get(src)
+            row[dst] = float(value) if isinstance(value, (int, float)) else None
+        rows.append(row)
+    return rows
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+    import trl
+
+    try:
+        from importlib.metadata import version
+
+        grpo_mem_version = version("grpo_mem")
+    except Exception:  # not installed as a distribution (source checkout on sys.path)
+        grpo_mem_version = "source"
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "grpo_mem": grpo_mem_version,
+    }
+
+
+def plot_summary(summary: dict, path: Path) -> None:
+    """Write a PNG with mean reward and peak RSS per step (matplotlib, Agg backend) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rows = summary["steps"]
+    steps = [r["step"] for r in rows]
+    reward = [r["reward"] if r["reward"] is not None else math.nan for r in rows]
+    std = [r["reward_std"] if r["reward_std"] is not None else 0.0 for r in rows]
+    peak = [r["peak_rss_mb"] for r in rows]
+    label = "grpo_mem patch" if summary["patched"] else "stock TRL"
+    fig, (ax_r, ax_m) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax_r.plot(steps, reward, marker="o", ms=3, label="mean reward")
+    ax_r.fill_between(steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
+                      alpha=0.2, label="± reward std")
+    ax_r.set_ylabel("reward")
+    ax_r.set_ylim(-0.05, 1.05)
+    ax_r.legend(loc="upper left", fontsize=8)
+    ax_r.set_title(f"{Path(summary['model']).name} · {summary['task']} · G={summary['settings']['num_generations']}"
+                   f" · {label}", fontsize=10)
+    ax_m.plot(steps, peak, marker="o", ms=3, color="tab:red", label="peak RSS in step")
+    ax_m.axhline(summary["ru_maxrss_mb"], color="tab:red", ls=":", lw=1, label="ru_maxrss (whole process)")
+    ax_m.axhline(summary["rss_before_train_mb"], color="gray", ls="--", lw=1, label="RSS before training")
+    ax_m.set_ylabel("RSS (MB)")
+    ax_m.set_xlabel("optimizer step")
+    ax_m.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_m.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run text report: one line per step, then totals."""
+    lines = [
+        f"grpo-mem train: {summary['model']} on {summary['task']} "
+        f"({'grpo_mem patch' if summary['patched'] else 'stock TRL, --no-patch'})",
+        f"{'step':>5} {'reward':>7} {'std':>6} {'len':>5} {'peak RSS MB':>12} {'time s':>7}",
+    ]
+    for r in summary["steps"]:
+        def f(v, spec):
+            return format(v, spec) if v is not None else "-"
+        lines.append(f"{r['step']:>5} {f(r['reward'], '7.3f')} {f(r['reward_std'], '6.3f')} "
+                     f"{f(r['completion_mean_length'], '5.1f')} {r['peak_rss_mb']:>12.0f} {r['step_time_s']:>7.2f}")
+    t = summary["totals"]
+    lines += [
+        f"reward: first {t['reward_first']:.3f}, last {t['reward_last']:.3f}, "
+        f"mean of first half {t['reward_first_half']:.3f}, second half {t['reward_second_half']:.3f}",
+        f"peak RSS: max over steps {t['peak_rss_mb']:.0f} MB (before training {summary['rss_before_train_mb']:.0f} MB), "
+        f"ru_maxrss {summary['ru_maxrss_mb']:.0f} MB",
+        f"step time: mean {t['step_time_mean_s']:.2f} s, median {t['step_time_median_s']:.2f} s; "
+        f"training {summary['train_time_s']:.1f} s; wall {summary['wall_time_s']:.1f} s"
+        + (f" (incl. {summary['conversion_time_s']:.1f} s one-time conversion)" if summary["conversion_time_s"] else ""),
+    ]
+    if summary["grpo_mem_warnings"]:
+        lines.append("grpo_mem warnings: " + " | ".join(summary["grpo_mem_warnings"]))
+    lines.append(f"wrote {summary['files']['json']} and {summary['files']['png']}")
+    return "\n".join(lines)
+
+
+def _half_mean(values: list[float], second: bool) -> float:
+    if not values:
+        return math.nan
+    half = len(values) // 2
+    part = values[half:] if second else values[:max(half, 1)]
+    return sum(part) / len(part)
+
+
+def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
+    """Train once and return the summary dict (also written as ``<output_dir>/summary.json``).
+
+    Summary keys: ``model``, ``task``, ``task_config``, ``patched``, ``settings``, ``steps`` (per step: ``step``,
+    ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completion_mean_length``, ``loss``, ``grad_norm``,
+    ``learning_rate``, ``peak_rss_mb`` (MB), ``step_time_s`` (s)), ``totals``, ``rss_before_train_mb``,
+    ``ru_maxrss_mb``, ``train_time_s``, ``conversion_time_s``, ``wall_time_s``, ``grpo_mem_warnings``, ``versions``,
+    ``files``.
+
+    Raises:
+        ValueError: a bad setting (see :meth:`TrainSettings.validate`), unknown task, or a model directory without a
+            chat template.
+        RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
+    """
+    wall0 = time.perf_counter()
+    settings.validate()
+    if settings.model is not None and not (Path(settings.model).expanduser() / "config.json").is_file():
+        raise ValueError(f"--model must be a local HF model directory with config.json, got {settings.model!r}")
+    force_offline()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_callback import ProgressCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    out = Path(settings.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    conversion_time = 0.0
+    if settings.model is None:
+        t = time.perf_counter()
+        model_dir = ensure_smollm2(settings.model_cache, verbose=verbose)
+        conversion_time = time.perf_counter() - t
+        if conversion_time < 1.0:  # already converted: only a directory check
+            conversion_time = 0.0
+    else:
+        model_dir = Path(settings.model).expanduser()
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer in {model_dir} has no chat template; the prompts are chat messages")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+    task = make_task(settings.task, size=settings.steps * settings.prompts_per_step, seed=settings.seed,
+                     config=settings.task_config, system=settings.system_prompt)
+    config_kwargs = dict(
+        output_dir=str(out),
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.per_device_train_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        temperature=settings.temperature,
+        beta=settings.beta,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        seed=settings.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=False,
+        dataloader_pin_memory=False,
+    )
+    if settings.loss_type is not None:
+        config_kwargs["loss_type"] = settings.loss_type
+    config_kwargs.update(settings.extra)
+    args = GRPOConfig(**config_kwargs)
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=task.reward_func(),
+        args=args,
+        train_dataset=task.hf_dataset(),
+        processing_class=tokenizer,
+    )
+    handle = _apply_patch(trainer) if settings.patch else None
+
+    sampler = RssSampler().start()
+    stats = make_step_stats_callback(sampler)
+    trainer.add_callback(stats)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(_compact_progress_callback())
+    rss_before = current_rss_mb()
+    t = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            trainer.train()
+    finally:
+        train_time = time.perf_counter() - t
+        sampler.stop()
+        if handle is not None and hasattr(handle, "revert"):
+            handle.revert()
+    for w in caught:  # show what was held back during training, in order
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    grpo_mem_root = str(Path(__file__).resolve().parents[1])
+    grpo_mem_warnings = sorted({
+        str(w.message) for w in caught
+        if str(w.filename).startswith(grpo_mem_root) or str(w.message).startswith("grpo_mem")
+    })
+
+    rows = _step_rows(stats.records)
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    times = [r["step_time_s"] for r in rows]
+    summary = {
+        "model": str(model_dir),
+        "task": task.name,
+        "task_config": task.config,
+        "system_prompt": task.system,
+        "patched": settings.patch,
+        "settings": {k: v for k, v in asdict(settings).items() if k != "extra"} | {"extra": settings.extra},
+        "steps": rows,
+        "totals": {
+            "reward_first": rewards[0] if rewards else math.nan,
+            "reward_last": rewards[-1] if rewards else math.nan,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            "reward_first_half": _half_mean(rewards, second=False),
+            "reward_second_half": _half_mean(rewards, second=True),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in rows) if rows else math.nan,
+            "step_time_mean_s": sum(times) / len(times) if times else math.nan,
+            "step_time_median_s": statistics.median(times) if times else math.nan,
+        },
+        "rss_before_train_mb": rss_before,
+        "ru_maxrss_mb": ru_maxrss_mb(),
+        "rss_sample_interval_s": sampler.interval_s,
+        "train_time_s": train_time,
+        "conversion_time_s": conversion_time,
+        "wall_time_s": time.perf_counter() - wall0,
+        "torch_threads": torch.get_num_threads(),
+        "grpo_mem_warnings": grpo_mem_warnings,
+        "versions": _versions(),
+        "files": {"json": str(out / "summary.json"), "png": str(out / "summary.png")},
+    }
+    plot_summary(summary, out / "summary.png")
+    summary["wall_time_s"] = time.perf_counter() - wall0
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if verbose:
+        print(format_summary(summary), flush=True)
+    return summary
