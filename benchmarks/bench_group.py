@@ -321,7 +321,8 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
                                        timeout_s=timeout_s, rss_budget_mb=rss_budget_mb, threads=threads)
             took = time.perf_counter() - t0
             if "skipped" in res:
-                print(f"[{op}] {cfg} {prov}: SKIPPED ({res['skipped']})", file=sys.stderr)
+                print(f"[{op}] {cfg} {prov}: SKIPPED ({res['skipped']})\n{res.get('stderr_tail', '')}",
+                      file=sys.stderr, flush=True)
                 rows += harness.skipped_rows(op, prov, "full", "P", P, config, res["skipped"], device=device,
                                              version=version)
                 continue

@@ -52,6 +52,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -423,8 +424,8 @@ def run_isolated(
 
     Returns:
         The child's dict, with ``"child_peak_rss_mb"`` (parent-sampled peak RSS of the child, MB) and
-        ``"child_wall_s"`` added; or ``{"skipped": reason, ...}`` if the child failed (reason ends with the last
-        line of its stderr), timed out or went over the budget. Never raises for a failed child.
+        ``"child_wall_s"`` added; or ``{"skipped": reason, "stderr_tail": ..., ...}`` if the child failed (reason
+        ends with its exception line), timed out or went over the budget. Never raises for a failed child.
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -445,6 +446,7 @@ def run_isolated(
         t0 = time.perf_counter()
         peak = 0
         reason = None
+        stderr_tail = ""
         with open(err_path, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=child_env, cwd=_REPO)
             while proc.poll() is None:
@@ -463,12 +465,16 @@ def run_isolated(
         if reason is None and proc.returncode != 0:
             with open(err_path) as f:
                 lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
-            tail = lines[-1] if lines else "(no stderr)"
-            reason = f"worker exited with code {proc.returncode}: {tail}"
+            # The exception line of the last traceback, else the last line
+            exc = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln)]
+            tail = exc[-1] if exc else (lines[-1] if lines else "(no stderr)")
+            reason = f"worker exited with code {proc.returncode}: {tail[:300]}"
+            stderr_tail = "\n".join(lines[-20:])
         if reason is None and not os.path.exists(out_path):
             reason = "worker wrote no result"
         if reason is not None:
-            return {"skipped": reason, "child_peak_rss_mb": peak / MB, "child_wall_s": wall}
+            return {"skipped": reason, "stderr_tail": stderr_tail, "child_peak_rss_mb": peak / MB,
+                    "child_wall_s": wall}
         with open(out_path) as f:
             result = json.load(f)
     result.setdefault("child_peak_rss_mb", peak / MB)
