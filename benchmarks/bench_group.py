@@ -444,11 +444,18 @@ def targets(path: str = CSV_PATH) -> str:
     return "\n".join(lines)
 
 
+def plot(csv_path: str = CSV_PATH, png_path: str = PNG_PATH) -> None:
+    """``group.png``: p50 wall time, CPU time and peak RSS above base against P, one panel per (model, groups, G)."""
+    harness.plot_csv(csv_path, png_path, op=OP, metrics=("wall_time", "cpu_time", "peak_rss_above_base"),
+                     panel_keys=("model", "groups", "G"), log_x=True, log_y=True,
+                     title="group forward+backward (C=64): p50 wall time, CPU time, peak RSS above base")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 small configurations (smoke run)")
     p.add_argument("--full-grid", action="store_true", help="the whole G x P grid on qwen2 too, not only G=16")
-    p.add_argument("--table", action="store_true", help="only print the table from the existing CSV")
+    p.add_argument("--table", action="store_true", help="only print the table (and redraw the plot) from the CSV")
     p.add_argument("--split", action="store_true", help="one group of 8 over micro-batches of 2 (stock providers)")
     p.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of %(default)s")
     p.add_argument("--threads", type=int, default=2)
@@ -483,9 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       measure_args=measure_args, on_config_done=save)
         print(f"sweep took {time.perf_counter() - t0:.0f} s; wrote {a.csv}", file=sys.stderr)
         if not a.split:
-            harness.plot_csv(a.csv, a.png, op=OP, panel_keys=("model", "groups", "G"), log_y=True,
-                             title="group forward+backward: p50 wall time and peak RSS above base")
+            plot(a.csv, a.png)
             print(f"wrote {a.png}", file=sys.stderr)
+    if a.table and not a.split:
+        plot(a.csv, a.png)
     print(table(a.csv, OP_SPLIT if a.split else OP))
     if not a.split:
         print()

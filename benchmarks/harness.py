@@ -643,6 +643,7 @@ def plot_csv(
     op: str | None = None,
     metrics: Sequence[str] = ("wall_time", "peak_rss_above_base"),
     panel_keys: Sequence[str] = (),
+    log_x: bool = False,
     log_y: bool = False,
     title: str | None = None,
 ) -> None:
@@ -650,12 +651,14 @@ def plot_csv(
 
     One row of panels per metric; one column per distinct value of the ``config`` keys in ``panel_keys`` (e.g.
     ``("model", "G")``); in each panel one line per provider: p50 against ``x_value`` with a p20..p80 band. Skipped
-    rows are left out. Raises ValueError if no row matches ``op`` and ``metrics``.
+    rows are left out; ``log_x`` (base 2) and ``log_y`` set log axes. Raises ValueError if no row matches ``op`` and
+    ``metrics``.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     rows = [r for r in read_csv(csv_path) if (op is None or r["op"] == op) and r["metric"] in metrics
             and "skipped" not in r["config"] and not math.isnan(r["p50"])]
@@ -684,8 +687,17 @@ def plot_csv(
             unit = next(r["unit"] for r in rows if r["metric"] == met)
             ax.set_xlabel(rows[0]["x_name"])
             ax.set_ylabel(f"{met} [{unit}]")
+            if log_x:
+                ax.set_xscale("log", base=2)
             if log_y:
                 ax.set_yscale("log")
+                # Plain numbers, minor ticks labelled when the panel spans few decades (matplotlib's thresholds)
+                ax.yaxis.set_major_formatter(ticker.LogFormatter(labelOnlyBase=False))
+                ax.yaxis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.6)))
+            xs_all = sorted({float(r["x_value"]) for r in rows})
+            ax.set_xticks(xs_all)
+            ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
             if panel_keys:
                 ax.set_title(", ".join(f"{k}={v}" for k, v in zip(panel_keys, pan)), fontsize=9)
             ax.grid(alpha=0.3)
