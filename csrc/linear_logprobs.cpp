@@ -29,7 +29,8 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Tile shape: BLOCK_N x BLOCK_V fp32 = 8 MiB. Chosen by measurement on a 2-core AVX-512 host (see README table).
+// Default tile shape (the Python side passes its own, grpo_mem.ops.logprobs.CPP_BLOCK_N / CPP_BLOCK_V); the column
+// block also bounds the row buffer of selective_log_softmax.
 constexpr int64_t BLOCK_N = 2048;
 constexpr int64_t BLOCK_V = 1024;
 // rows per parallel task in the elementwise passes
@@ -212,7 +213,8 @@ std::vector<Tensor> finish(const Tensor& m, const Tensor& s, const Tensor& sz, c
 // Returns [logp (N,), entropy (N,) or empty, lse (N,)], fp32.
 std::vector<Tensor> linear_logprobs_fwd(const Tensor& hidden, const Tensor& weight, const c10::optional<Tensor>& bias,
                                         const Tensor& target, double scale, double cap, double inv_t, bool has_cap,
-                                        bool want_entropy) {
+                                        bool want_entropy, int64_t block_n, int64_t block_v) {
+  TORCH_CHECK(block_n > 0 && block_v > 0, "block sizes must be positive, got ", block_n, " x ", block_v);
   check_cpu(hidden, "hidden");
   check_cpu(weight, "weight");
   check_cpu(target, "target");
@@ -223,15 +225,15 @@ std::vector<Tensor> linear_logprobs_fwd(const Tensor& hidden, const Tensor& weig
   Tensor m = at::full({N}, kNegInf, f32), s = at::zeros({N}, f32), sz = at::zeros({N}, f32), zy = at::zeros({N}, f32);
   c10::optional<Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  Tensor buf = at::empty({std::min(N, BLOCK_N) * std::min(V, BLOCK_V)}, f32);
+  Tensor buf = at::empty({std::min(N, block_n) * std::min(V, block_v)}, f32);
   const int64_t* tgt = target.data_ptr<int64_t>();
   float *pm = m.data_ptr<float>(), *ps = s.data_ptr<float>(), *psz = sz.data_ptr<float>(), *pzy = zy.data_ptr<float>();
 
-  for (int64_t n0 = 0; n0 < N; n0 += BLOCK_N) {
-    const int64_t n1 = std::min(N, n0 + BLOCK_N), n = n1 - n0;
+  for (int64_t n0 = 0; n0 < N; n0 += block_n) {
+    const int64_t n1 = std::min(N, n0 + block_n), n = n1 - n0;
     Tensor h = rows_f32(hidden, n0, n1);
-    for (int64_t v0 = 0; v0 < V; v0 += BLOCK_V) {
-      const int64_t v1 = std::min(V, v0 + BLOCK_V), c = v1 - v0;
+    for (int64_t v0 = 0; v0 < V; v0 += block_v) {
+      const int64_t v1 = std::min(V, v0 + block_v), c = v1 - v0;
       Tensor tile = buf.narrow(0, 0, n * c).view({n, c});
       c10::optional<Tensor> bb;
       if (b32.has_value()) bb = b32->narrow(0, v0, c);
@@ -254,13 +256,14 @@ std::vector<Tensor> linear_logprobs_fwd(const Tensor& hidden, const Tensor& weig
 
 // Backward. g_lp / g_ent: (N,) fp32 upstream gradients (zero on ignored rows) or None. Vocabulary blocks outer,
 // token blocks inner: each d_weight block is complete after its inner loop, so a non-fp32 weight needs only a
-// (BLOCK_V, H) fp32 accumulator; d_hidden accumulates in an (N, H) fp32 buffer. Returns [dh, dw, db] in the inputs'
+// (block_v, H) fp32 accumulator; d_hidden accumulates in an (N, H) fp32 buffer. Returns [dh, dw, db] in the inputs'
 // dtypes (undefined where not requested).
 std::vector<Tensor> linear_logprobs_bwd(const Tensor& hidden, const Tensor& weight, const c10::optional<Tensor>& bias,
                                         const Tensor& target, const Tensor& lse, const c10::optional<Tensor>& ent,
                                         const c10::optional<Tensor>& g_lp, const c10::optional<Tensor>& g_ent,
                                         double scale, double cap, double inv_t, bool has_cap, bool need_dh,
-                                        bool need_dw, bool need_db) {
+                                        bool need_dw, bool need_db, int64_t block_n, int64_t block_v) {
+  TORCH_CHECK(block_n > 0 && block_v > 0, "block sizes must be positive, got ", block_n, " x ", block_v);
   check_cpu(hidden, "hidden");
   check_cpu(weight, "weight");
   TORCH_CHECK(g_lp.has_value() || g_ent.has_value(), "need at least one upstream gradient");
@@ -273,13 +276,13 @@ std::vector<Tensor> linear_logprobs_bwd(const Tensor& hidden, const Tensor& weig
   Tensor dw = need_dw ? at::empty_like(weight) : Tensor();
   Tensor db = need_db ? at::empty_like(*bias) : Tensor();
   const bool dw_direct = need_dw && weight.scalar_type() == at::kFloat;
-  Tensor dw_acc = (need_dw && !dw_direct) ? at::empty({std::min(V, BLOCK_V), H}, f32) : Tensor();
-  Tensor db_acc = need_db ? at::empty({std::min(V, BLOCK_V)}, f32) : Tensor();
+  Tensor dw_acc = (need_dw && !dw_direct) ? at::empty({std::min(V, block_v), H}, f32) : Tensor();
+  Tensor db_acc = need_db ? at::empty({std::min(V, block_v)}, f32) : Tensor();
   c10::optional<Tensor> b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  Tensor buf = at::empty({std::min(N, BLOCK_N) * std::min(V, BLOCK_V)}, f32);
+  Tensor buf = at::empty({std::min(N, block_n) * std::min(V, block_v)}, f32);
   // widen the hidden states once per call only when they are not fp32 and there is more than one vocabulary block
-  Tensor h_all = (hidden.scalar_type() != at::kFloat && V > BLOCK_V) ? hidden.to(at::kFloat) : hidden;
+  Tensor h_all = (hidden.scalar_type() != at::kFloat && V > block_v) ? hidden.to(at::kFloat) : hidden;
 
   const int64_t* tgt = target.data_ptr<int64_t>();
   const float* plse = lse.data_ptr<float>();
@@ -287,8 +290,8 @@ std::vector<Tensor> linear_logprobs_bwd(const Tensor& hidden, const Tensor& weig
   const float* pglp = g_lp.has_value() ? g_lp->data_ptr<float>() : nullptr;
   const float* pgent = g_ent.has_value() ? g_ent->data_ptr<float>() : nullptr;
 
-  for (int64_t v0 = 0; v0 < V; v0 += BLOCK_V) {
-    const int64_t v1 = std::min(V, v0 + BLOCK_V), c = v1 - v0;
+  for (int64_t v0 = 0; v0 < V; v0 += block_v) {
+    const int64_t v1 = std::min(V, v0 + block_v), c = v1 - v0;
     Tensor w = rows_f32(weight, v0, v1);
     c10::optional<Tensor> bb;
     if (b32.has_value()) bb = b32->narrow(0, v0, c);
@@ -302,8 +305,8 @@ std::vector<Tensor> linear_logprobs_bwd(const Tensor& hidden, const Tensor& weig
       dbb = db_acc.narrow(0, 0, c);
       dbb.zero_();
     }
-    for (int64_t n0 = 0; n0 < N; n0 += BLOCK_N) {
-      const int64_t n1 = std::min(N, n0 + BLOCK_N), n = n1 - n0;
+    for (int64_t n0 = 0; n0 < N; n0 += block_n) {
+      const int64_t n1 = std::min(N, n0 + block_n), n = n1 - n0;
       Tensor h = rows_f32(h_all, n0, n1);
       Tensor tile = buf.narrow(0, 0, n * c).view({n, c});
       gemm_tile(tile, h, w, bb);

@@ -121,14 +121,12 @@ def test_linear_logprobs_accuracy(backend, dtype, case):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_crosses_every_block_boundary(backend, monkeypatch):
-    # torch backend: shrink its tiles so 251 x 5003 spans 4 x 6 unaligned tiles; cpp: N > its BLOCK_N (2048)
-    if backend == "torch":
-        monkeypatch.setattr(lp_mod, "TORCH_BLOCK_N", 64)
-        monkeypatch.setattr(lp_mod, "TORCH_BLOCK_V", 1000)
-        check_case(backend, torch.float32, "bias")
-    else:
-        assert _ext.C.BLOCK_N < 2100 and 1100 % _ext.C.BLOCK_V != 0
-        check_case(backend, torch.float32, "softcap", n=2100, h=17, v=_ext.C.BLOCK_V + 77)
+    # shrink the backend's tiles so 251 x 5003 spans 4 x 6 tiles, none aligned
+    prefix = "TORCH" if backend == "torch" else "CPP"
+    monkeypatch.setattr(lp_mod, f"{prefix}_BLOCK_N", 64)
+    monkeypatch.setattr(lp_mod, f"{prefix}_BLOCK_V", 1000)
+    check_case(backend, torch.float32, "bias")
+    check_case(backend, torch.bfloat16, "softcap")
 
 
 def test_fp16_inputs():

@@ -39,6 +39,10 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tile of the torch backend: (TORCH_BLOCK_N tokens) x (TORCH_BLOCK_V vocabulary entries) in fp32 = 16 MiB per temporary.
 TORCH_BLOCK_N = 1024
 TORCH_BLOCK_V = 4096
+# Tile of the cpp backend: one fp32 buffer of CPP_BLOCK_N x CPP_BLOCK_V (32 MiB); 4096 x 2048 ran N=4096, H=576,
+# V=49152 fwd+bwd in 10.9 CPU-s vs 12.3 for 2048 x 1024 (benchmarks/bench_head.py worker, cpp_block override).
+CPP_BLOCK_N = 4096
+CPP_BLOCK_V = 2048
 
 
 @dataclass(frozen=True)
@@ -332,7 +336,7 @@ def _fwd(hidden, weight, bias, target, p):
     if p.backend == "cpp":
         logp, ent, lse = _ext.C.linear_logprobs_fwd(
             hidden, weight, bias, target, p.logit_scale, p.softcap or 0.0, p.inv_t, p.softcap is not None,
-            p.return_entropy,
+            p.return_entropy, CPP_BLOCK_N, CPP_BLOCK_V,
         )
         return logp, (ent if p.return_entropy else None), lse
     if p.backend == "triton":
@@ -346,7 +350,7 @@ def _bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_d
     if p.backend == "cpp":
         return _ext.C.linear_logprobs_bwd(
             hidden, weight, bias, target, lse, ent, g_lp, g_ent, p.logit_scale, p.softcap or 0.0, p.inv_t,
-            p.softcap is not None, need_dh, need_dw, need_db,
+            p.softcap is not None, need_dh, need_dw, need_db, CPP_BLOCK_N, CPP_BLOCK_V,
         )
     if p.backend == "triton":
         from .logprobs_triton import linear_logprobs_bwd

@@ -1,0 +1,227 @@
+"""LM-head step benchmark: per-token log-probs (+ entropies) of hidden states through a linear head, forward + backward.
+
+The op, per provider, on hidden (N, H), weight (V, H) (both requiring grad), random targets (N,):
+``logp, ent = head(hidden, weight, targets)`` then ``(logp.sum() + ent.sum()).backward()`` into fresh gradients.
+
+Providers:
+
+- ``grpo_mem_cpp``: ``grpo_mem.ops.linear_logprobs(..., return_entropy=True, backend="cpp")`` (the C++ extension).
+- ``grpo_mem_torch``: the same with ``backend="torch"`` (chunked pure torch).
+- ``trl``: TRL 1.16's ``trl.kernels.chunked_logprob.ChunkedLogProbFunction`` with the vocabulary chunk TRL's fused head
+  uses (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``) and ``outputs=("entropy",)``.
+- ``liger``: Liger-Kernel's pure-torch chunked selective log-prob
+  (``liger_kernel.chunked_loss.fused_linear_ppo._ChunkedSelectiveLogProbFunction``). It has no entropy: its op is
+  ``logp.sum().backward()`` (``config.entropy = false``).
+- ``naive``: ``grpo_mem.ops.linear_logprobs_ref`` (full (N, V) logits, ``log_softmax`` + ``gather``, autograd).
+
+Every (configuration, provider) runs in a fresh process (``harness.run_isolated``). Reported per configuration:
+``wall_time`` and ``cpu_time`` (s, p50 over the timed calls), ``peak_rss_above_base`` (MB: peak resident memory during
+one call minus the resident memory just before it; inputs and weights are in the base, the gradients the call creates
+are not) and ``peak_tensor`` (MB, the op's live tensor storages). A configuration whose naive logits (plus their
+gradient and softmax temporaries) would not fit the memory budget is recorded as skipped with the estimate, as is any
+run the harness kills over its RSS budget or time limit.
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_head.py                 # full grid -> benchmarks/results/head.csv, head.png, table
+    python benchmarks/bench_head.py --grid quick    # the README subset (H=576 plus two larger configurations)
+    python benchmarks/bench_head.py --grid target --dtype bfloat16 --append   # N=4096, H=576, V=49152 in bf16
+    python benchmarks/bench_head.py --table         # reprint the markdown table from the CSV
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Sequence
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+import harness  # noqa: E402
+
+OP = "head_logprobs"
+PROVIDERS = ("grpo_mem_cpp", "grpo_mem_torch", "trl", "liger", "naive")
+RESULTS = os.path.join(_HERE, "results")
+CSV_PATH = os.path.join(RESULTS, "head.csv")
+PNG_PATH = os.path.join(RESULTS, "head.png")
+NS = (1024, 4096, 16384)
+HS = (576, 1024)
+VS = (32000, 49152, 151936)
+TARGET = dict(N=4096, H=576, V=49152)
+RSS_BUDGET_MB = 16000.0
+
+
+def naive_bytes(n: int, v: int, dtype_bytes: int) -> int:
+    """Estimated peak bytes of the naive provider's (N, V) tensors: logits, log-softmax and softmax (entropy) in the
+    input dtype and their gradients alive together in the backward (about 5 (N, V) tensors)."""
+    return 5 * n * v * dtype_bytes
+
+
+def worker(args: dict) -> dict:
+    import torch
+
+    from grpo_mem.ops import linear_logprobs, linear_logprobs_ref
+
+    n, h, v = args["N"], args["H"], args["V"]
+    dtype = getattr(torch, args["dtype"])
+    provider = args["provider"]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    # logits ~ N(0, 2^2): a realistic spread for a trained head
+    weight = (torch.randn(v, h, generator=g) * (2.0 / math.sqrt(h))).to(dtype).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g)
+    entropy = provider != "liger"
+
+    if provider in ("grpo_mem_cpp", "grpo_mem_torch"):
+        backend = provider.split("_")[-1]
+        if "cpp_block" in args:
+            from grpo_mem.ops import logprobs as lp_mod
+
+            lp_mod.CPP_BLOCK_N, lp_mod.CPP_BLOCK_V = args["cpp_block"]
+
+        def head():
+            return linear_logprobs(hidden, weight, target, return_entropy=True, backend=backend)
+    elif provider == "trl":
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        def head():
+            logp, ent, *_ = ChunkedLogProbFunction.apply(
+                hidden, weight, None, target, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",)
+            )
+            return logp, ent
+    elif provider == "liger":
+        from liger_kernel.chunked_loss.fused_linear_ppo import _ChunkedSelectiveLogProbFunction
+
+        def head():
+            return _ChunkedSelectiveLogProbFunction.apply(hidden, weight, target, None, 1.0, 4096), None
+    elif provider == "naive":
+        def head():
+            return linear_logprobs_ref(hidden, weight, target, return_entropy=True)
+    else:
+        raise ValueError(f"unknown provider {provider!r}")
+
+    def op():
+        logp, ent = head()
+        loss = logp.sum() + (ent.sum() if ent is not None else 0.0)
+        loss.backward()
+        return float(logp.detach().double().sum())
+
+    def setup():
+        hidden.grad = None
+        weight.grad = None
+
+    m = harness.measure(op, setup=setup, warmup=args.get("warmup", 1), repeats=args.get("repeats", 3),
+                        time_budget_s=args.get("time_budget_s", 60.0), memory_repeats=1)
+    setup()
+    checksum = op()
+    out = m.to_dict()
+    out.update(checksum=checksum, entropy=entropy, grad_weight_mb=weight.numel() * weight.element_size() / 1e6,
+               grad_norm=float(weight.grad.double().norm()))
+    return out
+
+
+# The subset run for the README on the shared 2-core machine (the full grid takes hours there)
+QUICK = [dict(N=n, H=576, V=v) for v in VS for n in (1024, 4096)] + [dict(N=16384, H=576, V=49152),
+                                                                        dict(N=4096, H=1024, V=151936)]
+
+
+def configs(grid: str, dtype: str) -> list[dict]:
+    if grid == "target":
+        return [dict(TARGET, dtype=dtype)]
+    if grid == "quick":
+        return [dict(c, dtype=dtype) for c in QUICK]
+    return [dict(N=n, H=h, V=v, dtype=dtype) for h in HS for v in VS for n in NS]
+
+
+def run(cfgs: list[dict], providers: Sequence[str], *, append: bool, repeats: int) -> list[dict]:
+    """Measure every (configuration, provider); the CSV is written after each configuration so a long sweep keeps
+    what it measured."""
+    rows = []
+    for i, cfg in enumerate(cfgs):
+        x_value = cfg["N"]
+        dtype_bytes = 2 if cfg["dtype"] in ("bfloat16", "float16") else 4
+        cfg_rows = []
+        sums = {}
+        for prov in providers:
+            config = dict(cfg, provider=prov, entropy=prov != "liger")
+            need = naive_bytes(cfg["N"], cfg["V"], dtype_bytes)
+            if prov == "naive" and need > RSS_BUDGET_MB * 1e6:
+                reason = f"naive (N, V) tensors need about {need / 1e9:.1f} GB (> {RSS_BUDGET_MB / 1000:.0f} GB budget)"
+                print(f"{cfg} {prov}: skipped: {reason}", flush=True)
+                cfg_rows += harness.skipped_rows(OP, prov, "full", "N", x_value, config, reason)
+                continue
+            # big configurations: no warm-up call (one call is minutes of CPU), one timed call
+            big = cfg["N"] * cfg["V"] * cfg["H"] > 2e11
+            args = dict(cfg, provider=prov, repeats=1 if big else repeats, warmup=0 if big else 1)
+            res = harness.run_isolated("bench_head:worker", args,
+                                       rss_budget_mb=RSS_BUDGET_MB, timeout_s=1800.0)
+            if "skipped" in res:
+                print(f"{cfg} {prov}: skipped: {res['skipped']}", flush=True)
+                cfg_rows += harness.skipped_rows(OP, prov, "full", "N", x_value, config, res["skipped"])
+                continue
+            sums[prov] = res["checksum"]
+            config.update(grad_weight_mb=round(res["grad_weight_mb"], 1), logp_sum=res["checksum"],
+                          grad_weight_norm=res["grad_norm"])
+            new = harness.measurement_rows(OP, prov, "full", "N", x_value, res, config)
+            cfg_rows += new
+            print(f"{cfg} {prov}: " + json.dumps({r["metric"]: round(r["p50"], 3) for r in new}), flush=True)
+        if len(sums) > 1:
+            print(f"  sum of log-probs per provider (should agree): {json.dumps(sums)}", flush=True)
+        harness.write_csv(cfg_rows, CSV_PATH, append=append or i > 0)
+        rows += cfg_rows
+    return rows
+
+
+def table(csv_path: str = CSV_PATH) -> str:
+    rows = harness.read_csv(csv_path)
+    keyed = {}
+    for r in rows:
+        c = r["config"]
+        key = (c.get("dtype"), c["N"], c["H"], c["V"])
+        keyed.setdefault(key, {})[(r["provider"], r["metric"])] = (r["p50"], c.get("skipped"))
+    providers = [p for p in PROVIDERS if any(p == k[0] for d in keyed.values() for k in d)]
+    headers = ["dtype", "N", "H", "V"]
+    for p in providers:
+        headers += [f"{p} s", f"{p} MB"]
+    out = []
+    for key in sorted(keyed, key=lambda k: (str(k[0]), k[2], k[3], k[1])):
+        d = keyed[key]
+        line = list(key)
+        for p in providers:
+            t, skipped = d.get((p, "wall_time"), (math.nan, None))
+            mem, _ = d.get((p, "peak_rss_above_base"), (math.nan, None))
+            line += ["skipped" if skipped else t, "skipped" if skipped else mem]
+        out.append(line)
+    return harness.markdown_table(headers, out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--grid", default="full", choices=("full", "quick", "target"),
+                    help="full: N x H x V grid; quick: the README subset; target: N=4096, H=576, V=49152")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--append", action="store_true", help="append to the CSV instead of overwriting it")
+    ap.add_argument("--table", action="store_true", help="only print the table of the existing CSV")
+    ns = ap.parse_args(argv)
+    if ns.table:
+        print(table())
+        return 0
+    providers = [p for p in ns.providers.split(",") if p]
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        raise SystemExit(f"unknown providers {unknown}; choose from {PROVIDERS}")
+    run(configs(ns.grid, ns.dtype), providers, append=ns.append, repeats=ns.repeats)
+    harness.plot_csv(CSV_PATH, PNG_PATH, op=OP, panel_keys=("dtype", "H", "V"), log_y=True,
+                     title="LM head fwd+bwd with entropy (CPU)")
+    print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
