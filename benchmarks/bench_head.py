@@ -186,15 +186,16 @@ def table(csv_path: str = CSV_PATH) -> str:
     providers = [p for p in PROVIDERS if any(p == k[0] for d in keyed.values() for k in d)]
     headers = ["dtype", "N", "H", "V"]
     for p in providers:
-        headers += [f"{p} s", f"{p} MB"]
+        headers += [f"{p} wall s", f"{p} CPU s", f"{p} MB"]
     out = []
     for key in sorted(keyed, key=lambda k: (str(k[0]), k[2], k[3], k[1])):
         d = keyed[key]
         line = list(key)
         for p in providers:
             t, skipped = d.get((p, "wall_time"), (math.nan, None))
+            cpu, _ = d.get((p, "cpu_time"), (math.nan, None))
             mem, _ = d.get((p, "peak_rss_above_base"), (math.nan, None))
-            line += ["skipped" if skipped else t, "skipped" if skipped else mem]
+            line += ["skipped" if skipped else t, "skipped" if skipped else cpu, "skipped" if skipped else mem]
         out.append(line)
     return harness.markdown_table(headers, out)
 

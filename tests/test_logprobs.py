@@ -223,6 +223,18 @@ def test_deterministic(backend):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_empty_batch(backend):
+    """No scored rows (a micro-batch whose completions are all padding): empty outputs, zero gradients."""
+    hh, ww, bb = torch.randn(0, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True), torch.zeros(20,
+                                                                                                       requires_grad=True)
+    logp, ent = linear_logprobs(hh, ww, torch.zeros(0, dtype=torch.long), bias=bb, return_entropy=True,
+                                backend=backend)
+    (logp.sum() + ent.sum()).backward()
+    assert logp.shape == (0,) and ent.shape == (0,) and hh.grad.shape == (0, 8)
+    assert torch.equal(ww.grad, torch.zeros_like(ww)) and torch.equal(bb.grad, torch.zeros_like(bb))
+
+
 def test_mixed_dtypes_follow_inputs():
     (hidden, weight, _), index = make_inputs(50, 24, 300, torch.float32)
     hh, ww = hidden.clone().requires_grad_(), weight.bfloat16().requires_grad_()
@@ -288,7 +300,7 @@ def test_triton_interpreter_suite():
     res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    n_expected = len(TRITON_CASES) + 2 + 1
+    n_expected = len(TRITON_CASES) + 2 + 1 + 1
     assert f"{n_expected} passed" in tail and "skipped" not in tail and "failed" not in tail, tail
 
 
@@ -308,6 +320,11 @@ def test_triton_interpreter_accuracy(triton_interpret, dtype_name, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_interpreter_selective_log_softmax(triton_interpret, dtype):
     _sls_case("triton", dtype, vocab=301, lead=(2, 5))
+
+
+@interpreted
+def test_triton_interpreter_empty_batch(triton_interpret):
+    test_empty_batch("triton")
 
 
 @interpreted

@@ -447,6 +447,9 @@ def linear_logprobs_fwd(hidden, weight, bias, target, p):
 
     n_tok, hid = hidden.shape
     vocab = weight.shape[0]
+    if n_tok == 0:
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty if p.return_entropy else None), empty
     cfg = _config(hidden.device, hidden.dtype)
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
@@ -486,6 +489,9 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
     n_tok, hid = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
+    if n_tok == 0:  # no rows: zero gradients, no launch (an empty grid is not launchable)
+        return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
+                torch.zeros_like(bias) if need_db else None)
     cfg = _config(dev, hidden.dtype)
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
