@@ -97,6 +97,41 @@ def test_settings_validation(kwargs, match):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The offline model cache
+
+
+def test_cache_root_and_offline(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from grpo_mem.job.smollm2 import cache_root, force_offline
+
+    monkeypatch.setenv("GRPO_MEM_CACHE", str(tmp_path))
+    assert cache_root() == tmp_path
+    monkeypatch.delenv("GRPO_MEM_CACHE")
+    assert cache_root() == Path.home() / ".cache" / "grpo_mem"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    force_offline()
+    assert os.environ["HF_HUB_OFFLINE"] == os.environ["TRANSFORMERS_OFFLINE"] == "1"
+
+
+def test_ensure_smollm2_reuses_a_finished_conversion_and_refuses_a_partial_one(tmp_path):
+    from grpo_mem.job.smollm2 import ensure_smollm2, gguf_path
+
+    assert gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf_path().stat().st_size > 50 * 2**20
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "config.json").write_text("{}")
+    (done / "grpo_mem_conversion.json").write_text("{}")
+    assert ensure_smollm2(done, verbose=False) == done  # nothing converted: the call returns the directory as is
+    assert sorted(p.name for p in done.iterdir()) == ["config.json", "grpo_mem_conversion.json"]
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    with pytest.raises(FileExistsError, match="partial"):
+        ensure_smollm2(partial, verbose=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # One step of the real job on a tiny model, through the command line
 
 

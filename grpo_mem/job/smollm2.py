@@ -160,12 +160,16 @@ def convert_gguf(dst: Path, path: Path | None = None) -> None:
         raise
 
 
-def ensure_smollm2(cache_dir: Path | str | None = None, *, verbose: bool = True) -> Path:
+def ensure_smollm2(
+    cache_dir: Path | str | None = None, *, verbose: bool = True, subprocess: bool = False
+) -> Path:
     """HF model directory of SmolLM2-135M-Instruct, converting the GGUF on first use.
 
     Args:
         cache_dir: directory to hold the model; default ``cache_root() / "smollm2-135m-instruct"``.
         verbose: print one line when converting.
+        subprocess: convert in a child process (``python -m grpo_mem.job.smollm2``), so that the conversion's
+            memory (two copies of the model) neither stays in this process's heap nor enters its ``ru_maxrss``.
 
     Returns:
         The directory, loadable with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
@@ -182,5 +186,21 @@ def ensure_smollm2(cache_dir: Path | str | None = None, *, verbose: bool = True)
     source = gguf_path()
     if verbose:
         print(f"grpo-mem: converting {source.name} to an fp32 HF model in {target} (one time)", flush=True)
-    convert_gguf(target, source)
+    if subprocess:
+        import subprocess as sp
+        import sys
+
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        proc = sp.run([sys.executable, "-m", "grpo_mem.job.smollm2", str(target)], env=env)
+        if proc.returncode != 0 or not _is_complete(target):
+            raise RuntimeError(f"converting {source} into {target} failed (exit status {proc.returncode})")
+    else:
+        convert_gguf(target, source)
     return target
+
+
+if __name__ == "__main__":  # python -m grpo_mem.job.smollm2 [DIR]: convert once, print the directory
+    import sys
+
+    force_offline()
+    print(ensure_smollm2(sys.argv[1] if len(sys.argv) > 1 else None, verbose=False))

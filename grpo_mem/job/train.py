@@ -196,8 +196,8 @@ def plot_summary(summary: dict, path: Path) -> None:
     label = "grpo_mem patch" if summary["patched"] else "stock TRL"
     fig, (ax_r, ax_m) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax_r.plot(steps, reward, marker="o", ms=3, label="mean reward")
-    ax_r.fill_between(steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
-                      alpha=0.2, label="± reward std")
+    ax_r.fill_between(steps, [max(r - s, 0.0) for r, s in zip(reward, std)],
+                      [min(r + s, 1.0) for r, s in zip(reward, std)], alpha=0.2, label="± reward std (clipped to [0, 1])")
     ax_r.set_ylabel("reward")
     ax_r.set_ylim(-0.05, 1.05)
     ax_r.legend(loc="upper left", fontsize=8)
@@ -283,7 +283,7 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     conversion_time = 0.0
     if settings.model is None:
         t = time.perf_counter()
-        model_dir = ensure_smollm2(settings.model_cache, verbose=verbose)
+        model_dir = ensure_smollm2(settings.model_cache, verbose=verbose, subprocess=True)
         conversion_time = time.perf_counter() - t
         if conversion_time < 1.0:  # already converted: only a directory check
             conversion_time = 0.0
