@@ -297,13 +297,15 @@ def _max_abs_diff(a: list, b: list) -> float:
 
 def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, op: str, rss_budget_mb: float,
               threads: int, timeout_s: float, measure_args: dict, extra: dict | None = None,
-              on_config_done: Callable[[list[dict]], None] | None = None) -> list[dict]:
+              on_config_done: Callable[[list[dict]], None] | None = None,
+              trl_grad_norms: dict | None = None) -> list[dict]:
     """Run every (configuration, provider) in a fresh process and return the CSV rows.
 
     ``measure_args`` (repeats, min_repeats, time_budget_s, warmup) go to the worker and into ``config``; ``extra``
     (e.g. ``{"micro": 2}``) is part of the configuration. ``on_config_done(rows_so_far)`` runs after each
-    configuration (the CLI writes the CSV there, so an interrupted sweep keeps what it measured). Progress goes to
-    stderr.
+    configuration (the CLI writes the CSV there, so an interrupted sweep keeps what it measured).
+    ``trl_grad_norms`` (``{(model, G, P, C, groups): norm}``, from an earlier CSV) serves the gradient-norm check when
+    ``trl`` is not among ``providers``. Progress goes to stderr.
     """
     rows: list[dict] = []
     version = harness.versions()
@@ -336,6 +338,8 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
                 c["logp_max_abs_diff_vs_trl"] = _max_abs_diff(res["log_probs"], ref["log_probs"])
                 c["entropy_max_abs_diff_vs_trl"] = _max_abs_diff(res["entropies"], ref["entropies"])
                 c["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+            elif trl_grad_norms and (key := (cfg["arch"], G, P, C, cfg.get("groups", 1))) in trl_grad_norms:
+                c["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - trl_grad_norms[key]) / trl_grad_norms[key]
             rows += harness.measurement_rows(op, prov, "full", "P", P, res, c, device=device, version=version)
             m = harness.Measurement.from_dict(res)
             print(f"[{op}] {cfg} {prov}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, "
@@ -343,8 +347,10 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
                   f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB, "
                   f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB, child {took:.0f} s, "
                   f"|dlogp| vs plain forward {res['logp_max_abs_diff_vs_plain_forward']:.1e}"
-                  + (f", |dlogp| vs trl {c['logp_max_abs_diff_vs_trl']:.1e}, grad-norm rel diff "
-                     f"{c['grad_norm_rel_diff_vs_trl']:.1e}" if "logp_max_abs_diff_vs_trl" in c else "")
+                  + (f", |dlogp| vs trl {c['logp_max_abs_diff_vs_trl']:.1e}"
+                     if "logp_max_abs_diff_vs_trl" in c else "")
+                  + (f", grad-norm rel diff vs trl {c['grad_norm_rel_diff_vs_trl']:.1e}"
+                     if "grad_norm_rel_diff_vs_trl" in c else "")
                   + (f", FALLBACK {c['fallback']}" if "fallback" in c else ""), file=sys.stderr, flush=True)
         if on_config_done is not None:
             on_config_done(rows)
@@ -386,7 +392,8 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
     rows = [r for r in harness.read_csv(path) if r["op"] == op]
     idx = _index(rows)
     headers = ["model", "G", "P", "groups", "ideal ρ",
-               "time trl s", "time full_seq s", "time grpo_mem s", "time gm/fs", "time gm/trl", "cpu gm/fs",
+               "time trl s", "time full_seq s", "time grpo_mem s", "time gm/fs", "time gm/trl",
+               "cpu gm/fs", "cpu gm/trl",
                "mem trl MB", "mem full_seq MB", "mem grpo_mem MB", "mem gm/fs", "mem gm/trl",
                "tensor gm/fs", "gm max |Δlogp|"]
     out = []
@@ -410,7 +417,8 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
             diff = "fallback"
         out.append([model, G, P, groups, ideal_ratio(G, P, C), t["trl"], t["full_seq"], t["grpo_mem"],
                     ratio(t["grpo_mem"], t["full_seq"]), ratio(t["grpo_mem"], t["trl"]),
-                    ratio(cpu["grpo_mem"], cpu["full_seq"]), m["trl"], m["full_seq"], m["grpo_mem"],
+                    ratio(cpu["grpo_mem"], cpu["full_seq"]), ratio(cpu["grpo_mem"], cpu["trl"]),
+                    m["trl"], m["full_seq"], m["grpo_mem"],
                     ratio(m["grpo_mem"], m["full_seq"]), ratio(m["grpo_mem"], m["trl"]),
                     ratio(tp["grpo_mem"], tp["full_seq"]),
                     f"{diff:.1e}" if isinstance(diff, float) else (diff or "-")])
@@ -479,15 +487,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         def save(rows):
             write_rows(rows, a.csv)
 
+        trl_norms = {}
+        if os.path.exists(a.csv):
+            for r in harness.read_csv(a.csv):
+                c = r["config"]
+                if (r["op"] == (OP_SPLIT if a.split else OP) and r["provider"] == "trl" and r["metric"] == "wall_time"
+                        and "grad_norm" in c):
+                    trl_norms[(c["model"], c["G"], c["P"], c["C"], c.get("groups", 1))] = c["grad_norm"]
+
         if a.split:
             cfgs = [dict(arch="llama", G=8, P=512, C=64, groups=1)]
             run_sweep(cfgs, [x for x in providers if x in SPLIT_PROVIDERS], worker_name="split_worker", op=OP_SPLIT,
                       rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
-                      measure_args=measure_args, extra={"micro": 2}, on_config_done=save)
+                      measure_args=measure_args, extra={"micro": 2}, on_config_done=save,
+                      trl_grad_norms=trl_norms)
         else:
             run_sweep(sweep_configs(a.quick, a.full_grid), providers, worker_name="worker", op=OP,
                       rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
-                      measure_args=measure_args, on_config_done=save)
+                      measure_args=measure_args, on_config_done=save, trl_grad_norms=trl_norms)
         print(f"sweep took {time.perf_counter() - t0:.0f} s; wrote {a.csv}", file=sys.stderr)
         if not a.split:
             plot(a.csv, a.png)

@@ -668,7 +668,8 @@ def plot_csv(
     def panel_of(r):
         return tuple(r["config"].get(k) for k in panel_keys)
 
-    panels = sorted({panel_of(r) for r in rows}, key=lambda t: tuple(str(x) for x in t))
+    panels = sorted({panel_of(r) for r in rows},
+                    key=lambda t: tuple((0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)) for x in t))
     mets = [m for m in metrics if any(r["metric"] == m for r in rows)]
     providers = sorted({r["provider"] for r in rows})
     fig, axes = plt.subplots(len(mets), len(panels), figsize=(3.6 * len(panels) + 1, 3.0 * len(mets)),
