@@ -39,10 +39,18 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tile of the torch backend: (TORCH_BLOCK_N tokens) x (TORCH_BLOCK_V vocabulary entries) in fp32 = 16 MiB per temporary.
 TORCH_BLOCK_N = 1024
 TORCH_BLOCK_V = 4096
-# Tile of the cpp backend: one fp32 buffer of CPP_BLOCK_N x CPP_BLOCK_V (32 MiB); 4096 x 2048 ran N=4096, H=576,
-# V=49152 fwd+bwd in 10.9 CPU-s vs 12.3 for 2048 x 1024 (benchmarks/bench_head.py worker, cpp_block override).
+# Tile of the cpp backend: one fp32 buffer of CPP_BLOCK_N x CPP_BLOCK_V elements (32 MiB); with fewer tokens than
+# CPP_BLOCK_N the vocabulary block widens to keep that size (_cpp_blocks). Measured with the bench_head.py worker
+# (cpp_block override), fwd+bwd, H=576: N=4096, V=49152: 4096 x 2048 took 10.9 CPU-s vs 12.3 for 2048 x 1024;
+# N=1024, V=151936: 1024 x 8192 took 7.9 CPU-s vs 10.0 for 1024 x 2048.
 CPP_BLOCK_N = 4096
 CPP_BLOCK_V = 2048
+
+
+def _cpp_blocks(n_tok: int) -> tuple[int, int]:
+    block_n = max(1, min(n_tok, CPP_BLOCK_N))
+    block_v = max(CPP_BLOCK_V, (CPP_BLOCK_N * CPP_BLOCK_V // block_n) // 64 * 64)
+    return block_n, block_v
 
 
 @dataclass(frozen=True)
@@ -336,7 +344,7 @@ def _fwd(hidden, weight, bias, target, p):
     if p.backend == "cpp":
         logp, ent, lse = _ext.C.linear_logprobs_fwd(
             hidden, weight, bias, target, p.logit_scale, p.softcap or 0.0, p.inv_t, p.softcap is not None,
-            p.return_entropy, CPP_BLOCK_N, CPP_BLOCK_V,
+            p.return_entropy, *_cpp_blocks(hidden.shape[0]),
         )
         return logp, (ent if p.return_entropy else None), lse
     if p.backend == "triton":
@@ -350,7 +358,7 @@ def _bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_d
     if p.backend == "cpp":
         return _ext.C.linear_logprobs_bwd(
             hidden, weight, bias, target, lse, ent, g_lp, g_ent, p.logit_scale, p.softcap or 0.0, p.inv_t,
-            p.softcap is not None, need_dh, need_dw, need_db, CPP_BLOCK_N, CPP_BLOCK_V,
+            p.softcap is not None, need_dh, need_dw, need_db, *_cpp_blocks(hidden.shape[0]),
         )
     if p.backend == "triton":
         from .logprobs_triton import linear_logprobs_bwd
