@@ -237,12 +237,13 @@ def worker(args: dict) -> dict:
     seed, warmup (full-size untimed calls, default 0: a tiny group warms up instead), repeats, min_repeats,
     time_budget_s (see ``harness.measure``). Returns the measurement dict plus ``log_probs``/``entropies`` of the last
     call (lists, masked entries 0), ``grad_norm`` (L2 over all parameter gradients), ``fallback_warnings`` (grpo_mem's
-    fallback messages) and ``n_params``."""
+    fallback messages), ``n_params`` and ``version`` (``harness.versions()`` as this process saw the code)."""
+    version = harness.versions()
     model = build_model(args["arch"], seed=args.get("seed", 0))
     input_ids, attention_mask, completion_mask = make_inputs(
         args["G"], args["P"], args["C"], args.get("groups", 1), model.config.vocab_size, seed=args.get("seed", 0) + 1)
     fn = make_logprob_fn(args["provider"], model, args["C"])
-    return _measure_group(args, model, fn, input_ids, attention_mask, completion_mask)
+    return dict(_measure_group(args, model, fn, input_ids, attention_mask, completion_mask), version=version)
 
 
 def split_worker(args: dict) -> dict:
@@ -259,11 +260,13 @@ def split_worker(args: dict) -> dict:
     G, micro = args["G"], args["micro"]
     if micro < 1 or G % micro:
         raise ValueError(f"G={G} must be a positive multiple of micro={micro}")
+    version = harness.versions()
     model = build_model(args["arch"], seed=args.get("seed", 0))
     input_ids, attention_mask, completion_mask = make_inputs(
         G, args["P"], args["C"], 1, model.config.vocab_size, seed=args.get("seed", 0) + 1)
     fn = make_logprob_fn(args["provider"], model, args["C"])
-    return _measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro)
+    return dict(_measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro),
+                version=version)
 
 
 SPLIT_PROVIDERS = ("trl", "full_seq")
@@ -340,7 +343,8 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
                 c["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
             elif trl_grad_norms and (key := (cfg["arch"], G, P, C, cfg.get("groups", 1))) in trl_grad_norms:
                 c["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - trl_grad_norms[key]) / trl_grad_norms[key]
-            rows += harness.measurement_rows(op, prov, "full", "P", P, res, c, device=device, version=version)
+            rows += harness.measurement_rows(op, prov, "full", "P", P, res, c, device=device,
+                                             version=res.get("version", version))
             m = harness.Measurement.from_dict(res)
             print(f"[{op}] {cfg} {prov}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, "
                   f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)}), "
