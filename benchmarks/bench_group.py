@@ -250,10 +250,9 @@ def split_worker(args: dict) -> dict:
     """One group of ``G`` completions scored in micro-batches of ``micro`` rows, gradients accumulated over them (what
     TRL does when ``per_device_train_batch_size`` < G). Same arguments and result as :func:`worker`, plus ``micro``.
 
-    Providers: ``trl`` and ``full_seq`` only. grpo_mem's prompt-once path needs every completion of a group inside one
-    call; splitting a group needs an API that forwards the prompt once and defers its backward over the micro-batches
-    (issue 4). When grpo_mem has it, add a ``grpo_mem`` branch here calling it, and ``"grpo_mem"`` to
-    ``SPLIT_PROVIDERS``.
+    ``grpo_mem`` runs as the TRL patch does inside one gradient-accumulation window: the group's prompt is forwarded
+    once, in the first micro-batch, kept in a ``PromptStore``, and backpropagated once, in the last micro-batch's
+    backward, with the gradient the earlier micro-batches left on its detached states.
     """
     if args["provider"] not in SPLIT_PROVIDERS:
         raise ValueError(f"split provider must be one of {SPLIT_PROVIDERS}, got {args['provider']!r}")
@@ -264,12 +263,44 @@ def split_worker(args: dict) -> dict:
     model = build_model(args["arch"], seed=args.get("seed", 0))
     input_ids, attention_mask, completion_mask = make_inputs(
         G, args["P"], args["C"], 1, model.config.vocab_size, seed=args.get("seed", 0) + 1)
-    fn = make_logprob_fn(args["provider"], model, args["C"])
-    return dict(_measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro),
-                version=version)
+    if args["provider"] == "grpo_mem":
+        fn = _split_grpo_mem_fn(model, args["C"], G // micro)
+    else:
+        fn = make_logprob_fn(args["provider"], model, args["C"])
+    res = _measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro)
+    return dict(res, version=version, prompt_passes_per_call=getattr(fn, "prompt_passes_per_call", None))
 
 
-SPLIT_PROVIDERS = ("trl", "full_seq")
+def _split_grpo_mem_fn(model, C: int, n_micro: int):
+    """grpo_mem over ``n_micro`` micro-batches of one group: ``fn(ids, mask)`` called once per micro-batch, in order.
+    ``fn.prompt_passes_per_call`` counts the prompt passes per scored group (embedding calls of prompt width)."""
+    import grpo_mem
+    from grpo_mem.model.group_forward import PromptStore, prompt_keys
+
+    store, state = PromptStore(), {"calls": 0, "prompt_passes": 0, "P": None}
+
+    def count(module, args, out):
+        if args[0].shape[1] == state["P"]:
+            state["prompt_passes"] += 1
+
+    model.get_input_embeddings().register_forward_hook(count)
+
+    def fn(input_ids, attention_mask):
+        last = state["calls"] % n_micro == n_micro - 1
+        state["calls"] += 1
+        state["P"] = P = input_ids.shape[1] - C
+        later = frozenset() if last else frozenset(prompt_keys(input_ids[:, :P], attention_mask[:, :P]))
+        lp, ent = grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True,
+                                                  _store=store, _later=later)  # fmt: skip
+        if last:
+            lp = store.flush_into(lp)
+            fn.prompt_passes_per_call = state["prompt_passes"] / (state["calls"] // n_micro)
+        return lp, ent
+
+    return fn
+
+
+SPLIT_PROVIDERS = ("trl", "full_seq", "grpo_mem")
 
 
 # --------------------------------------------------------------------------------------------------- parent side
@@ -335,6 +366,8 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
                      logp_max_abs_diff_vs_plain_forward=res["logp_max_abs_diff_vs_plain_forward"])
             if res["fallback_warnings"]:
                 c["fallback"] = res["fallback_warnings"]
+            if res.get("prompt_passes_per_call") is not None:
+                c["prompt_passes_per_call"] = res["prompt_passes_per_call"]
             if prov == "trl":
                 ref = res
             elif ref is not None:
@@ -429,6 +462,24 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
     return harness.markdown_table(headers, out)
 
 
+def split_summary(path: str = CSV_PATH) -> str:
+    """grpo_mem on one group split over micro-batches against the same group in one micro-batch: wall and CPU time
+    ratios, and prompt passes per group (issue 4's target: one pass, time ≤ 1.15×)."""
+    got = {}
+    for r in harness.read_csv(path):
+        if r["op"] == OP_SPLIT and r["provider"] == "grpo_mem" and r["metric"] in ("wall_time", "cpu_time"):
+            got[(r["config"].get("micro"), r["metric"])] = (r["p50"], r["config"])
+    lines = []
+    for (micro, metric), (value, cfg) in sorted(got.items(), key=lambda kv: (kv[0][1], -(kv[0][0] or 0))):
+        whole = got.get((cfg["G"], metric))
+        if micro == cfg["G"] or whole is None:
+            continue
+        lines.append(f"- grpo_mem, G={cfg['G']} P={cfg['P']} C={cfg['C']} over micro-batches of {micro}: {metric} "
+                     f"{value:.3g} s vs {whole[0]:.3g} s in one micro-batch = {value / whole[0]:.2f}x; prompt passes "
+                     f"per group: {cfg.get('prompt_passes_per_call')}")
+    return "\n".join(lines)
+
+
 def targets(path: str = CSV_PATH) -> str:
     """The issue's targets at P ∈ {512, 1024}, C=64, G=16 on the trunk-heavy models, as measured: grpo_mem/full_seq
     over the ideal ratio for time (target ≤ 1.2) and for memory above base (≤ 2 in issue 2, ≤ 1.3 in issue 4)."""
@@ -501,10 +552,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if a.split:
             cfgs = [dict(arch="llama", G=8, P=512, C=64, groups=1)]
-            run_sweep(cfgs, [x for x in providers if x in SPLIT_PROVIDERS], worker_name="split_worker", op=OP_SPLIT,
-                      rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
-                      measure_args=measure_args, extra={"micro": 2}, on_config_done=save,
-                      trl_grad_norms=trl_norms)
+            rows = run_sweep(cfgs, [x for x in providers if x in SPLIT_PROVIDERS], worker_name="split_worker",
+                             op=OP_SPLIT, rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
+                             measure_args=measure_args, extra={"micro": 2}, on_config_done=save,
+                             trl_grad_norms=trl_norms)
+            if "grpo_mem" in providers:  # the same group in one micro-batch, for the split's time ratio
+                run_sweep(cfgs, ["grpo_mem"], worker_name="split_worker", op=OP_SPLIT, rss_budget_mb=a.rss_budget_mb,
+                          threads=a.threads, timeout_s=a.timeout_s, measure_args=measure_args, extra={"micro": 8},
+                          on_config_done=lambda more: save(rows + more), trl_grad_norms=trl_norms)
         else:
             run_sweep(sweep_configs(a.quick, a.full_grid), providers, worker_name="worker", op=OP,
                       rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
@@ -516,6 +571,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.table and not a.split:
         plot(a.csv, a.png)
     print(table(a.csv, OP_SPLIT if a.split else OP))
+    if a.split:
+        print()
+        print(split_summary(a.csv))
     if not a.split:
         print()
         print(targets(a.csv))
