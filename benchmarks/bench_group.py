@@ -518,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 small configurations (smoke run)")
     p.add_argument("--full-grid", action="store_true", help="the whole G x P grid on qwen2 too, not only G=16")
+    p.add_argument("--only", default="", help="comma-separated MODEL/G/P[/GROUPS] to keep from the sweep, "
+                   "e.g. llama/16/512")
     p.add_argument("--table", action="store_true", help="only print the table (and redraw the plot) from the CSV")
     p.add_argument("--split", action="store_true", help="one group of 8 over micro-batches of 2 (stock providers)")
     p.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of %(default)s")
@@ -561,7 +563,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                           threads=a.threads, timeout_s=a.timeout_s, measure_args=measure_args, extra={"micro": 8},
                           on_config_done=lambda more: save(rows + more), trl_grad_norms=trl_norms)
         else:
-            run_sweep(sweep_configs(a.quick, a.full_grid), providers, worker_name="worker", op=OP,
+            cfgs = sweep_configs(a.quick, a.full_grid)
+            if a.only:
+                keep = {tuple(x.split("/")) for x in a.only.split(",") if x}
+                cfgs = [c for c in cfgs if (c["arch"], str(c["G"]), str(c["P"])) in keep
+                        or (c["arch"], str(c["G"]), str(c["P"]), str(c["groups"])) in keep]
+                if not cfgs:
+                    raise ValueError(f"--only {a.only!r} matches no configuration of the sweep")
+            run_sweep(cfgs, providers, worker_name="worker", op=OP,
                       rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
                       measure_args=measure_args, on_config_done=save, trl_grad_norms=trl_norms)
         print(f"sweep took {time.perf_counter() - t0:.0f} s; wrote {a.csv}", file=sys.stderr)
