@@ -65,7 +65,7 @@ def signature_for(fn, types: dict, constexprs: dict) -> dict:
 
 
 def compile_report(
-    fn, signature: dict, constexprs: dict, arch: int, *, num_warps: int = 4, num_stages: int = 3
+    fn, signature: dict, constexprs: dict, arch: int, *, num_warps: int = 4, num_stages: int = 3, attrs=None
 ) -> dict:
     """AOT-compile ``fn`` (a ``triton.jit`` function) for ``sm_<arch>`` and report its resources.
 
@@ -73,6 +73,8 @@ def compile_report(
         fn: the JITFunction.
         signature: {argument name: Triton type string or "constexpr"} for every argument (see ``signature_for``).
         constexprs: {name: value} for the constexpr arguments.
+        attrs: Triton's argument attributes (e.g. 16-byte alignment hints it adds at run time), passed to
+            ``ASTSource`` so the build matches the one that runs; None for none.
         arch: compute capability as an int, e.g. 80 or 90.
         num_warps, num_stages: launch options the kernel ships with.
 
@@ -89,7 +91,7 @@ def compile_report(
 
     if not isinstance(arch, int) or arch < 70:
         raise ValueError(f"arch must be an int compute capability >= 70, got {arch!r}")
-    src = triton.compiler.ASTSource(fn, signature, constexprs)
+    src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.TemporaryDirectory() as tmp:
