@@ -1,18 +1,30 @@
-"""One rank of the 2-process (gloo) parity run, launched by test_distributed.py through torch.distributed.run.
+"""One rank of the 2-process (gloo, CPU) parity runs, launched by test_distributed.py through torch.distributed.run.
 
-Usage: dist_worker.py KIND PATCH OUT_JSON — trains 3 optimizer steps with gradient accumulation 2 and writes, from
-rank 0, the final weights' checksum vectors, global_step, the learning rate after every step and the logged epochs.
+Usage: dist_worker.py KIND STACK PATCH OUT_JSON [SCENARIO]
+
+- KIND: grpo | rloo. STACK: ddp | fsdp2 | zero2 | zero3. PATCH: patch | stock.
+- SCENARIO: ``split`` (default) trains 3 optimizer steps with gradient accumulation 2 on groups of 8 completions, so
+  each rank holds half a group spread over two micro-batches of 2. ``uneven`` gives the ranks different prompts,
+  group sizes and completion lengths (one rank's micro-batches without a repeated prompt, the other's with) to show
+  the ranks keep issuing the same collectives.
+
+Rank 0 writes the final weights (gathered from their shards), global_step, the learning rate after every step, the
+logged epochs and the grad norms.
+
+The sharded stacks run on CPU with the workarounds in DESIGN.md ("Sharded training"): DeepSpeed uses its CPU
+accelerator over gloo with a pre-built ``PartialState``; FSDP2 needs accelerate's state promoted from MULTI_CPU to
+FSDP, which accelerate 1.15 does not do on CPU (it silently wraps in DDP instead).
 """
 
 import json
+import os
 import sys
 
 import torch
-from helpers import make_trainer
 from transformers import TrainerCallback
 
 
-class _Lrs(TrainerCallback):
+class _Record(TrainerCallback):
     def __init__(self):
         self.lrs = []
 
@@ -20,24 +32,121 @@ class _Lrs(TrainerCallback):
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
-def main(kind: str, patch: str, out: str) -> None:
-    trainer, handle = make_trainer(
-        kind, patch=patch == "patch", output_dir=out + ".run", max_steps=3, gradient_accumulation_steps=2,
-        per_device_train_batch_size=2, num_generations=4, lr_scheduler_type="cosine", warmup_steps=1, optim="sgd",
-        beta=0.04, ddp_backend="gloo",
+def _promote_cpu_fsdp() -> None:
+    """Make accelerate honour an FSDP plugin on MULTI_CPU (it drops it there), as a user on CPU would have to."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        # every later AcceleratorState() re-reads the distributed type from PartialState: promote again each time
+        plugin = fsdp_plugin or self.__dict__.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if fsdp_plugin is not None:
+                if self._mixed_precision != "no":
+                    fsdp_plugin.set_mixed_precision(self._mixed_precision)
+                self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = patched
+
+
+def stack_args(stack: str, *, bf16: bool = False) -> dict:
+    """GRPOConfig/RLOOConfig arguments that run STACK with 2 CPU processes (and the process setup it needs)."""
+    if stack == "ddp":
+        return dict(ddp_backend="gloo")
+    if stack == "fsdp2":
+        _promote_cpu_fsdp()
+        return dict(ddp_backend="gloo", fsdp="full_shard",
+                    fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})  # fmt: skip
+    if stack in ("zero2", "zero3"):
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        import accelerate
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 60 s JIT build used for inference
+        accelerate.PartialState(backend="gloo")
+        config = {
+            # persistence threshold 0: even this tiny model's parameters are partitioned (the default 1e5 elements
+            # would keep all of them whole, and the head weight would never need gathering)
+            "zero_optimization": {"stage": int(stack[-1]), "stage3_param_persistence_threshold": 0},
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": "auto"},
+        }  # fmt: skip
+        return dict(deepspeed=config, use_cpu=False, accelerator_config={"use_configured_state": True})
+    raise ValueError(f"unknown stack {stack!r}")
+
+
+def _count_kept_prompts() -> list:
+    """A counter of prompt passes kept for a later micro-batch (groups split over micro-batches) on this rank."""
+    from grpo_mem.model.group_forward import PromptStore
+
+    count = [0]
+    keep = PromptStore.keep
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return keep(self, *args, **kwargs)
+
+    PromptStore.keep = counted
+    return count
+
+
+def _is_sharded(trainer) -> bool:
+    """Whether every parameter is held in shards (FSDP2 DTensors, ZeRO-3 partitions)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
+    return all(isinstance(p, DTensor) or getattr(p, "ds_tensor", None) is not None for p in params)
+
+
+def gathered_weights(trainer) -> dict:
+    """Every parameter as a full fp64 list, gathered from FSDP2 / ZeRO-3 shards (a collective on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = dict(model.named_parameters())
+    if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().double().flatten().tolist() for n, p in params.items()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().flatten().tolist()
+            for n, p in params.items()}  # fmt: skip
+
+
+def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", arch: str = "llama") -> None:
+    from helpers import make_trainer
+
+    args = dict(
+        max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2, num_generations=8,
+        lr_scheduler_type="cosine", warmup_steps=1, optim="sgd", beta=0.04, gradient_checkpointing=True,
     )  # fmt: skip
-    lrs = _Lrs()
-    trainer.add_callback(lrs)
+    if scenario == "uneven":
+        args.update(num_generations=4, per_device_train_batch_size=3)
+    trainer, handle = make_trainer(kind, patch=patch == "patch", arch=arch, output_dir=out + ".run", **args,
+                                   **stack_args(stack))  # fmt: skip
+    record = _Record()
+    trainer.add_callback(record)
+    kept = _count_kept_prompts()
     trainer.train()
+    weights = gathered_weights(trainer)
     if trainer.accelerator.is_main_process:
         model = trainer.accelerator.unwrap_model(trainer.model)
         result = {
             "world_size": trainer.accelerator.num_processes,
+            "distributed_type": str(trainer.accelerator.distributed_type),
             "global_step": trainer.state.global_step,
-            "lrs": lrs.lrs,
+            "lrs": record.lrs,
             "epochs": [h.get("epoch") for h in trainer.state.log_history],
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
             "grpo_mem_used": "_grpo_mem_previous_forward" in model.__dict__,
-            "weights": {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()},
+            "sharded": _is_sharded(trainer),
+            "prompts_kept": kept[0],
+            "weights": weights,
         }
         with open(out, "w") as f:
             json.dump(result, f)
@@ -47,4 +156,4 @@ def main(kind: str, patch: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import types
 from contextlib import nullcontext
 
@@ -143,8 +144,9 @@ def length_reward(completions, **kwargs):
     return [-abs(len(c) - 5) / 5.0 for c in completions]
 
 
-def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, output_dir, **args):
-    """A tiny GRPOTrainer/RLOOTrainer on CPU: random Llama, character tokenizer, 8 string prompts."""
+def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="llama", output_dir, **args):
+    """A tiny GRPOTrainer/RLOOTrainer on CPU: random Llama (tied head) or Qwen2 (untied), character tokenizer,
+    8 string prompts."""
     from datasets import Dataset
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -152,7 +154,7 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, output
     import grpo_mem
 
     set_seed(seed)
-    model = tiny_model("llama", seed=seed)
+    model = tiny_model(arch, seed=seed)
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
     defaults = dict(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
@@ -160,8 +162,16 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, output
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, bf16=False,
     )  # fmt: skip
     defaults.update(args)
-    model_dir = f"{output_dir}/model"  # a path, so that TRL can load a separate reference model when beta > 0
-    model.save_pretrained(model_dir)
+    # A path, so that TRL can load a separate reference model when beta > 0. No rank may read a directory another
+    # is still writing: with a process group already up (DeepSpeed), only rank 0 writes (transformers saves on rank 0
+    # only), then all wait; without one (DDP/FSDP start theirs later), each rank writes its own copy.
+    if torch.distributed.is_initialized():
+        model_dir = f"{output_dir}/model"
+        model.save_pretrained(model_dir)
+        torch.distributed.barrier()
+    else:
+        model_dir = f"{output_dir}/model{os.environ.get('RANK', '')}"
+        model.save_pretrained(model_dir)
     trainer = trainer_cls(
         model=model_dir, reward_funcs=length_reward, args=config_cls(**defaults),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=char_tokenizer(),

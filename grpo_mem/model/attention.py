@@ -3,17 +3,26 @@
 A model taken over by grpo_mem runs with the attention implementation ``grpo_mem_<inner>`` (``inner`` being what it
 had: ``sdpa``, ``eager``, ``flash_attention_2``...). Without a grpo_mem context among the attention kwargs the hook
 calls ``inner`` unchanged, so every other use of the model (generation, evaluation, stock TRL calls) computes exactly
-what it computed before. With a context, passed as the model-forward kwarg ``grpo_mem_ctx`` and carried by transformers
-down to every attention call, it either records each layer's prompt K/V (prompt pass) or attends completion queries to
-that K/V plus their own causal K/V (completion pass).
+what it computed before. With a context token, passed as the model-forward kwarg ``grpo_mem_ctx`` and carried by
+transformers down to every attention call, it either records each layer's prompt K/V (prompt pass) or attends
+completion queries to that K/V plus their own causal K/V (completion pass).
 
-The context travels as a forward kwarg on purpose: under non-reentrant gradient checkpointing transformers re-runs each
-layer in backward with the kwargs it was first called with, so the recomputation sees the same prompt K/V tensors and
-gradient reaches the prompt's graph. A global switch would have been reset by then.
+The token travels as a forward kwarg on purpose: under non-reentrant gradient checkpointing transformers re-runs each
+layer in backward with the kwargs it was first called with, so the recomputation finds the same context, the same
+prompt K/V tensors, and gradient reaches the prompt's graph. A global switch would have been reset by then.
+
+The token is a plain string naming the context in a registry of this module, never the context object itself. Wrappers
+rebuild what they find in a layer's kwargs: FSDP2's forward pre-hook collects every tensor that requires grad from
+args and kwargs (dataclasses and dicts included), routes them through its post-backward autograd function and rebuilds
+the containers around the results (``dataclasses.replace``), so a context object would reach layer 1 as a copy whose
+recorded K/V are lost, and the prompt K/V would be fed to every layer's post-backward hook. A string holds no tensor
+and equals any copy of itself, so nothing a wrapper does to kwargs can change what the hook finds.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,15 +64,64 @@ class CompletionContext:
     key_mask: torch.Tensor
 
 
+# token -> live context. Entries go away with their context: a prompt capture lives for its pass; a completion context
+# is also held by the autograd graph of its pass (``keep_alive``) for the replay of checkpointed layers in backward.
+_CONTEXTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_COUNTER = itertools.count()
+_PROMPT_TAG, _COMPLETION_TAG = "grpo_mem:prompt:", "grpo_mem:completion:"
+
+
+def context_token(ctx: PromptCapture | CompletionContext) -> str:
+    """Register ``ctx`` and return the string that names it, to pass to the model as ``grpo_mem_ctx=token``.
+
+    The registry holds ``ctx`` weakly: the caller keeps it alive for as long as a layer may look it up.
+    """
+    tag = _PROMPT_TAG if isinstance(ctx, PromptCapture) else _COMPLETION_TAG
+    token = f"{tag}{next(_COUNTER)}"
+    _CONTEXTS[token] = ctx
+    return token
+
+
+class _KeepAlive(torch.autograd.Function):
+    """Identity whose graph node holds a context until the graph is freed (after the backward that replays it)."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def keep_alive(x: torch.Tensor, ctx: CompletionContext) -> torch.Tensor:
+    """``x`` unchanged in value; while ``x``'s graph lives (checkpointed layers replay in its backward), so does
+    ``ctx``."""
+    return _KeepAlive.apply(x, ctx) if x.requires_grad else x
+
+
+def _lookup(token):
+    if not isinstance(token, str) or not token.startswith((_PROMPT_TAG, _COMPLETION_TAG)):
+        raise TypeError(f"{CTX_KWARG} must be a token from context_token(), got {type(token).__name__} {token!r}")
+    ctx = _CONTEXTS.get(token)
+    if ctx is None and token.startswith(_COMPLETION_TAG):
+        raise RuntimeError(f"grpo_mem: completion context {token!r} was freed before its layers were replayed")
+    return ctx
+
+
 def _make_hook(inner: str):
     def grpo_mem_attention(module, query, key, value, attention_mask, **kwargs):
-        ctx = kwargs.pop(CTX_KWARG, None)
+        token = kwargs.pop(CTX_KWARG, None)
         inner_fn = ALL_ATTENTION_FUNCTIONS[inner]
-        if ctx is None:
+        if token is None:
             return inner_fn(module, query, key, value, attention_mask, **kwargs)
         layer = module.layer_idx
-        if isinstance(ctx, PromptCapture):
-            ctx.kv.setdefault(layer, (key, value))
+        ctx = _lookup(token)
+        if not isinstance(ctx, CompletionContext):
+            # prompt pass; a capture already gone means the replay of a checkpointed layer, which records nothing
+            if ctx is not None:
+                ctx.kv.setdefault(layer, (key, value))
             return inner_fn(module, query, key, value, attention_mask, **kwargs)
         tensors = (query, key, value, *ctx.kv[layer])
         device = query.device.type

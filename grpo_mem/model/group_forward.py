@@ -12,6 +12,7 @@ This module knows transformers, not TRL.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import warnings
 import weakref
@@ -40,6 +41,108 @@ def warn_fallback(cause: str) -> None:
     if cause not in _warned:
         _warned.add(cause)
         warnings.warn(f"grpo_mem: falling back to the stock full-sequence path: {cause}", stacklevel=3)
+
+
+def lockstep(model: torch.nn.Module) -> bool:
+    """Whether every rank must run the same sequence of module calls and backward passes for ``model``.
+
+    True when a process group of more than one rank is up and ``model`` (possibly wrapped) is sharded by FSDP
+    (``fully_shard`` or FSDP1) or driven by DeepSpeed (any ZeRO stage). There parameters are all-gathered per module
+    call (FSDP, ZeRO-3) and gradients are reduced by hooks in the order they become ready (ZeRO), so ranks taking
+    different paths through the model would issue different collectives and hang or mix up their gradients.
+    Plain DDP reduces fixed buckets at the window's last backward and needs no lockstep.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
+        return True
+    if "deepspeed" in sys.modules:
+        from deepspeed import DeepSpeedEngine
+
+        if isinstance(model, DeepSpeedEngine):
+            return True
+    inner = unwrap_causal_lm(model)
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in inner.modules()) or any(
+        hasattr(p, "ds_id") for p in inner.parameters()
+    )
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """``flag`` OR-ed over the ranks of the default process group (one all-reduce; NCCL needs ``device`` on CUDA)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _collective_device(model: torch.nn.Module) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(model: torch.nn.Module, reason: str | None) -> str | None:
+    if any_rank(reason is not None, _collective_device(model)):
+        return reason or "another rank falls back, and sharded ranks must run the same module calls"
+    return None
+
+
+def joint_fallback(model: torch.nn.Module, reason: str | None) -> str | None:
+    """The fallback decision every rank takes when ``lockstep(model)`` (one all-reduce): this rank's ``reason``, or
+    a reason naming another rank when any other rank falls back, None when no rank does; ``reason`` unchanged
+    without lockstep."""
+    return _agree(model, reason) if lockstep(model) else reason
+
+
+def store_schedule(pending, micro_batches, *, closes: bool) -> list[tuple[int, int]]:
+    """What sharing prompt passes through a ``PromptStore`` costs each of the window's remaining micro-batches.
+
+    Args:
+        pending: keys (``prompt_keys``) of prompts kept in the store by earlier micro-batches of the window.
+        micro_batches: for the current and each later micro-batch of the window, the keys of its rows.
+        closes: the last entry of ``micro_batches`` closes the window (pending prompts are flushed into its backward).
+
+    Returns:
+        One ``(prompt passes forwarded, prompt graphs backpropagated)`` per micro-batch: exactly the backbone calls
+        ``_prompt_states`` makes and the prompt graphs its micro-batch's backward traverses. Ranks whose schedules
+        are equal issue the same module calls and backward passes.
+    """
+    pending = set(pending)
+    schedule = []
+    for j, keys in enumerate(micro_batches):
+        keys = set(keys)
+        later = set().union(*map(set, micro_batches[j + 1 :]))
+        fresh = {k for k in keys if k not in pending and k not in later}
+        kept = {k for k in keys if k not in pending and k in later}
+        taken = {k for k in keys if k in pending and k not in later}
+        pending = (pending | kept) - taken
+        graphs = bool(fresh) + len(taken)
+        if closes and j == len(micro_batches) - 1:
+            graphs += len(pending)
+            pending = set()
+        schedule.append((bool(fresh) + len(kept), graphs))
+    return schedule
+
+
+class _Tie(torch.autograd.Function):
+    """``x`` unchanged; ``others`` join its graph with zero gradients, so their backward runs (and issues its
+    collectives) although they contribute nothing."""
+
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
 
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -251,6 +354,7 @@ class GroupRequest:
 
     ``store``/``later``: in a training micro-batch, the gradient-accumulation window's ``PromptStore`` and the keys
     (``prompt_keys``) of prompts that a later micro-batch of the same window will use again.
+    ``lockstep``: the model is sharded over ranks that must make the same module calls (``lockstep``).
     """
 
     logits_to_keep: int
@@ -259,6 +363,7 @@ class GroupRequest:
     cast_lm_head_to_fp32: bool = False
     store: PromptStore | None = None
     later: frozenset = frozenset()
+    lockstep: bool = False
 
 
 @dataclass
@@ -271,7 +376,8 @@ class GroupLogprobsOutput(ModelOutput):
 
 def _prompt_pass(backbone, prompt_ids, prompt_mask) -> PromptStates:
     capture = attn_hook.PromptCapture()
-    out = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=False, grpo_mem_ctx=capture)
+    token = attn_hook.context_token(capture)
+    out = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=False, grpo_mem_ctx=token)
     return PromptStates(kv=[capture.kv[i] for i in sorted(capture.kv)], last_hidden=out.last_hidden_state[:, -1])
 
 
@@ -312,18 +418,26 @@ def prompt_once_logprobs(causal_lm, input_ids, attention_mask, request: GroupReq
 
     states = _prompt_states(backbone, prompt_ids, prompt_mask, first, request)
     hidden = [states.last_hidden.index_select(0, inverse).unsqueeze(1)]
-    if C > 1:
+    # With C == 1 nothing needs the completion pass; in lockstep it still runs (on token 1, its output tied in with
+    # zero gradient) so that this rank makes the same module calls as ranks whose completions are longer.
+    width = C - 1 if C > 1 or not request.lockstep else 1
+    if width:
         ctx = attn_hook.CompletionContext(
             kv=dict(enumerate(states.kv)),
             prefix_index=inverse,
             prefix_mask=prompt_mask[first].bool(),
-            key_mask=completion_mask[:, :-1].bool(),
+            key_mask=completion_mask[:, :width].bool(),
         )
-        positions = torch.arange(P, P + C - 1, device=input_ids.device).unsqueeze(0)
+        positions = torch.arange(P, P + width, device=input_ids.device).unsqueeze(0)
         completion_out = backbone(
-            input_ids=completion_ids[:, :-1], position_ids=positions, use_cache=False, grpo_mem_ctx=ctx
+            input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,
+            grpo_mem_ctx=attn_hook.context_token(ctx),
         )
-        hidden.append(completion_out.last_hidden_state)
+        out = attn_hook.keep_alive(completion_out.last_hidden_state, ctx)
+        if C > 1:
+            hidden.append(out)
+        elif out.requires_grad:
+            hidden[0] = _Tie.apply(hidden[0], out)
     hidden = torch.cat(hidden, dim=1)
     return completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
 
@@ -387,6 +501,8 @@ def restore_all() -> None:
 
 def _forward_group(causal_lm, input_ids, attention_mask, request: GroupRequest) -> GroupLogprobsOutput:
     reason = unsupported_reason(causal_lm, input_ids.shape[1])
+    if request.lockstep:
+        reason = _agree(causal_lm, reason)
     if reason is not None:
         warn_fallback(reason)
         logps, entropy = full_sequence_logprobs(causal_lm, input_ids, attention_mask, request)
@@ -443,7 +559,7 @@ def shared_prompt_logprobs(
     install_forward(unwrap_causal_lm(model))
     request = GroupRequest(
         logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32), _store,
-        frozenset(_later or ()),
+        frozenset(_later or ()), lockstep(model),
     )  # fmt: skip
     out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=request)
     return out.log_probs, out.entropy
@@ -452,6 +568,10 @@ def shared_prompt_logprobs(
 __all__ = [
     "GroupRequest",
     "GroupLogprobsOutput",
+    "any_rank",
+    "joint_fallback",
+    "lockstep",
+    "store_schedule",
     "find_groups",
     "full_sequence_logprobs",
     "install_forward",

@@ -25,7 +25,10 @@ import torch
 from ..model.group_forward import (
     PromptStore,
     find_groups,
+    joint_fallback,
+    lockstep,
     prompt_keys,
+    store_schedule,
     restore_all,
     shared_prompt_logprobs,
     unsupported_reason,
@@ -126,6 +129,10 @@ def _make_logps(original):
             reason = "the MoE load-balancing aux loss is requested"
         else:
             reason = unsupported_reason(unwrap_causal_lm(model), input_ids.shape[1])
+        # sharded ranks decide together: one rank on the stock path and another on ours would issue different
+        # collectives (and hang)
+        reason = joint_fallback(model, reason)
+        in_lockstep = lockstep(model)
         if reason is not None:
             warn_fallback(reason)
             return original(
@@ -137,7 +144,8 @@ def _make_logps(original):
         # gradient-accumulation window, as planned by the patched _prepare_inputs for exactly these rows.
         plan = self.__dict__.pop("_grpo_mem_plan", None)
         store = later = None
-        if plan is not None and torch.is_grad_enabled() and model.training and plan["rows"] == input_ids.shape[0]:
+        if (plan is not None and plan["store"] is not None and torch.is_grad_enabled() and model.training
+                and plan["rows"] == input_ids.shape[0]):  # fmt: skip
             store, later, final = plan["store"], plan["later"], plan["final"]
         batch_size = batch_size or input_ids.size(0)
         all_logps, all_entropies = [], []
@@ -148,7 +156,8 @@ def _make_logps(original):
             shared = store is not None and any(
                 k in later or k in store.entries for k in prompt_keys(ids[first, :P], mask[first, :P])
             )
-            if first.numel() == ids.shape[0] and not shared:
+            # in lockstep ours runs anyway: exact, and the same module calls as on ranks whose prompts repeat
+            if first.numel() == ids.shape[0] and not shared and not in_lockstep:
                 warn_fallback("a micro-batch holds no repeated prompt")
                 logps, entropies, _ = stock(ids, mask)
             else:
@@ -172,29 +181,52 @@ def _make_logps(original):
     return _get_per_token_logps_and_entropies
 
 
+def _batch_keys(batch) -> list[bytes]:
+    P = batch["prompt_ids"].shape[1]
+    return prompt_keys(batch["prompt_ids"], batch["prompt_mask"][:, :P])
+
+
 def _window_plan(trainer, inputs) -> dict:
     """How the micro-batch about to be trained shares prompt passes within its gradient-accumulation window.
 
-    ``later``: prompts that a later micro-batch of the same generation buffer holds, when this micro-batch does not
-    close the window (``accelerator.sync_gradients`` is False: the Trainer sets it before each micro-batch, True on
-    the window's last). ``final``: close the window, resolving every pending prompt in this micro-batch's backward.
+    ``later``: prompts that a later micro-batch of the same window and generation buffer holds, when this
+    micro-batch does not close the window (``accelerator.sync_gradients`` is False: the Trainer sets it before each
+    micro-batch, True on the window's last; windows start where ``_step`` is a multiple of the accumulation steps).
+    ``final``: close the window, resolving every pending prompt in this micro-batch's backward.
+
+    Sharded ranks (``lockstep``) share prompts across micro-batches only when every rank's ``store_schedule`` for
+    the rest of the window is the same (one ``all_gather_object``); otherwise each of their micro-batches forwards
+    its own prompts for this window, which is exact and makes the same module calls on every rank.
     """
     store = trainer.__dict__.setdefault("_grpo_mem_store", PromptStore())
     final = bool(trainer.accelerator.sync_gradients)
-    later: set = set()
+    coming: list[list[bytes]] = []
     buffered = getattr(trainer, "_buffered_inputs", None)
     spg = trainer.args.steps_per_generation
     if not final and buffered:
         index = trainer._step % spg
         generate_every = spg * trainer.num_iterations
+        window_end = trainer._step - trainer._step % trainer.current_gradient_accumulation_steps
+        window_end += trainer.current_gradient_accumulation_steps
         step = trainer._step + 1
-        # micro-batches still to come from this buffer (regeneration starts a new one)
-        while step % spg > index and step % generate_every != 0:
-            batch = buffered[step % spg]
-            P = batch["prompt_ids"].shape[1]
-            later.update(prompt_keys(batch["prompt_ids"], batch["prompt_mask"][:, :P]))
+        # micro-batches still to come from this window and buffer (regeneration starts a new one)
+        while step < window_end and step % spg > index and step % generate_every != 0:
+            coming.append(_batch_keys(buffered[step % spg]))
             step += 1
-    return {"store": store, "later": frozenset(later), "final": final, "rows": inputs["prompt_ids"].shape[0]}
+    plan = {"store": store, "later": frozenset(k for keys in coming for k in keys), "final": final,
+            "rows": inputs["prompt_ids"].shape[0]}  # fmt: skip
+    if lockstep(getattr(trainer, "model_wrapped", None) or trainer.model):
+        import torch.distributed as dist
+
+        closes = final or (step == window_end)
+        mine = store_schedule(store.entries, [_batch_keys(inputs), *coming], closes=closes)
+        schedules = [None] * dist.get_world_size()
+        dist.all_gather_object(schedules, mine)
+        if any(s != mine for s in schedules):
+            if len(store):
+                raise RuntimeError(f"grpo_mem: sharded ranks diverged mid-window with prompts pending: {schedules}")
+            plan.update(later=frozenset(), final=False, store=None)
+    return plan
 
 
 def _make_prepare(original):
