@@ -95,6 +95,21 @@ def _count_kept_prompts() -> list:
     return count
 
 
+def _record_schedules() -> list:
+    """Every ``store_schedule`` this rank computes in the patch's window plans (sharded stacks only)."""
+    import grpo_mem.patches.trl as patch_module
+
+    seen = []
+    schedule = patch_module.store_schedule
+
+    def recorded(*args, **kwargs):
+        seen.append(schedule(*args, **kwargs))
+        return seen[-1]
+
+    patch_module.store_schedule = recorded
+    return seen
+
+
 def _is_sharded(trainer) -> bool:
     """Whether every parameter is held in shards (FSDP2 DTensors, ZeRO-3 partitions)."""
     from torch.distributed.tensor import DTensor
@@ -132,8 +147,11 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
     record = _Record()
     trainer.add_callback(record)
     kept = _count_kept_prompts()
+    schedules = _record_schedules()
     trainer.train()
     weights = gathered_weights(trainer)
+    all_schedules = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(all_schedules, schedules)
     if trainer.accelerator.is_main_process:
         model = trainer.accelerator.unwrap_model(trainer.model)
         result = {
@@ -146,6 +164,8 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
             "grpo_mem_used": "_grpo_mem_previous_forward" in model.__dict__,
             "sharded": _is_sharded(trainer),
             "prompts_kept": kept[0],
+            # micro-batches whose store schedules differed between the ranks (sharing then turned off)
+            "schedules_differ": sum(len({repr(s) for s in per_mb}) > 1 for per_mb in zip(*all_schedules)),
             "weights": weights,
         }
         with open(out, "w") as f:

@@ -55,6 +55,34 @@ def test_compute_loss_matches_stock(tmp_path, loss_type, beta):
     assert_grads_close(grads, stock_grads)
 
 
+def test_bf16_autocast_loss_path_error_within_stock_error(tmp_path):
+    """TRL ``bf16=True`` (accelerate's bf16 autocast on CPU): on one batch, the patched loss path's gradient error
+    against the fp32 computation stays within stock TRL's bf16 error (relative L2 norm per parameter, tol 1e-2),
+    and its loss within stock's loss error + 1e-2."""
+    from contextlib import nullcontext
+
+    trainer, _ = make_trainer(output_dir=tmp_path, bf16=True, per_device_train_batch_size=8, steps_per_generation=1,
+                              beta=0.0)  # fmt: skip
+    assert trainer.accelerator.mixed_precision == "bf16"
+    inputs = trainer._prepare_inputs(_generation_batch(trainer))
+    stock_loss, stock_grads = _loss_and_grads(trainer, inputs)
+    with grpo_mem.patch_trl(trainer), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        loss, grads = _loss_and_grads(trainer, inputs)
+    autocast = trainer.accelerator.autocast
+    trainer.accelerator.autocast = nullcontext  # the fp32 truth: same batch, same old log-probs
+    try:
+        truth_loss, truth_grads = _loss_and_grads(trainer, inputs)
+    finally:
+        trainer.accelerator.autocast = autocast
+    assert any((stock_grads[n] - g).abs().max() > 0 for n, g in truth_grads.items()), "autocast was not applied"
+    assert abs(loss - truth_loss) <= abs(stock_loss - truth_loss) + 1e-2
+    for name, g in truth_grads.items():
+        scale = g.norm().clamp_min(1e-30)
+        rel_stock, rel_ours = (stock_grads[name] - g).norm() / scale, (grads[name] - g).norm() / scale
+        assert rel_ours <= rel_stock + 1e-2, f"{name}: relative gradient error {rel_ours:.4f} vs stock {rel_stock:.4f}"
+
+
 class _Record(TrainerCallback):
     def __init__(self):
         self.grads, self.lrs = [], []

@@ -11,6 +11,7 @@ This module knows transformers, not TRL.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
@@ -454,17 +455,44 @@ _taken_over: weakref.WeakSet = weakref.WeakSet()
 _FORWARD_MARK = "_grpo_mem_previous_forward"
 
 
+def _autocasts_of(fn, depth: int = 0) -> list:
+    """The ``torch.autocast`` contexts that wrappers of ``fn`` enter around the model's own forward, outermost first.
+
+    accelerate's ``prepare`` (mixed precision) replaces an instance's forward by ``convert_outputs_to_fp32(
+    torch.autocast(...)(forward))``: the autocast instance sits in the decorator's closure, the inner forward behind
+    ``__wrapped__`` / ``model_forward``. Other wrappers are walked the same way; nothing is called.
+    """
+    if fn is None or depth > 16:
+        return []
+    if isinstance(fn, torch.autocast):
+        return [fn]
+    found = []
+    inner = [getattr(fn, "__func__", None), getattr(fn, "__wrapped__", None), getattr(fn, "model_forward", None)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # empty cell
+            continue
+    for obj in inner:
+        if obj is not None and (callable(obj) or isinstance(obj, torch.autocast)):
+            found += _autocasts_of(obj, depth + 1)
+    return found
+
+
 def install_forward(causal_lm) -> None:
     """Give ``causal_lm`` a forward that also accepts ``grpo_mem=GroupRequest(...)`` (idempotent).
 
     Without that kwarg the model's previous forward (TRL's fused head, if installed) runs unchanged. With it, the
     prompt-once computation runs inside the forward call, so DDP/DeepSpeed/FSDP hooks of a wrapping module fire once
-    per call as they do for stock TRL.
+    per call as they do for stock TRL, under the autocast the previous forward was wrapped in (accelerate's mixed
+    precision), so both paths compute in the same precision.
     """
     if _FORWARD_MARK in causal_lm.__dict__:
         return
     previous = causal_lm.__dict__.get("forward")
     inner_forward = causal_lm.forward
+    # precision the model's own forward runs under (accelerate's mixed-precision wrapper): grpo_mem calls get the same
+    autocasts = [(a.device, a.fast_dtype, a._enabled, a._cache_enabled) for a in _autocasts_of(previous)]
 
     @functools.wraps(type(causal_lm).forward)
     def forward(self, *args, grpo_mem: GroupRequest | None = None, **kwargs):
@@ -472,7 +500,10 @@ def install_forward(causal_lm) -> None:
             return inner_forward(*args, **kwargs)
         if args:
             raise TypeError("the grpo_mem forward takes input_ids and attention_mask as keywords")
-        return _forward_group(self, kwargs["input_ids"], kwargs["attention_mask"], grpo_mem)
+        with contextlib.ExitStack() as stack:
+            for device, dtype, enabled, cache in autocasts:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            return _forward_group(self, kwargs["input_ids"], kwargs["attention_mask"], grpo_mem)
 
     causal_lm.forward = types.MethodType(forward, causal_lm)
     causal_lm.__dict__[_FORWARD_MARK] = previous

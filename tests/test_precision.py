@@ -1,0 +1,113 @@
+"""bf16 accuracy on a SmolLM2-shaped model: grpo_mem's error against an fp64 truth stays within stock TRL's own.
+
+Criterion in the style of Cut Cross-Entropy's tests (``|kernel − truth| ≤ |naive − truth| + tol``): the truth is
+stock TRL's computation on an fp64 copy of the model; "stock" is TRL's computation in the precision under test. Two
+precisions, as TRL runs them: ``bf16=True`` (fp32 weights under CPU bf16 autocast, which is what
+``accelerator.autocast()`` enters) and bf16 weights. Every parameter gradient in relative L2 norm (tol 1e-2).
+
+Two logit scales. ``init``: the model as initialised (entropy about 5.3 nats); log-probs and entropies elementwise
+(tol 1e-2). ``peaked``: embeddings scaled by 4, so next-token distributions are as sharp as a trained model's (entropy
+about 0.4) and log-probs reach -23; there both computations carry bf16 errors of a few 1e-2 that are rounded
+independently, so one element can be worse for either (measured: up to 0.035 in either direction) while ours is
+the more accurate overall. The criterion there is on the whole tensor: our RMS and mean errors within stock's
+(+1e-3), our max error within twice stock's (k = 2, as flash-attention's tests use).
+
+Shapes are SmolLM2-135M's (hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied head) with 2
+layers instead of 30 to keep the test quick.
+"""
+
+import pytest
+import torch
+from helpers import make_batch, stock_logps
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import grpo_mem
+
+TOL = 1e-2
+
+
+def smollm2_shaped(layers=2, embed_scale=1.0):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=3, attention_dropout=0.0,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(embed_scale)
+    return model.train()
+
+
+def _rms(x):
+    return x.pow(2).mean().sqrt()
+
+
+def _run(model, fn, ids, mask, C, w, autocast):
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        logps, ent = fn(model, ids, mask, C, compute_entropy=True)
+    ((logps.double() * w).sum() + ent.double().sum() * 0.1).backward()
+    grads = {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logps.double().detach(), ent.double().detach(), grads
+
+
+@pytest.mark.parametrize("logits", ["init", "peaked"])
+@pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
+def test_bf16_error_within_stock_error(mode, logits):
+    ids, mask, C, _ = make_batch([12, 20, 7], 3, 10, seed=3, shuffle=True)
+    w = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    scale = 4.0 if logits == "peaked" else 1.0
+    truth = _run(smollm2_shaped(embed_scale=scale).double(), stock_logps, ids, mask, C, w, autocast=False)
+    model = smollm2_shaped(embed_scale=scale)
+    if mode == "bf16_weights":
+        model = model.to(torch.bfloat16)
+    stock = _run(model, stock_logps, ids, mask, C, w, autocast=mode == "autocast")
+    ours = _run(model, grpo_mem.shared_prompt_logprobs, ids, mask, C, w, autocast=mode == "autocast")
+
+    for i, what in ((0, "log-probs"), (1, "entropies")):
+        err_stock = (stock[i] - truth[i]).abs()
+        err_ours = (ours[i] - truth[i]).abs()
+        assert err_stock.max() > 0, f"{what}: stock bf16 equals the fp64 truth, the precision was not applied"
+        if logits == "init":
+            excess = err_ours - err_stock
+            j = int(excess.argmax())
+            assert excess.max() <= TOL, (
+                f"{what}: |ours - truth| exceeds |stock - truth| + {TOL} at flat index {j}: ours "
+                f"{ours[i].flatten()[j]:.5f}, stock {stock[i].flatten()[j]:.5f}, truth {truth[i].flatten()[j]:.5f}"
+            )
+        else:
+            for stat, k in ((_rms, 1.0), (torch.mean, 1.0), (torch.amax, 2.0)):
+                assert stat(err_ours) <= k * stat(err_stock) + 1e-3, (
+                    f"{what}: {stat.__name__} error {stat(err_ours):.5f} vs {k} x stock's {stat(err_stock):.5f}"
+                )
+    assert ours[2].keys() == truth[2].keys() == stock[2].keys()
+    for name, g in truth[2].items():
+        scale = g.norm().clamp_min(1e-30)
+        rel_stock = float((stock[2][name] - g).norm() / scale)
+        rel_ours = float((ours[2][name] - g).norm() / scale)
+        assert rel_ours <= rel_stock + TOL, f"{name}: relative gradient error {rel_ours:.4f} vs stock {rel_stock:.4f}"
+
+
+def test_prepared_model_direct_call_runs_in_the_models_precision():
+    """accelerate's mixed-precision ``prepare`` wraps the model's forward in bf16 autocast; a direct
+    ``shared_prompt_logprobs`` call on that model computes under the same autocast (it used to run in fp32)."""
+    from accelerate import Accelerator
+    from helpers import tiny_model
+
+    model = Accelerator(mixed_precision="bf16", cpu=True).prepare(tiny_model("llama"))
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+    )
+    ids, mask, C, _ = make_batch([5, 7], 3, 4)
+    try:
+        model(input_ids=ids, attention_mask=mask)
+        stock_seen = seen.pop()
+        grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+    finally:
+        hook.remove()
+        grpo_mem.restore(model)
+    assert stock_seen == (True, torch.bfloat16)
+    assert seen and all(s == stock_seen for s in seen), seen

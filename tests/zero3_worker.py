@@ -1,0 +1,105 @@
+"""One rank of the 2-process DeepSpeed ZeRO-3 checks with unbalanced ranks, launched by test_distributed.py.
+
+Usage: zero3_worker.py OUT_JSON. A tiny Qwen2 (untied LM head, every parameter partitioned) runs under a ZeRO-3
+engine on CPU/gloo. Each case gives the two ranks different micro-batches, chosen so that on its own each rank would
+take a different path through the model:
+
+- ``fallback``: rank 0's prompts are all distinct (the stock path would be taken), rank 1's repeat;
+- ``no_tokens``: rank 0 scores zero completion tokens;
+- ``C1``: rank 0's completions are one token wide (no completion pass needed), rank 1's are wider, with a different
+  number of unique prompts.
+
+For every case the patched TRL ``_get_per_token_logps_and_entropies`` (policy call: gradients, entropies) runs, then
+stock TRL's on the same engine and batch. Rank 0 writes the worst log-prob/entropy error and the worst relative
+gradient error (full gradients, averaged over ranks by ZeRO) per case, and how often the head weight was gathered.
+A rank whose collectives differ from the other's hangs; the test's timeout catches it.
+"""
+
+import inspect
+import json
+import os
+import sys
+import types
+from contextlib import nullcontext
+
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def main(out: str) -> None:
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.utils import safe_get_full_grad
+    from helpers import make_batch, tiny_model
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    import grpo_mem
+    from grpo_mem.model import head
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    model = tiny_model("qwen2", seed=0)
+    model.train()
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=config)  # fmt: skip
+
+    gathers = [0]
+    gather = head._gather_zero3
+
+    def counted(*params):
+        ctx = gather(*params)
+        gathers[0] += not isinstance(ctx, nullcontext)
+        return ctx
+
+    head._gather_zero3 = counted
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=1.0,
+                                    args=types.SimpleNamespace(cast_lm_head_to_fp32=False))  # fmt: skip
+    stock = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
+    handle = grpo_mem.patch_trl(GRPOTrainer, group_shuffle=False)
+    ours = GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"]
+
+    cases = {
+        "fallback": [dict(prompt_lens=[5, 7, 4, 6], G=1, C=5), dict(prompt_lens=[6, 3], G=2, C=5)],
+        "no_tokens": [dict(prompt_lens=[5, 8], G=2, C=4, no_tokens=True), dict(prompt_lens=[6], G=4, C=6)],
+        "C1": [dict(prompt_lens=[5, 8, 3], G=2, C=1), dict(prompt_lens=[6], G=3, C=7)],
+    }
+    results = {}
+    for name, per_rank in cases.items():
+        cfg = dict(per_rank[rank])
+        no_tokens = cfg.pop("no_tokens", False)
+        ids, mask, C, _ = make_batch(cfg.pop("prompt_lens"), cfg.pop("G"), cfg.pop("C"), seed=rank, **cfg)
+        if no_tokens:
+            mask[:, -C:] = 0
+        w = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(rank))
+        runs = []
+        for fn in (ours, stock):
+            logps, ent, _ = fn(trainer, engine, ids, mask, C, batch_size=ids.shape[0], compute_entropy=True)
+            engine.backward((logps * w).sum() + ent.sum())
+            grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+            engine.optimizer.zero_grad()
+            runs.append((logps.detach(), ent.detach(), grads))
+        (lp, en, g), (lp_ref, en_ref, g_ref) = runs
+        results[name] = {
+            "logps": float((lp - lp_ref).abs().max()),
+            "entropy": float((en - en_ref).abs().max()),
+            "grads_rel": max(float((g[n] - r).abs().max() / r.abs().max().clamp_min(1e-12)) for n, r in g_ref.items()),
+        }
+    handle.revert()
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, {"cases": results, "head_gathers": gathers[0]})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"world_size": len(gathered), "ranks": gathered}, f)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
