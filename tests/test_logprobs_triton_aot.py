@@ -77,6 +77,50 @@ def test_aot_compiles_without_spills(name, dtype, arch):
         assert r["spills"] == 0 and r["stack"] == 0, f"{name} spills on sm_90: {r}"
 
 
+@pytest.mark.parametrize("name", list(tri.KERNELS))
+def test_no_i32_pointer_offsets(name):
+    """No scalar 32-bit product reaches a pointer offset in any head kernel's TTIR (issue 8 item 3: such an offset,
+    e.g. ``split * V_PER_SPLIT`` or ``pid * BLOCK_V`` before a widening, wraps past 2**31 elements on the GPU)."""
+    fn = tri.KERNELS[name]
+    cons = kernel_constexprs(name, fn, "bf16")
+    sig = aot.signature_for(fn, kernel_types(fn, "bf16"), cons)
+    bad = aot.i32_pointer_offsets(aot.ttir(fn, sig, cons))
+    assert not bad, f"{name}: i32 products feeding pointer offsets:\n" + "\n".join(bad)
+
+
+def test_i32_pointer_offsets_finds_products():
+    """The checker follows casts, loop induction variables and loop-carried values; 64-bit products pass."""
+    text = """
+  tt.func public @k(%X: !tt.ptr<f32>, %N: i32, %S: i32) {
+    %pid = tt.get_program_id x : i32 loc(#loc1)
+    %lo = arith.muli %pid, %N : i32 loc(#loc2)
+    %c1 = arith.constant 1 : i32
+    %p0 = scf.for %i = %lo to %N step %c1 iter_args(%acc = %X) -> (!tt.ptr<f32>)  : i32 {
+      %p1 = tt.addptr %X, %i : !tt.ptr<f32>, i32 loc(#loc3)
+      scf.yield %p1 : !tt.ptr<f32>
+    }
+    %w = arith.extsi %pid : i32 to i64
+    %s64 = arith.extsi %S : i32 to i64
+    %ok = arith.muli %w, %s64 : i64
+    %p2 = tt.addptr %X, %ok : !tt.ptr<f32>, i64
+    %bad = arith.muli %pid, %S : i32
+    %bad64 = arith.extsi %bad : i32 to i64
+    %c2 = arith.constant 2 : i32
+    %q0 = scf.for %j = %c1 to %N step %c1 iter_args(%off = %c1) -> (i32)  : i32 {
+      %p3 = tt.addptr %X, %off : !tt.ptr<f32>, i32
+      %nxt = arith.addi %off, %bad : i32
+      scf.yield %nxt : i32
+    }
+    %p4 = tt.addptr %X, %bad64 : !tt.ptr<f32>, i64
+    tt.return
+  }
+"""
+    found = aot.i32_pointer_offsets(text)
+    assert len(found) == 3, found
+    assert sum("%lo = arith.muli" in f for f in found) == 1 and sum("%bad = arith.muli" in f for f in found) == 2
+    assert not any("%ok" in f.split(" -> ")[0] for f in found)
+
+
 def test_parse_resource_usage():
     text = """
 Resource usage:

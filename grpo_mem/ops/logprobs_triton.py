@@ -199,7 +199,7 @@ def _linear_logprobs_fwd_kernel(
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
     n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
-    split = tl.program_id(1)
+    split = tl.program_id(1).to(tl.int64)
     n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
     r_in = r < n_rows
@@ -212,15 +212,15 @@ def _linear_logprobs_fwd_kernel(
     v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
     h_blk = HIDDEN + n0 * stride_hn
     for v0 in range(v_begin, v_end, BLOCK_V):
-        n_cols = tl.minimum(v_end - v0, BLOCK_V)
-        a = _logits_tile(h_blk, WEIGHT + tl.cast(v0, tl.int64) * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
+        n_cols = tl.minimum(v_end - v0, BLOCK_V).to(tl.int32)
+        a = _logits_tile(h_blk, WEIGHT + v0 * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
                          stride_wv, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
         c = tl.arange(0, BLOCK_V)
         valid = (c < n_cols)[None, :]
         z = tl.where(valid, _transform(a, scale, softcap, inv_t, HAS_SOFTCAP), float("-inf"))  # -inf tail, not 0
         zy += tl.sum(tl.where(c[None, :] == (tgt - v0)[:, None], z, 0.0), axis=1)
         m, s, sz = _fold(z, valid, m, s, sz, HAS_ENTROPY)
-    out = split * N + n0 + r
+    out = split * N + n0 + r  # int64 (split and n0 are)
     tl.store(M_OUT + out, m, mask=r_in)
     tl.store(S_OUT + out, s, mask=r_in)
     tl.store(ZY_OUT + out, zy, mask=r_in)
@@ -241,7 +241,7 @@ def _linear_logprobs_bwd_dh_kernel(
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
     n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
-    split = tl.program_id(1)
+    split = tl.program_id(1).to(tl.int64)
     n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
     r_in = r < n_rows
@@ -250,10 +250,10 @@ def _linear_logprobs_bwd_dh_kernel(
     v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
     h_blk = HIDDEN + n0 * stride_hn
     # this program is the only reader/writer of these rows of its split's fp32 slab
-    dh_blk = DH + (tl.cast(split, tl.int64) * N + n0) * H
+    dh_blk = DH + (split * N + n0) * H
     for v0 in range(v_begin, v_end, BLOCK_V):
-        n_cols = tl.minimum(v_end - v0, BLOCK_V)
-        w_blk = WEIGHT + tl.cast(v0, tl.int64) * stride_wv
+        n_cols = tl.minimum(v_end - v0, BLOCK_V).to(tl.int32)
+        w_blk = WEIGHT + v0 * stride_wv
         a = _logits_tile(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
                          HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
         local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0, HAS_GLP,
@@ -289,22 +289,22 @@ def _linear_logprobs_bwd_dw_kernel(
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
-    v0 = tl.program_id(0) * BLOCK_V
-    split = tl.program_id(1)
-    n_cols = tl.minimum(V - v0, BLOCK_V)
+    v0 = tl.program_id(0).to(tl.int64) * BLOCK_V
+    split = tl.program_id(1).to(tl.int64)
+    n_cols = tl.minimum(V - v0, BLOCK_V).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_V)
     c_in = c < n_cols
     n_begin = split * N_PER_SPLIT
     n_end = tl.minimum(n_begin + N_PER_SPLIT, N)
-    w_blk = WEIGHT + tl.cast(v0, tl.int64) * stride_wv
+    w_blk = WEIGHT + v0 * stride_wv
     # this program is the only reader/writer of these vocabulary rows of its split's fp32 slab
-    dw_blk = DW + (tl.cast(split, tl.int64) * V + v0) * H
+    dw_blk = DW + (split * V + v0) * H
     db_acc = tl.zeros((BLOCK_V,), tl.float32)
     for n0 in range(n_begin, n_end, BLOCK_N):
-        n_rows = tl.minimum(n_end - n0, BLOCK_N)
+        n_rows = tl.minimum(n_end - n0, BLOCK_N).to(tl.int32)
         r_in = r < n_rows
-        h_blk = HIDDEN + tl.cast(n0, tl.int64) * stride_hn
+        h_blk = HIDDEN + n0 * stride_hn
         # the tile is computed transposed, (BLOCK_V, BLOCK_N) = W h^T, so that dlogits^T is already the left
         # operand of the d_weight dot (no register transpose through shared memory)
         a_t = _logits_tile_t(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
@@ -331,7 +331,7 @@ def _linear_logprobs_bwd_dw_kernel(
             acc = tl.dot(da_t, h, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
             tl.store(ptrs, acc, mask=msk)
     if HAS_DB:
-        tl.store(DB + tl.cast(split, tl.int64) * V + v0 + c, db_acc, mask=c_in)
+        tl.store(DB + split * V + v0 + c, db_acc, mask=c_in)
 
 
 @triton.jit
@@ -369,8 +369,9 @@ def _selective_log_softmax_bwd_kernel(
 ):
     inv_t = tl.cast(inv_t, tl.float32)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
+    col0 = tl.program_id(1).to(tl.int64) * BLOCK_V
+    c = tl.arange(0, BLOCK_V)
+    col_mask = c < (V - col0).to(tl.int32)
     one = tl.arange(0, 1)
     tgt = tl.load(TARGET + row + one)
     lse = tl.load(LSE + row + one)
@@ -382,11 +383,11 @@ def _selective_log_softmax_bwd_kernel(
     if HAS_GENT:
         gent = tl.load(GENT + row + one)
         ent = tl.load(ENT + row + one)
-    a = tl.load(LOGITS + row * stride_n + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
-    is_y = (tl.arange(0, BLOCK_V)[None, :] + tl.program_id(1) * BLOCK_V) == tgt[:, None]
+    a = tl.load(LOGITS + (row * stride_n + col0) + c[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+    is_y = c[None, :] == (tgt - col0)[:, None]
     da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lse[:, None], 1.0, 1.0, inv_t,
                   False, False)
-    tl.store(DLOGITS + row * stride_n + cols[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
+    tl.store(DLOGITS + (row * stride_n + col0) + c[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
 
 
 KERNELS = {
