@@ -116,14 +116,17 @@ def _neg_expm1(x):
 
 @triton.jit
 def _fold(z, valid, m, s, sz, HAS_ENTROPY: tl.constexpr):
-    # fold a transformed tile z (invalid entries -inf) into the running row statistics
+    # fold a transformed tile z (invalid entries -inf) into the running row statistics. z may hold -inf anywhere
+    # (masked vocabulary): a row with no finite value yet keeps m = -inf, s = 0 and subtracts 0 instead of its max
+    # (-inf - (-inf) is NaN), and e * d is taken as 0 where e = 0 (0 * (-inf) is NaN).
     new_m = tl.maximum(m, tl.max(z, axis=1))
-    d = z - new_m[:, None]
+    ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+    d = z - ref[:, None]
     e = tl.where(valid, tl.exp(d), 0.0)
-    alpha = tl.exp(m - new_m)
+    alpha = tl.exp(m - ref)
     if HAS_ENTROPY:
-        old = tl.where(s > 0.0, alpha * (sz + (m - new_m) * s), 0.0)
-        sz = old + tl.sum(tl.where(valid, e * d, 0.0), axis=1)
+        old = tl.where(s > 0.0, alpha * (sz + (m - ref) * s), 0.0)
+        sz = old + tl.sum(tl.where(e > 0.0, e * d, 0.0), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
     return new_m, s, sz
 
@@ -153,7 +156,8 @@ def _dlogits(a, is_y, lse, ent, glp, gent, lp_y, scale, softcap, inv_t, HAS_SOFT
     else:
         lp_t = lp
     dz_y = glp * _neg_expm1(lp_t) - tl.exp(lp_t) * (gent * (lp_t + ent))
-    dz = tl.where(is_y, dz_y, -p * (glp + h_term))
+    # p = 0 (a -inf logit, or an underflow) gives exactly 0: p * (lp + ent) would be 0 * (-inf) = NaN at lp = -inf
+    dz = tl.where(is_y, dz_y, tl.where(p > 0.0, -p * (glp + h_term), 0.0))
     return dz * chain
 
 
