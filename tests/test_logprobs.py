@@ -6,6 +6,7 @@ same-dtype naive result (``linear_logprobs_ref``, full logits) and the kernel re
 bf16 1e-2; for gradients times max(1, max |truth|), since d_weight entries sum over every row).
 """
 
+import contextlib
 import math
 import os
 import subprocess
@@ -432,6 +433,63 @@ def test_triton_interpreter_deterministic(triton_interpret):
         runs.append((logp, ent, hh.grad, ww.grad, bb.grad))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_launch_device_helper():
+    """launch_device: torch.cuda.device(t.device) for CUDA tensors (built, not entered: no GPU here), else a no-op."""
+    import contextlib
+    import types
+
+    from grpo_mem.ops._device import launch_device
+
+    assert isinstance(launch_device(torch.zeros(1)), contextlib.nullcontext)
+    ctx = launch_device(types.SimpleNamespace(device=torch.device("cuda", 3)))
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 3
+
+
+def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
+    """device_map over several GPUs: Triton launches on the current device, so every launch of a head kernel must run
+    inside launch_device(<its tensors>) (issue 8 item 2). The kernels are replaced by recorders of the device entered
+    at launch time (no kernel runs), launch_device by one that records what it is entered with."""
+    pytest.importorskip("triton")
+    from grpo_mem.ops import logprobs_triton as tri
+
+    entered, launches = [], []
+
+    @contextlib.contextmanager
+    def recording_launch_device(t):
+        entered.append(t.device)
+        try:
+            yield
+        finally:
+            entered.pop()
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                assert len({t.device for t in tensors}) == 1
+                launches.append((self.name, entered[-1] if entered else None, tensors[0].device))
+            return launch
+
+    monkeypatch.setattr(tri, "launch_device", recording_launch_device, raising=False)
+    for name in tri.KERNELS:
+        monkeypatch.setattr(tri, f"_{name}_kernel", Recorder(name))
+    (hidden, weight, bias), index = make_inputs(37, 16, 300, torch.float32, bias=True)
+    target = lp_mod._targets(index, 300, -100)
+    p = lp_mod.LogprobParams(return_entropy=True, backend="triton")
+    logp, ent, lse = tri.linear_logprobs_fwd(hidden, weight, bias, target, p)
+    g = torch.ones_like(lse)
+    tri.linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g, g, p, True, True, True, logp)
+    logits = torch.randn(37, 300)
+    _, ent, lse = tri.selective_log_softmax_fwd(logits, target.clamp(min=0), p)
+    tri.selective_log_softmax_bwd(logits, target.clamp(min=0), lse, ent, g, g, p)
+    assert sorted(n for n, _, _ in launches) == sorted(tri.KERNELS), launches
+    outside = [(n, dev) for n, inside, dev in launches if inside != dev]
+    assert not outside, f"launched outside launch_device(<tensor>): {outside}"
 
 
 @pytest.mark.parametrize(

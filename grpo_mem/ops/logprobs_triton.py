@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import launch_device
+
 __all__ = [
     "linear_logprobs_fwd",
     "linear_logprobs_bwd",
@@ -462,14 +464,15 @@ def linear_logprobs_fwd(hidden, weight, bias, target, p):
     stats = torch.empty((4, splits, n_tok), device=hidden.device, dtype=torch.float32)
     m, s, sz, zy = stats
     (scale, softcap, inv_t), has_cap = _common(hidden, weight, p)
-    _linear_logprobs_fwd_kernel[(n_blocks, splits)](
-        hidden, weight, bias if bias is not None else weight, target, m, s, sz, zy,
-        n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per,
-        scale, softcap, inv_t,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_ENTROPY=p.return_entropy,
-        PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=cfg["BLOCK_H"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    with launch_device(hidden):
+        _linear_logprobs_fwd_kernel[(n_blocks, splits)](
+            hidden, weight, bias if bias is not None else weight, target, m, s, sz, zy,
+            n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per,
+            scale, softcap, inv_t,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_ENTROPY=p.return_entropy,
+            PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv,
+            BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     m_all, s_all, sz_all, zy_all = _merge_splits(m, s, sz if p.return_entropy else None, zy)
     return _finish(m_all, s_all, sz_all, zy_all, target, p.return_entropy)
 
@@ -518,9 +521,11 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
         cap = max(1, min(64, vocab // max(n_tok, 1)))
         splits, per = _splits(n_blocks, v_blocks, bv, target_programs, cap=cap)
         slab = torch.zeros((splits, n_tok, hid), device=dev, dtype=torch.float32)
-        _linear_logprobs_bwd_dh_kernel[(n_blocks, splits)](
-            *args, slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap, inv_t, **common
-        )
+        with launch_device(hidden):
+            _linear_logprobs_bwd_dh_kernel[(n_blocks, splits)](
+                *args, slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap, inv_t,
+                **common,
+            )
         dh = _sum_splits(slab).to(hidden.dtype)
     if need_dw or need_db:
         cap = 1 if dev.type == "cuda" else 2  # d_weight slabs are (V, H) each: one split on GPU
@@ -530,10 +535,11 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
                 torch.zeros((splits, vocab, hid), device=dev, dtype=torch.float32))
         slab_view = slab.unsqueeze(0) if direct else slab
         db_slab = torch.zeros((splits, vocab), device=dev, dtype=torch.float32) if need_db else dummy
-        _linear_logprobs_bwd_dw_kernel[(v_blocks, splits)](
-            *args, slab_view, db_slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap,
-            inv_t, HAS_DB=need_db, **common,
-        )
+        with launch_device(hidden):
+            _linear_logprobs_bwd_dw_kernel[(v_blocks, splits)](
+                *args, slab_view, db_slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale,
+                softcap, inv_t, HAS_DB=need_db, **common,
+            )
         if need_dw:
             dw = slab if direct else _sum_splits(slab).to(weight.dtype)
         if need_db:
@@ -557,11 +563,12 @@ def selective_log_softmax_fwd(logits, target, p):
     stats = torch.empty((4, n_tok), device=logits.device, dtype=torch.float32)
     m, s, sz, zy = stats
     if n_tok:
-        _selective_log_softmax_fwd_kernel[(n_tok,)](
-            logits, target, m, s, sz, zy, vocab, logits.stride(0), float(p.inv_t),
-            HAS_ENTROPY=p.return_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
+        with launch_device(logits):
+            _selective_log_softmax_fwd_kernel[(n_tok,)](
+                logits, target, m, s, sz, zy, vocab, logits.stride(0), float(p.inv_t),
+                HAS_ENTROPY=p.return_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+            )
     if not p.return_entropy:
         sz = torch.zeros_like(s)
     return _finish(m, s, sz, zy, target, p.return_entropy)
@@ -574,12 +581,13 @@ def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
     out = torch.empty_like(logits)
     dummy = lse
     if n_tok:
-        _selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
-            logits, out, target, lse, ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
-            g_ent if g_ent is not None else dummy, vocab, logits.stride(0), float(p.inv_t),
-            HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_V=cfg["BLOCK_V"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        with launch_device(logits):
+            _selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
+                logits, out, target, lse, ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
+                g_ent if g_ent is not None else dummy, vocab, logits.stride(0), float(p.inv_t),
+                HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_V=cfg["BLOCK_V"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
     return out
 
 
