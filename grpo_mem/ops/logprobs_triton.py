@@ -281,6 +281,10 @@ def _linear_logprobs_bwd_dh_kernel(
             msk = r_in[:, None] & k_in[None, :]
             acc = tl.dot(da, w, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
             tl.store(ptrs, acc, mask=msk)
+        # The slab is loaded and stored in different register layouts (bf16 builds: 8 vs 4 columns per thread), so
+        # the next tile's load of an element may be issued by another thread than the one that stored it; global
+        # stores are visible to the other threads of the CTA only after a barrier (CUDA __syncthreads semantics).
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -336,6 +340,9 @@ def _linear_logprobs_bwd_dw_kernel(
             msk = c_in[:, None] & k_in[None, :]
             acc = tl.dot(da_t, h, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
             tl.store(ptrs, acc, mask=msk)
+        # as in the d_hidden kernel: the slab's load and store layouts differ, order the next tile's loads after
+        # this tile's stores across the CTA's threads
+        tl.debug_barrier()
     if HAS_DB:
         tl.store(DB + split * V + v0 + c, db_acc, mask=c_in)
 
