@@ -17,6 +17,13 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
   instead of 4, the price of a fixed reduction order without atomics.
 - ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
 
+Known cost of the slabs (issue 8 item 5; estimate, README "Triton head kernels"): at N=32768, H=3584, V=152064 bf16
+on an H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s, NVIDIA datasheet) the d_hidden slab moves N*H*8 B * V/128 = 1.12 TB
+(333 ms) and the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms) against 72 ms of GEMMs per kernel: the backward is
+bound by slab traffic at that shape. Not restructured yet; the planned fix computes d_logits once per vocabulary
+chunk into a bf16 buffer and runs one GEMM per gradient with its output tile in registers over the whole reduction,
+d_weight stored once in the weight's dtype (as Cut Cross-Entropy does).
+
 Float hyperparameters are runtime arguments cast to fp32 inside the kernels (Inductor passes Python floats as fp64,
 Liger-Kernel #1366). On GPUs, fp32 inputs use 3xTF32 dots (``input_precision="tf32x3"``: hi/lo TF32 split, error
 near fp32 rounding; plain "ieee" FMA dots spilled on sm_90); bf16/fp16 inputs use native dots with fp32 accumulators,
