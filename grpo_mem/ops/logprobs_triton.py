@@ -17,6 +17,13 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
   instead of 4, the price of a fixed reduction order without atomics.
 - ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
 
+Known cost of the slabs (issue 8 item 5; estimate, README "Triton head kernels"): at N=32768, H=3584, V=152064 bf16
+on an H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s, NVIDIA datasheet) the d_hidden slab moves N*H*8 B * V/128 = 1.12 TB
+(333 ms) and the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms) against 72 ms of GEMMs per kernel: the backward is
+bound by slab traffic at that shape. Not restructured yet; the planned fix computes d_logits once per vocabulary
+chunk into a bf16 buffer and runs one GEMM per gradient with its output tile in registers over the whole reduction,
+d_weight stored once in the weight's dtype (as Cut Cross-Entropy does).
+
 Float hyperparameters are runtime arguments cast to fp32 inside the kernels (Inductor passes Python floats as fp64,
 Liger-Kernel #1366). On GPUs, fp32 inputs use 3xTF32 dots (``input_precision="tf32x3"``: hi/lo TF32 split, error
 near fp32 rounding; plain "ieee" FMA dots spilled on sm_90); bf16/fp16 inputs use native dots with fp32 accumulators,
@@ -28,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ._device import launch_device
 
 __all__ = [
     "linear_logprobs_fwd",
@@ -116,14 +125,17 @@ def _neg_expm1(x):
 
 @triton.jit
 def _fold(z, valid, m, s, sz, HAS_ENTROPY: tl.constexpr):
-    # fold a transformed tile z (invalid entries -inf) into the running row statistics
+    # fold a transformed tile z (invalid entries -inf) into the running row statistics. z may hold -inf anywhere
+    # (masked vocabulary): a row with no finite value yet keeps m = -inf, s = 0 and subtracts 0 instead of its max
+    # (-inf - (-inf) is NaN), and e * d is taken as 0 where e = 0 (0 * (-inf) is NaN).
     new_m = tl.maximum(m, tl.max(z, axis=1))
-    d = z - new_m[:, None]
+    ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+    d = z - ref[:, None]
     e = tl.where(valid, tl.exp(d), 0.0)
-    alpha = tl.exp(m - new_m)
+    alpha = tl.exp(m - ref)
     if HAS_ENTROPY:
-        old = tl.where(s > 0.0, alpha * (sz + (m - new_m) * s), 0.0)
-        sz = old + tl.sum(tl.where(valid, e * d, 0.0), axis=1)
+        old = tl.where(s > 0.0, alpha * (sz + (m - ref) * s), 0.0)
+        sz = old + tl.sum(tl.where(e > 0.0, e * d, 0.0), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
     return new_m, s, sz
 
@@ -153,7 +165,8 @@ def _dlogits(a, is_y, lse, ent, glp, gent, lp_y, scale, softcap, inv_t, HAS_SOFT
     else:
         lp_t = lp
     dz_y = glp * _neg_expm1(lp_t) - tl.exp(lp_t) * (gent * (lp_t + ent))
-    dz = tl.where(is_y, dz_y, -p * (glp + h_term))
+    # p = 0 (a -inf logit, or an underflow) gives exactly 0: p * (lp + ent) would be 0 * (-inf) = NaN at lp = -inf
+    dz = tl.where(is_y, dz_y, tl.where(p > 0.0, -p * (glp + h_term), 0.0))
     return dz * chain
 
 
@@ -199,7 +212,7 @@ def _linear_logprobs_fwd_kernel(
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
     n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
-    split = tl.program_id(1)
+    split = tl.program_id(1).to(tl.int64)
     n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
     r_in = r < n_rows
@@ -212,15 +225,15 @@ def _linear_logprobs_fwd_kernel(
     v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
     h_blk = HIDDEN + n0 * stride_hn
     for v0 in range(v_begin, v_end, BLOCK_V):
-        n_cols = tl.minimum(v_end - v0, BLOCK_V)
-        a = _logits_tile(h_blk, WEIGHT + tl.cast(v0, tl.int64) * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
+        n_cols = tl.minimum(v_end - v0, BLOCK_V).to(tl.int32)
+        a = _logits_tile(h_blk, WEIGHT + v0 * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
                          stride_wv, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
         c = tl.arange(0, BLOCK_V)
         valid = (c < n_cols)[None, :]
         z = tl.where(valid, _transform(a, scale, softcap, inv_t, HAS_SOFTCAP), float("-inf"))  # -inf tail, not 0
         zy += tl.sum(tl.where(c[None, :] == (tgt - v0)[:, None], z, 0.0), axis=1)
         m, s, sz = _fold(z, valid, m, s, sz, HAS_ENTROPY)
-    out = split * N + n0 + r
+    out = split * N + n0 + r  # int64 (split and n0 are)
     tl.store(M_OUT + out, m, mask=r_in)
     tl.store(S_OUT + out, s, mask=r_in)
     tl.store(ZY_OUT + out, zy, mask=r_in)
@@ -241,7 +254,7 @@ def _linear_logprobs_bwd_dh_kernel(
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
     n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
-    split = tl.program_id(1)
+    split = tl.program_id(1).to(tl.int64)
     n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
     r_in = r < n_rows
@@ -250,10 +263,10 @@ def _linear_logprobs_bwd_dh_kernel(
     v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
     h_blk = HIDDEN + n0 * stride_hn
     # this program is the only reader/writer of these rows of its split's fp32 slab
-    dh_blk = DH + (tl.cast(split, tl.int64) * N + n0) * H
+    dh_blk = DH + (split * N + n0) * H
     for v0 in range(v_begin, v_end, BLOCK_V):
-        n_cols = tl.minimum(v_end - v0, BLOCK_V)
-        w_blk = WEIGHT + tl.cast(v0, tl.int64) * stride_wv
+        n_cols = tl.minimum(v_end - v0, BLOCK_V).to(tl.int32)
+        w_blk = WEIGHT + v0 * stride_wv
         a = _logits_tile(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
                          HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
         local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0, HAS_GLP,
@@ -275,6 +288,10 @@ def _linear_logprobs_bwd_dh_kernel(
             msk = r_in[:, None] & k_in[None, :]
             acc = tl.dot(da, w, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
             tl.store(ptrs, acc, mask=msk)
+        # The slab is loaded and stored in different register layouts (bf16 builds: 8 vs 4 columns per thread), so
+        # the next tile's load of an element may be issued by another thread than the one that stored it; global
+        # stores are visible to the other threads of the CTA only after a barrier (CUDA __syncthreads semantics).
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -289,22 +306,22 @@ def _linear_logprobs_bwd_dw_kernel(
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
-    v0 = tl.program_id(0) * BLOCK_V
-    split = tl.program_id(1)
-    n_cols = tl.minimum(V - v0, BLOCK_V)
+    v0 = tl.program_id(0).to(tl.int64) * BLOCK_V
+    split = tl.program_id(1).to(tl.int64)
+    n_cols = tl.minimum(V - v0, BLOCK_V).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_V)
     c_in = c < n_cols
     n_begin = split * N_PER_SPLIT
     n_end = tl.minimum(n_begin + N_PER_SPLIT, N)
-    w_blk = WEIGHT + tl.cast(v0, tl.int64) * stride_wv
+    w_blk = WEIGHT + v0 * stride_wv
     # this program is the only reader/writer of these vocabulary rows of its split's fp32 slab
-    dw_blk = DW + (tl.cast(split, tl.int64) * V + v0) * H
+    dw_blk = DW + (split * V + v0) * H
     db_acc = tl.zeros((BLOCK_V,), tl.float32)
     for n0 in range(n_begin, n_end, BLOCK_N):
-        n_rows = tl.minimum(n_end - n0, BLOCK_N)
+        n_rows = tl.minimum(n_end - n0, BLOCK_N).to(tl.int32)
         r_in = r < n_rows
-        h_blk = HIDDEN + tl.cast(n0, tl.int64) * stride_hn
+        h_blk = HIDDEN + n0 * stride_hn
         # the tile is computed transposed, (BLOCK_V, BLOCK_N) = W h^T, so that dlogits^T is already the left
         # operand of the d_weight dot (no register transpose through shared memory)
         a_t = _logits_tile_t(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
@@ -330,8 +347,11 @@ def _linear_logprobs_bwd_dw_kernel(
             msk = c_in[:, None] & k_in[None, :]
             acc = tl.dot(da_t, h, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
             tl.store(ptrs, acc, mask=msk)
+        # as in the d_hidden kernel: the slab's load and store layouts differ, order the next tile's loads after
+        # this tile's stores across the CTA's threads
+        tl.debug_barrier()
     if HAS_DB:
-        tl.store(DB + tl.cast(split, tl.int64) * V + v0 + c, db_acc, mask=c_in)
+        tl.store(DB + split * V + v0 + c, db_acc, mask=c_in)
 
 
 @triton.jit
@@ -369,8 +389,9 @@ def _selective_log_softmax_bwd_kernel(
 ):
     inv_t = tl.cast(inv_t, tl.float32)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
+    col0 = tl.program_id(1).to(tl.int64) * BLOCK_V
+    c = tl.arange(0, BLOCK_V)
+    col_mask = c < (V - col0).to(tl.int32)
     one = tl.arange(0, 1)
     tgt = tl.load(TARGET + row + one)
     lse = tl.load(LSE + row + one)
@@ -382,11 +403,11 @@ def _selective_log_softmax_bwd_kernel(
     if HAS_GENT:
         gent = tl.load(GENT + row + one)
         ent = tl.load(ENT + row + one)
-    a = tl.load(LOGITS + row * stride_n + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
-    is_y = (tl.arange(0, BLOCK_V)[None, :] + tl.program_id(1) * BLOCK_V) == tgt[:, None]
+    a = tl.load(LOGITS + (row * stride_n + col0) + c[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+    is_y = c[None, :] == (tgt - col0)[:, None]
     da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lse[:, None], 1.0, 1.0, inv_t,
                   False, False)
-    tl.store(DLOGITS + row * stride_n + cols[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
+    tl.store(DLOGITS + (row * stride_n + col0) + c[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
 
 
 KERNELS = {
@@ -457,14 +478,15 @@ def linear_logprobs_fwd(hidden, weight, bias, target, p):
     stats = torch.empty((4, splits, n_tok), device=hidden.device, dtype=torch.float32)
     m, s, sz, zy = stats
     (scale, softcap, inv_t), has_cap = _common(hidden, weight, p)
-    _linear_logprobs_fwd_kernel[(n_blocks, splits)](
-        hidden, weight, bias if bias is not None else weight, target, m, s, sz, zy,
-        n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per,
-        scale, softcap, inv_t,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_ENTROPY=p.return_entropy,
-        PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=cfg["BLOCK_H"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    with launch_device(hidden):
+        _linear_logprobs_fwd_kernel[(n_blocks, splits)](
+            hidden, weight, bias if bias is not None else weight, target, m, s, sz, zy,
+            n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per,
+            scale, softcap, inv_t,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_ENTROPY=p.return_entropy,
+            PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv,
+            BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     m_all, s_all, sz_all, zy_all = _merge_splits(m, s, sz if p.return_entropy else None, zy)
     return _finish(m_all, s_all, sz_all, zy_all, target, p.return_entropy)
 
@@ -513,9 +535,11 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
         cap = max(1, min(64, vocab // max(n_tok, 1)))
         splits, per = _splits(n_blocks, v_blocks, bv, target_programs, cap=cap)
         slab = torch.zeros((splits, n_tok, hid), device=dev, dtype=torch.float32)
-        _linear_logprobs_bwd_dh_kernel[(n_blocks, splits)](
-            *args, slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap, inv_t, **common
-        )
+        with launch_device(hidden):
+            _linear_logprobs_bwd_dh_kernel[(n_blocks, splits)](
+                *args, slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap, inv_t,
+                **common,
+            )
         dh = _sum_splits(slab).to(hidden.dtype)
     if need_dw or need_db:
         cap = 1 if dev.type == "cuda" else 2  # d_weight slabs are (V, H) each: one split on GPU
@@ -525,10 +549,11 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
                 torch.zeros((splits, vocab, hid), device=dev, dtype=torch.float32))
         slab_view = slab.unsqueeze(0) if direct else slab
         db_slab = torch.zeros((splits, vocab), device=dev, dtype=torch.float32) if need_db else dummy
-        _linear_logprobs_bwd_dw_kernel[(v_blocks, splits)](
-            *args, slab_view, db_slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap,
-            inv_t, HAS_DB=need_db, **common,
-        )
+        with launch_device(hidden):
+            _linear_logprobs_bwd_dw_kernel[(v_blocks, splits)](
+                *args, slab_view, db_slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale,
+                softcap, inv_t, HAS_DB=need_db, **common,
+            )
         if need_dw:
             dw = slab if direct else _sum_splits(slab).to(weight.dtype)
         if need_db:
@@ -552,11 +577,12 @@ def selective_log_softmax_fwd(logits, target, p):
     stats = torch.empty((4, n_tok), device=logits.device, dtype=torch.float32)
     m, s, sz, zy = stats
     if n_tok:
-        _selective_log_softmax_fwd_kernel[(n_tok,)](
-            logits, target, m, s, sz, zy, vocab, logits.stride(0), float(p.inv_t),
-            HAS_ENTROPY=p.return_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
+        with launch_device(logits):
+            _selective_log_softmax_fwd_kernel[(n_tok,)](
+                logits, target, m, s, sz, zy, vocab, logits.stride(0), float(p.inv_t),
+                HAS_ENTROPY=p.return_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+            )
     if not p.return_entropy:
         sz = torch.zeros_like(s)
     return _finish(m, s, sz, zy, target, p.return_entropy)
@@ -569,12 +595,13 @@ def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
     out = torch.empty_like(logits)
     dummy = lse
     if n_tok:
-        _selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
-            logits, out, target, lse, ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
-            g_ent if g_ent is not None else dummy, vocab, logits.stride(0), float(p.inv_t),
-            HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_V=cfg["BLOCK_V"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        with launch_device(logits):
+            _selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
+                logits, out, target, lse, ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
+                g_ent if g_ent is not None else dummy, vocab, logits.stride(0), float(p.inv_t),
+                HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_V=cfg["BLOCK_V"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
     return out
 
 
