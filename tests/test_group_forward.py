@@ -195,3 +195,15 @@ def test_restore_gives_the_model_back():
         after = model(input_ids=ids, attention_mask=mask).logits
     assert model.config._attn_implementation == impl and "forward" not in model.__dict__
     assert torch.equal(before, during) and torch.equal(before, after)
+
+
+def test_store_schedule_counts_passes_and_backward_graphs():
+    """(prompt passes forwarded, prompt graphs backpropagated) per micro-batch, as _prompt_states makes them."""
+    from grpo_mem.model.group_forward import store_schedule
+
+    # a: split over micro-batches 0-1; b: over 1-2; c: only in 2 (fresh); the last micro-batch closes the window
+    assert store_schedule(set(), [[b"a", b"a"], [b"a", b"b"], [b"b", b"c"]], closes=True) == [(1, 0), (1, 1), (1, 2)]
+    # window not closed here: b stays pending; a prompt kept earlier and still used later costs nothing now
+    assert store_schedule({b"b"}, [[b"b", b"d"], [b"b"]], closes=False) == [(1, 1), (0, 1)]
+    # closing with prompts still pending flushes them into the last backward
+    assert store_schedule({b"x"}, [[b"y"]], closes=True) == [(1, 2)]

@@ -1,0 +1,163 @@
+"""Per-rank peak memory and time of the scoring forward + backward under FSDP2, 2 processes on CPU (gloo).
+
+Providers, each in its own ``torch.distributed.run`` launch of 2 processes: ``trl`` and ``grpo_mem`` as in
+``bench_group.py``; ``full_seq`` is the full-sequence baseline run through the root module (FSDP2 unshards the
+embedding and head only inside the root's forward, so ``bench_group``'s direct backbone call does not run here):
+``model(..., logits_to_keep=C + 1)`` and an fp32 log-softmax gather on the C completion positions, whose (B, C, V)
+logits are a few percent of the trunk's activations at these shapes. Every rank builds the same trunk-heavy Llama (``bench_group.ARCHS["llama"]``: 8 layers, hidden
+512, V=8192), shards it with ``fully_shard`` per decoder layer and then at the root (``reshard_after_forward=True``),
+as accelerate's ``fsdp_version: 2`` does, and scores its own group (one prompt of width P, G completions of width C;
+a different random group per rank): log-probs, then ``(log_probs * completion_mask).sum().backward()``.
+Measured per rank with ``harness.measure`` (1 warm-up call, timed calls, then one call under ``PeakRSS`` and the
+live-tensor tracker); the table gives the mean over the ranks and the ratio grpo_mem / full_seq against the ideal
+ratio (P + G·C) / (G·(P + C)).
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_fsdp.py                 # P=512, C=64, G=16 -> benchmarks/results/fsdp.csv, table
+    python benchmarks/bench_fsdp.py -P 256 -G 8     # another shape
+    python benchmarks/bench_fsdp.py --table         # reprint the table from the CSV
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+import harness  # noqa: E402
+
+OP = "group_logprobs_fsdp2"
+CSV_PATH = os.path.join(_HERE, "results", "fsdp.csv")
+PROVIDERS = ("trl", "full_seq", "grpo_mem")
+WORLD = 2
+
+
+def worker(provider: str, P: int, C: int, G: int, repeats: int, out: str) -> None:
+    """One rank: shard, measure, and (rank 0) write every rank's measurement to ``out`` as JSON."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import bench_group
+
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = bench_group.build_model("llama")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if provider == "full_seq":
+
+        def fn(input_ids, attention_mask):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=C + 1,
+                           use_cache=False).logits[:, :-1]  # fmt: skip
+            logps = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
+            return logps, None
+
+    else:
+        fn = bench_group.make_logprob_fn(provider, model, C)
+    vocab = model.config.vocab_size
+    ids, mask, cmask = bench_group.make_inputs(G, P, C, groups=1, vocab=vocab, seed=rank)
+
+    def op():
+        logps, _ = fn(ids, mask)
+        (logps * cmask).sum().backward()
+
+    m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=1, repeats=repeats,
+                        memory_repeats=1)  # fmt: skip
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, m.to_dict())
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(provider: str, P: int, C: int, G: int, repeats: int) -> list[dict]:
+    """Run ``worker`` on 2 fresh processes; every rank's ``harness.Measurement`` as a dict."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "m.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([_HERE, os.path.dirname(_HERE)]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", provider, "-P", str(P),
+               "-C", str(C), "-G", str(G), "--repeats", str(repeats), "--out", out]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{provider} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def table(path: str = CSV_PATH) -> str:
+    """Markdown table (mean over ranks) from the CSV: time, CPU time, peak RSS and live tensors per rank."""
+    rows = harness.read_csv(path)
+    by = {}
+    for r in rows:
+        cfg = r["config"]
+        by.setdefault((r["provider"], cfg["P"], cfg["C"], cfg["G"]), {}).setdefault(r["metric"], []).append(
+            float(r["p50"])
+        )
+    out = []
+    for (provider, P, C, G), metrics in sorted(by.items(), key=lambda kv: (kv[0][1:], PROVIDERS.index(kv[0][0]))):
+        mean = {k: sum(v) / len(v) for k, v in metrics.items()}
+        base = by.get(("full_seq", P, C, G))
+        ratio = ""
+        if base and provider == "grpo_mem":
+            b = sum(base["peak_rss_above_base"]) / len(base["peak_rss_above_base"])
+            ideal = (P + G * C) / (G * (P + C))
+            ratio = f"{mean['peak_rss_above_base'] / b:.3f} (ideal {ideal:.3f}, {mean['peak_rss_above_base'] / b / ideal:.2f}x)"
+        out.append([provider, P, C, G, f"{mean['wall_time']:.2f}", f"{mean['cpu_time']:.2f}",
+                    f"{mean['peak_rss_above_base']:.0f}", f"{mean['peak_tensor']:.0f}", ratio])  # fmt: skip
+    headers = ["provider", "P", "C", "G", "time (s)", "CPU time (s)", "peak RSS above base (MB/rank)",
+               "live tensors (MB/rank)", "RSS ratio vs full_seq"]  # fmt: skip
+    return harness.markdown_table(headers, out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-P", type=int, default=512, help="prompt width (default 512)")
+    ap.add_argument("-C", type=int, default=64, help="completion width (default 64)")
+    ap.add_argument("-G", type=int, default=16, help="completions per prompt (default 16)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed calls per rank (default 2)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of trl,full_seq,grpo_mem")
+    ap.add_argument("--table", action="store_true", help="reprint the table from the CSV and exit")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.P, args.C, args.G, args.repeats, args.out)
+        return 0
+    if args.table:
+        print(table())
+        return 0
+    rows = []
+    for provider in args.providers.split(","):
+        if provider not in PROVIDERS:
+            ap.error(f"--providers: unknown provider {provider!r}, expected some of {PROVIDERS}")
+        for rank, m in enumerate(launch(provider, args.P, args.C, args.G, args.repeats)):
+            config = dict(P=args.P, C=args.C, G=args.G, rank=rank, world=WORLD, model="llama", fsdp="fully_shard")
+            rows += harness.measurement_rows(OP, provider, "full", "G", args.G, m, config)
+        print(f"{provider}: done", flush=True)
+    harness.write_csv(rows, CSV_PATH, append=os.path.exists(CSV_PATH))
+    print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
