@@ -110,19 +110,52 @@ def _lookup(token):
     return ctx
 
 
+def _is_flash(impl: str) -> bool:
+    """Whether ``impl`` is a flash-attention implementation, by transformers' own test (``"flash"`` in the name)."""
+    return "flash" in impl
+
+
+class _ConfigView:
+    """A model config that reports ``impl`` as its attention implementation; every other attribute is the config's."""
+
+    def __init__(self, config, impl: str):
+        self._config = config
+        self._attn_implementation = impl
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class _ModuleView:
+    """An attention module as transformers' flash-attention wrapper sees it: itself, except that its config names the
+    wrapped implementation. The wrapper passes ``module.config._attn_implementation`` on to pick the flash kernel, so
+    with the model switched to ``grpo_mem_flash_attention_2`` every inner call would otherwise look for a kernel of
+    that name."""
+
+    def __init__(self, module, impl: str):
+        self._module = module
+        self.config = _ConfigView(module.config, impl)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
 def _make_hook(inner: str):
+    flash = _is_flash(inner)
+
     def grpo_mem_attention(module, query, key, value, attention_mask, **kwargs):
         token = kwargs.pop(CTX_KWARG, None)
         inner_fn = ALL_ATTENTION_FUNCTIONS[inner]
+        inner_module = _ModuleView(module, inner) if flash else module
         if token is None:
-            return inner_fn(module, query, key, value, attention_mask, **kwargs)
+            return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
         layer = module.layer_idx
         ctx = _lookup(token)
         if not isinstance(ctx, CompletionContext):
             # prompt pass; a capture already gone means the replay of a checkpointed layer, which records nothing
             if ctx is not None:
                 ctx.kv.setdefault(layer, (key, value))
-            return inner_fn(module, query, key, value, attention_mask, **kwargs)
+            return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
         tensors = (query, key, value, *ctx.kv[layer])
         device = query.device.type
         if torch.is_autocast_enabled(device):
@@ -180,10 +213,21 @@ def take_over(model) -> str | None:
     impl = model.config._attn_implementation or "eager"
     if impl.startswith(PREFIX):
         return None
-    model.set_attn_implementation(ensure_registered(impl))
+    _switch(model, ensure_registered(impl), flash=_is_flash(impl))
     return impl
 
 
 def give_back(model, impl: str) -> None:
     """Restore the attention implementation ``impl`` that ``take_over`` returned."""
-    model.set_attn_implementation(impl)
+    _switch(model, impl, flash=_is_flash(impl))
+
+
+def _switch(model, impl: str, *, flash: bool) -> None:
+    # ``set_attn_implementation`` preloads any implementation whose name contains "flash" as a flash kernel of that
+    # name (and would need flash-attn importable to switch back): for a flash model, set the config directly, which
+    # is what that method does once its checks pass. The config keeps "flash" in the hook's name, so transformers'
+    # flash-specific mask and generation paths stay on.
+    if flash:
+        model.config._attn_implementation = impl
+    else:
+        model.set_attn_implementation(impl)
