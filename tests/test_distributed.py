@@ -96,7 +96,8 @@ def test_zero3_unbalanced_micro_batches(tmp_path):
     """ZeRO-3 (untied head, every parameter partitioned), ranks given different micro-batches: one rank's prompts all
     distinct (stock path on its own), one scoring no completion token, one with one-token completions. Patched vs
     stock on the same engine: log-probs and entropies within 1e-5, full gradients within 1e-4 relative, no hang,
-    the head weight gathered at most once per call."""
+    the head weight gathered at most once per call. The head read outside a forward on partitioned parameters:
+    gathered and exact without gradients, refused with them."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "zero3.json"
     _launch("zero3_worker.py", out)
@@ -108,6 +109,9 @@ def test_zero3_unbalanced_micro_batches(tmp_path):
             assert c["logps"] <= 1e-5 and c["entropy"] <= 1e-5, (rank, name, c)
             assert c["grads_rel"] <= 1e-4, (rank, name, c)
         assert r["head_gathers"] <= len(r["cases"])
+        head = r["head"]  # read outside the forward: partitioned; one gather context per call, exact; refused with grads
+        assert head["status_before"] == "ZeroParamStatus.NOT_AVAILABLE" and head["gathers"] == 2, head
+        assert head["logps"] <= 1e-5 and "outside the model's forward" in head["refused_with_grad"], head
 
 
 def test_fsdp2_prompt_once_matches_unsharded(tmp_path):

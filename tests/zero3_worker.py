@@ -93,8 +93,33 @@ def main(out: str) -> None:
             "grads_rel": max(float((g[n] - r).abs().max() / r.abs().max().clamp_min(1e-12)) for n, r in g_ref.items()),
         }
     handle.revert()
+
+    # The head read outside any module call, parameters partitioned. Inside the forward (the cases above) DeepSpeed
+    # gathers the weight on access and registers it with the running module for the backward; outside, without
+    # gradients, completion_head gathers it itself (a collective both ranks enter), and with gradients it refuses.
+    from grpo_mem.model.group_forward import GroupRequest
+
+    head_weight = engine.module.get_output_embeddings().weight
+    status_before = str(head_weight.ds_status)
+    with deepspeed.zero.GatheredParameters([head_weight]):
+        w_full = head_weight.detach().clone()
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 4, w_full.shape[1], generator=g)
+    ids = torch.randint(0, w_full.shape[0], (3, 4), generator=g)
+    mask = torch.ones(3, 4, dtype=torch.long)
+    ref = torch.log_softmax(hidden @ w_full.T, -1).gather(-1, ids[..., None]).squeeze(-1)
+    before = gathers[0]
+    with torch.no_grad():
+        logps, _ = head.completion_head(engine.module, hidden, ids, mask, GroupRequest(4))
+    try:
+        head.completion_head(engine.module, hidden.requires_grad_(True), ids, mask, GroupRequest(4))
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    head_check = {"status_before": status_before, "gathers": gathers[0] - before,
+                  "logps": float((logps - ref).abs().max()), "refused_with_grad": refused}  # fmt: skip
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, {"cases": results, "head_gathers": gathers[0]})
+    torch.distributed.all_gather_object(gathered, {"cases": results, "head_gathers": before, "head": head_check})
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world_size": len(gathered), "ranks": gathered}, f)

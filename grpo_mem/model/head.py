@@ -41,15 +41,20 @@ def _lm_head_params(causal_lm):
 
 
 def _gather_zero3(*params):
-    """Gather ZeRO-3 partitioned parameters for a direct read of the head weight (a null context otherwise)."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    """Gather ZeRO-3 partitioned parameters for a direct read of the head weight (a null context otherwise).
 
-    if not is_deepspeed_zero3_enabled():
+    A ZeRO-3 parameter is recognised by its own ``ds_status``, not by transformers' global ZeRO-3 flag, which only
+    the HF Trainer sets (a model given to ``deepspeed.initialize`` directly has partitioned parameters without it).
+    Whether to gather depends only on the parameters' status, which is the same on every rank that made the same
+    module calls, so ranks in lockstep enter the collective together.
+    """
+    zero3 = [p for p in params if p is not None and hasattr(p, "ds_status")]
+    if not zero3:
         return nullcontext()
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    pending = {id(p): p for p in params if p is not None and getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE}
+    pending = {id(p): p for p in zero3 if p.ds_status != ZeroParamStatus.AVAILABLE}
     return deepspeed.zero.GatheredParameters(list(pending.values())) if pending else nullcontext()
 
 
@@ -72,8 +77,17 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
     rows = hidden.to(weight.device)[mask]
     if request.cast_lm_head_to_fp32:
         rows = rows.float()
+    gather = _gather_zero3(weight, bias)
+    if not isinstance(gather, nullcontext) and torch.is_grad_enabled() and weight.requires_grad:
+        # Inside the model's forward (where grpo_mem always runs) DeepSpeed gathers a ZeRO-3 parameter on access and
+        # registers it with the running module, which re-gathers it for the backward. Outside, the gradient would
+        # reach an empty shard.
+        raise RuntimeError(
+            "grpo_mem: the LM head weight is a ZeRO-3 partition read outside the model's forward with gradients "
+            "enabled; call through the model (shared_prompt_logprobs does) or under torch.no_grad()"
+        )
     # the kernel accumulates in fp32 itself: autocast must not re-cast its tiles
-    with torch.autocast(rows.device.type, enabled=False), _gather_zero3(weight, bias):
+    with torch.autocast(rows.device.type, enabled=False), gather:
         out = linear_logprobs(
             rows,
             weight,
