@@ -94,9 +94,14 @@ def test_prepared_model_direct_call_runs_in_the_models_precision():
     """accelerate's mixed-precision ``prepare`` wraps the model's forward in bf16 autocast; a direct
     ``shared_prompt_logprobs`` call on that model computes under the same autocast (it used to run in fp32)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from helpers import tiny_model
 
-    model = Accelerator(mixed_precision="bf16", cpu=True).prepare(tiny_model("llama"))
+    AcceleratorState._reset_state(reset_partial_state=True)  # earlier tests' trainers initialised it in fp32
+    try:
+        model = Accelerator(mixed_precision="bf16", cpu=True).prepare(tiny_model("llama"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     seen = []
     hook = model.model.layers[0].register_forward_pre_hook(
         lambda module, args: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
