@@ -352,3 +352,77 @@ def test_triton_kernels_under_interpreter():
     report = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
     assert f"{N_INTERPRETER_TESTS} passed" in proc.stdout, report
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU-path defects caught without a GPU (issue 8): launches stubbed out, so these run in the main process
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _LaunchRecorder:
+    """Stands in for the Triton kernels and for ``launch_device`` in ``attention_triton``: records each launch's kernel
+    name, grid and the devices whose ``launch_device`` contexts were active when it was launched. Kernels do nothing."""
+
+    def __init__(self, monkeypatch):
+        from contextlib import contextmanager
+
+        from grpo_mem.ops import attention_triton as spa
+
+        self.active, self.launches = [], []
+
+        @contextmanager
+        def fake_launch_device(tensor):
+            self.active.append(tensor.device)
+            try:
+                yield
+            finally:
+                self.active.pop()
+
+        recorder = self
+
+        class FakeKernel:
+            def __init__(self, name):
+                self.name = name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    recorder.launches.append((self.name, tuple(grid), list(recorder.active)))
+
+                return launch
+
+        monkeypatch.setattr(spa, "launch_device", fake_launch_device, raising=False)
+        monkeypatch.setattr(spa, "KERNELS", {n: FakeKernel(n) for n in spa.KERNELS})
+
+
+def _run_triton_launchers(t, pi, pm, km, go, scale=0.125):
+    """Call the Triton forward and backward launchers directly (no backend check), as the autograd node does."""
+    from grpo_mem.ops.attention_triton import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+
+    args = [t[n] for n in GRAD_NAMES] + [pi, pm, km]
+    out, lse = shared_prefix_attention_fwd(*args, scale)
+    return shared_prefix_attention_bwd(go, *args, out, lse, scale)
+
+
+def test_launch_device_helper():
+    """CUDA tensors get ``torch.cuda.device(their device)`` (made without touching CUDA); others a null context."""
+    import types
+    from contextlib import nullcontext
+
+    from grpo_mem.ops._device import launch_device
+
+    ctx = launch_device(types.SimpleNamespace(device=torch.device("cuda", 1)))
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
+    assert isinstance(launch_device(torch.zeros(1)), nullcontext)
+    assert isinstance(launch_device(torch.zeros(1, device="meta")), nullcontext)
+
+
+def test_every_triton_launch_enters_the_tensor_device(monkeypatch):
+    """device_map over several GPUs: Triton launches on the current device, so each launch must run inside
+    ``launch_device`` of the op's tensors (here recorded; a GPU is not needed to see which context was active)."""
+    rec = _LaunchRecorder(monkeypatch)
+    B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
+    _run_triton_launchers(t, pi, pm, km, go)
+    assert {name for name, _, _ in rec.launches} >= {"fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix"}
+    for name, grid, active in rec.launches:
+        assert active == [t["q"].device], f"{name} launched under {active}, not launch_device(q)"

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import launch_device
+
 __all__ = [
     "shared_prefix_attention_fwd",
     "shared_prefix_attention_bwd",
@@ -450,14 +452,16 @@ def _block_d(head_dim: int) -> int:
 
 
 def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
+    """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
     cfg = block_config(name, head_dim, dtype)
     opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
     emulate_bf16 = interpret and dtype == torch.bfloat16
-    KERNELS[name][grid](*args, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg["BLOCK_M"],
-                        BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=emulate_bf16, **constexprs, **opts)
+    with launch_device(args[0]):
+        KERNELS[name][grid](*args, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg["BLOCK_M"],
+                            BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=emulate_bf16, **constexprs, **opts)
 
 
 def _prefix_tables(prefix_index, prefix_mask):
