@@ -501,19 +501,19 @@ KERNELS = {
 # Registers, spills and shared memory of each build for sm_80 and sm_90, compiled with the argument attributes of the
 # run-time specialisation, are checked and printed by tests/test_attention_triton_aot.py.
 _BLOCKS_16BIT = {
-    "fwd": ((64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 2)),
+    "fwd": ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)),
     "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1)),
-    "bwd_dq": ((64, 32, 4, 2), (64, 64, 8, 2), (64, 64, 8, 2)),
-    "bwd_dkdv_completion": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
-    "bwd_dkdv_prefix": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
+    "bwd_dq": ((64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)),
+    "bwd_dkdv_completion": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2)),
+    "bwd_dkdv_prefix": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2)),
     "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
 }
 _BLOCKS_FP32 = {
     "fwd": ((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
     "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1)),
     "bwd_dq": ((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
-    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 4, 2)),
-    "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 4, 2)),
+    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1)),
+    "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1)),
     "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
 }
 _TIER = {64: 0, 128: 1, 256: 2}
