@@ -327,8 +327,12 @@ def test_triton_bf16_error_within_twice_naive(interpret, case):
 
 @needs_interpreter
 def test_triton_prompt_gradient_is_deterministic(interpret):
-    """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit."""
+    """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit (with the work split over
+    24 programs whose fp32 partial sums are added in order)."""
+    from grpo_mem.ops.attention_triton import prefix_dkdv_grid
+
     B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES["c1_gqa8"]  # 3 rows × 8 query heads share one prompt
+    assert prefix_dkdv_grid(B, 1, Hkv, Hq // Hkv, C, P, d, torch.float32, 132)[2] == 24
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=3)
     a = run(triton_path, t, pi, pm, km, go, scale=0.125)
     b = run(triton_path, t, pi, pm, km, go, scale=0.125)
@@ -538,3 +542,49 @@ def test_every_kernel_launch_enters_the_tensor_device(monkeypatch):
     assert {name for name, _, _ in rec.launches} >= {"fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix"}
     for name, grid, active in rec.launches:
         assert active == [t["q"].device], f"{name} launched under {active}, not launch_device(q)"
+
+
+# (name, B, U, Hq, Hkv, C, P, d): one group of G completions per prompt unless U > 1
+REALISTIC = [
+    ("qwen2.5-1.5b", 8, 1, 12, 2, 2048, 512, 128),  # the issue's example: 16 programs before the split
+    ("qwen2.5-1.5b-4prompts", 16, 4, 12, 2, 1024, 256, 128),
+    ("llama-3-8b-long-prompt", 16, 1, 32, 8, 256, 5000, 128),
+    ("gemma-2-2b", 8, 1, 8, 4, 1024, 512, 256),
+    ("smollm2-135m", 8, 1, 9, 3, 256, 128, 64),
+]
+
+
+@pytest.mark.parametrize("name, B, U, Hq, Hkv, C, P, d", REALISTIC, ids=[r[0] for r in REALISTIC])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefix_dkdv_grid_fills_an_h100(name, B, U, Hq, Hkv, C, P, d, dtype):
+    """The prompt dK/dV launch has at least 2 programs per SM of a 132-SM H100, and its fp32 partial buffers stay
+    within the documented bound."""
+    from grpo_mem.ops.attention_triton import block_config, prefix_dkdv_grid
+
+    grid = prefix_dkdv_grid(B, U, Hkv, Hq // Hkv, C, P, d, dtype, sm_count=132)
+    programs = grid[0] * grid[1] * grid[2]
+    assert programs >= 2 * 132, (grid, programs)
+    if grid[2] > 1:
+        block_n = block_config("bwd_dkdv_prefix", d, dtype)["BLOCK_N"]
+        assert grid[2] * U * Hkv * P * d <= 2 * (2 * 132) * block_n * d
+
+
+def test_prefix_dkdv_launch_is_split_and_reduced(monkeypatch):
+    """The launcher uses that grid: for the Qwen2.5-1.5B shape (meta tensors, kernels stubbed) the prompt dK/dV kernel
+    runs on >= 264 programs and the reduction follows it."""
+    rec = _LaunchRecorder(monkeypatch)
+    B, U, Hq, Hkv, C, P, d = REALISTIC[0][1:]
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    t = {"q": torch.empty(B, C, Hq, d, **meta).transpose(1, 2), "k": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+         "v": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+         "prefix_k": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
+         "prefix_v": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2)}
+    pi = torch.zeros(B, dtype=torch.int64, device="meta")
+    pm = torch.empty(U, P, dtype=torch.bool, device="meta")
+    km = torch.empty(B, C, dtype=torch.bool, device="meta")
+    go = torch.empty(B, C, Hq, d, **meta).transpose(1, 2)
+    _run_triton_launchers(t, pi, pm, km, go)
+    names = [name for name, _, _ in rec.launches]
+    assert names == ["fwd", "bwd_delta", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix", "bwd_prefix_reduce"]
+    grid = rec.launches[4][1]
+    assert grid[0] * grid[1] * grid[2] >= 2 * 132, grid

@@ -34,6 +34,7 @@ __all__ = [
     "shared_prefix_attention_fwd",
     "shared_prefix_attention_bwd",
     "block_config",
+    "prefix_dkdv_grid",
     "KERNELS",
 ]
 
@@ -517,6 +518,10 @@ _BLOCKS_FP32 = {
     "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
 }
 _TIER = {64: 0, 128: 1, 256: 2}
+# The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
+_PROGRAMS_PER_SM = 2
+# SM count assumed for CPU tensors (Triton's interpreter): an H100 SXM's, so the interpreter runs the split GPUs run.
+_DEFAULT_SM_COUNT = 132
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _I32_MAX = 2**31 - 1
 
@@ -541,8 +546,38 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def prefix_dkdv_grid(B: int, U: int, Hkv: int, rep: int, C: int, P: int, head_dim: int, dtype: torch.dtype,
+                     sm_count: int) -> tuple[int, int, int]:
+    """Launch grid ``(key blocks, U·Hkv, splits)`` of the prompt dK/dV kernel.
+
+    One (key block, prompt, kv head) alone gives cdiv(P, BLOCK_N)·U·Hkv programs — 16 for a Qwen2.5-1.5B layer
+    (Hkv=2, P=512, one prompt) on a 132-SM H100 — each looping over every (row, query head, query block) of the group.
+    That loop is cut into ``splits`` contiguous ranges, as many as needed for ``_PROGRAMS_PER_SM`` programs per SM
+    (never more than the average work items of a prompt). Each range's fp32 sum goes to its own slice of a partial
+    buffer, reduced in slice order: deterministic, no atomics. The buffer holds 2·splits·U·Hkv·P·d fp32 values, under
+    2·(2·_PROGRAMS_PER_SM·sm_count)·BLOCK_N·d values whenever splits > 1 (35 MB for 132 SMs at d=128).
+    """
+    cfg = block_config("bwd_dkdv_prefix", head_dim, dtype)
+    n_blocks = triton.cdiv(P, cfg["BLOCK_N"])
+    base = n_blocks * U * Hkv
+    if base == 0 or B == 0:
+        return (n_blocks, U * Hkv, 1)
+    items = triton.cdiv(B, U) * rep * triton.cdiv(C, cfg["BLOCK_M"])  # work items of an average prompt
+    splits = max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sm_count, base), items))
+    return (n_blocks, U * Hkv, splits)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a cached property, no synchronisation); an H100's otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SM_COUNT
+
+
 def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
     """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
+    if 0 in grid:
+        return
     cfg = block_config(name, head_dim, dtype)
     opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     with launch_device(args[0]):
@@ -683,9 +718,18 @@ def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index,
         *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(scale), C, Hkv,
     ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
     meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret)
-    n_split = 1
-    _launch("bwd_dkdv_prefix", (triton.cdiv(P, meta["BLOCK_N"]), U * Hkv, n_split), (
-        q, prefix_k, prefix_v, rows, row_start, pstart, pmask, dout, lse, delta, dpk, dpv,
-        *q_s, *pk_s, *pv_s, *do_s, float(scale), C, P, Hkv, n_split, 0,
+    grid = prefix_dkdv_grid(B, U, Hkv, rep, C, P, d, q.dtype, _sm_count(q.device))
+    n_split, n_elems = grid[2], U * Hkv * P * d
+    if n_split == 1:
+        part_k, part_v = dpk, dpv
+    else:
+        part_k, part_v = (torch.empty((n_split, U, Hkv, P, d), dtype=torch.float32, device=q.device) for _ in "kv")
+    _launch("bwd_dkdv_prefix", grid, (
+        q, prefix_k, prefix_v, rows, row_start, pstart, pmask, dout, lse, delta, part_k, part_v,
+        *q_s, *pk_s, *pv_s, *do_s, float(scale), C, P, Hkv, n_split, n_elems,
     ), d, q.dtype, interpret, REP=rep, **meta)
+    if n_split > 1:
+        block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
+        _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, dpk, dpv, n_elems, n_split),
+                d, q.dtype, interpret, BLOCK=block, EMULATE_BF16=meta["EMULATE_BF16"])
     return dq, dk, dv, dpk, dpv
