@@ -56,7 +56,7 @@ def _spa_fwd_kernel(
     stride_pku, stride_pkh, stride_pkp,
     stride_pvu, stride_pvh, stride_pvp,
     stride_ob, stride_oh, stride_oc,
-    SCALE, C, P, HKV,
+    SCALE, C, C_PAD, P, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
@@ -68,10 +68,12 @@ def _spa_fwd_kernel(
     h = (pid_bh % HKV).to(tl.int64)
     qk_scale = SCALE * 1.4426950408889634  # work in log2 units: exp(x) = exp2(x·log2 e)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # folded query m = r·C + i: head h·REP + r, position i
-    row_ok = offs_m < REP * C
-    r = offs_m // C
-    pos = offs_m % C
+    # folded query m = r·C_PAD + i: head h·REP + r, position i. C_PAD = C rounded up to 16, so the division gives
+    # runs of 16 consecutive positions whatever C is (C itself is usually not a multiple of 16 at run time).
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = offs_m // C_PAD
+    pos = offs_m % C_PAD
+    row_ok = (r < REP) & (pos < C)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_ptrs = (Q + b * stride_qb + h * REP * stride_qh) + (r[:, None] * stride_qh + pos[:, None] * stride_qc
@@ -154,8 +156,8 @@ def _spa_fwd_kernel(
     if EMULATE_BF16:
         out = _round_bf16(out)
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    # LSE is a contiguous (B, Hq, C) fp32 tensor: the queries of kv head h start at row (b·HKV + h)·REP·C
-    tl.store(LSE + (b * HKV + h) * REP * C + offs_m, lse, mask=row_ok)
+    # LSE rows are C_PAD apart ((B, Hq, C_PAD) fp32): the queries of kv head h start at (b·HKV + h)·REP·C_PAD
+    tl.store(LSE + (b * HKV + h) * REP * C_PAD + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -163,7 +165,7 @@ def _spa_bwd_delta_kernel(
     OUT, DO, DELTA,
     stride_ob, stride_oh, stride_oc,
     stride_dob, stride_doh, stride_doc,
-    C, HQ,
+    C, C_PAD, HQ,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     # D = rowsum(dO ∘ O) in fp32 for BLOCK_M queries of one (row, query head): FlashAttention-2's preprocessing step,
@@ -181,7 +183,7 @@ def _spa_bwd_delta_kernel(
     do = tl.load((DO + b * stride_dob + hq * stride_doh) + (offs_m[:, None] * stride_doc + offs_d[None, :]), mask=md,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * C + offs_m, delta, mask=m_ok)
+    tl.store(DELTA + pid_bh.to(tl.int64) * C_PAD + offs_m, delta, mask=m_ok)
 
 
 @triton.jit
@@ -194,7 +196,7 @@ def _spa_bwd_dq_kernel(
     stride_pvu, stride_pvh, stride_pvp,
     stride_dob, stride_doh, stride_doc,
     stride_dqb, stride_dqh, stride_dqc,
-    SCALE, C, P, HKV,
+    SCALE, C, C_PAD, P, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
@@ -205,9 +207,9 @@ def _spa_bwd_dq_kernel(
     qk_scale = SCALE * 1.4426950408889634
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < REP * C
-    r = offs_m // C
-    pos = offs_m % C
+    r = offs_m // C_PAD
+    pos = offs_m % C_PAD
+    row_ok = (r < REP) & (pos < C)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     md = row_ok[:, None] & d_ok[None, :]
@@ -219,7 +221,7 @@ def _spa_bwd_dq_kernel(
                                                                   + offs_d[None, :]), mask=md, other=0.0)
     if EMULATE_BF16:
         do = do.to(tl.float32)
-    row_base = (b * HKV + h) * REP * C  # LSE and DELTA are contiguous (B, Hq, C) fp32
+    row_base = (b * HKV + h) * REP * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
     lse2 = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: every score is -inf, so P = 0
     delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
@@ -295,7 +297,7 @@ def _spa_bwd_dkdv_completion_kernel(
     stride_dob, stride_doh, stride_doc,
     stride_dkb, stride_dkh, stride_dkc,
     stride_dvb, stride_dvh, stride_dvc,
-    SCALE, C, HKV,
+    SCALE, C, C_PAD, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
@@ -329,7 +331,7 @@ def _spa_bwd_dkdv_completion_kernel(
         head = h * REP + r
         q_base = Q + b * stride_qb + head * stride_qh
         do_base = DO + b * stride_dob + head * stride_doh
-        row_base = (b * HKV * REP + head) * C  # LSE and DELTA are contiguous (B, Hq, C) fp32
+        row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
         for m0 in range(((pid_n * BLOCK_N) // BLOCK_M) * BLOCK_M, C, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
@@ -377,7 +379,7 @@ def _spa_bwd_dkdv_prefix_kernel(
     stride_pku, stride_pkh, stride_pkp,
     stride_pvu, stride_pvh, stride_pvp,
     stride_dob, stride_doh, stride_doc,
-    SCALE, C, P, HKV, N_SPLIT, stride_split,
+    SCALE, C, C_PAD, P, HKV, N_SPLIT, stride_split,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
@@ -433,7 +435,7 @@ def _spa_bwd_dkdv_prefix_kernel(
                          mask=md, other=0.0)
             if EMULATE_BF16:
                 do = do.to(tl.float32)
-            row_base = (b * HKV * REP + head) * C  # LSE and DELTA are contiguous (B, Hq, C) fp32
+            row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
             lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
@@ -510,10 +512,10 @@ _BLOCKS_16BIT = {
     "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
 }
 _BLOCKS_FP32 = {
-    "fwd": ((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
+    "fwd": ((16, 16, 4, 2), (16, 16, 4, 2), (16, 16, 4, 1)),
     "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1)),
-    "bwd_dq": ((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
-    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1)),
+    "bwd_dq": ((16, 16, 4, 2), (16, 16, 8, 2), (16, 16, 4, 1)),
+    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 16, 4, 1), (16, 32, 8, 1)),
     "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1)),
     "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
 }
@@ -619,6 +621,13 @@ def _check_dtype(q):
                          f"(fp64: use backend='torch')")
 
 
+def _padded(n: int) -> int:
+    """``n`` rounded up to a multiple of 16: the row length of the LSE / D buffers and of the folded query index, so
+    the kernels' address arithmetic sees a multiple of 16 (Triton then vectorises and keeps fewer per-element
+    offsets; with an arbitrary completion length it spilled at d=256)."""
+    return (n + 15) // 16 * 16
+
+
 def _prefix_start(prefix_mask):
     """First real key of each prompt (P if it has none), int32 (U,). No host synchronisation."""
     U, P = prefix_mask.shape
@@ -644,7 +653,7 @@ def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefi
 
     Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
     value is read back to the host. Returns ``(out, lse)``: out (B, Hq, C, d) in q's dtype, with q's strides when q is
-    dense (transformers' transposed layout, so ``out.transpose(1, 2)`` is contiguous); lse (B, Hq, C) fp32 contiguous,
+    dense (transformers' transposed layout, so ``out.transpose(1, 2)`` is contiguous); lse (B, Hq, C) fp32, a view of a (B, Hq, C rounded up to 16) buffer,
     the natural-log log-sum-exp of the scaled scores over all visible keys (−inf for a query with none).
     Raises ValueError for fp64 inputs or strides too large for int32 offsets within one batch entry.
     """
@@ -656,7 +665,8 @@ def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefi
     interpret = q.device.type == "cpu"
     out = torch.empty_like(q)
     out = _kernel_view(out)
-    lse = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
+    c_pad = _padded(C)
+    lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C]
     if B == 0 or C == 0:
         return out, lse
     _check_offsets(q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v, out=out)
@@ -664,11 +674,11 @@ def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefi
     pmask = prefix_mask.contiguous()
     kmask = key_mask.contiguous() if key_mask is not None else pmask  # unread when HAS_KMASK=False
     meta = _tile_constexprs("fwd", d, q.dtype, interpret)
-    grid = (triton.cdiv(rep * C, meta["BLOCK_M"]), B * Hkv)
+    grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
     _launch("fwd", grid, (
         q, k, v, prefix_k, prefix_v, prefix_index, pstart, pmask, kmask, out, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *prefix_k.stride()[:3], *prefix_v.stride()[:3],
-        *out.stride()[:3], float(scale), C, P, Hkv,
+        *out.stride()[:3], float(scale), C, c_pad, P, Hkv,
     ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, **meta)
     return out, lse
 
@@ -693,7 +703,9 @@ def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index,
     if B == 0 or C == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dpk.zero_(), dpv.zero_()
     _check_offsets(q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
-    lse = lse.contiguous()
+    c_pad = _padded(C)
+    if lse.stride() != (Hq * c_pad, c_pad, 1):  # not the forward's padded buffer: copy into one
+        lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C].copy_(lse)
     pstart = _prefix_start(prefix_mask)
     rows, row_start = _prefix_rows(prefix_index, U)
     pmask = prefix_mask.contiguous()
@@ -702,20 +714,20 @@ def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index,
     pk_s, pv_s, do_s = prefix_k.stride()[:3], prefix_v.stride()[:3], dout.stride()[:3]
     has_kmask = key_mask is not None
 
-    delta = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
+    delta = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)
     meta = _tile_constexprs("bwd_delta", d, q.dtype, interpret)
     _launch("bwd_delta", (triton.cdiv(C, meta["BLOCK_M"]), B * Hq), (
-        out, dout, delta, *out.stride()[:3], *do_s, C, Hq,
+        out, dout, delta, *out.stride()[:3], *do_s, C, c_pad, Hq,
     ), d, q.dtype, interpret, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=meta["BLOCK_M"])
     meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret)
-    _launch("bwd_dq", (triton.cdiv(rep * C, meta["BLOCK_M"]), B * Hkv), (
+    _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
         q, k, v, prefix_k, prefix_v, prefix_index, pstart, pmask, kmask, dout, lse, delta, dq,
-        *q_s, *k_s, *v_s, *pk_s, *pv_s, *do_s, *dq.stride()[:3], float(scale), C, P, Hkv,
+        *q_s, *k_s, *v_s, *pk_s, *pv_s, *do_s, *dq.stride()[:3], float(scale), C, c_pad, P, Hkv,
     ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
     meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
     _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
         q, k, v, kmask, dout, lse, delta, dk, dv,
-        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(scale), C, Hkv,
+        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(scale), C, c_pad, Hkv,
     ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
     meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret)
     grid = prefix_dkdv_grid(B, U, Hkv, rep, C, P, d, q.dtype, _sm_count(q.device))
@@ -726,7 +738,7 @@ def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index,
         part_k, part_v = (torch.empty((n_split, U, Hkv, P, d), dtype=torch.float32, device=q.device) for _ in "kv")
     _launch("bwd_dkdv_prefix", grid, (
         q, prefix_k, prefix_v, rows, row_start, pstart, pmask, dout, lse, delta, part_k, part_v,
-        *q_s, *pk_s, *pv_s, *do_s, float(scale), C, P, Hkv, n_split, n_elems,
+        *q_s, *pk_s, *pv_s, *do_s, float(scale), C, c_pad, P, Hkv, n_split, n_elems,
     ), d, q.dtype, interpret, REP=rep, **meta)
     if n_split > 1:
         block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
