@@ -327,15 +327,131 @@ def test_triton_bf16_error_within_twice_naive(interpret, case):
 
 @needs_interpreter
 def test_triton_prompt_gradient_is_deterministic(interpret):
-    """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit."""
+    """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit (with the work split over
+    24 programs whose fp32 partial sums are added in order)."""
+    from grpo_mem.ops.attention_triton import prefix_dkdv_grid
+
     B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES["c1_gqa8"]  # 3 rows × 8 query heads share one prompt
+    assert prefix_dkdv_grid(B, 1, Hkv, Hq // Hkv, C, P, d, torch.float32, 132)[2] == 24
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=3)
     a = run(triton_path, t, pi, pm, km, go, scale=0.125)
     b = run(triton_path, t, pi, pm, km, go, scale=0.125)
     assert torch.equal(a["dprefix_k"], b["dprefix_k"]) and torch.equal(a["dprefix_v"], b["dprefix_v"])
 
 
-N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 2 + 1
+def _transformers_layout(B, Hq, Hkv, C, P, d, U, dtype, seed=0):
+    """Leaves in transformers' layout: q/k/v are (B, C, H, d) projections seen as (B, H, C, d) through ``transpose``,
+    the prompt K/V likewise (U, P, Hkv, d) transposed, and the output gradient too (what ``out.transpose(1, 2)
+    .contiguous()`` sends back). Returns (leaves, views, grad_out view)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (B, C, Hq, d), "k": (B, C, Hkv, d), "v": (B, C, Hkv, d), "prefix_k": (U, P, Hkv, d),
+              "prefix_v": (U, P, Hkv, d)}
+    leaves = {n: torch.randn(*sh, generator=g).to(dtype).requires_grad_(True) for n, sh in shapes.items()}
+    views = {n: x.transpose(1, 2) for n, x in leaves.items()}
+    return leaves, views, torch.randn(B, C, Hq, d, generator=g).to(dtype).transpose(1, 2)
+
+
+# aten ops that wait for the device on CUDA (they read a value back, or size their output from data)
+_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "masked_select", "bincount",
+             "unique_dim", "_unique", "_unique2", "unique_consecutive", "unique_dim_consecutive", "histc"}
+_ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+class _HostSyncsAndCopies(TorchDispatchMode):
+    """Records, outside Triton's interpreter machinery, every aten op that synchronises with the device on CUDA and
+    every op other than an allocation whose output holds ``big`` elements or more (a copy or temporary the size of an
+    input)."""
+
+    def __init__(self, big):
+        super().__init__()
+        self.big, self.syncs, self.copies = big, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        frame = sys._getframe(1)
+        while frame is not None:  # the interpreter copies kernel arguments to "host" and back: not the launcher's ops
+            if "triton/runtime/interpreter" in frame.f_code.co_filename:
+                return out
+            frame = frame.f_back
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS or (name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
+                                 and func._overloadname == "Tensor"):
+            self.syncs.append(name)
+        if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            self.syncs.append("index with a bool mask")
+        if name not in _ALLOC_OPS:
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor)}
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                fresh = isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs  # not a view
+                if fresh and o.numel() >= self.big:
+                    self.copies.append((name, tuple(o.shape)))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_interpreter
+def test_triton_layer_call_has_no_host_sync_and_no_copies(interpret, monkeypatch, dtype):
+    """One attention call (forward + backward) on transformers' transposed q/k/v/prompt K/V: no host synchronisation
+    (.item(), int(tensor), bincount, ...), no copy of an input and no input-sized temporary (the old D = rowsum(dO ∘ O)
+    built two fp32 (B, Hq, C, d) tensors). Python-level reads (tolist, numpy) are patched to count as well. Results
+    equal the torch path's in fp32."""
+    B, Hq, Hkv, C, P, d, U = 4, 4, 2, 8, 16, 32, 2
+    leaves, views, go = _transformers_layout(B, Hq, Hkv, C, P, d, U, dtype)
+    pi = torch.tensor([1, 0, 1, 1])
+    pm = torch.arange(P)[None, :] >= torch.tensor([[3], [0]])
+    km = torch.arange(C)[None, :] < torch.tensor([[8], [5], [8], [2]])
+    py_reads = []
+    for meth in ("tolist", "numpy", "__array__"):
+        orig = getattr(torch.Tensor, meth)
+        monkeypatch.setattr(torch.Tensor, meth, lambda self, *a, _o=orig, _m=meth, **k: (py_reads.append(_m),
+                                                                                          _o(self, *a, **k))[1])
+    big = min(x.numel() for x in views.values()) // 4  # the (B, Hq, C) LSE and the masks stay below
+    with _HostSyncsAndCopies(big) as mode:
+        out = triton_path(*(views[n] for n in GRAD_NAMES), pi, pm, km, scale=d ** -0.5)
+        grads = torch.autograd.grad(out, [leaves[n] for n in GRAD_NAMES], go)
+    assert mode.syncs == [] and py_reads == [], (mode.syncs, py_reads)
+    assert mode.copies == [], mode.copies
+    assert out.transpose(1, 2).is_contiguous()  # the model glue's out.transpose(1, 2).contiguous() copies nothing
+    if dtype == torch.float32:
+        t = {n: x.detach() for n, x in views.items()}
+        ref = run(torch_path, t, pi, pm, km, go.detach(), scale=d ** -0.5)
+        assert_close("out", out.detach(), ref["out"], 1e-5)
+        for n, gr in zip(GRAD_NAMES, grads):
+            want = ref["d" + n]
+            assert_close("d" + n, gr.transpose(1, 2), want, 1e-5 * max(want.abs().max().item(), 1.0))
+
+
+@needs_interpreter
+def test_triton_batch_offsets_past_int32(interpret):
+    """Batch and prompt strides of 2**30 + 64 elements: row 2's and prompt 2's data start past 2**31 elements, where an
+    int32 ``b * stride`` wraps. The tensors are views into one sparse anonymous mapping (8 GiB of address space, a few
+    pages touched); results must equal the torch path on compact copies."""
+    import mmap
+
+    B, Hq, Hkv, C, P, d, U = 3, 2, 1, 5, 8, 16, 3
+    SB = 2**30 + 64
+    buf = mmap.mmap(-1, (2 * SB + 2048) * 4)
+    base = torch.frombuffer(buf, dtype=torch.float32)
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, [2, 0, 1], [8, 3, 6], [5, 2, 4], seed=4)
+    offsets = {"q": 0, "k": 256, "v": 512, "prefix_k": 768, "prefix_v": 1024}
+    far = {}
+    for n, x in t.items():
+        inner = (x.shape[2] * d, d, 1)
+        far[n] = torch.as_strided(base, x.shape, (SB, *inner), offsets[n])
+        far[n].copy_(x)
+    assert far["q"][2].data_ptr() - base.data_ptr() >= 2**31 * 4
+    ref = run(torch_path, t, pi, pm, km, go, scale=0.25)
+    res = run(triton_path, far, pi, pm, km, go, scale=0.25)
+    assert_close("out", res["out"], ref["out"], 1e-5)
+    for n in GRAD_NAMES:
+        want = ref["d" + n]
+        assert_close("d" + n, res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0))
+    del far, base
+    buf.close()
+
+
+N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 2 + 1 + 2 + 1
 
 
 def test_triton_kernels_under_interpreter():
@@ -352,3 +468,123 @@ def test_triton_kernels_under_interpreter():
     report = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
     assert f"{N_INTERPRETER_TESTS} passed" in proc.stdout, report
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU-path defects caught without a GPU (issue 8): launches stubbed out, so these run in the main process
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _LaunchRecorder:
+    """Stands in for the Triton kernels and for ``launch_device`` in ``attention_triton``: records each launch's kernel
+    name, grid and the devices whose ``launch_device`` contexts were active when it was launched. Kernels do nothing."""
+
+    def __init__(self, monkeypatch):
+        from contextlib import contextmanager
+
+        from grpo_mem.ops import attention_triton as spa
+
+        self.active, self.launches = [], []
+
+        @contextmanager
+        def fake_launch_device(tensor):
+            self.active.append(tensor.device)
+            try:
+                yield
+            finally:
+                self.active.pop()
+
+        recorder = self
+
+        class FakeKernel:
+            def __init__(self, name):
+                self.name = name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    recorder.launches.append((self.name, tuple(grid), list(recorder.active)))
+
+                return launch
+
+        monkeypatch.setattr(spa, "launch_device", fake_launch_device, raising=False)
+        monkeypatch.setattr(spa, "KERNELS", {n: FakeKernel(n) for n in spa.KERNELS})
+
+
+def _run_triton_launchers(t, pi, pm, km, go, scale=0.125):
+    """Call the Triton forward and backward launchers directly (no backend check), as the autograd node does."""
+    from grpo_mem.ops.attention_triton import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+
+    args = [t[n] for n in GRAD_NAMES] + [pi, pm, km]
+    out, lse = shared_prefix_attention_fwd(*args, scale)
+    return shared_prefix_attention_bwd(go, *args, out, lse, scale)
+
+
+def test_launch_device_helper():
+    """CUDA tensors get ``torch.cuda.device(their device)`` (made without touching CUDA); others a null context."""
+    import types
+    from contextlib import nullcontext
+
+    from grpo_mem.ops._device import launch_device
+
+    ctx = launch_device(types.SimpleNamespace(device=torch.device("cuda", 1)))
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
+    assert isinstance(launch_device(torch.zeros(1)), nullcontext)
+    assert isinstance(launch_device(torch.zeros(1, device="meta")), nullcontext)
+
+
+def test_every_kernel_launch_enters_the_tensor_device(monkeypatch):
+    """device_map over several GPUs: Triton launches on the current device, so each launch must run inside
+    ``launch_device`` of the op's tensors (here recorded; a GPU is not needed to see which context was active)."""
+    rec = _LaunchRecorder(monkeypatch)
+    B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
+    t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
+    _run_triton_launchers(t, pi, pm, km, go)
+    assert {name for name, _, _ in rec.launches} >= {"fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix"}
+    for name, grid, active in rec.launches:
+        assert active == [t["q"].device], f"{name} launched under {active}, not launch_device(q)"
+
+
+# (name, B, U, Hq, Hkv, C, P, d): one group of G completions per prompt unless U > 1
+REALISTIC = [
+    ("qwen2.5-1.5b", 8, 1, 12, 2, 2048, 512, 128),  # the issue's example: 16 programs before the split
+    ("qwen2.5-1.5b-4prompts", 16, 4, 12, 2, 1024, 256, 128),
+    ("llama-3-8b-long-prompt", 16, 1, 32, 8, 256, 5000, 128),
+    ("gemma-2-2b", 8, 1, 8, 4, 1024, 512, 256),
+    ("smollm2-135m", 8, 1, 9, 3, 256, 128, 64),
+]
+
+
+@pytest.mark.parametrize("name, B, U, Hq, Hkv, C, P, d", REALISTIC, ids=[r[0] for r in REALISTIC])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefix_dkdv_grid_fills_an_h100(name, B, U, Hq, Hkv, C, P, d, dtype):
+    """The prompt dK/dV launch has at least 2 programs per SM of a 132-SM H100, and its fp32 partial buffers stay
+    within the documented bound."""
+    from grpo_mem.ops.attention_triton import block_config, prefix_dkdv_grid
+
+    grid = prefix_dkdv_grid(B, U, Hkv, Hq // Hkv, C, P, d, dtype, sm_count=132)
+    programs = grid[0] * grid[1] * grid[2]
+    assert programs >= 2 * 132, (grid, programs)
+    if grid[2] > 1:
+        block_n = block_config("bwd_dkdv_prefix", d, dtype)["BLOCK_N"]
+        assert grid[2] * U * Hkv * P * d <= 2 * (2 * 132) * block_n * d
+
+
+def test_prefix_dkdv_launch_is_split_and_reduced(monkeypatch):
+    """The launcher uses that grid: for the Qwen2.5-1.5B shape (meta tensors, kernels stubbed) the prompt dK/dV kernel
+    runs on >= 264 programs and the reduction follows it."""
+    rec = _LaunchRecorder(monkeypatch)
+    B, U, Hq, Hkv, C, P, d = REALISTIC[0][1:]
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    t = {"q": torch.empty(B, C, Hq, d, **meta).transpose(1, 2), "k": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+         "v": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+         "prefix_k": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
+         "prefix_v": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2)}
+    pi = torch.zeros(B, dtype=torch.int64, device="meta")
+    pm = torch.empty(U, P, dtype=torch.bool, device="meta")
+    km = torch.empty(B, C, dtype=torch.bool, device="meta")
+    go = torch.empty(B, C, Hq, d, **meta).transpose(1, 2)
+    _run_triton_launchers(t, pi, pm, km, go)
+    names = [name for name, _, _ in rec.launches]
+    assert names == ["fwd", "bwd_delta", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix", "bwd_prefix_reduce"]
+    grid = rec.launches[4][1]
+    assert grid[0] * grid[1] * grid[2] >= 2 * 132, grid

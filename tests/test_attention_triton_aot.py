@@ -1,6 +1,14 @@
-"""The shared-prefix attention kernels compile ahead of time for sm_80 and sm_90 (no GPU needed) at their shipped block
-sizes, for head dims 64 and 128, with 0 spills on sm_90. Prints registers / spills / shared memory per build (-s)."""
+"""The shared-prefix attention kernels, compiled ahead of time for sm_80 and sm_90 without a GPU:
 
+* at their shipped block sizes, for head dims 64, 80, 96, 128 and 256, in bf16 and fp32, with the argument attributes
+  Triton's launcher specialises on at run time (pointers 16-byte aligned, integer arguments that are multiples of 16
+  marked so): no spill (no STL store to local memory in the SASS), registers and shared memory within the SM's
+  limits. Prints one table row per build (-s).
+* their TTIR has no int32 scalar product in a pointer offset (each overflows once a batch entry or prompt starts past
+  2**31 elements).
+"""
+
+import re
 
 import pytest
 import torch
@@ -10,81 +18,183 @@ triton = pytest.importorskip("triton")
 from grpo_mem.ops import aot  # noqa: E402
 from grpo_mem.ops import attention_triton as spa  # noqa: E402
 
-POINTERS_IN = {"Q", "K", "V", "PK", "PV", "OUT", "DO", "DQ", "DK", "DV", "DPK", "DPV"}
+POINTERS_IN = {"Q", "K", "V", "PK", "PV", "OUT", "DO", "DQ", "DK", "DV"}
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REP = 4  # GQA ratio of the builds (the query-head loop bound is a constexpr)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+# Integer arguments Triton's launcher marks tt.divisibility=16 at run time whatever the lengths are: C_PAD (C rounded
+# up to 16 by the launcher) and the strides (head dims here are multiples of 16). C and P are the batch's longest
+# completion and prompt: arbitrary, so unmarked (the general case; a multiple of 16 only adds information). N and
+# stride_split (U·Hkv·P·d) are multiples of 16 when d is.
+DIVISIBLE_INTS = {"C_PAD", "N", "stride_split"}
 
 
-def kernel_types(fn, dtype: str) -> dict:
+def kernel_types(name: str, fn, dtype: str) -> dict:
     types = {}
-    for name in fn.arg_names:
-        if name in POINTERS_IN:
-            types[name] = f"*{dtype}"
-        elif name in ("LSE", "DELTA"):
-            types[name] = "*fp32"
-        elif name == "PIDX":
-            types[name] = "*i64"
-        elif name in ("PSTART", "ROWS", "ROW_START"):
-            types[name] = "*i32"
-        elif name in ("PMASK", "KMASK"):
-            types[name] = "*i8"
-        elif name == "SCALE":
-            types[name] = "fp32"
-        elif name.startswith("stride_") or name in ("C", "P", "HKV"):
-            types[name] = "i32"
+    for arg in fn.arg_names:
+        if arg in POINTERS_IN:
+            types[arg] = f"*{dtype}"
+        elif arg in ("DPK", "DPV"):
+            # the prefix kernel writes fp32 partial sums when its work is split (realistic shapes); the reduction
+            # writes the gradients in the input dtype
+            types[arg] = "*fp32" if name == "bwd_dkdv_prefix" else f"*{dtype}"
+        elif arg in ("LSE", "DELTA", "PART_K", "PART_V"):
+            types[arg] = "*fp32"
+        elif arg == "PIDX":
+            types[arg] = "*i64"
+        elif arg in ("PSTART", "ROWS", "ROW_START"):
+            types[arg] = "*i32"
+        elif arg in ("PMASK", "KMASK"):
+            types[arg] = "*i1"
+        elif arg == "SCALE":
+            types[arg] = "fp32"
+        elif arg.startswith("stride_") or arg in ("C", "C_PAD", "P", "HKV", "HQ", "N", "N_SPLIT"):
+            types[arg] = "i32"
     return types
 
 
 def kernel_constexprs(name: str, fn, dtype: str, head_dim: int) -> dict:
     cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
-    cons = dict(REP=REP, HEAD_DIM=head_dim, BLOCK_D=spa._block_d(head_dim), BLOCK_M=cfg["BLOCK_M"],
-                BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=False)
-    if "HAS_KMASK" in fn.arg_names:
-        cons["HAS_KMASK"] = True  # the register-heavier variant
-    return cons
+    every = dict(REP=REP, HEAD_DIM=head_dim, BLOCK_D=spa._block_d(head_dim), BLOCK_M=cfg["BLOCK_M"],
+                 BLOCK_N=cfg["BLOCK_N"], BLOCK=cfg["BLOCK_M"], EMULATE_BF16=False,
+                 HAS_KMASK=True)  # the register-heavier variant
+    return {n: v for n, v in every.items() if n in fn.arg_names}
 
 
 def divisibility_attrs(fn, sig: dict) -> dict:
-    """The specialisation Triton's launcher makes at run time for torch allocations and head dims 64/128: pointers
-    16-byte aligned and every stride a multiple of 16 (``tt.divisibility``). Without it the build is not the one that
-    runs (loads cannot be vectorised) and its register count is meaningless."""
+    """The specialisation Triton's launcher makes at run time for torch allocations and aligned shapes: pointers
+    16-byte aligned, every stride and the DIVISIBLE_INTS multiples of 16 (``tt.divisibility``). Without it the build is
+    not the one that runs (loads cannot be vectorised) and its register count is meaningless."""
     return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-            if sig[n].startswith("*") or n.startswith("stride_")}
+            if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE_INTS}
 
 
-def compile_with_attrs(fn, sig, cons, attrs, arch, num_warps, num_stages) -> dict:
-    """aot.compile_report with the argument attributes the launcher's run-time build gets."""
-    return aot.compile_report(fn, sig, cons, arch, num_warps=num_warps, num_stages=num_stages, attrs=attrs)
+def build_args(name, dtype, head_dim):
+    fn = spa.KERNELS[name]
+    cons = kernel_constexprs(name, fn, dtype, head_dim)
+    sig = aot.signature_for(fn, kernel_types(name, fn, dtype), cons)
+    return fn, sig, cons, divisibility_attrs(fn, sig)
 
 
 def report(name, dtype, arch, head_dim):
-    fn = spa.KERNELS[name]
-    cons = kernel_constexprs(name, fn, dtype, head_dim)
-    sig = aot.signature_for(fn, kernel_types(fn, dtype), cons)
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim)
     cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
-    r = compile_with_attrs(fn, sig, cons, divisibility_attrs(fn, sig), arch, cfg["num_warps"], cfg["num_stages"])
+    r = aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs)
     return r, cfg
 
 
-# bf16 (the training dtype; fp16 ships the same tiles) on both architectures; fp32 (exact "ieee" dots, own tiles) on
-# sm_90. Head dims 64 and 128.
-CASES = [(n, "bf16", a, d) for a in (80, 90) for d in (64, 128) for n in spa.KERNELS]
-CASES += [(n, "fp32", 90, d) for d in (64, 128) for n in spa.KERNELS]
+def _compiled_kernels_or_skip():
+    if not isinstance(spa.KERNELS["fwd"], triton.runtime.jit.JITFunction):
+        pytest.skip("TRITON_INTERPRET=1 was set when triton was imported: kernels are interpreted, not compiled")
+
+
+# bf16 (the training dtype; fp16 ships the same tiles) and fp32 (exact "ieee" dots, own tiles), both architectures,
+# every head dim. The two small kernels do not depend on the dtype's tiles beyond BLOCK_D: bf16 only.
+SMALL = ("bwd_delta", "bwd_prefix_reduce")
+CASES = [(n, t, a, d) for t in ("bf16", "fp32") for a in (80, 90) for d in HEAD_DIMS for n in spa.KERNELS
+         if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)]
 
 
 @pytest.mark.parametrize("name, dtype, arch, head_dim", CASES, ids=[f"{n}-{t}-sm{a}-d{d}" for n, t, a, d in CASES])
 def test_aot_compiles_without_spills(name, dtype, arch, head_dim):
-    if not isinstance(spa.KERNELS[name], triton.runtime.jit.JITFunction):
-        pytest.skip("TRITON_INTERPRET=1 was set when triton was imported: kernels are interpreted, not compiled")
+    _compiled_kernels_or_skip()
     try:
         aot.cuobjdump_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     r, cfg = report(name, dtype, arch, head_dim)
     print(f"\n| {name} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']} "
-          f"warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} | spills {r['spills']} B "
-          f"| stack {r['stack']} B | shared {r['shared']} B |")
+          f"warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} | spill stores {r['spill_stores']} "
+          f"| local {r['local']} B | stack {r['stack']} B | shared {r['shared']} B |")
     assert 0 < r["regs"] <= 255
     assert r["shared"] <= (227 if arch == 90 else 163) * 1024, f"shared memory {r['shared']} B exceeds sm_{arch}"
-    if arch == 90 or dtype == "bf16":
-        assert r["spills"] == 0 and r["stack"] == 0, f"{name} d={head_dim} {dtype} spills on sm_{arch}: {r}"
+    # a spill is a store to local memory (STL); stack bytes alone are a call frame (fp32 division slow path)
+    assert r["spill_stores"] == 0 and r["local"] == 0, f"{name} d={head_dim} {dtype} spills on sm_{arch}: {r}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# int64 pointer offsets, read from the TTIR
+# ----------------------------------------------------------------------------------------------------------------------
+
+_DEF = re.compile(r"^\s*(%[\w.#-]+)(?::\d+)?\s*=\s*([\w.]+)\b(.*)$")
+_OPERAND = re.compile(r"%[\w.-]+(?:#\d+)?")
+
+
+def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90) -> str:
+    """The TTIR text of one kernel, built as ``triton.compile`` builds it (same signature, constexprs and attrs)."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    src = ASTSource(fn, sig, cons, attrs)
+    mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+    return str(mod)
+
+
+def i32_scalar_products_in_offsets(text: str) -> list[str]:
+    """Lines ``%x = arith.muli %a, %b : i32`` (a scalar int32 product of two run-time values, e.g. a batch index times
+    a stride) from which the offset operand of some ``tt.addptr`` is computed, following the def-use chain back
+    through every operation in between. A product by a compile-time constant (``pid_m * BLOCK_M``: a position within
+    one sequence, bounded by its length, which the launcher checks against int32) is not reported."""
+    defs = {}
+    addptr_offsets = []
+    for line in text.splitlines():
+        code = line.split(" loc(")[0]
+        m = _DEF.match(code)
+        if not m:
+            continue
+        res, op, rest = m.groups()
+        operands = _OPERAND.findall(rest)
+        defs[res] = (op, operands, code.strip())
+        if op == "tt.addptr":
+            addptr_offsets.append(operands[1])
+    found, seen = [], set()
+    stack = list(addptr_offsets)
+    while stack:
+        v = stack.pop()
+        if v in seen or v not in defs:
+            continue
+        seen.add(v)
+        op, operands, code = defs[v]
+        if op == "tt.load":  # a loaded value (e.g. the prompt index) is data, not arithmetic on the offset
+            continue
+        if op == "arith.muli" and code.rstrip().endswith(": i32"):
+            if not any(defs.get(o, ("",))[0] == "arith.constant" for o in operands):
+                found.append(code)
+        stack.extend(operands)
+    return sorted(set(found))
+
+
+def test_ttir_checker_finds_an_int32_batch_offset():
+    """The checker itself: a kernel computing ``b * stride`` in int32 is flagged, the int64 version is not."""
+    _compiled_kernels_or_skip()
+    text = """
+    %b = arith.divsi %pid, %hkv : i32 loc(#loc1)
+    %off = arith.muli %b, %stride_qb : i32 loc(#loc2)
+    %p = tt.addptr %Q, %off : !tt.ptr<bf16>, i32 loc(#loc3)
+    %b64 = arith.extsi %b : i32 to i64 loc(#loc4)
+    %s64 = arith.extsi %stride_kb : i32 to i64 loc(#loc4)
+    %off64 = arith.muli %b64, %s64 : i64 loc(#loc5)
+    %pk = tt.addptr %K, %off64 : !tt.ptr<bf16>, i64 loc(#loc3)
+    %u = tt.load %pidx : !tt.ptr<i64> loc(#loc6)
+    %c64_i32 = arith.constant 64 : i32 loc(#loc7)
+    %m0 = arith.muli %pid, %c64_i32 : i32 loc(#loc8)
+    %pm = tt.addptr %LSE, %m0 : !tt.ptr<f32>, i32 loc(#loc3)
+    """
+    assert i32_scalar_products_in_offsets(text) == ["%off = arith.muli %b, %stride_qb : i32"]
+
+
+@pytest.mark.parametrize("name", list(spa.KERNELS))
+def test_pointer_offsets_are_int64(name):
+    _compiled_kernels_or_skip()
+    text = ttir(name)
+    assert "tt.addptr" in text
+    bad = i32_scalar_products_in_offsets(text)
+    assert bad == [], f"{name}: int32 scalar products in pointer offsets:\n" + "\n".join(bad)

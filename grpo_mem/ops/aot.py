@@ -17,7 +17,10 @@ import re
 import subprocess
 import tempfile
 
-__all__ = ["compile_report", "cuobjdump_path", "i32_pointer_offsets", "parse_resource_usage", "signature_for", "ttir"]
+__all__ = [
+    "compile_report", "count_spill_stores", "cuobjdump_path", "i32_pointer_offsets", "parse_resource_usage",
+    "signature_for", "ttir",
+]  # fmt: skip
 
 _USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
@@ -55,6 +58,12 @@ def parse_resource_usage(text: str, kernel_name: str | None = None) -> dict:
     return next(iter(entries.values()))
 
 
+def count_spill_stores(sass: str) -> int:
+    """Number of ``STL`` (store to thread-local memory) instructions in ``cuobjdump -sass`` output: register spills
+    (and local arrays, which Triton kernels do not use)."""
+    return len(re.findall(r"\bSTL(?:\.\w+)*\s", sass))
+
+
 def signature_for(fn, types: dict, constexprs: dict) -> dict:
     """Triton signature dict in argument order: ``types[name]`` (e.g. "*bf16", "i32", "fp32") for runtime arguments,
     "constexpr" for names in ``constexprs``. Raises ValueError naming any argument left without a type."""
@@ -85,7 +94,10 @@ def compile_report(
     Returns:
         dict(regs=registers per thread, spills=bytes of local memory per thread (spill stores land there; 0 means no
         spills), stack=stack bytes, local=local bytes, shared=dynamic shared memory bytes Triton allocates,
-        static_shared=static shared bytes in the cubin, arch=arch, num_warps=, num_stages=).
+        static_shared=static shared bytes in the cubin, spill_stores=number of local-memory stores (``STL``) in the
+        SASS, arch=arch, num_warps=, num_stages=). A register spill shows as ``STL`` instructions (and usually as
+        stack bytes); stack bytes without any ``STL`` are a call frame (e.g. the IEEE fp32 division slow path), not a
+        spill.
 
     Raises:
         ValueError: bad ``arch``; triton's CompilationError if the kernel does not compile.
@@ -104,6 +116,7 @@ def compile_report(
             f.write(compiled.asm["cubin"])
         out = subprocess.run([cuobjdump_path(), "--dump-resource-usage", path], capture_output=True, text=True,
                              check=True).stdout
+        sass = subprocess.run([cuobjdump_path(), "-sass", path], capture_output=True, text=True, check=True).stdout
     usage = parse_resource_usage(out, compiled.metadata.name)
     return dict(
         regs=usage["regs"],
@@ -112,6 +125,7 @@ def compile_report(
         local=usage["local"],
         shared=int(compiled.metadata.shared),
         static_shared=usage["static_shared"],
+        spill_stores=count_spill_stores(sass),
         arch=arch,
         num_warps=num_warps,
         num_stages=num_stages,

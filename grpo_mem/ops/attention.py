@@ -61,8 +61,12 @@ class SharedPrefixAttentionParams:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale):
-    """Validate shapes, dtypes and devices; returns ``(B, Hq, Hkv, C, P, U, d)``."""
+def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=True):
+    """Validate shapes, dtypes and devices; returns ``(B, Hq, Hkv, C, P, U, d)``.
+
+    ``prefix_index`` values are checked on the host (two reads back) when ``sync``; otherwise by ``torch._assert_async``,
+    which on CUDA fails the next synchronising call instead of stalling this one (the Triton path reads nothing back).
+    """
     names = ("q", "k", "v", "prefix_k", "prefix_v")
     tensors = (q, k, v, prefix_k, prefix_v)
     for name, t in zip(names, tensors):
@@ -99,11 +103,14 @@ def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_ma
         raise ValueError(f"prefix_index must have shape (B={B},), got {tuple(prefix_index.shape)}")
     if prefix_index.device != q.device:
         raise ValueError(f"prefix_index is on {prefix_index.device} but q is on {q.device}")
-    if B > 0:
+    if B > 0 and sync:
         lo, hi = int(prefix_index.min()), int(prefix_index.max())
         if lo < 0 or hi >= U:
             bad = lo if lo < 0 else hi
             raise ValueError(f"prefix_index values must lie in [0, U={U}), got {bad}")
+    elif B > 0:
+        in_range = ((prefix_index >= 0) & (prefix_index < U)).all()
+        torch._assert_async(in_range, f"prefix_index values must lie in [0, U={U})")
     if not isinstance(prefix_mask, torch.Tensor) or prefix_mask.dtype != torch.bool:
         raise TypeError(f"prefix_mask must be a bool tensor, got {getattr(prefix_mask, 'dtype', type(prefix_mask))}")
     if tuple(prefix_mask.shape) != (U, P):
@@ -526,8 +533,10 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
         key_mask: (B, C) bool, True where the completion key position is real; None means all real.
         scale: softmax scale (``module.scaling``), a finite positive Python float.
         backend: ``"torch"`` (chunked matmuls, any device), ``"cpu"`` (ATen's fused CPU attention kernels, called
-            once per unique prompt on its folded queries and once for all completions), ``"triton"``, or ``"auto"``
-            (triton for CUDA tensors, cpu for CPU tensors, torch otherwise).
+            once per unique prompt on its folded queries and once for all completions), ``"triton"`` (fp16/bf16/fp32;
+            reads q/k/v and the prompt K/V in place with their strides and never synchronises with the host), or
+            ``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors, torch for fp64 CUDA tensors, cpu for CPU tensors,
+            torch otherwise).
 
     Returns:
         (B, Hq, C, d) tensor of q's dtype. Differentiable in q, k, v, prefix_k, prefix_v (prompt gradients are summed
@@ -536,14 +545,17 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
 
     Raises:
         ValueError: bad shapes, ``Hq % Hkv != 0``, ``prefix_index`` out of range, mismatched devices, non-positive
-            scale, unknown backend, or ``backend="triton"`` where Triton cannot run.
+            scale, unknown backend, ``backend="triton"`` where Triton cannot run or with fp64 inputs.
+        RuntimeError: ``prefix_index`` out of range on the triton backend (``torch._assert_async``: at once on CPU, at
+            the next synchronising call on CUDA).
         TypeError: non-tensor arguments, non-float q/k/v, non-int64 ``prefix_index``, non-bool masks.
     """
-    _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale)
     if backend not in ("auto", "torch", "cpu", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if backend == "auto":
-        if q.device.type == "cuda" and _triton_can_run(q.device)[0]:
+        if q.device.type == "cuda" and q.dtype != torch.float64 and _triton_can_run(q.device)[0]:
             backend = "triton"
         elif q.device.type == "cpu" and _flash_cpu_ops() is not None:
             backend = "cpu"
@@ -556,7 +568,10 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
         if not ok:
             raise ValueError(f"backend='triton' cannot run: {why}")
         if q.dtype == torch.float64:
-            raise ValueError("backend='triton' does not support float64 inputs, got q.dtype=torch.float64")
+            raise ValueError("backend='triton' does not support float64 inputs, got q.dtype=torch.float64; "
+                             "use backend='torch' (fp64 throughout)")
+    # the Triton path must not stall the host on each layer: its index check runs on the device
+    _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=backend != "triton")
     params = SharedPrefixAttentionParams(scale=float(scale), backend=backend)
     return SharedPrefixAttentionFunction.apply(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask,
                                                params)

@@ -28,12 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import launch_device
+
 __all__ = [
     "shared_prefix_attention_fwd",
     "shared_prefix_attention_bwd",
     "block_config",
+    "prefix_dkdv_grid",
     "KERNELS",
 ]
+
 
 @triton.jit
 def _round_bf16(x):
@@ -48,25 +52,32 @@ def _spa_fwd_kernel(
     Q, K, V, PK, PV, PIDX, PSTART, PMASK, KMASK, OUT, LSE,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
-    stride_pu, stride_ph, stride_pp,
+    stride_vb, stride_vh, stride_vc,
+    stride_pku, stride_pkh, stride_pkp,
+    stride_pvu, stride_pvh, stride_pvp,
     stride_ob, stride_oh, stride_oc,
-    SCALE, C, P, HKV,
+    SCALE, C, C_PAD, P, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
+    # Offsets: the batch / head / prompt parts are int64 scalars (b·stride_qb alone passes 2^31 elements at
+    # B=16, Hq=40, C=32k, d=128); the in-tile parts stay int32 (the launcher checks they fit).
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)
+    h = (pid_bh % HKV).to(tl.int64)
     qk_scale = SCALE * 1.4426950408889634  # work in log2 units: exp(x) = exp2(x·log2 e)
 
+    # folded query m = r·C_PAD + i: head h·REP + r, position i. C_PAD = C rounded up to 16, so the division gives
+    # runs of 16 consecutive positions whatever C is (C itself is usually not a multiple of 16 at run time).
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < REP * C
-    head = h * REP + offs_m // C
-    pos = offs_m % C
+    r = offs_m // C_PAD
+    pos = offs_m % C_PAD
+    row_ok = (r < REP) & (pos < C)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qc + offs_d[None, :]
+    q_ptrs = (Q + b * stride_qb + h * REP * stride_qh) + (r[:, None] * stride_qh + pos[:, None] * stride_qc
+                                                           + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if EMULATE_BF16:
         q = q.to(tl.float32)
@@ -76,21 +87,22 @@ def _spa_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # region 1: the row's prompt, read in place
-    u = tl.load(PIDX + b)
+    u = tl.load(PIDX + b)  # int64
     pstart = tl.load(PSTART + u)
-    pk_base = PK + u * stride_pu + h * stride_ph
-    pv_base = PV + u * stride_pu + h * stride_ph
+    pk_base = PK + u * stride_pku + h * stride_pkh
+    pv_base = PV + u * stride_pvu + h * stride_pvh
+    pm_base = PMASK + u * P
     for n0 in range((pstart // BLOCK_N) * BLOCK_N, P, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < P
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(pk_base + offs_n[:, None] * stride_pp + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(pk_base + (offs_n[:, None] * stride_pkp + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             k = k.to(tl.float32)
-        v = tl.load(pv_base + offs_n[:, None] * stride_pp + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pv_base + (offs_n[:, None] * stride_pvp + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             v = v.to(tl.float32)
-        real = tl.load(PMASK + u * P + offs_n, mask=n_ok, other=0) != 0
+        real = tl.load(pm_base + offs_n, mask=n_ok, other=0) != 0
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(real[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -106,21 +118,22 @@ def _spa_fwd_kernel(
 
     # region 2: the row's own completion, causal (keys up to the largest query position in this block)
     k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    km_base = KMASK + b * C
     hi = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < C
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + (offs_n[:, None] * stride_kc + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             k = k.to(tl.float32)
-        v = tl.load(v_base + offs_n[:, None] * stride_kc + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + (offs_n[:, None] * stride_vc + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             v = v.to(tl.float32)
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         if HAS_KMASK:
-            real = tl.load(KMASK + b * C + offs_n, mask=n_ok, other=0) != 0
+            real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
             visible = visible & real[None, :]
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(visible, s, float("-inf"))
@@ -138,12 +151,39 @@ def _spa_fwd_kernel(
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = OUT + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_oc + offs_d[None, :]
+    o_ptrs = (OUT + b * stride_ob + h * REP * stride_oh) + (r[:, None] * stride_oh + pos[:, None] * stride_oc
+                                                             + offs_d[None, :])
     if EMULATE_BF16:
         out = _round_bf16(out)
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    # LSE is a contiguous (B, Hq, C) fp32 tensor
-    tl.store(LSE + (b * HKV * REP + head) * C + pos, lse, mask=row_ok)
+    # LSE rows are C_PAD apart ((B, Hq, C_PAD) fp32): the queries of kv head h start at (b·HKV + h)·REP·C_PAD
+    tl.store(LSE + (b * HKV + h) * REP * C_PAD + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _spa_bwd_delta_kernel(
+    OUT, DO, DELTA,
+    stride_ob, stride_oh, stride_oc,
+    stride_dob, stride_doh, stride_doc,
+    C, C_PAD, HQ,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    # D = rowsum(dO ∘ O) in fp32 for BLOCK_M queries of one (row, query head): FlashAttention-2's preprocessing step,
+    # without the two fp32 (B, Hq, C, d) temporaries a torch expression would build.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    hq = (pid_bh % HQ).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < C
+    offs_d = tl.arange(0, BLOCK_D)
+    md = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load((OUT + b * stride_ob + hq * stride_oh) + (offs_m[:, None] * stride_oc + offs_d[None, :]), mask=md,
+                other=0.0)
+    do = tl.load((DO + b * stride_dob + hq * stride_doh) + (offs_m[:, None] * stride_doc + offs_d[None, :]), mask=md,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * C_PAD + offs_m, delta, mask=m_ok)
 
 
 @triton.jit
@@ -151,55 +191,58 @@ def _spa_bwd_dq_kernel(
     Q, K, V, PK, PV, PIDX, PSTART, PMASK, KMASK, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
-    stride_pu, stride_ph, stride_pp,
-    stride_ob, stride_oh, stride_oc,
-    SCALE, C, P, HKV,
+    stride_vb, stride_vh, stride_vc,
+    stride_pku, stride_pkh, stride_pkp,
+    stride_pvu, stride_pvh, stride_pvp,
+    stride_dob, stride_doh, stride_doc,
+    stride_dqb, stride_dqh, stride_dqc,
+    SCALE, C, C_PAD, P, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    # Q, DQ share the q strides; DO shares OUT's strides (stride_o*).
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)
+    h = (pid_bh % HKV).to(tl.int64)
     qk_scale = SCALE * 1.4426950408889634
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < REP * C
-    head = h * REP + offs_m // C
-    pos = offs_m % C
+    r = offs_m // C_PAD
+    pos = offs_m % C_PAD
+    row_ok = (r < REP) & (pos < C)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     md = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qc + offs_d[None, :],
-                mask=md, other=0.0)
+    q = tl.load((Q + b * stride_qb + h * REP * stride_qh) + (r[:, None] * stride_qh + pos[:, None] * stride_qc
+                                                              + offs_d[None, :]), mask=md, other=0.0)
     if EMULATE_BF16:
         q = q.to(tl.float32)
-    do = tl.load(DO + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_oc + offs_d[None, :],
-                 mask=md, other=0.0)
+    do = tl.load((DO + b * stride_dob + h * REP * stride_doh) + (r[:, None] * stride_doh + pos[:, None] * stride_doc
+                                                                  + offs_d[None, :]), mask=md, other=0.0)
     if EMULATE_BF16:
         do = do.to(tl.float32)
-    row_idx = (b * HKV * REP + head) * C + pos
-    lse2 = tl.load(LSE + row_idx, mask=row_ok, other=0.0) * 1.4426950408889634
+    row_base = (b * HKV + h) * REP * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
+    lse2 = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: every score is -inf, so P = 0
-    delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     u = tl.load(PIDX + b)
     pstart = tl.load(PSTART + u)
-    pk_base = PK + u * stride_pu + h * stride_ph
-    pv_base = PV + u * stride_pu + h * stride_ph
+    pk_base = PK + u * stride_pku + h * stride_pkh
+    pv_base = PV + u * stride_pvu + h * stride_pvh
+    pm_base = PMASK + u * P
     for n0 in range((pstart // BLOCK_N) * BLOCK_N, P, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < P
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(pk_base + offs_n[:, None] * stride_pp + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(pk_base + (offs_n[:, None] * stride_pkp + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             k = k.to(tl.float32)
-        v = tl.load(pv_base + offs_n[:, None] * stride_pp + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pv_base + (offs_n[:, None] * stride_pvp + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             v = v.to(tl.float32)
-        real = tl.load(PMASK + u * P + offs_n, mask=n_ok, other=0) != 0
+        real = tl.load(pm_base + offs_n, mask=n_ok, other=0) != 0
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(real[None, :], s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
@@ -211,21 +254,22 @@ def _spa_bwd_dq_kernel(
         dq += tl.dot(dsc, k, input_precision="ieee")
 
     k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    km_base = KMASK + b * C
     hi = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < C
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + (offs_n[:, None] * stride_kc + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             k = k.to(tl.float32)
-        v = tl.load(v_base + offs_n[:, None] * stride_kc + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + (offs_n[:, None] * stride_vc + offs_d[None, :]), mask=kv_mask, other=0.0)
         if EMULATE_BF16:
             v = v.to(tl.float32)
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         if HAS_KMASK:
-            real = tl.load(KMASK + b * C + offs_n, mask=n_ok, other=0) != 0
+            real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
             visible = visible & real[None, :]
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(visible, s, float("-inf"))
@@ -240,8 +284,8 @@ def _spa_bwd_dq_kernel(
     dq = dq * SCALE
     if EMULATE_BF16:
         dq = _round_bf16(dq)
-    tl.store(DQ + b * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qc + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=md)
+    tl.store((DQ + b * stride_dqb + h * REP * stride_dqh) + (r[:, None] * stride_dqh + pos[:, None] * stride_dqc
+                                                              + offs_d[None, :]), dq.to(DQ.dtype.element_ty), mask=md)
 
 
 @triton.jit
@@ -249,16 +293,18 @@ def _spa_bwd_dkdv_completion_kernel(
     Q, K, V, KMASK, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
-    stride_ob, stride_oh, stride_oc,
-    SCALE, C, HKV,
+    stride_vb, stride_vh, stride_vc,
+    stride_dob, stride_doh, stride_doc,
+    stride_dkb, stride_dkh, stride_dkc,
+    stride_dvb, stride_dvh, stride_dvc,
+    SCALE, C, C_PAD, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    # K, V, DK, DV share the k strides; DO shares OUT's strides.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)
+    h = (pid_bh % HKV).to(tl.int64)
     qk_scale = SCALE * 1.4426950408889634
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,11 +312,12 @@ def _spa_bwd_dkdv_completion_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     nd = n_ok[:, None] & d_ok[None, :]
-    kv_off = b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kc + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=nd, other=0.0)
+    k = tl.load((K + b * stride_kb + h * stride_kh) + (offs_n[:, None] * stride_kc + offs_d[None, :]), mask=nd,
+                other=0.0)
     if EMULATE_BF16:
         k = k.to(tl.float32)
-    v = tl.load(V + kv_off, mask=nd, other=0.0)
+    v = tl.load((V + b * stride_vb + h * stride_vh) + (offs_n[:, None] * stride_vc + offs_d[None, :]), mask=nd,
+                other=0.0)
     if EMULATE_BF16:
         v = v.to(tl.float32)
     key_ok = n_ok
@@ -282,22 +329,22 @@ def _spa_bwd_dkdv_completion_kernel(
     # queries at positions >= the block's first key, for every query head of this kv head
     for r in range(REP):
         head = h * REP + r
+        q_base = Q + b * stride_qb + head * stride_qh
+        do_base = DO + b * stride_dob + head * stride_doh
+        row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
         for m0 in range(((pid_n * BLOCK_N) // BLOCK_M) * BLOCK_M, C, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
             md = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(Q + b * stride_qb + head * stride_qh + offs_m[:, None] * stride_qc + offs_d[None, :],
-                        mask=md, other=0.0)
+            q = tl.load(q_base + (offs_m[:, None] * stride_qc + offs_d[None, :]), mask=md, other=0.0)
             if EMULATE_BF16:
                 q = q.to(tl.float32)
-            do = tl.load(DO + b * stride_ob + head * stride_oh + offs_m[:, None] * stride_oc + offs_d[None, :],
-                         mask=md, other=0.0)
+            do = tl.load(do_base + (offs_m[:, None] * stride_doc + offs_d[None, :]), mask=md, other=0.0)
             if EMULATE_BF16:
                 do = do.to(tl.float32)
-            row_idx = (b * HKV * REP + head) * C + offs_m
-            lse2 = tl.load(LSE + row_idx, mask=m_ok, other=0.0) * 1.4426950408889634
+            lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-            delta = tl.load(DELTA + row_idx, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
             # transposed scores: keys along rows, queries along columns
             st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale
             visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
@@ -317,28 +364,35 @@ def _spa_bwd_dkdv_completion_kernel(
     dk = dk * SCALE
     if EMULATE_BF16:
         dk = _round_bf16(dk)
-    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=nd)
+    tl.store((DK + b * stride_dkb + h * stride_dkh) + (offs_n[:, None] * stride_dkc + offs_d[None, :]),
+             dk.to(DK.dtype.element_ty), mask=nd)
     if EMULATE_BF16:
         dv = _round_bf16(dv)
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=nd)
+    tl.store((DV + b * stride_dvb + h * stride_dvh) + (offs_n[:, None] * stride_dvc + offs_d[None, :]),
+             dv.to(DV.dtype.element_ty), mask=nd)
 
 
 @triton.jit
 def _spa_bwd_dkdv_prefix_kernel(
     Q, PK, PV, ROWS, ROW_START, PSTART, PMASK, DO, LSE, DELTA, DPK, DPV,
     stride_qb, stride_qh, stride_qc,
-    stride_pu, stride_ph, stride_pp,
-    stride_ob, stride_oh, stride_oc,
-    SCALE, C, P, HKV,
+    stride_pku, stride_pkh, stride_pkp,
+    stride_pvu, stride_pvh, stride_pvp,
+    stride_dob, stride_doh, stride_doc,
+    SCALE, C, C_PAD, P, HKV, N_SPLIT, stride_split,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    # PK, PV, DPK, DPV share the prefix strides; DO shares OUT's strides. ROWS lists the rows grouped by prompt
-    # (ascending within a prompt); ROW_START[u]..ROW_START[u+1] are prompt u's entries.
+    # ROWS lists the rows grouped by prompt (ascending within a prompt); ROW_START[u]..ROW_START[u+1] are prompt u's
+    # entries. The work of one (key block, prompt, kv head) — every (row, query head, query block) of the group, in
+    # that order — is cut into N_SPLIT contiguous ranges, one per program_id(2). Program s writes its fp32 sum to slice
+    # s of DPK/DPV (contiguous (N_SPLIT, U, HKV, P, HEAD_DIM), slices stride_split apart), dK already scaled; the
+    # slices are summed in order by _spa_bwd_prefix_reduce_kernel. With N_SPLIT == 1 DPK/DPV are the gradients.
     pid_n = tl.program_id(0)
     pid_uh = tl.program_id(1)
-    u = pid_uh // HKV
-    h = pid_uh % HKV
+    pid_s = tl.program_id(2)
+    u = (pid_uh // HKV).to(tl.int64)
+    h = (pid_uh % HKV).to(tl.int64)
     qk_scale = SCALE * 1.4426950408889634
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -346,100 +400,145 @@ def _spa_bwd_dkdv_prefix_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     nd = n_ok[:, None] & d_ok[None, :]
-    p_off = u * stride_pu + h * stride_ph + offs_n[:, None] * stride_pp + offs_d[None, :]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
     pstart = tl.load(PSTART + u)
     if pid_n * BLOCK_N + BLOCK_N > pstart:  # blocks wholly inside the left padding get zero gradient
-        k = tl.load(PK + p_off, mask=nd, other=0.0)
+        k = tl.load((PK + u * stride_pku + h * stride_pkh) + (offs_n[:, None] * stride_pkp + offs_d[None, :]),
+                    mask=nd, other=0.0)
         if EMULATE_BF16:
             k = k.to(tl.float32)
-        v = tl.load(PV + p_off, mask=nd, other=0.0)
+        v = tl.load((PV + u * stride_pvu + h * stride_pvh) + (offs_n[:, None] * stride_pvp + offs_d[None, :]),
+                    mask=nd, other=0.0)
         if EMULATE_BF16:
             v = v.to(tl.float32)
         key_ok = n_ok & (tl.load(PMASK + u * P + offs_n, mask=n_ok, other=0) != 0)
         g0 = tl.load(ROW_START + u)
         g1 = tl.load(ROW_START + u + 1)
-        for g in range(g0, g1):
-            b = tl.load(ROWS + g)
-            for r in range(REP):
-                head = h * REP + r
-                for m0 in range(0, C, BLOCK_M):
-                    offs_m = m0 + tl.arange(0, BLOCK_M)
-                    m_ok = offs_m < C
-                    md = m_ok[:, None] & d_ok[None, :]
-                    q = tl.load(Q + b * stride_qb + head * stride_qh + offs_m[:, None] * stride_qc
-                                + offs_d[None, :], mask=md, other=0.0)
-                    if EMULATE_BF16:
-                        q = q.to(tl.float32)
-                    do = tl.load(DO + b * stride_ob + head * stride_oh + offs_m[:, None] * stride_oc
-                                 + offs_d[None, :], mask=md, other=0.0)
-                    if EMULATE_BF16:
-                        do = do.to(tl.float32)
-                    row_idx = (b * HKV * REP + head) * C + offs_m
-                    lse2 = tl.load(LSE + row_idx, mask=m_ok, other=0.0) * 1.4426950408889634
-                    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-                    delta = tl.load(DELTA + row_idx, mask=m_ok, other=0.0)
-                    st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale
-                    st = tl.where(key_ok[:, None] & m_ok[None, :], st, float("-inf"))
-                    pt = tl.exp2(st - lse2[None, :])
-                    ptc = pt.to(DO.dtype.element_ty)
-                    if EMULATE_BF16:
-                        ptc = _round_bf16(pt)
-                    dv += tl.dot(ptc, do, input_precision="ieee")
-                    dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
-                    dst = pt * (dpt - delta[None, :])
-                    dstc = dst.to(Q.dtype.element_ty)
-                    if EMULATE_BF16:
-                        dstc = _round_bf16(dst)
-                    dk += tl.dot(dstc, q, input_precision="ieee")
+        n_mb = tl.cdiv(C, BLOCK_M)
+        per_row = REP * n_mb
+        total = ((g1 - g0) * per_row).to(tl.int64)
+        lo = ((pid_s * total) // N_SPLIT).to(tl.int32)
+        hi = (((pid_s + 1) * total) // N_SPLIT).to(tl.int32)
+        for t in range(lo, hi):
+            b = tl.load(ROWS + (g0 + t // per_row)).to(tl.int64)
+            head = h * REP + (t // n_mb) % REP
+            offs_m = (t % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < C
+            md = m_ok[:, None] & d_ok[None, :]
+            q = tl.load((Q + b * stride_qb + head * stride_qh) + (offs_m[:, None] * stride_qc + offs_d[None, :]),
+                        mask=md, other=0.0)
+            if EMULATE_BF16:
+                q = q.to(tl.float32)
+            do = tl.load((DO + b * stride_dob + head * stride_doh) + (offs_m[:, None] * stride_doc + offs_d[None, :]),
+                         mask=md, other=0.0)
+            if EMULATE_BF16:
+                do = do.to(tl.float32)
+            row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
+            lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+            delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
+            st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale
+            st = tl.where(key_ok[:, None] & m_ok[None, :], st, float("-inf"))
+            pt = tl.exp2(st - lse2[None, :])
+            ptc = pt.to(DO.dtype.element_ty)
+            if EMULATE_BF16:
+                ptc = _round_bf16(pt)
+            dv += tl.dot(ptc, do, input_precision="ieee")
+            dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+            dst = pt * (dpt - delta[None, :])
+            dstc = dst.to(Q.dtype.element_ty)
+            if EMULATE_BF16:
+                dstc = _round_bf16(dst)
+            dk += tl.dot(dstc, q, input_precision="ieee")
 
     dk = dk * SCALE
+    out_off = pid_s.to(tl.int64) * stride_split + (u * HKV + h) * P * HEAD_DIM
+    tile_off = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     if EMULATE_BF16:
-        dk = _round_bf16(dk)
-    tl.store(DPK + p_off, dk.to(DPK.dtype.element_ty), mask=nd)
+        if DPK.dtype.element_ty == tl.bfloat16:  # the gradient itself (N_SPLIT == 1), not an fp32 partial
+            dk = _round_bf16(dk)
+            dv = _round_bf16(dv)
+    tl.store(DPK + out_off + tile_off, dk.to(DPK.dtype.element_ty), mask=nd)
+    tl.store(DPV + out_off + tile_off, dv.to(DPV.dtype.element_ty), mask=nd)
+
+
+@triton.jit
+def _spa_bwd_prefix_reduce_kernel(
+    PART_K, PART_V, DPK, DPV, N, N_SPLIT,
+    BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    # DPK[i] = Σ_s PART_K[s, i] for s = 0, 1, ..., N_SPLIT − 1 in this order (deterministic); same for V. N elements per
+    # split; every tensor contiguous.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    pk = PART_K + offs
+    pv = PART_V + offs
+    acc_k = tl.zeros([BLOCK], tl.float32)
+    acc_v = tl.zeros([BLOCK], tl.float32)
+    for _ in range(N_SPLIT):
+        acc_k += tl.load(pk, mask=ok, other=0.0)
+        acc_v += tl.load(pv, mask=ok, other=0.0)
+        pk += N
+        pv += N
     if EMULATE_BF16:
-        dv = _round_bf16(dv)
-    tl.store(DPV + p_off, dv.to(DPV.dtype.element_ty), mask=nd)
+        acc_k = _round_bf16(acc_k)
+        acc_v = _round_bf16(acc_v)
+    tl.store(DPK + offs, acc_k.to(DPK.dtype.element_ty), mask=ok)
+    tl.store(DPV + offs, acc_v.to(DPV.dtype.element_ty), mask=ok)
 
 
 KERNELS = {
     "fwd": _spa_fwd_kernel,
+    "bwd_delta": _spa_bwd_delta_kernel,
     "bwd_dq": _spa_bwd_dq_kernel,
     "bwd_dkdv_completion": _spa_bwd_dkdv_completion_kernel,
     "bwd_dkdv_prefix": _spa_bwd_dkdv_prefix_kernel,
+    "bwd_prefix_reduce": _spa_bwd_prefix_reduce_kernel,
 }
 
-
-# kernel name -> ((BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim <= 64, (...) for head dim 65..256).
+# kernel name -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for BLOCK_D = 64 (head dims up to 64), 128 and 256.
 # fp32 inputs use the exact (FMA, not tf32) dot, which needs far smaller tiles to stay within the register file.
-# Registers and shared memory of each build for sm_80 and sm_90 are printed by tests/test_attention_triton_aot.py.
+# bwd_delta has no key tiles (BLOCK_N unused); bwd_prefix_reduce is elementwise (BLOCK_M elements per program).
+# Registers, spills and shared memory of each build for sm_80 and sm_90, compiled with the argument attributes of the
+# run-time specialisation, are checked and printed by tests/test_attention_triton_aot.py.
 _BLOCKS_16BIT = {
-    "fwd": ((64, 64, 4, 2), (64, 64, 8, 2)),
-    "bwd_dq": ((64, 32, 4, 2), (64, 64, 8, 2)),
-    "bwd_dkdv_completion": ((32, 64, 8, 2), (32, 64, 8, 2)),
-    "bwd_dkdv_prefix": ((32, 64, 8, 2), (32, 64, 8, 2)),
+    "fwd": ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)),
+    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1)),
+    "bwd_dq": ((64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)),
+    "bwd_dkdv_completion": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2)),
+    "bwd_dkdv_prefix": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2)),
+    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
 }
 _BLOCKS_FP32 = {
-    "fwd": ((16, 16, 4, 1), (16, 16, 4, 1)),
-    "bwd_dq": ((16, 16, 4, 1), (16, 16, 4, 1)),
-    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 32, 4, 2)),
-    "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2)),
+    "fwd": ((16, 16, 4, 2), (16, 16, 4, 2), (16, 16, 4, 1)),
+    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1)),
+    "bwd_dq": ((16, 16, 4, 2), (16, 16, 8, 2), (16, 16, 4, 1)),
+    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 16, 4, 1), (16, 32, 8, 1)),
+    "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1)),
+    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
 }
+_TIER = {64: 0, 128: 1, 256: 2}
+# The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
+_PROGRAMS_PER_SM = 2
+# SM count assumed for CPU tensors (Triton's interpreter): an H100 SXM's, so the interpreter runs the split GPUs run.
+_DEFAULT_SM_COUNT = 132
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_I32_MAX = 2**31 - 1
 
 
 def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype``.
 
-    Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_90 builds have no register
-    spills (checked by ``tests/test_attention_triton_aot.py``; the 16-bit builds for sm_80 have none either).
+    Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_80 and sm_90 builds have no
+    register spills (checked by ``tests/test_attention_triton_aot.py``).
     Raises ValueError for an unknown name or a head dim outside [1, 256].
     """
     if name not in KERNELS:
         raise ValueError(f"unknown kernel name {name!r}; expected one of {sorted(KERNELS)}")
-    wide = _block_d(head_dim) > 64
-    block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][wide]
+    tier = _TIER[max(64, _block_d(head_dim))]
+    block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -449,103 +548,200 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def prefix_dkdv_grid(B: int, U: int, Hkv: int, rep: int, C: int, P: int, head_dim: int, dtype: torch.dtype,
+                     sm_count: int) -> tuple[int, int, int]:
+    """Launch grid ``(key blocks, U·Hkv, splits)`` of the prompt dK/dV kernel.
+
+    One (key block, prompt, kv head) alone gives cdiv(P, BLOCK_N)·U·Hkv programs — 16 for a Qwen2.5-1.5B layer
+    (Hkv=2, P=512, one prompt) on a 132-SM H100 — each looping over every (row, query head, query block) of the group.
+    That loop is cut into ``splits`` contiguous ranges, as many as needed for ``_PROGRAMS_PER_SM`` programs per SM
+    (never more than the average work items of a prompt). Each range's fp32 sum goes to its own slice of a partial
+    buffer, reduced in slice order: deterministic, no atomics. The buffer holds 2·splits·U·Hkv·P·d fp32 values, under
+    2·(2·_PROGRAMS_PER_SM·sm_count)·BLOCK_N·d values whenever splits > 1 (35 MB for 132 SMs at d=128).
+    """
+    cfg = block_config("bwd_dkdv_prefix", head_dim, dtype)
+    n_blocks = triton.cdiv(P, cfg["BLOCK_N"])
+    base = n_blocks * U * Hkv
+    if base == 0 or B == 0:
+        return (n_blocks, U * Hkv, 1)
+    items = triton.cdiv(B, U) * rep * triton.cdiv(C, cfg["BLOCK_M"])  # work items of an average prompt
+    splits = max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sm_count, base), items))
+    return (n_blocks, U * Hkv, splits)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a cached property, no synchronisation); an H100's otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SM_COUNT
+
+
 def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
+    """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
+    if 0 in grid:
+        return
     cfg = block_config(name, head_dim, dtype)
     opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    with launch_device(args[0]):
+        KERNELS[name][grid](*args, **constexprs, **opts)
+
+
+def _tile_constexprs(name, head_dim, dtype, interpret) -> dict:
+    """HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels."""
+    cfg = block_config(name, head_dim, dtype)
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
-    emulate_bf16 = interpret and dtype == torch.bfloat16
-    KERNELS[name][grid](*args, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg["BLOCK_M"],
-                        BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=emulate_bf16, **constexprs, **opts)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                EMULATE_BF16=interpret and dtype == torch.bfloat16)
 
 
-def _prefix_tables(prefix_index, prefix_mask):
-    """First real key of each prompt (P if none), int32 (U,); rows grouped by prompt and CSR offsets, int32."""
+def _kernel_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels read it: any strides, except that the last (head-dim) stride must be 1.
+
+    transformers' q/k/v (``(B, C, H, d)`` projections transposed to ``(B, H, C, d)``) and autograd's output gradients
+    already have it, so they are read in place; anything else (e.g. a gradient expanded from a scalar) is copied once.
+    """
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_offsets(**tensors):
+    """The kernels compute the batch / prompt part of an offset in int64 and the rest (head, position, head-dim index,
+    within one batch entry) in int32: raise ValueError if that rest can pass 2**31 − 1 elements."""
+    for name, x in tensors.items():
+        span = sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))
+        if x.numel() and span > _I32_MAX:
+            raise ValueError(f"{name} spans {span} elements within one batch entry (shape {tuple(x.shape)}, strides "
+                             f"{x.stride()}); the Triton kernels need < 2**31")
+
+
+def _check_dtype(q):
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton attention kernels take fp16, bf16 or fp32 inputs, got {q.dtype} "
+                         f"(fp64: use backend='torch')")
+
+
+def _padded(n: int) -> int:
+    """``n`` rounded up to a multiple of 16: the row length of the LSE / D buffers and of the folded query index, so
+    the kernels' address arithmetic sees a multiple of 16 (Triton then vectorises and keeps fewer per-element
+    offsets; with an arbitrary completion length it spilled at d=256)."""
+    return (n + 15) // 16 * 16
+
+
+def _prefix_start(prefix_mask):
+    """First real key of each prompt (P if it has none), int32 (U,). No host synchronisation."""
     U, P = prefix_mask.shape
-    dev = prefix_mask.device
     if P == 0:
-        pstart = torch.zeros(U, dtype=torch.int32, device=dev)
-    else:
-        # weight key j by P − j: the largest weight among real keys marks the first one; a prompt with none gives P
-        weight = torch.arange(P, 0, -1, device=dev)
-        pstart = (P - (prefix_mask * weight).amax(dim=1)).to(torch.int32)
-    rows = torch.argsort(prefix_index, stable=True).to(torch.int32)
-    counts = torch.bincount(prefix_index, minlength=U)
-    row_start = torch.zeros(U + 1, dtype=torch.int32, device=prefix_index.device)
-    row_start[1:] = torch.cumsum(counts, 0)
-    return pstart.contiguous(), rows.contiguous(), row_start
+        return torch.zeros(U, dtype=torch.int32, device=prefix_mask.device)
+    # weight key j by P − j: the largest weight among real keys marks the first one; a prompt with none gives P
+    weight = torch.arange(P, 0, -1, device=prefix_mask.device, dtype=torch.int32)
+    return (P - (prefix_mask * weight).amax(dim=1)).to(torch.int32)
+
+
+def _prefix_rows(prefix_index, U):
+    """Rows grouped by prompt (ascending row index within a prompt), int32 (B,), and CSR offsets int32 (U + 1,):
+    prompt u's rows are ``rows[row_start[u]:row_start[u + 1]]``. Sort and binary search: no host synchronisation
+    (``bincount`` would read the maximum back to size its output)."""
+    sorted_index, rows = torch.sort(prefix_index, stable=True)
+    bounds = torch.arange(U + 1, device=prefix_index.device, dtype=prefix_index.dtype)
+    row_start = torch.searchsorted(sorted_index, bounds, out_int32=True)
+    return rows.to(torch.int32), row_start
 
 
 def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale):
     """Launch the forward kernel. Shapes as :func:`grpo_mem.ops.attention.shared_prefix_attention` (validated there).
 
-    Returns ``(out, lse)``: out (B, Hq, C, d) in q's dtype; lse (B, Hq, C) fp32, natural-log log-sum-exp of the
-    scaled scores over all visible keys (−inf for a query with none).
+    Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
+    value is read back to the host. Returns ``(out, lse)``: out (B, Hq, C, d) in q's dtype, with q's strides when q is
+    dense (transformers' transposed layout, so ``out.transpose(1, 2)`` is contiguous); lse (B, Hq, C) fp32, a view of a (B, Hq, C rounded up to 16) buffer,
+    the natural-log log-sum-exp of the scaled scores over all visible keys (−inf for a query with none).
+    Raises ValueError for fp64 inputs or strides too large for int32 offsets within one batch entry.
     """
-    q, k, v, prefix_k, prefix_v = (x.contiguous() for x in (q, k, v, prefix_k, prefix_v))
+    _check_dtype(q)
+    q, k, v, prefix_k, prefix_v = (_kernel_view(x) for x in (q, k, v, prefix_k, prefix_v))
     B, Hq, C, d = q.shape
     Hkv, P = k.shape[1], prefix_k.shape[2]
     rep = Hq // Hkv
     interpret = q.device.type == "cpu"
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    out = _kernel_view(out)
+    c_pad = _padded(C)
+    lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C]
     if B == 0 or C == 0:
         return out, lse
-    pstart, _, _ = _prefix_tables(prefix_index, prefix_mask)
-    pmask = prefix_mask.to(torch.int8).contiguous()
-    kmask = key_mask.to(torch.int8).contiguous() if key_mask is not None else pmask  # unread when HAS_KMASK=False
-    bm = block_config("fwd", d, q.dtype)["BLOCK_M"]
-    grid = (triton.cdiv(rep * C, bm), B * Hkv)
+    _check_offsets(q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v, out=out)
+    pstart = _prefix_start(prefix_mask)
+    pmask = prefix_mask.contiguous()
+    kmask = key_mask.contiguous() if key_mask is not None else pmask  # unread when HAS_KMASK=False
+    meta = _tile_constexprs("fwd", d, q.dtype, interpret)
+    grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
     _launch("fwd", grid, (
         q, k, v, prefix_k, prefix_v, prefix_index, pstart, pmask, kmask, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        prefix_k.stride(0), prefix_k.stride(1), prefix_k.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        float(scale), C, P, Hkv,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None)
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *prefix_k.stride()[:3], *prefix_v.stride()[:3],
+        *out.stride()[:3], float(scale), C, c_pad, P, Hkv,
+    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, **meta)
     return out, lse
 
 
 def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse,
                                 scale):
-    """Launch the three backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d).
+    """Launch the backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d).
 
-    Returns ``(dq, dk, dv, dprefix_k, dprefix_v)`` in the dtypes of q, k, v, prefix_k, prefix_v (fp32 accumulation).
-    ``D = rowsum(dO ∘ O)`` is computed in fp32 with torch, a (B, Hq, C) tensor.
+    Returns ``(dq, dk, dv, dprefix_k, dprefix_v)`` in the dtypes of q, k, v, prefix_k, prefix_v (fp32 accumulation);
+    dq/dk/dv have the strides of q/k/v when those are dense, dprefix_k/v are contiguous. ``D = rowsum(dO ∘ O)`` is
+    computed in fp32 by a small kernel into a (B, Hq, C) tensor. No value is read back to the host and no input is
+    copied (see ``_kernel_view``). Raises ValueError as :func:`shared_prefix_attention_fwd`.
     """
-    q, k, v, prefix_k, prefix_v, out, dout = (x.contiguous() for x in (q, k, v, prefix_k, prefix_v, out, dout))
+    _check_dtype(q)
+    q, k, v, prefix_k, prefix_v, out, dout = (_kernel_view(x) for x in (q, k, v, prefix_k, prefix_v, out, dout))
     B, Hq, C, d = q.shape
     U, Hkv, P = prefix_k.shape[0], k.shape[1], prefix_k.shape[2]
     rep = Hq // Hkv
     interpret = q.device.type == "cpu"
-    dq, dk, dv, dpk, dpv = (torch.empty_like(x) for x in (q, k, v, prefix_k, prefix_v))
+    dq, dk, dv = (_kernel_view(torch.empty_like(x)) for x in (q, k, v))
+    dpk, dpv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (prefix_k, prefix_v))
     if B == 0 or C == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dpk.zero_(), dpv.zero_()
-    lse = lse.contiguous()
-    delta = torch.einsum("bhcd,bhcd->bhc", dout.float(), out.float()).contiguous()
-    pstart, rows, row_start = _prefix_tables(prefix_index, prefix_mask)
-    pmask = prefix_mask.to(torch.int8).contiguous()
-    kmask = key_mask.to(torch.int8).contiguous() if key_mask is not None else pmask
-    q_strides = (q.stride(0), q.stride(1), q.stride(2))
-    k_strides = (k.stride(0), k.stride(1), k.stride(2))
-    p_strides = (prefix_k.stride(0), prefix_k.stride(1), prefix_k.stride(2))
-    o_strides = (out.stride(0), out.stride(1), out.stride(2))
+    _check_offsets(q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    c_pad = _padded(C)
+    if lse.stride() != (Hq * c_pad, c_pad, 1):  # not the forward's padded buffer: copy into one
+        lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C].copy_(lse)
+    pstart = _prefix_start(prefix_mask)
+    rows, row_start = _prefix_rows(prefix_index, U)
+    pmask = prefix_mask.contiguous()
+    kmask = key_mask.contiguous() if key_mask is not None else pmask
+    q_s, k_s, v_s = q.stride()[:3], k.stride()[:3], v.stride()[:3]
+    pk_s, pv_s, do_s = prefix_k.stride()[:3], prefix_v.stride()[:3], dout.stride()[:3]
+    has_kmask = key_mask is not None
 
-    cfg = block_config("bwd_dq", d, q.dtype)
-    _launch("bwd_dq", (triton.cdiv(rep * C, cfg["BLOCK_M"]), B * Hkv), (
+    delta = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)
+    meta = _tile_constexprs("bwd_delta", d, q.dtype, interpret)
+    _launch("bwd_delta", (triton.cdiv(C, meta["BLOCK_M"]), B * Hq), (
+        out, dout, delta, *out.stride()[:3], *do_s, C, c_pad, Hq,
+    ), d, q.dtype, interpret, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=meta["BLOCK_M"])
+    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret)
+    _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
         q, k, v, prefix_k, prefix_v, prefix_index, pstart, pmask, kmask, dout, lse, delta, dq,
-        *q_strides, *k_strides, *p_strides, *o_strides, float(scale), C, P, Hkv,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None)
-    cfg = block_config("bwd_dkdv_completion", d, q.dtype)
-    _launch("bwd_dkdv_completion", (triton.cdiv(C, cfg["BLOCK_N"]), B * Hkv), (
+        *q_s, *k_s, *v_s, *pk_s, *pv_s, *do_s, *dq.stride()[:3], float(scale), C, c_pad, P, Hkv,
+    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
+    meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
+    _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
         q, k, v, kmask, dout, lse, delta, dk, dv,
-        *q_strides, *k_strides, *o_strides, float(scale), C, Hkv,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None)
-    cfg = block_config("bwd_dkdv_prefix", d, q.dtype)
-    _launch("bwd_dkdv_prefix", (triton.cdiv(P, cfg["BLOCK_N"]), U * Hkv), (
-        q, prefix_k, prefix_v, rows, row_start, pstart, pmask, dout, lse, delta, dpk, dpv,
-        *q_strides, *p_strides, *o_strides, float(scale), C, P, Hkv,
-    ), d, q.dtype, interpret, REP=rep)
+        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(scale), C, c_pad, Hkv,
+    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
+    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret)
+    grid = prefix_dkdv_grid(B, U, Hkv, rep, C, P, d, q.dtype, _sm_count(q.device))
+    n_split, n_elems = grid[2], U * Hkv * P * d
+    if n_split == 1:
+        part_k, part_v = dpk, dpv
+    else:
+        part_k, part_v = (torch.empty((n_split, U, Hkv, P, d), dtype=torch.float32, device=q.device) for _ in "kv")
+    _launch("bwd_dkdv_prefix", grid, (
+        q, prefix_k, prefix_v, rows, row_start, pstart, pmask, dout, lse, delta, part_k, part_v,
+        *q_s, *pk_s, *pv_s, *do_s, float(scale), C, c_pad, P, Hkv, n_split, n_elems,
+    ), d, q.dtype, interpret, REP=rep, **meta)
+    if n_split > 1:
+        block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
+        _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, dpk, dpv, n_elems, n_split),
+                d, q.dtype, interpret, BLOCK=block, EMULATE_BF16=meta["EMULATE_BF16"])
     return dq, dk, dv, dpk, dpv
