@@ -268,8 +268,8 @@ def split_worker(args: dict) -> dict:
     """One group of ``G`` completions scored in micro-batches of ``micro`` rows, gradients accumulated over them (what
     TRL does when ``per_device_train_batch_size`` < G). Same arguments and result as :func:`worker`, plus ``micro``.
 
-    ``grpo_mem`` runs as the TRL patch does inside one gradient-accumulation window: the group's prompt is forwarded
-    once, in the first micro-batch, kept in a ``PromptStore``, and backpropagated once, in the last micro-batch's
+    ``grpo_mem`` runs as the TRL patch does inside one gradient-accumulation window (a ``SharingSession``): the
+    group's prompt is forwarded once, in the first micro-batch, and backpropagated once, in the last micro-batch's
     backward, with the gradient the earlier micro-batches left on its detached states.
     """
     if args["provider"] not in SPLIT_PROVIDERS:
@@ -291,12 +291,13 @@ def split_worker(args: dict) -> dict:
 
 
 def _split_grpo_mem_fn(model, C: int, n_micro: int):
-    """grpo_mem over ``n_micro`` micro-batches of one group: ``fn(ids, mask)`` called once per micro-batch, in order.
-    ``fn.prompt_passes_per_call`` counts the prompt passes per scored group (embedding calls of prompt width)."""
-    import grpo_mem
-    from grpo_mem.model.group_forward import PromptStore, prompt_keys
+    """grpo_mem over ``n_micro`` micro-batches of one group: ``fn(ids, mask)`` called once per micro-batch, in order,
+    through a ``SharingSession`` whose window is the group's ``n_micro`` micro-batches (each holds ``micro`` rows of
+    the group's one prompt). ``fn.prompt_passes_per_call`` counts the prompt passes per scored group (embedding calls
+    of prompt width)."""
+    from grpo_mem.model.sharing import SharingSession
 
-    store, state = PromptStore(), {"calls": 0, "prompt_passes": 0, "P": None}
+    session, state = SharingSession(), {"calls": 0, "prompt_passes": 0, "P": None}
 
     def count(module, args, out):
         if args[0].shape[1] == state["P"]:
@@ -305,14 +306,12 @@ def _split_grpo_mem_fn(model, C: int, n_micro: int):
     model.get_input_embeddings().register_forward_hook(count)
 
     def fn(input_ids, attention_mask):
-        last = state["calls"] % n_micro == n_micro - 1
-        state["calls"] += 1
         state["P"] = P = input_ids.shape[1] - C
-        later = frozenset() if last else frozenset(prompt_keys(input_ids[:, :P], attention_mask[:, :P]))
-        lp, ent = grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True,
-                                                  _store=store, _later=later)  # fmt: skip
-        if last:
-            lp = store.flush_into(lp)
+        if state["calls"] % n_micro == 0:  # the group's first micro-batch opens its window
+            session.begin_window(model, [input_ids[:, :P]] * n_micro, [attention_mask[:, :P]] * n_micro)
+        state["calls"] += 1
+        lp, ent = session.score(model, input_ids, attention_mask, C, compute_entropy=True)
+        if state["calls"] % n_micro == 0:
             fn.prompt_passes_per_call = state["prompt_passes"] / (state["calls"] // n_micro)
         return lp, ent
 

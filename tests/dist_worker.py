@@ -82,7 +82,7 @@ def stack_args(stack: str, *, bf16: bool = False) -> dict:
 
 def _count_kept_prompts() -> list:
     """A counter of prompt passes kept for a later micro-batch (groups split over micro-batches) on this rank."""
-    from grpo_mem.model.group_forward import PromptStore
+    from grpo_mem.model.store import PromptStore
 
     count = [0]
     keep = PromptStore.keep
@@ -96,8 +96,8 @@ def _count_kept_prompts() -> list:
 
 
 def _record_schedules() -> list:
-    """Every ``store_schedule`` this rank computes in the patch's window plans (sharded stacks only)."""
-    import grpo_mem.patches.trl as patch_module
+    """Every ``store_schedule`` this rank computes when a sharing session plans a window (sharded stacks only)."""
+    import grpo_mem.model.sharing as patch_module
 
     seen = []
     schedule = patch_module.store_schedule

@@ -5,8 +5,8 @@ sharded with ``fully_shard`` per decoder layer and then at the root, as accelera
 ``shared_prompt_logprobs`` runs on this rank's own batch:
 
 - whole: every group in one micro-batch;
-- split: one group of 4 spread over two micro-batches of 2 that share the prompt pass through a ``PromptStore``, so
-  the prompt graph is backpropagated inside the second micro-batch's backward, after FSDP resharded its layers.
+- split: one group of 4 spread over two micro-batches of 2 that share the prompt pass through a ``SharingSession``,
+  so the prompt graph is backpropagated inside the second micro-batch's backward, after FSDP resharded its layers.
 
 Truth is stock TRL on an unsharded copy of the same model: per-rank log-probs, and gradients averaged over the ranks
 (FSDP2 reduce-scatters the mean). Rank 0 writes the worst errors of every setting.
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import grpo_mem
-from grpo_mem.model.group_forward import PromptStore, find_groups, prompt_keys
+from grpo_mem.model.sharing import SharingSession
 
 
 def _weights(shape, seed):
@@ -84,17 +84,17 @@ def check(reshard: bool, checkpointing: bool, mesh, rank: int) -> dict:
     (ours * w).sum().backward()
     grads = _full_grads(model)
 
-    store = PromptStore()
-    first, _ = find_groups(split_ids[:2, :-C], split_mask[:2, :-C])
-    key = frozenset(prompt_keys(split_ids[first, :-C], split_mask[first, :-C]))
+    session = SharingSession()
+    halves = (slice(0, 2), slice(2, 4))
+    P = split_ids.shape[1] - C
+    session.begin_window(model, [split_ids[r, :P] for r in halves], [split_mask[r, :P] for r in halves])
     parts = []
-    for rows, later in ((slice(0, 2), key), (slice(2, 4), frozenset())):
-        lp, _ = grpo_mem.shared_prompt_logprobs(model, split_ids[rows], split_mask[rows], C, _store=store,
-                                                _later=later)  # fmt: skip
-        if not later:
-            lp = store.flush_into(lp)
+    for rows in halves:
+        lp, _ = session.score(model, split_ids[rows], split_mask[rows], C)
         (lp * w_split[rows]).sum().backward()
         parts.append(lp.detach())
+    store_left = len(session.store)
+    session.close_window()
     split_grads = _full_grads(model)
     return {
         "reshard_after_forward": reshard,
@@ -103,7 +103,7 @@ def check(reshard: bool, checkpointing: bool, mesh, rank: int) -> dict:
         "grads_rel": _rel_err(grads, ref_grads),
         "split_logps": float((torch.cat(parts) - ref_split).abs().max()),
         "split_grads_rel": _rel_err(split_grads, ref_split_grads),
-        "store_left": len(store),
+        "store_left": store_left,
     }
 
 

@@ -199,7 +199,7 @@ def test_restore_gives_the_model_back():
 
 def test_store_schedule_counts_passes_and_backward_graphs():
     """(prompt passes forwarded, prompt graphs backpropagated) per micro-batch, as _prompt_states makes them."""
-    from grpo_mem.model.group_forward import store_schedule
+    from grpo_mem.model.store import store_schedule
 
     # a: split over micro-batches 0-1; b: over 1-2; c: only in 2 (fresh); the last micro-batch closes the window
     assert store_schedule(set(), [[b"a", b"a"], [b"a", b"b"], [b"b", b"c"]], closes=True) == [(1, 0), (1, 1), (1, 2)]
@@ -207,3 +207,29 @@ def test_store_schedule_counts_passes_and_backward_graphs():
     assert store_schedule({b"b"}, [[b"b", b"d"], [b"b"]], closes=False) == [(1, 1), (0, 1)]
     # closing with prompts still pending flushes them into the last backward
     assert store_schedule({b"x"}, [[b"y"]], closes=True) == [(1, 2)]
+
+
+def test_restore_unregisters_the_hook_once_unused(monkeypatch):
+    """The hook and its mask function are registered while a model runs them and removed with the last one."""
+    from transformers import AttentionInterface
+
+    from grpo_mem.model import group_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register("test_impl", ALL_ATTENTION_FUNCTIONS["sdpa"])  # an implementation of its own
+    AttentionMaskInterface.register("test_impl", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    monkeypatch.setattr(group_forward, "SUPPORTED_ATTENTION", group_forward.SUPPORTED_ATTENTION | {"test_impl"})
+    models = [tiny_model("llama"), tiny_model("llama", seed=1)]
+    ids, mask, C, _ = make_batch([5, 7], 2, 3)
+    for m in models:
+        m.set_attn_implementation("test_impl")
+        with torch.no_grad():
+            grpo_mem.shared_prompt_logprobs(m, ids, mask, C)
+    assert "grpo_mem_test_impl" in ALL_ATTENTION_FUNCTIONS and "grpo_mem_test_impl" in ALL_MASK_ATTENTION_FUNCTIONS
+    grpo_mem.restore(models[0])
+    assert "grpo_mem_test_impl" in ALL_ATTENTION_FUNCTIONS  # still used by the other model
+    grpo_mem.restore(models[1])
+    assert "grpo_mem_test_impl" not in ALL_ATTENTION_FUNCTIONS
+    assert "grpo_mem_test_impl" not in ALL_MASK_ATTENTION_FUNCTIONS
+    assert all(m.config._attn_implementation == "test_impl" for m in models)

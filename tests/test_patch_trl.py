@@ -242,11 +242,13 @@ def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_devi
     )
     try:
         trainer.train()
+        session = handle.sessions[trainer]
+        assert len(session.store) == 0 and not session.in_window  # nothing left pending after the window
     finally:
         hook.remove()
         handle.revert()
+    assert not any(k.startswith("_grpo_mem") for k in trainer.__dict__)  # the patch's state lives on its handle
     P = trainer._buffered_inputs[0]["prompt_ids"].shape[1]
     prompt_passes = [w for w in widths if w[1] == P]
     assert prompt_passes == [torch.Size([1, P])], widths
-    assert len(trainer.__dict__["_grpo_mem_store"]) == 0  # nothing left pending after the window
     assert_grads_close(record.grads[0], stock_rec.grads[0], 1e-4)

@@ -60,8 +60,12 @@ def main(out: str) -> None:
         return ctx
 
     head._gather_zero3 = counted
-    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=1.0,
-                                    args=types.SimpleNamespace(cast_lm_head_to_fp32=False))  # fmt: skip
+    class Trainer:  # what the patched method reads of a trainer
+        accelerator = types.SimpleNamespace(autocast=nullcontext)
+        temperature = 1.0
+        args = types.SimpleNamespace(cast_lm_head_to_fp32=False)
+
+    trainer = Trainer()
     stock = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
     handle = grpo_mem.patch_trl(GRPOTrainer, group_shuffle=False)
     ours = GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"]

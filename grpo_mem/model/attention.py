@@ -26,7 +26,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -187,6 +186,11 @@ def hook_name(inner: str) -> str:
 def ensure_registered(inner: str) -> str:
     """Register the hook around ``inner`` (idempotent) and return its name.
 
+    The hook goes into the local mapping of transformers' global ``ALL_ATTENTION_FUNCTIONS`` instance, which its
+    public ``__setitem__`` / ``__delitem__`` manage. ``inner``'s mask function is registered under the hook's name
+    with ``AttentionMaskInterface.register``: transformers' mask creation looks names up in the class's global
+    mapping only (a name missing there gets no mask at all). ``give_back`` removes both.
+
     Raises:
         ValueError: ``inner`` is not a registered transformers attention implementation.
     """
@@ -195,10 +199,23 @@ def ensure_registered(inner: str) -> str:
         return name
     if inner not in ALL_ATTENTION_FUNCTIONS:
         raise ValueError(f"attention implementation {inner!r} is not registered in transformers' AttentionInterface")
-    AttentionInterface.register(name, _make_hook(inner))
+    ALL_ATTENTION_FUNCTIONS[name] = _make_hook(inner)
     if inner in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     return name
+
+
+def _unregister(name: str) -> None:
+    try:
+        del ALL_ATTENTION_FUNCTIONS[name]
+    except KeyError:  # not in the local mapping: registered by someone else, not ours to remove
+        pass
+    # transformers offers no unregister for mask functions; the class-level mapping is where register put it
+    AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+# hook name -> models running it; the hook is unregistered when the last one gives it back
+_USERS: dict[str, weakref.WeakSet] = {}
 
 
 def inner_implementation(model) -> str:
@@ -213,13 +230,23 @@ def take_over(model) -> str | None:
     impl = model.config._attn_implementation or "eager"
     if impl.startswith(PREFIX):
         return None
-    _switch(model, ensure_registered(impl), flash=_is_flash(impl))
+    name = ensure_registered(impl)
+    _switch(model, name, flash=_is_flash(impl))
+    _USERS.setdefault(name, weakref.WeakSet()).add(model)
     return impl
 
 
 def give_back(model, impl: str) -> None:
-    """Restore the attention implementation ``impl`` that ``take_over`` returned."""
+    """Restore the attention implementation ``impl`` that ``take_over`` returned; the hook is unregistered once no
+    model runs it."""
     _switch(model, impl, flash=_is_flash(impl))
+    name = hook_name(impl)
+    users = _USERS.get(name)
+    if users is not None:
+        users.discard(model)
+        if not users:
+            del _USERS[name]
+            _unregister(name)
 
 
 def _switch(model, impl: str, *, flash: bool) -> None:

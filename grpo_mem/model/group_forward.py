@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import types
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import ModelOutput
 
 from . import attention as attn_hook
+from .distributed import agree_fallback, lockstep, unwrap_causal_lm
 from .head import completion_head
+from .store import PromptStates, PromptStore, prompt_keys
 
 # Decoder-only text architectures whose layers take RoPE positions from `position_ids` and call the attention
 # interface with `module.layer_idx`; each is exact here unless a per-call check below says otherwise.
@@ -44,94 +44,6 @@ def warn_fallback(cause: str) -> None:
         warnings.warn(f"grpo_mem: falling back to the stock full-sequence path: {cause}", stacklevel=3)
 
 
-def lockstep(model: torch.nn.Module) -> bool:
-    """Whether every rank must run the same sequence of module calls and backward passes for ``model``.
-
-    True when a process group of more than one rank is up and ``model`` (possibly wrapped) is sharded by FSDP
-    (``fully_shard`` or FSDP1) or driven by DeepSpeed (any ZeRO stage). There parameters are all-gathered per module
-    call (FSDP, ZeRO-3) and gradients are reduced by hooks in the order they become ready (ZeRO), so ranks taking
-    different paths through the model would issue different collectives and hang or mix up their gradients.
-    Plain DDP reduces fixed buckets at the window's last backward and needs no lockstep.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
-        return True
-    if "deepspeed" in sys.modules:
-        from deepspeed import DeepSpeedEngine
-
-        if isinstance(model, DeepSpeedEngine):
-            return True
-    inner = unwrap_causal_lm(model)
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in inner.modules()) or any(
-        hasattr(p, "ds_id") for p in inner.parameters()
-    )
-
-
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """``flag`` OR-ed over the ranks of the default process group (one all-reduce; NCCL needs ``device`` on CUDA)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def _collective_device(model: torch.nn.Module) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _agree(model: torch.nn.Module, reason: str | None) -> str | None:
-    if any_rank(reason is not None, _collective_device(model)):
-        return reason or "another rank falls back, and sharded ranks must run the same module calls"
-    return None
-
-
-def joint_fallback(model: torch.nn.Module, reason: str | None) -> str | None:
-    """The fallback decision every rank takes when ``lockstep(model)`` (one all-reduce): this rank's ``reason``, or
-    a reason naming another rank when any other rank falls back, None when no rank does; ``reason`` unchanged
-    without lockstep."""
-    return _agree(model, reason) if lockstep(model) else reason
-
-
-def store_schedule(pending, micro_batches, *, closes: bool) -> list[tuple[int, int]]:
-    """What sharing prompt passes through a ``PromptStore`` costs each of the window's remaining micro-batches.
-
-    Args:
-        pending: keys (``prompt_keys``) of prompts kept in the store by earlier micro-batches of the window.
-        micro_batches: for the current and each later micro-batch of the window, the keys of its rows.
-        closes: the last entry of ``micro_batches`` closes the window (pending prompts are flushed into its backward).
-
-    Returns:
-        One ``(prompt passes forwarded, prompt graphs backpropagated)`` per micro-batch: exactly the backbone calls
-        ``_prompt_states`` makes and the prompt graphs its micro-batch's backward traverses. Ranks whose schedules
-        are equal issue the same module calls and backward passes.
-    """
-    pending = set(pending)
-    schedule = []
-    for j, keys in enumerate(micro_batches):
-        keys = set(keys)
-        later = set().union(*map(set, micro_batches[j + 1 :]))
-        fresh = {k for k in keys if k not in pending and k not in later}
-        kept = {k for k in keys if k not in pending and k in later}
-        taken = {k for k in keys if k in pending and k not in later}
-        pending = (pending | kept) - taken
-        graphs = bool(fresh) + len(taken)
-        if closes and j == len(micro_batches) - 1:
-            graphs += len(pending)
-            pending = set()
-        schedule.append((bool(fresh) + len(kept), graphs))
-    return schedule
-
-
 class _Tie(torch.autograd.Function):
     """``x`` unchanged; ``others`` join its graph with zero gradients, so their backward runs (and issues its
     collectives) although they contribute nothing."""
@@ -144,17 +56,6 @@ class _Tie(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
-
-
-def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers causal LM inside DDP/DeepSpeed/FSDP/compile wrappers and a PEFT model."""
-    from accelerate.utils import extract_model_from_parallel
-
-    model = extract_model_from_parallel(model)
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base) and type(model).__module__.startswith("peft"):
-        model = get_base()
-    return model
 
 
 def find_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,112 +150,12 @@ def unsupported_reason(causal_lm, seq_len: int) -> str | None:
     return None
 
 
-def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[bytes]:
-    """One hashable key per row: equal keys exactly when ``find_groups`` would group the rows together."""
-    key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
-    return [row.tobytes() for row in key.to(torch.int64).cpu().numpy()]
-
-
-@dataclass
-class PromptStates:
-    """What completions need of a prompt pass: per-layer post-RoPE K/V (n, kv_heads, P, head_dim) and the last prompt
-    position's final hidden state (n, H), which predicts completion token 1."""
-
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    last_hidden: torch.Tensor
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in self.kv for t in pair] + [self.last_hidden]
-
-    @classmethod
-    def from_tensors(cls, tensors) -> PromptStates:
-        tensors = list(tensors)
-        return cls(kv=list(zip(tensors[:-1:2], tensors[1:-1:2])), last_hidden=tensors[-1])
-
-    @classmethod
-    def cat(cls, parts: list[PromptStates]) -> PromptStates:
-        if len(parts) == 1:
-            return parts[0]
-        return cls.from_tensors(torch.cat(ts, 0) for ts in zip(*(p.tensors() for p in parts)))
-
-
-class _AddStoredGrad(torch.autograd.Function):
-    """Identity on the prompt states; backward adds the gradient earlier micro-batches left on their detached leaves,
-    so the prompt graph is traversed once, with the whole group's gradient."""
-
-    @staticmethod
-    def forward(ctx, n, *tensors):
-        ctx.leaves = tensors[n:]
-        return tuple(t.view_as(t) for t in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        out = [g if leaf.grad is None else (leaf.grad if g is None else g + leaf.grad) for g, leaf in zip(grads, ctx.leaves)]
-        return (None, *out, *([None] * len(ctx.leaves)))
-
-
-class _FlushStored(torch.autograd.Function):
-    """Identity on ``anchor`` (an output of the window's last micro-batch); backward also sends each pending prompt's
-    stored gradient into its graph, inside that micro-batch's backward call (where DDP synchronises gradients)."""
-
-    @staticmethod
-    def forward(ctx, anchor, n, *tensors):
-        ctx.leaves = tensors[n:]
-        return anchor.view_as(anchor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, None, *(leaf.grad for leaf in ctx.leaves), *([None] * len(ctx.leaves)))
-
-
-class PromptStore:
-    """Prompt passes kept across the micro-batches of one optimizer step (gradient-accumulation window).
-
-    A group whose completions are spread over several micro-batches has its prompt forwarded once, in the first of
-    them. Until its last micro-batch, completions attend to detached copies (leaves) of the prompt states, whose
-    ``.grad`` sums each micro-batch's contribution; the last one attends to the real states and its backward adds the
-    stored sum, so the prompt graph is backpropagated once, inside that micro-batch's backward call. Whatever is still
-    pending when the window ends is sent into its graph by ``flush_into`` on the window's last output. Parameters
-    must not change within a window (they do not between optimizer steps), which keeps this exact.
-    """
-
-    def __init__(self):
-        self.entries: dict[bytes, tuple[PromptStates, PromptStates]] = {}  # key -> (real, leaves)
-
-    def __len__(self):
-        return len(self.entries)
-
-    def keep(self, key: bytes, real: PromptStates) -> PromptStates:
-        leaves = PromptStates.from_tensors(t.detach().requires_grad_(t.requires_grad) for t in real.tensors())
-        self.entries[key] = (real, leaves)
-        return leaves
-
-    def take(self, key: bytes, *, last: bool) -> PromptStates:
-        real, leaves = self.entries[key]
-        if not last:
-            return leaves
-        del self.entries[key]
-        tensors = real.tensors()
-        return PromptStates.from_tensors(_AddStoredGrad.apply(len(tensors), *tensors, *leaves.tensors()))
-
-    def flush_into(self, anchor: torch.Tensor) -> torch.Tensor:
-        """Return ``anchor`` unchanged in value, carrying every pending prompt's stored gradient in its backward."""
-        reals, leaves = [], []
-        for real, leaf in self.entries.values():
-            reals += real.tensors()
-            leaves += leaf.tensors()
-        self.entries.clear()
-        if not reals:
-            return anchor
-        return _FlushStored.apply(anchor, len(reals), *reals, *leaves)
-
-
 @dataclass
 class GroupRequest:
     """Non-tensor options of one prompt-once call, passed to the model forward as the ``grpo_mem`` kwarg.
 
-    ``store``/``later``: in a training micro-batch, the gradient-accumulation window's ``PromptStore`` and the keys
-    (``prompt_keys``) of prompts that a later micro-batch of the same window will use again.
+    ``store``/``later``: in a training micro-batch of a ``SharingSession`` window, the window's ``PromptStore`` and
+    the keys (``prompt_keys``) of prompts that a later micro-batch of the same window will use again.
     ``lockstep``: the model is sharded over ranks that must make the same module calls (``lockstep``).
     """
 
@@ -415,7 +216,6 @@ def prompt_once_logprobs(causal_lm, input_ids, attention_mask, request: GroupReq
     first, inverse = find_groups(prompt_ids, prompt_mask)
     backbone = causal_lm.base_model
     attn_hook.take_over(causal_lm)
-    _taken_over.add(causal_lm)
 
     states = _prompt_states(backbone, prompt_ids, prompt_mask, first, request)
     hidden = [states.last_hidden.index_select(0, inverse).unsqueeze(1)]
@@ -451,7 +251,6 @@ def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request: GroupR
     return completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], request)
 
 
-_taken_over: weakref.WeakSet = weakref.WeakSet()
 _FORWARD_MARK = "_grpo_mem_previous_forward"
 
 
@@ -507,7 +306,6 @@ def install_forward(causal_lm) -> None:
 
     causal_lm.forward = types.MethodType(forward, causal_lm)
     causal_lm.__dict__[_FORWARD_MARK] = previous
-    _taken_over.add(causal_lm)
 
 
 def restore(causal_lm) -> None:
@@ -521,19 +319,12 @@ def restore(causal_lm) -> None:
     impl = causal_lm.config._attn_implementation or ""
     if impl.startswith(attn_hook.PREFIX):
         attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
-    _taken_over.discard(causal_lm)
-
-
-def restore_all() -> None:
-    """``restore`` every model this process took over."""
-    for model in list(_taken_over):
-        restore(model)
 
 
 def _forward_group(causal_lm, input_ids, attention_mask, request: GroupRequest) -> GroupLogprobsOutput:
     reason = unsupported_reason(causal_lm, input_ids.shape[1])
     if request.lockstep:
-        reason = _agree(causal_lm, reason)
+        reason = agree_fallback(causal_lm, reason)
     if reason is not None:
         warn_fallback(reason)
         logps, entropy = full_sequence_logprobs(causal_lm, input_ids, attention_mask, request)
@@ -551,8 +342,6 @@ def shared_prompt_logprobs(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     cast_lm_head_to_fp32: bool = False,
-    _store: PromptStore | None = None,
-    _later: frozenset | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
 
@@ -562,6 +351,8 @@ def shared_prompt_logprobs(
     that never builds (B, C, V) logits. Rows of one prompt need not be adjacent: identical prompts (ids and mask,
     padding slots ignored) are found anywhere in the batch. Runs inside one call of ``model``'s forward, so wrappers'
     hooks (DDP, DeepSpeed, FSDP) fire; works on a plain causal LM, a PEFT model, and a model given TRL's fused head.
+    Stateless: nothing is kept between calls (``grpo_mem.model.sharing.SharingSession`` shares prompts across the
+    micro-batches of an optimizer step).
 
     Side effect: the first call gives the underlying causal LM a pass-through forward and attention implementation
     (``grpo_mem_<impl>``); calls without grpo_mem compute exactly what they did. ``grpo_mem.restore(model)`` undoes it.
@@ -575,8 +366,6 @@ def shared_prompt_logprobs(
         temperature: > 0, the logits are divided by it (after logit scale and final softcap, as TRL does).
         compute_entropy: also return the entropy of each next-token distribution.
         cast_lm_head_to_fp32: run the LM head in fp32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
-        _store, _later: used by the TRL patch to share prompt passes across the micro-batches of one
-            gradient-accumulation window (``PromptStore``); leave them unset.
 
     Returns:
         log_probs: (B, C) fp32, zero where the completion mask is 0.
@@ -586,12 +375,16 @@ def shared_prompt_logprobs(
         ValueError: shape mismatch, ``logits_to_keep`` out of range, ``temperature <= 0``, right-padded prompts.
         TypeError: non-integer ids or ``logits_to_keep``.
     """
-    validate_inputs(input_ids, attention_mask, logits_to_keep, temperature)
+    request = GroupRequest(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
+    return score(model, input_ids, attention_mask, request)
+
+
+def score(model, input_ids, attention_mask, request: GroupRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``shared_prompt_logprobs`` with its options (and a sharing session's store) in ``request``; validates the
+    inputs and sets ``request.lockstep`` from ``model``."""
+    validate_inputs(input_ids, attention_mask, request.logits_to_keep, request.temperature)
     install_forward(unwrap_causal_lm(model))
-    request = GroupRequest(
-        logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32), _store,
-        frozenset(_later or ()), lockstep(model),
-    )  # fmt: skip
+    request.lockstep = lockstep(model)
     out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=request)
     return out.log_probs, out.entropy
 
@@ -599,19 +392,14 @@ def shared_prompt_logprobs(
 __all__ = [
     "GroupRequest",
     "GroupLogprobsOutput",
-    "any_rank",
-    "joint_fallback",
-    "lockstep",
-    "store_schedule",
     "find_groups",
     "full_sequence_logprobs",
     "install_forward",
     "prompt_once_logprobs",
     "restore",
-    "restore_all",
+    "score",
     "shared_prompt_logprobs",
     "unsupported_reason",
-    "unwrap_causal_lm",
     "validate_inputs",
     "warn_fallback",
 ]

@@ -9,9 +9,15 @@ instance, and put back by ``PatchHandle.revert()``:
   ``token_type_ids``, the MoE aux loss, unsupported models, a chunk with no repeated prompt) go to the stock method,
   with one warning per cause.
 - ``_prepare_inputs``: TRL shuffles the generation batch row by row before splitting it into micro-batches, so a
-  micro-batch rarely holds two completions of one prompt. During this method only, the module's
-  ``shuffle_sequence_dict`` is replaced by a group-aware shuffle (whole groups in random order, rows in random order
-  within each group); the same rows reach training, each exactly once.
+  micro-batch rarely holds two completions of one prompt. During this method only (with ``group_shuffle``), the
+  module's ``shuffle_sequence_dict`` is replaced by a group-aware shuffle (whole groups in random order, rows in
+  random order within each group); the same rows reach training, each exactly once. It also plans the trainer's
+  ``SharingSession`` window (the micro-batches up to the end of the gradient-accumulation window), so a prompt
+  spread over several of them is forwarded and backpropagated once.
+
+The patch keeps its state on its ``PatchHandle`` (sessions per trainer, the models it touched), never on the
+trainer; before touching anything it checks TRL's version, the two methods' signatures and the trainer attributes it
+reads.
 """
 
 from __future__ import annotations
@@ -19,22 +25,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import types
+import weakref
 
 import torch
 
-from ..model.group_forward import (
-    PromptStore,
-    find_groups,
-    joint_fallback,
-    lockstep,
-    prompt_keys,
-    store_schedule,
-    restore_all,
-    shared_prompt_logprobs,
-    unsupported_reason,
-    unwrap_causal_lm,
-    warn_fallback,
-)
+from ..model.distributed import joint_fallback, lockstep, unwrap_causal_lm
+from ..model.group_forward import find_groups, restore, shared_prompt_logprobs, unsupported_reason, warn_fallback
+from ..model.sharing import SharingSession
 
 SUPPORTED_TRL = ((1, 16), (1, 17))  # [lower, upper)
 LOGPS_METHOD = "_get_per_token_logps_and_entropies"
@@ -111,7 +108,31 @@ def group_shuffle(seq_dict: dict, batch_size: int) -> dict:
     return {key: permute(value) for key, value in seq_dict.items()}
 
 
-def _make_logps(original):
+# what the patched methods read of a trainer, checked before patching (names, then on first use the attributes)
+TRAINER_ATTRS = ("_buffered_inputs", "_step", "num_iterations", "temperature", "accelerator", "args")
+ARGS_ATTRS = ("steps_per_generation", "per_device_train_batch_size")
+
+
+def _check_trainer_attrs(owner) -> None:
+    """Raise ``TypeError`` unless ``owner`` (a trainer class or instance) has the attributes the patch reads: on an
+    instance the attributes themselves; on a class, their assignments in ``__init__`` and the shuffle in
+    ``_prepare_inputs`` that ``group_shuffle`` replaces."""
+    if isinstance(owner, type):
+        init_src = inspect.getsource(owner.__init__)
+        missing = [a for a in TRAINER_ATTRS if f"self.{a}" not in init_src and not hasattr(owner, a)]
+        prepare_src = inspect.getsource(inspect.unwrap(getattr(owner, PREPARE_METHOD)))
+        if "shuffle_sequence_dict(" not in prepare_src:
+            missing.append("shuffle_sequence_dict (in _prepare_inputs)")
+        missing += [f"args.{a}" for a in ARGS_ATTRS if a not in prepare_src + init_src]
+    else:
+        missing = [a for a in TRAINER_ATTRS if not hasattr(owner, a)]
+        missing += [f"args.{a}" for a in ARGS_ATTRS if not hasattr(getattr(owner, "args", None), a)]
+    if missing:
+        name = getattr(owner, "__name__", type(owner).__name__)
+        raise TypeError(f"{name} lacks {missing}, which the grpo_mem patch reads (written against TRL 1.16)")
+
+
+def _make_logps(original, handle: PatchHandle):
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **extras,
@@ -140,40 +161,38 @@ def _make_logps(original):
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extras,
             )  # fmt: skip
 
-        # A training micro-batch (gradients on) shares prompt passes with the other micro-batches of its
-        # gradient-accumulation window, as planned by the patched _prepare_inputs for exactly these rows.
-        plan = self.__dict__.pop("_grpo_mem_plan", None)
-        store = later = None
-        if (plan is not None and plan["store"] is not None and torch.is_grad_enabled() and model.training
-                and plan["rows"] == input_ids.shape[0]):  # fmt: skip
-            store, later, final = plan["store"], plan["later"], plan["final"]
+        # The training micro-batch _prepare_inputs planned (gradients on, its rows in one chunk) is scored through the
+        # trainer's sharing session; every other call (no-grad callers, reference model) on its own.
+        planned = handle._planned.pop(self, None)
+        session = handle.sessions.get(self)
         batch_size = batch_size or input_ids.size(0)
+        if not (planned == input_ids.shape[0] == batch_size and torch.is_grad_enabled() and model.training):
+            session = None
+        handle.models.add(unwrap_causal_lm(model))
         all_logps, all_entropies = [], []
         P = input_ids.shape[1] - logits_to_keep
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             first, _ = find_groups(ids[:, :P], mask[:, :P])
-            shared = store is not None and any(
-                k in later or k in store.entries for k in prompt_keys(ids[first, :P], mask[first, :P])
-            )
+            shared = session is not None and session.shares(ids[:, :P], mask[:, :P])
             # in lockstep ours runs anyway: exact, and the same module calls as on ranks whose prompts repeat
             if first.numel() == ids.shape[0] and not shared and not in_lockstep:
                 warn_fallback("a micro-batch holds no repeated prompt")
+                if session is not None:
+                    session.skip()
                 logps, entropies, _ = stock(ids, mask)
             else:
+                options = dict(temperature=self.temperature, compute_entropy=compute_entropy,
+                               cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
                 with self.accelerator.autocast():
-                    logps, entropies = shared_prompt_logprobs(
-                        model, ids, mask, logits_to_keep, temperature=self.temperature,
-                        compute_entropy=compute_entropy,
-                        cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
-                        _store=store, _later=later,
-                    )  # fmt: skip
+                    if session is not None:
+                        logps, entropies = session.score(model, ids, mask, logits_to_keep, **options)
+                    else:
+                        logps, entropies = shared_prompt_logprobs(model, ids, mask, logits_to_keep, **options)
             all_logps.append(logps)
             all_entropies.append(entropies)
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        if store is not None and final:
-            logps = store.flush_into(logps)
         return logps, entropies, None
 
     _get_per_token_logps_and_entropies.__wrapped_original__ = original
@@ -181,68 +200,46 @@ def _make_logps(original):
     return _get_per_token_logps_and_entropies
 
 
-def _batch_keys(batch) -> list[bytes]:
-    P = batch["prompt_ids"].shape[1]
-    return prompt_keys(batch["prompt_ids"], batch["prompt_mask"][:, :P])
-
-
-def _window_plan(trainer, inputs) -> dict:
-    """How the micro-batch about to be trained shares prompt passes within its gradient-accumulation window.
-
-    ``later``: prompts that a later micro-batch of the same window and generation buffer holds, when this
-    micro-batch does not close the window (``accelerator.sync_gradients`` is False: the Trainer sets it before each
-    micro-batch, True on the window's last; windows start where ``_step`` is a multiple of the accumulation steps).
-    ``final``: close the window, resolving every pending prompt in this micro-batch's backward.
-
-    Sharded ranks (``lockstep``) share prompts across micro-batches only when every rank's ``store_schedule`` for
-    the rest of the window is the same (one ``all_gather_object``); otherwise each of their micro-batches forwards
-    its own prompts for this window, which is exact and makes the same module calls on every rank.
-    """
-    store = trainer.__dict__.setdefault("_grpo_mem_store", PromptStore())
-    final = bool(trainer.accelerator.sync_gradients)
-    coming: list[list[bytes]] = []
-    buffered = getattr(trainer, "_buffered_inputs", None)
+def _window_prompts(trainer) -> tuple[list, list]:
+    """Prompt ids and masks of the micro-batches from the current one to the end of its gradient-accumulation window
+    (windows start where ``_step`` is a multiple of the accumulation steps), within the current generation buffer."""
+    buffered = trainer._buffered_inputs
     spg = trainer.args.steps_per_generation
-    if not final and buffered:
-        index = trainer._step % spg
-        generate_every = spg * trainer.num_iterations
-        window_end = trainer._step - trainer._step % trainer.current_gradient_accumulation_steps
-        window_end += trainer.current_gradient_accumulation_steps
-        step = trainer._step + 1
-        # micro-batches still to come from this window and buffer (regeneration starts a new one)
-        while step < window_end and step % spg > index and step % generate_every != 0:
-            coming.append(_batch_keys(buffered[step % spg]))
-            step += 1
-    plan = {"store": store, "later": frozenset(k for keys in coming for k in keys), "final": final,
-            "rows": inputs["prompt_ids"].shape[0]}  # fmt: skip
-    if lockstep(getattr(trainer, "model_wrapped", None) or trainer.model):
-        import torch.distributed as dist
-
-        closes = final or (step == window_end)
-        mine = store_schedule(store.entries, [_batch_keys(inputs), *coming], closes=closes)
-        schedules = [None] * dist.get_world_size()
-        dist.all_gather_object(schedules, mine)
-        if any(s != mine for s in schedules):
-            if len(store):
-                raise RuntimeError(f"grpo_mem: sharded ranks diverged mid-window with prompts pending: {schedules}")
-            plan.update(later=frozenset(), final=False, store=None)
-    return plan
+    generate_every = spg * trainer.num_iterations
+    step = trainer._step
+    window_end = step - step % trainer.current_gradient_accumulation_steps
+    window_end += trainer.current_gradient_accumulation_steps
+    ids, masks = [], []
+    while True:
+        batch = buffered[step % spg]
+        P = batch["prompt_ids"].shape[1]
+        ids.append(batch["prompt_ids"])
+        masks.append(batch["prompt_mask"][:, :P])
+        step += 1
+        # stop at the window's end, and where the buffer wraps or is regenerated
+        if step >= window_end or step % spg == 0 or step % generate_every == 0:
+            return ids, masks
 
 
-def _make_prepare(original):
+def _make_prepare(original, handle: PatchHandle):
     def _prepare_inputs(self, generation_batch):
         module = importlib.import_module(type(self).__module__)
-        if not hasattr(module, "shuffle_sequence_dict"):
-            return original(self, generation_batch)
         batch_size = self.args.per_device_train_batch_size
         stock_shuffle = module.shuffle_sequence_dict
-        module.shuffle_sequence_dict = lambda seq_dict: group_shuffle(seq_dict, batch_size)
+        if handle.group_shuffle:
+            module.shuffle_sequence_dict = lambda seq_dict: group_shuffle(seq_dict, batch_size)
         try:
             inputs = original(self, generation_batch)
         finally:
             module.shuffle_sequence_dict = stock_shuffle
-        if self.model.training:
-            self.__dict__["_grpo_mem_plan"] = _window_plan(self, inputs)
+        if self.model.training and self._buffered_inputs:
+            session = handle.sessions.setdefault(self, SharingSession())
+            if self._step % self.current_gradient_accumulation_steps == 0 or not session.in_window:
+                model = getattr(self, "model_wrapped", None) or self.model
+                session.begin_window(model, *_window_prompts(self))
+            if self.accelerator.sync_gradients:  # the Trainer steps after this micro-batch (a short last window)
+                session.end_after_next()
+            handle._planned[self] = inputs["prompt_ids"].shape[0]
         return inputs
 
     _prepare_inputs.__wrapped_original__ = original
@@ -251,16 +248,28 @@ def _make_prepare(original):
 
 
 class PatchHandle:
-    """What ``patch_trl`` changed, and how to undo it. Usable as a context manager (reverts on exit)."""
+    """What ``patch_trl`` changed, the state the patched methods keep, and how to undo it. Usable as a context
+    manager (reverts on exit).
 
-    def __init__(self, key, entries):
+    Attributes:
+        sessions: per trainer, the ``SharingSession`` sharing prompt passes across its micro-batches.
+        models: the models the patched methods routed through grpo_mem (``revert`` restores exactly these).
+        group_shuffle: whether ``_prepare_inputs`` shuffles by whole groups.
+        active: False once reverted.
+    """
+
+    def __init__(self, key, *, group_shuffle: bool):
         self._key = key
-        self._entries = entries  # (owner, name, previous value or _MISSING)
+        self._entries = []  # (owner, name, previous value or _MISSING)
+        self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> rows planned next
+        self.models: weakref.WeakSet = weakref.WeakSet()
+        self.group_shuffle = group_shuffle
         self.active = True
 
     def revert(self) -> None:
-        """Put every patched method back as it was and give touched models their own forward and attention back;
-        idempotent."""
+        """Put every patched method back as it was and give the models this patch touched their own forward and
+        attention back (the attention hook is unregistered once no model runs it); idempotent."""
         if not self.active:
             return
         for owner, name, previous in reversed(self._entries):
@@ -271,7 +280,11 @@ class PatchHandle:
                     owner.__dict__.pop(name, None)
             else:
                 setattr(owner, name, previous)
-        restore_all()
+        for model in list(self.models):
+            restore(model)
+        self.models.clear()
+        self.sessions.clear()
+        self._planned.clear()
         _ACTIVE.pop(self._key, None)
         self.active = False
 
@@ -306,7 +319,9 @@ def patch_trl(target=None, *, group_shuffle: bool = True) -> PatchHandle:
     Args:
         target: None patches the classes ``trl.GRPOTrainer`` and ``trl.RLOOTrainer``; a trainer class patches that
             class; a trainer instance patches only that instance.
-        group_shuffle: also make the generation-batch shuffle group-aware, so micro-batches hold whole groups.
+        group_shuffle: make the generation-batch shuffle group-aware, so micro-batches hold whole groups. Either
+            way, a prompt whose completions are spread over the micro-batches of one optimizer step is forwarded
+            once (``SharingSession``).
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
@@ -314,7 +329,8 @@ def patch_trl(target=None, *, group_shuffle: bool = True) -> PatchHandle:
 
     Raises:
         RuntimeError: the installed TRL is not 1.16.x.
-        TypeError: a target lacks the methods, or their signatures differ from TRL 1.16's (nothing is changed then).
+        TypeError: a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
+            from TRL 1.16's (nothing is changed then).
     """
     check_trl_version()
     owners = _default_targets() if target is None else [target]
@@ -323,28 +339,28 @@ def patch_trl(target=None, *, group_shuffle: bool = True) -> PatchHandle:
         return _ACTIVE[key]
     for owner in owners:
         _check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
-        if group_shuffle:
-            _check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
+        _check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
         if getattr(getattr(owner, LOGPS_METHOD), _MARK, False):
             # already routed through grpo_mem, e.g. an instance of a patched class: the covering handle stands
             covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
             if covering:
                 return covering[0]
+        _check_trainer_attrs(owner)
+        cls = owner if isinstance(owner, type) else type(owner)
+        if not hasattr(importlib.import_module(cls.__module__), "shuffle_sequence_dict"):
+            raise TypeError(f"{cls.__module__} has no shuffle_sequence_dict, which the grpo_mem patch swaps")
 
-    methods = [(LOGPS_METHOD, _make_logps)] + ([(PREPARE_METHOD, _make_prepare)] if group_shuffle else [])
-    entries = []
+    handle = PatchHandle(key, group_shuffle=group_shuffle)
     for owner in owners:
-        for name, make in methods:
+        for name, make in ((LOGPS_METHOD, _make_logps), (PREPARE_METHOD, _make_prepare)):
             if isinstance(owner, type):
                 previous = owner.__dict__.get(name, _MISSING)
                 original = getattr(owner, name)
-                setattr(owner, name, make(original))
+                setattr(owner, name, make(original, handle))
             else:
                 previous = owner.__dict__.get(name, _MISSING)
                 original = getattr(type(owner), name)
-                owner.__dict__[name] = types.MethodType(make(original), owner)
-            entries.append((owner, name, previous))
-    handle = PatchHandle(key, entries)
+                owner.__dict__[name] = types.MethodType(make(original, handle), owner)
+            handle._entries.append((owner, name, previous))
     _ACTIVE[key] = handle
     return handle
-
