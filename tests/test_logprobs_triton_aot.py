@@ -50,8 +50,10 @@ def runtime_launches(dtype: str) -> dict:
     with contextlib.ExitStack() as stack:
         for name in tri.KERNELS:
             stack.enter_context(mock.patch.object(tri, f"_{name}_kernel", Recorder(name)))
-        stack.enter_context(mock.patch.object(tri, "_config", lambda device, dt: dict(
-            tri.CUDA_CONFIG_FP32 if dt == torch.float32 else tri.CUDA_CONFIG)))
+        cuda = torch.device("cuda")
+        config, chunk = tri._config, tri._vocab_chunk
+        stack.enter_context(mock.patch.object(tri, "_config", lambda device, dt, name: config(cuda, dt, name)))
+        stack.enter_context(mock.patch.object(tri, "_vocab_chunk", lambda n, v, h, device: chunk(n, v, h, cuda)))
         stack.enter_context(mock.patch.object(tri, "_num_programs_target", lambda device: 4 * H100_SMS))
         stack.enter_context(mock.patch.object(tri, "_upcast", lambda t: False))
         stack.enter_context(mock.patch.object(tri, "SLS_INTERPRET_CONFIG", tri.SLS_CUDA_CONFIG))
@@ -104,13 +106,16 @@ CASES += [(name, "fp32", arch) for arch in (80, 90) for name in tri.KERNELS if n
 
 
 def test_runtime_specialisation():
-    """The recorded launches get the divisibility the runtime gives: aligned pointers, H, the strides and the split
-    lengths; N = 32767 does not."""
+    """The recorded launches get the divisibility the runtime gives: aligned pointers (chunk slices of the weight
+    included), H, the strides, the split and chunk lengths; N = 32767 does not."""
+    b = runtime_build("linear_logprobs_fwd", "bf16")
+    divisible = {b["fn"].arg_names[i] for (i,) in b["attrs"]}
+    assert {"HIDDEN", "WEIGHT", "H", "V", "stride_hn", "stride_wv", "V_PER_SPLIT"} <= divisible, divisible
     b = runtime_build("linear_logprobs_bwd_dh", "bf16")
-    names = b["fn"].arg_names
-    divisible = {names[i] for (i,) in b["attrs"]}
-    assert {"HIDDEN", "WEIGHT", "DH", "H", "V", "stride_hn", "stride_wv", "V_PER_SPLIT"} <= divisible, divisible
+    divisible = {b["fn"].arg_names[i] for (i,) in b["attrs"]}
+    assert {"DLOGITS", "WEIGHT", "DH_ACC", "DH_OUT", "H", "V_CHUNK", "stride_dn", "stride_wv"} <= divisible, divisible
     assert "N" not in divisible and b["signature"]["N"] == "i32"
+    assert b["constexprs"]["ACCUMULATE"] is True  # the recorded launch is the last of several chunks
 
 
 @pytest.mark.parametrize("name, dtype, arch", CASES, ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES])
