@@ -8,7 +8,7 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
 - ``_linear_logprobs_fwd_kernel``: grid (token blocks, vocabulary splits). Each program runs the GEMM tile by tile over
   its vocabulary range and keeps fp32 online statistics per row: max m, s = sum e^(z-m), sz = sum e^(z-m) (z-m), the
   target logit. Splits are merged in torch (O(N * splits)).
-- Backward, per vocabulary chunk [v_lo, v_hi) (width ``_vocab_chunk``: the (N, chunk) buffer no larger than W):
+- Backward, per vocabulary chunk [v_lo, v_hi) (``_vocab_chunk``: equal chunks, the (N, chunk) buffer about W's size):
   ``_linear_logprobs_bwd_dlogits_kernel`` (one program per (token block, vocabulary block) of the chunk) recomputes the
   logits tile (GEMM over H) and writes d_logits once, in the operand dtype, to an (N, chunk) buffer, plus fp32 column
   sums per token block for d_bias; ``_linear_logprobs_bwd_dh_kernel`` is the GEMM d_hidden += d_logits @ W[v_lo:v_hi]
@@ -26,7 +26,7 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
 HBM traffic of the backward (issue 8 item 5; estimate, not measured; README "Triton head kernels"), N=32768, H=3584,
 V=152064, bf16, H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s: NVIDIA datasheet); one GEMM pass 2*N*V*H = 35.7 TFLOP
 = 36 ms. Before (fused kernels with per-tile fp32 slabs): the d_hidden slab moved N*H*8 B * V/128 = 1.12 TB (333 ms),
-the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms), against 4 GEMM passes (144 ms). Now (chunk 16384, 10 chunks):
+the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms), against 4 GEMM passes (144 ms). Now (10 chunks of 15232):
 d_logits buffer written once and read twice, 3*N*V*2 B = 29.9 GB (8.9 ms); fp32 d_hidden accumulator read and
 written once per chunk, 8.7 GB (2.6 ms); d_weight written once, V*H*2 B = 1.1 GB; d_bias partials 0.6 GB; hidden and W
 read once per GEMM pass, 4.0 GB: 44 GB, 13 ms, against 3 GEMM passes (108 ms). Operand re-reads beyond once per pass
@@ -75,10 +75,12 @@ CUDA_CONFIGS = {
     },
 }
 INTERPRET_CONFIG = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, GROUP=2, num_warps=4, num_stages=1)
-# Vocabulary chunk of the backward (columns of the (N, chunk) d_logits buffer): on CUDA the widest multiple of 256 whose
-# buffer is no larger than the weight (N * chunk <= V * H elements), at least CHUNK_V_MIN so that the fp32 d_hidden
-# accumulator, read and written once per chunk (8 * N * H bytes), stays small against the chunk's GEMMs
-# (6 * N * chunk * H FLOP): at chunk 4096 it is 8 / (6 * 4096) B/FLOP, 1/12 of an H100's 3.35 TB/s : 989 TFLOP/s.
+# Vocabulary chunks of the backward (columns of the (N, chunk) d_logits buffer): on CUDA, V is cut into the fewest equal
+# chunks (multiples of 64 columns) no wider than max(V * H / N, CHUNK_V_MIN) + 63: the buffer about the size of the
+# weight at most, and at least CHUNK_V_MIN wide so that the fp32 d_hidden accumulator, read and written once per chunk (8 * N * H bytes),
+# stays small against the chunk's GEMMs (6 * N * chunk * H FLOP): at 4096 that is 8 / (6 * 4096) B/FLOP, 1/12 of an
+# H100's 3.35 TB/s : 989 TFLOP/s. Equal chunks: a narrow remainder chunk would launch too few d_weight programs (each
+# reducing over all N rows), e.g. 112 for a 512-column remainder at N = 131072.
 CHUNK_V_MIN = 4096
 INTERPRET_CHUNK_V = 128
 SLS_CUDA_CONFIG = dict(BLOCK_V=2048, num_warps=8, num_stages=1)
@@ -461,8 +463,8 @@ def _vocab_chunk(n_tok: int, vocab: int, hid: int, device: torch.device) -> int:
     """Width of the backward's vocabulary chunks (see CHUNK_V_MIN); the last chunk may be narrower."""
     if device.type != "cuda":
         return INTERPRET_CHUNK_V
-    fit = (vocab * hid // max(n_tok, 1)) // 256 * 256
-    return min(max(fit, CHUNK_V_MIN), triton.cdiv(vocab, 256) * 256)
+    widest = max(vocab * hid // max(n_tok, 1), CHUNK_V_MIN)
+    return triton.cdiv(triton.cdiv(vocab, triton.cdiv(vocab, widest)), 64) * 64
 
 
 def _num_programs_target(device: torch.device) -> int:
@@ -552,7 +554,8 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
     d_weight[v_lo:v_hi] = d_logits^T @ hidden, reduced over all N in registers and stored once in the weight's dtype
     (one rounding, as an fp32 result cast afterwards would give, without the (V, H) fp32 buffer). Three GEMM passes,
     no atomics: every output element has one writer and a fixed summation order (bitwise reproducible).
-    Extra memory: the d_logits buffer (N * chunk elements, at most the size of W unless chunk = CHUNK_V_MIN), the
+    Extra memory: the d_logits buffer (N * chunk elements: about the size of W at most, more only when N > V * H /
+    CHUNK_V_MIN), the
     fp32 d_hidden accumulator (N * H * 4 bytes, only for non-fp32 hidden and more than one chunk) and the d_bias
     partial sums (cdiv(N, BLOCK_N) * chunk * 4 bytes)."""
     n_tok, hid = hidden.shape
