@@ -57,14 +57,22 @@ __all__ = [
 
 # Shipped block sizes on CUDA, per kernel and operand dtype (bf16 and fp16 share tiles; fp32 operands use 3xTF32
 # dots and smaller tiles). Chosen on the builds that run (runtime divisibility attributes, sm_80 and sm_90): no spills,
-# checked by tests/test_logprobs_triton_aot.py, whose printout is the README's resource table. GROUP: output-tile
-# grouping of the launch order (L2 reuse of operand panels). The CPU interpreter uses small tiles (tl.dot needs every
-# dimension >= 16) and narrow vocabulary chunks, so that the test shapes cross every block and chunk boundary.
+# checked by tests/test_logprobs_triton_aot.py, whose printout is the README's resource table. Not timed (no GPU here):
+# the bf16 choices rest on registers and shared memory per SM (65536 registers; 163 / 227 KB shared on sm_80 / sm_90).
+# fwd (64 x 128 x 32, 2 stages) sits at 127-128 registers, the limit for 2 CTAs of 8 warps per SM: BLOCK_H=64 or a
+# third stage gives 141-174 (one CTA), so it keeps its tile. The d_logits kernel stays at 128 registers with BLOCK_H=64
+# and 3 stages (half the K iterations, a deeper pipeline, 2 CTAs still fit in shared memory). The d_hidden GEMM needs
+# 186-196 registers (one CTA per SM either way), so it takes a 4th stage into the otherwise idle shared memory; the
+# d_weight GEMM keeps 3 stages, which lets 2 CTAs per SM share sm_90's shared memory at its 107 registers.
+# 128 x 256 output tiles (Triton's H100 matmul tile) build without spills too (202-246 registers) but were not taken
+# untimed. GROUP: output-tile grouping of the launch order (L2 reuse of operand panels). The CPU interpreter uses
+# small tiles (tl.dot needs every dimension >= 16) and narrow vocabulary chunks, so that the test shapes cross every
+# block and chunk boundary.
 CUDA_CONFIGS = {
     "lowp": {
         "linear_logprobs_fwd": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=2),
-        "linear_logprobs_bwd_dlogits": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=32, GROUP=8, num_warps=8, num_stages=2),
-        "linear_logprobs_bwd_dh": dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=128, GROUP=8, num_warps=8, num_stages=3),
+        "linear_logprobs_bwd_dlogits": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, GROUP=8, num_warps=8, num_stages=3),
+        "linear_logprobs_bwd_dh": dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=128, GROUP=8, num_warps=8, num_stages=4),
         "linear_logprobs_bwd_dw": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=128, GROUP=8, num_warps=8, num_stages=3),
     },
     "fp32": {
