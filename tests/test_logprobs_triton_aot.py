@@ -292,10 +292,11 @@ def reused_across_layouts(ttgir_text: str) -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("name, dtype, arch", [c for c in CASES if "_bwd_d" in c[0]],
                          ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES if "_bwd_d" in n])
 def test_slab_reuse_is_ordered_by_a_barrier(name, dtype, arch):
-    """The d_hidden / d_weight fp32 slabs are read-modified-written once per tile; when the build loads them in one
-    layout and stores them in another (bf16 builds with the runtime attributes do), the next tile's load may be
-    issued by another thread than the one that stored the element: it needs the barrier (ttg.barrier in the TTGIR,
-    from tl.debug_barrier) that issue 8 item 10 asks for."""
+    """Memory a backward kernel both loads and stores (the old fused kernels' per-tile fp32 slabs; now the fp32
+    d_hidden accumulator, loaded as DH_ACC and stored as DH_OUT, the same tensor between chunks): when the build loads
+    it in one layout and stores it in another, an element may be stored by another thread than the one that loaded
+    it, so the store must wait for the CTA's loads: the barrier (ttg.barrier in the TTGIR, from tl.debug_barrier)
+    that issue 8 item 10 asks for."""
     from triton.backends.compiler import GPUTarget
 
     b = runtime_build(name, dtype)
