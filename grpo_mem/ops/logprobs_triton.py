@@ -85,10 +85,11 @@ CUDA_CONFIGS = {
 INTERPRET_CONFIG = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, GROUP=2, num_warps=4, num_stages=1)
 # Vocabulary chunks of the backward (columns of the (N, chunk) d_logits buffer): on CUDA, V is cut into the fewest equal
 # chunks (multiples of 64 columns) no wider than max(V * H / N, CHUNK_V_MIN) + 63: the buffer about the size of the
-# weight at most, and at least CHUNK_V_MIN wide so that the fp32 d_hidden accumulator, read and written once per chunk (8 * N * H bytes),
-# stays small against the chunk's GEMMs (6 * N * chunk * H FLOP): at 4096 that is 8 / (6 * 4096) B/FLOP, 1/12 of an
-# H100's 3.35 TB/s : 989 TFLOP/s. Equal chunks: a narrow remainder chunk would launch too few d_weight programs (each
-# reducing over all N rows), e.g. 112 for a 512-column remainder at N = 131072.
+# weight at most, and at least CHUNK_V_MIN wide so that the fp32 d_hidden accumulator, read and written once per chunk
+# (8 * N * H bytes), stays small against the chunk's GEMMs (6 * N * chunk * H FLOP): at 4096 that is 8 / (6 * 4096) =
+# 3.3e-4 B/FLOP, about 1/10 of an H100's 3.35 TB/s / 989 TFLOP/s = 3.4e-3. Equal chunks: a narrow remainder chunk
+# would launch too few d_weight programs (each reducing over all N rows), e.g. 112 for a 512-column remainder at
+# N = 131072.
 CHUNK_V_MIN = 4096
 INTERPRET_CHUNK_V = 128
 SLS_CUDA_CONFIG = dict(BLOCK_V=2048, num_warps=8, num_stages=1)
