@@ -487,7 +487,7 @@ def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
     logits = torch.randn(37, 300)
     _, ent, lse = tri.selective_log_softmax_fwd(logits, target.clamp(min=0), p)
     tri.selective_log_softmax_bwd(logits, target.clamp(min=0), lse, ent, g, g, p)
-    assert sorted(n for n, _, _ in launches) == sorted(tri.KERNELS), launches
+    assert sorted({n for n, _, _ in launches}) == sorted(tri.KERNELS), launches  # the backward launches per chunk
     outside = [(n, dev) for n, inside, dev in launches if inside != dev]
     assert not outside, f"launched outside launch_device(<tensor>): {outside}"
 

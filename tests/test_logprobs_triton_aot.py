@@ -28,12 +28,10 @@ SHAPE = dict(N=32767, H=3584, V=152064)
 H100_SMS = 132
 
 
-@functools.lru_cache(maxsize=None)
-def runtime_launches(dtype: str) -> dict:
-    """{kernel name: (args, kwargs)} of one launch of every head kernel as the CUDA launchers make it, recorded with
-    meta tensors (no memory, data_ptr 0: aligned like CUDA allocations). Every optional feature on: bias, soft cap,
-    entropy, both upstream gradients, d_bias."""
-    launches = {}
+@contextlib.contextmanager
+def cuda_launchers(on_launch):
+    """The head launchers as they run on an H100 (CUDA tile configs, vocabulary chunks and split counts), with every
+    kernel replaced by a recorder that calls ``on_launch(name, grid, args, kwargs)`` instead of launching."""
 
     class Recorder:
         def __init__(self, name):
@@ -41,26 +39,43 @@ def runtime_launches(dtype: str) -> dict:
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches[self.name] = (args, kwargs)
+                on_launch(self.name, grid, args, kwargs)
             return launch
 
-    tdt = TORCH_DTYPE[dtype]
-    n, h, v = SHAPE["N"], SHAPE["H"], SHAPE["V"]
-    meta = dict(device="meta")
     with contextlib.ExitStack() as stack:
         for name in tri.KERNELS:
             stack.enter_context(mock.patch.object(tri, f"_{name}_kernel", Recorder(name)))
-        stack.enter_context(mock.patch.object(tri, "_config", lambda device, dt: dict(
-            tri.CUDA_CONFIG_FP32 if dt == torch.float32 else tri.CUDA_CONFIG)))
+        cuda = torch.device("cuda")
+        config, chunk = tri._config, tri._vocab_chunk
+        stack.enter_context(mock.patch.object(tri, "_config", lambda device, dt, name: config(cuda, dt, name)))
+        stack.enter_context(mock.patch.object(tri, "_vocab_chunk", lambda n, v, h, device: chunk(n, v, h, cuda)))
         stack.enter_context(mock.patch.object(tri, "_num_programs_target", lambda device: 4 * H100_SMS))
         stack.enter_context(mock.patch.object(tri, "_upcast", lambda t: False))
         stack.enter_context(mock.patch.object(tri, "SLS_INTERPRET_CONFIG", tri.SLS_CUDA_CONFIG))
-        hidden, weight = torch.empty(n, h, dtype=tdt, **meta), torch.empty(v, h, dtype=tdt, **meta)
-        bias, target = torch.empty(v, dtype=tdt, **meta), torch.empty(n, dtype=torch.int64, **meta)
-        p = lp_mod.LogprobParams(temperature=0.7, softcap=30.0, return_entropy=True, backend="triton")
+        yield
+
+
+def head_inputs(dtype: str, n=SHAPE["N"], h=SHAPE["H"], v=SHAPE["V"]):
+    tdt = TORCH_DTYPE[dtype]
+    meta = dict(device="meta")
+    hidden, weight = torch.empty(n, h, dtype=tdt, **meta), torch.empty(v, h, dtype=tdt, **meta)
+    bias, target = torch.empty(v, dtype=tdt, **meta), torch.empty(n, dtype=torch.int64, **meta)
+    p = lp_mod.LogprobParams(temperature=0.7, softcap=30.0, return_entropy=True, backend="triton")
+    return hidden, weight, bias, target, p
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_launches(dtype: str) -> dict:
+    """{kernel name: (args, kwargs)} of one launch of every head kernel as the CUDA launchers make it, recorded with
+    meta tensors (no memory, data_ptr 0: aligned like CUDA allocations). Every optional feature on: bias, soft cap,
+    entropy, both upstream gradients, d_bias. The backward launches its kernels once per vocabulary chunk; the last
+    launch is kept (the d_hidden kernel's accumulating one, with the most work)."""
+    launches = {}
+    with cuda_launchers(lambda name, grid, args, kwargs: launches.__setitem__(name, (args, kwargs))):
+        hidden, weight, bias, target, p = head_inputs(dtype)
         logp, ent, lse = tri.linear_logprobs_fwd(hidden, weight, bias, target, p)
         tri.linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, lse, lse, p, True, True, True, logp)
-        logits = torch.empty(n, v, dtype=tdt, **meta)
+        logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device="meta")
         logp, ent, lse = tri.selective_log_softmax_fwd(logits, target, p)
         tri.selective_log_softmax_bwd(logits, target, lse, ent, lse, lse, p)
     assert sorted(launches) == sorted(tri.KERNELS), sorted(launches)
@@ -104,13 +119,16 @@ CASES += [(name, "fp32", arch) for arch in (80, 90) for name in tri.KERNELS if n
 
 
 def test_runtime_specialisation():
-    """The recorded launches get the divisibility the runtime gives: aligned pointers, H, the strides and the split
-    lengths; N = 32767 does not."""
+    """The recorded launches get the divisibility the runtime gives: aligned pointers (chunk slices of the weight
+    included), H, the strides, the split and chunk lengths; N = 32767 does not."""
+    b = runtime_build("linear_logprobs_fwd", "bf16")
+    divisible = {b["fn"].arg_names[i] for (i,) in b["attrs"]}
+    assert {"HIDDEN", "WEIGHT", "H", "V", "stride_hn", "stride_wv", "V_PER_SPLIT"} <= divisible, divisible
     b = runtime_build("linear_logprobs_bwd_dh", "bf16")
-    names = b["fn"].arg_names
-    divisible = {names[i] for (i,) in b["attrs"]}
-    assert {"HIDDEN", "WEIGHT", "DH", "H", "V", "stride_hn", "stride_wv", "V_PER_SPLIT"} <= divisible, divisible
+    divisible = {b["fn"].arg_names[i] for (i,) in b["attrs"]}
+    assert {"DLOGITS", "WEIGHT", "DH_ACC", "DH_OUT", "H", "V_CHUNK", "stride_dn", "stride_wv"} <= divisible, divisible
     assert "N" not in divisible and b["signature"]["N"] == "i32"
+    assert b["constexprs"]["ACCUMULATE"] is True  # the recorded launch is the last of several chunks
 
 
 @pytest.mark.parametrize("name, dtype, arch", CASES, ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES])
@@ -135,6 +153,89 @@ def test_no_i32_pointer_offsets(name):
     b = runtime_build(name, "bf16")
     bad = aot.i32_pointer_offsets(aot.ttir(b["fn"], b["signature"], b["constexprs"], attrs=b["attrs"]))
     assert not bad, f"{name}: i32 products feeding pointer offsets:\n" + "\n".join(bad)
+
+
+def stores_in_loops(ttir_text: str) -> list[str]:
+    """``tt.store`` lines that sit inside an ``scf.for`` body of a TTIR text (stores once per loop iteration)."""
+    depth, loops, found = 0, [], []
+    for raw in ttir_text.splitlines():
+        line = re.sub(r"\s+loc\(.*$", "", raw).strip()
+        if re.search(r"\bscf\.for\b", line):
+            loops.append(depth + 1)
+        if re.search(r"\btt\.store\b", line) and loops:
+            found.append(line)
+        depth += line.count("{") - line.count("}")
+        while loops and depth < loops[-1]:
+            loops.pop()
+    return found
+
+
+BWD_KERNELS = [n for n in tri.KERNELS if n.startswith("linear_logprobs_bwd")]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("name", BWD_KERNELS)
+def test_backward_stores_each_output_once(name, dtype):
+    """Issue 8 item 5: no backward kernel round-trips an output (an fp32 d_hidden / d_weight slab) through HBM per
+    tile: every tt.store is outside the kernel's loops (the output tile is reduced in registers and stored once), and
+    no atomics (deterministic)."""
+    b = runtime_build(name, dtype)
+    text = aot.ttir(b["fn"], b["signature"], b["constexprs"], attrs=b["attrs"])
+    assert re.search(r"\btt\.store\b", text), "kernel stores nothing?"
+    assert not stores_in_loops(text), f"{name}: stores inside a loop:\n" + "\n".join(stores_in_loops(text))
+    assert "tt.atomic" not in text, f"{name} uses atomics"
+
+
+def test_stores_in_loops_finds_loop_stores():
+    text = """
+    %0 = scf.for %i = %a to %b step %c iter_args(%x = %y) -> (f32) : i32 {
+      scf.if %p {
+        tt.store %ptr, %v : !tt.ptr<f32> loc(#loc1)
+      }
+      scf.yield %x : f32
+    }
+    tt.store %ptr2, %w : !tt.ptr<f32>
+"""
+    assert stores_in_loops(text) == ["tt.store %ptr, %v : !tt.ptr<f32>"]
+
+
+@pytest.mark.parametrize("dtype, n", [("bf16", SHAPE["N"]), ("fp32", SHAPE["N"]), ("bf16", 131072)])
+def test_backward_scratch_memory_and_grid(dtype, n):
+    """The backward's own allocations beyond its outputs at Qwen2.5-7B's head (meta tensors, H100 launch sizes): the
+    (N, chunk) d_logits buffer no larger than the weight, the fp32 d_hidden accumulator and small d_bias partials;
+    no (V, H) fp32 d_weight slab (2.2 GB here, which the old fused kernels allocated). Every backward launch has at
+    least 2 programs per H100 SM."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    h, v = SHAPE["H"], SHAPE["V"]
+    hidden, weight, bias, target, p = head_inputs(dtype, n=n)
+    grids = []
+    with cuda_launchers(lambda name, grid, args, kwargs: grids.append((name, grid))):
+        logp, ent, lse = tri.linear_logprobs_fwd(hidden, weight, bias, target, p)
+        created = []
+
+        class Allocations(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.__name__.split(".")[0] in ("empty", "zeros", "empty_like", "zeros_like", "empty_strided",
+                                                   "full", "new_empty", "new_zeros", "clone", "_to_copy"):
+                    created.append(out)
+                return out
+
+        with Allocations():
+            dh, dw, db = tri.linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, lse, lse, p, True, True,
+                                                 True, logp)
+    outputs = {id(x.untyped_storage()) for x in (dh, dw, db)}
+    scratch = [x for x in created if id(x.untyped_storage()) not in outputs]
+    nbytes = sum(x.untyped_storage().nbytes() for x in scratch)
+    big = [tuple(x.shape) for x in scratch if x.dtype == torch.float32 and x.numel() >= v * h]
+    assert not big, f"(V, H)-sized fp32 scratch allocated: {big}"
+    budget = max(weight.nbytes, n * tri.CHUNK_V_MIN * weight.element_size()) + n * h * 4 + 64 * 2**20
+    assert nbytes <= budget, f"backward scratch {nbytes / 1e9:.2f} GB > {budget / 1e9:.2f} GB: " + str(
+        [(tuple(x.shape), x.dtype) for x in scratch])
+    small = [(name, grid) for name, grid in grids if name.startswith("linear_logprobs_bwd")
+             and grid[0] * (grid[1] if len(grid) > 1 else 1) < 2 * H100_SMS]
+    assert not small, f"launches with fewer than {2 * H100_SMS} programs: {small}"
 
 
 def test_i32_pointer_offsets_finds_products():
@@ -191,10 +292,11 @@ def reused_across_layouts(ttgir_text: str) -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("name, dtype, arch", [c for c in CASES if "_bwd_d" in c[0]],
                          ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES if "_bwd_d" in n])
 def test_slab_reuse_is_ordered_by_a_barrier(name, dtype, arch):
-    """The d_hidden / d_weight fp32 slabs are read-modified-written once per tile; when the build loads them in one
-    layout and stores them in another (bf16 builds with the runtime attributes do), the next tile's load may be
-    issued by another thread than the one that stored the element: it needs the barrier (ttg.barrier in the TTGIR,
-    from tl.debug_barrier) that issue 8 item 10 asks for."""
+    """Memory a backward kernel both loads and stores (the old fused kernels' per-tile fp32 slabs; now the fp32
+    d_hidden accumulator, loaded as DH_ACC and stored as DH_OUT, the same tensor between chunks): when the build loads
+    it in one layout and stores it in another, an element may be stored by another thread than the one that loaded
+    it, so the store must wait for the CTA's loads: the barrier (ttg.barrier in the TTGIR, from tl.debug_barrier)
+    that issue 8 item 10 asks for."""
     from triton.backends.compiler import GPUTarget
 
     b = runtime_build(name, dtype)

@@ -8,21 +8,29 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
 - ``_linear_logprobs_fwd_kernel``: grid (token blocks, vocabulary splits). Each program runs the GEMM tile by tile over
   its vocabulary range and keeps fp32 online statistics per row: max m, s = sum e^(z-m), sz = sum e^(z-m) (z-m), the
   target logit. Splits are merged in torch (O(N * splits)).
-- ``_linear_logprobs_bwd_dh_kernel``: grid (token blocks, vocabulary splits); recomputes each tile, forms dlogits in
-  fp32 and accumulates d_hidden into a per-split fp32 slab that only this program touches.
-- ``_linear_logprobs_bwd_dw_kernel``: grid (vocabulary blocks, token splits); same tile recompute, accumulates d_weight
-  (and d_bias) into a per-split fp32 slab owned by the program.
-  Determinism: no atomics; each slab has one writer and the splits are summed by torch in split order, so results are
-  bitwise reproducible. The backward recomputes the logits twice (once per gradient kernel): 5 GEMM passes in all
-  instead of 4, the price of a fixed reduction order without atomics.
+- Backward, per vocabulary chunk [v_lo, v_hi) (``_vocab_chunk``: equal chunks, the (N, chunk) buffer about W's size):
+  ``_linear_logprobs_bwd_dlogits_kernel`` (one program per (token block, vocabulary block) of the chunk) recomputes the
+  logits tile (GEMM over H) and writes d_logits once, in the operand dtype, to an (N, chunk) buffer, plus fp32 column
+  sums per token block for d_bias; ``_linear_logprobs_bwd_dh_kernel`` is the GEMM d_hidden += d_logits @ W[v_lo:v_hi]
+  and ``_linear_logprobs_bwd_dw_kernel`` the GEMM d_weight[v_lo:v_hi] = d_logits^T @ hidden. Both keep their fp32
+  output tile in registers over the whole reduction (the chunk, resp. all N rows) and store it once: d_weight directly
+  in the weight's dtype (one rounding of the fp32 sum, the same as an fp32 result cast afterwards, without a (V, H)
+  fp32 buffer: 2.2 GB at the shape below); d_hidden into an fp32 (N, H) accumulator across chunks, the last chunk
+  writing the hidden dtype. Three GEMM passes in the backward (the old fused d_hidden and d_weight kernels each
+  recomputed the logits: 4).
+  Determinism: no atomics; each output element has one writer and a fixed summation order (chunks in order, d_bias
+  partial sums reduced by ``sum(0)``), so results are bitwise reproducible. Cut Cross-Entropy (arXiv 2411.09009)
+  fuses these GEMMs into the d_logits kernel with atomic adds instead; this keeps the exact, deterministic default.
 - ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
 
-Known cost of the slabs (issue 8 item 5; estimate, README "Triton head kernels"): at N=32768, H=3584, V=152064 bf16
-on an H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s, NVIDIA datasheet) the d_hidden slab moves N*H*8 B * V/128 = 1.12 TB
-(333 ms) and the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms) against 72 ms of GEMMs per kernel: the backward is
-bound by slab traffic at that shape. Not restructured yet; the planned fix computes d_logits once per vocabulary
-chunk into a bf16 buffer and runs one GEMM per gradient with its output tile in registers over the whole reduction,
-d_weight stored once in the weight's dtype (as Cut Cross-Entropy does).
+HBM traffic of the backward (issue 8 item 5; estimate, not measured; README "Triton head kernels"), N=32768, H=3584,
+V=152064, bf16, H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s: NVIDIA datasheet); one GEMM pass 2*N*V*H = 35.7 TFLOP
+= 36 ms. Before (fused kernels with per-tile fp32 slabs): the d_hidden slab moved N*H*8 B * V/128 = 1.12 TB (333 ms),
+the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms), against 4 GEMM passes (144 ms). Now (10 chunks of 15232):
+d_logits buffer written once and read twice, 3*N*V*2 B = 29.9 GB (8.9 ms); fp32 d_hidden accumulator read and
+written once per chunk, 8.7 GB (2.6 ms); d_weight written once, V*H*2 B = 1.1 GB; d_bias partials 0.6 GB; hidden and W
+read once per GEMM pass, 4.0 GB: 44 GB, 13 ms, against 3 GEMM passes (108 ms). Operand re-reads beyond once per pass
+(tiles whose panels fall out of L2; the grouped launch order limits them) are not modeled: a GPU measurement.
 
 Float hyperparameters are runtime arguments cast to fp32 inside the kernels (Inductor passes Python floats as fp64,
 Liger-Kernel #1366). On GPUs, fp32 inputs use 3xTF32 dots (``input_precision="tf32x3"``: hi/lo TF32 split, error
@@ -47,12 +55,43 @@ __all__ = [
     "SHIPPED_CONFIGS",
 ]
 
-# Shipped block sizes on CUDA, per operand dtype: the largest tiles that compile without spills on sm_90 (checked by
-# tests/test_logprobs_triton_aot.py; e.g. BLOCK_H=64 spills in the d_weight kernel). The CPU interpreter uses small
-# ones (tl.dot needs every dimension >= 16).
-CUDA_CONFIG = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=2)  # bf16 / fp16 operands
-CUDA_CONFIG_FP32 = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=16, num_warps=4, num_stages=2)  # fp32 operands (3xTF32 dots)
-INTERPRET_CONFIG = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=1)
+# Shipped block sizes on CUDA, per kernel and operand dtype (bf16 and fp16 share tiles; fp32 operands use 3xTF32
+# dots and smaller tiles). Chosen on the builds that run (runtime divisibility attributes, sm_80 and sm_90): no spills,
+# checked by tests/test_logprobs_triton_aot.py, whose printout is the README's resource table. Not timed (no GPU here):
+# the bf16 choices rest on registers and shared memory per SM (65536 registers; 163 / 227 KB shared on sm_80 / sm_90).
+# fwd (64 x 128 x 32, 2 stages) sits at 127-128 registers, the limit for 2 CTAs of 8 warps per SM: BLOCK_H=64 or a
+# third stage gives 141-174 (one CTA), so it keeps its tile. The d_logits kernel stays at 128 registers with BLOCK_H=64
+# and 3 stages (half the K iterations, a deeper pipeline, 2 CTAs still fit in shared memory). The d_hidden GEMM needs
+# 186-196 registers (one CTA per SM either way), so it takes a 4th stage into the otherwise idle shared memory; the
+# d_weight GEMM keeps 3 stages, which lets 2 CTAs per SM share sm_90's shared memory at its 107 registers.
+# 128 x 256 output tiles (Triton's H100 matmul tile) build without spills too (202-246 registers) but were not taken
+# untimed. GROUP: output-tile grouping of the launch order (L2 reuse of operand panels). The CPU interpreter uses
+# small tiles (tl.dot needs every dimension >= 16) and narrow vocabulary chunks, so that the test shapes cross every
+# block and chunk boundary.
+CUDA_CONFIGS = {
+    "lowp": {
+        "linear_logprobs_fwd": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=2),
+        "linear_logprobs_bwd_dlogits": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, GROUP=8, num_warps=8, num_stages=3),
+        "linear_logprobs_bwd_dh": dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=128, GROUP=8, num_warps=8, num_stages=4),
+        "linear_logprobs_bwd_dw": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=128, GROUP=8, num_warps=8, num_stages=3),
+    },
+    "fp32": {
+        "linear_logprobs_fwd": dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=16, num_warps=4, num_stages=2),
+        "linear_logprobs_bwd_dlogits": dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=16, GROUP=8, num_warps=4, num_stages=2),
+        "linear_logprobs_bwd_dh": dict(BLOCK_N=64, BLOCK_V=32, BLOCK_H=64, GROUP=8, num_warps=4, num_stages=2),
+        "linear_logprobs_bwd_dw": dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=64, GROUP=8, num_warps=4, num_stages=2),
+    },
+}
+INTERPRET_CONFIG = dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, GROUP=2, num_warps=4, num_stages=1)
+# Vocabulary chunks of the backward (columns of the (N, chunk) d_logits buffer): on CUDA, V is cut into the fewest equal
+# chunks (multiples of 64 columns) no wider than max(V * H / N, CHUNK_V_MIN) + 63: the buffer about the size of the
+# weight at most, and at least CHUNK_V_MIN wide so that the fp32 d_hidden accumulator, read and written once per chunk
+# (8 * N * H bytes), stays small against the chunk's GEMMs (6 * N * chunk * H FLOP): at 4096 that is 8 / (6 * 4096) =
+# 3.3e-4 B/FLOP, about 1/10 of an H100's 3.35 TB/s / 989 TFLOP/s = 3.4e-3. Equal chunks: a narrow remainder chunk
+# would launch too few d_weight programs (each reducing over all N rows), e.g. 112 for a 512-column remainder at
+# N = 131072.
+CHUNK_V_MIN = 4096
+INTERPRET_CHUNK_V = 128
 SLS_CUDA_CONFIG = dict(BLOCK_V=2048, num_warps=8, num_stages=1)
 SLS_INTERPRET_CONFIG = dict(BLOCK_V=128, num_warps=4, num_stages=1)
 
@@ -81,32 +120,6 @@ def _logits_tile(
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(B_BLK + c, mask=c_in, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
-def _logits_tile_t(
-    H_BLK, W_BLK, B_BLK, n_rows, n_cols, H, stride_hn, stride_wv,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    # transpose of _logits_tile: (BLOCK_V, BLOCK_N) fp32 tile of W h^T + b[:, None]
-    r = tl.arange(0, BLOCK_N)
-    c = tl.arange(0, BLOCK_V)
-    r_in = r < n_rows
-    c_in = c < n_cols
-    acc = tl.zeros((BLOCK_V, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        k_in = ks < H
-        w = tl.load(W_BLK + c[:, None] * stride_wv + ks[None, :], mask=c_in[:, None] & k_in[None, :], other=0.0)
-        h = tl.load(H_BLK + r[:, None] * stride_hn + ks[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
-        if UPCAST:
-            h = h.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(w, tl.trans(h), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(B_BLK + c, mask=c_in, other=0.0).to(tl.float32)[:, None]
     return acc
 
 
@@ -242,116 +255,140 @@ def _linear_logprobs_fwd_kernel(
 
 
 @triton.jit
-def _linear_logprobs_bwd_dh_kernel(
-    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, LOGP, DH,
-    N, V, H, stride_hn, stride_wv, V_PER_SPLIT,
+def _grouped_tile(pid, n_a, n_b, GROUP: tl.constexpr):
+    # (a, b) output tile of program pid in grouped order (Triton's matmul tutorial): GROUP consecutive a-blocks sweep
+    # the b-blocks together, so the operand panels of a group are reused from L2 instead of re-read from HBM. In int64
+    # (block indices that become pointer offsets; a few scalar instructions per program).
+    pid = pid.to(tl.int64)
+    n_a = n_a.to(tl.int64)
+    n_b = n_b.to(tl.int64)
+    per_group = GROUP * n_b
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(n_a - first, GROUP)
+    a = first + (pid % per_group) % size
+    b = (pid % per_group) // size
+    return a, b
+
+
+@triton.jit
+def _linear_logprobs_bwd_dlogits_kernel(
+    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, LOGP, DLOGITS, DB_PART,
+    N, V_CHUNK, V_OFF, H, stride_hn, stride_wv, stride_dn, stride_db,
     scale, softcap, inv_t,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):
+    # One (BLOCK_N, BLOCK_V) tile of the vocabulary chunk [V_OFF, V_OFF + V_CHUNK): WEIGHT / BIAS point at the chunk's
+    # first row. Recomputes the logits (GEMM over H, fp32 accumulator), forms d_logits in fp32 and stores it once,
+    # rounded to the dtype of DLOGITS (the GEMM operand dtype), into the (N, V_CHUNK) buffer; with HAS_DB the fp32
+    # column sums of the tile go to row n-block of the (n_blocks, >= V_CHUNK) DB_PART buffer (no atomics).
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
-    n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
-    split = tl.program_id(1).to(tl.int64)
+    nb, vb = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V_CHUNK, BLOCK_V), GROUP)
+    n0 = nb * BLOCK_N
+    v0 = vb * BLOCK_V
     n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
+    n_cols = tl.minimum(V_CHUNK - v0, BLOCK_V).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
-    r_in = r < n_rows
     c = tl.arange(0, BLOCK_V)
-    v_begin = split * V_PER_SPLIT
-    v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
-    h_blk = HIDDEN + n0 * stride_hn
-    # this program is the only reader/writer of these rows of its split's fp32 slab
-    dh_blk = DH + (split * N + n0) * H
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        n_cols = tl.minimum(v_end - v0, BLOCK_V).to(tl.int32)
-        w_blk = WEIGHT + v0 * stride_wv
-        a = _logits_tile(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
-                         HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-        local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0, HAS_GLP,
-                                                      HAS_GENT, BLOCK_N)
-        is_y = c[None, :] == local[:, None]
-        da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lp_y[:, None], scale,
-                      softcap, inv_t, HAS_SOFTCAP, True)
-        c_in = c < n_cols
-        da = tl.where(r_in[:, None] & c_in[None, :], da, 0.0).to(WEIGHT.dtype.element_ty)
+    r_in = r < n_rows
+    c_in = c < n_cols
+    a = _logits_tile(HIDDEN + n0 * stride_hn, WEIGHT + v0 * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
+                     stride_wv, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+    local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, V_OFF + v0, HAS_GLP,
+                                                  HAS_GENT, BLOCK_N)
+    is_y = c[None, :] == local[:, None]
+    da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lp_y[:, None], scale,
+                  softcap, inv_t, HAS_SOFTCAP, True)
+    msk = r_in[:, None] & c_in[None, :]
+    da = tl.where(msk, da, 0.0)
+    if HAS_DB:
+        tl.store(DB_PART + nb * stride_db + v0 + c, tl.sum(da, axis=0), mask=c_in)
+    tl.store(DLOGITS + n0 * stride_dn + v0 + (r[:, None] * stride_dn + c[None, :]),
+             da.to(DLOGITS.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _linear_logprobs_bwd_dh_kernel(
+    DLOGITS, WEIGHT, DH_ACC, DH_OUT,
+    N, V_CHUNK, H, stride_dn, stride_wv,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+):
+    # d_hidden[n-block, h-block] (+)= d_logits[n-block, chunk] @ W[chunk, h-block]: a plain GEMM whose fp32 output tile
+    # stays in registers over the whole chunk and is written once. ACCUMULATE adds the fp32 (N, H) DH_ACC of the
+    # previous chunks; DH_OUT is that accumulator again, or the final d_hidden (its dtype) for the last chunk.
+    nb, hb = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(H, BLOCK_H), GROUP)
+    n0 = nb * BLOCK_N
+    k0 = hb * BLOCK_H
+    n_rows = tl.minimum(N - n0, BLOCK_N).to(tl.int32)
+    n_ks = tl.minimum(H - k0, BLOCK_H).to(tl.int32)
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_V)
+    ks = tl.arange(0, BLOCK_H)
+    r_in = r < n_rows
+    k_in = ks < n_ks
+    d_blk = DLOGITS + n0 * stride_dn
+    w_blk = WEIGHT + k0
+    acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+    for v_start in range(0, V_CHUNK, BLOCK_V):
+        v = tl.cast(v_start, tl.int64)
+        c_in = c < (V_CHUNK - v).to(tl.int32)
+        da = tl.load(d_blk + v + (r[:, None] * stride_dn + c[None, :]), mask=r_in[:, None] & c_in[None, :],
+                     other=0.0)
+        w = tl.load(w_blk + v * stride_wv + (c[:, None] * stride_wv + ks[None, :]), mask=c_in[:, None] & k_in[None, :],
+                    other=0.0)
         if UPCAST:
             da = da.to(tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_in = ks < H
-            w = tl.load(w_blk + c[:, None] * stride_wv + ks[None, :], mask=c_in[:, None] & k_in[None, :], other=0.0)
-            if UPCAST:
-                w = w.to(tl.float32)
-            ptrs = dh_blk + r[:, None] * H + ks[None, :]
-            msk = r_in[:, None] & k_in[None, :]
-            acc = tl.dot(da, w, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
-            tl.store(ptrs, acc, mask=msk)
-        # The slab is loaded and stored in different register layouts (bf16 builds: 8 vs 4 columns per thread), so
-        # the next tile's load of an element may be issued by another thread than the one that stored it; global
-        # stores are visible to the other threads of the CTA only after a barrier (CUDA __syncthreads semantics).
+            w = w.to(tl.float32)
+        acc = tl.dot(da, w, acc, input_precision=PRECISION)
+    offs = n0 * H + k0 + (r[:, None] * H + ks[None, :])
+    msk = r_in[:, None] & k_in[None, :]
+    if ACCUMULATE:
+        acc += tl.load(DH_ACC + offs, mask=msk, other=0.0)
+        # DH_OUT may be DH_ACC: every thread's load of the tile precedes any thread's store of it
         tl.debug_barrier()
+    tl.store(DH_OUT + offs, acc.to(DH_OUT.dtype.element_ty), mask=msk)
 
 
 @triton.jit
 def _linear_logprobs_bwd_dw_kernel(
-    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, LOGP, DW, DB,
-    N, V, H, stride_hn, stride_wv, N_PER_SPLIT,
-    scale, softcap, inv_t,
-    HAS_BIAS: tl.constexpr, HAS_DB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    DLOGITS, HIDDEN, DW,
+    N, V_CHUNK, H, stride_dn, stride_hn,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):
-    scale = tl.cast(scale, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
-    inv_t = tl.cast(inv_t, tl.float32)
-    v0 = tl.program_id(0).to(tl.int64) * BLOCK_V
-    split = tl.program_id(1).to(tl.int64)
-    n_cols = tl.minimum(V - v0, BLOCK_V).to(tl.int32)
+    # d_weight[chunk v-block, h-block] = d_logits[:, v-block]^T @ hidden[:, h-block]: the fp32 output tile stays in
+    # registers over all N rows and is stored once, rounded to DW's dtype (DW points at the chunk's first row).
+    vb, hb = _grouped_tile(tl.program_id(0), tl.cdiv(V_CHUNK, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP)
+    v0 = vb * BLOCK_V
+    k0 = hb * BLOCK_H
+    n_cols = tl.minimum(V_CHUNK - v0, BLOCK_V).to(tl.int32)
+    n_ks = tl.minimum(H - k0, BLOCK_H).to(tl.int32)
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_V)
+    ks = tl.arange(0, BLOCK_H)
     c_in = c < n_cols
-    n_begin = split * N_PER_SPLIT
-    n_end = tl.minimum(n_begin + N_PER_SPLIT, N)
-    w_blk = WEIGHT + v0 * stride_wv
-    # this program is the only reader/writer of these vocabulary rows of its split's fp32 slab
-    dw_blk = DW + (split * V + v0) * H
-    db_acc = tl.zeros((BLOCK_V,), tl.float32)
-    for n0 in range(n_begin, n_end, BLOCK_N):
-        n_rows = tl.minimum(n_end - n0, BLOCK_N).to(tl.int32)
-        r_in = r < n_rows
-        h_blk = HIDDEN + n0 * stride_hn
-        # the tile is computed transposed, (BLOCK_V, BLOCK_N) = W h^T, so that dlogits^T is already the left
-        # operand of the d_weight dot (no register transpose through shared memory)
-        a_t = _logits_tile_t(h_blk, w_blk, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv,
-                             HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-        local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0, HAS_GLP,
-                                                      HAS_GENT, BLOCK_N)
-        is_y = c[:, None] == local[None, :]
-        da_t = _dlogits(a_t, is_y, lse[None, :], ent[None, :], glp[None, :], gent[None, :], lp_y[None, :], scale,
-                        softcap, inv_t, HAS_SOFTCAP, True)
-        da_t = tl.where(c_in[:, None] & r_in[None, :], da_t, 0.0)
-        if HAS_DB:
-            db_acc += tl.sum(da_t, axis=1)
-        da_t = da_t.to(HIDDEN.dtype.element_ty)
+    k_in = ks < n_ks
+    d_blk = DLOGITS + v0
+    h_blk = HIDDEN + k0
+    acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+    for n_start in range(0, N, BLOCK_N):
+        n = tl.cast(n_start, tl.int64)
+        r_in = r < (N - n).to(tl.int32)
+        # d_logits^T tile (BLOCK_V, BLOCK_N) read straight from the row-major buffer
+        da_t = tl.load(d_blk + n * stride_dn + (c[:, None] + r[None, :] * stride_dn),
+                       mask=c_in[:, None] & r_in[None, :], other=0.0)
+        h = tl.load(h_blk + n * stride_hn + (r[:, None] * stride_hn + ks[None, :]), mask=r_in[:, None] & k_in[None, :],
+                    other=0.0)
         if UPCAST:
             da_t = da_t.to(tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_in = ks < H
-            h = tl.load(h_blk + r[:, None] * stride_hn + ks[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
-            if UPCAST:
-                h = h.to(tl.float32)
-            ptrs = dw_blk + c[:, None] * H + ks[None, :]
-            msk = c_in[:, None] & k_in[None, :]
-            acc = tl.dot(da_t, h, tl.load(ptrs, mask=msk, other=0.0), input_precision=PRECISION)
-            tl.store(ptrs, acc, mask=msk)
-        # as in the d_hidden kernel: the slab's load and store layouts differ, order the next tile's loads after
-        # this tile's stores across the CTA's threads
-        tl.debug_barrier()
-    if HAS_DB:
-        tl.store(DB + split * V + v0 + c, db_acc, mask=c_in)
+            h = h.to(tl.float32)
+        acc = tl.dot(da_t, h, acc, input_precision=PRECISION)
+    tl.store(DW + v0 * H + k0 + (c[:, None] * H + ks[None, :]), acc.to(DW.dtype.element_ty),
+             mask=c_in[:, None] & k_in[None, :])
 
 
 @triton.jit
@@ -412,6 +449,7 @@ def _selective_log_softmax_bwd_kernel(
 
 KERNELS = {
     "linear_logprobs_fwd": _linear_logprobs_fwd_kernel,
+    "linear_logprobs_bwd_dlogits": _linear_logprobs_bwd_dlogits_kernel,
     "linear_logprobs_bwd_dh": _linear_logprobs_bwd_dh_kernel,
     "linear_logprobs_bwd_dw": _linear_logprobs_bwd_dw_kernel,
     "selective_log_softmax_fwd": _selective_log_softmax_fwd_kernel,
@@ -423,10 +461,19 @@ KERNELS = {
 # launchers
 
 
-def _config(device: torch.device, dtype: torch.dtype) -> dict:
+def _config(device: torch.device, dtype: torch.dtype, name: str) -> dict:
+    """Launch configuration of head kernel ``name`` (a key of KERNELS) for operands of ``dtype`` on ``device``."""
     if device.type != "cuda":
         return dict(INTERPRET_CONFIG)
-    return dict(CUDA_CONFIG_FP32 if dtype == torch.float32 else CUDA_CONFIG)
+    return dict(CUDA_CONFIGS["fp32" if dtype == torch.float32 else "lowp"][name])
+
+
+def _vocab_chunk(n_tok: int, vocab: int, hid: int, device: torch.device) -> int:
+    """Width of the backward's vocabulary chunks (see CHUNK_V_MIN); the last chunk may be narrower."""
+    if device.type != "cuda":
+        return INTERPRET_CHUNK_V
+    widest = max(vocab * hid // max(n_tok, 1), CHUNK_V_MIN)
+    return triton.cdiv(triton.cdiv(vocab, triton.cdiv(vocab, widest)), 64) * 64
 
 
 def _num_programs_target(device: torch.device) -> int:
@@ -471,7 +518,7 @@ def linear_logprobs_fwd(hidden, weight, bias, target, p):
     if n_tok == 0:
         empty = hidden.new_zeros((0,), dtype=torch.float32)
         return empty, (empty if p.return_entropy else None), empty
-    cfg = _config(hidden.device, hidden.dtype)
+    cfg = _config(hidden.device, hidden.dtype, "linear_logprobs_fwd")
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
     splits, per = _splits(n_blocks, v_blocks, bv, _num_programs_target(hidden.device), cap=64)
@@ -507,65 +554,83 @@ def _merge_splits(m, s, sz, zy):
 
 def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp):
     """Triton backward: (dh, dw, db) in the inputs' dtypes (None where not requested). g_lp / g_ent: (N,) fp32 with
-    zeros on ignored rows, or None; logp: the forward's (N,) fp32 log-probs (target term of the dlogits)."""
+    zeros on ignored rows, or None; logp: the forward's (N,) fp32 log-probs (target term of the dlogits).
+
+    Per vocabulary chunk [v_lo, v_hi) (``_vocab_chunk``): the d_logits kernel recomputes the chunk's logits and writes
+    d_logits (N, chunk) once, in the operand dtype (the rounding the dots of the old fused backward applied too), and
+    fp32 per-row-block column sums for d_bias; then two GEMMs read that buffer: d_hidden += d_logits @ W[v_lo:v_hi]
+    (fp32 (N, H) accumulator across chunks, the last chunk writing d_hidden in the hidden dtype) and
+    d_weight[v_lo:v_hi] = d_logits^T @ hidden, reduced over all N in registers and stored once in the weight's dtype
+    (one rounding, as an fp32 result cast afterwards would give, without the (V, H) fp32 buffer). Three GEMM passes,
+    no atomics: every output element has one writer and a fixed summation order (bitwise reproducible).
+    Extra memory: the d_logits buffer (N * chunk elements: about the size of W at most, more only when N > V * H /
+    CHUNK_V_MIN), the
+    fp32 d_hidden accumulator (N * H * 4 bytes, only for non-fp32 hidden and more than one chunk) and the d_bias
+    partial sums (cdiv(N, BLOCK_N) * chunk * 4 bytes)."""
     n_tok, hid = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
     if n_tok == 0:  # no rows: zero gradients, no launch (an empty grid is not launchable)
         return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
                 torch.zeros_like(bias) if need_db else None)
-    cfg = _config(dev, hidden.dtype)
-    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
-    n_blocks, v_blocks = triton.cdiv(n_tok, bn), triton.cdiv(vocab, bv)
+    cfg_dl = _config(dev, hidden.dtype, "linear_logprobs_bwd_dlogits")
+    cfg_dh = _config(dev, hidden.dtype, "linear_logprobs_bwd_dh")
+    cfg_dw = _config(dev, hidden.dtype, "linear_logprobs_bwd_dw")
     (scale, softcap, inv_t), has_cap = _common(hidden, weight, p)
+    precision, upcast = _precision(hidden.dtype), _upcast(hidden)
+    chunk = _vocab_chunk(n_tok, vocab, hid, dev)
+    n_chunks = triton.cdiv(vocab, chunk)
+    width = min(chunk, triton.cdiv(vocab, 64) * 64)  # buffer columns (row stride a multiple of 64 elements)
+    dlogits = torch.empty((n_tok, width), device=dev, dtype=hidden.dtype)
     dummy = lse
-    common = dict(
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
-        PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=cfg["BLOCK_H"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    args = (
-        hidden, weight, bias if bias is not None else weight, target, lse, ent if ent is not None else dummy,
-        g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, logp,
-    )
-    target_programs = _num_programs_target(dev)
-    dh = dw = db = None
+    dh = dw = db = dh_acc = db_part = None
     if need_dh:
-        # per-split fp32 slabs: cap the splits so they stay within the size of d_weight
-        cap = max(1, min(64, vocab // max(n_tok, 1)))
-        splits, per = _splits(n_blocks, v_blocks, bv, target_programs, cap=cap)
-        slab = torch.zeros((splits, n_tok, hid), device=dev, dtype=torch.float32)
-        with launch_device(hidden):
-            _linear_logprobs_bwd_dh_kernel[(n_blocks, splits)](
-                *args, slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale, softcap, inv_t,
-                **common,
+        dh = torch.empty_like(hidden)
+        if n_chunks > 1:
+            dh_acc = dh if hidden.dtype == torch.float32 else torch.empty(hidden.shape, device=dev,
+                                                                          dtype=torch.float32)
+    if need_dw:
+        dw = torch.empty_like(weight)
+    if need_db:
+        db = torch.empty(vocab, device=dev, dtype=torch.float32)
+        db_part = torch.empty((triton.cdiv(n_tok, cfg_dl["BLOCK_N"]), width), device=dev, dtype=torch.float32)
+
+    def grid(cfg, rows, cols, brow, bcol):
+        return (triton.cdiv(rows, cfg[brow]) * triton.cdiv(cols, cfg[bcol]),)
+
+    def launch_opts(cfg):
+        return {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H", "GROUP", "num_warps", "num_stages")}
+
+    with launch_device(hidden):
+        for i in range(n_chunks):
+            v_lo = i * chunk
+            w_c = min(chunk, vocab - v_lo)
+            _linear_logprobs_bwd_dlogits_kernel[grid(cfg_dl, n_tok, w_c, "BLOCK_N", "BLOCK_V")](
+                hidden, weight[v_lo:], bias[v_lo:] if bias is not None else weight, target, lse,
+                ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
+                g_ent if g_ent is not None else dummy, logp, dlogits, db_part if need_db else dummy,
+                n_tok, w_c, v_lo, hid, hidden.stride(0), weight.stride(0), dlogits.stride(0), width,
+                scale, softcap, inv_t,
+                HAS_BIAS=bias is not None, HAS_DB=need_db, HAS_SOFTCAP=has_cap, HAS_GLP=g_lp is not None,
+                HAS_GENT=g_ent is not None, PRECISION=precision, UPCAST=upcast, **launch_opts(cfg_dl),
             )
-        dh = _sum_splits(slab).to(hidden.dtype)
-    if need_dw or need_db:
-        cap = 1 if dev.type == "cuda" else 2  # d_weight slabs are (V, H) each: one split on GPU
-        splits, per = _splits(v_blocks, n_blocks, bn, target_programs, cap=cap)
-        direct = splits == 1 and weight.dtype == torch.float32 and need_dw
-        slab = (torch.zeros_like(weight) if direct else
-                torch.zeros((splits, vocab, hid), device=dev, dtype=torch.float32))
-        slab_view = slab.unsqueeze(0) if direct else slab
-        db_slab = torch.zeros((splits, vocab), device=dev, dtype=torch.float32) if need_db else dummy
-        with launch_device(hidden):
-            _linear_logprobs_bwd_dw_kernel[(v_blocks, splits)](
-                *args, slab_view, db_slab, n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per, scale,
-                softcap, inv_t, HAS_DB=need_db, **common,
-            )
-        if need_dw:
-            dw = slab if direct else _sum_splits(slab).to(weight.dtype)
-        if need_db:
-            db = _sum_splits(db_slab).to(bias.dtype)
+            if need_db:  # fixed-order reduction of the row-block partial sums
+                db[v_lo:v_lo + w_c] = db_part[:, :w_c].sum(0)
+            if need_dh:
+                last = i == n_chunks - 1
+                _linear_logprobs_bwd_dh_kernel[grid(cfg_dh, n_tok, hid, "BLOCK_N", "BLOCK_H")](
+                    dlogits, weight[v_lo:], dh_acc if i > 0 else dh, dh if last else dh_acc,
+                    n_tok, w_c, hid, dlogits.stride(0), weight.stride(0),
+                    ACCUMULATE=i > 0, PRECISION=precision, UPCAST=upcast, **launch_opts(cfg_dh),
+                )
+            if need_dw:
+                _linear_logprobs_bwd_dw_kernel[grid(cfg_dw, w_c, hid, "BLOCK_V", "BLOCK_H")](
+                    dlogits, hidden, dw[v_lo:], n_tok, w_c, hid, dlogits.stride(0), hidden.stride(0),
+                    PRECISION=precision, UPCAST=upcast, **launch_opts(cfg_dw),
+                )
+    if need_db:
+        db = db.to(bias.dtype)
     return dh, dw, db
-
-
-def _sum_splits(slab):
-    out = slab[0].clone() if slab.shape[0] > 1 else slab[0]
-    for i in range(1, slab.shape[0]):
-        out += slab[i]
-    return out
 
 
 def selective_log_softmax_fwd(logits, target, p):
@@ -606,8 +671,8 @@ def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
 
 
 SHIPPED_CONFIGS = {
-    (name, dtype): (SLS_CUDA_CONFIG if name.startswith("selective") else
-                    CUDA_CONFIG_FP32 if dtype == torch.float32 else CUDA_CONFIG)
+    (name, dtype): (dict(SLS_CUDA_CONFIG) if name.startswith("selective") else
+                    dict(CUDA_CONFIGS["fp32" if dtype == torch.float32 else "lowp"][name]))
     for name in KERNELS
     for dtype in (torch.bfloat16, torch.float16, torch.float32)
 }
