@@ -55,9 +55,9 @@ def kernel_types(name: str, fn, dtype: str) -> dict:
 
 def kernel_constexprs(name: str, fn, dtype: str, head_dim: int) -> dict:
     cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
-    every = dict(REP=REP, HEAD_DIM=head_dim, BLOCK_D=spa._block_d(head_dim), BLOCK_M=cfg["BLOCK_M"],
-                 BLOCK_N=cfg["BLOCK_N"], BLOCK=cfg["BLOCK_M"], EMULATE_BF16=False,
-                 HAS_KMASK=True)  # the register-heavier variant
+    # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
+    every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False), REP=REP,
+                 BLOCK=cfg["BLOCK_M"], HAS_KMASK=True)  # the register-heavier variant
     return {n: v for n, v in every.items() if n in fn.arg_names}
 
 
@@ -89,7 +89,7 @@ def _compiled_kernels_or_skip():
 
 
 # bf16 (the training dtype; fp16 ships the same tiles) and fp32 (exact "ieee" dots, own tiles), both architectures,
-# every head dim. The two small kernels do not depend on the dtype's tiles beyond BLOCK_D: bf16 only.
+# every head dim. The two small kernels do not depend on the dtype's dot tiles: bf16 only.
 SMALL = ("bwd_delta", "bwd_prefix_reduce")
 CASES = [(n, t, a, d) for t in ("bf16", "fp32") for a in (80, 90) for d in HEAD_DIMS for n in spa.KERNELS
          if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)]
