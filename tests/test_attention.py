@@ -256,6 +256,9 @@ TRITON_CASES = {
     "mixed_gqa4_d64": (5, 4, 1, 19, 40, 64, [1, 0, 1, 2, 1], [38, 13, 17], [19, 4, 19, 11, 1]),
     "g1_mha_d128": (2, 2, 2, 6, 20, 128, [1, 0], [20, 5], None),
     "c1_gqa8": (3, 8, 1, 1, 24, 64, [0, 0, 0], [9], None),
+    # head dims 80 and 96 run as two head-dim tiles (64 + 16, 64 + 32)
+    "gqa2_d80": (3, 4, 2, 7, 20, 80, [1, 0, 1], [20, 5], [7, 3, 6]),
+    "gqa2_d96": (3, 4, 2, 7, 20, 96, [1, 0, 1], [20, 5], [7, 3, 6]),
 }
 
 
@@ -309,7 +312,7 @@ def test_triton_rows_without_visible_keys(interpret):
         assert_close(n, res[n], ref[n], 1e-5)
 
 
-@pytest.mark.parametrize("case", ["mixed_gqa4_d64", "g1_mha_d128"])
+@pytest.mark.parametrize("case", ["mixed_gqa4_d64", "g1_mha_d128", "gqa2_d96"])
 @needs_interpreter
 def test_triton_bf16_error_within_twice_naive(interpret, case):
     """bf16 kernel error against an fp32 truth ≤ 2 × the naive bf16 reference's error (max over each tensor)."""
@@ -325,13 +328,14 @@ def test_triton_bf16_error_within_twice_naive(interpret, case):
         assert err <= 2 * naive_err + 1e-6, f"{n}: triton bf16 error {err:.3e} > 2 × naive bf16 error {naive_err:.3e}"
 
 
+@pytest.mark.parametrize("d", [64, 96])
 @needs_interpreter
-def test_triton_prompt_gradient_is_deterministic(interpret):
+def test_triton_prompt_gradient_is_deterministic(interpret, d):
     """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit (with the work split over
-    24 programs whose fp32 partial sums are added in order)."""
+    24 programs whose fp32 partial sums are added in order), with one head-dim tile (d=64) and with two (d=96)."""
     from grpo_mem.ops.attention_triton import prefix_dkdv_grid
 
-    B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES["c1_gqa8"]  # 3 rows × 8 query heads share one prompt
+    B, Hq, Hkv, C, P, _, idx, plens, clens = TRITON_CASES["c1_gqa8"]  # 3 rows × 8 query heads share one prompt
     assert prefix_dkdv_grid(B, 1, Hkv, Hq // Hkv, C, P, d, torch.float32, 132)[2] == 24
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=3)
     a = run(triton_path, t, pi, pm, km, go, scale=0.125)
@@ -451,7 +455,7 @@ def test_triton_batch_offsets_past_int32(interpret):
     buf.close()
 
 
-N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 2 + 1 + 2 + 1
+N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 3 + 2 + 2 + 1
 
 
 def test_triton_kernels_under_interpreter():

@@ -55,9 +55,9 @@ def kernel_types(name: str, fn, dtype: str) -> dict:
 
 def kernel_constexprs(name: str, fn, dtype: str, head_dim: int) -> dict:
     cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
-    every = dict(REP=REP, HEAD_DIM=head_dim, BLOCK_D=spa._block_d(head_dim), BLOCK_M=cfg["BLOCK_M"],
-                 BLOCK_N=cfg["BLOCK_N"], BLOCK=cfg["BLOCK_M"], EMULATE_BF16=False,
-                 HAS_KMASK=True)  # the register-heavier variant
+    # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
+    every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False), REP=REP,
+                 BLOCK=cfg["BLOCK_M"], HAS_KMASK=True)  # the register-heavier variant
     return {n: v for n, v in every.items() if n in fn.arg_names}
 
 
@@ -89,7 +89,7 @@ def _compiled_kernels_or_skip():
 
 
 # bf16 (the training dtype; fp16 ships the same tiles) and fp32 (exact "ieee" dots, own tiles), both architectures,
-# every head dim. The two small kernels do not depend on the dtype's tiles beyond BLOCK_D: bf16 only.
+# every head dim. The two small kernels do not depend on the dtype's dot tiles: bf16 only.
 SMALL = ("bwd_delta", "bwd_prefix_reduce")
 CASES = [(n, t, a, d) for t in ("bf16", "fp32") for a in (80, 90) for d in HEAD_DIMS for n in spa.KERNELS
          if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)]
@@ -120,13 +120,21 @@ _DEF = re.compile(r"^\s*(%[\w.#-]+)(?::\d+)?\s*=\s*([\w.]+)\b(.*)$")
 _OPERAND = re.compile(r"%[\w.-]+(?:#\d+)?")
 
 
-def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90) -> str:
-    """The TTIR text of one kernel, built as ``triton.compile`` builds it (same signature, constexprs and attrs)."""
+def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90, inline: bool = False,
+         **overrides) -> str:
+    """The TTIR text of one kernel, built as ``triton.compile`` builds it (same signature, constexprs and attrs).
+
+    ``inline=True`` also runs the backend's TTIR passes (the inliner among them), so the @triton.jit helpers' bodies
+    appear at every call site; ``overrides`` replace shipped constexprs (e.g. BLOCK_D0=128)."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
     fn, sig, cons, attrs = build_args(name, dtype, head_dim)
+    unknown = sorted(set(overrides) - set(cons))
+    if unknown:
+        raise ValueError(f"{name} has no constexprs {unknown}")
+    cons = {**cons, **overrides}
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     options = backend.parse_options({})
@@ -135,6 +143,8 @@ def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90) ->
     backend.load_dialects(ctx)
     src = ASTSource(fn, sig, cons, attrs)
     mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+    if inline:
+        mod = backend.make_ttir(mod, {}, options, arch)
     return str(mod)
 
 
@@ -198,3 +208,46 @@ def test_pointer_offsets_are_int64(name):
     assert "tt.addptr" in text
     bad = i32_scalar_products_in_offsets(text)
     assert bad == [], f"{name}: int32 scalar products in pointer offsets:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# head dims 80 and 96: two head-dim tiles, no padded MMA work
+# ----------------------------------------------------------------------------------------------------------------------
+
+_DOT = re.compile(r"tt\.dot .*?: tensor<(\d+)x(\d+)x\w+> \* tensor<(\d+)x(\d+)x\w+>")
+
+
+def dot_work(text: str) -> int:
+    """Σ M·N·K over the ``tt.dot`` operations of a TTIR text (each static occurrence once)."""
+    total = 0
+    for m, k, k2, n in (tuple(int(x) for x in g) for g in _DOT.findall(text)):
+        assert k == k2, (m, k, k2, n)
+        total += m * n * k
+    return total
+
+
+def test_dot_work_counts_each_product():
+    text = """
+    %s = tt.dot %a, %b, %c : tensor<64x64xbf16> * tensor<64x32xbf16> -> tensor<64x32xf32> loc(#loc1)
+    %t = tt.dot %a1, %b1, %s, inputPrecision = ieee : tensor<64x16xbf16> * tensor<16x32xbf16> -> tensor<64x32xf32>
+    """
+    assert dot_work(text) == 64 * 32 * 64 + 64 * 32 * 16
+
+
+@pytest.mark.parametrize("head_dim", (80, 96))
+@pytest.mark.parametrize("name", ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix"))
+def test_head_dims_80_96_do_no_padded_mma_work(name, head_dim):
+    """d=80 and d=96 used to run with one 128-wide head-dim tile (37% and 25% of every product masked padding). The
+    launcher now gives them two power-of-two tiles (64 + 16, 64 + 32): the build at the shipped constexprs has no tensor
+    128 long in any dimension, and its MMA work (Σ M·N·K over tt.dot, helpers inlined) is exactly d/128 of the same
+    kernel built with one 128-wide tile at the same BLOCK_M/BLOCK_N."""
+    _compiled_kernels_or_skip()
+    cons = spa._tile_constexprs(name, head_dim, torch.bfloat16, interpret=False)
+    assert (cons["BLOCK_D0"], cons["BLOCK_D1"]) == (64, head_dim - 64), cons
+    text = ttir(name, "bf16", head_dim, inline=True)
+    dims = {int(x) for shape in re.findall(r"tensor<((?:\d+x)+)", text) for x in shape.rstrip("x").split("x")}
+    assert 128 not in dims, f"{name} d={head_dim}: a 128-long tensor dimension in the build: {sorted(dims)}"
+    assert "tt.call" not in text  # every helper inlined, so each product is counted where it runs
+    padded = ttir(name, "bf16", head_dim, inline=True, BLOCK_D0=128, BLOCK_D1=0)
+    work, padded_work = dot_work(text), dot_work(padded)
+    assert work > 0 and work * 128 == padded_work * head_dim, (work, padded_work)

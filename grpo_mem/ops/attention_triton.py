@@ -16,6 +16,9 @@ Same op as :func:`grpo_mem.ops.attention.shared_prefix_attention` (see there for
   block. dK/dV of the prompt are accumulated in fp32 registers and written once: no atomics, and the summation order
   (row, then head, then query block) is fixed, so the result is deterministic.
 
+Head dims that are not a power of two run as two power-of-two column tiles (d=80: 64 + 16, d=96: 64 + 32; see
+``head_dim_tiles``) instead of one padded 128-wide tile, so no MMA work is spent on padding columns.
+
 All products accumulate in fp32 (``tl.dot(..., input_precision="ieee")``: fp32 inputs are not rounded to tf32);
 probabilities are cast to the value dtype before ``P·V`` / ``Pᵀ·dO`` as in FlashAttention-2. Runs on CUDA, or on CPU
 tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first imported); there the
@@ -35,6 +38,7 @@ __all__ = [
     "shared_prefix_attention_bwd",
     "block_config",
     "prefix_dkdv_grid",
+    "head_dim_tiles",
     "KERNELS",
 ]
 
@@ -47,6 +51,87 @@ def _round_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
+# The head dimension is cut into two column tiles of power-of-two widths BLOCK_D0 + BLOCK_D1 (tl.dot needs powers of
+# two): 64 + 16 for d=80, 64 + 32 for d=96, so the MMA work is 80/128 and 96/128 of one 128-wide tile. BLOCK_D1 = 0
+# means one tile (d = 64, 128, 256). Every head-dim tile is then a pair (x0, x1); when BLOCK_D1 = 0, x1 is a
+# placeholder (x0 itself, or zeros of x0's shape) that no helper reads, so the compiled kernel carries one tile.
+# The helpers below are the only code that knows about the two parts.
+
+
+@triton.jit
+def _load_cols(base, rows, r_ok, D_LO: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
+               EMULATE_BF16: tl.constexpr):
+    """Head-dim columns [D_LO, D_LO + WIDTH) of the rows starting at element offsets ``rows`` from ``base`` (column
+    stride 1): a (len(rows), WIDTH) tile, zero outside ``r_ok`` and in columns >= HEAD_DIM; fp32 under EMULATE_BF16."""
+    offs_d = D_LO + tl.arange(0, WIDTH)
+    x = tl.load(base + (rows[:, None] + offs_d[None, :]), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+                other=0.0)
+    if EMULATE_BF16:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_head(base, rows, r_ok, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+               EMULATE_BF16: tl.constexpr):
+    """The two head-dim parts (x0, x1) of the rows at ``rows`` (see _load_cols); x1 is x0 when BLOCK_D1 = 0."""
+    x0 = _load_cols(base, rows, r_ok, 0, BLOCK_D0, HEAD_DIM, EMULATE_BF16)
+    x1 = x0
+    if BLOCK_D1 > 0:
+        x1 = _load_cols(base, rows, r_ok, BLOCK_D0, BLOCK_D1, HEAD_DIM, EMULATE_BF16)
+    return x0, x1
+
+
+@triton.jit
+def _store_head(base, rows, r_ok, x0, x1, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr):
+    """Store the parts (x0, x1) of a head-dim tile at the rows ``rows`` (columns < HEAD_DIM, rows in ``r_ok``), cast
+    to the pointer's dtype. x1 is not read when BLOCK_D1 = 0."""
+    offs_d = tl.arange(0, BLOCK_D0)
+    tl.store(base + (rows[:, None] + offs_d[None, :]), x0.to(base.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    if BLOCK_D1 > 0:
+        offs_d1 = BLOCK_D0 + tl.arange(0, BLOCK_D1)
+        tl.store(base + (rows[:, None] + offs_d1[None, :]), x1.to(base.dtype.element_ty),
+                 mask=r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _zeros_head(ROWS: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr):
+    """fp32 zero accumulators (acc0, acc1) for a (ROWS, head dim) tile; acc1 is a placeholder when BLOCK_D1 = 0."""
+    acc0 = tl.zeros([ROWS, BLOCK_D0], tl.float32)
+    acc1 = acc0
+    if BLOCK_D1 > 0:
+        acc1 = tl.zeros([ROWS, BLOCK_D1], tl.float32)
+    return acc0, acc1
+
+
+@triton.jit
+def _dot_t(a0, a1, b0, b1, BLOCK_D1: tl.constexpr):
+    """``a · bᵀ`` over the head dim, fp32: the sum of the parts' products (the head dim is the contraction)."""
+    s = tl.dot(a0, tl.trans(b0), input_precision="ieee")
+    if BLOCK_D1 > 0:
+        s = tl.dot(a1, tl.trans(b1), s, input_precision="ieee")
+    return s
+
+
+@triton.jit
+def _acc_dot(acc0, acc1, a, b0, b1, BLOCK_D1: tl.constexpr):
+    """``acc += a · b`` for a head-dim tile b = (b0, b1) and accumulator (acc0, acc1), fp32."""
+    acc0 += tl.dot(a, b0, input_precision="ieee")
+    if BLOCK_D1 > 0:
+        acc1 += tl.dot(a, b1, input_precision="ieee")
+    return acc0, acc1
+
+
+@triton.jit
+def _scale_rows(acc0, acc1, alpha, BLOCK_D1: tl.constexpr):
+    """Each row i of the head-dim tile (acc0, acc1) times alpha[i]."""
+    acc0 = acc0 * alpha[:, None]
+    if BLOCK_D1 > 0:
+        acc1 = acc1 * alpha[:, None]
+    return acc0, acc1
+
+
 @triton.jit
 def _spa_fwd_kernel(
     Q, K, V, PK, PV, PIDX, PSTART, PMASK, KMASK, OUT, LSE,
@@ -57,7 +142,7 @@ def _spa_fwd_kernel(
     stride_pvu, stride_pvh, stride_pvp,
     stride_ob, stride_oh, stride_oc,
     SCALE, C, C_PAD, P, HKV,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     # Offsets: the batch / head / prompt parts are int64 scalars (b·stride_qb alone passes 2^31 elements at
@@ -74,17 +159,13 @@ def _spa_fwd_kernel(
     r = offs_m // C_PAD
     pos = offs_m % C_PAD
     row_ok = (r < REP) & (pos < C)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q_ptrs = (Q + b * stride_qb + h * REP * stride_qh) + (r[:, None] * stride_qh + pos[:, None] * stride_qc
-                                                           + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if EMULATE_BF16:
-        q = q.to(tl.float32)
+    q_rows = r * stride_qh + pos * stride_qc
+    q0, q1 = _load_head(Q + b * stride_qb + h * REP * stride_qh, q_rows, row_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        EMULATE_BF16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc0, acc1 = _zeros_head(BLOCK_M, BLOCK_D0, BLOCK_D1)
 
     # region 1: the row's prompt, read in place
     u = tl.load(PIDX + b)  # int64
@@ -95,15 +176,10 @@ def _spa_fwd_kernel(
     for n0 in range((pstart // BLOCK_N) * BLOCK_N, P, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < P
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(pk_base + (offs_n[:, None] * stride_pkp + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            k = k.to(tl.float32)
-        v = tl.load(pv_base + (offs_n[:, None] * stride_pvp + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            v = v.to(tl.float32)
+        k0, k1 = _load_head(pk_base, offs_n * stride_pkp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+        v0, v1 = _load_head(pv_base, offs_n * stride_pvp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
         real = tl.load(pm_base + offs_n, mask=n_ok, other=0) != 0
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
         s = tl.where(real[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -113,7 +189,8 @@ def _spa_fwd_kernel(
         pc = p.to(V.dtype.element_ty)
         if EMULATE_BF16:
             pc = _round_bf16(p)
-        acc = acc * alpha[:, None] + tl.dot(pc, v, input_precision="ieee")
+        acc0, acc1 = _scale_rows(acc0, acc1, alpha, BLOCK_D1)
+        acc0, acc1 = _acc_dot(acc0, acc1, pc, v0, v1, BLOCK_D1)
         m_i = m_new
 
     # region 2: the row's own completion, causal (keys up to the largest query position in this block)
@@ -124,18 +201,13 @@ def _spa_fwd_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < C
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + (offs_n[:, None] * stride_kc + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + (offs_n[:, None] * stride_vc + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            v = v.to(tl.float32)
+        k0, k1 = _load_head(k_base, offs_n * stride_kc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+        v0, v1 = _load_head(v_base, offs_n * stride_vc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         if HAS_KMASK:
             real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
             visible = visible & real[None, :]
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -145,17 +217,20 @@ def _spa_fwd_kernel(
         pc = p.to(V.dtype.element_ty)
         if EMULATE_BF16:
             pc = _round_bf16(p)
-        acc = acc * alpha[:, None] + tl.dot(pc, v, input_precision="ieee")
+        acc0, acc1 = _scale_rows(acc0, acc1, alpha, BLOCK_D1)
+        acc0, acc1 = _acc_dot(acc0, acc1, pc, v0, v1, BLOCK_D1)
         m_i = m_new
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    denom = tl.where(empty, 1.0, l_i)[:, None]
+    out0 = acc0 / denom
+    out1 = acc1 / denom
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = (OUT + b * stride_ob + h * REP * stride_oh) + (r[:, None] * stride_oh + pos[:, None] * stride_oc
-                                                             + offs_d[None, :])
     if EMULATE_BF16:
-        out = _round_bf16(out)
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        out0 = _round_bf16(out0)
+        out1 = _round_bf16(out1)
+    _store_head(OUT + b * stride_ob + h * REP * stride_oh, r * stride_oh + pos * stride_oc, row_ok, out0, out1,
+                HEAD_DIM, BLOCK_D0, BLOCK_D1)
     # LSE rows are C_PAD apart ((B, Hq, C_PAD) fp32): the queries of kv head h start at (b·HKV + h)·REP·C_PAD
     tl.store(LSE + (b * HKV + h) * REP * C_PAD + offs_m, lse, mask=row_ok)
 
@@ -166,7 +241,7 @@ def _spa_bwd_delta_kernel(
     stride_ob, stride_oh, stride_oc,
     stride_dob, stride_doh, stride_doc,
     C, C_PAD, HQ,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     # D = rowsum(dO ∘ O) in fp32 for BLOCK_M queries of one (row, query head): FlashAttention-2's preprocessing step,
     # without the two fp32 (B, Hq, C, d) temporaries a torch expression would build.
@@ -176,13 +251,13 @@ def _spa_bwd_delta_kernel(
     hq = (pid_bh % HQ).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < C
-    offs_d = tl.arange(0, BLOCK_D)
-    md = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load((OUT + b * stride_ob + hq * stride_oh) + (offs_m[:, None] * stride_oc + offs_d[None, :]), mask=md,
-                other=0.0)
-    do = tl.load((DO + b * stride_dob + hq * stride_doh) + (offs_m[:, None] * stride_doc + offs_d[None, :]), mask=md,
-                 other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    o0, o1 = _load_head(OUT + b * stride_ob + hq * stride_oh, offs_m * stride_oc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        False)
+    do0, do1 = _load_head(DO + b * stride_dob + hq * stride_doh, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0,
+                          BLOCK_D1, False)
+    delta = tl.sum(o0.to(tl.float32) * do0.to(tl.float32), 1)
+    if BLOCK_D1 > 0:
+        delta += tl.sum(o1.to(tl.float32) * do1.to(tl.float32), 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * C_PAD + offs_m, delta, mask=m_ok)
 
 
@@ -197,7 +272,7 @@ def _spa_bwd_dq_kernel(
     stride_dob, stride_doh, stride_doc,
     stride_dqb, stride_dqh, stride_dqc,
     SCALE, C, C_PAD, P, HKV,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -210,22 +285,15 @@ def _spa_bwd_dq_kernel(
     r = offs_m // C_PAD
     pos = offs_m % C_PAD
     row_ok = (r < REP) & (pos < C)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    md = row_ok[:, None] & d_ok[None, :]
-    q = tl.load((Q + b * stride_qb + h * REP * stride_qh) + (r[:, None] * stride_qh + pos[:, None] * stride_qc
-                                                              + offs_d[None, :]), mask=md, other=0.0)
-    if EMULATE_BF16:
-        q = q.to(tl.float32)
-    do = tl.load((DO + b * stride_dob + h * REP * stride_doh) + (r[:, None] * stride_doh + pos[:, None] * stride_doc
-                                                                  + offs_d[None, :]), mask=md, other=0.0)
-    if EMULATE_BF16:
-        do = do.to(tl.float32)
+    q0, q1 = _load_head(Q + b * stride_qb + h * REP * stride_qh, r * stride_qh + pos * stride_qc, row_ok, HEAD_DIM,
+                        BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    do0, do1 = _load_head(DO + b * stride_dob + h * REP * stride_doh, r * stride_doh + pos * stride_doc, row_ok,
+                          HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
     row_base = (b * HKV + h) * REP * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
     lse2 = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: every score is -inf, so P = 0
     delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq0, dq1 = _zeros_head(BLOCK_M, BLOCK_D0, BLOCK_D1)
 
     u = tl.load(PIDX + b)
     pstart = tl.load(PSTART + u)
@@ -235,23 +303,18 @@ def _spa_bwd_dq_kernel(
     for n0 in range((pstart // BLOCK_N) * BLOCK_N, P, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < P
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(pk_base + (offs_n[:, None] * stride_pkp + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            k = k.to(tl.float32)
-        v = tl.load(pv_base + (offs_n[:, None] * stride_pvp + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            v = v.to(tl.float32)
+        k0, k1 = _load_head(pk_base, offs_n * stride_pkp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+        v0, v1 = _load_head(pv_base, offs_n * stride_pvp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
         real = tl.load(pm_base + offs_n, mask=n_ok, other=0) != 0
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
         s = tl.where(real[None, :], s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        dp = _dot_t(do0, do1, v0, v1, BLOCK_D1)
         ds = p * (dp - delta[:, None])
         dsc = ds.to(K.dtype.element_ty)
         if EMULATE_BF16:
             dsc = _round_bf16(ds)
-        dq += tl.dot(dsc, k, input_precision="ieee")
+        dq0, dq1 = _acc_dot(dq0, dq1, dsc, k0, k1, BLOCK_D1)
 
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
@@ -260,32 +323,29 @@ def _spa_bwd_dq_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < C
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + (offs_n[:, None] * stride_kc + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + (offs_n[:, None] * stride_vc + offs_d[None, :]), mask=kv_mask, other=0.0)
-        if EMULATE_BF16:
-            v = v.to(tl.float32)
+        k0, k1 = _load_head(k_base, offs_n * stride_kc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+        v0, v1 = _load_head(v_base, offs_n * stride_vc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         if HAS_KMASK:
             real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
             visible = visible & real[None, :]
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
         s = tl.where(visible, s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        dp = _dot_t(do0, do1, v0, v1, BLOCK_D1)
         ds = p * (dp - delta[:, None])
         dsc = ds.to(K.dtype.element_ty)
         if EMULATE_BF16:
             dsc = _round_bf16(ds)
-        dq += tl.dot(dsc, k, input_precision="ieee")
+        dq0, dq1 = _acc_dot(dq0, dq1, dsc, k0, k1, BLOCK_D1)
 
-    dq = dq * SCALE
+    dq0 = dq0 * SCALE
+    dq1 = dq1 * SCALE
     if EMULATE_BF16:
-        dq = _round_bf16(dq)
-    tl.store((DQ + b * stride_dqb + h * REP * stride_dqh) + (r[:, None] * stride_dqh + pos[:, None] * stride_dqc
-                                                              + offs_d[None, :]), dq.to(DQ.dtype.element_ty), mask=md)
+        dq0 = _round_bf16(dq0)
+        dq1 = _round_bf16(dq1)
+    _store_head(DQ + b * stride_dqb + h * REP * stride_dqh, r * stride_dqh + pos * stride_dqc, row_ok, dq0, dq1,
+                HEAD_DIM, BLOCK_D0, BLOCK_D1)
 
 
 @triton.jit
@@ -298,7 +358,7 @@ def _spa_bwd_dkdv_completion_kernel(
     stride_dkb, stride_dkh, stride_dkc,
     stride_dvb, stride_dvh, stride_dvc,
     SCALE, C, C_PAD, HKV,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -309,22 +369,15 @@ def _spa_bwd_dkdv_completion_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < C
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    nd = n_ok[:, None] & d_ok[None, :]
-    k = tl.load((K + b * stride_kb + h * stride_kh) + (offs_n[:, None] * stride_kc + offs_d[None, :]), mask=nd,
-                other=0.0)
-    if EMULATE_BF16:
-        k = k.to(tl.float32)
-    v = tl.load((V + b * stride_vb + h * stride_vh) + (offs_n[:, None] * stride_vc + offs_d[None, :]), mask=nd,
-                other=0.0)
-    if EMULATE_BF16:
-        v = v.to(tl.float32)
+    k0, k1 = _load_head(K + b * stride_kb + h * stride_kh, offs_n * stride_kc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        EMULATE_BF16)
+    v0, v1 = _load_head(V + b * stride_vb + h * stride_vh, offs_n * stride_vc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        EMULATE_BF16)
     key_ok = n_ok
     if HAS_KMASK:
         key_ok = key_ok & (tl.load(KMASK + b * C + offs_n, mask=n_ok, other=0) != 0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk0, dk1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
+    dv0, dv1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
 
     # queries at positions >= the block's first key, for every query head of this kv head
     for r in range(REP):
@@ -335,41 +388,36 @@ def _spa_bwd_dkdv_completion_kernel(
         for m0 in range(((pid_n * BLOCK_N) // BLOCK_M) * BLOCK_M, C, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
-            md = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + (offs_m[:, None] * stride_qc + offs_d[None, :]), mask=md, other=0.0)
-            if EMULATE_BF16:
-                q = q.to(tl.float32)
-            do = tl.load(do_base + (offs_m[:, None] * stride_doc + offs_d[None, :]), mask=md, other=0.0)
-            if EMULATE_BF16:
-                do = do.to(tl.float32)
+            q0, q1 = _load_head(q_base, offs_m * stride_qc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+            do0, do1 = _load_head(do_base, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
             lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
             # transposed scores: keys along rows, queries along columns
-            st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale
+            st = _dot_t(k0, k1, q0, q1, BLOCK_D1) * qk_scale
             visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
             st = tl.where(visible, st, float("-inf"))
             pt = tl.exp2(st - lse2[None, :])
             ptc = pt.to(DO.dtype.element_ty)
             if EMULATE_BF16:
                 ptc = _round_bf16(pt)
-            dv += tl.dot(ptc, do, input_precision="ieee")
-            dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+            dv0, dv1 = _acc_dot(dv0, dv1, ptc, do0, do1, BLOCK_D1)
+            dpt = _dot_t(v0, v1, do0, do1, BLOCK_D1)
             dst = pt * (dpt - delta[None, :])
             dstc = dst.to(Q.dtype.element_ty)
             if EMULATE_BF16:
                 dstc = _round_bf16(dst)
-            dk += tl.dot(dstc, q, input_precision="ieee")
+            dk0, dk1 = _acc_dot(dk0, dk1, dstc, q0, q1, BLOCK_D1)
 
-    dk = dk * SCALE
+    dk0 = dk0 * SCALE
+    dk1 = dk1 * SCALE
     if EMULATE_BF16:
-        dk = _round_bf16(dk)
-    tl.store((DK + b * stride_dkb + h * stride_dkh) + (offs_n[:, None] * stride_dkc + offs_d[None, :]),
-             dk.to(DK.dtype.element_ty), mask=nd)
-    if EMULATE_BF16:
-        dv = _round_bf16(dv)
-    tl.store((DV + b * stride_dvb + h * stride_dvh) + (offs_n[:, None] * stride_dvc + offs_d[None, :]),
-             dv.to(DV.dtype.element_ty), mask=nd)
+        dk0, dk1 = _round_bf16(dk0), _round_bf16(dk1)
+        dv0, dv1 = _round_bf16(dv0), _round_bf16(dv1)
+    _store_head(DK + b * stride_dkb + h * stride_dkh, offs_n * stride_dkc, n_ok, dk0, dk1, HEAD_DIM, BLOCK_D0,
+                BLOCK_D1)
+    _store_head(DV + b * stride_dvb + h * stride_dvh, offs_n * stride_dvc, n_ok, dv0, dv1, HEAD_DIM, BLOCK_D0,
+                BLOCK_D1)
 
 
 @triton.jit
@@ -380,7 +428,7 @@ def _spa_bwd_dkdv_prefix_kernel(
     stride_pvu, stride_pvh, stride_pvp,
     stride_dob, stride_doh, stride_doc,
     SCALE, C, C_PAD, P, HKV, N_SPLIT, stride_split,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     # ROWS lists the rows grouped by prompt (ascending within a prompt); ROW_START[u]..ROW_START[u+1] are prompt u's
@@ -397,22 +445,15 @@ def _spa_bwd_dkdv_prefix_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < P
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    nd = n_ok[:, None] & d_ok[None, :]
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk0, dk1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
+    dv0, dv1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
 
     pstart = tl.load(PSTART + u)
     if pid_n * BLOCK_N + BLOCK_N > pstart:  # blocks wholly inside the left padding get zero gradient
-        k = tl.load((PK + u * stride_pku + h * stride_pkh) + (offs_n[:, None] * stride_pkp + offs_d[None, :]),
-                    mask=nd, other=0.0)
-        if EMULATE_BF16:
-            k = k.to(tl.float32)
-        v = tl.load((PV + u * stride_pvu + h * stride_pvh) + (offs_n[:, None] * stride_pvp + offs_d[None, :]),
-                    mask=nd, other=0.0)
-        if EMULATE_BF16:
-            v = v.to(tl.float32)
+        k0, k1 = _load_head(PK + u * stride_pku + h * stride_pkh, offs_n * stride_pkp, n_ok, HEAD_DIM, BLOCK_D0,
+                            BLOCK_D1, EMULATE_BF16)
+        v0, v1 = _load_head(PV + u * stride_pvu + h * stride_pvh, offs_n * stride_pvp, n_ok, HEAD_DIM, BLOCK_D0,
+                            BLOCK_D1, EMULATE_BF16)
         key_ok = n_ok & (tl.load(PMASK + u * P + offs_n, mask=n_ok, other=0) != 0)
         g0 = tl.load(ROW_START + u)
         g1 = tl.load(ROW_START + u + 1)
@@ -426,42 +467,37 @@ def _spa_bwd_dkdv_prefix_kernel(
             head = h * REP + (t // n_mb) % REP
             offs_m = (t % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
-            md = m_ok[:, None] & d_ok[None, :]
-            q = tl.load((Q + b * stride_qb + head * stride_qh) + (offs_m[:, None] * stride_qc + offs_d[None, :]),
-                        mask=md, other=0.0)
-            if EMULATE_BF16:
-                q = q.to(tl.float32)
-            do = tl.load((DO + b * stride_dob + head * stride_doh) + (offs_m[:, None] * stride_doc + offs_d[None, :]),
-                         mask=md, other=0.0)
-            if EMULATE_BF16:
-                do = do.to(tl.float32)
+            q0, q1 = _load_head(Q + b * stride_qb + head * stride_qh, offs_m * stride_qc, m_ok, HEAD_DIM, BLOCK_D0,
+                                BLOCK_D1, EMULATE_BF16)
+            do0, do1 = _load_head(DO + b * stride_dob + head * stride_doh, offs_m * stride_doc, m_ok, HEAD_DIM,
+                                  BLOCK_D0, BLOCK_D1, EMULATE_BF16)
             row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
             lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale
+            st = _dot_t(k0, k1, q0, q1, BLOCK_D1) * qk_scale
             st = tl.where(key_ok[:, None] & m_ok[None, :], st, float("-inf"))
             pt = tl.exp2(st - lse2[None, :])
             ptc = pt.to(DO.dtype.element_ty)
             if EMULATE_BF16:
                 ptc = _round_bf16(pt)
-            dv += tl.dot(ptc, do, input_precision="ieee")
-            dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+            dv0, dv1 = _acc_dot(dv0, dv1, ptc, do0, do1, BLOCK_D1)
+            dpt = _dot_t(v0, v1, do0, do1, BLOCK_D1)
             dst = pt * (dpt - delta[None, :])
             dstc = dst.to(Q.dtype.element_ty)
             if EMULATE_BF16:
                 dstc = _round_bf16(dst)
-            dk += tl.dot(dstc, q, input_precision="ieee")
+            dk0, dk1 = _acc_dot(dk0, dk1, dstc, q0, q1, BLOCK_D1)
 
-    dk = dk * SCALE
+    dk0 = dk0 * SCALE
+    dk1 = dk1 * SCALE
     out_off = pid_s.to(tl.int64) * stride_split + (u * HKV + h) * P * HEAD_DIM
-    tile_off = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     if EMULATE_BF16:
         if DPK.dtype.element_ty == tl.bfloat16:  # the gradient itself (N_SPLIT == 1), not an fp32 partial
-            dk = _round_bf16(dk)
-            dv = _round_bf16(dv)
-    tl.store(DPK + out_off + tile_off, dk.to(DPK.dtype.element_ty), mask=nd)
-    tl.store(DPV + out_off + tile_off, dv.to(DPV.dtype.element_ty), mask=nd)
+            dk0, dk1 = _round_bf16(dk0), _round_bf16(dk1)
+            dv0, dv1 = _round_bf16(dv0), _round_bf16(dv1)
+    _store_head(DPK + out_off, offs_n * HEAD_DIM, n_ok, dk0, dk1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
+    _store_head(DPV + out_off, offs_n * HEAD_DIM, n_ok, dv0, dv1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
 
 
 @triton.jit
@@ -498,28 +534,33 @@ KERNELS = {
     "bwd_prefix_reduce": _spa_bwd_prefix_reduce_kernel,
 }
 
-# kernel name -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for BLOCK_D = 64 (head dims up to 64), 128 and 256.
+# kernel name -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for four tiers of head dims: up to 64, up to 128 in one
+# head-dim tile, up to 256, and d in (64, 128) as two head-dim tiles (d=80: 64 + 16, d=96: 64 + 32; head_dim_tiles).
+# The split tier keeps the 128 tier's tiles except where sm_80 spilled with them (bwd_dq 64×64: 8 to 14 STL) or ptxas
+# went to its 255-register cap (fwd 64×64 with 2 stages at d=96; with 3 stages 190 registers). bwd_dkdv_completion
+# sits at 255 registers on sm_80 without spilling at every tile tried (16×32 to 64×64, 4 or 8 warps, 1 to 3 stages).
 # fp32 inputs use the exact (FMA, not tf32) dot, which needs far smaller tiles to stay within the register file.
 # bwd_delta has no key tiles (BLOCK_N unused); bwd_prefix_reduce is elementwise (BLOCK_M elements per program).
 # Registers, spills and shared memory of each build for sm_80 and sm_90, compiled with the argument attributes of the
 # run-time specialisation, are checked and printed by tests/test_attention_triton_aot.py.
 _BLOCKS_16BIT = {
-    "fwd": ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)),
-    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1)),
-    "bwd_dq": ((64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)),
-    "bwd_dkdv_completion": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2)),
-    "bwd_dkdv_prefix": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2)),
-    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
+    "fwd": ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 3)),
+    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1), (32, 0, 4, 1)),
+    "bwd_dq": ((64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 2)),
+    "bwd_dkdv_completion": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2)),
+    "bwd_dkdv_prefix": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2)),
+    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 4,
 }
 _BLOCKS_FP32 = {
-    "fwd": ((16, 16, 4, 2), (16, 16, 4, 2), (16, 16, 4, 1)),
-    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1)),
-    "bwd_dq": ((16, 16, 4, 2), (16, 16, 8, 2), (16, 16, 4, 1)),
-    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 16, 4, 1), (16, 32, 8, 1)),
-    "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1)),
-    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 3,
+    "fwd": ((16, 16, 4, 2), (16, 16, 4, 2), (16, 16, 4, 1), (16, 16, 4, 2)),
+    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1), (32, 0, 4, 1)),
+    "bwd_dq": ((16, 16, 4, 2), (16, 16, 8, 2), (16, 16, 4, 1), (16, 16, 8, 2)),
+    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 16, 4, 1), (16, 32, 8, 1), (16, 16, 4, 1)),
+    "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1), (16, 32, 4, 2)),
+    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 4,
 }
 _TIER = {64: 0, 128: 1, 256: 2}
+_TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
 # The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
 _PROGRAMS_PER_SM = 2
 # SM count assumed for CPU tensors (Triton's interpreter): an H100 SXM's, so the interpreter runs the split GPUs run.
@@ -538,14 +579,34 @@ def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) 
     if name not in KERNELS:
         raise ValueError(f"unknown kernel name {name!r}; expected one of {sorted(KERNELS)}")
     tier = _TIER[max(64, _block_d(head_dim))]
+    if tier == _TIER[128] and head_dim_tiles(head_dim)[1]:
+        tier = _TIER_SPLIT_128
     block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 def _block_d(head_dim: int) -> int:
+    """The head dim rounded up to a power of two (at least 16): the block-size tier of ``block_config``."""
     if not 1 <= head_dim <= 256:
         raise ValueError(f"head dim must be in [1, 256] for the Triton backend, got {head_dim}")
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def head_dim_tiles(head_dim: int) -> tuple[int, int]:
+    """Widths ``(BLOCK_D0, BLOCK_D1)`` of the two head-dim column tiles the kernels use; ``BLOCK_D1 = 0`` means one.
+
+    tl.dot needs power-of-two tiles of at least 16, so one tile is ``_block_d(head_dim)`` wide: 128 for d=80 and d=96,
+    where 37% and 25% of every product would be masked padding. Two tiles, the larger power of two below the head dim
+    plus the power of two that covers the rest, are used whenever they are narrower than that: (64, 16) for d=80
+    (MMA work 80/128 of one tile), (64, 32) for d=96 (96/128); d=64, 128 and 256 stay one tile, as does d=112
+    (64 + 64 is no narrower). Raises ValueError for a head dim outside [1, 256].
+    """
+    full = _block_d(head_dim)
+    if full == 16 or full == head_dim:
+        return full, 0
+    lo = full // 2
+    rest = max(16, triton.next_power_of_2(head_dim - lo))
+    return (lo, rest) if lo + rest < full else (full, 0)
 
 
 def prefix_dkdv_grid(B: int, U: int, Hkv: int, rep: int, C: int, P: int, head_dim: int, dtype: torch.dtype,
@@ -587,12 +648,13 @@ def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
 
 
 def _tile_constexprs(name, head_dim, dtype, interpret) -> dict:
-    """HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels."""
+    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels."""
     cfg = block_config(name, head_dim, dtype)
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
-    return dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+    block_d0, block_d1 = head_dim_tiles(head_dim)
+    return dict(HEAD_DIM=head_dim, BLOCK_D0=block_d0, BLOCK_D1=block_d1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 EMULATE_BF16=interpret and dtype == torch.bfloat16)
 
 
@@ -718,7 +780,8 @@ def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index,
     meta = _tile_constexprs("bwd_delta", d, q.dtype, interpret)
     _launch("bwd_delta", (triton.cdiv(C, meta["BLOCK_M"]), B * Hq), (
         out, dout, delta, *out.stride()[:3], *do_s, C, c_pad, Hq,
-    ), d, q.dtype, interpret, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=meta["BLOCK_M"])
+    ), d, q.dtype, interpret, HEAD_DIM=d, BLOCK_D0=meta["BLOCK_D0"], BLOCK_D1=meta["BLOCK_D1"],
+       BLOCK_M=meta["BLOCK_M"])
     meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret)
     _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
         q, k, v, prefix_k, prefix_v, prefix_index, pstart, pmask, kmask, dout, lse, delta, dq,
