@@ -263,9 +263,9 @@ TRITON_CASES = {
 
 
 def _interpreter_ready():
-    from grpo_mem.ops.attention import _triton_can_run
+    from grpo_mem.ops._backends import triton_status
 
-    return _triton_can_run(torch.device("cpu"))[0]
+    return triton_status(torch.device("cpu"))[0]
 
 
 # Triton's interpreter works only if TRITON_INTERPRET=1 was set before triton's first import, which cannot be arranged

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from grpo_mem.ops import _ext
+from grpo_mem.ops._backends import BackendUnavailableError, resolve
 from grpo_mem.ops import logprobs as lp_mod
 from grpo_mem.ops.logprobs import (
     linear_logprobs,
@@ -330,12 +331,12 @@ def test_mixed_dtypes_follow_inputs():
 def test_auto_without_extension(monkeypatch):
     """Graceful absence: with HAS_EXT False, auto uses torch and an explicit "cpp" raises."""
     monkeypatch.setattr(_ext, "HAS_EXT", False)
-    assert lp_mod._resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve("linear_logprobs", "auto", torch.zeros(1)) == "torch"
     (hidden, weight, _), index = make_inputs(20, 8, 50, torch.float32)
     torch.testing.assert_close(
         linear_logprobs(hidden, weight, index), linear_logprobs_ref(hidden, weight, index), atol=1e-6, rtol=0
     )
-    with pytest.raises(RuntimeError, match="extension is not loaded"):
+    with pytest.raises(BackendUnavailableError, match="extension is not loaded"):
         linear_logprobs(hidden, weight, index, backend="cpp")
 
 
@@ -344,8 +345,9 @@ def test_import_with_extension_skipped():
     code = (
         "import torch, grpo_mem.ops as ops\n"
         "from grpo_mem.ops import logprobs as m\n"
+        "from grpo_mem.ops._backends import resolve\n"
         "assert ops.HAS_EXT is False, ops.HAS_EXT\n"
-        "assert m._resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
+        "assert resolve('linear_logprobs', 'auto', torch.zeros(1)) == 'torch'\n"
         "h, w, y = torch.randn(5, 4), torch.randn(9, 4), torch.tensor([0, 8, 3, -100, 2])\n"
         "print(float((ops.linear_logprobs(h, w, y) - m.linear_logprobs_ref(h, w, y)).abs().max()))\n"
     )
@@ -511,7 +513,7 @@ def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
         (lambda h, w, y: selective_log_softmax(h, y[:2]), ValueError, "index"),
         (lambda h, w, y: selective_log_softmax(h, torch.full_like(y, -1)), ValueError, "outside"),
         (lambda h, w, y: selective_log_softmax(h, y, temperature=-2.0), ValueError, "temperature"),
-        (lambda h, w, y: linear_logprobs(h, w, y, backend="triton"), RuntimeError, "triton"),
+        (lambda h, w, y: linear_logprobs(h, w, y, backend="triton"), BackendUnavailableError, "triton"),
     ],
 )
 def test_bad_inputs(call, exc, match, monkeypatch):

@@ -24,10 +24,11 @@ log-sum-exp), ``"triton"`` (``attention_triton.py``; CUDA, or CPU tensors under 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ._backends import aten_cpu_attention, resolve
 
 __all__ = [
     "shared_prefix_attention",
@@ -361,15 +362,6 @@ def _torch_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key
     return dq, dk, dv, dpk, dpv
 
 
-def _flash_cpu_ops():
-    """ATen's fused CPU attention kernels (forward returns the log-sum-exp), or None when this torch lacks them."""
-    ops = torch.ops.aten
-    try:
-        return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
-    except (AttributeError, RuntimeError):  # pragma: no cover - present in every torch this package supports
-        return None
-
-
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool visibility → additive mask (0 visible, −inf hidden) in ``dtype``, as the ATen CPU kernels take it."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
@@ -395,7 +387,7 @@ def _has_key(prefix_index, prefix_mask, key_mask, B, Hq, C, device):
 def _cpu_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params):
     """Forward on ATen's fused CPU kernels: one call per unique prompt (its group's queries folded against its K/V in
     place) and one batched call for the completions; merged by LSE. Returns ``(out in q.dtype, lse fp32)``."""
-    fwd, _ = _flash_cpu_ops()
+    fwd, _ = aten_cpu_attention()
     B, Hq, C, d = q.shape
     Hkv, U = k.shape[1], prefix_k.shape[0]
     acc = _acc_dtype(q.dtype)
@@ -421,7 +413,7 @@ def _cpu_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, p
 def _cpu_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse, params):
     """Backward on ATen's fused CPU kernels: each region's FlashAttention-2 backward given the merged ``out`` and
     ``lse``, so the kernel's ``D = rowsum(dO ∘ O)`` and ``P = exp(S − L)`` are those of the whole attention."""
-    _, bwd = _flash_cpu_ops()
+    _, bwd = aten_cpu_attention()
     B, Hq, C, d = q.shape
     Hkv, U = k.shape[1], prefix_k.shape[0]
     lse = torch.where(torch.isinf(lse), 0.0, lse).to(_acc_dtype(q.dtype))  # no key: all P = exp(−inf) = 0
@@ -485,28 +477,6 @@ class SharedPrefixAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dpk, dpv, None, None, None, None
 
 
-def _triton_can_run(device: torch.device) -> tuple[bool, str]:
-    """Whether the Triton backend can run on ``device``, and why not.
-
-    CPU tensors run under Triton's interpreter, which works only if ``TRITON_INTERPRET=1`` was set before triton was
-    first imported (``triton.language``'s own helpers are wrapped for the interpreter at import time).
-    """
-    try:
-        import triton.language.standard as tl_standard
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError as exc:  # pragma: no cover - triton ships with torch on Linux
-        return False, f"triton is not importable ({exc})"
-    if device.type == "cuda":
-        return True, ""
-    if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return False, "tensors are on cpu; triton needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
-        if not isinstance(tl_standard.sum, InterpretedFunction):
-            return False, "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import"
-        return True, ""
-    return False, f"tensors are on {device}; triton needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
-
-
 def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale,
                             backend="auto"):
     """Causal attention of completion queries over ``[own prompt ; own completion]`` without copying the prompt K/V.
@@ -545,31 +515,15 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
 
     Raises:
         ValueError: bad shapes, ``Hq % Hkv != 0``, ``prefix_index`` out of range, mismatched devices, non-positive
-            scale, unknown backend, ``backend="triton"`` where Triton cannot run or with fp64 inputs.
+            scale, unknown backend; ``BackendUnavailableError`` (a ValueError) for an explicitly requested backend that
+            cannot run here (``"triton"`` without CUDA or the interpreter, or with fp64 inputs).
         RuntimeError: ``prefix_index`` out of range on the triton backend (``torch._assert_async``: at once on CPU, at
             the next synchronising call on CUDA).
         TypeError: non-tensor arguments, non-float q/k/v, non-int64 ``prefix_index``, non-bool masks.
     """
-    if backend not in ("auto", "torch", "cpu", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if backend == "auto":
-        if q.device.type == "cuda" and q.dtype != torch.float64 and _triton_can_run(q.device)[0]:
-            backend = "triton"
-        elif q.device.type == "cpu" and _flash_cpu_ops() is not None:
-            backend = "cpu"
-        else:
-            backend = "torch"
-    elif backend == "cpu" and (q.device.type != "cpu" or _flash_cpu_ops() is None):
-        raise ValueError(f"backend='cpu' needs CPU tensors and ATen's fused CPU attention, got device {q.device}")
-    elif backend == "triton":
-        ok, why = _triton_can_run(q.device)
-        if not ok:
-            raise ValueError(f"backend='triton' cannot run: {why}")
-        if q.dtype == torch.float64:
-            raise ValueError("backend='triton' does not support float64 inputs, got q.dtype=torch.float64; "
-                             "use backend='torch' (fp64 throughout)")
+    backend = resolve("shared_prefix_attention", backend, q)
     # the Triton path must not stall the host on each layer: its index check runs on the device
     _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=backend != "triton")
     params = SharedPrefixAttentionParams(scale=float(scale), backend=backend)

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
+from ._backends import resolve
+from ._rowstats import finish_row_stats
 
 __all__ = [
     "LinearLogprobsFunction",
@@ -33,7 +35,6 @@ __all__ = [
     "selective_log_softmax_ref",
 ]
 
-BACKENDS = ("auto", "torch", "cpp", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Tile of the torch backend: (TORCH_BLOCK_N tokens) x (TORCH_BLOCK_V vocabulary entries) in fp32 = 16 MiB per temporary.
@@ -84,44 +85,6 @@ def _check_float(name: str, value, *, positive: bool) -> float:
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be a finite{' positive' if positive else ''} float, got {value!r}")
     return value
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if device.type == "cuda" and _triton_available():
-            return "triton"
-        if device.type == "cpu" and _ext.HAS_EXT:
-            return "cpp"
-        return "torch"
-    if backend == "cpp":
-        if not _ext.HAS_EXT:
-            raise RuntimeError(f"backend='cpp' requested but the grpo_mem._C extension is not loaded: {_ext.LOAD_ERROR}")
-        if device.type != "cpu":
-            raise RuntimeError(f"backend='cpp' runs on CPU tensors only, got device {device}")
-    if backend == "triton":
-        if not _triton_available():
-            raise RuntimeError("backend='triton' requested but triton is not importable")
-        if device.type != "cuda" and not _triton_interpret():
-            raise RuntimeError(
-                f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got device {device}"
-            )
-    return backend
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _triton_interpret() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _targets(index: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
@@ -283,17 +246,7 @@ def linear_logprobs_fwd_torch(hidden, weight, bias, target, p: LogprobParams):
             a = F.linear(_f32_rows(hidden, n0, n1), w, b)
             sl = slice(n0, n1)
             _fold_tile_torch(a, target[sl], v0, m[sl], s[sl], sz[sl], zy[sl], p, want_entropy)
-    return _finish(m, s, sz, zy, target, want_entropy)
-
-
-def _finish(m, s, sz, zy, target, want_entropy):
-    valid = target >= 0
-    log_s = torch.log(s)
-    lse = m + log_s
-    zero = torch.zeros_like(lse)
-    logp = torch.where(valid, zy - lse, zero)
-    ent = torch.where(valid, log_s - sz / s, zero) if want_entropy else None
-    return logp, ent, lse
+    return finish_row_stats(m, s, sz, zy, target, want_entropy)
 
 
 def linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db):
@@ -447,7 +400,7 @@ def linear_logprobs(
         TypeError: non-tensor inputs, non-float hidden/weight, non-integer index, non-float hyperparameters.
         ValueError: bad shapes, an index outside [0, V) that is not ``ignore_index``, temperature <= 0, softcap <= 0,
             unknown backend.
-        RuntimeError: an explicitly requested backend that cannot run here.
+        BackendUnavailableError (a ValueError): an explicitly requested backend that cannot run here.
     """
     for name, x in (("hidden", hidden), ("weight", weight), ("index", index)):
         if not isinstance(x, torch.Tensor):
@@ -478,7 +431,7 @@ def linear_logprobs(
         softcap = _check_float("softcap", softcap, positive=True)
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    resolved = _resolve_backend(backend, hidden.device)
+    resolved = resolve("linear_logprobs", backend, hidden)
 
     # one compute dtype for the GEMM operands (autocast-style mixed inputs): cast differentiably outside the Function
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
@@ -507,7 +460,7 @@ def selective_log_softmax_fwd_torch(logits, target, p: LogprobParams):
     for n0 in range(0, n_tok, TORCH_BLOCK_N):
         sl = slice(n0, min(n0 + TORCH_BLOCK_N, n_tok))
         _fold_tile_torch(logits[sl].float(), target[sl], 0, m[sl], s[sl], sz[sl], zy[sl], p, p.return_entropy)
-    return _finish(m, s, sz, zy, target, p.return_entropy)
+    return finish_row_stats(m, s, sz, zy, target, p.return_entropy)
 
 
 def selective_log_softmax_bwd_torch(logits, target, lse, ent, g_lp, g_ent, p):
@@ -586,7 +539,8 @@ def selective_log_softmax(
 
     Raises:
         TypeError / ValueError: non-tensor or non-float logits, non-integer index, shape mismatch, index outside
-        [0, V), temperature <= 0, unknown backend. RuntimeError: a requested backend that cannot run here.
+        [0, V), temperature <= 0, unknown backend.
+        BackendUnavailableError (a ValueError): an explicitly requested backend that cannot run here.
     """
     if not isinstance(logits, torch.Tensor) or not isinstance(index, torch.Tensor):
         raise TypeError(f"logits and index must be tensors, got {type(logits).__name__} and {type(index).__name__}")
@@ -599,7 +553,7 @@ def selective_log_softmax(
     if index.device != logits.device:
         raise ValueError(f"index is on {index.device} but logits is on {logits.device}")
     temperature = _check_float("temperature", temperature, positive=True)
-    resolved = _resolve_backend(backend, logits.device)
+    resolved = resolve("selective_log_softmax", backend, logits)
     vocab = logits.shape[-1]
     flat = logits.reshape(-1, vocab).contiguous()
     # no ignore_index here: every index must be a vocabulary id (-2**63 never occurs as one)

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._device import launch_device
+from ._rowstats import finish_row_stats
 
 __all__ = [
     "linear_logprobs_fwd",
@@ -511,8 +512,6 @@ def _common(hidden, weight, p):
 def linear_logprobs_fwd(hidden, weight, bias, target, p):
     """Triton forward. hidden (N, H), weight (V, H) same dtype, contiguous; bias (V,) or None; target (N,) int64 with
     -1 on ignored rows. Returns (logp, entropy or None, lse), each (N,) fp32."""
-    from .logprobs import _finish
-
     n_tok, hid = hidden.shape
     vocab = weight.shape[0]
     if n_tok == 0:
@@ -535,7 +534,7 @@ def linear_logprobs_fwd(hidden, weight, bias, target, p):
             BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     m_all, s_all, sz_all, zy_all = _merge_splits(m, s, sz if p.return_entropy else None, zy)
-    return _finish(m_all, s_all, sz_all, zy_all, target, p.return_entropy)
+    return finish_row_stats(m_all, s_all, sz_all, zy_all, target, p.return_entropy)
 
 
 def _merge_splits(m, s, sz, zy):
@@ -635,8 +634,6 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
 
 def selective_log_softmax_fwd(logits, target, p):
     """Triton forward over (N, V) contiguous logits: (logp, entropy or None, lse), each (N,) fp32."""
-    from .logprobs import _finish
-
     n_tok, vocab = logits.shape
     cfg = dict(SLS_CUDA_CONFIG if logits.device.type == "cuda" else SLS_INTERPRET_CONFIG)
     stats = torch.empty((4, n_tok), device=logits.device, dtype=torch.float32)
@@ -650,7 +647,7 @@ def selective_log_softmax_fwd(logits, target, p):
             )
     if not p.return_entropy:
         sz = torch.zeros_like(s)
-    return _finish(m, s, sz, zy, target, p.return_entropy)
+    return finish_row_stats(m, s, sz, zy, target, p.return_entropy)
 
 
 def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
