@@ -80,6 +80,7 @@ def worker(provider: str, P: int, C: int, G: int, repeats: int, out: str) -> Non
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 

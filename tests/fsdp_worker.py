@@ -99,7 +99,7 @@ def check(reshard: bool, checkpointing: bool, mesh, rank: int) -> dict:
     return {
         "reshard_after_forward": reshard,
         "checkpointing": checkpointing,
-        "logps": float((ours - ref).abs().max()),
+        "logps": float((ours.detach() - ref.detach()).abs().max()),
         "grads_rel": _rel_err(grads, ref_grads),
         "split_logps": float((torch.cat(parts) - ref_split).abs().max()),
         "split_grads_rel": _rel_err(split_grads, ref_split_grads),
@@ -117,6 +117,7 @@ def main(out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, f)
+    dist.barrier()  # no rank tears its process group down while the other still uses it
     dist.destroy_process_group()
 
 
