@@ -349,6 +349,32 @@ def _spa_bwd_dq_kernel(
 
 
 @triton.jit
+def _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LSE_ROW, DELTA_ROW, offs_m, m_ok,
+               qk_scale, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One query block's share of a key block's dK/dV, FlashAttention-2 backward on transposed scores (keys along
+    rows, queries along columns): P = exp(S − L) over the ``visible`` (keys × queries) pairs, dV += Pᵀ·dO,
+    dK += (P ∘ (dP − D))ᵀ·Q, dP = dO·Vᵀ. ``LSE_ROW``/``DELTA_ROW`` point at the query row's natural-log LSE and
+    D = rowsum(dO ∘ O). Used by both dK/dV kernels (completion keys, causal; prompt keys, all visible)."""
+    lse2 = tl.load(LSE_ROW + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+    delta = tl.load(DELTA_ROW + offs_m, mask=m_ok, other=0.0)
+    st = _dot_t(k0, k1, q0, q1, BLOCK_D1) * qk_scale
+    st = tl.where(visible, st, float("-inf"))
+    pt = tl.exp2(st - lse2[None, :])
+    ptc = pt.to(do0.dtype)
+    if EMULATE_BF16:
+        ptc = _round_bf16(pt)
+    dv0, dv1 = _acc_dot(dv0, dv1, ptc, do0, do1, BLOCK_D1)
+    dpt = _dot_t(v0, v1, do0, do1, BLOCK_D1)
+    dst = pt * (dpt - delta[None, :])
+    dstc = dst.to(q0.dtype)
+    if EMULATE_BF16:
+        dstc = _round_bf16(dst)
+    dk0, dk1 = _acc_dot(dk0, dk1, dstc, q0, q1, BLOCK_D1)
+    return dk0, dk1, dv0, dv1
+
+
+@triton.jit
 def _spa_bwd_dkdv_completion_kernel(
     Q, K, V, KMASK, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qc,
@@ -390,24 +416,10 @@ def _spa_bwd_dkdv_completion_kernel(
             m_ok = offs_m < C
             q0, q1 = _load_head(q_base, offs_m * stride_qc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
             do0, do1 = _load_head(do_base, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-            lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
-            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-            delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
-            # transposed scores: keys along rows, queries along columns
-            st = _dot_t(k0, k1, q0, q1, BLOCK_D1) * qk_scale
             visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
-            st = tl.where(visible, st, float("-inf"))
-            pt = tl.exp2(st - lse2[None, :])
-            ptc = pt.to(DO.dtype.element_ty)
-            if EMULATE_BF16:
-                ptc = _round_bf16(pt)
-            dv0, dv1 = _acc_dot(dv0, dv1, ptc, do0, do1, BLOCK_D1)
-            dpt = _dot_t(v0, v1, do0, do1, BLOCK_D1)
-            dst = pt * (dpt - delta[None, :])
-            dstc = dst.to(Q.dtype.element_ty)
-            if EMULATE_BF16:
-                dstc = _round_bf16(dst)
-            dk0, dk1 = _acc_dot(dk0, dk1, dstc, q0, q1, BLOCK_D1)
+            dk0, dk1, dv0, dv1 = _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible,
+                                            LSE + row_base, DELTA + row_base, offs_m, m_ok, qk_scale, BLOCK_D1,
+                                            EMULATE_BF16)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -472,22 +484,9 @@ def _spa_bwd_dkdv_prefix_kernel(
             do0, do1 = _load_head(DO + b * stride_dob + head * stride_doh, offs_m * stride_doc, m_ok, HEAD_DIM,
                                   BLOCK_D0, BLOCK_D1, EMULATE_BF16)
             row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
-            lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
-            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-            delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
-            st = _dot_t(k0, k1, q0, q1, BLOCK_D1) * qk_scale
-            st = tl.where(key_ok[:, None] & m_ok[None, :], st, float("-inf"))
-            pt = tl.exp2(st - lse2[None, :])
-            ptc = pt.to(DO.dtype.element_ty)
-            if EMULATE_BF16:
-                ptc = _round_bf16(pt)
-            dv0, dv1 = _acc_dot(dv0, dv1, ptc, do0, do1, BLOCK_D1)
-            dpt = _dot_t(v0, v1, do0, do1, BLOCK_D1)
-            dst = pt * (dpt - delta[None, :])
-            dstc = dst.to(Q.dtype.element_ty)
-            if EMULATE_BF16:
-                dstc = _round_bf16(dst)
-            dk0, dk1 = _acc_dot(dk0, dk1, dstc, q0, q1, BLOCK_D1)
+            dk0, dk1, dv0, dv1 = _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1,
+                                            key_ok[:, None] & m_ok[None, :], LSE + row_base, DELTA + row_base,
+                                            offs_m, m_ok, qk_scale, BLOCK_D1, EMULATE_BF16)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
