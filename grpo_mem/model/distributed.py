@@ -65,13 +65,8 @@ def _collective_device(model: torch.nn.Module) -> torch.device:
 
 
 def agree_fallback(model: torch.nn.Module, reason: str | None) -> str | None:
+    """The fallback decision every rank in lockstep takes (one all-reduce, so every rank must call it): this rank's
+    ``reason``, a reason naming another rank when only another rank falls back, None when no rank does."""
     if any_rank(reason is not None, _collective_device(model)):
         return reason or "another rank falls back, and sharded ranks must run the same module calls"
     return None
-
-
-def joint_fallback(model: torch.nn.Module, reason: str | None) -> str | None:
-    """The fallback decision every rank takes when ``lockstep(model)`` (one all-reduce): this rank's ``reason``, or
-    a reason naming another rank when any other rank falls back, None when no rank does; ``reason`` unchanged
-    without lockstep."""
-    return agree_fallback(model, reason) if lockstep(model) else reason

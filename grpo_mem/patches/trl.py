@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from ..model.distributed import joint_fallback, lockstep, unwrap_causal_lm
+from ..model.distributed import agree_fallback, lockstep, unwrap_causal_lm
 from ..model.group_forward import find_groups, restore, shared_prompt_logprobs, unsupported_reason, warn_fallback
 from ..model.sharing import SharingSession
 
@@ -152,8 +152,9 @@ def _make_logps(original, handle: PatchHandle):
             reason = unsupported_reason(unwrap_causal_lm(model), input_ids.shape[1])
         # sharded ranks decide together: one rank on the stock path and another on ours would issue different
         # collectives (and hang)
-        reason = joint_fallback(model, reason)
         in_lockstep = lockstep(model)
+        if in_lockstep:
+            reason = agree_fallback(model, reason)
         if reason is not None:
             warn_fallback(reason)
             return original(
