@@ -32,19 +32,22 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
     return model.to(dtype)
 
 
-def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False):
+def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False, prompts=None):
     """Left-padded prompts (one per entry of ``prompt_lens``), each repeated G times (or ``group_sizes[i]`` times),
     followed by right-padded completions of random lengths in [1, C], ending with EOS where shorter than C.
+    ``prompts``: the prompts' token ids (lists), instead of random ones of lengths ``prompt_lens``.
 
     Returns input_ids (B, P+C), attention_mask (B, P+C), logits_to_keep=C, and the row -> prompt index.
     """
     g = torch.Generator().manual_seed(seed)
     junk = torch.Generator().manual_seed(seed + 1000)  # separate stream: junk leaves the real tokens unchanged
+    if prompts is not None:
+        prompt_lens = [len(p) for p in prompts]
     P = max(prompt_lens)
     sizes = group_sizes or [G] * len(prompt_lens)
     rows_ids, rows_mask, owner = [], [], []
     for i, (plen, n) in enumerate(zip(prompt_lens, sizes)):
-        prompt = torch.randint(4, VOCAB, (plen,), generator=g)
+        prompt = torch.randint(4, VOCAB, (plen,), generator=g) if prompts is None else torch.tensor(prompts[i])
         for _ in range(n):
             ids = torch.zeros(P + C, dtype=torch.long)
             mask = torch.zeros(P + C, dtype=torch.long)
@@ -144,9 +147,10 @@ def length_reward(completions, **kwargs):
     return [-abs(len(c) - 5) / 5.0 for c in completions]
 
 
-def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="llama", output_dir, **args):
+def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="llama", output_dir, prompts=PROMPTS,
+                 sharing="tree", **args):  # fmt: skip
     """A tiny GRPOTrainer/RLOOTrainer on CPU: random Llama (tied head) or Qwen2 (untied), character tokenizer,
-    8 string prompts."""
+    string prompts (default: the 8 of ``PROMPTS``)."""
     from datasets import Dataset
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -174,7 +178,7 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="
         model.save_pretrained(model_dir)
     trainer = trainer_cls(
         model=model_dir, reward_funcs=length_reward, args=config_cls(**defaults),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=char_tokenizer(),
+        train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=char_tokenizer(),
     )  # fmt: skip
-    handle = grpo_mem.patch_trl(trainer, group_shuffle=group_shuffle) if patch else None
+    handle = grpo_mem.patch_trl(trainer, group_shuffle=group_shuffle, sharing=sharing) if patch else None
     return trainer, handle

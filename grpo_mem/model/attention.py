@@ -29,7 +29,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.attention import shared_prefix_attention
+from ..ops.attention import multi_region_attention, shared_prefix_attention
 
 PREFIX = "grpo_mem_"
 CTX_KWARG = "grpo_mem_ctx"
@@ -47,20 +47,38 @@ class PromptCapture:
 
 
 @dataclass
-class CompletionContext:
-    """Context of the completion pass.
+class Region:
+    """K/V that queries of a pass read in place, one entry per prompt or trie node.
 
     Attributes:
-        kv: the prompt pass's ``PromptCapture.kv``.
-        prefix_index: (B,) int64, row b's unique prompt.
-        prefix_mask: (U, P) bool, real (non-padding) prompt positions.
-        key_mask: (B, C') bool, real completion positions.
+        kv: per layer, post-RoPE ``(K, V)`` of shape (U, kv_heads, S, head_dim) (a capture's ``kv``).
+        index: (B,) int64, the entry row b reads; -1: row b reads nothing of this region.
+        mask: (U, S) bool, real (non-padding) key positions of each entry.
+        dense: every row reads an entry (no -1 in ``index``), known without reading ``index`` back.
     """
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    prefix_index: torch.Tensor
-    prefix_mask: torch.Tensor
+    index: torch.Tensor
+    mask: torch.Tensor
+    dense: bool = False
+
+
+@dataclass
+class CompletionContext:
+    """Context of a pass whose queries attend to K/V recorded by earlier passes plus, causally, their own.
+
+    Used by the completion pass (regions: the prompt, or every trie node on the row's path) and by the pass of a trie
+    node below the root (regions: its ancestors), which also records its own K/V in ``capture``.
+
+    Attributes:
+        regions: the K/V read in place, merged exactly with the pass's own causal K/V (log-sum-exp).
+        key_mask: (B, T) bool, real positions of the pass's own tokens (right padding).
+        capture: per layer, the pass's own post-RoPE K/V (B, kv_heads, T, head_dim) once recorded; None: not kept.
+    """
+
+    regions: list[Region]
     key_mask: torch.Tensor
+    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 # token -> live context. Entries go away with their context: a prompt capture lives for its pass; a completion context
@@ -155,7 +173,10 @@ def _make_hook(inner: str):
             if ctx is not None:
                 ctx.kv.setdefault(layer, (key, value))
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
-        tensors = (query, key, value, *ctx.kv[layer])
+        if ctx.capture is not None:
+            ctx.capture.setdefault(layer, (key, value))
+        region_kv = [t for r in ctx.regions for t in r.kv[layer]]
+        tensors = (query, key, value, *region_kv)
         device = query.device.type
         if torch.is_autocast_enabled(device):
             # autocast runs SDPA in its lower-precision dtype; do the same, then keep the op's own accumulation
@@ -164,14 +185,16 @@ def _make_hook(inner: str):
         elif len({t.dtype for t in tensors}) > 1:
             raise TypeError(f"query/key/value dtypes differ outside autocast: {sorted({str(t.dtype) for t in tensors})}")
         scaling = kwargs.get("scaling")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        q, k, v = tensors[:3]
         with torch.autocast(device, enabled=False):
-            out = shared_prefix_attention(
-                *tensors,
-                ctx.prefix_index,
-                ctx.prefix_mask,
-                ctx.key_mask,
-                scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-            )
+            if len(ctx.regions) == 1 and ctx.regions[0].dense:
+                region = ctx.regions[0]
+                out = shared_prefix_attention(q, k, v, *tensors[3:], region.index, region.mask, ctx.key_mask,
+                                              scale=scale)  # fmt: skip
+            else:
+                regions = [(tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask) for i, r in enumerate(ctx.regions)]
+                out = multi_region_attention(q, k, v, regions, ctx.key_mask, scale=scale)
         return out.transpose(1, 2).contiguous(), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"

@@ -24,6 +24,7 @@ from . import attention as attn_hook
 from .distributed import agree_fallback, lockstep, unwrap_causal_lm
 from .head import completion_head
 from .store import PromptStates, PromptStore, prompt_keys
+from .tree_forward import TreeWindow, tree_logprobs
 
 # Decoder-only text architectures whose layers take RoPE positions from `position_ids` and call the attention
 # interface with `module.layer_idx`; each is exact here unless a per-call check below says otherwise.
@@ -81,6 +82,16 @@ def find_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[to
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return first[order], rank[inverse]
+
+
+SHARING_MODES = ("tree", "group")
+
+
+def check_sharing(sharing) -> str:
+    """``sharing`` if it is a known sharing mode; raises ``ValueError`` naming it otherwise."""
+    if sharing not in SHARING_MODES:
+        raise ValueError(f"sharing must be one of {SHARING_MODES}, got {sharing!r}")
+    return sharing
 
 
 def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> None:
@@ -157,6 +168,8 @@ class GroupRequest:
     ``store``/``later``: in a training micro-batch of a ``SharingSession`` window, the window's ``PromptStore`` and
     the keys (``prompt_keys``) of prompts that a later micro-batch of the same window will use again.
     ``lockstep``: the model is sharded over ranks that must make the same module calls (``lockstep``).
+    ``sharing``: ``"tree"`` (prefix-tree sharing, ``tree_forward``) or ``"group"`` (each unique prompt forwarded
+    whole); ranks in lockstep use ``"group"``. ``tree``: the sharing window's ``TreeWindow`` in tree mode.
     """
 
     logits_to_keep: int
@@ -166,6 +179,8 @@ class GroupRequest:
     store: PromptStore | None = None
     later: frozenset = frozenset()
     lockstep: bool = False
+    sharing: str = "group"
+    tree: TreeWindow | None = None
 
 
 @dataclass
@@ -223,12 +238,9 @@ def prompt_once_logprobs(causal_lm, input_ids, attention_mask, request: GroupReq
     # zero gradient) so that this rank makes the same module calls as ranks whose completions are longer.
     width = C - 1 if C > 1 or not request.lockstep else 1
     if width:
-        ctx = attn_hook.CompletionContext(
-            kv=dict(enumerate(states.kv)),
-            prefix_index=inverse,
-            prefix_mask=prompt_mask[first].bool(),
-            key_mask=completion_mask[:, :width].bool(),
-        )
+        region = attn_hook.Region(kv=dict(enumerate(states.kv)), index=inverse, mask=prompt_mask[first].bool(),
+                                  dense=True)  # fmt: skip
+        ctx = attn_hook.CompletionContext(regions=[region], key_mask=completion_mask[:, :width].bool())
         positions = torch.arange(P, P + width, device=input_ids.device).unsqueeze(0)
         completion_out = backbone(
             input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,
@@ -328,6 +340,8 @@ def _forward_group(causal_lm, input_ids, attention_mask, request: GroupRequest) 
     if reason is not None:
         warn_fallback(reason)
         logps, entropy = full_sequence_logprobs(causal_lm, input_ids, attention_mask, request)
+    elif request.sharing == "tree" and not request.lockstep:
+        logps, entropy = tree_logprobs(causal_lm, input_ids, attention_mask, request, request.tree)
     else:
         logps, entropy = prompt_once_logprobs(causal_lm, input_ids, attention_mask, request)
     return GroupLogprobsOutput(log_probs=logps, entropy=entropy)
@@ -342,6 +356,7 @@ def shared_prompt_logprobs(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     cast_lm_head_to_fp32: bool = False,
+    sharing: str = "tree",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
 
@@ -351,8 +366,12 @@ def shared_prompt_logprobs(
     that never builds (B, C, V) logits. Rows of one prompt need not be adjacent: identical prompts (ids and mask,
     padding slots ignored) are found anywhere in the batch. Runs inside one call of ``model``'s forward, so wrappers'
     hooks (DDP, DeepSpeed, FSDP) fire; works on a plain causal LM, a PEFT model, and a model given TRL's fused head.
-    Stateless: nothing is kept between calls (``grpo_mem.model.sharing.SharingSession`` shares prompts across the
-    micro-batches of an optimizer step).
+    With ``sharing="tree"`` (default) the unique prompts' common prefixes are found too (``PromptTrie``): a span that
+    several prompts share (a system prompt, a few-shot block) is forwarded once and every prompt's own part attends
+    to it in place, at positions that keep stock TRL's position differences (RoPE scores equal up to the rounding of
+    the rotation); ``"group"`` forwards each unique prompt whole, at stock TRL's positions. Ranks in lockstep
+    (FSDP, DeepSpeed) use ``"group"``. Stateless: nothing is kept between calls (``grpo_mem.model.sharing.
+    SharingSession`` shares prompts and trie nodes across the micro-batches of an optimizer step).
 
     Side effect: the first call gives the underlying causal LM a pass-through forward and attention implementation
     (``grpo_mem_<impl>``); calls without grpo_mem compute exactly what they did. ``grpo_mem.restore(model)`` undoes it.
@@ -366,16 +385,19 @@ def shared_prompt_logprobs(
         temperature: > 0, the logits are divided by it (after logit scale and final softcap, as TRL does).
         compute_entropy: also return the entropy of each next-token distribution.
         cast_lm_head_to_fp32: run the LM head in fp32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
+        sharing: ``"tree"`` or ``"group"``, see above.
 
     Returns:
         log_probs: (B, C) fp32, zero where the completion mask is 0.
         entropies: (B, C) fp32 (zero where masked) if ``compute_entropy``, else None.
 
     Raises:
-        ValueError: shape mismatch, ``logits_to_keep`` out of range, ``temperature <= 0``, right-padded prompts.
+        ValueError: shape mismatch, ``logits_to_keep`` out of range, ``temperature <= 0``, right-padded prompts,
+            unknown ``sharing``.
         TypeError: non-integer ids or ``logits_to_keep``.
     """
-    request = GroupRequest(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
+    request = GroupRequest(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32),
+                           sharing=check_sharing(sharing))  # fmt: skip
     return score(model, input_ids, attention_mask, request)
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 
 from .distributed import lockstep
-from .group_forward import GroupRequest, score
+from .group_forward import GroupRequest, check_sharing, score
 from .store import PromptStore, prompt_keys, store_schedule
+from .tree_forward import TreeWindow
+from .trie import DEFAULT_MIN_SHARED_TOKENS
 
 __all__ = ["SharingSession"]
 
@@ -29,15 +31,29 @@ __all__ = ["SharingSession"]
 class SharingSession:
     """Prompt sharing across the micro-batches of one window (a run of micro-batches within one optimizer step).
 
+    Args:
+        sharing: ``"tree"``: the window's prompts form a ``PromptTrie``; every span several prompts share (a system
+            prompt, a few-shot block) and every prompt is forwarded once per window (``tree_forward``). ``"group"``:
+            every unique prompt is forwarded whole, once per window. Ranks in lockstep (FSDP, DeepSpeed) share by
+            group whatever is asked, since a window's trie differs between ranks.
+        min_shared_tokens: tree mode: the shortest span forwarded as a node of its own (``PromptTrie``).
+
     Attributes:
-        store: the ``PromptStore`` of prompt passes kept for a later micro-batch of the current window.
+        store: the ``PromptStore`` of prompt passes kept for a later micro-batch of the current window (group mode).
+        tree: the current window's ``TreeWindow`` (tree mode), else None.
         sharing: whether the current window shares prompts across micro-batches (False when sharded ranks' plans
             differ, or between windows).
         windows_unshared: how many windows were run without sharing because ranks' plans differed.
+
+    Raises:
+        ValueError: unknown ``sharing``.
     """
 
-    def __init__(self):
+    def __init__(self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS):
+        self.mode = check_sharing(sharing)
+        self.min_shared_tokens = min_shared_tokens
         self.store = PromptStore()
+        self.tree: TreeWindow | None = None
         self.sharing = False
         self.windows_unshared = 0
         self._plan: list[list[bytes]] = []
@@ -70,7 +86,9 @@ class SharingSession:
         self._plan = [prompt_keys(ids, mask) for ids, mask in zip(prompt_ids, prompt_masks)]
         self._next = 0
         self.sharing = True
-        if lockstep(model):
+        if self.mode == "tree" and not lockstep(model):
+            self.tree = TreeWindow.plan(prompt_ids, prompt_masks, min_shared_tokens=self.min_shared_tokens)
+        elif lockstep(model):
             import torch.distributed as dist
 
             mine = store_schedule((), self._plan, closes=True)
@@ -85,6 +103,8 @@ class SharingSession:
         it through grpo_mem saves work even if none of its own prompts repeats)."""
         if not (self.sharing and self.in_window):
             return False
+        if self.tree is not None:
+            return self.tree.shares(prompt_keys(prompt_ids, prompt_mask))
         keys = set(prompt_keys(prompt_ids, prompt_mask))
         return bool(keys & set(self.store.entries)) or any(keys & set(k) for k in self._plan[self._next + 1 :])
 
@@ -111,11 +131,16 @@ class SharingSession:
         self._next += 1
         if not self.sharing:
             return score(model, input_ids, attention_mask, request)
-        request.store = self.store
-        request.later = frozenset(k for mb in self._plan[self._next :] for k in mb)
+        if self.tree is not None:
+            self.tree.current = self._next - 1  # micro-batches skipped or scored on the stock path count too
+            request.sharing, request.tree = "tree", self.tree
+            store = self.tree.store
+        else:
+            request.store = store = self.store
+            request.later = frozenset(k for mb in self._plan[self._next :] for k in mb)
         logps, entropy = score(model, input_ids, attention_mask, request)
         if not self.in_window:  # the window's last micro-batch: complete every pending prompt graph in its backward
-            logps = self.store.flush_into(logps)
+            logps = store.flush_into(logps)
         return logps, entropy
 
     def skip(self) -> None:
@@ -123,18 +148,25 @@ class SharingSession:
         shares nothing (``shares`` is False): none of its prompts is kept or planned again."""
         if self.in_window:
             self._next += 1
+            if self.tree is not None:
+                self.tree.finish_micro_batch()
 
     def end_after_next(self) -> None:
         """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): prompts
         planned for later micro-batches are not kept, and what is pending is completed in its backward."""
         if self.in_window:
             self._plan = self._plan[: self._next + 1]
+            if self.tree is not None:
+                self.tree.end_after_current()
 
     def close_window(self) -> None:
         """End the current window. Raises RuntimeError if prompt gradients are still pending (a planned micro-batch
         was never scored), since their prompt graphs would never be backpropagated."""
+        tree, self.tree = self.tree, None
         self._plan, self._next, self.sharing = [], 0, False
-        if len(self.store):
-            pending = len(self.store)
-            self.store.entries.clear()
+        for store in (self.store, tree.store if tree is not None else None):
+            if store is None or not len(store):
+                continue
+            pending = len(store)
+            store.entries.clear()
             raise RuntimeError(f"window closed with {pending} prompt passes pending: a planned micro-batch was not scored")

@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from ..model.distributed import agree_fallback, lockstep, unwrap_causal_lm
-from ..model.group_forward import find_groups, restore, shared_prompt_logprobs, unsupported_reason, warn_fallback
+from ..model.group_forward import check_sharing, find_groups, restore, shared_prompt_logprobs, unsupported_reason, warn_fallback
 from ..model.sharing import SharingSession
 
 SUPPORTED_TRL = ((1, 16), (1, 17))  # [lower, upper)
@@ -189,7 +189,8 @@ def _make_logps(original, handle: PatchHandle):
                     if session is not None:
                         logps, entropies = session.score(model, ids, mask, logits_to_keep, **options)
                     else:
-                        logps, entropies = shared_prompt_logprobs(model, ids, mask, logits_to_keep, **options)
+                        logps, entropies = shared_prompt_logprobs(model, ids, mask, logits_to_keep, **options,
+                                                                  sharing=handle.sharing)  # fmt: skip
             all_logps.append(logps)
             all_entropies.append(entropies)
         logps = torch.cat(all_logps, dim=0)
@@ -234,7 +235,7 @@ def _make_prepare(original, handle: PatchHandle):
         finally:
             module.shuffle_sequence_dict = stock_shuffle
         if self.model.training and self._buffered_inputs:
-            session = handle.sessions.setdefault(self, SharingSession())
+            session = handle.sessions.setdefault(self, SharingSession(handle.sharing))
             if self._step % self.current_gradient_accumulation_steps == 0 or not session.in_window:
                 model = getattr(self, "model_wrapped", None) or self.model
                 session.begin_window(model, *_window_prompts(self))
@@ -256,16 +257,18 @@ class PatchHandle:
         sessions: per trainer, the ``SharingSession`` sharing prompt passes across its micro-batches.
         models: the models the patched methods routed through grpo_mem (``revert`` restores exactly these).
         group_shuffle: whether ``_prepare_inputs`` shuffles by whole groups.
+        sharing: the sessions' sharing mode, ``"tree"`` or ``"group"``.
         active: False once reverted.
     """
 
-    def __init__(self, key, *, group_shuffle: bool):
+    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree"):
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> rows planned next
         self.models: weakref.WeakSet = weakref.WeakSet()
         self.group_shuffle = group_shuffle
+        self.sharing = sharing
         self.active = True
 
     def revert(self) -> None:
@@ -314,7 +317,7 @@ def _default_targets():
     return [trl.GRPOTrainer, trl.RLOOTrainer]
 
 
-def patch_trl(target=None, *, group_shuffle: bool = True) -> PatchHandle:
+def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree") -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
     Args:
@@ -323,6 +326,10 @@ def patch_trl(target=None, *, group_shuffle: bool = True) -> PatchHandle:
         group_shuffle: make the generation-batch shuffle group-aware, so micro-batches hold whole groups. Either
             way, a prompt whose completions are spread over the micro-batches of one optimizer step is forwarded
             once (``SharingSession``).
+        sharing: ``"tree"``: a span shared by several prompts of an optimizer step (system prompt, few-shot block)
+            is forwarded once per step and each prompt's own part once, at positions that keep stock TRL's position
+            differences; ``"group"``: each unique prompt is forwarded whole, once per step. Sharded ranks in lockstep
+            (FSDP, DeepSpeed) share by group either way.
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
@@ -330,10 +337,12 @@ def patch_trl(target=None, *, group_shuffle: bool = True) -> PatchHandle:
 
     Raises:
         RuntimeError: the installed TRL is not 1.16.x.
+        ValueError: unknown ``sharing``.
         TypeError: a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
             from TRL 1.16's (nothing is changed then).
     """
     check_trl_version()
+    check_sharing(sharing)
     owners = _default_targets() if target is None else [target]
     key = tuple(id(o) for o in owners)
     if key in _ACTIVE:
@@ -351,7 +360,7 @@ def patch_trl(target=None, *, group_shuffle: bool = True) -> PatchHandle:
         if not hasattr(importlib.import_module(cls.__module__), "shuffle_sequence_dict"):
             raise TypeError(f"{cls.__module__} has no shuffle_sequence_dict, which the grpo_mem patch swaps")
 
-    handle = PatchHandle(key, group_shuffle=group_shuffle)
+    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing)
     for owner in owners:
         for name, make in ((LOGPS_METHOD, _make_logps), (PREPARE_METHOD, _make_prepare)):
             if isinstance(owner, type):

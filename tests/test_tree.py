@@ -1,0 +1,224 @@
+"""Prefix-tree sharing: the trie, and log-probs/entropies/gradients against TRL 1.16's own computation, fp32."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import VOCAB, assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model
+
+import grpo_mem
+from grpo_mem.model import tree_forward
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.trie import PromptTrie
+
+
+def _tokens(n, seed):
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYSTEM = _tokens(40, 1)
+SHOTS_A, SHOTS_B = _tokens(36, 2), _tokens(34, 3)
+
+
+def _shape(trie):
+    """(tokens, start, parent, depth) per node and the leaf of each prompt."""
+    return [(len(n.tokens), n.start, n.parent, n.depth) for n in trie.nodes], trie.leaf
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the trie
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_trie_system_prompt_questions_and_prompt_equal_to_prefix():
+    prompts = [SYSTEM + [5, 6, 7], SYSTEM + [8, 9], [10, 11, 12], SYSTEM, SYSTEM + [5, 6, 7]]
+    trie = PromptTrie(prompts, min_shared_tokens=32)
+    nodes, leaf = _shape(trie)
+    assert nodes == [(40, 0, None, 0), (3, 40, 0, 1), (2, 40, 0, 1), (3, 0, None, 0)]
+    assert leaf == [1, 2, 3, 0, 1]  # the prompt equal to the system prompt ends at the shared node
+    assert trie.shared_nodes() == [0]
+    assert trie.nodes[0].prompts == [0, 1, 3, 4]
+
+
+def test_trie_three_levels():
+    prompts = [SYSTEM + SHOTS_A + [5], SYSTEM + SHOTS_A + [6, 7], SYSTEM + SHOTS_B + [8], SYSTEM + SHOTS_B + [9, 4]]
+    nodes, leaf = _shape(PromptTrie(prompts, min_shared_tokens=32))
+    assert nodes == [(40, 0, None, 0), (36, 40, 0, 1), (1, 76, 1, 2), (2, 76, 1, 2), (34, 40, 0, 1),
+                     (1, 74, 4, 2), (2, 74, 4, 2)]  # fmt: skip
+    assert leaf == [2, 3, 5, 6]
+
+
+def test_trie_short_common_span_stays_in_children():
+    prompts = [SYSTEM[:10] + SHOTS_A + [5], SYSTEM[:10] + SHOTS_A + [6], SYSTEM[:10] + SHOTS_B + [7]]
+    nodes, leaf = _shape(PromptTrie(prompts, min_shared_tokens=32))
+    # the 10 tokens all share are too few for a pass of their own: the family of SHOTS_A forwards them in its node
+    assert nodes == [(46, 0, None, 0), (1, 46, 0, 1), (1, 46, 0, 1), (45, 0, None, 0)]
+    assert leaf == [1, 2, 3]
+    nodes, _ = _shape(PromptTrie(prompts, min_shared_tokens=8))
+    assert nodes[0] == (10, 0, None, 0) and nodes[1] == (36, 10, 0, 1)
+
+
+def test_trie_no_common_prefix_is_one_node_per_prompt():
+    prompts = [[4, 5, 6], [7, 8], [4, 9]]
+    nodes, leaf = _shape(PromptTrie(prompts, min_shared_tokens=1))
+    assert nodes == [(1, 0, None, 0), (2, 1, 0, 1), (1, 1, 0, 1), (2, 0, None, 0)]
+    nodes, leaf = _shape(PromptTrie(prompts, min_shared_tokens=2))
+    assert nodes == [(3, 0, None, 0), (2, 0, None, 0), (2, 0, None, 0)] and leaf == [0, 2, 1]
+
+
+@pytest.mark.parametrize("prompts, kwargs, match", [
+    ([[4, 5], []], {}, "prompt 1 is empty"),
+    ([[4, 5]], {"min_shared_tokens": 0}, "min_shared_tokens must be an int >= 1, got 0"),
+])  # fmt: skip
+def test_trie_bad_input(prompts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PromptTrie(prompts, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# exactness against stock TRL
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _CountPasses:
+    """Records the token count of every node pass (one list per pass)."""
+
+    def __init__(self, monkeypatch):
+        self.passes = []
+        original = tree_forward.TreeWindow._forward_nodes
+
+        def spy(window, backbone, nodes, kept, views, device):
+            self.passes.append(sorted(len(window.trie.nodes[n].tokens) for n in nodes))
+            return original(window, backbone, nodes, kept, views, device)
+
+        monkeypatch.setattr(tree_forward.TreeWindow, "_forward_nodes", spy)
+
+
+TREES = {
+    # a shared system prompt, own parts of different lengths (left padding), one prompt equal to the system prompt
+    "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(2, 12), SYSTEM],
+    # system prompt -> two few-shot blocks -> questions
+    "three_levels": [SYSTEM + SHOTS_A + _tokens(4, 20), SYSTEM + SHOTS_A + _tokens(7, 21),
+                     SYSTEM + SHOTS_B + _tokens(3, 22), SYSTEM + SHOTS_B + _tokens(6, 23)],  # fmt: skip
+    # nothing in common: one node per prompt, the group path's work
+    "no_common_prefix": [_tokens(6, 30), _tokens(9, 31), _tokens(4, 32)],
+}
+PASSES = {
+    "system": [[40], [2, 5, 9]],
+    "three_levels": [[40], [34, 36], [3, 4, 6, 7]],
+    "no_common_prefix": [[4, 6, 9]],
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_tree_matches_stock_trl(monkeypatch, arch, checkpointing, tree):
+    model = tiny_model(arch)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids, mask, C, _ = make_batch(None, 3, 6, prompts=TREES[tree], shuffle=True, junk_in_padding=True)
+    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    ref_g = grads_of(model, ref, ref_e)
+    count = _CountPasses(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        ours, ours_e = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    ours_g = grads_of(model, ours, ours_e)
+    assert count.passes == PASSES[tree]  # each node forwarded once, nodes of one depth in one pass
+    assert_close(ours, ref, 1e-5, "log-probs")
+    assert_close(ours_e, ref_e, 1e-5, "entropies")
+    assert_grads_close(ours_g, ref_g, 1e-4)
+
+
+def test_group_mode_forwards_each_prompt_whole(monkeypatch):
+    model = tiny_model("llama")
+    ids, mask, C, _ = make_batch(None, 2, 5, prompts=TREES["system"])
+    count = _CountPasses(monkeypatch)
+    ref, _ = stock_logps(model, ids, mask, C)
+    ours, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, sharing="group")
+    assert count.passes == []
+    assert_close(ours, ref, 1e-5, "log-probs")
+    with pytest.raises(ValueError, match="sharing must be one of .* got 'trie'"):
+        grpo_mem.shared_prompt_logprobs(model, ids, mask, C, sharing="trie")
+
+
+def _window(prompt_sets, G, C, seed=0):
+    """One batch per micro-batch; each holds some completions of some prompts (groups split across them)."""
+    return [make_batch(None, G, C, prompts=prompts, seed=seed + i, shuffle=True, junk_in_padding=True)[:2]
+            for i, prompts in enumerate(prompt_sets)]  # fmt: skip
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("truncate", [False, True])
+def test_window_forwards_each_node_once_and_sums_gradients(monkeypatch, checkpointing, truncate):
+    """Micro-batches of one optimizer step share the system prompt and split groups: every node is forwarded once
+    per window, the window's gradient equals stock TRL's summed over its micro-batches."""
+    fam = TREES["three_levels"]
+    prompt_sets = [[fam[0], fam[2]], [fam[0], fam[1]], [fam[3], fam[1]], [fam[2]]]
+    model = tiny_model("qwen2")
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    C = 5
+    batches = _window(prompt_sets, 2, C)
+    scored = batches[:3] if truncate else batches  # the optimizer steps early, after the third micro-batch
+    P = [ids.shape[1] - C for ids, _ in batches]
+
+    ref, ref_grads = [], None
+    for ids, mask in scored:
+        logps, ent = stock_logps(model, ids, mask, C, compute_entropy=True)
+        g = grads_of(model, logps, ent, seed=ids.shape[1])
+        ref.append((logps, ent))
+        ref_grads = g if ref_grads is None else {k: v + g[k] for k, v in ref_grads.items()}
+
+    count = _CountPasses(monkeypatch)
+    session = SharingSession(min_shared_tokens=32)
+    session.begin_window(model, [ids[:, :p] for (ids, _), p in zip(batches, P)],
+                         [mask[:, :p] for (_, mask), p in zip(batches, P)])  # fmt: skip
+    outputs, losses = [], []
+    for j, (ids, mask) in enumerate(scored):
+        if truncate and j == 2:
+            session.end_after_next()
+        assert session.shares(ids[:, : P[j]], mask[:, : P[j]])
+        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
+        outputs.append((logps.detach(), ent.detach()))
+        g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
+        loss = (logps * torch.randn(logps.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()
+        loss.backward()
+    ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    session.close_window()  # raises if a kept pass was never released
+
+    # system prompt and few-shot blocks once each, questions once each, all across the window
+    assert sorted(t for p in count.passes for t in p) == sorted([40, 36, 34, 4, 7, 3, 6])
+    for (o, oe), (r, re) in zip(outputs, ref):
+        assert_close(o, r, 1e-5, "log-probs")
+        assert_close(oe, re, 1e-5, "entropies")
+    assert_grads_close(ours_grads, ref_grads, 1e-4)
+
+
+SYSTEM_TEXT = "You are a careful assistant. Answer briefly: "  # 45 characters: 45 tokens of the test tokenizer
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_patched_training_with_a_system_prompt_matches_stock(tmp_path, monkeypatch, kind):
+    """Three optimizer steps of 4 micro-batches, each holding half a group of one of the step's 2 prompts: the system
+    prompt is forwarded once per step, and the weights after training equal stock TRL's."""
+    from helpers import PROMPTS
+    from test_patch_trl import _train
+
+    prompts = [SYSTEM_TEXT + p for p in PROMPTS]
+    args = dict(max_steps=3, gradient_accumulation_steps=4, per_device_train_batch_size=2, num_generations=4,
+                optim="sgd", beta=0.04, prompts=prompts)  # fmt: skip
+    stock, stock_rec = _train(tmp_path / "stock", kind, patch=False, **args)
+    count = _CountPasses(monkeypatch)
+    ours, ours_rec = _train(tmp_path / "ours", kind, patch=True, group_shuffle=True, **args)
+    assert ours.state.global_step == stock.state.global_step == 3
+    # one optimizer step = one window: the system prompt once, each prompt's own part once
+    assert sum(p.count(len(SYSTEM_TEXT)) for p in count.passes) == 3, count.passes
+    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+        assert_grads_close(g_ours, g_stock, 1e-4)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in ours.model.named_parameters():
+        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
