@@ -1,23 +1,26 @@
-"""Shared-prefix (two-region) attention for the completion pass of a GRPO group forward.
+"""Multi-region attention for the completion pass of a GRPO group forward, and its two-region case, shared-prefix
+attention.
 
 G completions of one prompt attend to that prompt's keys/values and, causally, to their own. Stock scoring
 concatenates the prompt K/V in front of every completion (``torch.cat`` in the KV cache, then ``repeat_kv`` for GQA),
-so each layer holds G·(Hq/Hkv) copies of the prompt K/V for backward. Here the prompt K/V are read in place:
+so each layer holds G·(Hq/Hkv) copies of the prompt K/V for backward. Here the prompt K/V are read in place. With a
+prefix tree (DESIGN.md, "Prefix trees") a row reads several shared regions (its ancestors' segments), each a tensor of
+unique entries indexed per row:
 
-* region 1 (prompt): for each unique prompt, the queries of all completions that share it and the Hq/Hkv query heads
-  of one kv head are folded into one ``(n_u·rep·C, d)`` matrix against that prompt's ``(P, d)`` keys;
-* region 2 (completion): per-row causal attention over the completion's own keys;
-* the two partial results ``(o_r, l_r)`` (output normalised within the region, log-sum-exp of its scaled scores) merge
-  exactly by ``o = (e^{l_1} o_1 + e^{l_2} o_2) / (e^{l_1} + e^{l_2})``.
+* a shared region: for each of its entries, the queries of all rows that read it and the Hq/Hkv query heads of one kv
+  head are folded into one ``(n_u·rep·C, d)`` matrix against that entry's ``(S, d)`` keys; rows with index −1 skip it;
+* the own region: per-row causal attention over the row's own keys;
+* the partial results ``(o_r, l_r)`` (output normalised within the region, log-sum-exp of its scaled scores) merge
+  exactly by ``l = logsumexp_r l_r``, ``o = Σ_r e^{l_r − l} o_r``.
 
 Backward is FlashAttention-2's (Dao, arXiv 2307.08691, Alg. 2) applied to each region with the merged output and
 log-sum-exp: ``P = exp(S − L)``, ``D = rowsum(dO ∘ O)``, ``dS = P ∘ (dP − D)``. Probabilities are recomputed, so the
-autograd graph holds only the inputs, the output and the (B, Hq, C) fp32 log-sum-exp. The two-region split with an
-LSE merge follows Hydragen (arXiv 2402.05099) and ring-flash-attention's ``_update_out_and_lse``; the fused CUDA
-analogue is DualKV (arXiv 2605.15422).
+autograd graph holds only the inputs, the output and the (B, Hq, C) fp32 log-sum-exp. The region split with an LSE
+merge follows Hydragen (arXiv 2402.05099) and ring-flash-attention's ``_update_out_and_lse``; the fused CUDA analogue
+of the two-region case is DualKV (arXiv 2605.15422).
 
-Backends: ``"torch"`` (any device, chunked so temporaries stay bounded), ``"cpu"`` (the same two regions on ATen's
-fused CPU attention kernels, whose forward returns the log-sum-exp and whose backward takes the merged output and
+Backends: ``"torch"`` (any device, chunked so temporaries stay bounded), ``"cpu"`` (the same regions on ATen's fused
+CPU attention kernels, whose forward returns the log-sum-exp and whose backward takes the merged output and
 log-sum-exp), ``"triton"`` (``attention_triton.py``; CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 """
 
@@ -31,8 +34,12 @@ import torch
 from ._backends import aten_cpu_attention, resolve
 
 __all__ = [
+    "multi_region_attention",
+    "multi_region_attention_ref",
     "shared_prefix_attention",
     "shared_prefix_attention_ref",
+    "MultiRegionAttentionFunction",
+    "MultiRegionAttentionParams",
     "SharedPrefixAttentionFunction",
     "SharedPrefixAttentionParams",
 ]
@@ -44,8 +51,8 @@ _DEFAULT_CHUNK_ELEMS = 1 << 20
 
 
 @dataclass(frozen=True)
-class SharedPrefixAttentionParams:
-    """Non-tensor options of :class:`SharedPrefixAttentionFunction`.
+class MultiRegionAttentionParams:
+    """Non-tensor options of :class:`MultiRegionAttentionFunction`.
 
     scale: softmax scale applied to ``q·k`` (dimensionless, usually ``d**-0.5``).
     backend: ``"torch"``, ``"cpu"`` or ``"triton"`` (already resolved, never ``"auto"``).
@@ -57,30 +64,45 @@ class SharedPrefixAttentionParams:
     chunk_elems: int = _DEFAULT_CHUNK_ELEMS
 
 
+# The two-region op takes the same options.
+SharedPrefixAttentionParams = MultiRegionAttentionParams
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=True):
-    """Validate shapes, dtypes and devices; returns ``(B, Hq, Hkv, C, P, U, d)``.
+def _check_float4(name, t, q):
+    """``t`` is a 4-D floating tensor of q's dtype on q's device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (fp16/bf16/fp32/fp64), got {t.dtype}")
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
-    ``prefix_index`` values are checked on the host (two reads back) when ``sync``; otherwise by ``torch._assert_async``,
-    which on CUDA fails the next synchronising call instead of stalling this one (the Triton path reads nothing back).
-    """
-    names = ("q", "k", "v", "prefix_k", "prefix_v")
-    tensors = (q, k, v, prefix_k, prefix_v)
-    for name, t in zip(names, tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be a floating tensor (fp16/bf16/fp32/fp64), got {t.dtype}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+def _check_bool(name, t, shape, q, what):
+    """``t`` is a bool tensor of ``shape`` (named dims in ``what``, e.g. "(B=3, C=5)") on q's device."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {what}, got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _check_own(q, k, v, key_mask, scale):
+    """Validate q, k, v, key_mask and scale; returns ``(B, Hq, Hkv, C, d)``."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_float4(name, t, q)
     B, Hq, C, d = q.shape
     if tuple(k.shape[:1]) != (B,) or k.shape[2:] != (C, d):
         raise ValueError(f"k must have shape (B={B}, Hkv, C={C}, d={d}), got {tuple(k.shape)}")
@@ -89,46 +111,79 @@ def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_ma
         raise ValueError(f"query heads Hq={Hq} must be a multiple of kv heads Hkv={Hkv}")
     if v.shape != k.shape:
         raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
-    U, Hkv_p, P, d_p = prefix_k.shape
-    if Hkv_p != Hkv or d_p != d:
-        raise ValueError(f"prefix_k must have shape (U, Hkv={Hkv}, P, d={d}), got {tuple(prefix_k.shape)}")
-    if prefix_v.shape != prefix_k.shape:
-        raise ValueError(f"prefix_v shape {tuple(prefix_v.shape)} must equal prefix_k shape {tuple(prefix_k.shape)}")
-    if U == 0 and B > 0:
-        raise ValueError(f"prefix_k holds U=0 prompts for B={B} rows")
-    if not isinstance(prefix_index, torch.Tensor):
-        raise TypeError(f"prefix_index must be a torch.Tensor, got {type(prefix_index).__name__}")
-    if prefix_index.dtype != torch.int64:
-        raise TypeError(f"prefix_index must be int64, got {prefix_index.dtype}")
-    if tuple(prefix_index.shape) != (B,):
-        raise ValueError(f"prefix_index must have shape (B={B},), got {tuple(prefix_index.shape)}")
-    if prefix_index.device != q.device:
-        raise ValueError(f"prefix_index is on {prefix_index.device} but q is on {q.device}")
-    if B > 0 and sync:
-        lo, hi = int(prefix_index.min()), int(prefix_index.max())
-        if lo < 0 or hi >= U:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"prefix_index values must lie in [0, U={U}), got {bad}")
-    elif B > 0:
-        in_range = ((prefix_index >= 0) & (prefix_index < U)).all()
-        torch._assert_async(in_range, f"prefix_index values must lie in [0, U={U})")
-    if not isinstance(prefix_mask, torch.Tensor) or prefix_mask.dtype != torch.bool:
-        raise TypeError(f"prefix_mask must be a bool tensor, got {getattr(prefix_mask, 'dtype', type(prefix_mask))}")
-    if tuple(prefix_mask.shape) != (U, P):
-        raise ValueError(f"prefix_mask must have shape (U={U}, P={P}), got {tuple(prefix_mask.shape)}")
-    if prefix_mask.device != q.device:
-        raise ValueError(f"prefix_mask is on {prefix_mask.device} but q is on {q.device}")
     if key_mask is not None:
         if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool:
             raise TypeError(f"key_mask must be a bool tensor or None, got {getattr(key_mask, 'dtype', type(key_mask))}")
-        if tuple(key_mask.shape) != (B, C):
-            raise ValueError(f"key_mask must have shape (B={B}, C={C}), got {tuple(key_mask.shape)}")
-        if key_mask.device != q.device:
-            raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}")
+        _check_bool("key_mask", key_mask, (B, C), q, f"(B={B}, C={C})")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite positive float, got {scale}")
+    return B, Hq, Hkv, C, d
+
+
+def _check_region(names, region_k, region_v, index, mask, q, Hkv, lo, sync):
+    """Validate one region ``(region_k, region_v, index, mask)`` (``names`` are the four argument names used in
+    messages) against q and ``Hkv``; ``index`` values must lie in ``[lo, U)``. Returns ``(U, S)``.
+
+    ``index`` values are checked on the host (two reads back) when ``sync``; otherwise by ``torch._assert_async``,
+    which on CUDA fails the next synchronising call instead of stalling this one (the Triton path reads nothing back).
+    """
+    n_k, n_v, n_i, n_m = names
+    B, _, _, d = q.shape
+    _check_float4(n_k, region_k, q)
+    _check_float4(n_v, region_v, q)
+    U, Hkv_r, S, d_r = region_k.shape
+    if Hkv_r != Hkv or d_r != d:
+        raise ValueError(f"{n_k} must have shape (U, Hkv={Hkv}, S, d={d}), got {tuple(region_k.shape)}")
+    if region_v.shape != region_k.shape:
+        raise ValueError(f"{n_v} shape {tuple(region_v.shape)} must equal {n_k} shape {tuple(region_k.shape)}")
+    if U == 0 and B > 0:
+        raise ValueError(f"{n_k} holds U=0 entries for B={B} rows")
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"{n_i} must be a torch.Tensor, got {type(index).__name__}")
+    if index.dtype != torch.int64:
+        raise TypeError(f"{n_i} must be int64, got {index.dtype}")
+    if tuple(index.shape) != (B,):
+        raise ValueError(f"{n_i} must have shape (B={B},), got {tuple(index.shape)}")
+    if index.device != q.device:
+        raise ValueError(f"{n_i} is on {index.device} but q is on {q.device}")
+    if B > 0 and sync:
+        low, high = int(index.min()), int(index.max())
+        if low < lo or high >= U:
+            raise ValueError(f"{n_i} values must lie in [{lo}, U={U}), got {low if low < lo else high}")
+    elif B > 0:
+        torch._assert_async(((index >= lo) & (index < U)).all(), f"{n_i} values must lie in [{lo}, U={U})")
+    _check_bool(n_m, mask, (U, S), q, f"(U={U}, S={S})")
+    return U, S
+
+
+def _check_regions(regions, q, Hkv, sync):
+    """Validate ``regions`` (a sequence of 4-tuples) for :func:`multi_region_attention`; returns it as a tuple of
+    tuples."""
+    if isinstance(regions, torch.Tensor) or not isinstance(regions, (list, tuple)):
+        raise TypeError(f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got "
+                        f"{type(regions).__name__}")
+    if regions and isinstance(regions[0], torch.Tensor):
+        raise TypeError(f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got a "
+                        f"{type(regions).__name__} of tensors (one region goes in a list: [(region_k, ...)])")
+    out = []
+    for i, region in enumerate(regions):
+        if isinstance(region, torch.Tensor) or not isinstance(region, (list, tuple)) or len(region) != 4:
+            what = type(region).__name__ if not isinstance(region, (list, tuple)) else f"length {len(region)}"
+            raise TypeError(f"regions[{i}] must be a 4-tuple (region_k, region_v, index, mask), got {what}")
+        names = tuple(f"regions[{i}].{n}" for n in ("region_k", "region_v", "index", "mask"))
+        _check_region(names, *region, q, Hkv, -1, sync)
+        out.append(tuple(region))
+    return tuple(out)
+
+
+def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=True):
+    """Validate the arguments of :func:`shared_prefix_attention` (every row reads a prompt: ``prefix_index`` in
+    ``[0, U)``); returns ``(B, Hq, Hkv, C, P, U, d)``."""
+    B, Hq, Hkv, C, d = _check_own(q, k, v, key_mask, scale)
+    names = ("prefix_k", "prefix_v", "prefix_index", "prefix_mask")
+    U, P = _check_region(names, prefix_k, prefix_v, prefix_index, prefix_mask, q, Hkv, 0, sync)
     return B, Hq, Hkv, C, P, U, d
 
 
@@ -137,26 +192,31 @@ def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_ma
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def shared_prefix_attention_ref(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale):
-    """Naive reference: materialise ``[prefix_k[prefix_index]; k]`` per row and run masked softmax attention.
+def multi_region_attention_ref(q, k, v, regions, key_mask=None, *, scale):
+    """Naive reference: materialise every row's keys ``[regions' entries; own keys]`` and run masked softmax attention.
 
-    Equals ``softmax(scale · q [K_p; K]^T + mask) [V_p; V]`` with the prompt K/V of row b gathered from
-    ``prefix_k[prefix_index[b]]`` and the kv heads repeated ``Hq // Hkv`` times; computed in the input dtype (fp64 if
-    given fp64), so it serves both as the exact truth and as "the naive same-dtype result". A query with no visible key
-    outputs 0. Memory: O(B·Hq·C·(P+C)); for tests and benchmarks only.
+    For row b the keys are ``region_k[index[b]]`` of every region with ``index[b] >= 0`` (its positions visible where
+    ``mask[index[b]]``), then ``k[b]`` (causal, visible where ``key_mask[b]``), kv heads repeated ``Hq // Hkv`` times;
+    one softmax over all of them. Computed in the input dtype (fp64 if given fp64), so it serves both as the exact truth
+    and as "the naive same-dtype result". A query with no visible key outputs 0. Memory: O(B·Hq·C·(ΣS_r + C)); for
+    tests and benchmarks only.
 
-    Args and return: as :func:`shared_prefix_attention`. Raises ``ValueError``/``TypeError`` on bad input.
+    Args and return: as :func:`multi_region_attention`. Raises ``ValueError``/``TypeError`` on bad input.
     """
-    B, Hq, Hkv, C, P, U, d = _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale)
+    B, Hq, Hkv, C, d = _check_own(q, k, v, key_mask, scale)
+    regions = _check_regions(regions, q, Hkv, sync=True)
     rep = Hq // Hkv
-    keys = torch.cat([prefix_k[prefix_index], k], dim=2).repeat_interleave(rep, dim=1)  # (B, Hq, P+C, d)
-    values = torch.cat([prefix_v[prefix_index], v], dim=2).repeat_interleave(rep, dim=1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    comp_vis = causal.expand(B, C, C)
-    if key_mask is not None:
-        comp_vis = comp_vis & key_mask[:, None, :]
-    pref_vis = prefix_mask[prefix_index][:, None, :].expand(B, C, P)
-    visible = torch.cat([pref_vis, comp_vis], dim=2)[:, None]  # (B, 1, C, P+C)
+    keys, values, vis = [], [], []
+    for region_k, region_v, index, mask in regions:
+        safe = index.clamp(min=0)
+        keys.append(region_k[safe])  # (B, Hkv, S_r, d)
+        values.append(region_v[safe])
+        vis.append((mask[safe] & (index >= 0)[:, None])[:, None, :].expand(B, C, -1))
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril().expand(B, C, C)
+    vis.append(causal if key_mask is None else causal & key_mask[:, None, :])
+    keys = torch.cat(keys + [k], dim=2).repeat_interleave(rep, dim=1)  # (B, Hq, ΣS_r + C, d)
+    values = torch.cat(values + [v], dim=2).repeat_interleave(rep, dim=1)
+    visible = torch.cat(vis, dim=2)[:, None]  # (B, 1, C, ΣS_r + C)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
     has_key = visible.any(dim=-1, keepdim=True)
@@ -164,6 +224,21 @@ def shared_prefix_attention_ref(q, k, v, prefix_k, prefix_v, prefix_index, prefi
     scores = scores.masked_fill(~has_key, 0.0)
     probs = torch.softmax(scores, dim=-1) * has_key
     return torch.matmul(probs, values)
+
+
+def shared_prefix_attention_ref(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale):
+    """Naive reference: materialise ``[prefix_k[prefix_index]; k]`` per row and run masked softmax attention, i.e.
+    :func:`multi_region_attention_ref` with the one region ``(prefix_k, prefix_v, prefix_index, prefix_mask)``.
+
+    Equals ``softmax(scale · q [K_p; K]^T + mask) [V_p; V]`` with the prompt K/V of row b gathered from
+    ``prefix_k[prefix_index[b]]`` and the kv heads repeated ``Hq // Hkv`` times; computed in the input dtype (fp64 if
+    given fp64). A query with no visible key outputs 0. Memory: O(B·Hq·C·(P+C)); for tests and benchmarks only.
+
+    Args and return: as :func:`shared_prefix_attention`. Raises ``ValueError``/``TypeError`` on bad input.
+    """
+    _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale)
+    return multi_region_attention_ref(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask,
+                                      scale=scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -176,12 +251,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _groups(prefix_index: torch.Tensor, U: int):
-    """Rows of each prompt: list of ``(u, rows)`` with ``rows`` an int64 tensor of row indices, ascending."""
-    order = torch.argsort(prefix_index, stable=True)
-    counts = torch.bincount(prefix_index, minlength=U).tolist()
-    out, start = [], 0
-    for u, n in enumerate(counts):
+def _groups(index: torch.Tensor, U: int):
+    """Rows reading each entry of a region: list of ``(u, rows)`` with ``rows`` an int64 tensor of row indices,
+    ascending; entries no row reads are left out, and so are rows with index −1."""
+    order = torch.argsort(index, stable=True)
+    counts = torch.bincount(index + 1, minlength=U + 1).tolist()  # counts[0]: rows that read nothing
+    out, start = [], counts[0]
+    for u, n in enumerate(counts[1:]):
         if n:
             out.append((u, order[start:start + n]))
             start += n
@@ -231,7 +307,7 @@ def _unfold(x: torch.Tensor, n: int, Hq: int, c: int) -> torch.Tensor:
 
 
 def _completion_visibility(rows, c0, c1, C, rep, key_mask, device):
-    """Bool (n, 1, rep·(c1−c0), C): query position i sees completion key j iff j ≤ i and key_mask[row, j]."""
+    """Bool (n, 1, rep·(c1−c0), C): query position i sees own key j iff j ≤ i and key_mask[row, j]."""
     qpos = torch.arange(c0, c1, device=device)
     vis = torch.arange(C, device=device)[None, :] <= qpos[:, None]  # (c, C)
     vis = vis.repeat(rep, 1)[None, None]  # (1, 1, rep·c, C)
@@ -240,19 +316,20 @@ def _completion_visibility(rows, c0, c1, C, rep, key_mask, device):
     return vis
 
 
-def _prefix_region_fwd(q, prefix_k, prefix_v, prefix_mask, groups, Hkv, scale, budget, o_acc, l_acc):
-    """Region 1 forward. Writes the normalised region output into ``o_acc`` and its LSE into ``l_acc``."""
+def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, l_acc):
+    """Forward over one shared region. Writes the normalised region output into ``o_acc`` and its LSE into ``l_acc``
+    at the rows of ``groups`` (see :func:`_groups`); other rows are left as they are."""
     B, Hq, C, d = q.shape
-    P = prefix_k.shape[2]
+    S = region_k.shape[2]
     acc = o_acc.dtype
     for u, rows in groups:
-        ku = prefix_k[u].to(acc)  # (Hkv, P, d): at most one copy per prompt, never per row
-        vu = prefix_v[u].to(acc)
-        kmask = prefix_mask[u]  # (P,)
-        for rc, c0, c1 in _query_chunks(rows, Hq * P, C, budget):
+        ku = region_k[u].to(acc)  # (Hkv, S, d): at most one copy per entry, never per row
+        vu = region_v[u].to(acc)
+        kmask = mask[u]  # (S,)
+        for rc, c0, c1 in _query_chunks(rows, Hq * S, C, budget):
             n, c = rc.numel(), c1 - c0
             qc = _fold(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
-            s = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, P)
+            s = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, S)
             s.masked_fill_(~kmask, float("-inf"))
             lse = torch.logsumexp(s, dim=-1)  # (Hkv, M), -inf where no key visible
             s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
@@ -261,8 +338,8 @@ def _prefix_region_fwd(q, prefix_k, prefix_v, prefix_mask, groups, Hkv, scale, b
             _put(l_acc, rc, c0, c1, _unfold(lse[..., None], n, Hq, c)[..., 0])
 
 
-def _completion_region_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc):
-    """Region 2 forward (per-row causal). Same outputs as :func:`_prefix_region_fwd`."""
+def _own_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc):
+    """Forward over the own region (per-row causal). Same outputs as :func:`_region_fwd`, for every row."""
     B, Hq, C, d = q.shape
     rep = Hq // Hkv
     acc = o_acc.dtype
@@ -280,75 +357,77 @@ def _completion_region_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc):
         _put(l_acc, rc, c0, c1, lse.reshape(n, Hq, c))
 
 
-def _merge(o1, l1, o2, l2):
-    """Exact LSE merge of two normalised partial attentions; rows with no visible key in either region give 0."""
-    lse = torch.logaddexp(l1, l2)
+def _merge_(o, l, o_r, l_r):
+    """In place, ``(o, l)`` ← the exact LSE merge of the normalised partial attentions ``(o, l)`` and ``(o_r, l_r)``:
+    ``l = logaddexp(l, l_r)``, ``o = e^{l_old − l} o + e^{l_r − l} o_r``. Queries with no visible key in either keep
+    ``o = 0``, ``l = −inf``. ``o_r`` is overwritten (scaled by its weight)."""
+    lse = torch.logaddexp(l, l_r)
     safe = torch.where(torch.isinf(lse), 0.0, lse)
-    w1 = torch.exp(l1 - safe)[..., None]  # exp(-inf) = 0 for an empty region
-    w2 = torch.exp(l2 - safe)[..., None]
-    return o1 * w1 + o2 * w2, lse
+    o.mul_(torch.exp(l - safe)[..., None])  # exp(-inf) = 0 for an empty side
+    o.add_(o_r.mul_(torch.exp(l_r - safe)[..., None]))
+    l.copy_(lse)
 
 
-def _torch_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params):
-    """Torch forward: returns ``(out in q.dtype (B, Hq, C, d), lse (B, Hq, C))``, lse fp32 (fp64 for fp64 inputs)."""
+def _torch_fwd(q, k, v, regions, key_mask, params):
+    """Torch forward: returns ``(out in q.dtype (B, Hq, C, d), lse (B, Hq, C))``, lse fp32 (fp64 for fp64 inputs).
+    Temporaries: two (B, Hq, C, d) accumulators in that dtype and score chunks of ``params.chunk_elems``."""
     B, Hq, C, d = q.shape
-    Hkv, U = k.shape[1], prefix_k.shape[0]
+    Hkv = k.shape[1]
     dev, acc = q.device, _acc_dtype(q.dtype)
-    o1 = torch.zeros(B, Hq, C, d, dtype=acc, device=dev)
-    l1 = torch.full((B, Hq, C), float("-inf"), dtype=acc, device=dev)
-    o2, l2 = torch.zeros_like(o1), torch.full_like(l1, float("-inf"))
-    _prefix_region_fwd(q, prefix_k, prefix_v, prefix_mask, _groups(prefix_index, U), Hkv, params.scale,
-                       params.chunk_elems, o1, l1)
-    _completion_region_fwd(q, k, v, key_mask, Hkv, params.scale, params.chunk_elems, o2, l2)
-    out, lse = _merge(o1, l1, o2, l2)
-    return out.to(q.dtype), lse
+    o = torch.zeros(B, Hq, C, d, dtype=acc, device=dev)
+    lse = torch.full((B, Hq, C), float("-inf"), dtype=acc, device=dev)
+    _own_fwd(q, k, v, key_mask, Hkv, params.scale, params.chunk_elems, o, lse)
+    if regions:
+        o_r, l_r = torch.zeros_like(o), torch.empty_like(lse)
+    for region_k, region_v, index, mask in regions:
+        l_r.fill_(float("-inf"))  # rows that do not read the region
+        _region_fwd(q, region_k, region_v, mask, _groups(index, region_k.shape[0]), Hkv, params.scale,
+                    params.chunk_elems, o_r, l_r)
+        _merge_(o, lse, o_r, l_r)
+    return o.to(q.dtype), lse
 
 
-def _torch_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse, params):
-    """Torch backward, FlashAttention-2 style per region with the merged ``out``/``lse``.
-
-    Returns ``(dq, dk, dv, dprefix_k, dprefix_v)`` in the accumulation dtype (fp32; fp64 for fp64 inputs); prompt
-    gradients are summed in that dtype over every row of the prompt's group and every query head of the kv head.
-    """
+def _region_bwd(q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale, budget, dq):
+    """Backward over one shared region with the merged ``lse`` (−inf replaced by 0) and ``delta = rowsum(dO ∘ O)``,
+    ``do`` in the accumulation dtype: adds the region's share to ``dq`` and returns ``(dregion_k, dregion_v)``, summed
+    over every row reading an entry and every query head of the kv head."""
     B, Hq, C, d = q.shape
-    Hkv, U, P = k.shape[1], prefix_k.shape[0], prefix_k.shape[2]
-    rep = Hq // Hkv
-    scale, budget = params.scale, params.chunk_elems
-    dev, acc = q.device, _acc_dtype(q.dtype)
-    do32 = dout.to(acc)
-    delta = (do32 * out.to(acc)).sum(-1)  # (B, Hq, C): D = rowsum(dO ∘ O)
-    lse_safe = torch.where(torch.isinf(lse), 0.0, lse)  # empty rows: every score is -inf, so P = 0 there
-    dq = torch.zeros(B, Hq, C, d, dtype=acc, device=dev)
-    dpk = torch.zeros(U, Hkv, P, d, dtype=acc, device=dev)
-    dpv = torch.zeros_like(dpk)
-    dk = torch.zeros(B, Hkv, C, d, dtype=acc, device=dev)
-    dv = torch.zeros_like(dk)
-
-    # region 1: the prompt, queries of a whole group folded against its keys
-    for u, rows in _groups(prefix_index, U):
-        ku, vu = prefix_k[u].to(acc), prefix_v[u].to(acc)
-        kmask = prefix_mask[u]
-        for rc, c0, c1 in _query_chunks(rows, Hq * P, C, budget):
+    U, _, S, _ = region_k.shape
+    acc = dq.dtype
+    drk = torch.zeros(U, Hkv, S, d, dtype=acc, device=q.device)
+    drv = torch.zeros_like(drk)
+    for u, rows in groups:
+        ku, vu = region_k[u].to(acc), region_v[u].to(acc)
+        kmask = mask[u]
+        for rc, c0, c1 in _query_chunks(rows, Hq * S, C, budget):
             n, c = rc.numel(), c1 - c0
             qc = _fold(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
-            doc = _fold(_take(do32, rc, c0, c1), Hkv)
-            lc = _fold(_take(lse_safe, rc, c0, c1)[..., None], Hkv)  # (Hkv, M, 1)
+            doc = _fold(_take(do, rc, c0, c1), Hkv)
+            lc = _fold(_take(lse, rc, c0, c1)[..., None], Hkv)  # (Hkv, M, 1)
             dc = _fold(_take(delta, rc, c0, c1)[..., None], Hkv)
-            p = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, P)
+            p = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, S)
             p.masked_fill_(~kmask, float("-inf")).sub_(lc).exp_()
-            dpv[u] += torch.matmul(p.transpose(1, 2), doc)
+            drv[u] += torch.matmul(p.transpose(1, 2), doc)
             ds = torch.matmul(doc, vu.transpose(1, 2)).sub_(dc).mul_(p)  # dS = P ∘ (dP − D)
             del p
             _put(dq, rc, c0, c1, _unfold(torch.matmul(ds, ku), n, Hq, c).mul_(scale), accumulate=True)
-            dpk[u] += torch.matmul(ds.transpose(1, 2), qc).mul_(scale)
+            drk[u] += torch.matmul(ds.transpose(1, 2), qc).mul_(scale)
+    return drk, drv
 
-    # region 2: each row's own completion, causal
+
+def _own_bwd(q, k, v, do, lse, delta, key_mask, Hkv, scale, budget, dq):
+    """Backward over the own region (arguments as :func:`_region_bwd`): adds to ``dq``, returns ``(dk, dv)``."""
+    B, Hq, C, d = q.shape
+    rep = Hq // Hkv
+    dev, acc = q.device, dq.dtype
+    dk = torch.zeros(B, Hkv, C, d, dtype=acc, device=dev)
+    dv = torch.zeros_like(dk)
     all_rows = torch.arange(B, device=dev)
     for rc, c0, c1 in _query_chunks(all_rows, Hq * C, C, budget):
         n, c = rc.numel(), c1 - c0
         qc = _take(q, rc, c0, c1).to(acc).reshape(n, Hkv, rep * c, d)
-        doc = _take(do32, rc, c0, c1).reshape(n, Hkv, rep * c, d)
-        lc = _take(lse_safe, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
+        doc = _take(do, rc, c0, c1).reshape(n, Hkv, rep * c, d)
+        lc = _take(lse, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
         dc = _take(delta, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
         kc, vc = k.index_select(0, rc).to(acc), v.index_select(0, rc).to(acc)
         p = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # (n, Hkv, rep·c, C)
@@ -359,7 +438,33 @@ def _torch_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key
         del p
         _put(dq, rc, c0, c1, torch.matmul(ds, kc).mul_(scale).reshape(n, Hq, c, d), accumulate=True)
         dk.index_add_(0, rc, torch.matmul(ds.transpose(-1, -2), qc).mul_(scale))
-    return dq, dk, dv, dpk, dpv
+    return dk, dv
+
+
+def _torch_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
+    """Torch backward, FlashAttention-2 style per region with the merged ``out``/``lse``.
+
+    Returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])`` in the accumulation dtype (fp32; fp64 for fp64
+    inputs); region gradients are summed in that dtype over every row reading an entry and every query head of the kv
+    head (entries no row reads get 0).
+    """
+    B, Hq, C, d = q.shape
+    Hkv = k.shape[1]
+    scale, budget = params.scale, params.chunk_elems
+    acc = _acc_dtype(q.dtype)
+    do = dout.to(acc)
+    delta = (do * out.to(acc)).sum(-1)  # (B, Hq, C): D = rowsum(dO ∘ O)
+    lse_safe = torch.where(torch.isinf(lse), 0.0, lse)  # empty rows: every score is -inf, so P = 0 there
+    dq = torch.zeros(B, Hq, C, d, dtype=acc, device=q.device)
+    dregions = [_region_bwd(q, do, lse_safe, delta, rk, rv, mask, _groups(index, rk.shape[0]), Hkv, scale, budget, dq)
+                for rk, rv, index, mask in regions]
+    dk, dv = _own_bwd(q, k, v, do, lse_safe, delta, key_mask, Hkv, scale, budget, dq)
+    return dq, dk, dv, dregions
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ATen fused CPU attention path
+# ----------------------------------------------------------------------------------------------------------------------
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -367,8 +472,8 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _region2_layout(q, k, key_mask, Hkv):
-    """Region 2 as one batched attention: queries (B, Hkv, rep·C, d) against each row's own (B, Hkv, C, d) keys,
+def _own_layout(q, k, key_mask, Hkv):
+    """The own region as one batched attention: queries (B, Hkv, rep·C, d) against each row's own (B, Hkv, C, d) keys,
     with the (B, 1, rep·C, C) causal-and-padding mask. Folding the query heads of a kv head avoids repeating K/V."""
     B, Hq, C, d = q.shape
     rows = torch.arange(B, device=q.device)
@@ -376,105 +481,186 @@ def _region2_layout(q, k, key_mask, Hkv):
     return q.reshape(B, Hkv, -1, d), _additive(visible, q.dtype)
 
 
-def _has_key(prefix_index, prefix_mask, key_mask, B, Hq, C, device):
-    """(B, Hq, C) bool: which queries see at least one key in region 1 and region 2 (the kernels report LSE 0, not
-    −inf, for a query that sees none)."""
-    has1 = prefix_mask.any(-1)[prefix_index][:, None, None].expand(B, Hq, C)
-    seen = torch.ones(B, C, dtype=torch.bool, device=device) if key_mask is None else key_mask.cumsum(-1) > 0
-    return has1, seen[:, None, :].expand(B, Hq, C)
-
-
-def _cpu_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params):
-    """Forward on ATen's fused CPU kernels: one call per unique prompt (its group's queries folded against its K/V in
-    place) and one batched call for the completions; merged by LSE. Returns ``(out in q.dtype, lse fp32)``."""
+def _cpu_fwd(q, k, v, regions, key_mask, params):
+    """Forward on ATen's fused CPU kernels: one batched call for the own regions and, per region, one call per entry
+    that rows read (the queries of those rows folded against its K/V in place; entries with no real key skipped);
+    merged by LSE. Returns ``(out in q.dtype, lse fp32)``."""
     fwd, _ = aten_cpu_attention()
     B, Hq, C, d = q.shape
-    Hkv, U = k.shape[1], prefix_k.shape[0]
+    Hkv = k.shape[1]
     acc = _acc_dtype(q.dtype)
-    o1 = torch.empty(B, Hq, C, d, dtype=acc, device=q.device)
-    l1 = torch.empty(B, Hq, C, dtype=acc, device=q.device)
-    for u, rows in _groups(prefix_index, U):
-        n = rows.numel()
-        qu = _fold(q.index_select(0, rows), Hkv)[None]  # (1, Hkv, n·rep·C, d)
-        mask = _additive(prefix_mask[u][None, None, None, :], q.dtype)
-        o, lse = fwd(qu, prefix_k[u : u + 1], prefix_v[u : u + 1], 0.0, False, attn_mask=mask, scale=params.scale)
-        o1.index_copy_(0, rows, _unfold(o[0].to(acc), n, Hq, C))
-        l1.index_copy_(0, rows, _unfold(lse[0, ..., None].to(acc), n, Hq, C)[..., 0])
-    q2, mask2 = _region2_layout(q, k, key_mask, Hkv)
-    o2, l2 = fwd(q2, k, v, 0.0, False, attn_mask=mask2, scale=params.scale)
-    o2, l2 = o2.reshape(B, Hq, C, d).to(acc), l2.reshape(B, Hq, C).to(acc)
-    has1, has2 = _has_key(prefix_index, prefix_mask, key_mask, B, Hq, C, q.device)
-    l1.masked_fill_(~has1, float("-inf"))
-    l2 = l2.masked_fill(~has2, float("-inf"))
-    out, lse = _merge(o1, l1, o2, l2)
-    return out.to(q.dtype), lse
+    q_own, mask_own = _own_layout(q, k, key_mask, Hkv)
+    o, lse = fwd(q_own, k, v, 0.0, False, attn_mask=mask_own, scale=params.scale)
+    o, lse = o.reshape(B, Hq, C, d).to(acc), lse.reshape(B, Hq, C).to(acc)
+    # the kernel reports LSE 0, not −inf, for a query that sees no key
+    seen = torch.ones(B, C, dtype=torch.bool, device=q.device) if key_mask is None else key_mask.cumsum(-1) > 0
+    lse.masked_fill_(~seen[:, None, :], float("-inf"))
+    if regions:
+        o_r, l_r = torch.zeros_like(o), torch.empty_like(lse)
+    for region_k, region_v, index, mask in regions:
+        l_r.fill_(float("-inf"))
+        has_key = mask.any(-1).tolist()
+        for u, rows in _groups(index, region_k.shape[0]):
+            if not has_key[u]:
+                continue
+            n = rows.numel()
+            qu = _fold(q.index_select(0, rows), Hkv)[None]  # (1, Hkv, n·rep·C, d)
+            add = _additive(mask[u][None, None, None, :], q.dtype)
+            ou, lu = fwd(qu, region_k[u : u + 1], region_v[u : u + 1], 0.0, False, attn_mask=add, scale=params.scale)
+            o_r.index_copy_(0, rows, _unfold(ou[0].to(acc), n, Hq, C))
+            l_r.index_copy_(0, rows, _unfold(lu[0, ..., None].to(acc), n, Hq, C)[..., 0])
+        _merge_(o, lse, o_r, l_r)
+    return o.to(q.dtype), lse
 
 
-def _cpu_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse, params):
+def _cpu_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
     """Backward on ATen's fused CPU kernels: each region's FlashAttention-2 backward given the merged ``out`` and
-    ``lse``, so the kernel's ``D = rowsum(dO ∘ O)`` and ``P = exp(S − L)`` are those of the whole attention."""
+    ``lse``, so the kernel's ``D = rowsum(dO ∘ O)`` and ``P = exp(S − L)`` are those of the whole attention. Returns
+    as :func:`_torch_bwd` (dq fp32, the others in the inputs' dtype)."""
     _, bwd = aten_cpu_attention()
     B, Hq, C, d = q.shape
-    Hkv, U = k.shape[1], prefix_k.shape[0]
+    Hkv = k.shape[1]
     lse = torch.where(torch.isinf(lse), 0.0, lse).to(_acc_dtype(q.dtype))  # no key: all P = exp(−inf) = 0
     dout = dout.contiguous()
     dq = torch.zeros(B, Hq, C, d, dtype=_acc_dtype(q.dtype), device=q.device)
-    dpk, dpv = torch.zeros_like(prefix_k), torch.zeros_like(prefix_v)
-    for u, rows in _groups(prefix_index, U):
-        n = rows.numel()
-        fold = lambda x: _fold(x.index_select(0, rows), Hkv)[None]  # noqa: E731
-        fold_l = _fold(lse.index_select(0, rows)[..., None], Hkv)[None, ..., 0]
-        mask = _additive(prefix_mask[u][None, None, None, :], q.dtype)
-        g = bwd(fold(dout), fold(q), prefix_k[u : u + 1], prefix_v[u : u + 1], fold(out), fold_l, 0.0, False,
-                attn_mask=mask, scale=params.scale)  # fmt: skip
-        dq.index_add_(0, rows, _unfold(g[0][0].to(dq.dtype), n, Hq, C))
-        dpk[u], dpv[u] = g[1][0], g[2][0]
-    q2, mask2 = _region2_layout(q, k, key_mask, Hkv)
-    g = bwd(dout.reshape(B, Hkv, -1, d), q2, k, v, out.reshape(B, Hkv, -1, d), lse.reshape(B, Hkv, -1), 0.0, False,
-            attn_mask=mask2, scale=params.scale)  # fmt: skip
+    dregions = []
+    for region_k, region_v, index, mask in regions:
+        drk, drv = torch.zeros_like(region_k), torch.zeros_like(region_v)
+        for u, rows in _groups(index, region_k.shape[0]):
+            n = rows.numel()
+            fold = lambda x: _fold(x.index_select(0, rows), Hkv)[None]  # noqa: E731
+            fold_l = _fold(lse.index_select(0, rows)[..., None], Hkv)[None, ..., 0]
+            add = _additive(mask[u][None, None, None, :], q.dtype)
+            g = bwd(fold(dout), fold(q), region_k[u : u + 1], region_v[u : u + 1], fold(out), fold_l, 0.0, False,
+                    attn_mask=add, scale=params.scale)  # fmt: skip
+            dq.index_add_(0, rows, _unfold(g[0][0].to(dq.dtype), n, Hq, C))
+            drk[u], drv[u] = g[1][0], g[2][0]
+        dregions.append((drk, drv))
+    q_own, mask_own = _own_layout(q, k, key_mask, Hkv)
+    g = bwd(dout.reshape(B, Hkv, -1, d), q_own, k, v, out.reshape(B, Hkv, -1, d), lse.reshape(B, Hkv, -1), 0.0, False,
+            attn_mask=mask_own, scale=params.scale)  # fmt: skip
     dq += g[0].reshape(B, Hq, C, d)
-    return dq, g[1], g[2], dpk, dpv
+    return dq, g[1], g[2], dregions
 
 
-class SharedPrefixAttentionFunction(torch.autograd.Function):
+# ----------------------------------------------------------------------------------------------------------------------
+# autograd and public API
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class MultiRegionAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: saves only the inputs, the output and the fp32 log-sum-exp; recomputes scores in backward.
 
-    ``forward(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params)`` → ``out``; see
-    :func:`shared_prefix_attention` for shapes. ``params`` is a :class:`SharedPrefixAttentionParams`.
+    ``forward(q, k, v, key_mask, params, *region_tensors)`` → ``out``, with ``region_tensors`` the regions flattened
+    (``region_k, region_v, index, mask`` of region 0, then of region 1, ...); see :func:`multi_region_attention` for
+    shapes. ``params`` is a :class:`MultiRegionAttentionParams`.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params):
+    def forward(ctx, q, k, v, key_mask, params, *region_tensors):
+        regions = [region_tensors[i:i + 4] for i in range(0, len(region_tensors), 4)]
         if params.backend == "triton":
-            from .attention_triton import shared_prefix_attention_fwd
+            from .attention_triton import multi_region_attention_fwd
 
-            out, lse = shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask,
-                                                   params.scale)
+            out, lse = multi_region_attention_fwd(q, k, v, regions, key_mask, params.scale)
         elif params.backend == "cpu":
-            out, lse = _cpu_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params)
+            out, lse = _cpu_fwd(q, k, v, regions, key_mask, params)
         else:
-            out, lse = _torch_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params)
-        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse)
+            out, lse = _torch_fwd(q, k, v, regions, key_mask, params)
+        ctx.save_for_backward(q, k, v, key_mask, out, lse, *region_tensors)
         ctx.params = params
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse = ctx.saved_tensors
+        q, k, v, key_mask, out, lse, *region_tensors = ctx.saved_tensors
+        regions = [region_tensors[i:i + 4] for i in range(0, len(region_tensors), 4)]
         params = ctx.params
         if params.backend == "triton":
-            from .attention_triton import shared_prefix_attention_bwd
+            from .attention_triton import multi_region_attention_bwd
 
-            grads = shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask,
-                                                key_mask, out, lse, params.scale)
+            dq, dk, dv, dregions = multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params.scale)
         elif params.backend == "cpu":
-            grads = _cpu_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse, params)
+            dq, dk, dv, dregions = _cpu_bwd(dout, q, k, v, regions, key_mask, out, lse, params)
         else:
-            grads = _torch_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse,
-                               params)
-        dq, dk, dv, dpk, dpv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v, prefix_k, prefix_v)))
-        return dq, dk, dv, dpk, dpv, None, None, None, None
+            dq, dk, dv, dregions = _torch_bwd(dout, q, k, v, regions, key_mask, out, lse, params)
+        grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None]
+        for (drk, drv), (rk, rv, _, _) in zip(dregions, regions):
+            grads += [drk.to(rk.dtype), drv.to(rv.dtype), None, None]
+        return tuple(grads)
+
+
+def _apply(q, k, v, regions, key_mask, scale, backend):
+    """Run the autograd Function on validated inputs with a resolved ``backend``."""
+    params = MultiRegionAttentionParams(scale=float(scale), backend=backend)
+    return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, *(t for r in regions for t in r))
+
+
+def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="auto"):
+    """Attention of each row's queries over several shared K/V regions, read in place, and its own causal keys.
+
+    Equals :func:`multi_region_attention_ref`, i.e. for each row b, with ``rep = Hq // Hkv`` and ``R_b`` the regions
+    with ``index[b] >= 0``::
+
+        K = torch.cat([region_k[index[b]] for r in R_b] + [k[b]], dim=1).repeat_interleave(rep, 0)  # (Hq, Σ S_r + C, d)
+        V = likewise from region_v and v[b]
+        visible = mask[index[b]] over each region's S_r positions, then (j ≤ i and key_mask[b, j]) over the own C
+        out[b] = softmax(scale · q[b] K^T masked by visible) V                  (one softmax over every region)
+
+    but never builds a per-row (or GQA-repeated) copy of any region's K/V: each entry is read in place, once for all
+    rows that read it, and the regions are merged by log-sum-exp (Hydragen, arXiv 2402.05099; backward FlashAttention-2,
+    arXiv 2307.08691, per region with the merged output and LSE). A query with no visible key outputs 0 with zero
+    gradient. Query head h uses kv head ``h // rep``. Accumulation is fp32 (fp64 for fp64 inputs).
+
+    Args:
+        q: (B, Hq, C, d) queries after RoPE; fp16, bf16, fp32, or fp64 (torch and cpu backends).
+        k, v: (B, Hkv, C, d) each row's own keys/values after RoPE, q's dtype; causal (query i sees own keys 0..i).
+            ``Hq % Hkv == 0``.
+        regions: a list or tuple (possibly empty) of 4-tuples ``(region_k, region_v, index, mask)``:
+            region_k, region_v: (U_r, Hkv, S_r, d), q's dtype and device, U_r >= 1 entries (S_r may differ between
+            regions); index: (B,) int64 in [-1, U_r), the entry row b reads, -1 for none; mask: (U_r, S_r) bool, True
+            at real key positions (padding may sit anywhere in an entry).
+        key_mask: (B, C) bool, True where the own key position is real; None means all real.
+        scale: softmax scale (``module.scaling``), a finite positive Python float.
+        backend: ``"torch"`` (chunked matmuls, any device), ``"cpu"`` (ATen's fused CPU attention kernels, once for all
+            own regions and once per read entry of each region), ``"triton"`` (fp16/bf16/fp32; reads every tensor in
+            place with its strides and never synchronises with the host), or ``"auto"`` (triton for fp16/bf16/fp32
+            CUDA tensors, cpu for CPU tensors, torch otherwise).
+
+    Returns:
+        (B, Hq, C, d) tensor of q's dtype. Differentiable in q, k, v and every region_k/region_v (a region's gradient
+        is summed in fp32 over all rows reading each entry; entries no row reads get 0). Memory kept for backward: the
+        inputs, the output and a (B, Hq, C) fp32 log-sum-exp.
+
+    Raises:
+        ValueError: bad shapes (q/k/v, a region's K/V, index or mask, key_mask), ``Hq % Hkv != 0``, an index out of
+            [-1, U_r), mismatched devices, non-positive scale, unknown backend; ``BackendUnavailableError`` (a
+            ValueError) for an explicitly requested backend that cannot run here (``"triton"`` without CUDA or the
+            interpreter, or with fp64 inputs).
+        RuntimeError: an index out of range on the triton backend (``torch._assert_async``: at once on CPU, at the next
+            synchronising call on CUDA).
+        TypeError: non-tensor arguments, ``regions`` not a sequence of 4-tuples, non-float or mismatched dtypes,
+            non-int64 index, non-bool masks.
+    """
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    backend = resolve("multi_region_attention", backend, q)
+    _, _, Hkv, _, _ = _check_own(q, k, v, key_mask, scale)
+    # the Triton path must not stall the host on each layer: its index checks run on the device
+    regions = _check_regions(regions, q, Hkv, sync=backend != "triton")
+    return _apply(q, k, v, regions, key_mask, scale, backend)
+
+
+class SharedPrefixAttentionFunction:
+    """The two-region case of :class:`MultiRegionAttentionFunction`, with the argument order of
+    :func:`shared_prefix_attention`: ``apply(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask,
+    params)`` → ``out`` (inputs not validated)."""
+
+    @staticmethod
+    def apply(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params):
+        return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, prefix_k, prefix_v, prefix_index,
+                                                  prefix_mask)
 
 
 def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale,
@@ -490,8 +676,10 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
         out[b] = softmax(scale · q[b] K^T masked by visible) V
 
     but never builds ``prefix_k[prefix_index]`` or GQA-repeated K/V: the prompt K/V are read in place, once per
-    unique prompt, and the two regions are merged by log-sum-exp. A query with no visible key outputs 0 with zero
-    gradient. Query head h uses kv head ``h // rep``. Accumulation is fp32 (fp64 for fp64 inputs).
+    unique prompt, and the two regions are merged by log-sum-exp. It is
+    ``multi_region_attention(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask)`` with every row
+    reading a prompt. A query with no visible key outputs 0 with zero gradient. Query head h uses kv head
+    ``h // rep``. Accumulation is fp32 (fp64 for fp64 inputs).
 
     Args:
         q: (B, Hq, C, d) completion queries after RoPE; fp16, bf16, fp32, or fp64 (torch backend only, fp64 throughout).
@@ -526,6 +714,4 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
     backend = resolve("shared_prefix_attention", backend, q)
     # the Triton path must not stall the host on each layer: its index check runs on the device
     _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=backend != "triton")
-    params = SharedPrefixAttentionParams(scale=float(scale), backend=backend)
-    return SharedPrefixAttentionFunction.apply(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask,
-                                               params)
+    return _apply(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, backend)

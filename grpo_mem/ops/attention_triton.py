@@ -807,3 +807,18 @@ def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index,
         _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, dpk, dpv, n_elems, n_split),
                 d, q.dtype, interpret, BLOCK=block, EMULATE_BF16=meta["EMULATE_BF16"])
     return dq, dk, dv, dpk, dpv
+
+
+def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
+    """Forward of :func:`grpo_mem.ops.attention.multi_region_attention`: the one-region case only (for now)."""
+    if len(regions) != 1:
+        raise NotImplementedError("the Triton multi-region kernels take exactly one region so far")
+    return shared_prefix_attention_fwd(q, k, v, *regions[0], key_mask, scale)
+
+
+def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale):
+    """Backward of :func:`multi_region_attention_fwd`: ``(dq, dk, dv, [(dregion_k, dregion_v)])``."""
+    if len(regions) != 1:
+        raise NotImplementedError("the Triton multi-region kernels take exactly one region so far")
+    dq, dk, dv, dpk, dpv = shared_prefix_attention_bwd(dout, q, k, v, *regions[0], key_mask, out, lse, scale)
+    return dq, dk, dv, [(dpk, dpv)]

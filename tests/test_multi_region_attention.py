@@ -1,0 +1,275 @@
+"""Multi-region attention against naive attention over every row's materialised keys (multi_region_attention_ref)."""
+
+import pytest
+import torch
+from test_attention import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grpo_mem.ops import multi_region_attention, multi_region_attention_ref, shared_prefix_attention
+from grpo_mem.ops.attention import MultiRegionAttentionFunction, MultiRegionAttentionParams
+
+
+def _entry_masks(U, S, spec, g):
+    """(U, S) bool: ("right", lens) real keys first, ("left", lens) real keys last, ("junk", p) each key real with
+    probability p (padding anywhere)."""
+    kind, arg = spec
+    pos = torch.arange(S)[None, :]
+    if kind == "right":
+        return pos < torch.tensor(arg)[:, None]
+    if kind == "left":
+        return pos >= S - torch.tensor(arg)[:, None]
+    return torch.rand(U, S, generator=g) < arg
+
+
+def make_inputs(B, Hq, Hkv, C, d, regions, clens=None, dtype=torch.float32, seed=0):
+    """Random inputs. ``regions``: list of ``(U, S, index, mask spec)`` (see _entry_masks); padded key positions hold
+    random junk. Returns (tensors {q, k, v, rk0, rv0, ...}, [(index, mask)] per region, key_mask, grad_out)."""
+    g = torch.Generator().manual_seed(seed)
+    t = {n: torch.randn(B, H, C, d, generator=g, dtype=torch.float64) for n, H in (("q", Hq), ("k", Hkv), ("v", Hkv))}
+    meta = []
+    for i, (U, S, index, spec) in enumerate(regions):
+        t[f"rk{i}"] = torch.randn(U, Hkv, S, d, generator=g, dtype=torch.float64)
+        t[f"rv{i}"] = torch.randn(U, Hkv, S, d, generator=g, dtype=torch.float64)
+        meta.append((torch.tensor(index, dtype=torch.int64), _entry_masks(U, S, spec, g)))
+    t = {n: x.to(dtype) for n, x in t.items()}
+    key_mask = None if clens is None else torch.arange(C)[None, :] < torch.tensor(clens)[:, None]
+    grad_out = torch.randn(B, Hq, C, d, generator=g, dtype=torch.float64).to(dtype)
+    return t, meta, key_mask, grad_out
+
+
+def run(fn, tensors, meta, key_mask, grad_out, dtype=None, **kw):
+    """Output and gradients (keys out, dq, dk, dv, drk0, drv0, ...) of ``fn(q, k, v, regions, key_mask, **kw)``,
+    inputs cast to ``dtype`` if given."""
+    leaves = {n: x.detach().to(dtype or x.dtype).requires_grad_(True) for n, x in tensors.items()}
+    regions = [(leaves[f"rk{i}"], leaves[f"rv{i}"], idx, mask) for i, (idx, mask) in enumerate(meta)]
+    out = fn(leaves["q"], leaves["k"], leaves["v"], regions, key_mask, **kw)
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out.to(out.dtype))
+    res = {"out": out.detach()}
+    res.update({"d" + n: gr for n, gr in zip(leaves, grads)})
+    return res
+
+
+def check_fp32_against_truth(res, truth):
+    """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient| (as tests/test_attention.py)."""
+    assert_close("out", res["out"], truth["out"], 1e-5)
+    for n in truth:
+        if n != "out":
+            assert_close(n, res[n], truth[n], 1e-4 * max(truth[n].abs().max().item(), 1e-6))
+
+
+def check_bf16_against_truth(res, truth, naive):
+    """bf16 error against an fp32 truth ≤ 2 × the naive bf16 reference's error (max over each tensor)."""
+    for n in truth:
+        assert res[n].dtype == torch.bfloat16
+        err = (res[n].float() - truth[n]).abs().max().item()
+        naive_err = (naive[n].float() - truth[n]).abs().max().item()
+        assert err <= 2 * naive_err + 1e-6, f"{n}: bf16 error {err:.3e} > 2 × naive bf16 error {naive_err:.3e}"
+
+
+# (B, Hq, Hkv, C, d, regions, completion lens); regions as (U, S, index, mask spec)
+CASES = {
+    # no shared region: plain causal attention with right-padded own keys, GQA 2
+    "r0_gqa2": (3, 4, 2, 7, 64, [], [7, 3, 5]),
+    # one region, rows unsorted, one row reading nothing, left-padded entries, GQA 4
+    "r1_gqa4": (5, 4, 1, 6, 64, [(3, 11, [2, -1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1]),
+    # three regions of different lengths: right padding, a region no row reads, junk masks (padding anywhere, an
+    # entry with no real key), rows reading one, two or three regions
+    "r3_mixed": (6, 8, 2, 5, 64, [
+        (2, 13, [0, 1, 0, -1, 1, -1], ("right", [13, 6])),
+        (3, 5, [-1] * 6, ("right", [5, 2, 3])),
+        (4, 20, [3, 0, -1, 2, 3, 1], ("junk", 0.5)),
+    ], [5, 5, 3, 1, 5, 2]),
+    # no GQA, head dim 128, every row in every region
+    "r2_mha_d128": (2, 2, 2, 4, 128, [(1, 9, [0, 0], ("right", [7])), (2, 3, [1, 0], ("right", [3, 1]))], None),
+}
+
+
+def _only_region_keys_inputs(dtype=torch.float32, seed=5):
+    """Row 0 sees no own key at queries 0, 1 (its region 0 keys only); row 1 has no real own key at all (region 1
+    keys only); row 2 reads no region and its own key 0 is padding, so its query 0 sees nothing."""
+    t, meta, km, go = make_inputs(3, 4, 2, 4, 64, [(1, 6, [0, -1, -1], ("right", [6])),
+                                                   (2, 5, [-1, 1, -1], ("right", [5, 4]))], [4, 4, 4], dtype, seed)
+    km[0, :2] = False
+    km[1] = False
+    km[2, 0] = False
+    return t, meta, km, go
+
+
+def torch_path(q, k, v, regions, key_mask, *, scale, chunk_elems=1 << 20):
+    params = MultiRegionAttentionParams(scale=scale, backend="torch", chunk_elems=chunk_elems)
+    return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, *(x for r in regions for x in r))
+
+
+def backend_path(backend):
+    if backend == "torch_chunk300":
+        return lambda *a, scale: torch_path(*a, scale=scale, chunk_elems=300)
+    return lambda *a, scale: multi_region_attention(*a, scale=scale, backend=backend)
+
+
+def _check_zero_grads(res, meta, km):
+    """Padded keys, entries no row reads and rows' masked own keys get exactly zero gradient."""
+    for i, (idx, mask) in enumerate(meta):
+        read = torch.zeros(mask.shape[0], dtype=torch.bool)
+        read[idx[idx >= 0]] = True
+        for n in (f"drk{i}", f"drv{i}"):
+            g = res[n].transpose(1, 2)  # (U, S, Hkv, d)
+            assert (g[~mask] == 0).all() and (g[~read] == 0).all(), n
+    if km is not None:
+        for n in ("dk", "dv"):
+            assert (res[n].transpose(1, 2)[~km] == 0).all(), n
+
+
+@pytest.mark.parametrize("case", list(CASES) + ["only_region_keys"])
+@pytest.mark.parametrize("backend", ["torch", "torch_chunk300", "cpu"])
+def test_matches_reference_fp32(case, backend):
+    if case == "only_region_keys":
+        t, meta, km, go = _only_region_keys_inputs()
+        d = 64
+    else:
+        B, Hq, Hkv, C, d, regions, clens = CASES[case]
+        t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens)
+    scale = d ** -0.5
+    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float64, scale=scale)
+    res = run(backend_path(backend), t, meta, km, go, scale=scale)
+    check_fp32_against_truth(res, truth)
+    _check_zero_grads(res, meta, km)
+    if case == "only_region_keys":
+        assert (res["out"][2, :, 0] == 0).all() and (res["dq"][2, :, 0] == 0).all()
+        assert (res["out"][0, :, :2] != 0).all() and (res["out"][1] != 0).all()
+
+
+@pytest.mark.parametrize("case", ["r1_gqa4", "r3_mixed"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bf16_error_within_twice_naive(case, backend):
+    B, Hq, Hkv, C, d, regions, clens = CASES[case]
+    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.bfloat16, seed=2)
+    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float32, scale=d ** -0.5)
+    naive = run(multi_region_attention_ref, t, meta, km, go, scale=d ** -0.5)
+    check_bf16_against_truth(run(backend_path(backend), t, meta, km, go, scale=d ** -0.5), truth, naive)
+
+
+def test_fp64_is_exact():
+    B, Hq, Hkv, C, d, regions, clens = CASES["r3_mixed"]
+    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.float64)
+    truth = run(multi_region_attention_ref, t, meta, km, go, scale=0.11)
+    for backend in ("torch", "cpu"):
+        res = run(backend_path(backend), t, meta, km, go, scale=0.11)
+        for n in truth:
+            assert_close(f"{backend} {n}", res[n], truth[n], 1e-12)
+
+
+def _shared_prefix_as_multi(q, k, v, regions, key_mask, *, scale, backend):
+    (pk, pv, pi, pm), = regions
+    return shared_prefix_attention(q, k, v, pk, pv, pi, pm, key_mask, scale=scale, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_one_region_equals_shared_prefix_attention(backend):
+    t, meta, km, go = make_inputs(5, 4, 2, 6, 64, [(3, 11, [2, 1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1])
+    a = run(backend_path(backend), t, meta, km, go, scale=0.125)
+    b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend=backend)
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def test_no_region_is_causal_attention():
+    """regions=[]: F.scaled_dot_product_attention with the causal-and-padding mask (GQA repeated by hand)."""
+    B, Hq, Hkv, C, d, _, clens = CASES["r0_gqa2"]
+    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, [], clens, dtype=torch.float64)
+    out = multi_region_attention(t["q"], t["k"], t["v"], [], km, scale=0.2, backend="torch")
+    mask = torch.ones(C, C, dtype=torch.bool).tril() & km[:, None, None, :]
+    rep = Hq // Hkv
+    want = torch.nn.functional.scaled_dot_product_attention(
+        t["q"], t["k"].repeat_interleave(rep, 1), t["v"].repeat_interleave(rep, 1), attn_mask=mask, scale=0.2)
+    assert_close("out", out, want, 1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_does_not_materialise_region_copies(backend):
+    """No intermediate as large as one region's K gathered per row (B·Hkv·S·d) in forward or backward."""
+    B, Hq, Hkv, C, d = 16, 8, 2, 4, 16
+    regions = [(1, 64, [0] * B, ("right", [50])), (2, 64, [0, 1] * (B // 2), ("right", [64, 30]))]
+    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions)
+    per_row_copy = B * Hkv * 64 * d
+
+    class MaxNumel(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, torch.Tensor):
+                    MaxNumel.largest = max(MaxNumel.largest, o.numel())
+            return out
+
+    fn = (lambda *a, scale: torch_path(*a, scale=scale, chunk_elems=4096)) if backend == "torch" else \
+        backend_path(backend)
+    with MaxNumel():
+        run(fn, t, meta, km, go, scale=0.25)
+    assert MaxNumel.largest < per_row_copy / 2, MaxNumel.largest
+    with MaxNumel():  # the check itself sees the reference's copies
+        MaxNumel.largest = 0
+        run(multi_region_attention_ref, t, meta, km, go, scale=0.25)
+    assert MaxNumel.largest >= per_row_copy
+
+
+def test_saves_only_inputs_output_and_lse():
+    B, Hq, Hkv, C, d, regions, clens = CASES["r3_mixed"]
+    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens)
+    leaves = {n: x.clone().requires_grad_(True) for n, x in t.items()}
+    regs = [(leaves[f"rk{i}"], leaves[f"rv{i}"], idx, m) for i, (idx, m) in enumerate(meta)]
+    out = multi_region_attention(leaves["q"], leaves["k"], leaves["v"], regs, km, scale=0.1)
+    inputs = list(leaves.values()) + [x for idx_m in meta for x in idx_m] + [km]
+    saved_bytes = sum(x.numel() * x.element_size() for x in out.grad_fn.saved_tensors if x is not None)
+    assert saved_bytes == sum(x.numel() * x.element_size() for x in inputs) + out.numel() * 4 + B * Hq * C * 4
+
+
+def test_bad_input_raises():
+    B, Hq, Hkv, C, d, regions, clens = CASES["r3_mixed"]
+    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens)
+    q, k, v = t["q"], t["k"], t["v"]
+    good = [(t[f"rk{i}"], t[f"rv{i}"], idx, m) for i, (idx, m) in enumerate(meta)]
+
+    def call(regs, key_mask=km, **kw):
+        return multi_region_attention(q, k, v, regs, key_mask, **{"scale": 0.1, **kw})
+
+    def swap(i, j, value):
+        regs = [list(r) for r in good]
+        regs[i][j] = value
+        return [tuple(r) for r in regs]
+
+    with pytest.raises(TypeError, match="regions must be a list or tuple"):
+        call(good[0])
+    with pytest.raises(TypeError, match=r"regions\[1\] must be a 4-tuple.*length 3"):
+        call([good[0], good[1][:3]])
+    with pytest.raises(ValueError, match=r"regions\[2\].index values must lie in \[-1, U=4\), got 4"):
+        call(swap(2, 2, torch.tensor([0, 1, 2, 3, 4, 0])))
+    with pytest.raises(ValueError, match=r"regions\[0\].index values must lie in \[-1, U=2\), got -2"):
+        call(swap(0, 2, torch.tensor([0, 1, 0, -2, 1, -1])))
+    with pytest.raises(TypeError, match=r"regions\[0\].index must be int64, got torch.int32"):
+        call(swap(0, 2, meta[0][0].int()))
+    with pytest.raises(ValueError, match=r"regions\[1\].index must have shape \(B=6,\), got \(5,\)"):
+        call(swap(1, 2, meta[1][0][:5]))
+    with pytest.raises(ValueError, match=r"regions\[1\].mask must have shape \(U=3, S=5\), got \(3, 4\)"):
+        call(swap(1, 3, meta[1][1][:, :4]))
+    with pytest.raises(TypeError, match=r"regions\[1\].mask must be a bool tensor, got torch.int64"):
+        call(swap(1, 3, meta[1][1].long()))
+    with pytest.raises(ValueError, match=r"regions\[2\].region_k must have shape \(U, Hkv=2, S, d=64\), got "
+                                         r"\(4, 1, 20, 64\)"):
+        call(swap(2, 0, t["rk2"][:, :1]))
+    with pytest.raises(ValueError, match=r"regions\[2\].region_v shape .* must equal"):
+        call(swap(2, 1, t["rv2"][:, :, :3]))
+    with pytest.raises(TypeError, match=r"regions\[0\].region_v dtype torch.float64 differs from q dtype"):
+        call(swap(0, 1, t["rv0"].double()))
+    with pytest.raises(ValueError, match=r"regions\[0\].region_k is on meta but q is on cpu"):
+        call(swap(0, 0, t["rk0"].to("meta")))
+    with pytest.raises(ValueError, match=r"regions\[0\].region_k holds U=0 entries"):
+        call([(t["rk0"][:0], t["rv0"][:0], meta[0][0], meta[0][1][:0])] + good[1:])
+    with pytest.raises(ValueError, match=r"key_mask must have shape \(B=6, C=5\)"):
+        call(good, key_mask=km[:, 1:])
+    with pytest.raises(ValueError, match="Hq=8.*Hkv=3"):
+        multi_region_attention(q, k[:, :1].expand(B, 3, C, d), v[:, :1].expand(B, 3, C, d), [], None, scale=0.1)
+    with pytest.raises(ValueError, match="scale"):
+        call(good, scale=0.0)
+    with pytest.raises(ValueError, match="backend"):
+        call(good, backend="cuda")
