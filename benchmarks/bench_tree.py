@@ -1,0 +1,354 @@
+"""Prefix-tree sharing: one optimizer step whose prompts share a long system prompt, stock TRL vs grpo_mem's modes.
+
+The op: one gradient-accumulation window of ``micro_batches`` micro-batches, each holding ``groups_per_mb`` whole groups
+of G completions (what ``patch_trl``'s group-aware shuffle gives). Every prompt is the same system prompt of S random
+tokens followed by its own Q_u tokens (Q_u uniform in [q_min, q_max], seeded), left-padded to one width; completions
+have lengths uniform in [C/2, C] and end with EOS. Each micro-batch: per-token log-probs and entropies, then
+``(log_probs * completion_mask).sum().backward()``, gradients accumulated over the window.
+
+Providers:
+
+- ``trl``, ``full_seq``: as in ``bench_group.py`` (every row forwards its whole prompt and completion).
+- ``grpo_mem_group``: a ``SharingSession(sharing="group")`` over the window: each prompt forwarded once, whole.
+- ``grpo_mem_tree``: a ``SharingSession(sharing="tree")``: the system prompt forwarded once per window, each own
+  part once, every level read in place.
+
+Ideal ratio of the token-linear work per window, tree over group (U = groups_per_mb · micro_batches prompts):
+``(S + ΣQ_u + U·G·C) / (U·S + ΣQ_u + U·G·C)``. The worker also counts the tokens the backbone actually forwards per
+window (``trunk_tokens``), so the CSV shows the work each mode does, not only its time.
+
+``--threshold`` measures where a shared span starts to pay for its own pass: the tree mode with the span as a node
+(``min_shared_tokens=1``) against the same batch with the span forwarded inside each prompt (``min_shared_tokens``
+above S), for S ∈ {8, 16, 32, 64, 128}, one micro-batch of 4 groups; that sets ``grpo_mem.model.trie.
+DEFAULT_MIN_SHARED_TOKENS``.
+
+Each (configuration, provider) runs in a fresh process (``harness.run_isolated``); memory is the peak RSS above the
+process's base before the window (weights and inputs in the base). Log-probs of every provider are compared with a
+plain no-grad full-sequence forward afterwards.
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_tree.py              # S in {512, 2048} -> benchmarks/results/tree.csv, tree.png, table
+    python benchmarks/bench_tree.py --threshold  # the min_shared_tokens measurement -> tree_threshold.csv
+    python benchmarks/bench_tree.py --table      # reprint the tables from the CSVs
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Sequence
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+import bench_group  # noqa: E402
+import harness  # noqa: E402
+
+OP = "tree_window"
+OP_THRESHOLD = "tree_threshold"
+PROVIDERS = ("trl", "full_seq", "grpo_mem_group", "grpo_mem_tree")
+RESULTS = os.path.join(_HERE, "results")
+CSV_PATH = os.path.join(RESULTS, "tree.csv")
+PNG_PATH = os.path.join(RESULTS, "tree.png")
+THRESHOLD_CSV = os.path.join(RESULTS, "tree_threshold.csv")
+EOS_ID, PAD_ID = bench_group.EOS_ID, bench_group.PAD_ID
+# Stock providers at S=2048 hold every row's full-sequence activations: about 32 rows x 2176 tokens per micro-batch,
+# over 20 GB for the 8-layer model (measured: 8.4 GB at S=512), more than this 24 GB machine can give a worker.
+STOCK_MAX_S = 512
+
+
+def own_lengths(U: int, q_min: int, q_max: int, seed: int) -> list[int]:
+    """The U own-part lengths, uniform in [q_min, q_max], seeded."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(q_min, q_max + 1, (U,), generator=g).tolist()
+
+
+def ideal_ratio(S: int, Qs: Sequence[int], G: int, C: int) -> float:
+    """Token-linear work per window, tree over group: (S + ΣQ + U·G·C) / (U·S + ΣQ + U·G·C)."""
+    U = len(Qs)
+    return (S + sum(Qs) + U * G * C) / (U * S + sum(Qs) + U * G * C)
+
+
+def make_window(S: int, Qs: Sequence[int], G: int, C: int, groups_per_mb: int, vocab: int, seed: int = 0):
+    """``(input_ids, attention_mask, completion_mask)`` of the window, micro-batch after micro-batch.
+
+    Prompt u = the system prompt (S random ids) + Q_u random ids, left-padded to P = S + max Q; G completions each.
+    Micro-batch k holds prompts k·groups_per_mb … (k+1)·groups_per_mb − 1, its rows shuffled.
+    Shapes: (U·G, P + C) int64, int64 0/1, (U·G, C) int64 0/1.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, vocab, (S,), generator=g)
+    P = S + max(Qs)
+    ids, masks = [], []
+    for q in Qs:
+        prompt = torch.full((P,), PAD_ID, dtype=torch.long)
+        prompt[P - S - q:] = torch.cat([system, torch.randint(3, vocab, (q,), generator=g)])
+        pmask = torch.zeros(P, dtype=torch.long)
+        pmask[P - S - q:] = 1
+        for _ in range(G):
+            n = int(torch.randint(C // 2, C + 1, (1,), generator=g))
+            comp = torch.randint(3, vocab, (C,), generator=g)
+            comp[n - 1] = EOS_ID
+            comp[n:] = PAD_ID
+            cmask = torch.zeros(C, dtype=torch.long)
+            cmask[:n] = 1
+            ids.append(torch.cat([prompt, comp]))
+            masks.append(torch.cat([pmask, cmask]))
+    input_ids, attention_mask = torch.stack(ids), torch.stack(masks)
+    rows = groups_per_mb * G
+    perm = torch.cat([s + torch.randperm(rows, generator=g) for s in range(0, input_ids.shape[0], rows)])
+    input_ids, attention_mask = input_ids[perm], attention_mask[perm]
+    return input_ids, attention_mask, attention_mask[:, -C:]
+
+
+def _window_fn(provider: str, model, C: int, input_ids, attention_mask, rows: int, min_shared_tokens: int | None):
+    """``fn(ids, mask)`` scoring the window's micro-batches in order; grpo_mem providers through a ``SharingSession``
+    whose window is the whole of ``input_ids``."""
+    if provider in ("trl", "full_seq"):
+        return bench_group.make_logprob_fn(provider, model, C)
+    from grpo_mem.model.sharing import SharingSession
+    from grpo_mem.model.trie import DEFAULT_MIN_SHARED_TOKENS
+
+    mode = provider.removeprefix("grpo_mem_")
+    session = SharingSession(mode, min_shared_tokens=min_shared_tokens or DEFAULT_MIN_SHARED_TOKENS)
+    P = input_ids.shape[1] - C
+    n_mb = input_ids.shape[0] // rows
+    prompts = [input_ids[s:s + rows, :P] for s in range(0, input_ids.shape[0], rows)]
+    masks = [attention_mask[s:s + rows, :P] for s in range(0, input_ids.shape[0], rows)]
+    calls = [0]
+
+    def fn(ids, mask):
+        if calls[0] % n_mb == 0:
+            session.begin_window(model, prompts, masks)
+        calls[0] += 1
+        return session.score(model, ids, mask, C, compute_entropy=True)
+
+    return fn
+
+
+def worker(args: dict) -> dict:
+    """One (configuration, provider) in a fresh process. ``args``: arch, provider, S, q_min, q_max, G, C,
+    groups_per_mb, micro_batches, optional seed, repeats, min_repeats, time_budget_s, min_shared_tokens.
+
+    Returns the measurement dict plus ``trunk_tokens`` (tokens through the backbone per window), the log-prob
+    difference from a plain no-grad forward, ``log_probs`` (masked entries 0), ``grad_norm`` and ``version``."""
+    import torch
+
+    version = harness.versions()
+    model = bench_group.build_model(args["arch"], seed=args.get("seed", 0))
+    U = args["groups_per_mb"] * args["micro_batches"]
+    Qs = own_lengths(U, args["q_min"], args["q_max"], args.get("seed", 0))
+    G, C = args["G"], args["C"]
+    input_ids, attention_mask, cmask = make_window(args["S"], Qs, G, C, args["groups_per_mb"],
+                                                   model.config.vocab_size, seed=args.get("seed", 0) + 1)
+    rows = args["groups_per_mb"] * G
+    fn = _window_fn(args["provider"], model, C, input_ids, attention_mask, rows, args.get("min_shared_tokens"))
+    tokens = [0]
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda m, i, o: tokens.__setitem__(0, tokens[0] + i[0].numel()) if torch.is_grad_enabled() else None)
+    cmask_f = cmask.float()
+    last = {}
+
+    def op():
+        tokens[0] = 0
+        lps = []
+        for s in range(0, input_ids.shape[0], rows):
+            lp, _ = fn(input_ids[s:s + rows], attention_mask[s:s + rows])
+            (lp * cmask_f[s:s + rows]).sum().backward()
+            lps.append(lp.detach())
+        last["lp"], last["tokens"] = torch.cat(lps), tokens[0]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
+                            repeats=args.get("repeats", 1), min_repeats=args.get("min_repeats", 1),
+                            time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
+    hook.remove()
+    with torch.no_grad():  # the check, after measuring: a plain full-sequence forward, log_softmax over the vocabulary
+        diffs = []
+        for s in range(0, input_ids.shape[0], rows):
+            ids, mask = input_ids[s:s + rows], attention_mask[s:s + rows]
+            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            logits = model.get_output_embeddings()(hidden[:, -C - 1:-1]).float()
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[:, -C:, None])[..., 0] * cmask_f[s:s + rows]
+            diffs.append(float((last["lp"][s:s + rows] * cmask_f[s:s + rows] - ref).abs().max()))
+    return dict(m.to_dict(), trunk_tokens=last["tokens"], logp_max_abs_diff_vs_plain_forward=max(diffs),
+                log_probs=(last["lp"] * cmask_f).tolist(), grad_norm=bench_group._grad_norm(model), Qs=Qs,
+                fallback_warnings=sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)}),
+                version=version)
+
+
+def sweep_configs() -> list[dict]:
+    """The issue's configurations: S ∈ {512, 2048}, own parts 32–96 tokens, G=8, C=64, 4 groups per micro-batch,
+    4 micro-batches per window, on the 8-layer Llama-shaped model of ``bench_group``."""
+    return [dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=4)
+            for S in (512, 2048)]
+
+
+def threshold_configs() -> list[dict]:
+    """Short shared spans, one micro-batch of 4 groups: where a node of its own starts to pay."""
+    return [dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=1)
+            for S in (8, 16, 32, 64, 128)]
+
+
+def _run(cfgs, providers_of, op, csv_path, *, threads, rss_budget_mb, timeout_s, measure_args):
+    """Run every (configuration, provider) in a fresh process; the CSV keeps rows of S values not run now."""
+    rows = []
+    if os.path.exists(csv_path):
+        import json
+
+        run_s = {float(c["S"]) for c in cfgs}
+        for r in harness.read_csv(csv_path):
+            if float(r["x_value"]) not in run_s:
+                r["config"] = json.dumps(r["config"], sort_keys=True)
+                rows.append(r)
+    version = harness.versions()
+    device = harness.device_name(threads)
+    for cfg in cfgs:
+        U = cfg["groups_per_mb"] * cfg["micro_batches"]
+        Qs = own_lengths(U, cfg["q_min"], cfg["q_max"], 0)
+        for prov, extra in providers_of(cfg):
+            config = dict(cfg, **extra, ideal_ratio_tree_over_group=round(ideal_ratio(cfg["S"], Qs, cfg["G"],
+                                                                                      cfg["C"]), 4),
+                          threads=threads, **measure_args)
+            config["model"] = config.pop("arch")
+            label = prov + (f"@{extra['min_shared_tokens']}" if "min_shared_tokens" in extra else "")
+            if prov in ("trl", "full_seq") and cfg["S"] > STOCK_MAX_S:
+                reason = f"not run: S={cfg['S']} needs over 20 GB for the stock path on this machine"
+                rows += harness.skipped_rows(op, label, "full", "S", cfg["S"], config, reason, device=device,
+                                             version=version)
+                continue
+            t0 = time.perf_counter()
+            res = harness.run_isolated("bench_tree:worker", dict(cfg, provider=prov, **extra, **measure_args),
+                                       timeout_s=timeout_s, rss_budget_mb=rss_budget_mb, threads=threads)
+            if "skipped" in res:
+                print(f"[{op}] {cfg} {label}: SKIPPED ({res['skipped']})\n{res.get('stderr_tail', '')}",
+                      file=sys.stderr, flush=True)
+                rows += harness.skipped_rows(op, label, "full", "S", cfg["S"], config, res["skipped"], device=device,
+                                             version=version)
+                continue
+            config.update(trunk_tokens=res["trunk_tokens"], grad_norm=res["grad_norm"],
+                          logp_max_abs_diff_vs_plain_forward=res["logp_max_abs_diff_vs_plain_forward"])
+            if res["fallback_warnings"]:
+                config["fallback"] = res["fallback_warnings"]
+            rows += harness.measurement_rows(op, label, "full", "S", cfg["S"], res, config, device=device,
+                                             version=res.get("version", version))
+            m = harness.Measurement.from_dict(res)
+            print(f"[{op}] {cfg} {label}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, cpu p50 "
+                  f"{harness.percentiles(m.cpu_times_s)[0]:.2f} s, rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB,"
+                  f" trunk tokens {res['trunk_tokens']}, grad norm {res['grad_norm']:.6g}, |dlogp| vs plain forward "
+                  f"{res['logp_max_abs_diff_vs_plain_forward']:.1e}, child {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+            harness.write_csv(rows, csv_path)
+    return rows
+
+
+def _p50s(path: str, op: str) -> dict:
+    out = {}
+    for r in harness.read_csv(path):
+        if r["op"] == op:
+            out.setdefault(r["x_value"], {}).setdefault(r["provider"], {})[r["metric"]] = r
+    return out
+
+
+def table(path: str = CSV_PATH) -> str:
+    """Per S: each provider's p50 wall and CPU time, peak RSS above base and trunk tokens per window; tree over
+    group for each, beside the ideal ratio and the targets (time ≤ 1.2×, memory ≤ 1.3× the ideal ratio)."""
+    headers = ["S", "provider", "wall s", "cpu s", "mem MB", "trunk tokens", "ideal ρ tree/group", "tree/group",
+               "/ ideal", "|Δlogp| vs plain fwd"]
+    out = []
+    for S, d in sorted(_p50s(path, OP).items(), key=lambda kv: float(kv[0])):
+        group = d.get("grpo_mem_group", {})
+        for prov in PROVIDERS:
+            m = d.get(prov)
+            if not m:
+                continue
+            wall, cpu, mem = (m.get(k) for k in ("wall_time", "cpu_time", "peak_rss_above_base"))
+            if wall is None or math.isnan(wall["p50"]):
+                out.append([S, prov, "skipped", "", "", "", "", "", "", wall["config"].get("skipped", "") if wall
+                            else ""])
+                continue
+            rho = wall["config"]["ideal_ratio_tree_over_group"]
+            ratios = ""
+            over = ""
+            if prov == "grpo_mem_tree" and group:
+                rt = wall["p50"] / group["wall_time"]["p50"]
+                rc = cpu["p50"] / group["cpu_time"]["p50"]
+                rm = mem["p50"] / group["peak_rss_above_base"]["p50"]
+                ratios = f"time {rt:.3f}, cpu {rc:.3f}, mem {rm:.3f}"
+                over = (f"time {rt / rho:.2f}× ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2), cpu {rc / rho:.2f}×, "
+                        f"mem {rm / rho:.2f}× ({'meets' if rm / rho <= 1.3 else 'MISSES'} ≤ 1.3)")
+            out.append([S, prov, wall["p50"], cpu["p50"], mem["p50"], wall["config"].get("trunk_tokens"), rho,
+                        ratios, over, f"{wall['config']['logp_max_abs_diff_vs_plain_forward']:.1e}"])
+    return harness.markdown_table(headers, out)
+
+
+def threshold_table(path: str = THRESHOLD_CSV) -> str:
+    """Per shared span S: wall and CPU time with the span as a node and forwarded inside each prompt."""
+    headers = ["S", "node: wall s", "inside: wall s", "node/inside wall", "node: cpu s", "inside: cpu s",
+               "node/inside cpu"]
+    out = []
+    for S, d in sorted(_p50s(path, OP_THRESHOLD).items(), key=lambda kv: float(kv[0])):
+        node = next((v for k, v in d.items() if k.endswith("@1")), None)
+        inside = next((v for k, v in d.items() if not k.endswith("@1")), None)
+        if not node or not inside:
+            continue
+        nw, iw = node["wall_time"]["p50"], inside["wall_time"]["p50"]
+        nc, ic = node["cpu_time"]["p50"], inside["cpu_time"]["p50"]
+        out.append([S, nw, iw, nw / iw, nc, ic, nc / ic])
+    return harness.markdown_table(headers, out)
+
+
+def plot(csv_path: str = CSV_PATH, png_path: str = PNG_PATH) -> None:
+    """``tree.png``: p50 wall time, CPU time and peak RSS above base against S, per provider."""
+    harness.plot_csv(csv_path, png_path, op=OP, metrics=("wall_time", "cpu_time", "peak_rss_above_base"),
+                     panel_keys=("model", "G"), log_x=True, log_y=True,
+                     title="one window (4 micro-batches x 4 groups x G=8, C=64): p50 wall, CPU time, peak RSS")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threshold", action="store_true", help="measure min_shared_tokens (tree_threshold.csv)")
+    p.add_argument("--table", action="store_true", help="only print the tables from the CSVs")
+    p.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of %(default)s")
+    p.add_argument("--only-s", default="", help="comma-separated S values to keep, e.g. 512")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rss-budget-mb", type=float, default=16000.0)
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--repeats", type=int, default=1)
+    a = p.parse_args(argv)
+    providers = [x for x in a.providers.split(",") if x]
+    for x in providers:
+        if x not in PROVIDERS:
+            raise ValueError(f"unknown provider {x!r}; choose from {PROVIDERS}")
+    run = dict(threads=a.threads, rss_budget_mb=a.rss_budget_mb, timeout_s=a.timeout_s,
+               measure_args=dict(repeats=a.repeats, min_repeats=1, time_budget_s=0.0))
+    if not a.table:
+        if a.threshold:
+            _run(threshold_configs(), lambda c: [("grpo_mem_tree", {"min_shared_tokens": 1}),
+                                                 ("grpo_mem_tree", {"min_shared_tokens": c["S"] + 1})],
+                 OP_THRESHOLD, THRESHOLD_CSV, **run)
+        else:
+            cfgs = sweep_configs()
+            if a.only_s:
+                keep = {int(s) for s in a.only_s.split(",")}
+                cfgs = [c for c in cfgs if c["S"] in keep]
+            _run(cfgs, lambda c: [(x, {}) for x in providers], OP, CSV_PATH, **run)
+            plot()
+    if a.threshold or (a.table and os.path.exists(THRESHOLD_CSV)):
+        print(threshold_table())
+    if not a.threshold:
+        print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
