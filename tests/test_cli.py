@@ -1,5 +1,6 @@
-"""The ``grpo-mem train`` main job: answer extraction and reward, settings validation, and one real training step on a
-tiny Llama (SmolLM2's tokenizer) through the command line, patched and stock, compared with each other."""
+"""The ``grpo-mem train`` main job: answer extraction and reward, settings validation, few-shot prompts, flags
+generated from the settings, light package imports and the OpenMP policy, and a real 2-step ``--compare`` run on a
+tiny Llama (SmolLM2's tokenizer) through the command line: stock and patched, compared with each other."""
 
 import json
 import math
@@ -267,7 +268,8 @@ def test_train_compare_stock_and_patched_with_few_shot(tiny_model_dir, tmp_path)
     _check_summary(stock, False, 2)
     _check_summary(patched, True, 2)
     assert json.loads((out / "stock" / "summary.json").read_text()) == stock
-    assert "--patch false" in " ".join(c["commands"]["stock"]) and "--compare" not in c["commands"]["stock"]
+    assert "--patch=false" in c["commands"]["stock"] and "--patch=true" in c["commands"]["patched"]
+    assert not any(a.startswith("--compare") for a in c["commands"]["stock"] + c["commands"]["patched"])
     assert stock["system_prompt"] == patched["system_prompt"] and stock["prompt_tokens"] == patched["prompt_tokens"]
     # The precondition of a meaningful comparison: some completions were rewarded, some not.
     assert any(0.0 < r["reward"] < 1.0 and r["reward_std"] > 0.0 for r in stock["steps"])
@@ -334,6 +336,8 @@ def test_flags_come_from_the_settings_dataclass(capsys):
     # The inverse: settings -> flags -> the same settings.
     assert to_argv(TrainSettings()) == []
     assert _parse(*to_argv(s)) == s
+    odd = TrainSettings(system_prompt="-- answer briefly --", extra={"top_p": 0.9}, patch=False)
+    assert _parse(*to_argv(odd)) == odd
 
 
 @pytest.mark.parametrize(

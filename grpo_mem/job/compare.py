@@ -1,6 +1,6 @@
 """``grpo-mem train --compare``: stock TRL, then the grpo_mem patch, with the same settings and seeds.
 
-Each run is ``python -m grpo_mem.cli train ... --patch false|true --output-dir OUTPUT_DIR/stock|patched`` in a fresh
+Each run is ``python -m grpo_mem.cli train ... --output-dir=OUTPUT_DIR/stock|patched --patch=false|true`` in a fresh
 process, one after the other, so each run's peak RSS and ``ru_maxrss`` are its own and the two never share the
 cores. Generation comes before scoring in every step, so with the same seeds both runs sample the same completions
 and get the same rewards for as long as their updates agree (to fp32 rounding, they do): the comparison reports
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from grpo_mem.job.flags import to_argv
+from grpo_mem.job.train import prompt_text
 
 RUNS = ("stock", "patched")
 """Run names, in the order they run; also the subdirectories of the output directory."""
@@ -35,8 +36,8 @@ def run_command(settings, patched: bool, output_dir: Path | str) -> list[str]:
     child = dataclasses.replace(settings, compare=False, patch=patched, output_dir=str(output_dir))
     # --patch is always spelt out, so each command says which run it is.
     flags = to_argv(child)
-    if "--patch" not in flags:
-        flags += ["--patch", "true" if patched else "false"]
+    if not any(f.startswith("--patch=") for f in flags):
+        flags.append(f"--patch={'true' if patched else 'false'}")
     return [sys.executable, "-m", "grpo_mem.cli", "train", *flags]
 
 
@@ -124,7 +125,7 @@ def format_compare(summary: dict) -> str:
     by_step = {r["step"]: r for r in patched["steps"]}
     lines = [
         f"grpo-mem train --compare: {Path(stock['model']).name} on {stock['task']}, "
-        f"G={stock['settings']['num_generations']}, prompts {_prompt_summary(stock)}",
+        f"G={stock['settings']['num_generations']}, prompts: {prompt_text(stock)}",
         f"{'':>5} {'reward':^15} {'peak RSS MB':^15} {'step time s':^15}",
         f"{'step':>5} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7}",
     ]
@@ -145,12 +146,6 @@ def format_compare(summary: dict) -> str:
         f"wrote {summary['files']['json']} and {summary['files']['png']}",
     ]
     return "\n".join(lines)
-
-
-def _prompt_summary(run: dict) -> str:
-    t = run["prompt_tokens"]
-    size = f"{t['max']}" if t["min"] == t["max"] else f"{t['min']}-{t['max']}"
-    return f"{size} tokens (shared prefix {t['shared_prefix']}, few-shot K={run['few_shot']})"
 
 
 def plot_compare(summary: dict, path: Path | str) -> None:
@@ -200,7 +195,7 @@ def plot_compare(summary: dict, path: Path | str) -> None:
         lo, hi = ax.get_ylim()
         ax.set_ylim(0, hi * 1.05)
     fig.suptitle(f"{Path(stock['model']).name} · {stock['task']} · G={stock['settings']['num_generations']} · "
-                 f"stock TRL vs grpo_mem, same seeds\nprompts {_prompt_summary(stock)}", fontsize=10)
+                 f"stock TRL vs grpo_mem, same seeds\nprompts: {prompt_text(stock)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

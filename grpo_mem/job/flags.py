@@ -124,8 +124,9 @@ def _parser_class():
 
 
 def to_argv(settings) -> list[str]:
-    """The flags that make :class:`SettingsParser` rebuild ``settings``: one ``--flag value`` per field that differs
-    from its default (bools as ``true``/``false``, dicts as JSON).
+    """The flags that make :func:`settings_parser` rebuild ``settings``: one ``--flag=value`` per field that differs
+    from its default (bools as ``true``/``false``, dicts as JSON; one token each, so a value starting with ``-``
+    stays a value).
 
     Raises:
         ValueError: a field holds ``None`` where its default is not ``None`` (no flag can say that).
@@ -147,9 +148,9 @@ def to_argv(settings) -> list[str]:
             raise ValueError(f"{f.name} is None but defaults to {default!r}; no flag can set that")
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(value, bool):
-            argv += [flag, "true" if value else "false"]
+            argv.append(f"{flag}={'true' if value else 'false'}")
         elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
+            argv.append(f"{flag}={json.dumps(value)}")
         else:
-            argv += [flag, str(value)]
+            argv.append(f"{flag}={value}")
     return argv

@@ -221,7 +221,7 @@ def plot_summary(summary: dict, path: Path) -> None:
     ax_r.set_ylim(-0.05, 1.05)
     ax_r.legend(loc="upper left", fontsize=8)
     ax_r.set_title(f"{Path(summary['model']).name} · {summary['task']} · G={summary['settings']['num_generations']}"
-                   f" · {label}\nprompts: {_prompt_text(summary)}", fontsize=10)
+                   f" · {label}\nprompts: {prompt_text(summary)}", fontsize=10)
     ax_m.plot(steps, peak, marker="o", ms=3, color="tab:red", label="peak RSS in step")
     ax_m.axhline(summary["ru_maxrss_mb"], color="tab:red", ls=":", lw=1, label="ru_maxrss (whole process)")
     ax_m.axhline(summary["rss_before_train_mb"], color="gray", ls="--", lw=1, label="RSS before training")
@@ -239,7 +239,7 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"grpo-mem train: {summary['model']} on {summary['task']} "
         f"({'grpo_mem patch' if summary['patched'] else 'stock TRL, --no-patch'})",
-        f"prompts: {_prompt_text(summary)}",
+        f"prompts: {prompt_text(summary)}",
         f"{'step':>5} {'reward':>7} {'std':>6} {'len':>5} {'peak RSS MB':>12} {'time s':>7}",
     ]
     for r in summary["steps"]:
@@ -263,7 +263,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _prompt_text(summary: dict) -> str:
+def prompt_text(summary: dict) -> str:
     """``"449 tokens (shared prefix 438), 16 few-shot examples"``: the prompts' length after the chat template."""
     t = summary["prompt_tokens"]
     size = f"{t['max']}" if t["min"] == t["max"] else f"{t['min']}-{t['max']}"
