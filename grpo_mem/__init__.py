@@ -7,12 +7,62 @@ Public entry points:
 - ``patch_trl(target=None)``: route ``GRPOTrainer``/``RLOOTrainer`` (or one trainer) through it; returns a
   ``PatchHandle`` with ``revert()``. TRL itself is imported only when ``patch_trl`` is called.
 - ``restore(model)``: give a model its own forward and attention implementation back.
+- ``verify``: defined by the module ``grpo_mem.verify``.
 - ``grpo_mem.ops``: the kernels (fused selective log-softmax, shared-prefix attention).
+
+The names are resolved on first access (PEP 562 ``__getattr__``): ``import grpo_mem`` imports neither torch nor
+transformers, so a program (the ``grpo-mem`` command line) can set process-wide variables such as ``OMP_WAIT_POLICY``
+after importing the package and before torch loads.
 """
 
-from .model.group_forward import restore, shared_prompt_logprobs
-from .patches.trl import PatchHandle, patch_trl
+from __future__ import annotations
+
+import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
-__all__ = ["PatchHandle", "patch_trl", "restore", "shared_prompt_logprobs"]
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "PatchHandle": ("grpo_mem.patches.trl", "PatchHandle"),
+    "patch_trl": ("grpo_mem.patches.trl", "patch_trl"),
+    "restore": ("grpo_mem.model.group_forward", "restore"),
+    "shared_prompt_logprobs": ("grpo_mem.model.group_forward", "shared_prompt_logprobs"),
+    "verify": ("grpo_mem.verify", "verify"),
+}
+"""Public name -> (module, attribute in that module)."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:  # the module exists but something it imports does not: a real error
+            raise
+        raise AttributeError(f"grpo_mem.{name} is not available: module {module_name} does not exist") from exc
+    value = getattr(module, attr)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: importing a submodule whose name is also an exported function (``grpo_mem.verify``)
+    makes Python bind the submodule to the package attribute; keep the attribute the function instead."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and name in _EXPORTS and _EXPORTS[name][0] == value.__name__:
+            value = getattr(value, _EXPORTS[name][1], value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,5 +1,6 @@
-"""The ``grpo-mem train`` main job: answer extraction and reward, settings validation, and one real training step on a
-tiny Llama (SmolLM2's tokenizer) through the command line, patched and stock, compared with each other."""
+"""The ``grpo-mem train`` main job: answer extraction and reward, settings validation, few-shot prompts, flags
+generated from the settings, light package imports and the OpenMP policy, and a real 2-step ``--compare`` run on a
+tiny Llama (SmolLM2's tokenizer) through the command line: stock and patched, compared with each other."""
 
 import json
 import math
@@ -9,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from grpo_mem.job.tasks import extract_answer, make_task
 from grpo_mem.job.train import TrainSettings
@@ -167,69 +170,402 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+_TORCH_WATCH = """
+import os, sys
+
+
+class _TorchWatch:
+    # Record OMP_WAIT_POLICY as it is when this process first imports torch (libgomp reads it then).
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            with open(os.environ["GRPO_MEM_TEST_OMP_LOG"], "a") as f:
+                f.write(f"{os.getpid()} {os.environ.get('OMP_WAIT_POLICY', '<unset>')}\\n")
+        return None
+
+
+sys.meta_path.insert(0, _TorchWatch())
+"""
+
+
+def _cli_env(tmp_path, **extra):
+    """Environment of a ``python -m grpo_mem.cli`` child: no OMP_WAIT_POLICY (the CLI must set it), and a
+    ``sitecustomize`` that logs the variable's value into ``tmp_path/omp.log`` when each process imports torch."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_TORCH_WATCH)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env["GRPO_MEM_TEST_OMP_LOG"] = str(tmp_path / "omp.log")
+    env.update(extra)
+    return env
+
+
+def _omp_log(tmp_path) -> list[str]:
+    path = tmp_path / "omp.log"
+    return [line.split()[1] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+STEPS = 2
+
+
 def _train(model_dir, out_dir, *extra):
-    """Run ``python -m grpo_mem.cli train`` for one step; return its summary.json."""
+    """Run ``python -m grpo_mem.cli train`` for STEPS steps; return the top-level summary.json."""
     cmd = [
-        sys.executable, "-m", "grpo_mem.cli", "train", "--model", str(model_dir), "--steps", "1",
+        sys.executable, "-m", "grpo_mem.cli", "train", "--model", str(model_dir), "--steps", str(STEPS),
         "--num-generations", "8", "--per-device-train-batch-size", "16", "--max-completion-length", "6",
         "--learning-rate", "1e-3", "--seed", "1", "--output-dir", str(out_dir), *extra,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GRPO_MEM_CACHE=str(out_dir / "cache"))
+    out_dir.mkdir(parents=True)
+    env = _cli_env(out_dir, GRPO_MEM_CACHE=str(out_dir / "cache"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "grpo-mem train:" in proc.stdout and "peak RSS" in proc.stdout
     assert not (out_dir / "cache").exists()  # --model given: nothing converted, nothing downloaded
-    return json.loads((out_dir / "summary.json").read_text())
+    # The command line set the OpenMP wait policy before torch loaded (in every process that loaded it), without
+    # re-executing itself.
+    assert _omp_log(out_dir) and set(_omp_log(out_dir)) == {"PASSIVE"}
+    return proc.stdout, json.loads((out_dir / "summary.json").read_text())
 
 
-def _check_summary(s, patched):
+def _check_summary(s, patched, few_shot):
     assert s["patched"] is patched
     assert s["task"] == "chain_sum" and s["settings"]["num_generations"] == 8
-    assert len(s["steps"]) == 1
-    row = s["steps"][0]
-    assert row["step"] == 1
-    assert 0.0 <= row["reward"] <= 1.0 and row["reward_std"] >= 0.0
-    assert 1.0 <= row["completion_mean_length"] <= 6.0
-    assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
-    assert row["learning_rate"] == pytest.approx(1e-3)
-    # Memory: the step's peak is at least the RSS before training and, being sampled, at most the kernel's
-    # whole-process high-water mark (1 MB slack for the two reads' rounding).
-    assert 100.0 < s["rss_before_train_mb"] <= row["peak_rss_mb"] <= s["ru_maxrss_mb"] + 1.0
-    assert s["totals"]["peak_rss_mb"] == row["peak_rss_mb"]
-    assert 0.0 < row["step_time_s"] <= s["train_time_s"] <= s["wall_time_s"]
+    assert s["few_shot"] == few_shot and s["settings"]["few_shot"] == few_shot
+    assert s["system_prompt"].count("\nQuestion: ") == few_shot
+    tokens = s["prompt_tokens"]
+    assert s["system_prompt_tokens"] < tokens["shared_prefix"] <= tokens["min"] <= tokens["max"]
+    assert tokens["max"] + 6 <= s["max_position_embeddings"] == 256
+    assert [r["step"] for r in s["steps"]] == list(range(1, STEPS + 1))
+    for row in s["steps"]:
+        assert 0.0 <= row["reward"] <= 1.0 and row["reward_std"] >= 0.0
+        assert 1.0 <= row["completion_mean_length"] <= 6.0
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+        assert row["learning_rate"] == pytest.approx(1e-3)
+        # Memory: the step's peak is at least the RSS before training and, being sampled, at most the kernel's
+        # whole-process high-water mark (1 MB slack for the two reads' rounding).
+        assert 100.0 < s["rss_before_train_mb"] <= row["peak_rss_mb"] <= s["ru_maxrss_mb"] + 1.0
+        assert 0.0 < row["step_time_s"] <= s["train_time_s"] <= s["wall_time_s"]
+    assert s["totals"]["peak_rss_mb"] == max(r["peak_rss_mb"] for r in s["steps"])
     assert s["conversion_time_s"] == 0.0
-    assert s["totals"]["reward_first"] == s["totals"]["reward_last"] == row["reward"]
-    png = open(s["files"]["png"], "rb").read()
+    assert s["totals"]["reward_first"] == s["steps"][0]["reward"]
+    assert s["totals"]["reward_last"] == s["steps"][-1]["reward"]
+    _check_png(s["files"]["png"])
+
+
+def _check_png(path):
+    png = open(path, "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_train_one_step_patched_matches_stock(tiny_model_dir, tmp_path):
-    patched = _train(tiny_model_dir, tmp_path / "patched")
-    stock = _train(tiny_model_dir, tmp_path / "stock", "--no-patch")
-    _check_summary(patched, True)
-    _check_summary(stock, False)
-    p, s = patched["steps"][0], stock["steps"][0]
+def test_train_compare_stock_and_patched_with_few_shot(tiny_model_dir, tmp_path):
+    """``--compare --few-shot 2``: a stock and a patched run of the real job in fresh processes, same seeds; equal
+    rewards at every step, loss and gradient norm equal to fp32 rounding; one summary and one figure of both."""
+    out = tmp_path / "cmp"
+    stdout, c = _train(tiny_model_dir, out, "--compare", "--few-shot", "2")
+    assert c["compare"] is True and set(c["runs"]) == {"stock", "patched"}
+    stock, patched = c["runs"]["stock"], c["runs"]["patched"]
+    _check_summary(stock, False, 2)
+    _check_summary(patched, True, 2)
+    assert json.loads((out / "stock" / "summary.json").read_text()) == stock
+    assert "--patch=false" in c["commands"]["stock"] and "--patch=true" in c["commands"]["patched"]
+    assert not any(a.startswith("--compare") for a in c["commands"]["stock"] + c["commands"]["patched"])
+    assert stock["system_prompt"] == patched["system_prompt"] and stock["prompt_tokens"] == patched["prompt_tokens"]
     # The precondition of a meaningful comparison: some completions were rewarded, some not.
-    assert 0.0 < s["reward"] < 1.0 and s["reward_std"] > 0.0 and s["frac_reward_zero_std"] < 1.0
-    # Generation precedes scoring, so the same seed gives the same completions and rewards; the loss and the
-    # gradient norm then come from grpo_mem's prompt-once path vs stock TRL's full forward: equal to fp32 rounding.
-    assert p["reward"] == s["reward"] and p["reward_std"] == s["reward_std"]
-    assert p["completion_mean_length"] == s["completion_mean_length"]
-    assert s["grad_norm"] > 0.0
-    assert p["loss"] == pytest.approx(s["loss"], rel=1e-4, abs=1e-6)
-    assert p["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-4)
+    assert any(0.0 < r["reward"] < 1.0 and r["reward_std"] > 0.0 for r in stock["steps"])
+    # Generation precedes scoring, so the same seed gives the same completions and rewards as long as the updates
+    # agree; the loss and the gradient norm come from grpo_mem's prompt-once path vs stock TRL's full forward.
+    for s, p in zip(stock["steps"], patched["steps"]):
+        assert p["reward"] == s["reward"] and p["reward_std"] == s["reward_std"]
+        assert p["completion_mean_length"] == s["completion_mean_length"]
+        assert s["grad_norm"] > 0.0
+        assert p["loss"] == pytest.approx(s["loss"], rel=1e-4, abs=1e-6)
+        assert p["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-4)
     assert patched["grpo_mem_warnings"] == []  # the patched run took the prompt-once path, no fallback
+    assert c["rewards_identical"] is True and c["reward_max_abs_diff"] == 0.0
+    assert c["reward_abs_diff"] == [0.0] * STEPS and c["steps_compared"] == list(range(1, STEPS + 1))
+    assert c["grad_norm_max_rel_diff"] < 1e-4
+    r = c["ratios"]
+    assert r["peak_rss_mb"] == pytest.approx(patched["totals"]["peak_rss_mb"] / stock["totals"]["peak_rss_mb"])
+    assert r["step_time_median_s"] == pytest.approx(
+        patched["totals"]["step_time_median_s"] / stock["totals"]["step_time_median_s"])
+    assert r["peak_rss_mb"] < 1.0  # stock TRL materialises (16, P+C, 49152) fp32 logits; the patch does not
+    _check_png(c["files"]["png"])
+    assert "max |Δ reward| per step = 0 (identical rewards)" in stdout and "patched / stock: peak RSS" in stdout
 
 
-def test_cli_rejects_bad_flags(capsys):
+def test_cli_reports_setup_errors(capsys):
+    from grpo_mem.cli import main
+
+    assert main(["train", "--model", "/nonexistent/dir", "--steps", "1"]) == 2
+    assert "/nonexistent/dir" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags from the settings dataclass; light imports
+
+
+def _parse(*argv):
+    from grpo_mem.job.train import build_parser
+
+    return build_parser().parse_settings(list(argv))
+
+
+def test_flags_come_from_the_settings_dataclass(capsys):
+    import dataclasses
+
+    from grpo_mem.job.flags import to_argv
+
+    assert _parse() == TrainSettings()
+    with pytest.raises(SystemExit) as exc:
+        _parse("--help")
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainSettings):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in help_text, flag
+        assert "--" + f.name + " " not in help_text or "_" not in f.name  # one spelling per flag
+    assert "--no-patch" in help_text and "--no-gradient-checkpointing" in help_text
+    assert "(default: 16)" in help_text  # defaults shown
+
+    s = _parse("--no-patch", "--no-gradient-checkpointing", "--task-config", '{"min_terms": 3}', "--steps", "2",
+               "--learning-rate", "3e-4", "--threads", "1", "--loss-type", "grpo")  # fmt: skip
+    assert (s.patch, s.gradient_checkpointing, s.task_config, s.steps) == (False, False, {"min_terms": 3}, 2)
+    assert (s.learning_rate, s.threads, s.loss_type) == (3e-4, 1, "grpo")
+    assert _parse("--patch", "false").patch is False and _parse("--patch").patch is True
+    # The inverse: settings -> flags -> the same settings.
+    assert to_argv(TrainSettings()) == []
+    assert _parse(*to_argv(s)) == s
+    odd = TrainSettings(system_prompt="-- answer briefly --", extra={"top_p": 0.9}, patch=False)
+    assert _parse(*to_argv(odd)) == odd
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+        (["--threads", "-2"], "argument --threads: expected an integer >= 1, got -2"),
+        (["--max-completion-length", "x"], "argument --max-completion-length: expected an integer, got 'x'"),
+        (["--task-config", "[1, 2]"], "argument --task-config: expected a JSON object, got '[1, 2]'"),
+        (["--task-config", "{"], "argument --task-config: not valid JSON"),
+        (["--learning-rate", "fast"], "argument --learning-rate: invalid float value: 'fast'"),
+        (["--num-generations", "3"], "16 must be a multiple of num_generations = 3"),
+        (["--temperature", "0"], "temperature must be > 0, got 0.0"),
+        (["--steps", "1", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     from grpo_mem.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--steps", "0"])
+        main(["train", *argv])
     assert exc.value.code == 2
-    assert "expected an integer >= 1, got 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["train", "--task-config", "[1, 2]"])
-    assert "expected a JSON object" in capsys.readouterr().err
-    assert main(["train", "--model", "/nonexistent/dir", "--steps", "1"]) == 2
-    assert "/nonexistent/dir" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: grpo-mem train") and message in err, err
+
+
+def test_cli_commands(capsys):
+    from grpo_mem.cli import COMMANDS, main
+
+    assert "train" in COMMANDS
+    for argv in ([], ["nope"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0 and "train" in capsys.readouterr().out
+
+
+_LIGHT_IMPORTS = r"""
+import os, sys
+
+def heavy():
+    return sorted(m for m in ("torch", "transformers", "trl") if m in sys.modules)
+
+import grpo_mem
+import grpo_mem.ops
+assert heavy() == [], heavy()
+assert set(grpo_mem.__all__) >= {"PatchHandle", "patch_trl", "restore", "shared_prompt_logprobs", "verify"}
+assert "patch_trl" in dir(grpo_mem)
+try:
+    grpo_mem.no_such_name
+except AttributeError as exc:
+    assert "no_such_name" in str(exc)
+else:
+    raise AssertionError("no AttributeError")
+import grpo_mem.cli  # sets the OpenMP policy, imports no heavy library either
+assert heavy() == [], heavy()
+assert os.environ["OMP_WAIT_POLICY"] == sys.argv[1], os.environ["OMP_WAIT_POLICY"]
+assert callable(grpo_mem.patch_trl) and callable(grpo_mem.restore) and callable(grpo_mem.shared_prompt_logprobs)
+assert grpo_mem.PatchHandle.__name__ == "PatchHandle"
+from grpo_mem import patch_trl
+from grpo_mem.patches.trl import patch_trl as direct
+assert patch_trl is direct
+from grpo_mem.ops import HAS_EXT, linear_logprobs
+from grpo_mem.ops.logprobs import linear_logprobs as direct
+assert linear_logprobs is direct and isinstance(HAS_EXT, bool)
+print("ok", heavy())
+"""
+
+
+def test_import_grpo_mem_is_light_and_resolves_lazily():
+    """``import grpo_mem`` / ``import grpo_mem.ops`` load neither torch, transformers nor TRL; the public names
+    resolve on access; ``grpo_mem.cli`` sets OMP_WAIT_POLICY=PASSIVE, or keeps a value already set."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-c", _LIGHT_IMPORTS, "PASSIVE"], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "ok"
+    keep = "import os, grpo_mem.cli; print(os.environ['OMP_WAIT_POLICY'])"
+    proc = subprocess.run([sys.executable, "-c", keep], capture_output=True, text=True,
+                          env=dict(env, OMP_WAIT_POLICY="ACTIVE"), cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "ACTIVE", proc.stderr[-3000:]
+
+
+_VERIFY_NAME = r"""
+import importlib.util, os, sys
+import grpo_mem
+if importlib.util.find_spec("grpo_mem.verify") is None:
+    # The module is another change's; until it lands the name says it is missing.
+    try:
+        grpo_mem.verify
+    except AttributeError as exc:
+        assert "grpo_mem.verify" in str(exc) and "does not exist" in str(exc), exc
+    else:
+        raise AssertionError("no AttributeError")
+    grpo_mem.__path__.append(sys.argv[1])  # a stand-in module, to check the mapping
+import grpo_mem.verify  # binding the submodule must not replace the exported function
+assert callable(grpo_mem.verify) and grpo_mem.verify is sys.modules["grpo_mem.verify"].verify
+from grpo_mem import verify
+assert verify is sys.modules["grpo_mem.verify"].verify
+print("ok")
+"""
+
+
+def test_verify_name_maps_to_the_function(tmp_path):
+    (tmp_path / "verify.py").write_text("def verify(*args, **kwargs):\n    return True\n")
+    proc = subprocess.run([sys.executable, "-c", _VERIFY_NAME, str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_module_entry_points_print_help():
+    for cmd in (["-m", "grpo_mem.cli", "train", "--help"], ["-m", "grpo_mem", "train", "--help"]):
+        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.startswith("usage: grpo-mem train") and "--no-patch" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --few-shot and --compare: prompts, refusals, flags
+
+
+def test_few_shot_system_prompt_holds_k_solved_examples_from_disjoint_seeds():
+    import re
+
+    import reasoning_gym
+
+    from grpo_mem.job.tasks import FEW_SHOT_SEED_OFFSET, few_shot_block, system_prompt
+
+    size, seed, k = 32, 5, 16
+    task = make_task("chain_sum", size=size, seed=seed, few_shot=k)
+    plain = make_task("chain_sum", size=size, seed=seed)
+    assert plain.examples == [] and plain.few_shot_seed is None and plain.system == system_prompt("chain_sum", True)
+    # The training entries are unchanged; every prompt carries the same system message (the shared prefix).
+    assert [task.data[i] for i in range(size)] == [plain.data[i] for i in range(size)]
+    assert all(task.prompt(i)[0] == {"role": "system", "content": task.system} for i in range(size))
+    assert task.system == plain.system + "\n\n" + few_shot_block(task.examples)
+    # K examples, read back from the text, each a real entry of the few-shot dataset with its exact answer.
+    pairs = re.findall(r"^Question: (.*)\nAnswer: (.*)$", task.system, flags=re.MULTILINE)
+    assert len(pairs) == len(task.examples) == k
+    assert task.few_shot_seed == seed + FEW_SHOT_SEED_OFFSET
+    pool = reasoning_gym.create_dataset("chain_sum", size=8 * k, seed=task.few_shot_seed, **task.config)
+    pool_seeds = {pool[i]["question"]: task.few_shot_seed + i for i in range(len(pool))}  # Random(seed + index)
+    training_questions = {task.data[i]["question"] for i in range(size)}
+    for (question, answer_text), entry in zip(pairs, task.examples):
+        assert question == entry["question"] and answer_text == entry["answer"]
+        assert question not in training_questions
+        assert pool_seeds[question] not in range(seed, seed + size)  # generator seeds disjoint from training
+        # Correct by reasoning-gym's own scorer, through the job's own answer extraction, and by arithmetic.
+        assert pool.score_answer(extract_answer(answer_text, numeric=True), entry) == 1.0
+        assert int(answer_text) == eval(entry["metadata"]["expression"])  # "a + b" / "a - b" of one-digit numbers
+    assert len({q for q, _ in pairs}) == k  # no repeated example
+
+
+def test_few_shot_refuses_what_the_task_cannot_supply():
+    with pytest.raises(ValueError, match="few_shot must be an int >= 0, got -1"):
+        make_task("chain_sum", size=4, few_shot=-1)
+    # Two one-digit terms: 200 possible questions, so 300 distinct examples cannot exist.
+    with pytest.raises(ValueError, match=r"--few-shot 300: only \d+ of 2400 chain_sum entries"):
+        make_task("chain_sum", size=4, few_shot=300)
+
+
+def test_few_shot_refuses_prompts_longer_than_the_model(tiny_model_dir, tmp_path, capsys):
+    """The tiny model has 256 positions: 16 examples do not fit, and the error gives the token counts."""
+    import re
+
+    from grpo_mem.cli import main
+
+    argv = ["train", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--steps", "1",
+            "--max-completion-length", "6"]  # fmt: skip
+    assert main([*argv, "--few-shot", "16"]) == 2
+    err = capsys.readouterr().err
+    m = re.search(r"--few-shot 16 makes prompts of up to (\d+) tokens \(the system message with the examples: (\d+) "
+                  r"tokens\); with --max-completion-length 6 that exceeds the model's 256 positions "
+                  r"\(max_position_embeddings\): at most 250 prompt tokens fit", err)
+    assert m, err
+    assert int(m.group(1)) > 250 and int(m.group(2)) < int(m.group(1))
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_compare_and_few_shot_flags(capsys):
+    from grpo_mem.cli import main
+    from grpo_mem.job.compare import run_command
+    from grpo_mem.job.train import run
+
+    s = _parse("--compare", "--few-shot", "3", "--steps", "2")
+    assert (s.compare, s.few_shot, s.patch) == (True, 3, True)
+    assert (_parse().compare, _parse().few_shot) == (False, 0)
+    stock = run_command(s, False, "out/stock")
+    assert stock[:4] == [sys.executable, "-m", "grpo_mem.cli", "train"]
+    child = _parse(*stock[4:])
+    assert (child.compare, child.patch, child.few_shot, child.steps, child.output_dir) == (False, False, 3, 2,
+                                                                                         "out/stock")
+    assert _parse(*run_command(s, True, "p")[4:]).patch is True
+    with pytest.raises(ValueError, match="compare=True is grpo_mem.job.compare.run_compare"):
+        run(s)
+    for argv, message in [
+        (["--few-shot", "-1"], "argument --few-shot: expected an integer >= 0, got -1"),
+        (["--few-shot", "two"], "argument --few-shot: expected an integer, got 'two'"),
+        (["--compare", "--no-patch"], "compare runs both stock TRL and the patch; drop --no-patch"),
+        (["--compare", "maybe"], "argument --compare: Truthy value expected: got maybe"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main(["train", *argv])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+
+
+def test_compare_runs_reports_reward_differences():
+    from grpo_mem.job.compare import compare_runs
+
+    def summary(rewards, peaks, times):
+        steps = [{"step": i + 1, "reward": r, "peak_rss_mb": m, "step_time_s": t, "loss": 0.0, "grad_norm": 1.0}
+                 for i, (r, m, t) in enumerate(zip(rewards, peaks, times))]
+        return {"steps": steps, "rss_before_train_mb": 100.0, "ru_maxrss_mb": max(peaks), "train_time_s": sum(times),
+                "totals": {"peak_rss_mb": max(peaks), "step_time_median_s": sorted(times)[len(times) // 2],
+                           "step_time_mean_s": sum(times) / len(times)}}  # fmt: skip
+
+    stock = summary([0.5, 0.25, 0.75], [500.0, 900.0, 900.0], [4.0, 4.0, 4.0])
+    patched = summary([0.5, 0.5, 0.75], [300.0, 400.0, 500.0], [1.0, 2.0, 3.0])
+    c = compare_runs(stock, patched)
+    assert c["reward_abs_diff"] == [0.0, 0.25, 0.0] and c["reward_max_abs_diff"] == 0.25
+    assert c["rewards_identical"] is False
+    r = c["ratios"]
+    assert r["peak_rss_mb"] == pytest.approx(500 / 900) and r["peak_rss_above_start_mb"] == pytest.approx(400 / 800)
+    assert r["peak_rss_median_mb"] == pytest.approx(450 / 900)  # steps 2.. (step 1 is before AdamW's moments)
+    assert r["step_time_median_s"] == pytest.approx(2 / 4) and r["train_time_s"] == pytest.approx(6 / 12)
+    assert compare_runs(stock, stock)["rewards_identical"] is True

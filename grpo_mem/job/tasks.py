@@ -4,12 +4,15 @@ A task is a ``reasoning_gym`` procedural dataset (``reasoning_gym.create_dataset
 entries hold ``question`` and ``answer``. Each entry becomes one chat prompt: a system message asking for the bare
 answer (:func:`system_prompt`) and the question as the user message, unchanged; the reward of a completion is ``dataset.score_answer(extract_answer(completion), entry)``, the
 task's own scorer, applied to the answer text pulled out of the completion (see :func:`extract_answer`).
+
+With ``few_shot=K`` the system message also holds K solved examples of the same task (:func:`few_shot_examples`),
+so every prompt starts with the same long prefix, as RL prompts with instructions and demonstrations do.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -29,6 +32,12 @@ DEFAULT_SYSTEM_PROMPTS: dict[str, str] = {
     "chain_sum": "You are a calculator. Reply with only the resulting number.",
 }
 """System prompts of tasks that have one tuned for the default model; see :func:`system_prompt` for the others."""
+
+FEW_SHOT_SEED_OFFSET = 1_000_000
+"""Few-shot examples come from the dataset seed ``seed + FEW_SHOT_SEED_OFFSET``. reasoning-gym's procedural datasets
+draw entry ``i`` from ``random.Random(seed + i)``, so the examples' generator seeds never meet the training entries'
+(``seed`` ... ``seed + size - 1``) while ``size`` is below the offset; examples whose question is also a training
+question are skipped as well."""
 
 NUMERIC_SYSTEM_PROMPT = "Reply with only the final number."
 TEXT_SYSTEM_PROMPT = "Reply with only the final answer."
@@ -118,7 +127,10 @@ class Task:
         data: the reasoning-gym dataset (indexable; entries are dicts with ``question``, ``answer``, ``metadata``).
         numeric: True when every answer in ``data`` parses as a decimal number; selects the extraction rule and
             the default system prompt.
-        system: system message of every prompt (empty: none).
+        system: system message of every prompt (empty: none); with few-shot examples, the task's system prompt
+            followed by :func:`few_shot_block` of :attr:`examples`.
+        examples: the few-shot entries (reasoning-gym entries of the same dataset and config) in the system message.
+        few_shot_seed: dataset seed the examples were drawn from (``None`` without examples).
     """
 
     name: str
@@ -127,6 +139,8 @@ class Task:
     numeric: bool
 
     system: str = ""
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    few_shot_seed: int | None = None
 
     def prompt(self, index: int) -> list[dict[str, str]]:
         """Chat prompt of entry ``index``: the system message :attr:`system` (if any), then the question as is."""
@@ -171,6 +185,54 @@ def system_prompt(name: str, numeric: bool) -> str:
     return NUMERIC_SYSTEM_PROMPT if numeric else TEXT_SYSTEM_PROMPT
 
 
+def few_shot_block(examples: list[dict[str, Any]]) -> str:
+    """The examples as text for the system message: ``"Solved examples:"``, then per entry ``"Question: <question>"``
+    and ``"Answer: <answer>"`` on two lines, entries separated by a blank line. The answer is reasoning-gym's exact
+    ``entry["answer"]``, the bare answer the task's system prompt asks for."""
+    return "Solved examples:\n\n" + "\n\n".join(f"Question: {e['question']}\nAnswer: {e['answer']}" for e in examples)
+
+
+def few_shot_examples(data: Any, k: int, *, name: str, config: dict[str, Any], seed: int) -> tuple[list[dict], int]:
+    """``k`` solved entries of task ``name`` for the system prompt, none of them a question of ``data``.
+
+    They are the first ``k`` entries of ``reasoning_gym.create_dataset(name, seed=seed + FEW_SHOT_SEED_OFFSET,
+    **config)`` whose question is neither in ``data`` (the training entries, made with ``seed``) nor an earlier
+    example; at most ``max(8 k, k + 64)`` entries are drawn.
+
+    Returns:
+        (the entries, the dataset seed they came from).
+
+    Raises:
+        ValueError: ``k`` < 1, ``len(data)`` >= :data:`FEW_SHOT_SEED_OFFSET` (the seed ranges could meet), or fewer
+            than ``k`` distinct new questions among the draws (a task with few possible questions).
+    """
+    import reasoning_gym
+
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"few-shot k must be an int >= 1, got {k!r}")
+    if len(data) >= FEW_SHOT_SEED_OFFSET:
+        raise ValueError(f"{len(data)} training entries: few-shot examples need fewer than {FEW_SHOT_SEED_OFFSET}")
+    fs_seed = seed + FEW_SHOT_SEED_OFFSET
+    draws = max(8 * k, k + 64)
+    pool = reasoning_gym.create_dataset(name, size=draws, seed=fs_seed, **config)
+    seen = {str(data[i]["question"]) for i in range(len(data))}
+    examples = []
+    for i in range(draws):
+        entry = pool[i]
+        question = str(entry["question"])
+        if question in seen:
+            continue
+        seen.add(question)
+        examples.append(entry)
+        if len(examples) == k:
+            return examples, fs_seed
+    raise ValueError(
+        f"--few-shot {k}: only {len(examples)} of {draws} {name} entries drawn from seed {fs_seed} have a question "
+        f"that is neither a training question nor an earlier example; use a smaller K or a task config with more "
+        f"distinct questions"
+    )
+
+
 def make_task(
     name: str = DEFAULT_TASK,
     *,
@@ -178,6 +240,7 @@ def make_task(
     seed: int = 0,
     config: dict[str, Any] | None = None,
     system: str | None = None,
+    few_shot: int = 0,
 ) -> Task:
     """Build a :class:`Task` of ``size`` entries.
 
@@ -188,9 +251,11 @@ def make_task(
         config: dataset options; ``None`` takes :data:`DEFAULT_TASK_CONFIGS` ``[name]`` or reasoning-gym's defaults.
         system: system message of every prompt; ``None`` = :func:`system_prompt`, ``""`` = no system message (the
             chat template may then insert its own default).
+        few_shot: number of solved examples appended to the system message (:func:`few_shot_examples`; int >= 0).
 
     Raises:
-        ValueError: unknown task name, ``size`` < 1, or options the dataset rejects.
+        ValueError: unknown task name, ``size`` < 1, ``few_shot`` < 0, options the dataset rejects, or too few
+            distinct few-shot questions.
         TypeError: ``config`` is not a dict.
     """
     import reasoning_gym
@@ -213,4 +278,12 @@ def make_task(
         system = system_prompt(name, numeric)
     elif not isinstance(system, str):
         raise TypeError(f"system must be a str, got {type(system).__name__}")
-    return Task(name=name, config=config, data=data, numeric=numeric, system=system)
+    if not isinstance(few_shot, int) or few_shot < 0:
+        raise ValueError(f"few_shot must be an int >= 0, got {few_shot!r}")
+    examples, fs_seed = [], None
+    if few_shot:
+        examples, fs_seed = few_shot_examples(data, few_shot, name=name, config=config, seed=seed)
+        block = few_shot_block(examples)
+        system = f"{system}\n\n{block}" if system else block
+    return Task(name=name, config=config, data=data, numeric=numeric, system=system, examples=examples,
+                few_shot_seed=fs_seed)

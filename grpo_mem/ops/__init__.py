@@ -1,15 +1,38 @@
-"""Kernels and their launchers, one kernel family per module, each beside its plain-torch reference."""
+"""Kernels and their launchers, one kernel family per module, each beside its plain-torch reference.
 
-from .attention import (
-    multi_region_attention,
-    multi_region_attention_ref,
-    shared_prefix_attention,
-    shared_prefix_attention_ref,
-)
-from ._ext import HAS_EXT
-from .logprobs import linear_logprobs, linear_logprobs_ref, selective_log_softmax, selective_log_softmax_ref
+The names below are resolved on first access (PEP 562 ``__getattr__``), so ``import grpo_mem.ops`` loads neither torch
+nor the kernels; ``grpo_mem.ops.linear_logprobs`` imports ``grpo_mem.ops.logprobs`` (and torch) when first used.
+"""
 
-__all__ = [
-    "multi_region_attention", "multi_region_attention_ref", "shared_prefix_attention", "shared_prefix_attention_ref",
-]
-__all__ += ["HAS_EXT", "linear_logprobs", "linear_logprobs_ref", "selective_log_softmax", "selective_log_softmax_ref"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS: dict[str, str] = {
+    "multi_region_attention": "attention",
+    "multi_region_attention_ref": "attention",
+    "shared_prefix_attention": "attention",
+    "shared_prefix_attention_ref": "attention",
+    "HAS_EXT": "_ext",
+    "linear_logprobs": "logprobs",
+    "linear_logprobs_ref": "logprobs",
+    "selective_log_softmax": "logprobs",
+    "selective_log_softmax_ref": "logprobs",
+}
+"""Public name -> submodule of this package that defines it."""
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        submodule = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
