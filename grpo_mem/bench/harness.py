@@ -406,6 +406,12 @@ def _parent_import_path() -> str:
     return os.pathsep.join(seen)
 
 
+# The child's entry point. ``python -c`` (like ``-m``) puts the working directory first on ``sys.path``, where any stray
+# module (a ``kernels.py``, a ``trl.py``) would shadow a library; the child drops it and imports only along the
+# parent's path.
+_CHILD_MAIN = "import sys; sys.path.pop(0); from grpo_mem.bench.harness import _worker_main; sys.exit(_worker_main())"
+
+
 def run_isolated(
     target: str,
     args: dict,
@@ -418,8 +424,8 @@ def run_isolated(
 ) -> dict:
     """Run ``target(args)`` in a fresh Python process and return its result dict.
 
-    The child is ``python -m grpo_mem.bench.harness --worker TARGET`` with ``args`` passed as a JSON file, this
-    process's ``sys.path`` as its ``PYTHONPATH`` and the same working directory; it sets
+    The child runs ``grpo_mem.bench.harness``'s worker entry (``--worker TARGET``) with ``args`` passed as a JSON
+    file and this process's ``sys.path`` as its ``PYTHONPATH`` (nothing else on its path); it sets
     ``torch.set_num_threads(threads)`` (and ``OMP_NUM_THREADS``), runs ``target(args)`` and writes the returned dict as
     JSON. The parent polls the child's RSS every ``poll_s`` seconds and kills it once it exceeds ``rss_budget_mb``.
 
@@ -452,8 +458,8 @@ def run_isolated(
         err_path = os.path.join(tmp, "stderr.txt")
         with open(args_path, "w") as f:
             json.dump(args, f)
-        cmd = [sys.executable, "-m", "grpo_mem.bench.harness", "--worker", target, "--args", args_path, "--out",
-               out_path, "--threads", str(threads)]
+        cmd = [sys.executable, "-c", _CHILD_MAIN, "--worker", target, "--args", args_path, "--out", out_path,
+               "--threads", str(threads)]
         t0 = time.perf_counter()
         peak = 0
         reason = None
