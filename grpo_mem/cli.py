@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-cache", default=None,
                    help="directory for the converted SmolLM2 (default: $GRPO_MEM_CACHE/smollm2-135m-instruct)")
     p.add_argument("--no-patch", action="store_true", help="train with stock TRL (no grpo_mem patch)")
+    from grpo_mem.job import bench  # grpo-mem bench: its flags live in grpo_mem/job/bench.py
+
+    bench.add_arguments(sub.add_parser("bench", help=bench.HELP, description=bench.DESCRIPTION,
+                                       formatter_class=_DefaultsFormatter))
     return parser
 
 
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     from_command_line = argv is None
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from grpo_mem.job.bench import run as run_bench
+
+        return run_bench(args)
     if args.command == "train":
         if from_command_line:
             _reexec_with_passive_openmp(sys.argv[1:])
