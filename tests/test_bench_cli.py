@@ -72,9 +72,14 @@ def test_invalid_combinations_return_2_with_the_reason(argv, message, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def test_model_dir_without_config_is_refused(tmp_path, capsys):
+def test_model_dir_without_a_causal_lm_config_is_refused(tmp_path, capsys):
     assert bench.main(["--model", str(tmp_path)]) == 2
     assert "config.json does not exist" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "clip"}')
+    assert bench.main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot build a causal LM from this config: ValueError: Unrecognized configuration class" in err
+    assert len(err.splitlines()) == 1  # not transformers' list of every supported config
 
 
 # ---------------------------------------------------------------------------------------------------------- presets

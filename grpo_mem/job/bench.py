@@ -225,7 +225,8 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:  # transformers raises several types for unsupported configs
-        raise ValueError(f"cannot build a causal LM from this config: {type(exc).__name__}: {exc}") from None
+        first = (str(exc).splitlines() or [""])[0]  # transformers appends the list of every supported config
+        raise ValueError(f"cannot build a causal LM from this config: {type(exc).__name__}: {first}") from None
     text = cfg.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -485,7 +486,9 @@ def validate(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``grpo-mem bench`` for parsed flags; returns the exit status (2: invalid flags or a refused shape)."""
+    """Run ``grpo-mem bench`` for parsed flags; returns the exit status: 0 when every provider ran, 1 when one was
+    skipped (failed, over the time limit or the RSS budget; the table says why), 2 for invalid flags or a refused
+    shape (nothing run)."""
     from tqdm import tqdm
 
     from grpo_mem.bench import harness
@@ -566,11 +569,14 @@ def run(args: argparse.Namespace) -> int:
     harness.write_csv(csv_rows, csv_path)
     title = (f"grpo-mem bench: {cfg.model.name}, {cfg.dtype}, G={cfg.G}, P={cfg.P}, C={cfg.C}, groups={cfg.groups}, "
              f"micro-batch {cfg.micro}")
-    if any("skipped" not in r for r in summary):
+    plotted = any("skipped" not in r for r in summary)
+    if plotted:
         plot(summary, png_path, title)
+    elif os.path.exists(png_path):  # not this run's
+        os.remove(png_path)
     print(f"\n{title}\n")
     print(table(summary))
-    print(f"\nwrote {csv_path}" + (f" and {png_path}" if os.path.exists(png_path) else ""))
+    print(f"\nwrote {csv_path}" + (f" and {png_path}" if plotted else ""))
     return 0 if all("skipped" not in r for r in summary) else 1
 
 
