@@ -267,7 +267,8 @@ def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_m
     """Warm ``fn`` up on a tiny group, then measure the op on the real inputs in micro-batches of ``micro`` rows
     (default: all rows at once); the result dict of :func:`worker`.
 
-    ``args``: provider, C, and optionally warmup, repeats, min_repeats, time_budget_s (``harness.measure``'s).
+    ``args``: provider, C, and optionally warmup, repeats, min_repeats, time_budget_s (``harness.measure``'s), or
+    single_call (True: one call timed and memory-measured at once, ``harness.measure_once``; CPU only).
     ``plain_forward_check``: after measuring, compare the log-probs with a plain no-grad full-sequence forward
     (``logp_max_abs_diff_vs_plain_forward``); costs one more forward of every row.
     """
@@ -305,6 +306,8 @@ def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_m
                                                     warmup=max(1, args.get("warmup", 0)),
                                                     repeats=args.get("repeats", 3))
             extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
+        elif args.get("single_call"):
+            m = harness.measure_once(op, setup=lambda: model.zero_grad(set_to_none=True))
         else:
             m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
                                 repeats=args.get("repeats", 3), min_repeats=args.get("min_repeats", 1),
@@ -334,8 +337,8 @@ def worker(args: dict) -> dict:
 
     ``args``: ``model_config`` (a config.json's content, see :func:`build_model`), provider, G, P, C, and optionally
     groups (1), micro (rows per micro-batch, a divisor of groups·G; default all rows), shared_prefix (0), dtype
-    ("float32"), device ("cpu"), seed (0), plain_forward_check (True), warmup, repeats, min_repeats, time_budget_s
-    (see :func:`measure_group`).
+    ("float32"), device ("cpu"), seed (0), plain_forward_check (True), warmup, repeats, min_repeats, time_budget_s,
+    single_call (see :func:`measure_group`).
 
     Returns the measurement dict plus ``log_probs``/``entropies`` of the last call (lists, masked entries 0),
     ``grad_norm`` (L2 over all parameter gradients), ``fallback_warnings`` (grpo_mem's fallback messages),

@@ -368,6 +368,39 @@ def measure(
     return m
 
 
+def measure_once(fn: Callable[[], Any], *, setup: Callable[[], None] | None = None) -> Measurement:
+    """One call of ``fn()``, timed (wall and CPU time) and memory-measured (peak RSS above base) at once: for an op
+    too slow to run twice (``grpo-mem bench``'s single forward + backward).
+
+    Unlike :func:`measure`, the timed call runs with glibc's mmap threshold already fixed (every allocation above
+    64 KiB a fresh ``mmap``, so RSS follows live memory): its page faults are part of the time, a few per cent for
+    an op that allocates gigabytes. No :class:`TensorMemoryTracker` runs (its per-op Python dispatch would be timed
+    too), so ``peak_tensor_bytes`` stays empty. ``setup()`` runs first, unmeasured.
+
+    Returns:
+        :class:`Measurement` with one entry each in ``times_s``, ``cpu_times_s`` (seconds) and
+        ``peak_rss_above_base_bytes`` (bytes).
+    """
+    m = Measurement(warmup=0, threads=torch.get_num_threads())
+    m.mmap_threshold_fixed = fix_mmap_threshold()
+    if setup is not None:
+        setup()
+    release_free_memory()
+    with PeakRSS() as rss:
+        c0 = _cpu_seconds()
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        cpu = _cpu_seconds() - c0
+        del out
+    m.times_s.append(dt)
+    m.cpu_times_s.append(cpu)
+    m.base_rss_bytes = rss.base
+    m.rss_method = rss.method
+    m.peak_rss_above_base_bytes.append(rss.peak_above_base)
+    return m
+
+
 # ----------------------------------------------------------------------------------------------- isolated processes
 def _load_target(target: str) -> Callable[[dict], dict]:
     """``"module:function"`` (module importable on ``sys.path``) or ``"path/to/file.py:function"``."""

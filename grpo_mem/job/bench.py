@@ -144,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=_positive_int, default=_cpu_count(),
                         help="torch intra-op threads of each run")
     parser.add_argument("--repeats", type=_positive_int, default=1,
-                        help="timed calls per provider (one more call measures memory)")
+                        help="calls per provider: 1 times and measures memory in the same call; N > 1 times N calls "
+                        "(p50) and measures memory (peak RSS and live tensors) in one more")
     parser.add_argument("--output", default="grpo-mem-bench", help="directory for bench.csv and bench.png")
     return parser
 
@@ -453,7 +454,7 @@ class BenchConfig:
         return dict(model_config=self.model.config, provider=provider, G=self.G, P=self.P, C=self.C,
                     groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
                     dtype=DTYPES[self.dtype], device=self.device, repeats=self.repeats, min_repeats=self.repeats,
-                    time_budget_s=None, plain_forward_check=False)
+                    time_budget_s=None, single_call=self.repeats == 1, plain_forward_check=False)
 
     def csv_config(self) -> dict:
         from grpo_mem.bench.group import ideal_ratio
