@@ -235,10 +235,10 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
     kwargs = _sharing_kwargs(SharingSession.score, prov.sharing)
     n_micro = len(prompt_ids)
     P = prompt_ids[0].shape[1]
-    session, state = SharingSession(), {"calls": 0, "prompt_passes": 0}
+    session, state = SharingSession(), {"calls": 0, "prompt_passes": 0, "inside": False}
 
     def count(module, args, out):
-        if args[0].shape[1] == P:
+        if state["inside"] and args[0].shape[1] == P:  # only this fn's calls, not other users of the model
             state["prompt_passes"] += 1
 
     model.get_input_embeddings().register_forward_hook(count)
@@ -247,7 +247,11 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
         if state["calls"] % n_micro == 0:  # the window's first micro-batch opens it
             session.begin_window(model, prompt_ids, prompt_masks)
         state["calls"] += 1
-        lp, ent = session.score(model, input_ids, attention_mask, C, compute_entropy=True, **kwargs)
+        state["inside"] = True
+        try:
+            lp, ent = session.score(model, input_ids, attention_mask, C, compute_entropy=True, **kwargs)
+        finally:
+            state["inside"] = False
         if state["calls"] % n_micro == 0:
             fn.prompt_passes_per_call = state["prompt_passes"] / (state["calls"] // n_micro)
         return lp, ent
