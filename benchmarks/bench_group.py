@@ -4,6 +4,9 @@ The op, per provider, on B = groups·G rows (G completions of each prompt; promp
 right-padded to width C and ended by EOS): per-token log-probs (and entropies) of every completion token, then
 ``(log_probs * completion_mask).sum().backward()`` into freshly ``None``-ed parameter gradients.
 
+The op, its inputs, the providers and the worker live in ``grpo_mem.bench.group`` (shared with ``grpo-mem bench``);
+this script adds the toy models, the sweep, the CSV, plot and tables.
+
 Providers:
 
 - ``trl``: the model given TRL's fused head, ``trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs",
@@ -55,13 +58,15 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import Callable, Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 import harness  # noqa: E402
 import harness_cuda  # noqa: E402
+
+from grpo_mem.bench import group  # noqa: E402
+from grpo_mem.bench.group import EOS_ID, PAD_ID, ideal_ratio, make_inputs, make_logprob_fn  # noqa: E402,F401
 
 OP = "group_logprobs"
 OP_SPLIT = "group_logprobs_split"
@@ -71,8 +76,6 @@ CSV_PATH = os.path.join(RESULTS, "group.csv")
 PNG_PATH = os.path.join(RESULTS, "group.png")
 CUDA_CSV_PATH = os.path.join(RESULTS, "group_cuda.csv")
 CUDA_PNG_PATH = os.path.join(RESULTS, "group_cuda.png")
-EOS_ID = 2
-PAD_ID = 0
 
 ARCHS = {
     "llama": dict(model_type="llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
@@ -85,183 +88,29 @@ ARCHS = {
 }
 
 
-def ideal_ratio(G: int, P: int, C: int) -> float:
-    """(P + G·C) / (G·(P + C)): tokens through the trunk with the prompt once, over tokens with it G times."""
-    return (P + G * C) / (G * (P + C))
-
-
 # --------------------------------------------------------------------------------------------------- worker side
-def build_model(arch: str, seed: int = 0):
-    """A randomly initialised causal LM of ``ARCHS[arch]`` (fp32, SDPA, train mode, no dropout)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def arch_config(arch: str) -> dict:
+    """The config.json content (a dict with ``model_type``) of ``ARCHS[arch]``: max 4096 positions, BOS 1, EOS
+    ``EOS_ID``, padding ``PAD_ID``, no attention dropout."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    spec = dict(ARCHS[arch])
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS_ID,
-                                  pad_token_id=PAD_ID, attention_dropout=0.0, **spec)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    return model.train()
+    return dict(ARCHS[arch], max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                attention_dropout=0.0)
 
 
-def make_inputs(G: int, P: int, C: int, groups: int, vocab: int, seed: int = 0):
-    """``(input_ids, attention_mask, completion_mask)`` of ``groups`` prompts with ``G`` completions each.
-
-    Prompt g is left-padded to width P (g = 0: P/8 padding slots, g = 1: P/4), holding random ids in [3, vocab);
-    completions have lengths uniform in [C/2, C], end with EOS and are right-padded to C. With 2 groups the rows are
-    shuffled, as TRL shuffles its generation batch, so a group's rows are not adjacent.
-    Shapes: (groups·G, P + C) int64, int64 0/1, (groups·G, C) int64 0/1.
-    """
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids, masks = [], []
-    for k in range(groups):
-        pad = P // (8 if k == 0 else 4)
-        prompt = torch.randint(3, vocab, (P,), generator=g)
-        prompt[:pad] = PAD_ID
-        pmask = torch.ones(P, dtype=torch.long)
-        pmask[:pad] = 0
-        for _ in range(G):
-            n = int(torch.randint(C // 2, C + 1, (1,), generator=g)) if C > 1 else 1
-            comp = torch.randint(3, vocab, (C,), generator=g)
-            comp[n - 1] = EOS_ID
-            comp[n:] = PAD_ID
-            cmask = torch.zeros(C, dtype=torch.long)
-            cmask[:n] = 1
-            ids.append(torch.cat([prompt, comp]))
-            masks.append(torch.cat([pmask, cmask]))
-    input_ids, attention_mask = torch.stack(ids), torch.stack(masks)
-    if groups > 1:
-        perm = torch.randperm(input_ids.size(0), generator=g)
-        input_ids, attention_mask = input_ids[perm], attention_mask[perm]
-    return input_ids, attention_mask, attention_mask[:, -C:]
-
-
-def make_logprob_fn(provider: str, model, C: int):
-    """``fn(input_ids, attention_mask) -> (log_probs (B, C) fp32, entropies (B, C) fp32)`` for ``provider``, with
-    gradients. Raises ValueError for an unknown provider."""
-    import torch
-
-    if provider == "trl":
-        from trl.trainer.utils import add_fused_lm_head
-
-        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-
-        def fn(input_ids, attention_mask):
-            labels = input_ids.masked_fill(attention_mask == 0, -100)
-            labels[:, :-C] = -100
-            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-            return out.log_probs[:, -C:], out.entropy[:, -C:]
-
-    elif provider == "full_seq":
-        from trl.kernels import ChunkedLogProbFunction
-        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
-
-        backbone = model.get_decoder()
-        head = model.get_output_embeddings()
-
-        def fn(input_ids, attention_mask):
-            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            hidden = hidden[:, -C - 1:-1]  # position t predicts token t + 1
-            targets = input_ids[:, -C:]
-            keep = attention_mask[:, -C:].bool()
-            lp, ent, *_ = ChunkedLogProbFunction.apply(hidden[keep], head.weight, head.bias, targets[keep], 1.0,
-                                                       _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
-                                                       ("log_probs", "entropy"))
-            zeros = hidden.new_zeros(keep.shape, dtype=torch.float32)
-            return zeros.masked_scatter(keep, lp), zeros.masked_scatter(keep, ent)
-
-    elif provider == "grpo_mem":
-        import grpo_mem
-
-        def fn(input_ids, attention_mask):
-            return grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True)
-
-    else:
-        raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
-    return fn
-
-
-def _grad_norm(model) -> float:
-    import torch
-
-    sq = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
-    return math.sqrt(sq)
-
-
-def _measure_group(args: dict, model, fn, input_ids, attention_mask, completion_mask, *, micro: int | None = None):
-    """Warm ``fn`` up on a tiny group, then measure the op on the real inputs; the result dict of :func:`worker`."""
-    import torch
-
-    # Warm-up on a tiny group (lazy imports, one-time installs) instead of a full-size untimed call
-    device = input_ids.device
-    tiny_ids, tiny_mask, tiny_cmask = (x.to(device) for x in make_inputs(2, 16, 8, 1, model.config.vocab_size,
-                                                                         seed=123))
-    small_fn = make_logprob_fn(args["provider"], model, 8) if args["C"] != 8 else fn
-    lp, _ = small_fn(tiny_ids, tiny_mask)
-    (lp * tiny_cmask).sum().backward()
-    del lp
-    cmask = completion_mask.float()
-    last = {}
-    B = input_ids.size(0)
-    step = micro or B
-
-    def op():
-        lps, ents = [], []
-        for s in range(0, B, step):
-            lp, ent = fn(input_ids[s:s + step], attention_mask[s:s + step])
-            (lp * cmask[s:s + step]).sum().backward()
-            lps.append(lp.detach())
-            ents.append(ent.detach())
-        last["lp"], last["ent"] = torch.cat(lps), torch.cat(ents)
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        extra = {}
-        if device.type == "cuda":
-            m, absolute = harness_cuda.measure_cuda(op, setup=lambda: model.zero_grad(set_to_none=True),
-                                                    warmup=max(1, args.get("warmup", 0)),
-                                                    repeats=args.get("repeats", 3))
-            extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
-        else:
-            m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
-                                repeats=args.get("repeats", 3), min_repeats=args.get("min_repeats", 1),
-                                time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
-    res = dict(m.to_dict(), **extra)
-    # Check after measuring (so nothing here is timed or counted): log-probs of a plain no-grad forward of the full
-    # sequences, log_softmax over the whole vocabulary, fp32
-    with torch.no_grad():
-        C = args["C"]
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     use_cache=False).last_hidden_state[:, -C - 1:-1]
-        logits = model.get_output_embeddings()(hidden).float()
-        ref = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -C:, None])[..., 0] * cmask
-    res["logp_max_abs_diff_vs_plain_forward"] = float((last["lp"] * cmask - ref).abs().max())
-    res["log_probs"] = (last["lp"] * cmask).tolist()
-    res["entropies"] = (last["ent"] * cmask).tolist()
-    res["grad_norm"] = _grad_norm(model)
-    res["n_params"] = sum(p.numel() for p in model.parameters())
-    res["fallback_warnings"] = sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)})
-    return res
+def build_model(arch: str, seed: int = 0):
+    """A randomly initialised causal LM of ``ARCHS[arch]`` (fp32, SDPA, train mode, no dropout)."""
+    return group.build_model(arch_config(arch), seed=seed)
 
 
 def worker(args: dict) -> dict:
     """One (configuration, provider) in a fresh process. ``args``: arch, provider, G, P, C, groups, and optionally
     seed, warmup (full-size untimed calls, default 0: a tiny group warms up instead), repeats, min_repeats,
-    time_budget_s (see ``harness.measure``). Returns the measurement dict plus ``log_probs``/``entropies`` of the last
-    call (lists, masked entries 0), ``grad_norm`` (L2 over all parameter gradients), ``fallback_warnings`` (grpo_mem's
-    fallback messages), ``n_params`` and ``version`` (``harness.versions()`` as this process saw the code)."""
-    version = harness.versions()
-    device = args.get("device", "cpu")
-    model = build_model(args["arch"], seed=args.get("seed", 0)).to(device)
-    input_ids, attention_mask, completion_mask = (x.to(device) for x in make_inputs(
-        args["G"], args["P"], args["C"], args.get("groups", 1), model.config.vocab_size, seed=args.get("seed", 0) + 1))
-    fn = make_logprob_fn(args["provider"], model, args["C"])
-    return dict(_measure_group(args, model, fn, input_ids, attention_mask, completion_mask), version=version)
+    time_budget_s (see ``harness.measure``). Returns ``grpo_mem.bench.group.worker``'s result: the measurement dict
+    plus ``log_probs``/``entropies`` of the last call (lists, masked entries 0), ``grad_norm`` (L2 over all parameter
+    gradients), ``fallback_warnings`` (grpo_mem's fallback messages), ``n_params``,
+    ``logp_max_abs_diff_vs_plain_forward`` and ``version`` (``harness.versions()`` as this process saw the code)."""
+    return group.worker(dict(args, model_config=arch_config(args["arch"])))
 
 
 def split_worker(args: dict) -> dict:
@@ -277,45 +126,7 @@ def split_worker(args: dict) -> dict:
     G, micro = args["G"], args["micro"]
     if micro < 1 or G % micro:
         raise ValueError(f"G={G} must be a positive multiple of micro={micro}")
-    version = harness.versions()
-    device = args.get("device", "cpu")
-    model = build_model(args["arch"], seed=args.get("seed", 0)).to(device)
-    input_ids, attention_mask, completion_mask = (x.to(device) for x in make_inputs(
-        G, args["P"], args["C"], 1, model.config.vocab_size, seed=args.get("seed", 0) + 1))
-    if args["provider"] == "grpo_mem":
-        fn = _split_grpo_mem_fn(model, args["C"], G // micro)
-    else:
-        fn = make_logprob_fn(args["provider"], model, args["C"])
-    res = _measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro)
-    return dict(res, version=version, prompt_passes_per_call=getattr(fn, "prompt_passes_per_call", None))
-
-
-def _split_grpo_mem_fn(model, C: int, n_micro: int):
-    """grpo_mem over ``n_micro`` micro-batches of one group: ``fn(ids, mask)`` called once per micro-batch, in order,
-    through a ``SharingSession`` whose window is the group's ``n_micro`` micro-batches (each holds ``micro`` rows of
-    the group's one prompt). ``fn.prompt_passes_per_call`` counts the prompt passes per scored group (embedding calls
-    of prompt width)."""
-    from grpo_mem.model.sharing import SharingSession
-
-    session, state = SharingSession(), {"calls": 0, "prompt_passes": 0, "P": None}
-
-    def count(module, args, out):
-        if args[0].shape[1] == state["P"]:
-            state["prompt_passes"] += 1
-
-    model.get_input_embeddings().register_forward_hook(count)
-
-    def fn(input_ids, attention_mask):
-        state["P"] = P = input_ids.shape[1] - C
-        if state["calls"] % n_micro == 0:  # the group's first micro-batch opens its window
-            session.begin_window(model, [input_ids[:, :P]] * n_micro, [attention_mask[:, :P]] * n_micro)
-        state["calls"] += 1
-        lp, ent = session.score(model, input_ids, attention_mask, C, compute_entropy=True)
-        if state["calls"] % n_micro == 0:
-            fn.prompt_passes_per_call = state["prompt_passes"] / (state["calls"] // n_micro)
-        return lp, ent
-
-    return fn
+    return group.worker(dict(args, model_config=arch_config(args["arch"]), groups=1))
 
 
 SPLIT_PROVIDERS = ("trl", "full_seq", "grpo_mem")

@@ -32,6 +32,7 @@ force_offline()
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("grpo_mem.job.train", "GRPO on a reasoning-gym task with TRL's GRPOTrainer on CPU, patched by grpo_mem"),
+    "bench": ("grpo_mem.job.bench", "will grpo_mem help on my model? stock TRL vs grpo_mem on one scoring step"),
 }
 """Command name -> (module defining ``main(argv: list[str]) -> int``, one-line help)."""
 

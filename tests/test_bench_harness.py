@@ -25,7 +25,8 @@ def alloc_worker(args: dict) -> dict:
         t = torch.ones(n, dtype=torch.float32)  # ones() writes every page, so all of it becomes resident
         return float(t[-1])
 
-    return harness.measure(op, warmup=1, repeats=2, memory_repeats=2).to_dict()
+    return dict(harness.measure(op, warmup=1, repeats=2, memory_repeats=2).to_dict(),
+                once=harness.measure_once(op).to_dict())
 
 
 def grow_worker(args: dict) -> dict:
@@ -64,6 +65,17 @@ def test_known_allocation_in_fresh_process(isolated_results):
     assert m.rss_method in ("vmhwm", "sampler")
     assert len(m.times_s) == len(m.cpu_times_s) == 2 and all(t > 0 for t in m.times_s + m.cpu_times_s)
     assert m.threads == 2
+
+
+def test_measure_once_times_and_measures_the_same_call(isolated_results):
+    res = isolated_results["alloc"]
+    assert "skipped" not in res, res
+    m = harness.Measurement.from_dict(res["once"])
+    mb = ALLOC_BYTES / harness.MB
+    assert len(m.times_s) == len(m.cpu_times_s) == len(m.peak_rss_above_base_bytes) == 1 and m.times_s[0] > 0
+    assert abs(m.peak_rss_above_base_bytes[0] / harness.MB - mb) <= 0.05 * mb, (m.peak_rss_above_base_bytes, mb)
+    assert m.peak_tensor_bytes == [] and m.mmap_threshold_fixed
+    assert set(m.metrics()) == {"wall_time", "cpu_time", "peak_rss_above_base"}
 
 
 def test_tracker_counts_views_once_and_ignores_inputs_and_inplace():

