@@ -48,6 +48,8 @@ sys.path.insert(0, _HERE)
 import bench_group  # noqa: E402
 import harness  # noqa: E402
 
+from grpo_mem.bench import group  # noqa: E402
+
 OP = "tree_window"
 OP_THRESHOLD = "tree_threshold"
 PROVIDERS = ("trl", "full_seq", "grpo_mem_group", "grpo_mem_tree")
@@ -55,7 +57,6 @@ RESULTS = os.path.join(_HERE, "results")
 CSV_PATH = os.path.join(RESULTS, "tree.csv")
 PNG_PATH = os.path.join(RESULTS, "tree.png")
 THRESHOLD_CSV = os.path.join(RESULTS, "tree_threshold.csv")
-EOS_ID, PAD_ID = bench_group.EOS_ID, bench_group.PAD_ID
 # Stock providers at S=2048 hold every row's full-sequence activations: about 32 rows x 2176 tokens per micro-batch,
 # over 20 GB for the 8-layer model (measured: 8.4 GB at S=512), more than this 24 GB machine can give a worker.
 STOCK_MAX_S = 512
@@ -89,17 +90,12 @@ def make_window(S: int, Qs: Sequence[int], G: int, C: int, groups_per_mb: int, v
     P = S + max(Qs)
     ids, masks = [], []
     for q in Qs:
-        prompt = torch.full((P,), PAD_ID, dtype=torch.long)
+        prompt = torch.full((P,), group.PAD_ID, dtype=torch.long)
         prompt[P - S - q:] = torch.cat([system, torch.randint(3, vocab, (q,), generator=g)])
         pmask = torch.zeros(P, dtype=torch.long)
         pmask[P - S - q:] = 1
         for _ in range(G):
-            n = int(torch.randint(C // 2, C + 1, (1,), generator=g))
-            comp = torch.randint(3, vocab, (C,), generator=g)
-            comp[n - 1] = EOS_ID
-            comp[n:] = PAD_ID
-            cmask = torch.zeros(C, dtype=torch.long)
-            cmask[:n] = 1
+            comp, cmask = group.random_completion(C, vocab, g)
             ids.append(torch.cat([prompt, comp]))
             masks.append(torch.cat([pmask, cmask]))
     input_ids, attention_mask = torch.stack(ids), torch.stack(masks)
@@ -110,28 +106,15 @@ def make_window(S: int, Qs: Sequence[int], G: int, C: int, groups_per_mb: int, v
 
 
 def _window_fn(provider: str, model, C: int, input_ids, attention_mask, rows: int, min_shared_tokens: int | None):
-    """``fn(ids, mask)`` scoring the window's micro-batches in order; grpo_mem providers through a ``SharingSession``
-    whose window is the whole of ``input_ids``."""
+    """``fn(ids, mask)`` scoring the window's micro-batches (``rows`` rows each) in order; the grpo_mem providers
+    through a ``SharingSession`` whose window is the whole of ``input_ids`` (``grpo_mem.bench.group.make_window_fn``)."""
     if provider in ("trl", "full_seq"):
-        return bench_group.make_logprob_fn(provider, model, C)
-    from grpo_mem.model.sharing import SharingSession
-    from grpo_mem.model.trie import DEFAULT_MIN_SHARED_TOKENS
-
-    mode = provider.removeprefix("grpo_mem_")
-    session = SharingSession(mode, min_shared_tokens=min_shared_tokens or DEFAULT_MIN_SHARED_TOKENS)
+        return group.make_logprob_fn(provider, model, C)
     P = input_ids.shape[1] - C
-    n_mb = input_ids.shape[0] // rows
-    prompts = [input_ids[s:s + rows, :P] for s in range(0, input_ids.shape[0], rows)]
-    masks = [attention_mask[s:s + rows, :P] for s in range(0, input_ids.shape[0], rows)]
-    calls = [0]
-
-    def fn(ids, mask):
-        if calls[0] % n_mb == 0:
-            session.begin_window(model, prompts, masks)
-        calls[0] += 1
-        return session.score(model, ids, mask, C, compute_entropy=True)
-
-    return fn
+    starts = range(0, input_ids.shape[0], rows)
+    return group.make_window_fn("grpo_mem" if provider == "grpo_mem_group" else provider, model, C,
+                                [input_ids[s:s + rows, :P] for s in starts],
+                                [attention_mask[s:s + rows, :P] for s in starts], min_shared_tokens=min_shared_tokens)
 
 
 def worker(args: dict) -> dict:
@@ -181,7 +164,7 @@ def worker(args: dict) -> dict:
             ref = torch.log_softmax(logits, -1).gather(-1, ids[:, -C:, None])[..., 0] * cmask_f[s:s + rows]
             diffs.append(float((last["lp"][s:s + rows] * cmask_f[s:s + rows] - ref).abs().max()))
     return dict(m.to_dict(), trunk_tokens=last["tokens"], logp_max_abs_diff_vs_plain_forward=max(diffs),
-                log_probs=(last["lp"] * cmask_f).tolist(), grad_norm=bench_group._grad_norm(model), Qs=Qs,
+                log_probs=(last["lp"] * cmask_f).tolist(), grad_norm=group.grad_norm(model), Qs=Qs,
                 fallback_warnings=sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)}),
                 version=version)
 

@@ -107,6 +107,20 @@ def build_model(spec: dict[str, Any], *, seed: int = 0, dtype: str = "float32"):
     return model.train()
 
 
+def random_completion(C: int, vocab: int, g):
+    """One completion: length uniform in [C/2, C] (1 if C = 1), random ids in [3, vocab), EOS last, right-padded to
+    C; returns ``(ids (C,) int64, mask (C,) int64 0/1)``, drawn from the ``torch.Generator`` ``g``."""
+    import torch
+
+    n = int(torch.randint(C // 2, C + 1, (1,), generator=g)) if C > 1 else 1
+    comp = torch.randint(3, vocab, (C,), generator=g)
+    comp[n - 1] = EOS_ID
+    comp[n:] = PAD_ID
+    cmask = torch.zeros(C, dtype=torch.long)
+    cmask[:n] = 1
+    return comp, cmask
+
+
 def make_inputs(G: int, P: int, C: int, groups: int, vocab: int, seed: int = 0, shared_prefix: int = 0):
     """``(input_ids, attention_mask, completion_mask)`` of ``groups`` prompts with ``G`` completions each.
 
@@ -137,12 +151,7 @@ def make_inputs(G: int, P: int, C: int, groups: int, vocab: int, seed: int = 0, 
         pmask = torch.ones(P, dtype=torch.long)
         pmask[:pad] = 0
         for _ in range(G):
-            n = int(torch.randint(C // 2, C + 1, (1,), generator=g)) if C > 1 else 1
-            comp = torch.randint(3, vocab, (C,), generator=g)
-            comp[n - 1] = EOS_ID
-            comp[n:] = PAD_ID
-            cmask = torch.zeros(C, dtype=torch.long)
-            cmask[:n] = 1
+            comp, cmask = random_completion(C, vocab, g)
             ids.append(torch.cat([prompt, comp]))
             masks.append(torch.cat([pmask, cmask]))
     input_ids, attention_mask = torch.stack(ids), torch.stack(masks)
@@ -215,11 +224,12 @@ def make_logprob_fn(provider: str, model, C: int):
     return fn
 
 
-def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks: list):
+def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks: list, *,
+                   min_shared_tokens: int | None = None):
     """A grpo_mem provider over the micro-batches of one gradient-accumulation window, as the TRL patch runs it:
     ``fn(input_ids, attention_mask)`` called once per micro-batch, in order, through a ``SharingSession`` whose window
     is ``prompt_ids``/``prompt_masks`` (per micro-batch, its (rows, P) prompt ids and mask); the window restarts after
-    its last micro-batch. Each prompt is forwarded once per window and backpropagated in the window's last backward.
+    its last micro-batch. ``min_shared_tokens``: the tree mode's threshold (``PromptTrie``; default its own). Each prompt is forwarded once per window and backpropagated in the window's last backward.
 
     ``fn.prompt_passes_per_call`` (set after each completed window) counts prompt passes per window: calls of the
     input embedding on prompt-width (P) inputs.
@@ -232,10 +242,10 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
     prov = _provider(provider)
     if prov.sharing is None:
         raise ValueError(f"a sharing window needs a grpo_mem provider, got {provider!r}")
-    kwargs = _sharing_kwargs(SharingSession.score, prov.sharing)
     n_micro = len(prompt_ids)
     P = prompt_ids[0].shape[1]
-    session, state = SharingSession(), {"calls": 0, "prompt_passes": 0, "inside": False}
+    options = {} if min_shared_tokens is None else {"min_shared_tokens": min_shared_tokens}
+    session, state = SharingSession(prov.sharing, **options), {"calls": 0, "prompt_passes": 0, "inside": False}
 
     def count(module, args, out):
         if state["inside"] and args[0].shape[1] == P:  # only this fn's calls, not other users of the model
@@ -249,7 +259,7 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
         state["calls"] += 1
         state["inside"] = True
         try:
-            lp, ent = session.score(model, input_ids, attention_mask, C, compute_entropy=True, **kwargs)
+            lp, ent = session.score(model, input_ids, attention_mask, C, compute_entropy=True)
         finally:
             state["inside"] = False
         if state["calls"] % n_micro == 0:
