@@ -31,16 +31,19 @@ def test_defaults_are_the_issue_shape():
     assert a.threads >= 1 and a.output == "grpo-mem-bench"
 
 
-def test_subcommand_parses_every_flag():
-    a = cli.build_parser().parse_args(
-        ["bench", "--model", "qwen2.5-0.5b", "--prompt-length", "100", "--completion-length", "20", "-G", "4",
+def test_subcommand_parses_every_flag(monkeypatch):
+    a = bench.build_parser().parse_args(
+        ["--model", "qwen2.5-0.5b", "--prompt-length", "100", "--completion-length", "20", "-G", "4",
          "--shared-prefix-length", "16", "--dtype", "bf16", "--device", "cpu", "--micro-batch", "2", "--groups", "3",
-         "--output", "out", "--threads", "1"])
-    assert a.command == "bench"
+         "--output", "out", "--threads", "1"])  # fmt: skip
     assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.shared_prefix_length) == (
         "qwen2.5-0.5b", 100, 20, 4, 16)
     assert (a.dtype, a.device, a.micro_batch, a.groups, a.output, a.threads) == ("bf16", "cpu", 2, 3, "out", 1)
-    assert cli.build_parser().parse_args(["bench", "--num-generations", "5"]).num_generations == 5
+    assert bench.build_parser().parse_args(["--num-generations", "5"]).num_generations == 5
+    # `grpo-mem bench ARGS` hands ARGS to grpo_mem.job.bench.main
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert cli.main(["bench", "-G", "4"]) == 0 and seen == [["-G", "4"]]
 
 
 @pytest.mark.parametrize("argv, message", [

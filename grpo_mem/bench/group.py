@@ -231,8 +231,9 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
     is ``prompt_ids``/``prompt_masks`` (per micro-batch, its (rows, P) prompt ids and mask); the window restarts after
     its last micro-batch. ``min_shared_tokens``: the tree mode's threshold (``PromptTrie``; default its own). Each prompt is forwarded once per window and backpropagated in the window's last backward.
 
-    ``fn.prompt_passes_per_call`` (set after each completed window) counts prompt passes per window: calls of the
-    input embedding on prompt-width (P) inputs.
+    ``fn.prompt_passes_per_call`` (set after each completed window) counts prompt passes per window (for the tree
+    mode, passes over trie nodes): calls of the input embedding inside ``fn`` other than each micro-batch's one
+    completion pass (C > 1).
 
     Raises:
         ValueError: ``provider`` is not a grpo_mem provider.
@@ -243,12 +244,11 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
     if prov.sharing is None:
         raise ValueError(f"a sharing window needs a grpo_mem provider, got {provider!r}")
     n_micro = len(prompt_ids)
-    P = prompt_ids[0].shape[1]
     options = {} if min_shared_tokens is None else {"min_shared_tokens": min_shared_tokens}
     session, state = SharingSession(prov.sharing, **options), {"calls": 0, "prompt_passes": 0, "inside": False}
 
     def count(module, args, out):
-        if state["inside"] and args[0].shape[1] == P:  # only this fn's calls, not other users of the model
+        if state["inside"]:  # only this fn's calls, not other users of the model
             state["prompt_passes"] += 1
 
     model.get_input_embeddings().register_forward_hook(count)
@@ -262,6 +262,7 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
             lp, ent = session.score(model, input_ids, attention_mask, C, compute_entropy=True)
         finally:
             state["inside"] = False
+        state["prompt_passes"] -= C > 1  # the micro-batch's completion pass
         if state["calls"] % n_micro == 0:
             fn.prompt_passes_per_call = state["prompt_passes"] / (state["calls"] // n_micro)
         return lp, ent
