@@ -142,8 +142,8 @@ def _scale_rows(acc0, acc1, alpha, BLOCK_D1: tl.constexpr):
 def _load_kv(K_BASE, V_BASE, stride_kn, stride_vn, offs_n, n_ok, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
              BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """The key and value tiles (k0, k1, v0, v1) at positions ``offs_n`` (``n_ok`` in bounds) of one region. Callers
-    load them before the tile's visibility mask: that order keeps the forward at 202 registers on sm_80 (bf16, d=64)
-    where the mask first took it to ptxas's cap of 255."""
+    load them before the tile's visibility mask: that order keeps the forward at 202 registers on sm_80 (bf16, d=64),
+    where loading the mask first took it to ptxas's cap of 255."""
     k0, k1 = _load_head(K_BASE, offs_n * stride_kn, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
     v0, v1 = _load_head(V_BASE, offs_n * stride_vn, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
     return k0, k1, v0, v1
@@ -273,10 +273,9 @@ def _mra_fwd_kernel(
                                              BLOCK_D1, EMULATE_BF16)
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
-    # one division per query, not per output element (the fp32 division's slow-path call also needs a stack slot)
-    inv = (1.0 / tl.where(empty, 1.0, l_i))[:, None]
-    out0 = acc0 * inv
-    out1 = acc1 * inv
+    denom = tl.where(empty, 1.0, l_i)[:, None]
+    out0 = acc0 / denom
+    out1 = acc1 / denom
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if EMULATE_BF16:
         if OUT.dtype.element_ty == tl.bfloat16:  # the output itself, not an fp32 partial
@@ -830,8 +829,9 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
         return out, lse
     args = _region_args(regions, q)
     _check_offsets(q=q, k=k, v=v, out=out, **_named_regions(regions, args))
-    partial = torch.empty_like(out, dtype=torch.float32) if len(plan) > 1 else out
-    assert partial.stride() == out.stride()  # the kernel reads PREV with OUT's strides
+    # the running output, fp32 with out's strides (the kernel reads PREV with OUT's strides)
+    partial = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=q.device) if len(plan) > 1 \
+        else out
     kmask = key_mask.contiguous() if key_mask is not None else args[0][4]  # unread when HAS_KMASK=False
     meta = _tile_constexprs("fwd", d, q.dtype, interpret)
     grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
@@ -912,9 +912,10 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale
     ), d, q.dtype, interpret, HEAD_DIM=d, BLOCK_D0=meta["BLOCK_D0"], BLOCK_D1=meta["BLOCK_D1"],
        BLOCK_M=meta["BLOCK_M"])
     plan = _launch_plan(regions)
-    # rows reading none of the first regions are not written before the last launch: start from zeros
-    partial = torch.zeros_like(dq, dtype=torch.float32) if len(plan) > 1 else dq
-    assert partial.stride() == dq.stride()  # the kernel reads PREV with DQ's strides
+    # the running dQ, fp32 with dq's strides (the kernel reads PREV with DQ's strides); rows reading none of the first
+    # regions are not written before the last launch: start from zeros
+    partial = torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_() \
+        if len(plan) > 1 else dq
     meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret)
     for (rk, rv, index, span, mask), (has_region, has_own, has_prev) in zip(args, plan):
         dst = dq if has_own else partial
