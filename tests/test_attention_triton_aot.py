@@ -114,7 +114,8 @@ def _check_build(name, dtype, arch, head_dim, variant="one_region"):
     r, cfg = report(name, dtype, arch, head_dim, variant)
     print(f"\n| {name} | {variant} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
           f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
-          f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B | shared {r['shared']} B |")
+          f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B "
+          f"| shared {r['shared']} B |")
     assert 0 < r["regs"] <= 255
     assert r["shared"] <= (227 if arch == 90 else 163) * 1024, f"shared memory {r['shared']} B exceeds sm_{arch}"
     # a spill is a store to local memory (STL); stack bytes alone are a call frame (fp32 division slow path)
@@ -226,7 +227,8 @@ def test_ttir_checker_finds_an_int32_batch_offset():
     assert i32_scalar_products_in_offsets(text) == ["%off = arith.muli %b, %stride_qb : i32"]
 
 
-OFFSET_CASES = [(n, "one_region") for n in spa.KERNELS] + [(n, v) for n in ("fwd", "bwd_dq") for v in ("last", "partial")]
+OFFSET_CASES = [(n, "one_region") for n in spa.KERNELS]
+OFFSET_CASES += [(n, v) for n in ("fwd", "bwd_dq") for v in ("last", "partial")]
 
 
 @pytest.mark.parametrize("name, variant", OFFSET_CASES, ids=[f"{n}-{v}" for n, v in OFFSET_CASES])

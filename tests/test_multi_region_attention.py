@@ -6,7 +6,8 @@ import sys
 
 import pytest
 import torch
-from test_attention import INTERPRETER_READY, _HostSyncsAndCopies, _LaunchRecorder, assert_close, interpret  # noqa: F401
+from test_attention import INTERPRETER_READY, _HostSyncsAndCopies, _LaunchRecorder, assert_close
+from test_attention import interpret  # noqa: F401  (the fixture of the interpreter tests)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_mem.ops import multi_region_attention, multi_region_attention_ref, shared_prefix_attention
