@@ -1,4 +1,4 @@
-"""The shared-prefix attention kernels, compiled ahead of time for sm_80 and sm_90 without a GPU:
+"""The multi-region (and shared-prefix) attention kernels, compiled ahead of time for sm_80 and sm_90 without a GPU:
 
 * at their shipped block sizes, for head dims 64, 80, 96, 128 and 256, in bf16 and fp32, with the argument attributes
   Triton's launcher specialises on at run time (pointers 16-byte aligned, integer arguments that are multiples of 16
@@ -18,46 +18,56 @@ triton = pytest.importorskip("triton")
 from grpo_mem.ops import aot  # noqa: E402
 from grpo_mem.ops import attention_triton as spa  # noqa: E402
 
-POINTERS_IN = {"Q", "K", "V", "PK", "PV", "OUT", "DO", "DQ", "DK", "DV"}
+POINTERS_IN = {"Q", "K", "V", "RK", "RV", "OUT", "DO", "DQ", "DK", "DV"}
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REP = 4  # GQA ratio of the builds (the query-head loop bound is a constexpr)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # Integer arguments Triton's launcher marks tt.divisibility=16 at run time whatever the lengths are: C_PAD (C rounded
-# up to 16 by the launcher) and the strides (head dims here are multiples of 16). C and P are the batch's longest
-# completion and prompt: arbitrary, so unmarked (the general case; a multiple of 16 only adds information). N and
-# stride_split (U·Hkv·P·d) are multiples of 16 when d is.
+# up to 16 by the launcher) and the strides (head dims here are multiples of 16). C and S are the batch's longest
+# completion and a region's length: arbitrary, so unmarked (the general case; a multiple of 16 only adds information).
+# N and stride_split (U·Hkv·S·d) are multiples of 16 when d is.
 DIVISIBLE_INTS = {"C_PAD", "N", "stride_split"}
 
 
-def kernel_types(name: str, fn, dtype: str) -> dict:
+# Launch variants of the forward and dQ kernels (HAS_REGION, HAS_OWN, HAS_PREV; see attention_triton._launch_plan):
+# "one_region" is the only launch with one region (shared-prefix attention), "last" the last of R >= 2 launches (it
+# also reads the fp32 partial result), "partial" an earlier one (writes the fp32 partial result).
+VARIANTS = {"one_region": (True, True, False), "last": (True, True, True), "partial": (True, False, True)}
+
+
+def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict:
     types = {}
     for arg in fn.arg_names:
-        if arg in POINTERS_IN:
+        if arg in ("OUT", "DQ") and not VARIANTS[variant][1]:
+            types[arg] = "*fp32"  # a partial launch writes the fp32 running result
+        elif arg in POINTERS_IN:
             types[arg] = f"*{dtype}"
-        elif arg in ("DPK", "DPV"):
-            # the prefix kernel writes fp32 partial sums when its work is split (realistic shapes); the reduction
+        elif arg in ("DRK", "DRV", "DPK", "DPV"):
+            # the region kernel writes fp32 partial sums when its work is split (realistic shapes); the reduction
             # writes the gradients in the input dtype
             types[arg] = "*fp32" if name == "bwd_dkdv_prefix" else f"*{dtype}"
-        elif arg in ("LSE", "DELTA", "PART_K", "PART_V"):
+        elif arg in ("LSE", "DELTA", "PART_K", "PART_V", "PREV"):
             types[arg] = "*fp32"
-        elif arg == "PIDX":
+        elif arg == "RIDX":
             types[arg] = "*i64"
-        elif arg in ("PSTART", "ROWS", "ROW_START"):
+        elif arg in ("RSPAN", "ROWS", "ROW_START"):
             types[arg] = "*i32"
-        elif arg in ("PMASK", "KMASK"):
+        elif arg in ("RMASK", "KMASK"):
             types[arg] = "*i1"
         elif arg == "SCALE":
             types[arg] = "fp32"
-        elif arg.startswith("stride_") or arg in ("C", "C_PAD", "P", "HKV", "HQ", "N", "N_SPLIT"):
+        elif arg.startswith("stride_") or arg in ("C", "C_PAD", "S", "HKV", "HQ", "N", "N_SPLIT"):
             types[arg] = "i32"
     return types
 
 
-def kernel_constexprs(name: str, fn, dtype: str, head_dim: int) -> dict:
+def kernel_constexprs(name: str, fn, dtype: str, head_dim: int, variant: str = "one_region") -> dict:
     cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
+    has_region, has_own, has_prev = VARIANTS[variant]
     # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
     every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False), REP=REP,
-                 BLOCK=cfg["BLOCK_M"], HAS_KMASK=True)  # the register-heavier variant
+                 BLOCK=cfg["BLOCK_M"], HAS_KMASK=True,  # the register-heavier variant
+                 HAS_REGION=has_region, HAS_OWN=has_own, HAS_PREV=has_prev)
     return {n: v for n, v in every.items() if n in fn.arg_names}
 
 
@@ -69,15 +79,15 @@ def divisibility_attrs(fn, sig: dict) -> dict:
             if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE_INTS}
 
 
-def build_args(name, dtype, head_dim):
+def build_args(name, dtype, head_dim, variant="one_region"):
     fn = spa.KERNELS[name]
-    cons = kernel_constexprs(name, fn, dtype, head_dim)
-    sig = aot.signature_for(fn, kernel_types(name, fn, dtype), cons)
+    cons = kernel_constexprs(name, fn, dtype, head_dim, variant)
+    sig = aot.signature_for(fn, kernel_types(name, fn, dtype, variant), cons)
     return fn, sig, cons, divisibility_attrs(fn, sig)
 
 
-def report(name, dtype, arch, head_dim):
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim)
+def report(name, dtype, arch, head_dim, variant="one_region"):
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant)
     cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
     r = aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs)
     return r, cfg
@@ -95,21 +105,37 @@ CASES = [(n, t, a, d) for t in ("bf16", "fp32") for a in (80, 90) for d in HEAD_
          if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)]
 
 
-@pytest.mark.parametrize("name, dtype, arch, head_dim", CASES, ids=[f"{n}-{t}-sm{a}-d{d}" for n, t, a, d in CASES])
-def test_aot_compiles_without_spills(name, dtype, arch, head_dim):
+def _check_build(name, dtype, arch, head_dim, variant="one_region"):
     _compiled_kernels_or_skip()
     try:
         aot.cuobjdump_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    r, cfg = report(name, dtype, arch, head_dim)
-    print(f"\n| {name} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']} "
-          f"warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} | spill stores {r['spill_stores']} "
-          f"| local {r['local']} B | stack {r['stack']} B | shared {r['shared']} B |")
+    r, cfg = report(name, dtype, arch, head_dim, variant)
+    print(f"\n| {name} | {variant} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
+          f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
+          f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B "
+          f"| shared {r['shared']} B |")
     assert 0 < r["regs"] <= 255
     assert r["shared"] <= (227 if arch == 90 else 163) * 1024, f"shared memory {r['shared']} B exceeds sm_{arch}"
     # a spill is a store to local memory (STL); stack bytes alone are a call frame (fp32 division slow path)
     assert r["spill_stores"] == 0 and r["local"] == 0, f"{name} d={head_dim} {dtype} spills on sm_{arch}: {r}"
+
+
+@pytest.mark.parametrize("name, dtype, arch, head_dim", CASES, ids=[f"{n}-{t}-sm{a}-d{d}" for n, t, a, d in CASES])
+def test_aot_compiles_without_spills(name, dtype, arch, head_dim):
+    _check_build(name, dtype, arch, head_dim)
+
+
+# the other launches of the forward and dQ kernels with two regions or more (see VARIANTS)
+MULTI_CASES = [(n, v, t, a, d) for n in ("fwd", "bwd_dq") for v in ("last", "partial") for t in ("bf16", "fp32")
+               for a in (80, 90) for d in (64, 128)]
+
+
+@pytest.mark.parametrize("name, variant, dtype, arch, head_dim", MULTI_CASES,
+                         ids=[f"{n}-{v}-{t}-sm{a}-d{d}" for n, v, t, a, d in MULTI_CASES])
+def test_aot_multi_region_launches_compile_without_spills(name, variant, dtype, arch, head_dim):
+    _check_build(name, dtype, arch, head_dim, variant)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -121,7 +147,7 @@ _OPERAND = re.compile(r"%[\w.-]+(?:#\d+)?")
 
 
 def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90, inline: bool = False,
-         **overrides) -> str:
+         variant: str = "one_region", **overrides) -> str:
     """The TTIR text of one kernel, built as ``triton.compile`` builds it (same signature, constexprs and attrs).
 
     ``inline=True`` also runs the backend's TTIR passes (the inliner among them), so the @triton.jit helpers' bodies
@@ -130,7 +156,7 @@ def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90, in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim)
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant)
     unknown = sorted(set(overrides) - set(cons))
     if unknown:
         raise ValueError(f"{name} has no constexprs {unknown}")
@@ -201,10 +227,14 @@ def test_ttir_checker_finds_an_int32_batch_offset():
     assert i32_scalar_products_in_offsets(text) == ["%off = arith.muli %b, %stride_qb : i32"]
 
 
-@pytest.mark.parametrize("name", list(spa.KERNELS))
-def test_pointer_offsets_are_int64(name):
+OFFSET_CASES = [(n, "one_region") for n in spa.KERNELS]
+OFFSET_CASES += [(n, v) for n in ("fwd", "bwd_dq") for v in ("last", "partial")]
+
+
+@pytest.mark.parametrize("name, variant", OFFSET_CASES, ids=[f"{n}-{v}" for n, v in OFFSET_CASES])
+def test_pointer_offsets_are_int64(name, variant):
     _compiled_kernels_or_skip()
-    text = ttir(name)
+    text = ttir(name, variant=variant)
     assert "tt.addptr" in text
     bad = i32_scalar_products_in_offsets(text)
     assert bad == [], f"{name}: int32 scalar products in pointer offsets:\n" + "\n".join(bad)

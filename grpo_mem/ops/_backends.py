@@ -25,7 +25,7 @@ TABLE: dict[str, tuple[tuple[str, tuple | None], ...]] = {
     "linear_logprobs": (("triton", None), ("cpp", None), ("torch", None)),
     "selective_log_softmax": (("triton", None), ("cpp", None), ("torch", None)),
     "shared_prefix_attention": (("triton", _FLOAT), ("cpu", None), ("torch", None)),
-    "multi_region_attention": (("cpu", None), ("torch", None)),
+    "multi_region_attention": (("triton", _FLOAT), ("cpu", None), ("torch", None)),
 }
 
 

@@ -1,20 +1,24 @@
-"""Triton kernels for shared-prefix (two-region) attention: forward, and a three-kernel backward.
+"""Triton kernels for multi-region attention (and its two-region case, shared-prefix attention): forward, and a
+three-kernel backward.
 
-Same op as :func:`grpo_mem.ops.attention.shared_prefix_attention` (see there for the semantics). Layout of the work:
+Same op as :func:`grpo_mem.ops.attention.multi_region_attention` (see there for the semantics). Layout of the work:
 
-* ``_spa_fwd_kernel`` — one program per (block of BLOCK_M folded queries, row b, kv head h). The Hq/Hkv query heads
+* ``_mra_fwd_kernel`` — one program per (block of BLOCK_M folded queries, row b, kv head h). The Hq/Hkv query heads
   of kv head h are folded into the M dimension (query ``m = r·C + i`` is head ``h·rep + r``, position i), so each key
-  tile serves every query head of the kv head. Online softmax (FlashAttention-2, Dao, arXiv 2307.08691) runs over the
-  prompt's keys ``prefix_k[prefix_index[b], h]`` read in place (tiles wholly inside the left padding are skipped),
-  then causally over the row's own keys. Writes ``out`` and the natural-log LSE of the scaled scores.
-* ``_spa_bwd_dq_kernel`` — same grid; recomputes ``P = exp(S − L)`` over both regions and accumulates
+  tile serves every query head of the kv head. Online softmax (FlashAttention-2, Dao, arXiv 2307.08691) runs over one
+  region's keys ``region_k[index[b], h]`` read in place (tiles wholly outside the entry's span of real keys are
+  skipped; a row with index −1 does nothing), then, in the last launch, causally over the row's own keys. Launches
+  chain through a normalised fp32 partial output and the LSE (the exact LSE merge of Hydragen, arXiv 2402.05099):
+  with no region or one region there is a single launch, with R regions R launches (``_launch_plan``). Writes
+  ``out`` and the natural-log LSE of the scaled scores.
+* ``_mra_bwd_dq_kernel`` — same grid and launches; recomputes ``P = exp(S − L)`` with the merged LSE and accumulates
   ``dQ = scale · Σ_j P_ij (dP_ij − D_i) K_j`` with ``D = rowsum(dO ∘ O)``.
-* ``_spa_bwd_dkdv_completion_kernel`` — one program per (block of completion keys, row, kv head); loops over the
-  queries that can see the block (all query heads of the kv head, causal lower bound).
-* ``_spa_bwd_dkdv_prefix_kernel`` — one program per (block of prompt keys, prompt u, kv head); loops over every row
-  of the prompt's group (rows listed by prompt, ascending row index), every query head of the kv head and every query
-  block. dK/dV of the prompt are accumulated in fp32 registers and written once: no atomics, and the summation order
-  (row, then head, then query block) is fixed, so the result is deterministic.
+* ``_spa_bwd_dkdv_completion_kernel`` — one program per (block of own keys, row, kv head); loops over the queries
+  that can see the block (all query heads of the kv head, causal lower bound).
+* ``_mra_bwd_dkdv_region_kernel`` — per region, one program per (block of keys, entry u, kv head); loops over every
+  row reading the entry (rows listed by entry, ascending row index; rows with index −1 are not listed), every query
+  head of the kv head and every query block. dK/dV of the entry are accumulated in fp32 registers and written once:
+  no atomics, and the summation order (row, then head, then query block) is fixed, so the result is deterministic.
 
 Head dims that are not a power of two run as two power-of-two column tiles (d=80: 64 + 16, d=96: 64 + 32; see
 ``head_dim_tiles``) instead of one padded 128-wide tile, so no MMA work is spent on padding columns.
@@ -34,6 +38,8 @@ import triton.language as tl
 from ._device import launch_device
 
 __all__ = [
+    "multi_region_attention_fwd",
+    "multi_region_attention_bwd",
     "shared_prefix_attention_fwd",
     "shared_prefix_attention_bwd",
     "block_config",
@@ -133,20 +139,72 @@ def _scale_rows(acc0, acc1, alpha, BLOCK_D1: tl.constexpr):
 
 
 @triton.jit
-def _spa_fwd_kernel(
-    Q, K, V, PK, PV, PIDX, PSTART, PMASK, KMASK, OUT, LSE,
+def _load_kv(K_BASE, V_BASE, stride_kn, stride_vn, offs_n, n_ok, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
+             BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """The key and value tiles (k0, k1, v0, v1) at positions ``offs_n`` (``n_ok`` in bounds) of one region. Callers
+    load them before the tile's visibility mask: that order keeps the forward at 202 registers on sm_80 (bf16, d=64),
+    where loading the mask first took it to ptxas's cap of 255."""
+    k0, k1 = _load_head(K_BASE, offs_n * stride_kn, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    v0, v1 = _load_head(V_BASE, offs_n * stride_vn, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    return k0, k1, v0, v1
+
+
+@triton.jit
+def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1: tl.constexpr,
+              EMULATE_BF16: tl.constexpr):
+    """One key tile of the online softmax (FlashAttention-2 forward, log2 units), scores kept where ``visible``:
+    returns the updated running max ``m_i``, sum ``l_i`` and unnormalised output (acc0, acc1). Used for every
+    region."""
+    s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pc = p.to(v0.dtype)
+    if EMULATE_BF16:
+        pc = _round_bf16(p)
+    acc0, acc1 = _scale_rows(acc0, acc1, alpha, BLOCK_D1)
+    acc0, acc1 = _acc_dot(acc0, acc1, pc, v0, v1, BLOCK_D1)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale, BLOCK_D1: tl.constexpr,
+             EMULATE_BF16: tl.constexpr):
+    """One key tile of dQ (FlashAttention-2 backward): ``dq += (P ∘ (dP − D)) · K`` with ``P = exp2(S − L)`` over the
+    ``visible`` scores and ``dP = dO · Vᵀ`` (unscaled: the caller multiplies by the softmax scale once)."""
+    s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dp = _dot_t(do0, do1, v0, v1, BLOCK_D1)
+    ds = p * (dp - delta[:, None])
+    dsc = ds.to(k0.dtype)
+    if EMULATE_BF16:
+        dsc = _round_bf16(ds)
+    return _acc_dot(dq0, dq1, dsc, k0, k1, BLOCK_D1)
+
+
+@triton.jit
+def _mra_fwd_kernel(
+    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, OUT, LSE, PREV,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
     stride_vb, stride_vh, stride_vc,
-    stride_pku, stride_pkh, stride_pkp,
-    stride_pvu, stride_pvh, stride_pvp,
+    stride_rku, stride_rkh, stride_rks,
+    stride_rvu, stride_rvh, stride_rvs,
     stride_ob, stride_oh, stride_oc,
-    SCALE, C, C_PAD, P, HKV,
+    SCALE, C, C_PAD, S, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
+    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    # Offsets: the batch / head / prompt parts are int64 scalars (b·stride_qb alone passes 2^31 elements at
+    # Offsets: the batch / head / entry parts are int64 scalars (b·stride_qb alone passes 2^31 elements at
     # B=16, Hq=40, C=32k, d=128); the in-tile parts stay int32 (the launcher checks they fit).
+    # One launch covers one shared region (HAS_REGION) and/or the own region (HAS_OWN), continuing from the normalised
+    # partial result of earlier launches (HAS_PREV: PREV fp32 with OUT's strides, its LSE in LSE) and writing the
+    # normalised result to OUT (fp32 partial, or the output in q's dtype) and its LSE to LSE.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -159,67 +217,60 @@ def _spa_fwd_kernel(
     r = offs_m // C_PAD
     pos = offs_m % C_PAD
     row_ok = (r < REP) & (pos < C)
+    if HAS_REGION:
+        if not HAS_OWN:  # nothing to do for a row reading nothing: every load and store below is masked off
+            row_ok = tl.where(tl.load(RIDX + b) >= 0, row_ok, False)  # (row_ok & (u >= 0): the interpreter rejects)
     q_rows = r * stride_qh + pos * stride_qc
     q0, q1 = _load_head(Q + b * stride_qb + h * REP * stride_qh, q_rows, row_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                         EMULATE_BF16)
+    # LSE rows are C_PAD apart ((B, Hq, C_PAD) fp32): the queries of kv head h start at (b·HKV + h)·REP·C_PAD.
+    # (These output offsets are computed where they are used: kept live across the key loops they cost registers.)
+    if HAS_PREV:  # a normalised partial (o, lse) is the online-softmax state (m = lse, l = 1, acc = o)
+        lse_prev = tl.load(LSE + (b * HKV + h) * REP * C_PAD + offs_m, mask=row_ok, other=float("-inf"))
+        seen = lse_prev != float("-inf")
+        m_i = tl.where(seen, lse_prev * 1.4426950408889634, float("-inf"))
+        l_i = tl.where(seen, 1.0, 0.0)
+        acc0, acc1 = _load_head(PREV + b * stride_ob + h * REP * stride_oh, r * stride_oh + pos * stride_oc,
+                                row_ok & seen, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc0, acc1 = _zeros_head(BLOCK_M, BLOCK_D0, BLOCK_D1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc0, acc1 = _zeros_head(BLOCK_M, BLOCK_D0, BLOCK_D1)
+    if HAS_REGION:  # the row's entry, read in place; tiles wholly outside its span of real keys are skipped
+        u = tl.load(RIDX + b)  # int64; -1: row b reads nothing of this region
+        reads = u >= 0
+        u = tl.maximum(u, 0)
+        lo = tl.load(RSPAN + 2 * u)
+        hi = tl.where(reads, tl.load(RSPAN + 2 * u + 1), 0)
+        rk_base = RK + u * stride_rku + h * stride_rkh
+        rv_base = RV + u * stride_rvu + h * stride_rvh
+        rm_base = RMASK + u * S
+        for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < S
+            k0, k1, v0, v1 = _load_kv(rk_base, rv_base, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
+                                      BLOCK_D1, EMULATE_BF16)
+            real = tl.load(rm_base + offs_n, mask=n_ok, other=0) != 0
+            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, real[None, :], m_i, l_i, acc0, acc1, qk_scale,
+                                             BLOCK_D1, EMULATE_BF16)
 
-    # region 1: the row's prompt, read in place
-    u = tl.load(PIDX + b)  # int64
-    pstart = tl.load(PSTART + u)
-    pk_base = PK + u * stride_pku + h * stride_pkh
-    pv_base = PV + u * stride_pvu + h * stride_pvh
-    pm_base = PMASK + u * P
-    for n0 in range((pstart // BLOCK_N) * BLOCK_N, P, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < P
-        k0, k1 = _load_head(pk_base, offs_n * stride_pkp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        v0, v1 = _load_head(pv_base, offs_n * stride_pvp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        real = tl.load(pm_base + offs_n, mask=n_ok, other=0) != 0
-        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
-        s = tl.where(real[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pc = p.to(V.dtype.element_ty)
-        if EMULATE_BF16:
-            pc = _round_bf16(p)
-        acc0, acc1 = _scale_rows(acc0, acc1, alpha, BLOCK_D1)
-        acc0, acc1 = _acc_dot(acc0, acc1, pc, v0, v1, BLOCK_D1)
-        m_i = m_new
-
-    # region 2: the row's own completion, causal (keys up to the largest query position in this block)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    km_base = KMASK + b * C
-    hi = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < C
-        k0, k1 = _load_head(k_base, offs_n * stride_kc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        v0, v1 = _load_head(v_base, offs_n * stride_vc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-        if HAS_KMASK:
-            real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
-            visible = visible & real[None, :]
-        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pc = p.to(V.dtype.element_ty)
-        if EMULATE_BF16:
-            pc = _round_bf16(p)
-        acc0, acc1 = _scale_rows(acc0, acc1, alpha, BLOCK_D1)
-        acc0, acc1 = _acc_dot(acc0, acc1, pc, v0, v1, BLOCK_D1)
-        m_i = m_new
+    if HAS_OWN:  # the row's own keys, causal (up to the largest query position in this block)
+        k_base = K + b * stride_kb + h * stride_kh
+        v_base = V + b * stride_vb + h * stride_vh
+        km_base = KMASK + b * C
+        hi_own = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
+        for n0 in range(0, hi_own, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < C
+            k0, k1, v0, v1 = _load_kv(k_base, v_base, stride_kc, stride_vc, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
+                                      BLOCK_D1, EMULATE_BF16)
+            visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+            if HAS_KMASK:
+                real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
+                visible = visible & real[None, :]
+            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
+                                             BLOCK_D1, EMULATE_BF16)
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
     denom = tl.where(empty, 1.0, l_i)[:, None]
@@ -227,11 +278,11 @@ def _spa_fwd_kernel(
     out1 = acc1 / denom
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if EMULATE_BF16:
-        out0 = _round_bf16(out0)
-        out1 = _round_bf16(out1)
+        if OUT.dtype.element_ty == tl.bfloat16:  # the output itself, not an fp32 partial
+            out0 = _round_bf16(out0)
+            out1 = _round_bf16(out1)
     _store_head(OUT + b * stride_ob + h * REP * stride_oh, r * stride_oh + pos * stride_oc, row_ok, out0, out1,
                 HEAD_DIM, BLOCK_D0, BLOCK_D1)
-    # LSE rows are C_PAD apart ((B, Hq, C_PAD) fp32): the queries of kv head h start at (b·HKV + h)·REP·C_PAD
     tl.store(LSE + (b * HKV + h) * REP * C_PAD + offs_m, lse, mask=row_ok)
 
 
@@ -262,19 +313,23 @@ def _spa_bwd_delta_kernel(
 
 
 @triton.jit
-def _spa_bwd_dq_kernel(
-    Q, K, V, PK, PV, PIDX, PSTART, PMASK, KMASK, DO, LSE, DELTA, DQ,
+def _mra_bwd_dq_kernel(
+    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, DO, LSE, DELTA, DQ, PREV,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
     stride_vb, stride_vh, stride_vc,
-    stride_pku, stride_pkh, stride_pkp,
-    stride_pvu, stride_pvh, stride_pvp,
+    stride_rku, stride_rkh, stride_rks,
+    stride_rvu, stride_rvh, stride_rvs,
     stride_dob, stride_doh, stride_doc,
     stride_dqb, stride_dqh, stride_dqc,
-    SCALE, C, C_PAD, P, HKV,
+    SCALE, C, C_PAD, S, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
+    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
+    # dQ over one shared region (HAS_REGION) and/or the own region (HAS_OWN), plus the fp32 partial dQ of earlier
+    # launches (HAS_PREV: PREV with DQ's strides); writes DQ (an fp32 partial, or dQ in q's dtype). LSE/DELTA are the
+    # merged attention's.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -285,6 +340,12 @@ def _spa_bwd_dq_kernel(
     r = offs_m // C_PAD
     pos = offs_m % C_PAD
     row_ok = (r < REP) & (pos < C)
+    if HAS_REGION:
+        u = tl.load(RIDX + b)  # int64; -1: row b reads nothing of this region
+        reads = u >= 0
+        if not HAS_OWN:  # nothing to do for such a row: every load and store below is masked off
+            row_ok = tl.where(reads, row_ok, False)  # (not row_ok & reads: the interpreter rejects that mask)
+        u = tl.maximum(u, 0)
     q0, q1 = _load_head(Q + b * stride_qb + h * REP * stride_qh, r * stride_qh + pos * stride_qc, row_ok, HEAD_DIM,
                         BLOCK_D0, BLOCK_D1, EMULATE_BF16)
     do0, do1 = _load_head(DO + b * stride_dob + h * REP * stride_doh, r * stride_doh + pos * stride_doc, row_ok,
@@ -295,57 +356,53 @@ def _spa_bwd_dq_kernel(
     delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
     dq0, dq1 = _zeros_head(BLOCK_M, BLOCK_D0, BLOCK_D1)
 
-    u = tl.load(PIDX + b)
-    pstart = tl.load(PSTART + u)
-    pk_base = PK + u * stride_pku + h * stride_pkh
-    pv_base = PV + u * stride_pvu + h * stride_pvh
-    pm_base = PMASK + u * P
-    for n0 in range((pstart // BLOCK_N) * BLOCK_N, P, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < P
-        k0, k1 = _load_head(pk_base, offs_n * stride_pkp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        v0, v1 = _load_head(pv_base, offs_n * stride_pvp, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        real = tl.load(pm_base + offs_n, mask=n_ok, other=0) != 0
-        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
-        s = tl.where(real[None, :], s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
-        dp = _dot_t(do0, do1, v0, v1, BLOCK_D1)
-        ds = p * (dp - delta[:, None])
-        dsc = ds.to(K.dtype.element_ty)
-        if EMULATE_BF16:
-            dsc = _round_bf16(ds)
-        dq0, dq1 = _acc_dot(dq0, dq1, dsc, k0, k1, BLOCK_D1)
+    if HAS_REGION:
+        lo = tl.load(RSPAN + 2 * u)
+        hi = tl.where(reads, tl.load(RSPAN + 2 * u + 1), 0)
+        rk_base = RK + u * stride_rku + h * stride_rkh
+        rv_base = RV + u * stride_rvu + h * stride_rvh
+        rm_base = RMASK + u * S
+        for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < S
+            k0, k1, v0, v1 = _load_kv(rk_base, rv_base, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
+                                      BLOCK_D1, EMULATE_BF16)
+            real = tl.load(rm_base + offs_n, mask=n_ok, other=0) != 0
+            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, real[None, :], lse2, delta, dq0, dq1, qk_scale,
+                                BLOCK_D1, EMULATE_BF16)
 
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    km_base = KMASK + b * C
-    hi = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < C
-        k0, k1 = _load_head(k_base, offs_n * stride_kc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        v0, v1 = _load_head(v_base, offs_n * stride_vc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-        visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-        if HAS_KMASK:
-            real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
-            visible = visible & real[None, :]
-        s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
-        s = tl.where(visible, s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
-        dp = _dot_t(do0, do1, v0, v1, BLOCK_D1)
-        ds = p * (dp - delta[:, None])
-        dsc = ds.to(K.dtype.element_ty)
-        if EMULATE_BF16:
-            dsc = _round_bf16(ds)
-        dq0, dq1 = _acc_dot(dq0, dq1, dsc, k0, k1, BLOCK_D1)
+    if HAS_OWN:
+        k_base = K + b * stride_kb + h * stride_kh
+        v_base = V + b * stride_vb + h * stride_vh
+        km_base = KMASK + b * C
+        hi_own = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
+        for n0 in range(0, hi_own, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < C
+            k0, k1, v0, v1 = _load_kv(k_base, v_base, stride_kc, stride_vc, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
+                                      BLOCK_D1, EMULATE_BF16)
+            visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+            if HAS_KMASK:
+                real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
+                visible = visible & real[None, :]
+            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
+                                BLOCK_D1, EMULATE_BF16)
 
     dq0 = dq0 * SCALE
     dq1 = dq1 * SCALE
+    dq_base = DQ + b * stride_dqb + h * REP * stride_dqh
+    dq_rows = r * stride_dqh + pos * stride_dqc
+    if HAS_PREV:
+        p0, p1 = _load_head(PREV + b * stride_dqb + h * REP * stride_dqh, dq_rows, row_ok, HEAD_DIM, BLOCK_D0,
+                            BLOCK_D1, False)
+        dq0 += p0
+        if BLOCK_D1 > 0:
+            dq1 += p1
     if EMULATE_BF16:
-        dq0 = _round_bf16(dq0)
-        dq1 = _round_bf16(dq1)
-    _store_head(DQ + b * stride_dqb + h * REP * stride_dqh, r * stride_dqh + pos * stride_dqc, row_ok, dq0, dq1,
-                HEAD_DIM, BLOCK_D0, BLOCK_D1)
+        if DQ.dtype.element_ty == tl.bfloat16:  # dQ itself, not an fp32 partial
+            dq0 = _round_bf16(dq0)
+            dq1 = _round_bf16(dq1)
+    _store_head(dq_base, dq_rows, row_ok, dq0, dq1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
 
 
 @triton.jit
@@ -433,21 +490,22 @@ def _spa_bwd_dkdv_completion_kernel(
 
 
 @triton.jit
-def _spa_bwd_dkdv_prefix_kernel(
-    Q, PK, PV, ROWS, ROW_START, PSTART, PMASK, DO, LSE, DELTA, DPK, DPV,
+def _mra_bwd_dkdv_region_kernel(
+    Q, RK, RV, ROWS, ROW_START, RSPAN, RMASK, DO, LSE, DELTA, DRK, DRV,
     stride_qb, stride_qh, stride_qc,
-    stride_pku, stride_pkh, stride_pkp,
-    stride_pvu, stride_pvh, stride_pvp,
+    stride_rku, stride_rkh, stride_rks,
+    stride_rvu, stride_rvh, stride_rvs,
     stride_dob, stride_doh, stride_doc,
-    SCALE, C, C_PAD, P, HKV, N_SPLIT, stride_split,
+    SCALE, C, C_PAD, S, HKV, N_SPLIT, stride_split,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    # ROWS lists the rows grouped by prompt (ascending within a prompt); ROW_START[u]..ROW_START[u+1] are prompt u's
-    # entries. The work of one (key block, prompt, kv head) — every (row, query head, query block) of the group, in
-    # that order — is cut into N_SPLIT contiguous ranges, one per program_id(2). Program s writes its fp32 sum to slice
-    # s of DPK/DPV (contiguous (N_SPLIT, U, HKV, P, HEAD_DIM), slices stride_split apart), dK already scaled; the
-    # slices are summed in order by _spa_bwd_prefix_reduce_kernel. With N_SPLIT == 1 DPK/DPV are the gradients.
+    # dK/dV of one shared region (a prompt, or any region of multi-region attention). ROWS lists the rows reading
+    # each entry (ascending within an entry; rows reading none are not listed); ROW_START[u]..ROW_START[u+1] are entry
+    # u's. The work of one (key block, entry, kv head) — every (row, query head, query block) of the group, in that
+    # order — is cut into N_SPLIT contiguous ranges, one per program_id(2). Program s writes its fp32 sum to slice s of
+    # DRK/DRV (contiguous (N_SPLIT, U, HKV, S, HEAD_DIM), slices stride_split apart), dK already scaled; the slices are
+    # summed in order by _spa_bwd_prefix_reduce_kernel. With N_SPLIT == 1 DRK/DRV are the gradients.
     pid_n = tl.program_id(0)
     pid_uh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -456,17 +514,18 @@ def _spa_bwd_dkdv_prefix_kernel(
     qk_scale = SCALE * 1.4426950408889634
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < P
+    n_ok = offs_n < S
     dk0, dk1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
     dv0, dv1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
 
-    pstart = tl.load(PSTART + u)
-    if pid_n * BLOCK_N + BLOCK_N > pstart:  # blocks wholly inside the left padding get zero gradient
-        k0, k1 = _load_head(PK + u * stride_pku + h * stride_pkh, offs_n * stride_pkp, n_ok, HEAD_DIM, BLOCK_D0,
+    n_lo = pid_n * BLOCK_N
+    # blocks wholly outside the entry's span of real keys (left or right padding) get zero gradient
+    if (n_lo + BLOCK_N > tl.load(RSPAN + 2 * u)) & (n_lo < tl.load(RSPAN + 2 * u + 1)):
+        k0, k1 = _load_head(RK + u * stride_rku + h * stride_rkh, offs_n * stride_rks, n_ok, HEAD_DIM, BLOCK_D0,
                             BLOCK_D1, EMULATE_BF16)
-        v0, v1 = _load_head(PV + u * stride_pvu + h * stride_pvh, offs_n * stride_pvp, n_ok, HEAD_DIM, BLOCK_D0,
+        v0, v1 = _load_head(RV + u * stride_rvu + h * stride_rvh, offs_n * stride_rvs, n_ok, HEAD_DIM, BLOCK_D0,
                             BLOCK_D1, EMULATE_BF16)
-        key_ok = n_ok & (tl.load(PMASK + u * P + offs_n, mask=n_ok, other=0) != 0)
+        key_ok = n_ok & (tl.load(RMASK + u * S + offs_n, mask=n_ok, other=0) != 0)
         g0 = tl.load(ROW_START + u)
         g1 = tl.load(ROW_START + u + 1)
         n_mb = tl.cdiv(C, BLOCK_M)
@@ -490,13 +549,13 @@ def _spa_bwd_dkdv_prefix_kernel(
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
-    out_off = pid_s.to(tl.int64) * stride_split + (u * HKV + h) * P * HEAD_DIM
+    out_off = pid_s.to(tl.int64) * stride_split + (u * HKV + h) * S * HEAD_DIM
     if EMULATE_BF16:
-        if DPK.dtype.element_ty == tl.bfloat16:  # the gradient itself (N_SPLIT == 1), not an fp32 partial
+        if DRK.dtype.element_ty == tl.bfloat16:  # the gradient itself (N_SPLIT == 1), not an fp32 partial
             dk0, dk1 = _round_bf16(dk0), _round_bf16(dk1)
             dv0, dv1 = _round_bf16(dv0), _round_bf16(dv1)
-    _store_head(DPK + out_off, offs_n * HEAD_DIM, n_ok, dk0, dk1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
-    _store_head(DPV + out_off, offs_n * HEAD_DIM, n_ok, dv0, dv1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
+    _store_head(DRK + out_off, offs_n * HEAD_DIM, n_ok, dk0, dk1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
+    _store_head(DRV + out_off, offs_n * HEAD_DIM, n_ok, dv0, dv1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
 
 
 @triton.jit
@@ -525,11 +584,11 @@ def _spa_bwd_prefix_reduce_kernel(
 
 
 KERNELS = {
-    "fwd": _spa_fwd_kernel,
+    "fwd": _mra_fwd_kernel,
     "bwd_delta": _spa_bwd_delta_kernel,
-    "bwd_dq": _spa_bwd_dq_kernel,
+    "bwd_dq": _mra_bwd_dq_kernel,
     "bwd_dkdv_completion": _spa_bwd_dkdv_completion_kernel,
-    "bwd_dkdv_prefix": _spa_bwd_dkdv_prefix_kernel,
+    "bwd_dkdv_prefix": _mra_bwd_dkdv_region_kernel,
     "bwd_prefix_reduce": _spa_bwd_prefix_reduce_kernel,
 }
 
@@ -689,90 +748,161 @@ def _padded(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def _prefix_start(prefix_mask):
-    """First real key of each prompt (P if it has none), int32 (U,). No host synchronisation."""
-    U, P = prefix_mask.shape
-    if P == 0:
-        return torch.zeros(U, dtype=torch.int32, device=prefix_mask.device)
-    # weight key j by P − j: the largest weight among real keys marks the first one; a prompt with none gives P
-    weight = torch.arange(P, 0, -1, device=prefix_mask.device, dtype=torch.int32)
-    return (P - (prefix_mask * weight).amax(dim=1)).to(torch.int32)
+def _region_span(mask):
+    """``(U, 2)`` int32: first real key of each entry and one past its last (``(S, 0)`` for an entry with none). Key
+    tiles wholly outside the span (left or right padding) are skipped. No host synchronisation."""
+    U, S = mask.shape
+    if S == 0:
+        return torch.zeros(U, 2, dtype=torch.int32, device=mask.device)
+    pos = torch.arange(S, device=mask.device, dtype=torch.int32)
+    # weight key j by S − j: the largest weight among real keys marks the first one; by j + 1: the last one
+    start = S - (mask * (S - pos)).amax(dim=1)
+    end = (mask * (pos + 1)).amax(dim=1)
+    return torch.stack([start, end], dim=1).to(torch.int32)
 
 
-def _prefix_rows(prefix_index, U):
-    """Rows grouped by prompt (ascending row index within a prompt), int32 (B,), and CSR offsets int32 (U + 1,):
-    prompt u's rows are ``rows[row_start[u]:row_start[u + 1]]``. Sort and binary search: no host synchronisation
-    (``bincount`` would read the maximum back to size its output)."""
-    sorted_index, rows = torch.sort(prefix_index, stable=True)
-    bounds = torch.arange(U + 1, device=prefix_index.device, dtype=prefix_index.dtype)
-    row_start = torch.searchsorted(sorted_index, bounds, out_int32=True)
+def _region_rows(index, U):
+    """Rows grouped by the entry they read (ascending row index within an entry; rows with index −1 are left out),
+    int32 (B,), and CSR offsets int32 (U + 1,): entry u's rows are ``rows[row_start[u]:row_start[u + 1]]``. Sort and
+    binary search: no host synchronisation (``bincount`` would read the maximum back to size its output)."""
+    sorted_index, rows = torch.sort(index, stable=True)
+    bounds = torch.arange(U + 1, device=index.device, dtype=index.dtype)
+    row_start = torch.searchsorted(sorted_index, bounds, out_int32=True)  # the −1 rows sort first, before row_start[0]
     return rows.to(torch.int32), row_start
 
 
-def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale):
-    """Launch the forward kernel. Shapes as :func:`grpo_mem.ops.attention.shared_prefix_attention` (validated there).
+def _region_args(regions, q):
+    """Per launch, the region tensors ``(region_k, region_v, index, span, mask)`` with ``region_k``/``region_v`` as the
+    kernels read them; with no region, one launch with placeholders (unread: HAS_REGION=False)."""
+    if not regions:
+        i64, i32 = (torch.zeros(2, dtype=t, device=q.device) for t in (torch.int64, torch.int32))
+        return [(q, q, i64, i32, torch.zeros(1, 1, dtype=torch.bool, device=q.device))]
+    return [(_kernel_view(rk), _kernel_view(rv), index, _region_span(mask), mask.contiguous())
+            for rk, rv, index, mask in regions]
+
+
+def _named_regions(regions, args):
+    """``{"regions[i].region_k": tensor, "regions[i].region_v": tensor}`` of ``_region_args``' output, for
+    ``_check_offsets``' messages (empty without regions)."""
+    if not regions:
+        return {}
+    named = {f"regions[{i}].region_k": a[0] for i, a in enumerate(args)}
+    named.update({f"regions[{i}].region_v": a[1] for i, a in enumerate(args)})
+    return named
+
+
+def _launch_plan(regions):
+    """(HAS_REGION, HAS_OWN, HAS_PREV) of each launch of the forward and dQ kernels: regions 0 … R−2 alone (rows
+    reading none of a region do nothing there), then region R−1 with the own region, which writes the result."""
+    R = len(regions)
+    if R == 0:
+        return [(False, True, False)]
+    return [(True, i == R - 1, i > 0) for i in range(R)]
+
+
+def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
+    """Launch the forward kernel, once per region (see ``_launch_plan``). Shapes as
+    :func:`grpo_mem.ops.attention.multi_region_attention` (validated there).
 
     Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
-    value is read back to the host. Returns ``(out, lse)``: out (B, Hq, C, d) in q's dtype, with q's strides when q is
-    dense (transformers' transposed layout, so ``out.transpose(1, 2)`` is contiguous); lse (B, Hq, C) fp32, a view of a (B, Hq, C rounded up to 16) buffer,
-    the natural-log log-sum-exp of the scaled scores over all visible keys (−inf for a query with none).
+    value is read back to the host. With two regions or more, the partial result between launches is a normalised
+    fp32 (B, Hq, C, d) buffer (the running output) and the LSE buffer; one region or none needs neither.
+    Returns ``(out, lse)``: out (B, Hq, C, d) in q's dtype, with q's strides when q is dense (transformers' transposed
+    layout, so ``out.transpose(1, 2)`` is contiguous); lse (B, Hq, C) fp32, a view of a (B, Hq, C rounded up to 16)
+    buffer, the natural-log log-sum-exp of the scaled scores over all visible keys (−inf for a query with none).
     Raises ValueError for fp64 inputs or strides too large for int32 offsets within one batch entry.
     """
     _check_dtype(q)
-    q, k, v, prefix_k, prefix_v = (_kernel_view(x) for x in (q, k, v, prefix_k, prefix_v))
+    q, k, v = (_kernel_view(x) for x in (q, k, v))
     B, Hq, C, d = q.shape
-    Hkv, P = k.shape[1], prefix_k.shape[2]
+    Hkv = k.shape[1]
     rep = Hq // Hkv
     interpret = q.device.type == "cpu"
-    out = torch.empty_like(q)
-    out = _kernel_view(out)
+    out = _kernel_view(torch.empty_like(q))
     c_pad = _padded(C)
-    lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C]
+    plan = _launch_plan(regions)
+    if len(plan) > 1:  # a row reading none of the first regions keeps LSE −inf until the last launch
+        lse = torch.full((B, Hq, c_pad), float("-inf"), dtype=torch.float32, device=q.device)[..., :C]
+    else:
+        lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C]
     if B == 0 or C == 0:
         return out, lse
-    _check_offsets(q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v, out=out)
-    pstart = _prefix_start(prefix_mask)
-    pmask = prefix_mask.contiguous()
-    kmask = key_mask.contiguous() if key_mask is not None else pmask  # unread when HAS_KMASK=False
+    args = _region_args(regions, q)
+    _check_offsets(q=q, k=k, v=v, out=out, **_named_regions(regions, args))
+    # the running output, fp32 with out's strides (the kernel reads PREV with OUT's strides)
+    partial = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=q.device) if len(plan) > 1 \
+        else out
+    kmask = key_mask.contiguous() if key_mask is not None else args[0][4]  # unread when HAS_KMASK=False
     meta = _tile_constexprs("fwd", d, q.dtype, interpret)
     grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
-    _launch("fwd", grid, (
-        q, k, v, prefix_k, prefix_v, prefix_index, pstart, pmask, kmask, out, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *prefix_k.stride()[:3], *prefix_v.stride()[:3],
-        *out.stride()[:3], float(scale), C, c_pad, P, Hkv,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, **meta)
+    for (rk, rv, index, span, mask), (has_region, has_own, has_prev) in zip(args, plan):
+        dst = out if has_own else partial
+        _launch("fwd", grid, (
+            q, k, v, rk, rv, index, span, mask, kmask, dst, lse, partial,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
+            *dst.stride()[:3], float(scale), C, c_pad, rk.shape[2], Hkv,
+        ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, HAS_REGION=has_region, HAS_OWN=has_own,
+            HAS_PREV=has_prev, **meta)  # fmt: skip
     return out, lse
 
 
-def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse,
-                                scale):
+def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, scale, interpret):
+    """dK/dV of one shared region: the region kernel over each entry's rows, its work split for a full GPU (see
+    ``prefix_dkdv_grid``) and the fp32 partial sums reduced in a fixed order. Returns ``(dregion_k, dregion_v)``
+    contiguous, in the region's dtype; entries no row reads get 0."""
+    B, Hq, C, d = q.shape
+    U, Hkv, S, _ = region_k.shape
+    rep = Hq // Hkv
+    c_pad = _padded(C)
+    drk, drv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (region_k, region_v))
+    rows, row_start = _region_rows(index, U)
+    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret)
+    grid = prefix_dkdv_grid(B, U, Hkv, rep, C, S, d, q.dtype, _sm_count(q.device))
+    n_split, n_elems = grid[2], U * Hkv * S * d
+    if n_split == 1:
+        part_k, part_v = drk, drv
+    else:
+        part_k, part_v = (torch.empty((n_split, U, Hkv, S, d), dtype=torch.float32, device=q.device) for _ in "kv")
+    _launch("bwd_dkdv_prefix", grid, (
+        q, region_k, region_v, rows, row_start, span, mask, dout, lse, delta, part_k, part_v,
+        *q.stride()[:3], *region_k.stride()[:3], *region_v.stride()[:3], *dout.stride()[:3], float(scale), C, c_pad,
+        S, Hkv, n_split, n_elems,
+    ), d, q.dtype, interpret, REP=rep, **meta)
+    if n_split > 1:
+        block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
+        _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, drk, drv, n_elems, n_split),
+                d, q.dtype, interpret, BLOCK=block, EMULATE_BF16=meta["EMULATE_BF16"])
+    return drk, drv
+
+
+def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale):
     """Launch the backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d).
 
-    Returns ``(dq, dk, dv, dprefix_k, dprefix_v)`` in the dtypes of q, k, v, prefix_k, prefix_v (fp32 accumulation);
-    dq/dk/dv have the strides of q/k/v when those are dense, dprefix_k/v are contiguous. ``D = rowsum(dO ∘ O)`` is
-    computed in fp32 by a small kernel into a (B, Hq, C) tensor. No value is read back to the host and no input is
-    copied (see ``_kernel_view``). Raises ValueError as :func:`shared_prefix_attention_fwd`.
+    Returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])`` in the dtypes of q, k, v and each region's K/V (fp32
+    accumulation); dq/dk/dv have the strides of q/k/v when those are dense, the region gradients are contiguous.
+    ``D = rowsum(dO ∘ O)`` is computed in fp32 by a small kernel into a (B, Hq, C) tensor; dQ is accumulated over the
+    launches of ``_launch_plan`` (with two regions or more, in an fp32 (B, Hq, C, d) buffer). No value is read back
+    to the host and no input is copied (see ``_kernel_view``). Raises ValueError as
+    :func:`multi_region_attention_fwd`.
     """
     _check_dtype(q)
-    q, k, v, prefix_k, prefix_v, out, dout = (_kernel_view(x) for x in (q, k, v, prefix_k, prefix_v, out, dout))
+    q, k, v, out, dout = (_kernel_view(x) for x in (q, k, v, out, dout))
     B, Hq, C, d = q.shape
-    U, Hkv, P = prefix_k.shape[0], k.shape[1], prefix_k.shape[2]
+    Hkv = k.shape[1]
     rep = Hq // Hkv
     interpret = q.device.type == "cpu"
     dq, dk, dv = (_kernel_view(torch.empty_like(x)) for x in (q, k, v))
-    dpk, dpv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (prefix_k, prefix_v))
+    args = _region_args(regions, q)
     if B == 0 or C == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), dpk.zero_(), dpv.zero_()
-    _check_offsets(q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
+        dregions = [(torch.zeros(rk.shape, dtype=rk.dtype, device=rk.device),
+                     torch.zeros(rv.shape, dtype=rv.dtype, device=rv.device)) for rk, rv, _, _ in regions]
+        return dq.zero_(), dk.zero_(), dv.zero_(), dregions
+    _check_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, **_named_regions(regions, args))
     c_pad = _padded(C)
     if lse.stride() != (Hq * c_pad, c_pad, 1):  # not the forward's padded buffer: copy into one
         lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C].copy_(lse)
-    pstart = _prefix_start(prefix_mask)
-    rows, row_start = _prefix_rows(prefix_index, U)
-    pmask = prefix_mask.contiguous()
-    kmask = key_mask.contiguous() if key_mask is not None else pmask
-    q_s, k_s, v_s = q.stride()[:3], k.stride()[:3], v.stride()[:3]
-    pk_s, pv_s, do_s = prefix_k.stride()[:3], prefix_v.stride()[:3], dout.stride()[:3]
+    kmask = key_mask.contiguous() if key_mask is not None else args[0][4]
+    q_s, k_s, v_s, do_s = q.stride()[:3], k.stride()[:3], v.stride()[:3], dout.stride()[:3]
     has_kmask = key_mask is not None
 
     delta = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)
@@ -781,44 +911,40 @@ def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index,
         out, dout, delta, *out.stride()[:3], *do_s, C, c_pad, Hq,
     ), d, q.dtype, interpret, HEAD_DIM=d, BLOCK_D0=meta["BLOCK_D0"], BLOCK_D1=meta["BLOCK_D1"],
        BLOCK_M=meta["BLOCK_M"])
+    plan = _launch_plan(regions)
+    # the running dQ, fp32 with dq's strides (the kernel reads PREV with DQ's strides); rows reading none of the first
+    # regions are not written before the last launch: start from zeros
+    partial = torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_() \
+        if len(plan) > 1 else dq
     meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret)
-    _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
-        q, k, v, prefix_k, prefix_v, prefix_index, pstart, pmask, kmask, dout, lse, delta, dq,
-        *q_s, *k_s, *v_s, *pk_s, *pv_s, *do_s, *dq.stride()[:3], float(scale), C, c_pad, P, Hkv,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
+    for (rk, rv, index, span, mask), (has_region, has_own, has_prev) in zip(args, plan):
+        dst = dq if has_own else partial
+        _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
+            q, k, v, rk, rv, index, span, mask, kmask, dout, lse, delta, dst, partial,
+            *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(scale), C, c_pad,
+            rk.shape[2], Hkv,
+        ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, HAS_REGION=has_region, HAS_OWN=has_own,
+            HAS_PREV=has_prev, **meta)  # fmt: skip
     meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
     _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
         q, k, v, kmask, dout, lse, delta, dk, dv,
         *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(scale), C, c_pad, Hkv,
     ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
-    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret)
-    grid = prefix_dkdv_grid(B, U, Hkv, rep, C, P, d, q.dtype, _sm_count(q.device))
-    n_split, n_elems = grid[2], U * Hkv * P * d
-    if n_split == 1:
-        part_k, part_v = dpk, dpv
-    else:
-        part_k, part_v = (torch.empty((n_split, U, Hkv, P, d), dtype=torch.float32, device=q.device) for _ in "kv")
-    _launch("bwd_dkdv_prefix", grid, (
-        q, prefix_k, prefix_v, rows, row_start, pstart, pmask, dout, lse, delta, part_k, part_v,
-        *q_s, *pk_s, *pv_s, *do_s, float(scale), C, c_pad, P, Hkv, n_split, n_elems,
-    ), d, q.dtype, interpret, REP=rep, **meta)
-    if n_split > 1:
-        block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
-        _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, dpk, dpv, n_elems, n_split),
-                d, q.dtype, interpret, BLOCK=block, EMULATE_BF16=meta["EMULATE_BF16"])
+    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, scale, interpret)
+                for rk, rv, index, span, mask in (args if regions else [])]
+    return dq, dk, dv, dregions
+
+
+def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale):
+    """Forward of :func:`grpo_mem.ops.attention.shared_prefix_attention`: :func:`multi_region_attention_fwd` with the
+    one region ``(prefix_k, prefix_v, prefix_index, prefix_mask)`` (one launch)."""
+    return multi_region_attention_fwd(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale)
+
+
+def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse,
+                                scale):
+    """Backward of :func:`shared_prefix_attention_fwd`: ``(dq, dk, dv, dprefix_k, dprefix_v)`` (see
+    :func:`multi_region_attention_bwd`)."""
+    dq, dk, dv, ((dpk, dpv),) = multi_region_attention_bwd(dout, q, k, v, [(prefix_k, prefix_v, prefix_index,
+                                                                             prefix_mask)], key_mask, out, lse, scale)
     return dq, dk, dv, dpk, dpv
-
-
-def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
-    """Forward of :func:`grpo_mem.ops.attention.multi_region_attention`: the one-region case only (for now)."""
-    if len(regions) != 1:
-        raise NotImplementedError("the Triton multi-region kernels take exactly one region so far")
-    return shared_prefix_attention_fwd(q, k, v, *regions[0], key_mask, scale)
-
-
-def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale):
-    """Backward of :func:`multi_region_attention_fwd`: ``(dq, dk, dv, [(dregion_k, dregion_v)])``."""
-    if len(regions) != 1:
-        raise NotImplementedError("the Triton multi-region kernels take exactly one region so far")
-    dq, dk, dv, dpk, dpv = shared_prefix_attention_bwd(dout, q, k, v, *regions[0], key_mask, out, lse, scale)
-    return dq, dk, dv, [(dpk, dpv)]
