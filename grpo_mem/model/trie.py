@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 # A shared span shorter than this is forwarded inside each of its children instead of in a pass of its own. Measured
-# with ``python benchmarks/bench_group.py --tree-threshold`` (README, "Prefix-tree sharing"): below it, the extra
+# with ``python benchmarks/bench_tree.py --threshold`` (README, "Prefix-tree sharing"): below it, the extra
 # backbone pass and attention region cost more than the tokens they save.
 DEFAULT_MIN_SHARED_TOKENS = 32
 
