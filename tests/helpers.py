@@ -32,6 +32,21 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
     return model.to(dtype)
 
 
+def smollm2_shaped(layers=2, embed_scale=1.0):
+    """SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied head) with
+    ``layers`` layers and random weights, in train mode; ``embed_scale`` sharpens the next-token distributions."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=3, attention_dropout=0.0,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(embed_scale)
+    return model.train()
+
+
 def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False):
     """Left-padded prompts (one per entry of ``prompt_lens``), each repeated G times (or ``group_sizes[i]`` times),
     followed by right-padded completions of random lengths in [1, C], ending with EOS where shorter than C.
