@@ -8,9 +8,9 @@ is followed by the backward of a fixed scalar loss, TRL-like:
 
     loss = -sum_rt A_r m_rt logp_rt / sum_rt m_rt  -  0.1 * sum_rt m_rt H_rt / sum_rt m_rt
 
-(TRL's default ``dapo`` token-level masked mean with importance ratio 1, plus an entropy bonus), where A_r ~ N(0, 1)
-are fixed random advantages (a seeded generator, one per row) rather than the batch's own, which are often all zero
-on a short run, and m is the completion mask. Log-probs and entropies are compared where m = 1 only (TRL releases
+(TRL's default ``dapo`` token-level masked mean with importance ratio 1, plus an entropy bonus where the stock
+method's entropies carry gradient), where A_r ~ N(0, 1) are fixed random advantages (a seeded generator, one per row)
+rather than the batch's own, which are often all zero on a short run, and m is the completion mask. Log-probs and entropies are compared where m = 1 only (TRL releases
 differ in what they return at masked positions; the loss never reads them).
 
 Accuracy bounds depend on the precision (``PRECISION_BOUNDS``):
@@ -428,12 +428,15 @@ class _Run:
     logps: torch.Tensor
     entropies: torch.Tensor
     grads: dict
+    entropy_coef: float
 
 
-def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, before_call=None,
+def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, entropy_coef, before_call=None,
            paths=None) -> _Run:  # fmt: skip
     """Score the micro-batches ``slices`` in order with ``fn`` (TRL's method or the patched one), each followed by the
-    backward of its share of the fixed loss; returns log-probs, entropies (fp32) and the summed gradients."""
+    backward of its share of the fixed loss; returns log-probs, entropies (fp32) and the summed gradients.
+    ``entropy_coef`` None: ``ENTROPY_COEF`` if the method's entropies carry gradient (TRL < 1.14 computes them without
+    gradient unless the entropy bonus is on), else 0; the coefficient used is returned for the other runs."""
     C = loss_mask.shape[1]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     all_logps, all_ent = [], []
@@ -446,14 +449,16 @@ def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, a
         if paths is not None:
             paths.append(list(causes))
         m, (a, n_tok) = loss_mask[lo:hi].float(), weights
-        loss = -(a[lo:hi, None] * m * logps.float()).sum() / n_tok - ENTROPY_COEF * (m * ent.float()).sum() / n_tok
+        if entropy_coef is None:
+            entropy_coef = ENTROPY_COEF if ent.requires_grad else 0.0
+        loss = -(a[lo:hi, None] * m * logps.float()).sum() / n_tok - entropy_coef * (m * ent.float()).sum() / n_tok
         loss.backward()
         all_logps.append(logps.detach().float())
         all_ent.append(ent.detach().float())
     grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
     for _, p in named:
         p.grad = None
-    return _Run(torch.cat(all_logps), torch.cat(all_ent), grads)
+    return _Run(torch.cat(all_logps), torch.cat(all_ent), grads, entropy_coef)
 
 
 def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, micro_batch_size: int | None = None,
@@ -534,9 +539,10 @@ def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, mic
         advantages = torch.randn(B, generator=g, dtype=torch.float32).to(device)
         weights = (advantages, loss_mask.sum().clamp_min(1).float())
 
-        def score_with(fn, before_call=None, paths=None):
+        def score_with(fn, before_call=None, paths=None, entropy_coef=None):
             torch.manual_seed(seed)  # the same dropout draws, if any
-            return _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, before_call, paths)
+            return _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, entropy_coef,
+                          before_call, paths)  # fmt: skip
 
         # stock TRL
         stock = score_with(stock_fn)
@@ -557,7 +563,7 @@ def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, mic
 
         causes = []
         try:
-            ours = score_with(ours_fn, before_call, causes)
+            ours = score_with(ours_fn, before_call, causes, stock.entropy_coef)
         finally:
             with contextlib.suppress(RuntimeError):
                 session.close_window()
@@ -565,7 +571,7 @@ def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, mic
         truth = None
         if low:
             with _fp32(model, self_obj):
-                truth = score_with(stock_fn)
+                truth = score_with(stock_fn, entropy_coef=stock.entropy_coef)
     # ---- compare
     sel = loss_mask.bool() if batch.get("tool_mask") is None else batch["completion_mask"].bool()
     sel = sel.to(stock.logps.device)
