@@ -495,6 +495,8 @@ def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, mic
         raise TypeError(f"verify takes a TRL trainer or a torch model, got {type(trainer_or_model).__name__}")
     if batch is None and not is_trainer:
         raise ValueError("verify needs a batch when given a model (a dict with prompt_ids, prompt_mask, ...)")
+    if micro_batch_size is not None and not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
     if batch is not None:
         _check_batch(batch)
     if is_trainer:
@@ -634,7 +636,7 @@ def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, mic
             mine = set(plan_keys[i])
             shared = [j for j in window if j != i and mine & set(plan_keys[j])]
             path = "prompt-once"
-            detail = f"{first.numel()} prompt pass(es) for {hi - lo} rows"
+            detail = f"{first.numel()} prompt pass{'es' if first.numel() != 1 else ''} for {hi - lo} rows"
             if shared:
                 detail += f"; prompt pass shared with micro-batch(es) {shared}"
         report.micro_batches.append(MicroBatchPath(i, hi - lo, int(first.numel()), path, detail))
