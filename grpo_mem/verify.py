@@ -443,7 +443,10 @@ def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, a
     for i, (lo, hi) in enumerate(slices):
         if before_call is not None:
             before_call(i)
-        with recording_fallbacks() as causes:
+        # forward under the trainer's mixed precision, as accelerate's prepared forward applies it in training (TRL
+        # < 1.15's method enters no autocast itself; 1.15+ enters the same one again inside); backward outside any
+        # autocast, as in training, also when verify is called inside one
+        with recording_fallbacks() as causes, self_obj.accelerator.autocast():
             logps, ent, _ = fn(self_obj, model, ids[lo:hi], mask[lo:hi], C, batch_size=hi - lo, compute_entropy=True,
                                compute_aux_loss=aux, **extras)  # fmt: skip
         if paths is not None:
@@ -452,7 +455,8 @@ def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, a
         if entropy_coef is None:
             entropy_coef = ENTROPY_COEF if ent.requires_grad else 0.0
         loss = -(a[lo:hi, None] * m * logps.float()).sum() / n_tok - entropy_coef * (m * ent.float()).sum() / n_tok
-        loss.backward()
+        with torch.autocast(logps.device.type, enabled=False):
+            loss.backward()
         all_logps.append(logps.detach().float())
         all_ent.append(ent.detach().float())
     grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}

@@ -22,7 +22,10 @@ def _generation_batch(trainer, seed=0):
 
 def _loss_and_grads(trainer, inputs):
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by Trainer.train
-    loss = trainer.compute_loss(trainer.model, inputs)
+    # under the mixed precision accelerate's prepared forward has in training: TRL < 1.15 relies on it (its method
+    # enters no autocast itself), 1.15+ also enters accelerator.autocast() inside the method
+    with trainer.accelerator.autocast():
+        loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.model.zero_grad(set_to_none=True)

@@ -6,7 +6,8 @@
 #   KEEP_VENV=1 bash tests/compat/run.sh 1.13.0   # keep the venv (printed) for a rerun; COMPAT_VENV=DIR reuses one
 #
 # The venv is a fresh one (not --system-site-packages, which would see the TRL installed next to it): torch 2.13.0
-# (CPU wheel), triton, the pinned transformers, trl==TRL_VERSION and the test dependencies, then this repository
+# (CPU wheel), triton, the pinned transformers, trl==TRL_VERSION and the test dependencies (requests too: TRL
+# 1.10-1.14 import it from trl.generation.vllm_client without declaring it), then this repository
 # installed editable without dependencies and without building the C++ extension (GRPO_MEM_SKIP_EXT=1: the parity
 # tests run the torch paths then). Runs the tests that exercise TRL (COMPAT_TESTS to override), with the "slow"
 # multi-process runs deselected. TRL 1.15's fused LM head runs a Triton kernel on every device (1.16 added a torch
@@ -33,7 +34,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     {
         "$VENV/bin/pip" install -q torch==2.13.0 triton==3.9.0 &&
         "$VENV/bin/pip" install -q "transformers==$TRANSFORMERS_VERSION" "trl==$TRL_VERSION" accelerate==1.15.0 \
-            datasets pytest peft==0.21.2 &&
+            datasets pytest peft==0.21.2 requests &&
         GRPO_MEM_SKIP_EXT=1 "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$REPO"
     } >"$LOG" 2>&1 || {
         tail -20 "$LOG"
