@@ -260,6 +260,15 @@ class _Scorer:
         self._entropy_bonus_enabled = True
         self.is_fsdp_enabled = False
 
+    def __getattr__(self, name):
+        """Other methods TRL's method calls on ``self`` (1.14.x: ``_full_logits_logps``), GRPOTrainer's own."""
+        import trl
+
+        fn = getattr(trl.GRPOTrainer, name, None) if not name.startswith("__") else None
+        if not callable(fn):
+            raise AttributeError(name)
+        return types.MethodType(inspect.unwrap(fn), self)
+
 
 def _stock_method(owner):
     """TRL's own ``_get_per_token_logps_and_entropies`` of ``owner``'s class, past grpo_mem's patch and TRL's

@@ -220,7 +220,8 @@ def test_trl_1_14_dispatcher_is_checked_through_its_target():
 
     from grpo_mem.patches.trl import LOGPS_PARAMS, _check_signature
 
-    stock = inspect.unwrap(GRPOTrainer.__dict__[LOGPS_METHOD])
+    # the method with 1.16's signature: 1.14's own target there, else the method itself
+    stock = inspect.unwrap(GRPOTrainer.__dict__.get("_full_logits_logps", GRPOTrainer.__dict__[LOGPS_METHOD]))
 
     class Dispatching(GRPOTrainer):
         def _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kw):
