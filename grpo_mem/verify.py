@@ -10,10 +10,11 @@ is followed by the backward of a fixed scalar loss, TRL-like:
 
 (TRL's default ``dapo`` token-level masked mean with importance ratio 1, plus an entropy bonus where the stock
 method's entropies carry gradient), where A_r ~ N(0, 1) are fixed random advantages (a seeded generator, one per row)
-rather than the batch's own, which are often all zero on a short run, and m is the completion mask. Log-probs and entropies are compared where m = 1 only (TRL releases
-differ in what they return at masked positions; the loss never reads them).
+rather than the batch's own, which are often all zero on a short run, and m is the completion mask. Log-probs and
+entropies are compared where m = 1 only (TRL releases differ in what they return at masked positions; the loss never
+reads them).
 
-Accuracy bounds depend on the precision (``PRECISION_BOUNDS``):
+Accuracy bounds depend on the precision (the constants below):
 
 - fp32: max |Δ log-prob| and max |Δ entropy| <= 1e-5, relative gradient difference ||Δg|| / ||g|| <= 1e-4 over all
   parameters and for the worst parameter.

@@ -1,7 +1,7 @@
-"""The TRL patch: the only module of grpo_mem that knows TRL.
+"""The TRL patch: with ``grpo_mem.verify``, which builds on it, the only code of grpo_mem that knows TRL.
 
-Two methods of ``GRPOTrainer``/``RLOOTrainer`` (written against TRL 1.16; 1.10-1.15 checked too) are replaced by reference, on the class or on one trainer
-instance, and put back by ``PatchHandle.revert()``:
+Two methods of ``GRPOTrainer``/``RLOOTrainer`` (written against TRL 1.16; 1.10-1.15 pass the parity tests too) are
+replaced by reference, on the class or on one trainer instance, and put back by ``PatchHandle.revert()``:
 
 - ``_get_per_token_logps_and_entropies``: every caller (policy with gradients, old log-probs, separate reference
   model, PEFT reference with the adapter disabled) goes through ``shared_prompt_logprobs`` chunk by chunk, inside
