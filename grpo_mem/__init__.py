@@ -7,7 +7,8 @@ Public entry points:
 - ``patch_trl(target=None)``: route ``GRPOTrainer``/``RLOOTrainer`` (or one trainer) through it; returns a
   ``PatchHandle`` with ``revert()``. TRL itself is imported only when ``patch_trl`` is called.
 - ``restore(model)``: give a model its own forward and attention implementation back.
-- ``verify``: defined by the module ``grpo_mem.verify``.
+- ``verify(trainer_or_model, batch=None)``: grpo_mem against stock TRL on one batch of the user's own model
+  (log-probs, entropies, gradients, in the trainer's precision); returns a ``VerifyReport``.
 - ``grpo_mem.ops``: the kernels (fused selective log-softmax, shared-prefix attention).
 
 The names are resolved on first access (PEP 562 ``__getattr__``): ``import grpo_mem`` imports neither torch nor

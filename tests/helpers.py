@@ -32,6 +32,21 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
     return model.to(dtype)
 
 
+def smollm2_shaped(layers=2, embed_scale=1.0):
+    """SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied head) with
+    ``layers`` layers and random weights, in train mode; ``embed_scale`` sharpens the next-token distributions."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=3, attention_dropout=0.0,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(embed_scale)
+    return model.train()
+
+
 def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False, prompts=None):
     """Left-padded prompts (one per entry of ``prompt_lens``), each repeated G times (or ``group_sizes[i]`` times),
     followed by right-padded completions of random lengths in [1, C], ending with EOS where shorter than C.
@@ -74,20 +89,39 @@ def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, ju
 
 def stock_logps(model, input_ids, attention_mask, logits_to_keep, *, temperature=1.0, compute_entropy=False,
                 batch_size=None):  # fmt: skip
-    """TRL 1.16's own ``GRPOTrainer._get_per_token_logps_and_entropies`` on ``model`` (given TRL's fused head)."""
+    """The installed TRL's own ``GRPOTrainer._get_per_token_logps_and_entropies`` on ``model``, given TRL's fused head
+    where the release has one (1.15+; earlier releases compute the logits in the method itself).
+
+    Zero where the completion mask is 0, with no gradient there: TRL 1.15+ returns that; earlier releases return the
+    log-probs of whatever token sits at masked positions, which no TRL loss reads (parity is on unmasked positions).
+    """
     from trl import GRPOTrainer
-    from trl.trainer.utils import add_fused_lm_head
 
     from grpo_mem.model.group_forward import unwrap_causal_lm
 
     base = unwrap_causal_lm(model)
-    if not getattr(base, "_test_fused", False):
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:  # TRL < 1.15
+        add_fused_lm_head = None
+    if add_fused_lm_head is not None and not getattr(base, "_test_fused", False):
         add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
         base._test_fused = True
-    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=temperature)
+    trainer = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=temperature,
+        # read by TRL < 1.15: entropies with gradient, and whether the model takes logits_to_keep
+        _entropy_bonus_enabled=True, model_kwarg_keys=set(inspect.signature(base.forward).parameters),
+        use_liger_kernel=False,
+    )  # fmt: skip
+    trainer._full_logits_logps = types.MethodType(
+        inspect.unwrap(getattr(GRPOTrainer, "_full_logits_logps", lambda *a, **k: None)), trainer
+    )  # TRL 1.14.x dispatches to it
     fn = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])  # past the profiling decorator
     logps, ent, _ = fn(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                        compute_entropy=compute_entropy)  # fmt: skip
+    keep = attention_mask[:, -logits_to_keep:].bool()
+    logps = logps.masked_fill(~keep, 0.0)
+    ent = None if ent is None else ent.masked_fill(~keep, 0.0)
     return logps, ent
 
 
@@ -113,8 +147,11 @@ def assert_grads_close(ours: dict, ref: dict, rel=1e-4):
         assert err <= rel * scale, f"{name}: max |diff| {err:.3e} > {rel} x max |grad| {scale:.3e}"
 
 
-def assert_close(ours, ref, atol, what="values"):
+def assert_close(ours, ref, atol, what="values", mask=None):
+    """max |ours - ref| <= atol, over the positions where ``mask`` (same shape) is non-zero if given."""
     err = (ours - ref).abs()
+    if mask is not None:
+        err = err.masked_fill(mask == 0, 0)
     idx = int(err.argmax())
     assert err.max() <= atol, (
         f"{what}: max |diff| {err.max():.3e} at flat index {idx}: ours {ours.flatten()[idx]:.6g} ref "

@@ -1,4 +1,6 @@
-"""patch_trl against stock TRL 1.16: losses, gradients, whole training runs, shuffling, and the patch mechanics."""
+"""patch_trl against stock TRL (1.16; 1.10-1.15 through tests/compat/run.sh): losses, gradients, whole training runs,
+shuffling, and the patch mechanics. Log-probs are compared where the completion mask is 1 (TRL before 1.15 returns
+non-zero values at masked positions, grpo_mem and TRL 1.15+ zeros; the loss never reads them)."""
 
 import inspect
 import warnings
@@ -20,7 +22,10 @@ def _generation_batch(trainer, seed=0):
 
 def _loss_and_grads(trainer, inputs):
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by Trainer.train
-    loss = trainer.compute_loss(trainer.model, inputs)
+    # under the mixed precision accelerate's prepared forward has in training: TRL < 1.15 relies on it (its method
+    # enters no autocast itself), 1.15+ also enters accelerator.autocast() inside the method
+    with trainer.accelerator.autocast():
+        loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.model.zero_grad(set_to_none=True)
@@ -49,9 +54,9 @@ def test_compute_loss_matches_stock(tmp_path, loss_type, beta):
             old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C, batch_size=4)
             if beta:
                 ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C, batch_size=4)
-                assert_close(ref, stock_ref, 1e-5, "reference log-probs")
+                assert_close(ref, stock_ref, 1e-5, "reference log-probs", mask=mask[:, -C:])
     assert_close(loss, stock_loss, 1e-6, "loss")
-    assert_close(old, stock_old, 1e-5, "old log-probs")
+    assert_close(old, stock_old, 1e-5, "old log-probs", mask=mask[:, -C:])
     assert_grads_close(grads, stock_grads)
 
 
@@ -181,15 +186,58 @@ def test_instance_patch_touches_only_the_instance(tmp_path):
     assert "forward" not in trainer.model.__dict__ or not hasattr(trainer.model, "_grpo_mem_previous_forward")
 
 
-def test_wrong_trl_version_is_refused(monkeypatch):
+def test_old_or_known_bad_trl_is_refused(monkeypatch):
     import trl
     from trl import GRPOTrainer
 
+    from grpo_mem.patches import trl as patch_module
+
     original = GRPOTrainer.__dict__[LOGPS_METHOD]
-    monkeypatch.setattr(trl, "__version__", "1.17.0")
-    with pytest.raises(RuntimeError, match=r"TRL 1\.16\.x only .* found trl 1\.17\.0"):
+    monkeypatch.setattr(trl, "__version__", "1.9.2")
+    with pytest.raises(RuntimeError, match=r"needs TRL >= 1\.10 .* found trl 1\.9\.2"):
+        grpo_mem.patch_trl()
+    monkeypatch.setattr(trl, "__version__", "1.16.0")
+    monkeypatch.setattr(patch_module, "KNOWN_BAD_TRL", {(1, 16): "its wrapper cannot be patched exactly"})
+    with pytest.raises(RuntimeError, match=r"does not patch trl 1\.16\.0: its wrapper cannot be patched exactly"):
         grpo_mem.patch_trl()
     assert GRPOTrainer.__dict__[LOGPS_METHOD] is original
+
+
+def test_newer_trl_is_judged_by_signatures_not_by_number(monkeypatch):
+    import trl
+    from trl import GRPOTrainer
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0.dev0")
+    with grpo_mem.patch_trl(GRPOTrainer) as handle:
+        assert handle.active
+    assert not getattr(GRPOTrainer.__dict__[LOGPS_METHOD], "__grpo_mem_patch__", False)
+
+
+def test_trl_1_14_dispatcher_is_checked_through_its_target():
+    """TRL 1.14.x: the method is ``(self, model, *args, batch_size=None, compute_aux_loss=False, **kwargs)`` and
+    dispatches to ``_full_logits_logps``, whose signature is 1.16's: accepted; a changed target is refused."""
+    from trl import GRPOTrainer
+
+    from grpo_mem.patches.trl import LOGPS_PARAMS, _check_signature
+
+    # the method with 1.16's signature: 1.14's own target there, else the method itself
+    stock = inspect.unwrap(GRPOTrainer.__dict__.get("_full_logits_logps", GRPOTrainer.__dict__[LOGPS_METHOD]))
+
+    class Dispatching(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kw):
+            return self._full_logits_logps(model, *args, batch_size=batch_size, compute_aux_loss=compute_aux_loss,
+                                           **kw)  # fmt: skip
+
+        _full_logits_logps = stock
+
+    _check_signature(Dispatching, LOGPS_METHOD, LOGPS_PARAMS)
+
+    class ChangedTarget(Dispatching):
+        def _full_logits_logps(self, model, input_ids, attention_mask, logits_to_keep, extra=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="_full_logits_logps .*grpo_mem was written against"):
+        _check_signature(ChangedTarget, LOGPS_METHOD, LOGPS_PARAMS)
 
 
 def test_changed_signature_is_refused():

@@ -36,13 +36,28 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
 
 _warned: set[str] = set()
+_fallback_records: list[list[str]] = []
 
 
 def warn_fallback(cause: str) -> None:
-    """Warn once per process and cause that the stock path is used."""
+    """Warn once per process and cause that the stock path is used (and tell ``recording_fallbacks`` blocks)."""
+    for record in _fallback_records:
+        record.append(cause)
     if cause not in _warned:
         _warned.add(cause)
         warnings.warn(f"grpo_mem: falling back to the stock full-sequence path: {cause}", stacklevel=3)
+
+
+@contextlib.contextmanager
+def recording_fallbacks():
+    """Within the block, collect every cause ``warn_fallback`` is given (each time, not once per process) into the
+    list it yields: ``grpo_mem.verify`` reports per micro-batch which path ran and why."""
+    record: list[str] = []
+    _fallback_records.append(record)
+    try:
+        yield record
+    finally:
+        _fallback_records.remove(record)
 
 
 class _Tie(torch.autograd.Function):
@@ -418,6 +433,7 @@ __all__ = [
     "full_sequence_logprobs",
     "install_forward",
     "prompt_once_logprobs",
+    "recording_fallbacks",
     "restore",
     "score",
     "shared_prompt_logprobs",

@@ -1,7 +1,7 @@
-"""The TRL patch: the only module of grpo_mem that knows TRL.
+"""The TRL patch: with ``grpo_mem.verify``, which builds on it, the only code of grpo_mem that knows TRL.
 
-Two methods of ``GRPOTrainer``/``RLOOTrainer`` (TRL 1.16) are replaced by reference, on the class or on one trainer
-instance, and put back by ``PatchHandle.revert()``:
+Two methods of ``GRPOTrainer``/``RLOOTrainer`` (written against TRL 1.16; 1.10-1.15 pass the parity tests too) are
+replaced by reference, on the class or on one trainer instance, and put back by ``PatchHandle.revert()``:
 
 - ``_get_per_token_logps_and_entropies``: every caller (policy with gradients, old log-probs, separate reference
   model, PEFT reference with the adapter disabled) goes through ``shared_prompt_logprobs`` chunk by chunk, inside
@@ -16,8 +16,8 @@ instance, and put back by ``PatchHandle.revert()``:
   spread over several of them is forwarded and backpropagated once.
 
 The patch keeps its state on its ``PatchHandle`` (sessions per trainer, the models it touched), never on the
-trainer; before touching anything it checks TRL's version, the two methods' signatures and the trainer attributes it
-reads.
+trainer; before touching anything it checks what it relies on: the two methods' signatures and the trainer attributes
+it reads (not a version range), plus a floor (TRL >= 1.10) and a list of releases refused by name.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ from ..model.distributed import agree_fallback, lockstep, unwrap_causal_lm
 from ..model.group_forward import check_sharing, find_groups, restore, shared_prompt_logprobs, unsupported_reason, warn_fallback
 from ..model.sharing import SharingSession
 
-SUPPORTED_TRL = ((1, 16), (1, 17))  # [lower, upper)
+MIN_TRL = (1, 10)
+# Releases refused by name although their signatures pass, as (major, minor[, micro]) -> why. Empty: every release
+# from 1.10 to 1.16 passes the checks below and the parity tests (README, "TRL releases tested").
+KNOWN_BAD_TRL: dict[tuple[int, ...], str] = {}
 LOGPS_METHOD = "_get_per_token_logps_and_entropies"
 PREPARE_METHOD = "_prepare_inputs"
 LOGPS_PARAMS = (
@@ -45,22 +48,34 @@ PREPARE_PARAMS = ("self", "generation_batch")
 _MARK = "__grpo_mem_patch__"
 
 
-def _trl_version() -> tuple[int, int, str]:
-    import trl
+# TRL 1.14.x: _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kwargs)
+# only dispatches, to this method (or, with use_liger_kernel, to _chunked_logps, which takes the same arguments but
+# batch_size); its callers pass 1.16's parameters, so the dispatcher is replaced like 1.16's method.
+DISPATCH_TARGET = "_full_logits_logps"
 
-    parts = trl.__version__.split(".")
-    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0), trl.__version__
+
+def _trl_version() -> tuple[tuple[int, ...], str]:
+    import trl
+    from packaging.version import Version
+
+    return Version(trl.__version__).release, trl.__version__
 
 
 def check_trl_version() -> None:
-    """Raise ``RuntimeError`` unless the installed TRL is in the tested range (1.16.x)."""
-    major, minor, full = _trl_version()
-    (lo, hi) = SUPPORTED_TRL
-    if not lo <= (major, minor) < hi:
+    """Raise ``RuntimeError`` for TRL older than ``MIN_TRL`` or a release in ``KNOWN_BAD_TRL``.
+
+    Newer releases are not refused by number: ``patch_trl`` checks the methods' signatures and the trainer attributes
+    it reads instead, and refuses (``TypeError``) a release that changed them.
+    """
+    release, full = _trl_version()
+    if release[:2] < MIN_TRL:
         raise RuntimeError(
-            f"grpo_mem patches TRL {lo[0]}.{lo[1]}.x only (the loss path it replaces is pinned to that release), "
-            f"found trl {full}"
+            f"grpo_mem needs TRL >= {MIN_TRL[0]}.{MIN_TRL[1]} (older releases score completions differently), found "
+            f"trl {full}"
         )
+    for bad, why in KNOWN_BAD_TRL.items():
+        if release[: len(bad)] == bad:
+            raise RuntimeError(f"grpo_mem does not patch trl {full}: {why}")
 
 
 def _check_signature(owner, name: str, expected: tuple[str, ...]) -> None:
@@ -68,11 +83,17 @@ def _check_signature(owner, name: str, expected: tuple[str, ...]) -> None:
     if fn is None:
         raise TypeError(f"{getattr(owner, '__name__', type(owner).__name__)} has no method {name}")
     fn = getattr(fn, "__wrapped_original__", fn)
-    params = tuple(inspect.signature(fn).parameters)
+    signature = inspect.signature(fn)
+    params = tuple(signature.parameters)
     if isinstance(owner, type) or params[:1] == ("self",):
         got = params
     else:  # bound method of an instance
         got = ("self", *params)
+    kinds = {p.kind for p in signature.parameters.values()}
+    dispatcher = {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds
+    if got != expected and name == LOGPS_METHOD and dispatcher and hasattr(owner, DISPATCH_TARGET):
+        _check_signature(owner, DISPATCH_TARGET, expected)  # TRL 1.14.x
+        return
     if got != expected:
         raise TypeError(f"{name} of {owner!r} has parameters {got}, grpo_mem was written against {expected}")
 
@@ -336,7 +357,7 @@ def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree")
         ``patch_trl`` again on a patched target returns the same active handle.
 
     Raises:
-        RuntimeError: the installed TRL is not 1.16.x.
+        RuntimeError: the installed TRL is older than 1.10 or a release refused by name (``KNOWN_BAD_TRL``).
         ValueError: unknown ``sharing``.
         TypeError: a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
             from TRL 1.16's (nothing is changed then).

@@ -1,0 +1,676 @@
+"""``grpo_mem.verify``: check on one batch, on the user's own model, that grpo_mem computes what stock TRL computes.
+
+The same batch is scored twice with gradients, in the trainer's own precision: by TRL's own
+``_get_per_token_logps_and_entropies`` (the unpatched method, with the fused head TRL gave the model), and by the
+patched method ``patch_trl`` installs (``shared_prompt_logprobs`` per micro-batch, through a ``SharingSession`` when
+the batch spans several micro-batches of one gradient-accumulation window, exactly as in training). Each micro-batch
+is followed by the backward of a fixed scalar loss, TRL-like:
+
+    loss = -sum_rt A_r m_rt logp_rt / sum_rt m_rt  -  0.1 * sum_rt m_rt H_rt / sum_rt m_rt
+
+(TRL's default ``dapo`` token-level masked mean with importance ratio 1, plus an entropy bonus where the stock
+method's entropies carry gradient), where A_r ~ N(0, 1) are fixed random advantages (a seeded generator, one per row)
+rather than the batch's own, which are often all zero on a short run, and m is the completion mask. Log-probs and
+entropies are compared where m = 1 only (TRL releases differ in what they return at masked positions; the loss never
+reads them).
+
+Accuracy bounds depend on the precision (the constants below):
+
+- fp32: max |Δ log-prob| and max |Δ entropy| <= 1e-5, relative gradient difference ||Δg|| / ||g|| <= 1e-4 over all
+  parameters and for the worst parameter.
+- bf16/fp16 (autocast, e.g. TRL's ``bf16=True``, or low-precision weights): both paths carry rounding errors of a few
+  1e-2 that are rounded independently, so they are compared against a third run, stock TRL on the same model in fp32
+  (weights cast to fp32 in place and back, which is exact), in Cut Cross-Entropy's style: grpo_mem's error against
+  fp32 must stay within stock's own (``within_stock_error``, ``grad_within_stock_error``), the criterion
+  ``tests/test_precision.py`` applies on a SmolLM2-shaped model.
+
+The model's gradients (every ``.grad``, the same tensor objects), the train/eval mode of every module, the RNG states
+(Python, NumPy, torch CPU and CUDA), the trainer's logged metrics, and every method and forward are as they were
+afterwards; nothing is patched that was not before. If ``patch_trl`` was already applied, the stock side still runs
+TRL's original method (``__wrapped_original__`` of the patched one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import random
+import sys
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import group_forward
+from .model.distributed import unwrap_causal_lm
+from .model.group_forward import _FORWARD_MARK, find_groups, recording_fallbacks, restore, validate_inputs
+from .model.sharing import SharingSession
+from .model.store import prompt_keys
+from .patches.trl import _ACTIVE, LOGPS_METHOD, LOGPS_PARAMS, PatchHandle, _make_logps, group_shuffle
+
+__all__ = [
+    "BF16_GRAD_TOL",
+    "BF16_MAX_FACTOR",
+    "BF16_STAT_TOL",
+    "FP32_GRAD_TOL",
+    "FP32_VALUE_TOL",
+    "MicroBatchPath",
+    "VerificationError",
+    "VerifyReport",
+    "grad_errors",
+    "grad_within_stock_error",
+    "verify",
+    "within_stock_error",
+]
+
+# fp32: grpo_mem against stock directly (the bounds of tests/test_group_forward.py)
+FP32_VALUE_TOL = 1e-5  # max |Δ log-prob|, max |Δ entropy|
+FP32_GRAD_TOL = 1e-4  # ||Δg|| / ||g||
+# bf16/fp16, against an fp32 run (Cut Cross-Entropy's tests: |ours - truth| <= k |stock - truth| + tol)
+BF16_GRAD_TOL = 1e-2  # relative gradient error: ours <= stock's + this
+BF16_STAT_TOL = 1e-3  # RMS and mean error: ours <= stock's + this
+BF16_MAX_FACTOR = 2.0  # max error: ours <= 2 x stock's + BF16_STAT_TOL (k = 2, as flash-attention's tests)
+ENTROPY_COEF = 0.1
+REQUIRED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+EXTRA_KEYS = LOGPS_PARAMS[LOGPS_PARAMS.index("pixel_values") :]
+
+
+class VerificationError(AssertionError):
+    """``verify(..., raise_on_mismatch=True)`` found grpo_mem outside its bounds; the message is the report."""
+
+    def __init__(self, report: VerifyReport):
+        super().__init__(str(report))
+        self.report = report
+
+
+def error_stats(err: torch.Tensor) -> dict[str, float]:
+    """max, RMS and mean of absolute errors ``err`` (any shape; empty -> zeros), as floats."""
+    err = err.double().abs().flatten()
+    if err.numel() == 0:
+        return {"max": 0.0, "rms": 0.0, "mean": 0.0}
+    return {"max": float(err.max()), "rms": float(err.pow(2).mean().sqrt()), "mean": float(err.mean())}
+
+
+def within_stock_error(err_ours: torch.Tensor, err_stock: torch.Tensor) -> tuple[bool, str]:
+    """Low-precision criterion on one tensor: with errors against an fp32 (or fp64) truth, grpo_mem's RMS and mean
+    error within stock's + ``BF16_STAT_TOL`` and its max within ``BF16_MAX_FACTOR`` x stock's + ``BF16_STAT_TOL``.
+
+    Whole-tensor statistics rather than elementwise: at trained-like peaked logits both computations carry bf16
+    errors of a few 1e-2 rounded independently, so one element can be worse for either (tests/test_precision.py).
+    Returns (ok, the first violated statistic or "").
+    """
+    ours, stock = error_stats(err_ours), error_stats(err_stock)
+    for stat, k in (("rms", 1.0), ("mean", 1.0), ("max", BF16_MAX_FACTOR)):
+        if not ours[stat] <= k * stock[stat] + BF16_STAT_TOL:
+            return False, f"{stat} error {ours[stat]:.3g} > {k:g} x stock's {stock[stat]:.3g} + {BF16_STAT_TOL:g}"
+    return True, ""
+
+
+def grad_errors(grads: dict, ref: dict) -> tuple[float, str, float, dict[str, float]]:
+    """Relative gradient differences of ``grads`` against ``ref`` (both {name: tensor}, the same names).
+
+    Returns (||Δg|| / ||g|| over all parameters, the worst parameter's name, its ||Δg_p|| / ||g_p||, and every
+    parameter's relative difference). Differences in fp32, norms accumulated in fp64; a parameter whose reference
+    gradient is 0 is measured against 1e-30 (so any difference there is reported as large).
+    """
+    total_diff = total_ref = 0.0
+    per = {}
+    for name, r in ref.items():
+        r = r.float()
+        d = float(torch.linalg.vector_norm(grads[name].float() - r, dtype=torch.float64))
+        n = float(torch.linalg.vector_norm(r, dtype=torch.float64))
+        total_diff += d * d
+        total_ref += n * n
+        per[name] = d / max(n, 1e-30)
+    worst = max(per, key=per.get) if per else ""
+    return (total_diff**0.5) / max(total_ref**0.5, 1e-30), worst, per.get(worst, 0.0), per
+
+
+def grad_within_stock_error(ours: dict[str, float], stock: dict[str, float]) -> tuple[bool, str, float]:
+    """Low-precision gradient criterion: per parameter, grpo_mem's relative error against the fp32 truth within
+    stock's + ``BF16_GRAD_TOL``. ``ours``/``stock``: {name: relative error} (``grad_errors``' last return).
+    Returns (ok, the parameter with the largest excess, that excess)."""
+    excess = {n: ours[n] - stock[n] for n in stock}
+    worst = max(excess, key=excess.get) if excess else ""
+    return excess.get(worst, 0.0) <= BF16_GRAD_TOL, worst, excess.get(worst, 0.0)
+
+
+@dataclass
+class MicroBatchPath:
+    """Which path grpo_mem took for one micro-batch: ``"prompt-once"`` or ``"stock fallback"``, and why."""
+
+    index: int
+    rows: int
+    unique_prompts: int
+    path: str
+    why: str
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` measured. Differences are grpo_mem minus stock TRL, at unmasked completion positions.
+
+    ``precision``: "fp32", "bf16 autocast", "bf16 weights", ... For low precision, ``*_vs_fp32`` hold the errors of
+    each path against stock TRL run in fp32 ({"max", "rms", "mean"} for values; relative norms for gradients), and
+    ``passed`` follows them; in fp32 it follows the direct differences. ``failures`` says which bound failed.
+    """
+
+    passed: bool
+    precision: str
+    rows: int
+    prompt_len: int
+    completion_len: int
+    max_logp_diff: float
+    max_entropy_diff: float
+    grad_rel_diff: float
+    worst_param: str
+    worst_param_rel_diff: float
+    bounds: dict[str, str]
+    micro_batches: list[MicroBatchPath]
+    failures: list[str] = field(default_factory=list)
+    logp_vs_fp32: dict[str, dict[str, float]] | None = None  # {"grpo_mem": stats, "stock": stats}
+    entropy_vs_fp32: dict[str, dict[str, float]] | None = None
+    grad_vs_fp32: dict[str, float] | None = None  # grpo_mem / stock overall relative error, worst excess
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED"
+        n_mb = len(self.micro_batches)
+        lines = [
+            f"grpo_mem.verify: {verdict} ({self.precision}; {self.rows} rows in {n_mb} micro-batch"
+            f"{'es' if n_mb != 1 else ''}, prompt width {self.prompt_len}, completion width {self.completion_len}; "
+            f"{self.seconds:.1f} s)"
+        ]
+        rows = [("quantity", "grpo_mem vs stock", "bound", "ok")]
+        fp32 = self.logp_vs_fp32 is None
+
+        def ok(name):
+            if self.bounds.get(name) == "-":
+                return "-"
+            return "no" if any(f.startswith(name + ":") for f in self.failures) else "yes"
+
+        rows.append(("max |Δ log-prob|", f"{self.max_logp_diff:.3e}", self.bounds["log-prob"], ok("log-prob")))
+        rows.append(("max |Δ entropy|", f"{self.max_entropy_diff:.3e}", self.bounds["entropy"], ok("entropy")))
+        grad = f"{self.grad_rel_diff:.3e}"
+        rows.append(("‖Δg‖/‖g‖ all params", grad, self.bounds["gradient"], ok("gradient")))
+        rows.append(
+            (
+                "‖Δg‖/‖g‖ worst param",
+                f"{self.worst_param_rel_diff:.3e} ({self.worst_param})",
+                self.bounds["gradient"],
+                ok("gradient"),
+            )
+        )
+        if not fp32:
+            for name, stats in (("log-prob", self.logp_vs_fp32), ("entropy", self.entropy_vs_fp32)):
+                o, s = stats["grpo_mem"], stats["stock"]
+                rows.append(
+                    (
+                        f"{name} error vs fp32 (max/rms)",
+                        f"ours {o['max']:.3e}/{o['rms']:.3e}, stock {s['max']:.3e}/{s['rms']:.3e}",
+                        self.bounds[f"{name} vs fp32"],
+                        ok(f"{name} vs fp32"),
+                    )
+                )
+            g = self.grad_vs_fp32
+            rows.append(
+                (
+                    "gradient error vs fp32",
+                    f"ours {g['grpo_mem']:.3e}, stock {g['stock']:.3e}; worst excess {g['worst_excess']:.2e} "
+                    f"({g['worst_param']})",
+                    self.bounds["gradient vs fp32"],
+                    ok("gradient vs fp32"),
+                )
+            )
+        lines += _table(rows)
+        lines.append("")
+        lines += _table(
+            [("micro-batch", "rows", "unique prompts", "path", "why")]
+            + [(str(m.index), str(m.rows), str(m.unique_prompts), m.path, m.why) for m in self.micro_batches]
+        )
+        if self.failures:
+            lines.append("")
+            lines += [f"FAILED: {f}" for f in self.failures]
+        return "\n".join(lines)
+
+
+def _table(rows) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    out.insert(1, "-+-".join("-" * w for w in widths))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# what is scored, and by what
+
+
+class _Scorer:
+    """Stands in for a trainer when ``verify`` is given a model: what TRL's method reads of ``self``."""
+
+    def __init__(self, model, temperature: float):
+        self.temperature = temperature
+        self.accelerator = types.SimpleNamespace(autocast=contextlib.nullcontext)
+        self.args = types.SimpleNamespace(cast_lm_head_to_fp32=False)
+        # read by older TRL releases' method
+        self.model_kwarg_keys = set(inspect.signature(unwrap_causal_lm(model).forward).parameters)
+        self.use_liger_kernel = False
+        self._entropy_bonus_enabled = True
+        self.is_fsdp_enabled = False
+
+    def __getattr__(self, name):
+        """Other methods TRL's method calls on ``self`` (1.14.x: ``_full_logits_logps``), GRPOTrainer's own."""
+        import trl
+
+        fn = getattr(trl.GRPOTrainer, name, None) if not name.startswith("__") else None
+        if not callable(fn):
+            raise AttributeError(name)
+        return types.MethodType(inspect.unwrap(fn), self)
+
+
+def _stock_method(owner):
+    """TRL's own ``_get_per_token_logps_and_entropies`` of ``owner``'s class, past grpo_mem's patch and TRL's
+    profiling decorator (which would log the calls as training time)."""
+    fn = getattr(owner if isinstance(owner, type) else type(owner), LOGPS_METHOD)
+    while hasattr(fn, "__wrapped_original__"):
+        fn = fn.__wrapped_original__
+    return inspect.unwrap(fn)
+
+
+def _has_fused_head(causal_lm) -> bool:
+    fn = causal_lm.__dict__.get(_FORWARD_MARK, causal_lm.__dict__.get("forward"))
+    if fn is None:
+        return False
+    try:
+        return "fused_lm_head" in inspect.signature(fn, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_batch(batch) -> dict:
+    if not isinstance(batch, dict):
+        raise TypeError(f"batch must be a dict laid out as TRL lays it out, got {type(batch).__name__}")
+    missing = [k for k in REQUIRED_KEYS if batch.get(k) is None]
+    if missing:
+        raise ValueError(
+            f"batch lacks {missing}: verify needs {list(REQUIRED_KEYS)} as TRL lays them out (left-padded prompts, "
+            f"right-padded completions), got keys {sorted(batch)}"
+        )
+    for key in REQUIRED_KEYS:
+        value = batch[key]
+        if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            got = getattr(value, "shape", value)
+            raise ValueError(f"batch[{key!r}] must be a 2-D (rows, width) tensor, got {got!r}")
+    for ids, mask in (("prompt_ids", "prompt_mask"), ("completion_ids", "completion_mask")):
+        if batch[ids].shape != batch[mask].shape:
+            raise ValueError(
+                f"batch[{ids!r}] has shape {tuple(batch[ids].shape)} but batch[{mask!r}] {tuple(batch[mask].shape)}"
+            )
+    if batch["prompt_ids"].shape[0] != batch["completion_ids"].shape[0]:
+        raise ValueError(
+            f"batch has {batch['prompt_ids'].shape[0]} prompt rows but {batch['completion_ids'].shape[0]} completion "
+            "rows"
+        )
+    if batch["completion_ids"].shape[1] < 1 or batch["prompt_ids"].shape[1] < 1:
+        raise ValueError(
+            f"prompt and completion widths must be >= 1, got {batch['prompt_ids'].shape[1]} and "
+            f"{batch['completion_ids'].shape[1]}"
+        )
+    return batch
+
+
+def _trainer_batch(trainer) -> dict:
+    """The first generation batch of the trainer's training dataloader, generated and scored by the trainer's own
+    ``_generate_and_score_completions``, rows ordered as ``patch_trl`` orders them (whole groups, unless the
+    trainer's active patch was made with ``group_shuffle=False``: then TRL's own row shuffle)."""
+    accelerator = trainer.accelerator
+    n_loaders = len(getattr(accelerator, "_dataloaders", []))
+    saved = {}
+    for name in ("_metrics", "_logs", "_total_train_tokens"):
+        if hasattr(trainer, name):
+            with contextlib.suppress(Exception):
+                saved[name] = copy.deepcopy(getattr(trainer, name))
+    try:
+        generation_batch = next(iter(trainer.get_train_dataloader()))
+        batch = trainer._generate_and_score_completions(generation_batch)
+    finally:
+        for name, value in saved.items():
+            setattr(trainer, name, value)
+        if hasattr(accelerator, "_dataloaders"):
+            del accelerator._dataloaders[n_loaders:]
+    shuffle_by_group = True
+    for handle in _ACTIVE.values():
+        if any(owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner)) for owner, _, _ in
+               handle._entries):  # fmt: skip
+            shuffle_by_group = handle.group_shuffle
+    if shuffle_by_group:
+        return group_shuffle(batch, trainer.args.per_device_train_batch_size)
+    module = sys.modules[type(trainer).__module__]
+    return module.shuffle_sequence_dict(batch) if hasattr(module, "shuffle_sequence_dict") else batch
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# state that verify must leave as it found it
+
+
+@contextlib.contextmanager
+def _preserved(model):
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    modes = [(m, m.training) for m in model.modules()]
+    rng = (random.getstate(), torch.random.get_rng_state())
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    causal_lm = unwrap_causal_lm(model)
+    had_forward = "forward" in causal_lm.__dict__
+    previous_forward = causal_lm.__dict__.get("forward")
+    had_grpo_mem = _FORWARD_MARK in causal_lm.__dict__
+    attn_impl = causal_lm.config._attn_implementation
+    warned = set(group_forward._warned)
+    for p in params:
+        p.grad = None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="grpo_mem: falling back")
+            yield
+    finally:
+        for p in params:
+            p.grad = None
+        for p, g in zip(params, grads):
+            p.grad = g
+        for m, training in modes:
+            m.training = training
+        random.setstate(rng[0])
+        torch.random.set_rng_state(rng[1])
+        if np_state is not None:
+            numpy.random.set_state(np_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if not had_grpo_mem:
+            restore(causal_lm)
+        elif causal_lm.config._attn_implementation != attn_impl:
+            from .model import attention as attn_hook
+
+            attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
+        if had_forward:
+            causal_lm.forward = previous_forward
+        else:
+            causal_lm.__dict__.pop("forward", None)
+        group_forward._warned.intersection_update(warned)  # verify's fallbacks still warn in training
+
+
+@contextlib.contextmanager
+def _fp32(model, trainer):
+    """The model in fp32 (floating parameters and buffers cast in place and back: exact from bf16/fp16) and no
+    autocast, neither the caller's nor the trainer's ``accelerator.autocast()``."""
+    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+    dtypes = [t.dtype for t in tensors]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    accelerator = getattr(trainer, "accelerator", None)
+    had_autocast = accelerator is not None and "autocast" in accelerator.__dict__
+    previous = accelerator.__dict__.get("autocast") if accelerator is not None else None
+    for t in tensors:
+        t.data = t.data.float()
+    if accelerator is not None:
+        accelerator.autocast = lambda *a, **k: torch.autocast(device_type, enabled=False)
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
+        if accelerator is not None:
+            if had_autocast:
+                accelerator.autocast = previous
+            else:
+                del accelerator.autocast
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    grads: dict
+    entropy_coef: float
+
+
+def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, entropy_coef, before_call=None,
+           paths=None) -> _Run:  # fmt: skip
+    """Score the micro-batches ``slices`` in order with ``fn`` (TRL's method or the patched one), each followed by the
+    backward of its share of the fixed loss; returns log-probs, entropies (fp32) and the summed gradients.
+    ``entropy_coef`` None: ``ENTROPY_COEF`` if the method's entropies carry gradient (TRL < 1.14 computes them without
+    gradient unless the entropy bonus is on), else 0; the coefficient used is returned for the other runs."""
+    C = loss_mask.shape[1]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    all_logps, all_ent = [], []
+    for i, (lo, hi) in enumerate(slices):
+        if before_call is not None:
+            before_call(i)
+        # forward under the trainer's mixed precision, as accelerate's prepared forward applies it in training (TRL
+        # < 1.15's method enters no autocast itself; 1.15+ enters the same one again inside); backward outside any
+        # autocast, as in training, also when verify is called inside one
+        with recording_fallbacks() as causes, self_obj.accelerator.autocast():
+            logps, ent, _ = fn(self_obj, model, ids[lo:hi], mask[lo:hi], C, batch_size=hi - lo, compute_entropy=True,
+                               compute_aux_loss=aux, **extras)  # fmt: skip
+        if paths is not None:
+            paths.append(list(causes))
+        m, (a, n_tok) = loss_mask[lo:hi].float(), weights
+        if entropy_coef is None:
+            entropy_coef = ENTROPY_COEF if ent.requires_grad else 0.0
+        loss = -(a[lo:hi, None] * m * logps.float()).sum() / n_tok - entropy_coef * (m * ent.float()).sum() / n_tok
+        with torch.autocast(logps.device.type, enabled=False):
+            loss.backward()
+        all_logps.append(logps.detach().float())
+        all_ent.append(ent.detach().float())
+    grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+    for _, p in named:
+        p.grad = None
+    return _Run(torch.cat(all_logps), torch.cat(all_ent), grads, entropy_coef)
+
+
+def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, micro_batch_size: int | None = None,
+           temperature: float | None = None, seed: int = 0, print_report: bool = True) -> VerifyReport:  # fmt: skip
+    """Compare grpo_mem with stock TRL on one batch of the user's own model: log-probs, entropies, gradients.
+
+    Args:
+        trainer_or_model: a ``GRPOTrainer``/``RLOOTrainer`` (patched or not), or a transformers causal LM (possibly
+            PEFT-wrapped), which then needs ``batch``. Run it before training starts (the model unwrapped, one
+            process); a trainer's ``per_device_train_batch_size``, ``gradient_accumulation_steps``, temperature,
+            ``cast_lm_head_to_fp32`` and mixed precision apply.
+        batch: None (trainer only: the first generation batch of its training dataloader, generated and scored by
+            the trainer's ``_generate_and_score_completions``), or a dict as TRL lays it out: ``prompt_ids``,
+            ``prompt_mask`` (rows, P) left-padded, ``completion_ids``, ``completion_mask`` (rows, C) right-padded,
+            int64 ids and 0/1 masks; optional ``tool_mask`` (rows, C) and TRL's multimodal keys.
+        raise_on_mismatch: raise ``VerificationError`` (an ``AssertionError``) with the report if a bound fails.
+        micro_batch_size: rows per micro-batch; default the trainer's ``per_device_train_batch_size``, or the whole
+            batch for a model. Micro-batches of one gradient-accumulation window share prompt passes as in training.
+        temperature: for a model given directly (default 1.0); a trainer's own is used otherwise.
+        seed: seed of the fixed random advantages.
+        print_report: print the report.
+
+    Returns:
+        A ``VerifyReport`` (``passed``, the differences, the bounds, per micro-batch the path taken and why).
+
+    Raises:
+        ValueError/TypeError: a missing or malformed batch (naming the keys or shapes), or no batch for a model.
+        VerificationError: with ``raise_on_mismatch`` and a failed bound.
+    """
+    start = time.perf_counter()
+    is_trainer = hasattr(trainer_or_model, "accelerator") and hasattr(trainer_or_model, "model")
+    model = trainer_or_model.model if is_trainer else trainer_or_model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"verify takes a TRL trainer or a torch model, got {type(trainer_or_model).__name__}")
+    if batch is None and not is_trainer:
+        raise ValueError("verify needs a batch when given a model (a dict with prompt_ids, prompt_mask, ...)")
+    if micro_batch_size is not None and not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if batch is not None:
+        _check_batch(batch)
+    if is_trainer:
+        self_obj = trainer_or_model
+        stock_fn = _stock_method(trainer_or_model)
+        T = float(trainer_or_model.temperature)
+        mb = micro_batch_size or trainer_or_model.args.per_device_train_batch_size
+        ga = trainer_or_model.args.gradient_accumulation_steps
+        aux = bool(getattr(trainer_or_model, "aux_loss_enabled", False))
+    else:
+        import trl
+
+        T = 1.0 if temperature is None else float(temperature)
+        self_obj = _Scorer(model, T)
+        stock_fn = _stock_method(trl.GRPOTrainer)
+        mb, ga, aux = micro_batch_size, None, False
+
+    causal_lm = unwrap_causal_lm(model)
+    device = next(model.parameters()).device
+    with _preserved(model):
+        if not is_trainer and not _has_fused_head(causal_lm):
+            with contextlib.suppress(ImportError):  # TRL releases without a fused head score logits themselves
+                from trl.trainer.utils import add_fused_lm_head
+
+                add_fused_lm_head(causal_lm, temperature=T, outputs=("log_probs", "entropy"))
+        model.train()
+        if batch is None:
+            batch = _check_batch(_trainer_batch(trainer_or_model))
+        batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).long()
+        P, C = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+        validate_inputs(ids, mask, C, T)
+        B = ids.shape[0]
+        extras = {k: batch[k] for k in EXTRA_KEYS if batch.get(k) is not None}
+        mb = B if (mb is None or extras) else min(int(mb), B)  # multimodal inputs: one call, TRL slices them
+        slices = [(lo, min(lo + mb, B)) for lo in range(0, B, mb)]
+        loss_mask = batch["completion_mask"].long()
+        if batch.get("tool_mask") is not None:
+            loss_mask = loss_mask * batch["tool_mask"].long()
+        g = torch.Generator().manual_seed(seed)
+        advantages = torch.randn(B, generator=g, dtype=torch.float32).to(device)
+        weights = (advantages, loss_mask.sum().clamp_min(1).float())
+
+        def score_with(fn, before_call=None, paths=None, entropy_coef=None):
+            torch.manual_seed(seed)  # the same dropout draws, if any
+            return _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, entropy_coef,
+                          before_call, paths)  # fmt: skip
+
+        # stock TRL
+        stock = score_with(stock_fn)
+        # grpo_mem: the patched method, on a private handle (nothing installed on a class or the trainer)
+        handle = PatchHandle(None, group_shuffle=False)
+        ours_fn = _make_logps(stock_fn, handle)
+        session = SharingSession()
+        handle.sessions[self_obj] = session
+        windows = ga or len(slices)
+        prompt_ids, prompt_mask = ids[:, :P], mask[:, :P]
+
+        def before_call(i):
+            if i % windows == 0:
+                window = slices[i : i + windows]
+                session.begin_window(model, [prompt_ids[lo:hi] for lo, hi in window],
+                                     [prompt_mask[lo:hi] for lo, hi in window])  # fmt: skip
+            handle._planned[self_obj] = slices[i][1] - slices[i][0]
+
+        causes = []
+        try:
+            ours = score_with(ours_fn, before_call, causes, stock.entropy_coef)
+        finally:
+            with contextlib.suppress(RuntimeError):
+                session.close_window()
+        low = _low_precision(model, trainer_or_model if is_trainer else None)
+        truth = None
+        if low:
+            with _fp32(model, self_obj):
+                truth = score_with(stock_fn, entropy_coef=stock.entropy_coef)
+    # ---- compare
+    sel = loss_mask.bool() if batch.get("tool_mask") is None else batch["completion_mask"].bool()
+    sel = sel.to(stock.logps.device)
+    d_logp = (ours.logps - stock.logps)[sel]
+    d_ent = (ours.entropies - stock.entropies)[sel]
+    failures = []
+    only = sorted(set(ours.grads) ^ set(stock.grads))
+    if only:
+        failures.append(f"gradient: parameters with a gradient on one path only: {only[:5]}")
+    common = {n: stock.grads[n] for n in stock.grads if n in ours.grads}
+    rel, worst, worst_rel, _ = grad_errors(ours.grads, common)
+    report = VerifyReport(
+        passed=False, precision=low or "fp32", rows=B, prompt_len=P, completion_len=C,
+        max_logp_diff=error_stats(d_logp)["max"], max_entropy_diff=error_stats(d_ent)["max"], grad_rel_diff=rel,
+        worst_param=worst, worst_param_rel_diff=worst_rel, bounds={}, micro_batches=[], failures=failures,
+    )  # fmt: skip
+    if not low:
+        report.bounds = {k: f"<= {v:g}" for k, v in (("log-prob", FP32_VALUE_TOL), ("entropy", FP32_VALUE_TOL),
+                                                     ("gradient", FP32_GRAD_TOL))}  # fmt: skip
+        for name, value, tol in (("log-prob", report.max_logp_diff, FP32_VALUE_TOL),
+                                 ("entropy", report.max_entropy_diff, FP32_VALUE_TOL),
+                                 ("gradient", max(rel, worst_rel), FP32_GRAD_TOL)):  # fmt: skip
+            if not value <= tol:
+                failures.append(f"{name}: {value:.3e} > {tol:g}")
+    else:
+        stat_bound = (f"ours rms, mean <= stock's + {BF16_STAT_TOL:g}; "
+                      f"max <= {BF16_MAX_FACTOR:g} x stock's + {BF16_STAT_TOL:g}")  # fmt: skip
+        report.bounds = {"log-prob": "-", "entropy": "-", "gradient": "-", "log-prob vs fp32": stat_bound,
+                         "entropy vs fp32": stat_bound,
+                         "gradient vs fp32": f"per param: ours <= stock's + {BF16_GRAD_TOL:g}"}  # fmt: skip
+        report.logp_vs_fp32, report.entropy_vs_fp32 = {}, {}
+        for name, attr, out in (("log-prob", "logps", report.logp_vs_fp32),
+                                ("entropy", "entropies", report.entropy_vs_fp32)):  # fmt: skip
+            err_ours = (getattr(ours, attr) - getattr(truth, attr))[sel]
+            err_stock = (getattr(stock, attr) - getattr(truth, attr))[sel]
+            out["grpo_mem"], out["stock"] = error_stats(err_ours), error_stats(err_stock)
+            ok, why = within_stock_error(err_ours, err_stock)
+            if not ok:
+                failures.append(f"{name} vs fp32: {why}")
+        truth_grads = {n: truth.grads[n] for n in common if n in truth.grads}
+        rel_ours, _, _, per_ours = grad_errors(ours.grads, truth_grads)
+        rel_stock, _, _, per_stock = grad_errors(stock.grads, truth_grads)
+        ok, worst_p, excess = grad_within_stock_error(per_ours, per_stock)
+        report.grad_vs_fp32 = {"grpo_mem": rel_ours, "stock": rel_stock, "worst_param": worst_p,
+                               "worst_excess": excess}  # fmt: skip
+        if not (ok and rel_ours <= rel_stock + BF16_GRAD_TOL):
+            failures.append(
+                f"gradient vs fp32: {worst_p}: relative error {per_ours.get(worst_p, 0):.3e} vs stock's "
+                f"{per_stock.get(worst_p, 0):.3e} (+{BF16_GRAD_TOL:g} allowed); all params {rel_ours:.3e} vs "
+                f"{rel_stock:.3e}"
+            )
+    plan_keys = [prompt_keys(prompt_ids[lo:hi], prompt_mask[lo:hi]) for lo, hi in slices]
+    for i, ((lo, hi), why) in enumerate(zip(slices, causes)):
+        first, _ = find_groups(prompt_ids[lo:hi], prompt_mask[lo:hi])
+        if why:
+            path, detail = "stock fallback", "; ".join(dict.fromkeys(why))
+        else:
+            w0 = i - i % (ga or len(slices))
+            window = range(w0, min(w0 + (ga or len(slices)), len(slices)))
+            mine = set(plan_keys[i])
+            shared = [j for j in window if j != i and mine & set(plan_keys[j])]
+            path = "prompt-once"
+            detail = f"{first.numel()} prompt pass{'es' if first.numel() != 1 else ''} for {hi - lo} rows"
+            if shared:
+                detail += f"; prompt pass shared with micro-batch(es) {shared}"
+        report.micro_batches.append(MicroBatchPath(i, hi - lo, int(first.numel()), path, detail))
+    report.passed = not failures
+    report.seconds = time.perf_counter() - start
+    if print_report:
+        print(report)
+    if raise_on_mismatch and not report.passed:
+        raise VerificationError(report)
+    return report
+
+
+def _low_precision(model, trainer) -> str | None:
+    """"bf16 autocast" / "fp16 autocast" / "bf16 weights" / ... when the run is not plain fp32, else None."""
+    mixed = getattr(getattr(trainer, "accelerator", None), "mixed_precision", "no") if trainer is not None else "no"
+    if mixed in ("bf16", "fp16"):
+        return f"{mixed} autocast"
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is not None and torch.is_autocast_enabled(param.device.type):
+        return f"{str(torch.get_autocast_dtype(param.device.type)).replace('torch.', '')} autocast"
+    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.dtype in (torch.bfloat16,
+                  torch.float16)})  # fmt: skip
+    return f"{'/'.join(low)} weights" if low else None

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Run grpo_mem's TRL parity tests against one TRL release, in a throwaway virtual environment.
+#
+#   bash tests/compat/run.sh 1.15.0            # TRL 1.15.0 with transformers 5.23.0 (the version CI uses)
+#   TRANSFORMERS_VERSION=5.10.0 bash tests/compat/run.sh 1.13.0
+#   KEEP_VENV=1 bash tests/compat/run.sh 1.13.0   # keep the venv (printed) for a rerun; COMPAT_VENV=DIR reuses one
+#
+# The venv is a fresh one (not --system-site-packages, which would see the TRL installed next to it): torch 2.13.0
+# (CPU wheel), triton, the pinned transformers, trl==TRL_VERSION and the test dependencies (requests too: TRL
+# 1.10-1.14 import it from trl.generation.vllm_client without declaring it), then this repository
+# installed editable without dependencies and without building the C++ extension (GRPO_MEM_SKIP_EXT=1: the parity
+# tests run the torch paths then). Runs the tests that exercise TRL (COMPAT_TESTS to override), with the "slow"
+# multi-process runs deselected. TRL 1.15's fused LM head runs a Triton kernel on every device (1.16 added a torch
+# path for CPU), so stock TRL 1.15 cannot score on CPU at all ("0 active drivers"); for such a release the tests run
+# with TRITON_INTERPRET=1, which makes Triton execute that kernel on CPU tensors (grpo_mem's own "auto" backends never
+# pick the interpreter, so only stock TRL is affected). Prints one result line:
+#   compat trl=1.15.0 transformers=5.23.0: 61 passed, 0 failed, 2 skipped in 214 s (exit 0)
+# and exits with pytest's status (non-zero on any failure, or 3 when the environment could not be built).
+set -uo pipefail
+
+TRL_VERSION=${1:?usage: tests/compat/run.sh TRL_VERSION}
+TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.23.0}
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+TESTS=${COMPAT_TESTS:-tests/test_patch_trl.py tests/test_group_forward.py tests/test_verify.py tests/test_flash_attention.py}
+VENV=${COMPAT_VENV:-$(mktemp -d -t "grpo-mem-trl-$TRL_VERSION-XXXX")}
+LOG=$VENV/compat.log
+start=$(date +%s)
+
+cleanup() { [ -n "${KEEP_VENV:-}" ] || [ -n "${COMPAT_VENV:-}" ] || rm -rf "$VENV"; }
+trap cleanup EXIT
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV" || { echo "compat trl=$TRL_VERSION: could not create a venv"; exit 3; }
+    {
+        "$VENV/bin/pip" install -q torch==2.13.0 triton==3.9.0 &&
+        "$VENV/bin/pip" install -q "transformers==$TRANSFORMERS_VERSION" "trl==$TRL_VERSION" accelerate==1.15.0 \
+            datasets pytest peft==0.21.2 requests &&
+        GRPO_MEM_SKIP_EXT=1 "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$REPO"
+    } >"$LOG" 2>&1 || {
+        tail -20 "$LOG"
+        echo "compat trl=$TRL_VERSION transformers=$TRANSFORMERS_VERSION: environment could not be built (log above)"
+        exit 3
+    }
+fi
+got=$("$VENV/bin/python" -c "import trl, transformers; print(trl.__version__, transformers.__version__)")
+if [ "$got" != "$TRL_VERSION $TRANSFORMERS_VERSION" ]; then
+    echo "compat: the venv holds trl/transformers $got, expected $TRL_VERSION $TRANSFORMERS_VERSION"
+    exit 3
+fi
+
+kernel=$("$VENV/bin/python" -c "import os, trl; print(os.path.join(os.path.dirname(trl.__file__), 'kernels', 'chunked_logprob.py'))")
+if [ -f "$kernel" ] && ! grep -q "_use_triton" "$kernel"; then
+    export TRITON_INTERPRET=1  # stock TRL's fused head is Triton-only in this release
+fi
+
+cd "$REPO" || exit 3
+# -p no:cacheprovider: leave no .pytest_cache behind; the grpo_mem imported is this repository's (editable install)
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" $TESTS 2>&1 | tee "$VENV/pytest.log"
+status=${PIPESTATUS[0]}
+summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$VENV/pytest.log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+echo "compat trl=$TRL_VERSION transformers=$TRANSFORMERS_VERSION${TRITON_INTERPRET:+ TRITON_INTERPRET=1}: ${summary:-no pytest summary} ($(( $(date +%s) - start )) s wall, exit $status)${KEEP_VENV:+ venv $VENV}"
+exit "$status"
