@@ -7,7 +7,7 @@ import torch
 from helpers import make_batch, make_trainer, smollm2_shaped, tiny_model
 
 import grpo_mem
-from grpo_mem.model import group_forward
+from grpo_mem.model import group_forward, tree_forward
 from grpo_mem.patches.trl import LOGPS_METHOD
 from grpo_mem.verify import VerificationError, _stock_method
 
@@ -96,7 +96,8 @@ def test_broken_path_fails_loudly(monkeypatch):
         bump[0, 0] = 1e-3  # completion token 1 of row 0: always unmasked
         return logps + bump, entropy
 
-    monkeypatch.setattr(group_forward, "completion_head", perturbed)
+    monkeypatch.setattr(group_forward, "completion_head", perturbed)  # the group path's head
+    monkeypatch.setattr(tree_forward, "completion_head", perturbed)  # the tree path's (the default)
     _seed_state(model)
     before = _state(model)
     report = grpo_mem.verify(model, batch, print_report=False)
