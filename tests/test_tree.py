@@ -16,8 +16,8 @@ def _tokens(n, seed):
     return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-SYSTEM = _tokens(40, 1)
-SHOTS_A, SHOTS_B = _tokens(36, 2), _tokens(34, 3)
+SYSTEM = _tokens(70, 1)
+SHOTS_A, SHOTS_B = _tokens(68, 2), _tokens(66, 3)
 
 
 def _shape(trie):
@@ -34,7 +34,7 @@ def test_trie_system_prompt_questions_and_prompt_equal_to_prefix():
     prompts = [SYSTEM + [5, 6, 7], SYSTEM + [8, 9], [10, 11, 12], SYSTEM, SYSTEM + [5, 6, 7]]
     trie = PromptTrie(prompts, min_shared_tokens=32)
     nodes, leaf = _shape(trie)
-    assert nodes == [(40, 0, None, 0), (3, 40, 0, 1), (2, 40, 0, 1), (3, 0, None, 0)]
+    assert nodes == [(70, 0, None, 0), (3, 70, 0, 1), (2, 70, 0, 1), (3, 0, None, 0)]
     assert leaf == [1, 2, 3, 0, 1]  # the prompt equal to the system prompt ends at the shared node
     assert trie.shared_nodes() == [0]
     assert trie.nodes[0].prompts == [0, 1, 3, 4]
@@ -43,8 +43,8 @@ def test_trie_system_prompt_questions_and_prompt_equal_to_prefix():
 def test_trie_three_levels():
     prompts = [SYSTEM + SHOTS_A + [5], SYSTEM + SHOTS_A + [6, 7], SYSTEM + SHOTS_B + [8], SYSTEM + SHOTS_B + [9, 4]]
     nodes, leaf = _shape(PromptTrie(prompts, min_shared_tokens=32))
-    assert nodes == [(40, 0, None, 0), (36, 40, 0, 1), (1, 76, 1, 2), (2, 76, 1, 2), (34, 40, 0, 1),
-                     (1, 74, 4, 2), (2, 74, 4, 2)]  # fmt: skip
+    assert nodes == [(70, 0, None, 0), (68, 70, 0, 1), (1, 138, 1, 2), (2, 138, 1, 2), (66, 70, 0, 1),
+                     (1, 136, 4, 2), (2, 136, 4, 2)]  # fmt: skip
     assert leaf == [2, 3, 5, 6]
 
 
@@ -52,10 +52,10 @@ def test_trie_short_common_span_stays_in_children():
     prompts = [SYSTEM[:10] + SHOTS_A + [5], SYSTEM[:10] + SHOTS_A + [6], SYSTEM[:10] + SHOTS_B + [7]]
     nodes, leaf = _shape(PromptTrie(prompts, min_shared_tokens=32))
     # the 10 tokens all share are too few for a pass of their own: the family of SHOTS_A forwards them in its node
-    assert nodes == [(46, 0, None, 0), (1, 46, 0, 1), (1, 46, 0, 1), (45, 0, None, 0)]
+    assert nodes == [(78, 0, None, 0), (1, 78, 0, 1), (1, 78, 0, 1), (77, 0, None, 0)]
     assert leaf == [1, 2, 3]
     nodes, _ = _shape(PromptTrie(prompts, min_shared_tokens=8))
-    assert nodes[0] == (10, 0, None, 0) and nodes[1] == (36, 10, 0, 1)
+    assert nodes[0] == (10, 0, None, 0) and nodes[1] == (68, 10, 0, 1)
 
 
 def test_trie_no_common_prefix_is_one_node_per_prompt():
@@ -95,7 +95,7 @@ class _CountPasses:
 
 
 TREES = {
-    # a shared system prompt, own parts of different lengths (left padding), one prompt equal to the system prompt
+    # a shared 70-token system prompt, own parts of different lengths (left padding), one prompt equal to the system prompt
     "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(2, 12), SYSTEM],
     # system prompt -> two few-shot blocks -> questions
     "three_levels": [SYSTEM + SHOTS_A + _tokens(4, 20), SYSTEM + SHOTS_A + _tokens(7, 21),
@@ -104,8 +104,8 @@ TREES = {
     "no_common_prefix": [_tokens(6, 30), _tokens(9, 31), _tokens(4, 32)],
 }
 PASSES = {
-    "system": [[40], [2, 5, 9]],
-    "three_levels": [[40], [34, 36], [3, 4, 6, 7]],
+    "system": [[70], [2, 5, 9]],
+    "three_levels": [[70], [66, 68], [3, 4, 6, 7]],
     "no_common_prefix": [[4, 6, 9]],
 }
 
@@ -191,14 +191,14 @@ def test_window_forwards_each_node_once_and_sums_gradients(monkeypatch, checkpoi
     session.close_window()  # raises if a kept pass was never released
 
     # system prompt and few-shot blocks once each, questions once each, all across the window
-    assert sorted(t for p in count.passes for t in p) == sorted([40, 36, 34, 4, 7, 3, 6])
+    assert sorted(t for p in count.passes for t in p) == sorted([70, 68, 66, 4, 7, 3, 6])
     for (o, oe), (r, re) in zip(outputs, ref):
         assert_close(o, r, 1e-5, "log-probs")
         assert_close(oe, re, 1e-5, "entropies")
     assert_grads_close(ours_grads, ref_grads, 1e-4)
 
 
-SYSTEM_TEXT = "You are a careful assistant. Answer briefly: "  # 45 characters: 45 tokens of the test tokenizer
+SYSTEM_TEXT = "You are a careful assistant. Think it through first, then answer briefly: "  # 1 token a character
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
