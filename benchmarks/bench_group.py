@@ -48,6 +48,7 @@ Usage (from the repository root)::
     python benchmarks/bench_group.py --table    # reprint the markdown table from the CSV
     python benchmarks/bench_group.py --split    # one group of 8 over micro-batches of 2 (stock providers)
     python benchmarks/bench_group.py --device cuda --quick   # on the current GPU -> group_cuda.csv
+    python benchmarks/bench_group.py --tree     # prompts sharing a system prompt: bench_tree.py's sweep
 """
 
 from __future__ import annotations
@@ -353,6 +354,8 @@ def plot(csv_path: str = CSV_PATH, png_path: str = PNG_PATH) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 small configurations (smoke run)")
+    p.add_argument("--tree", action="store_true",
+                   help="the prefix-tree configurations instead (bench_tree.py; further flags go to it)")
     p.add_argument("--full-grid", action="store_true", help="the whole G x P grid on qwen2 too, not only G=16")
     p.add_argument("--only", default="", help="comma-separated MODEL/G/P[/GROUPS] to keep from the sweep, "
                    "e.g. llama/16/512")
@@ -370,7 +373,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="cpu (default) or cuda: the current GPU (CSV default %s)" % os.path.relpath(CUDA_CSV_PATH))
     p.add_argument("--csv", default=None, help=f"default {os.path.relpath(CSV_PATH)} (cpu)")
     p.add_argument("--png", default=None)
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
+    if a.tree:
+        import bench_tree
+
+        return bench_tree.main(rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     cuda = a.device == "cuda"
     a.csv = a.csv or (CUDA_CSV_PATH if cuda else CSV_PATH)
     a.png = a.png or (CUDA_PNG_PATH if cuda else PNG_PATH)
