@@ -21,7 +21,7 @@ set -uo pipefail
 TRL_VERSION=${1:?usage: tests/compat/run.sh TRL_VERSION}
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.23.0}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-TESTS=${COMPAT_TESTS:-tests/test_patch_trl.py tests/test_group_forward.py tests/test_verify.py tests/test_flash_attention.py}
+TESTS=${COMPAT_TESTS:-tests/test_patch_trl.py tests/test_group_forward.py tests/test_tree.py tests/test_verify.py tests/test_flash_attention.py}
 VENV=${COMPAT_VENV:-$(mktemp -d -t "grpo-mem-trl-$TRL_VERSION-XXXX")}
 LOG=$VENV/compat.log
 start=$(date +%s)
