@@ -295,7 +295,7 @@ def plot(csv_path: str = CSV_PATH, png_path: str = PNG_PATH) -> None:
     """``tree.png``: p50 wall time, CPU time and peak RSS above base against S, per provider."""
     harness.plot_csv(csv_path, png_path, op=OP, metrics=("wall_time", "cpu_time", "peak_rss_above_base"),
                      panel_keys=("model", "G"), log_x=True, log_y=True,
-                     title="one window (4 micro-batches x 4 groups x G=8, C=64): p50 wall, CPU time, peak RSS")
+                     title="one window, 4 x 4 groups, G=8, C=64")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from .flags import non_negative_int, positive_int
+
 OP = "group_logprobs"
 """The CSV's ``op``: the same op as ``benchmarks/bench_group.py`` measures."""
 
@@ -98,24 +100,6 @@ DESCRIPTION = (
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def _cpu_count() -> int:
@@ -130,20 +114,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m",
                         help=f"a preset ({', '.join(PRESETS)}) or a local HF model directory (only its config.json is "
                         "read; random weights)")
-    parser.add_argument("--prompt-length", type=_positive_int, default=512, help="prompt tokens per row (P)")
-    parser.add_argument("--completion-length", type=_positive_int, default=64, help="completion tokens per row (C)")
-    parser.add_argument("-G", "--num-generations", type=_positive_int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--groups", type=_positive_int, default=1, help="prompts, each with G completions")
-    parser.add_argument("--micro-batch", type=_positive_int, default=None,
+    parser.add_argument("--prompt-length", type=positive_int, default=512, help="prompt tokens per row (P)")
+    parser.add_argument("--completion-length", type=positive_int, default=64, help="completion tokens per row (C)")
+    parser.add_argument("-G", "--num-generations", type=positive_int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--groups", type=positive_int, default=1, help="prompts, each with G completions")
+    parser.add_argument("--micro-batch", type=positive_int, default=None,
                         help="rows per micro-batch, a divisor of groups x G (default: G); gradients accumulate over "
                         "the micro-batches, grpo_mem shares prompts across them as its TRL patch does")
-    parser.add_argument("--shared-prefix-length", type=_non_negative_int, default=0,
+    parser.add_argument("--shared-prefix-length", type=non_negative_int, default=0,
                         help="tokens at the start of every prompt that all prompts share (for the tree sharing mode)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
-    parser.add_argument("--threads", type=_positive_int, default=_cpu_count(),
+    parser.add_argument("--threads", type=positive_int, default=_cpu_count(),
                         help="torch intra-op threads of each run")
-    parser.add_argument("--repeats", type=_positive_int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="calls per provider: 1 times and measures memory in the same call; N > 1 times N calls "
                         "(p50) and measures memory (peak RSS and live tensors) in one more")
     parser.add_argument("--output", default="grpo-mem-bench", help="directory for bench.csv and bench.png")
