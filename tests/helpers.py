@@ -219,3 +219,23 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="
     )  # fmt: skip
     handle = grpo_mem.patch_trl(trainer, group_shuffle=group_shuffle, sharing=sharing) if patch else None
     return trainer, handle
+
+
+def run_under_interpreter(test_file: str, select: str, expected_passed: int) -> None:
+    """Run the tests of ``test_file`` matching ``-k select`` in a fresh ``TRITON_INTERPRET=1`` process (Triton fixes
+    interpreter mode at its first import) and assert that exactly ``expected_passed`` ran and passed, none skipped or
+    failed."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", os.path.abspath(test_file), "-q", "-x", "-p", "no:cacheprovider", "-k", select],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    report = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert f"{expected_passed} passed" in tail and "skipped" not in tail and "failed" not in tail, report

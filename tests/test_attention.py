@@ -1,11 +1,11 @@
 """Shared-prefix attention against naive full-sequence attention with the prompt K/V materialised per row."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import run_under_interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_mem.ops.attention import (
@@ -461,17 +461,7 @@ N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 3 + 2 + 2 + 1
 def test_triton_kernels_under_interpreter():
     if INTERPRETER_READY:
         pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-x", "-p", "no:cacheprovider",
-         "-k", "triton and not under_interpreter"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
-    report = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    assert f"{N_INTERPRETER_TESTS} passed" in proc.stdout, report
+    run_under_interpreter(__file__, "triton and not under_interpreter", N_INTERPRETER_TESTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from helpers import run_under_interpreter
 
 from grpo_mem.ops import _ext
 from grpo_mem.ops._backends import BackendUnavailableError, resolve
@@ -378,15 +379,7 @@ def test_triton_interpreter_suite():
     if INTERPRETING:
         pytest.skip("already inside the interpreter process")
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-x", "-p", "no:cacheprovider",
-           "-k", "triton_interpreter and not suite"]
-    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    n_expected = len(TRITON_CASES) + 2 + 1 + 1 + 4 + 1
-    assert f"{n_expected} passed" in tail and "skipped" not in tail and "failed" not in tail, tail
+    run_under_interpreter(__file__, "triton_interpreter and not suite", len(TRITON_CASES) + 2 + 1 + 1 + 4 + 1)
 
 
 TRITON_CASES = [("fp32", c) for c in ("plain", "softcap", "bias", "frozen_weight", "confident", "ignored")]
