@@ -185,6 +185,7 @@ class GroupRequest:
     ``lockstep``: the model is sharded over ranks that must make the same module calls (``lockstep``).
     ``sharing``: ``"tree"`` (prefix-tree sharing, ``tree_forward``) or ``"group"`` (each unique prompt forwarded
     whole); ranks in lockstep use ``"group"``. ``tree``: the sharing window's ``TreeWindow`` in tree mode.
+    ``prompt_keys``: the rows' ``prompt_keys``, when the caller has computed them already.
     """
 
     logits_to_keep: int
@@ -196,6 +197,7 @@ class GroupRequest:
     lockstep: bool = False
     sharing: str = "group"
     tree: TreeWindow | None = None
+    prompt_keys: list[bytes] | None = None
 
 
 @dataclass

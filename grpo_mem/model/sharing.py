@@ -87,7 +87,8 @@ class SharingSession:
         self._next = 0
         self.sharing = True
         if self.mode == "tree" and not lockstep(model):
-            self.tree = TreeWindow.plan(prompt_ids, prompt_masks, min_shared_tokens=self.min_shared_tokens)
+            self.tree = TreeWindow.plan(prompt_ids, prompt_masks, keys=self._plan,
+                                        min_shared_tokens=self.min_shared_tokens)  # fmt: skip
         elif lockstep(model):
             import torch.distributed as dist
 
@@ -133,7 +134,7 @@ class SharingSession:
             return score(model, input_ids, attention_mask, request)
         if self.tree is not None:
             self.tree.current = self._next - 1  # micro-batches skipped or scored on the stock path count too
-            request.sharing, request.tree = "tree", self.tree
+            request.sharing, request.tree, request.prompt_keys = "tree", self.tree, keys
             store = self.tree.store
         else:
             request.store = store = self.store

@@ -70,20 +70,20 @@ class TreeWindow:
     _ids: itertools.count = field(default_factory=itertools.count)
 
     @classmethod
-    def plan(cls, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor], *,
+    def plan(cls, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor], *, keys=None,
              min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS) -> TreeWindow:  # fmt: skip
         """The window of micro-batches whose prompts are ``prompt_ids[i]`` (B_i, P_i) left-padded under
-        ``prompt_masks[i]``, in the order they will be scored.
+        ``prompt_masks[i]``, in the order they will be scored; ``keys[i]``: their ``prompt_keys`` if the caller has
+        them.
 
         Raises:
             ValueError: a prompt with no real token; ``min_shared_tokens`` < 1.
         """
         prompt_of: dict[bytes, int] = {}
         tokens, mb_prompts = [], []
-        for ids, mask in zip(prompt_ids, prompt_masks):
-            keys = prompt_keys(ids, mask)
+        for i, (ids, mask) in enumerate(zip(prompt_ids, prompt_masks)):
             mine = set()
-            for row, key in enumerate(keys):
+            for row, key in enumerate(prompt_keys(ids, mask) if keys is None else keys[i]):
                 if key not in prompt_of:
                     prompt_of[key] = len(tokens)
                     tokens.append(ids[row][mask[row].bool()].tolist())
@@ -102,9 +102,10 @@ class TreeWindow:
         node on its prompts' paths is read by several prompts or micro-batches, or kept passes await release."""
         if self.current >= self.last and len(self.store):
             return True
+        if len(set(keys)) < len(keys):  # a prompt repeats within the micro-batch
+            return True
         nodes = {n for k in set(keys) for n in self.trie.path(self.trie.leaf[self.prompt_of[k]])}
-        return any(len(self.uses[n]) > 1 or len(set(self.trie.nodes[n].prompts)) > 1 for n in nodes) or len(
-            set(keys)) < len(keys)
+        return any(len(self.uses[n]) > 1 or len(self.trie.nodes[n].prompts) > 1 for n in nodes)
 
     def end_after_current(self) -> None:
         """Make the micro-batch scored next the window's last: every kept pass is released in it."""
@@ -130,14 +131,13 @@ class TreeWindow:
             views[pass_id] = self.store.take(pass_id, last=True)
         return views[pass_id]
 
-    def _regions(self, paths: list[list[int]], real: bool, views) -> list[attn_hook.Region]:
+    def _regions(self, paths: list[list[int]], real: bool, views, device) -> list[attn_hook.Region]:
         """One region per pass read by the consumers whose ancestor nodes are ``paths`` (one list per consumer)."""
         rows: dict[int, dict[int, int]] = {}
         for b, path in enumerate(paths):
             for node in path:
                 pass_id, row = self.node_pass[node]
                 rows.setdefault(pass_id, {})[b] = row
-        device = next(iter(self.passes.values())).mask.device
         regions = []
         for pass_id, reads in rows.items():
             index = torch.full((len(paths),), -1, dtype=torch.long)
@@ -167,7 +167,7 @@ class TreeWindow:
             hidden, kv = out.last_hidden_state, capture.kv
         else:
             ancestors = [trie.path(n)[:-1] for n in nodes]
-            ctx = attn_hook.CompletionContext(regions=self._regions(ancestors, kept, views), key_mask=mask, capture={})
+            ctx = attn_hook.CompletionContext(regions=self._regions(ancestors, kept, views, device), key_mask=mask, capture={})
             out = backbone(input_ids=ids, position_ids=positions, use_cache=False,
                            grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
             # whatever reads this pass (its K/V, its last hidden state) holds its context, which the replay of its
@@ -226,12 +226,9 @@ def tree_logprobs(causal_lm, input_ids, attention_mask, request, window: TreeWin
     device = input_ids.device
     prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]
     completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
+    keys = request.prompt_keys if request.prompt_keys is not None else prompt_keys(prompt_ids, prompt_mask)
     if window is None:
-        window = TreeWindow.plan([prompt_ids], [prompt_mask])
-    keys = prompt_keys(prompt_ids, prompt_mask)
-    missing = [b for b, k in enumerate(keys) if k not in window.prompt_of]
-    if missing:
-        raise ValueError(f"rows {missing[:8]} hold prompts that are not in the window's plan")
+        window = TreeWindow.plan([prompt_ids], [prompt_mask], keys=[keys])
     trie = window.trie
     leaves = [trie.leaf[window.prompt_of[k]] for k in keys]
     backbone = causal_lm.base_model
@@ -251,7 +248,7 @@ def tree_logprobs(causal_lm, input_ids, attention_mask, request, window: TreeWin
     if width:
         lengths = prompt_mask.sum(dim=1).to(torch.long)
         ctx = attn_hook.CompletionContext(
-            regions=window._regions([trie.path(leaf) for leaf in leaves], False, views),
+            regions=window._regions([trie.path(leaf) for leaf in leaves], False, views, device),
             key_mask=completion_mask[:, :width].bool(),
         )
         positions = lengths[:, None] + torch.arange(width, device=device)
