@@ -150,6 +150,22 @@ def _load_kv(K_BASE, V_BASE, stride_kn, stride_vn, offs_n, n_ok, HEAD_DIM: tl.co
 
 
 @triton.jit
+def _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DIM: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, HAS_KMASK: tl.constexpr,
+              EMULATE_BF16: tl.constexpr):
+    """One tile of a row's own keys from ``n0``: K/V and the causal (and key-mask) visibility of ``pos``'s queries."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < C
+    k0, k1, v0, v1 = _load_kv(K_BASE, V_BASE, stride_kc, stride_vc, offs_n, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                              EMULATE_BF16)
+    visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+    if HAS_KMASK:
+        real = tl.load(KM_BASE + offs_n, mask=n_ok, other=0) != 0
+        visible = visible & real[None, :]
+    return k0, k1, v0, v1, visible
+
+
+@triton.jit
 def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1: tl.constexpr,
               EMULATE_BF16: tl.constexpr):
     """One key tile of the online softmax (FlashAttention-2 forward, log2 units), scores kept where ``visible``:
@@ -261,14 +277,8 @@ def _mra_fwd_kernel(
         km_base = KMASK + b * C
         hi_own = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
         for n0 in range(0, hi_own, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < C
-            k0, k1, v0, v1 = _load_kv(k_base, v_base, stride_kc, stride_vc, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
-                                      BLOCK_D1, EMULATE_BF16)
-            visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-            if HAS_KMASK:
-                real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
-                visible = visible & real[None, :]
+            k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, HEAD_DIM,
+                                                BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
             m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
                                              BLOCK_D1, EMULATE_BF16)
 
@@ -377,14 +387,8 @@ def _mra_bwd_dq_kernel(
         km_base = KMASK + b * C
         hi_own = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
         for n0 in range(0, hi_own, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < C
-            k0, k1, v0, v1 = _load_kv(k_base, v_base, stride_kc, stride_vc, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
-                                      BLOCK_D1, EMULATE_BF16)
-            visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-            if HAS_KMASK:
-                real = tl.load(km_base + offs_n, mask=n_ok, other=0) != 0
-                visible = visible & real[None, :]
+            k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, HEAD_DIM,
+                                                BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
             dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
                                 BLOCK_D1, EMULATE_BF16)
 
