@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import group_forward
 from .model.distributed import unwrap_causal_lm
-from .model.group_forward import _FORWARD_MARK, find_groups, recording_fallbacks, restore, validate_inputs
+from .model import support
+from .model.group_forward import _FORWARD_MARK, find_groups, restore, validate_inputs
+from .model.support import recording_fallbacks
 from .model.sharing import SharingSession
 from .model.store import prompt_keys
 from .patches.trl import _ACTIVE, LOGPS_METHOD, LOGPS_PARAMS, PatchHandle, _make_logps, group_shuffle
@@ -370,7 +371,7 @@ def _preserved(model):
     previous_forward = causal_lm.__dict__.get("forward")
     had_grpo_mem = _FORWARD_MARK in causal_lm.__dict__
     attn_impl = causal_lm.config._attn_implementation
-    warned = set(group_forward._warned)
+    warned = set(support._warned)
     for p in params:
         p.grad = None
     try:
@@ -393,14 +394,14 @@ def _preserved(model):
         if not had_grpo_mem:
             restore(causal_lm)
         elif causal_lm.config._attn_implementation != attn_impl:
-            from .model import attention as attn_hook
+            from .model import attention_hook as attn_hook
 
             attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
         if had_forward:
             causal_lm.forward = previous_forward
         else:
             causal_lm.__dict__.pop("forward", None)
-        group_forward._warned.intersection_update(warned)  # verify's fallbacks still warn in training
+        support._warned.intersection_update(warned)  # verify's fallbacks still warn in training
 
 
 @contextlib.contextmanager

@@ -213,13 +213,13 @@ def test_restore_unregisters_the_hook_once_unused(monkeypatch):
     """The hook and its mask function are registered while a model runs them and removed with the last one."""
     from transformers import AttentionInterface
 
-    from grpo_mem.model import group_forward
+    from grpo_mem.model import support
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     AttentionInterface.register("test_impl", ALL_ATTENTION_FUNCTIONS["sdpa"])  # an implementation of its own
     AttentionMaskInterface.register("test_impl", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    monkeypatch.setattr(group_forward, "SUPPORTED_ATTENTION", group_forward.SUPPORTED_ATTENTION | {"test_impl"})
+    monkeypatch.setattr(support, "SUPPORTED_ATTENTION", support.SUPPORTED_ATTENTION | {"test_impl"})
     models = [tiny_model("llama"), tiny_model("llama", seed=1)]
     ids, mask, C, _ = make_batch([5, 7], 2, 3)
     for m in models:

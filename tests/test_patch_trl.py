@@ -263,9 +263,9 @@ def test_micro_batch_without_repeated_prompt_falls_back_once(tmp_path):
     with torch.no_grad():
         stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
         with grpo_mem.patch_trl(trainer):
-            from grpo_mem.model import group_forward
+            from grpo_mem.model import support
 
-            group_forward._warned.discard("a micro-batch holds no repeated prompt")
+            support._warned.discard("a micro-batch holds no repeated prompt")
             with pytest.warns(UserWarning, match="no repeated prompt") as record:
                 ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
                 trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)

@@ -7,7 +7,7 @@ import torch
 from helpers import make_batch, make_trainer, smollm2_shaped, tiny_model
 
 import grpo_mem
-from grpo_mem.model import group_forward, tree_forward
+from grpo_mem.model import group_forward, support, tree_forward
 from grpo_mem.patches.trl import LOGPS_METHOD
 from grpo_mem.verify import VerificationError, _stock_method
 
@@ -56,7 +56,7 @@ def test_trainer_passes_and_leaves_no_trace(tmp_path):
     _seed_state(model)
     before = _state(model)
     metrics = {k: dict(v) for k, v in trainer._metrics.items()}
-    warned = set(group_forward._warned)
+    warned = set(support._warned)
     report = grpo_mem.verify(trainer, print_report=False)
     assert report.passed, str(report)
     assert report.precision == "fp32" and report.rows == 8 and len(report.micro_batches) == 4
@@ -65,7 +65,7 @@ def test_trainer_passes_and_leaves_no_trace(tmp_path):
     assert report.max_logp_diff <= 1e-5 and report.grad_rel_diff <= 1e-4
     _assert_restored(model, before)
     assert {k: dict(v) for k, v in trainer._metrics.items()} == metrics
-    assert group_forward._warned == warned
+    assert support._warned == warned
     assert LOGPS_METHOD not in trainer.__dict__
     assert "PASSED" in str(report) and "max |Δ log-prob|" in str(report)
 
@@ -114,12 +114,12 @@ def test_fallback_is_reported_with_its_cause():
     still issued later in training."""
     model = tiny_model()
     batch = _batch((5, 8), G=1, C=4)
-    group_forward._warned.discard("a micro-batch holds no repeated prompt")
+    support._warned.discard("a micro-batch holds no repeated prompt")
     report = grpo_mem.verify(model, batch, micro_batch_size=1, print_report=False)
     assert report.passed, str(report)
     assert [m.path for m in report.micro_batches] == ["stock fallback"] * 2
     assert report.micro_batches[0].why == "a micro-batch holds no repeated prompt"
-    assert "a micro-batch holds no repeated prompt" not in group_forward._warned
+    assert "a micro-batch holds no repeated prompt" not in support._warned
 
 
 def test_bad_batches_are_refused():

@@ -2,7 +2,7 @@
 
 Stock TRL forwards ``cat(prompt, completion)`` for every row. Here the unique prompts of a batch go through the model
 once, with gradients, recording each layer's K/V; the completions then run as a second pass whose attention reads that
-K/V (``grpo_mem.model.attention``) at the positions stock TRL uses, ``arange(P + C)`` including left padding. The last
+K/V (``grpo_mem.model.attention_hook``) at the positions stock TRL uses, ``arange(P + C)`` including left padding. The last
 prompt position's hidden state predicts completion token 1; the completion pass only needs tokens 1..C-1, since the
 last token predicts nothing that is scored.
 
@@ -14,51 +14,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import ModelOutput
 
-from . import attention as attn_hook
+from . import attention_hook as attn_hook
 from .distributed import agree_fallback, lockstep, unwrap_causal_lm
 from .head import completion_head
 from .store import PromptStates, PromptStore, prompt_keys
+from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .tree_forward import TreeWindow, tree_logprobs
-
-# Decoder-only text architectures whose layers take RoPE positions from `position_ids` and call the attention
-# interface with `module.layer_idx`; each is exact here unless a per-call check below says otherwise.
-SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi3", "smollm3", "qwen3_moe"}
-)
-# RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
-
-_warned: set[str] = set()
-_fallback_records: list[list[str]] = []
-
-
-def warn_fallback(cause: str) -> None:
-    """Warn once per process and cause that the stock path is used (and tell ``recording_fallbacks`` blocks)."""
-    for record in _fallback_records:
-        record.append(cause)
-    if cause not in _warned:
-        _warned.add(cause)
-        warnings.warn(f"grpo_mem: falling back to the stock full-sequence path: {cause}", stacklevel=3)
-
-
-@contextlib.contextmanager
-def recording_fallbacks():
-    """Within the block, collect every cause ``warn_fallback`` is given (each time, not once per process) into the
-    list it yields: ``grpo_mem.verify`` reports per micro-batch which path ran and why."""
-    record: list[str] = []
-    _fallback_records.append(record)
-    try:
-        yield record
-    finally:
-        _fallback_records.remove(record)
-
 
 class _Tie(torch.autograd.Function):
     """``x`` unchanged; ``others`` join its graph with zero gradients, so their backward runs (and issues its
@@ -136,44 +102,6 @@ def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> N
         raise ValueError(
             f"prompts must be left-padded (a 1 in the prompt mask followed by a 0), rows {rows[:8]} are not"
         )
-
-
-def _reentrant_checkpointing(model) -> bool:
-    """Whether a checkpointed layer of ``model`` would run reentrant checkpointing (which drops kwarg gradients)."""
-    if not (model.training and torch.is_grad_enabled()):
-        return False
-    for module in model.modules():
-        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-            func = module._gradient_checkpointing_func
-            if not isinstance(func, functools.partial) or func.keywords.get("use_reentrant", True) is not False:
-                return True
-    return False
-
-
-def unsupported_reason(causal_lm, seq_len: int) -> str | None:
-    """Why the prompt-once path cannot be exact for ``causal_lm`` on sequences of ``seq_len`` tokens, or None."""
-    config = causal_lm.config
-    if config.get_text_config() is not config:
-        return "vision-language (multi-config) model"
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"architecture {config.model_type!r} is not among the supported {sorted(SUPPORTED_MODEL_TYPES)}"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return f"layer types {sorted(set(layer_types))} (sliding-window or linear-attention layers)"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and seq_len > window:
-        return f"sliding window {window} shorter than the sequence ({seq_len} tokens)"
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"RoPE type {rope_type!r} depends on the sequence length"
-    if attn_hook.inner_implementation(causal_lm) not in SUPPORTED_ATTENTION:
-        return f"attention implementation {attn_hook.inner_implementation(causal_lm)!r}"
-    if causal_lm.training and getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is active"
-    if _reentrant_checkpointing(causal_lm):
-        return "reentrant gradient checkpointing drops gradients of tensors passed as kwargs"
-    return None
 
 
 @dataclass
@@ -270,14 +198,6 @@ def prompt_once_logprobs(causal_lm, input_ids, attention_mask, request: GroupReq
             hidden[0] = _Tie.apply(hidden[0], out)
     hidden = torch.cat(hidden, dim=1)
     return completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
-
-
-def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request: GroupRequest):
-    """Stock-equivalent path: the whole prompt+completion sequence per row, the head on completion positions only."""
-    C = request.logits_to_keep
-    out = causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = out.last_hidden_state[:, -C - 1 : -1]
-    return completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], request)
 
 
 _FORWARD_MARK = "_grpo_mem_previous_forward"
@@ -432,14 +352,10 @@ __all__ = [
     "GroupRequest",
     "GroupLogprobsOutput",
     "find_groups",
-    "full_sequence_logprobs",
     "install_forward",
     "prompt_once_logprobs",
-    "recording_fallbacks",
     "restore",
     "score",
     "shared_prompt_logprobs",
-    "unsupported_reason",
     "validate_inputs",
-    "warn_fallback",
 ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention as attn_hook
+from . import attention_hook as attn_hook
 from .head import completion_head
 from .store import PromptStates, PromptStore, prompt_keys
 from .trie import DEFAULT_MIN_SHARED_TOKENS, PromptTrie

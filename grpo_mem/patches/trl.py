@@ -30,7 +30,8 @@ import weakref
 import torch
 
 from ..model.distributed import agree_fallback, lockstep, unwrap_causal_lm
-from ..model.group_forward import check_sharing, find_groups, restore, shared_prompt_logprobs, unsupported_reason, warn_fallback
+from ..model.group_forward import check_sharing, find_groups, restore, shared_prompt_logprobs
+from ..model.support import unsupported_reason, warn_fallback
 from ..model.sharing import SharingSession
 
 MIN_TRL = (1, 10)
