@@ -19,17 +19,15 @@ after importing the package and before torch loads.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, tuple[str, str]] = {
     "PatchHandle": ("grpo_mem.patches.trl", "PatchHandle"),
     "patch_trl": ("grpo_mem.patches.trl", "patch_trl"),
-    "restore": ("grpo_mem.model.group_forward", "restore"),
-    "shared_prompt_logprobs": ("grpo_mem.model.group_forward", "shared_prompt_logprobs"),
-    "verify": ("grpo_mem.verify", "verify"),
+    "restore": ("grpo_mem.model.forward", "restore"),
+    "shared_prompt_logprobs": ("grpo_mem.model.sharing", "shared_prompt_logprobs"),
+    "verify": ("grpo_mem.patches.verify", "verify"),
 }
 """Public name -> (module, attribute in that module)."""
 
@@ -54,16 +52,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-class _Package(types.ModuleType):
-    """The package's module type: importing a submodule whose name is also an exported function (``grpo_mem.verify``)
-    makes Python bind the submodule to the package attribute; keep the attribute the function instead."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if isinstance(value, types.ModuleType) and name in _EXPORTS and _EXPORTS[name][0] == value.__name__:
-            value = getattr(value, _EXPORTS[name][1], value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

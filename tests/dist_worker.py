@@ -6,7 +6,9 @@ Usage: dist_worker.py KIND STACK PATCH OUT_JSON [SCENARIO]
 - SCENARIO: ``split`` (default) trains 3 optimizer steps with gradient accumulation 2 on groups of 8 completions, so
   each rank holds half a group spread over two micro-batches of 2. ``uneven`` gives the ranks different prompts,
   group sizes and completion lengths (one rank's micro-batches without a repeated prompt, the other's with) to show
-  the ranks keep issuing the same collectives.
+  the ranks keep issuing the same collectives. ``tree``: 6 prompts sharing a 74-token system prompt, two pairs of
+  them a 64-token few-shot block too; each rank's window holds 3 of them, so the ranks' tries differ in depth and
+  width from step to step.
 
 Rank 0 writes the final weights (gathered from their shards), global_step, the learning rate after every step, the
 logged epochs and the grad norms.
@@ -95,19 +97,47 @@ def _count_kept_prompts() -> list:
     return count
 
 
-def _record_schedules() -> list:
-    """Every ``store_schedule`` this rank computes when a sharing session plans a window (sharded stacks only)."""
-    import grpo_mem.model.sharing as patch_module
+def _record_passes() -> list:
+    """Every node pass this rank forwards with gradients (training windows), as (window number, micro-batch, pass key,
+    stand-in, root spans of 64+ tokens): the last counts the trie roots of at least 64 tokens in the pass (the
+    scenario's system prompt)."""
+    import itertools
 
-    seen = []
-    schedule = patch_module.store_schedule
+    from grpo_mem.model.window import Window
 
-    def recorded(*args, **kwargs):
-        seen.append(schedule(*args, **kwargs))
-        return seen[-1]
+    seen, numbers = [], itertools.count()
+    forward_pass = Window._forward_pass
 
-    patch_module.store_schedule = recorded
+    def recorded(window, backbone, spec, views, device):
+        roots = sum(window.plan.trie.nodes[n].parent is None and len(window.plan.trie.nodes[n].tokens) >= 64
+                    for n in spec.nodes)  # fmt: skip
+        if torch.is_grad_enabled():
+            number = window.__dict__.setdefault("_test_number", next(numbers))
+            seen.append((number, spec.micro_batch, spec.key, not spec.nodes, roots))
+        return forward_pass(window, backbone, spec, views, device)
+
+    Window._forward_pass = recorded
     return seen
+
+
+SYSTEM = "You are a careful assistant. Think it through first, then answer briefly: "  # 74 tokens, 1 a character
+SHOTS_A = "Example: 12+30=42. Example: 7*6=42. Example: 50-8=42. Now you: "  # 64 tokens
+SHOTS_B = "Worked: twelve and thirty make forty-two; six sevens are too. Q: "  # 64 tokens
+TREE_PROMPTS = [SYSTEM + SHOTS_A + "1+2=", SYSTEM + SHOTS_A + "9*9=", SYSTEM + SHOTS_B + "Say hi",
+                SYSTEM + SHOTS_B + "x", SYSTEM + "Spell cat", SYSTEM + "Count: 1 2 3"]  # fmt: skip
+
+
+def _pass_summary(passes: list) -> dict:
+    """Per window of this rank, in order: its own pass keys (stand-ins excluded) and how many passes held the
+    system prompt as a root node."""
+    windows: dict = {}
+    for window, _, key, stand_in, roots in passes:
+        own, system = windows.setdefault(window, ([], [0]))
+        if not stand_in:
+            own.append(list(key))
+        system[0] += roots
+    return {"own_keys": [w[0] for w in windows.values()], "system_passes": [w[1][0] for w in windows.values()],
+            "stand_ins": sum(p[3] for p in passes)}  # fmt: skip
 
 
 def _is_sharded(trainer) -> bool:
@@ -142,16 +172,19 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
     )  # fmt: skip
     if scenario == "uneven":
         args.update(num_generations=4, per_device_train_batch_size=3)
+    if scenario == "tree":  # each rank's window: 3 of the 6 prompts (a group of 2 per micro-batch)
+        args.update(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=3,
+                    prompts=TREE_PROMPTS, max_completion_length=6)  # fmt: skip
     trainer, handle = make_trainer(kind, patch=patch == "patch", arch=arch, output_dir=out + ".run", **args,
                                    **stack_args(stack))  # fmt: skip
     record = _Record()
     trainer.add_callback(record)
     kept = _count_kept_prompts()
-    schedules = _record_schedules()
+    passes = _record_passes()
     trainer.train()
     weights = gathered_weights(trainer)
-    all_schedules = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(all_schedules, schedules)
+    summaries = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(summaries, _pass_summary(passes))
     if trainer.accelerator.is_main_process:
         model = trainer.accelerator.unwrap_model(trainer.model)
         result = {
@@ -164,8 +197,11 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
             "grpo_mem_used": "_grpo_mem_previous_forward" in model.__dict__,
             "sharded": _is_sharded(trainer),
             "prompts_kept": kept[0],
-            # micro-batches whose store schedules differed between the ranks (sharing then turned off)
-            "schedules_differ": sum(len({repr(s) for s in per_mb}) > 1 for per_mb in zip(*all_schedules)),
+            # windows whose own pass structures differed between the ranks (aligned by stand-in passes)
+            "passes_differ": sum(len({repr(k) for k in per_window}) > 1
+                                 for per_window in zip(*(r["own_keys"] for r in summaries))),  # fmt: skip
+            "stand_ins": [r["stand_ins"] for r in summaries],
+            "system_passes": [r["system_passes"] for r in summaries],
             "weights": weights,
         }
         with open(out, "w") as f:

@@ -93,7 +93,7 @@ def check(reshard: bool, checkpointing: bool, mesh, rank: int) -> dict:
         lp, _ = session.score(model, split_ids[rows], split_mask[rows], C)
         (lp * w_split[rows]).sum().backward()
         parts.append(lp.detach())
-    store_left = len(session.store)
+    store_left = session.pending
     session.close_window()
     split_grads = _full_grads(model)
     return {

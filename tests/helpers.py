@@ -97,7 +97,7 @@ def stock_logps(model, input_ids, attention_mask, logits_to_keep, *, temperature
     """
     from trl import GRPOTrainer
 
-    from grpo_mem.model.group_forward import unwrap_causal_lm
+    from grpo_mem.model.distributed import unwrap_causal_lm
 
     base = unwrap_causal_lm(model)
     try:

@@ -15,7 +15,7 @@ from helpers import (
 )
 
 import grpo_mem
-from grpo_mem.model.group_forward import find_groups
+from grpo_mem.model.plan import PassSpec, WindowPlan, find_groups
 
 CASES = {
     "mixed_prompts": dict(prompt_lens=[5, 9, 7], G=3, C=6),
@@ -197,16 +197,38 @@ def test_restore_gives_the_model_back():
     assert torch.equal(before, during) and torch.equal(before, after)
 
 
-def test_store_schedule_counts_passes_and_backward_graphs():
-    """(prompt passes forwarded, prompt graphs backpropagated) per micro-batch, as _prompt_states makes them."""
-    from grpo_mem.model.store import store_schedule
+def _prompts(*rows, P=None):
+    """(ids, mask) of prompts given as token lists, left-padded to ``P`` (default: the longest)."""
+    P = P or max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (P - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
 
-    # a: split over micro-batches 0-1; b: over 1-2; c: only in 2 (fresh); the last micro-batch closes the window
-    assert store_schedule(set(), [[b"a", b"a"], [b"a", b"b"], [b"b", b"c"]], closes=True) == [(1, 0), (1, 1), (1, 2)]
-    # window not closed here: b stays pending; a prompt kept earlier and still used later costs nothing now
-    assert store_schedule({b"b"}, [[b"b", b"d"], [b"b"]], closes=False) == [(1, 1), (0, 1)]
-    # closing with prompts still pending flushes them into the last backward
-    assert store_schedule({b"x"}, [[b"y"]], closes=True) == [(1, 2)]
+
+def test_window_plan_forwards_each_prompt_at_its_first_use_and_releases_it_at_its_last():
+    """Group mode: a is split over micro-batches 0-1, b over 1-2, c only in 2. Each prompt is one pass of its own
+    release (a kept pass is backpropagated at its last use), at stock TRL's positions (its left padding)."""
+    a, b, c = [5, 6, 7], [8, 9], [10, 11, 12, 13]
+    mbs = [_prompts(a, a, P=4), _prompts(a, b, P=4), _prompts(b, c, P=4)]  # one width, as TRL pads a generation batch
+    plan = WindowPlan.build("group", [m[0] for m in mbs], [m[1] for m in mbs])
+    assert [(p.key, len(p.nodes)) for p in plan.passes] == [((0, 0, 1), 1), ((1, 0, 2), 1), ((2, 0, 2), 1)]
+    assert [plan.trie.nodes[n].start for n in range(3)] == [1, 2, 0]  # each prompt's left padding
+    assert [plan.shares(j) for j in range(3)] == [True, True, True]
+    assert plan.tokens_at(2, 4) == 2 * 4 + 4  # completion pass + c's pass (b was forwarded in micro-batch 1)
+    plan.end_after(1)  # the optimizer steps early: b is released in micro-batch 1, c never forwarded
+    assert [p.key for p in plan.passes] == [(0, 0, 1), (1, 0, 1)]
+    plan.align({(1, 0, 1), (1, 1, 1)})  # another rank in lockstep runs a depth-1 pass there: a stand-in here
+    assert plan.passes[-1] == PassSpec(1, 1, 1, ())
+
+
+def test_window_plan_tree_mode_shares_a_prefix_and_counts_unshared_micro_batches():
+    system = list(range(20, 90))  # 70 tokens: a node of its own at the default threshold (64)
+    mbs = [_prompts(system + [1, 2], system + [1, 2], P=72), _prompts(system + [3], P=72), _prompts([4, 5], P=72)]
+    plan = WindowPlan.build("tree", [m[0] for m in mbs], [m[1] for m in mbs])
+    shared = plan.trie.nodes[0]
+    assert len(shared.tokens) == 70 and sorted(plan.uses[0]) == [0, 1]
+    assert [p.key for p in plan.passes] == [(0, 0, 1), (0, 1, 0), (1, 1, 1), (2, 0, 2)]
+    assert [plan.shares(j) for j in range(3)] == [True, True, False]
 
 
 def test_restore_unregisters_the_hook_once_unused(monkeypatch):

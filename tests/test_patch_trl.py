@@ -7,11 +7,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_close, assert_grads_close, make_trainer
+from helpers import assert_close, assert_grads_close, make_batch, make_trainer
 from transformers import TrainerCallback
 
 import grpo_mem
-from grpo_mem.patches.trl import LOGPS_METHOD, PREPARE_METHOD, group_shuffle
+from grpo_mem.patches.checks import LOGPS_METHOD, PREPARE_METHOD
+from grpo_mem.patches.trl import group_shuffle
 
 
 def _generation_batch(trainer, seed=0):
@@ -177,20 +178,31 @@ def test_patch_is_idempotent_and_reverts_exactly():
 
 
 def test_instance_patch_touches_only_the_instance(tmp_path):
+    """Patching one trainer leaves the class alone; after the model was scored through grpo_mem (its forward and
+    attention implementation taken over), revert gives the model both back."""
     from trl import GRPOTrainer
 
+    from grpo_mem.model.forward import installed
+
     trainer, handle = make_trainer(patch=True, output_dir=tmp_path)
+    impl = trainer.model.config._attn_implementation
+    forward_before = trainer.model.__dict__.get("forward")
     assert LOGPS_METHOD in trainer.__dict__ and "__grpo_mem_patch__" not in dir(GRPOTrainer.__dict__[LOGPS_METHOD])
+    ids, mask, C, _ = make_batch([4, 6], 2, 3)
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    assert installed(trainer.model) and trainer.model.config._attn_implementation == f"grpo_mem_{impl}"
     handle.revert()
     assert LOGPS_METHOD not in trainer.__dict__ and PREPARE_METHOD not in trainer.__dict__
-    assert "forward" not in trainer.model.__dict__ or not hasattr(trainer.model, "_grpo_mem_previous_forward")
+    assert not installed(trainer.model) and trainer.model.__dict__.get("forward") is forward_before
+    assert trainer.model.config._attn_implementation == impl
 
 
 def test_old_or_known_bad_trl_is_refused(monkeypatch):
     import trl
     from trl import GRPOTrainer
 
-    from grpo_mem.patches import trl as patch_module
+    from grpo_mem.patches import checks as patch_module
 
     original = GRPOTrainer.__dict__[LOGPS_METHOD]
     monkeypatch.setattr(trl, "__version__", "1.9.2")
@@ -218,7 +230,7 @@ def test_trl_1_14_dispatcher_is_checked_through_its_target():
     dispatches to ``_full_logits_logps``, whose signature is 1.16's: accepted; a changed target is refused."""
     from trl import GRPOTrainer
 
-    from grpo_mem.patches.trl import LOGPS_PARAMS, _check_signature
+    from grpo_mem.patches.checks import LOGPS_PARAMS, check_signature
 
     # the method with 1.16's signature: 1.14's own target there, else the method itself
     stock = inspect.unwrap(GRPOTrainer.__dict__.get("_full_logits_logps", GRPOTrainer.__dict__[LOGPS_METHOD]))
@@ -230,14 +242,14 @@ def test_trl_1_14_dispatcher_is_checked_through_its_target():
 
         _full_logits_logps = stock
 
-    _check_signature(Dispatching, LOGPS_METHOD, LOGPS_PARAMS)
+    check_signature(Dispatching, LOGPS_METHOD, LOGPS_PARAMS)
 
     class ChangedTarget(Dispatching):
         def _full_logits_logps(self, model, input_ids, attention_mask, logits_to_keep, extra=None):
             raise AssertionError("never called")
 
     with pytest.raises(TypeError, match="_full_logits_logps .*grpo_mem was written against"):
-        _check_signature(ChangedTarget, LOGPS_METHOD, LOGPS_PARAMS)
+        check_signature(ChangedTarget, LOGPS_METHOD, LOGPS_PARAMS)
 
 
 def test_changed_signature_is_refused():
@@ -264,8 +276,9 @@ def test_micro_batch_without_repeated_prompt_falls_back_once(tmp_path):
         stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
         with grpo_mem.patch_trl(trainer):
             from grpo_mem.model import support
+            from grpo_mem.model.sharing import UNSHARED
 
-            support._warned.discard("a micro-batch holds no repeated prompt")
+            support._warned.discard(UNSHARED)
             with pytest.warns(UserWarning, match="no repeated prompt") as record:
                 ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
                 trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
@@ -291,7 +304,7 @@ def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_devi
     try:
         trainer.train()
         session = handle.sessions[trainer]
-        assert len(session.store) == 0 and not session.in_window  # nothing left pending after the window
+        assert session.pending == 0 and not session.in_window  # nothing left pending after the window
     finally:
         hook.remove()
         handle.revert()

@@ -7,7 +7,7 @@ import torch
 from helpers import VOCAB, assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model
 
 import grpo_mem
-from grpo_mem.model import tree_forward
+from grpo_mem.model import window as window_module
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.trie import PromptTrie
 
@@ -85,13 +85,13 @@ class _CountPasses:
 
     def __init__(self, monkeypatch):
         self.passes = []
-        original = tree_forward.TreeWindow._forward_nodes
+        original = window_module.Window._forward_pass
 
-        def spy(window, backbone, nodes, kept, views, device):
-            self.passes.append(sorted(len(window.trie.nodes[n].tokens) for n in nodes))
-            return original(window, backbone, nodes, kept, views, device)
+        def spy(window, backbone, spec, views, device):
+            self.passes.append(sorted(len(window.plan.trie.nodes[n].tokens) for n in spec.nodes))
+            return original(window, backbone, spec, views, device)
 
-        monkeypatch.setattr(tree_forward.TreeWindow, "_forward_nodes", spy)
+        monkeypatch.setattr(window_module.Window, "_forward_pass", spy)
 
 
 TREES = {
@@ -138,7 +138,7 @@ def test_group_mode_forwards_each_prompt_whole(monkeypatch):
     count = _CountPasses(monkeypatch)
     ref, _ = stock_logps(model, ids, mask, C)
     ours, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, sharing="group")
-    assert count.passes == []
+    assert count.passes == [[70, 72, 75, 79]]  # the trie with no shared node: one pass, every prompt whole
     assert_close(ours, ref, 1e-5, "log-probs")
     with pytest.raises(ValueError, match="sharing must be one of .* got 'trie'"):
         grpo_mem.shared_prompt_logprobs(model, ids, mask, C, sharing="trie")
@@ -177,7 +177,7 @@ def test_window_forwards_each_node_once_and_sums_gradients(monkeypatch, checkpoi
     session = SharingSession(min_shared_tokens=32)
     session.begin_window(model, [ids[:, :p] for (ids, _), p in zip(batches, P)],
                          [mask[:, :p] for (_, mask), p in zip(batches, P)])  # fmt: skip
-    outputs, losses = [], []
+    outputs = []
     for j, (ids, mask) in enumerate(scored):
         if truncate and j == 2:
             session.end_after_next()

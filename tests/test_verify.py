@@ -7,9 +7,11 @@ import torch
 from helpers import make_batch, make_trainer, smollm2_shaped, tiny_model
 
 import grpo_mem
-from grpo_mem.model import group_forward, support, tree_forward
-from grpo_mem.patches.trl import LOGPS_METHOD
-from grpo_mem.verify import VerificationError, _stock_method
+from grpo_mem.model import support
+from grpo_mem.model import window as window_module
+from grpo_mem.model.sharing import UNSHARED
+from grpo_mem.patches.checks import LOGPS_METHOD
+from grpo_mem.patches.verify import VerificationError, _stock_method
 
 
 def _batch(prompt_lens=(5, 9, 7), G=3, C=6, **kw):
@@ -88,7 +90,7 @@ def test_broken_path_fails_loudly(monkeypatch):
     numbers; the model is restored either way."""
     model = tiny_model()
     batch = _batch()
-    head = group_forward.completion_head
+    head = window_module.completion_head
 
     def perturbed(*args, **kwargs):
         logps, entropy = head(*args, **kwargs)
@@ -96,8 +98,7 @@ def test_broken_path_fails_loudly(monkeypatch):
         bump[0, 0] = 1e-3  # completion token 1 of row 0: always unmasked
         return logps + bump, entropy
 
-    monkeypatch.setattr(group_forward, "completion_head", perturbed)  # the group path's head
-    monkeypatch.setattr(tree_forward, "completion_head", perturbed)  # the tree path's (the default)
+    monkeypatch.setattr(window_module, "completion_head", perturbed)  # the prompt-once path's head
     _seed_state(model)
     before = _state(model)
     report = grpo_mem.verify(model, batch, print_report=False)
@@ -114,12 +115,12 @@ def test_fallback_is_reported_with_its_cause():
     still issued later in training."""
     model = tiny_model()
     batch = _batch((5, 8), G=1, C=4)
-    support._warned.discard("a micro-batch holds no repeated prompt")
+    support._warned.discard(UNSHARED)
     report = grpo_mem.verify(model, batch, micro_batch_size=1, print_report=False)
     assert report.passed, str(report)
     assert [m.path for m in report.micro_batches] == ["stock fallback"] * 2
-    assert report.micro_batches[0].why == "a micro-batch holds no repeated prompt"
-    assert "a micro-batch holds no repeated prompt" not in support._warned
+    assert report.micro_batches[0].why == UNSHARED
+    assert UNSHARED not in support._warned
 
 
 def test_bad_batches_are_refused():

@@ -101,7 +101,7 @@ def main(out: str) -> None:
     # The head read outside any module call, parameters partitioned. Inside the forward (the cases above) DeepSpeed
     # gathers the weight on access and registers it with the running module for the backward; outside, without
     # gradients, completion_head gathers it itself (a collective both ranks enter), and with gradients it refuses.
-    from grpo_mem.model.group_forward import GroupRequest
+    from grpo_mem.model.forward import ScoreOptions
 
     head_weight = engine.module.get_output_embeddings().weight
     status_before = str(head_weight.ds_status)
@@ -114,9 +114,9 @@ def main(out: str) -> None:
     ref = torch.log_softmax(hidden @ w_full.T, -1).gather(-1, ids[..., None]).squeeze(-1)
     before = gathers[0]
     with torch.no_grad():
-        logps, _ = head.completion_head(engine.module, hidden, ids, mask, GroupRequest(4))
+        logps, _ = head.completion_head(engine.module, hidden, ids, mask, ScoreOptions(4))
     try:
-        head.completion_head(engine.module, hidden.requires_grad_(True), ids, mask, GroupRequest(4))
+        head.completion_head(engine.module, hidden.requires_grad_(True), ids, mask, ScoreOptions(4))
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)

@@ -29,7 +29,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.attention import multi_region_attention, shared_prefix_attention
+from ..ops.attention import multi_region_attention
 
 PREFIX = "grpo_mem_"
 CTX_KWARG = "grpo_mem_ctx"
@@ -54,13 +54,11 @@ class Region:
         kv: per layer, post-RoPE ``(K, V)`` of shape (U, kv_heads, S, head_dim) (a capture's ``kv``).
         index: (B,) int64, the entry row b reads; -1: row b reads nothing of this region.
         mask: (U, S) bool, real (non-padding) key positions of each entry.
-        dense: every row reads an entry (no -1 in ``index``), known without reading ``index`` back.
     """
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     index: torch.Tensor
     mask: torch.Tensor
-    dense: bool = False
 
 
 @dataclass
@@ -187,14 +185,9 @@ def _make_hook(inner: str):
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
+        regions = [(tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask) for i, r in enumerate(ctx.regions)]
         with torch.autocast(device, enabled=False):
-            if len(ctx.regions) == 1 and ctx.regions[0].dense:
-                region = ctx.regions[0]
-                out = shared_prefix_attention(q, k, v, *tensors[3:], region.index, region.mask, ctx.key_mask,
-                                              scale=scale)  # fmt: skip
-            else:
-                regions = [(tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask) for i, r in enumerate(ctx.regions)]
-                out = multi_region_attention(q, k, v, regions, ctx.key_mask, scale=scale)
+            out = multi_region_attention(q, k, v, regions, ctx.key_mask, scale=scale)
         return out.transpose(1, 2).contiguous(), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"

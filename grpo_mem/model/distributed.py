@@ -47,26 +47,14 @@ def lockstep(model: torch.nn.Module) -> bool:
     )
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """``flag`` OR-ed over the ranks of the default process group (one all-reduce; NCCL needs ``device`` on CUDA)."""
+def agree(reason: str | None, pass_keys: list) -> tuple[str | None, set]:
+    """What every rank in lockstep decides for a micro-batch, from one ``all_gather_object`` (every rank calls it once
+    per micro-batch): the fallback reason (this rank's, one naming another rank when only another rank falls back, or
+    None when no rank does) and the union of the ranks' pass keys (``PassSpec.key``) for the micro-batch."""
     import torch.distributed as dist
 
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def _collective_device(model: torch.nn.Module) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def agree_fallback(model: torch.nn.Module, reason: str | None) -> str | None:
-    """The fallback decision every rank in lockstep takes (one all-reduce, so every rank must call it): this rank's
-    ``reason``, a reason naming another rank when only another rank falls back, None when no rank does."""
-    if any_rank(reason is not None, _collective_device(model)):
-        return reason or "another rank falls back, and sharded ranks must run the same module calls"
-    return None
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (reason, list(pass_keys)))
+    if reason is None and any(r is not None for r, _ in gathered):
+        reason = "another rank falls back, and sharded ranks must run the same module calls"
+    return reason, {tuple(k) for _, keys in gathered for k in keys}

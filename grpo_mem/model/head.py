@@ -66,7 +66,7 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
         hidden: (B, C, H) hidden states; ``hidden[:, t]`` predicts ``completion_ids[:, t]``.
         completion_ids: (B, C) int64.
         completion_mask: (B, C) 0/1; only positions with 1 are scored.
-        request: ``GroupRequest`` (temperature, compute_entropy, cast_lm_head_to_fp32).
+        options: ``ScoreOptions`` (temperature, compute_entropy, cast_lm_head_to_fp32).
 
     Returns:
         (B, C) fp32 log-probs and (B, C) fp32 entropies or None, zero where the mask is 0.

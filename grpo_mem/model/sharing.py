@@ -1,9 +1,10 @@
-"""A sharing session: prompt passes shared across the micro-batches of a window, with an explicit lifecycle.
+"""A sharing session: one decision per micro-batch, and prompt passes shared across the micro-batches of a window.
 
-Within one optimizer step the parameters do not change, so a prompt whose group is spread over several micro-batches
-needs one forward and one backward, not one per micro-batch. A ``SharingSession`` owns what that takes: the window's
-plan (which prompts each micro-batch holds), the ``PromptStore`` of kept prompt passes, and, for sharded ranks, the
-agreement that every rank's plan costs the same module calls. Lifecycle::
+Within one optimizer step the parameters do not change, so a prompt (or a span several prompts share) read by several
+micro-batches needs one forward and one backward, not one per micro-batch. A ``SharingSession`` owns what that takes:
+the window's ``WindowPlan`` and the ``Window`` executing it. For every micro-batch it takes one ``Decision``: whether
+the prompt-once path serves the model exactly (and if not, why), what ranks in lockstep agree on (one collective),
+whether the micro-batch shares anything, and the passes it runs. Lifecycle::
 
     session = SharingSession()
     session.begin_window(model, [prompt_ids_1, ...], [prompt_mask_1, ...])   # the window's micro-batches, in order
@@ -11,21 +12,47 @@ agreement that every rank's plan costs the same module calls. Lifecycle::
         logps, ent = session.score(model, input_ids, attention_mask, logits_to_keep)   # then backward
     session.close_window()
 
-The last ``score`` of a window sends every prompt gradient still pending into its own output, so the window's last
-backward (where DDP synchronises) completes every prompt graph. This module knows transformers, not TRL.
+A caller with a stock path of its own (the TRL patch) splits ``score`` into ``decide`` and ``run`` and passes it in.
+This module knows transformers, not TRL.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .distributed import lockstep
-from .group_forward import GroupRequest, check_sharing, score
-from .store import PromptStore, prompt_keys, store_schedule
-from .tree_forward import TreeWindow
+from .distributed import agree, lockstep, unwrap_causal_lm
+from .forward import ScoreOptions, run_in_forward, validate_inputs
+from .plan import PromptGrouping, WindowPlan, check_sharing
+from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
+from .window import Window
 
-__all__ = ["SharingSession"]
+__all__ = ["Decision", "SharingSession", "shared_prompt_logprobs"]
+
+UNSHARED = "a micro-batch holds no repeated prompt and shares no prompt pass with another micro-batch"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one micro-batch is scored, decided once by ``SharingSession.decide``.
+
+    Attributes:
+        path: ``"tree"`` or ``"group"`` (the prompt-once path in that sharing mode), or ``"stock"``.
+        cause: why the path is ``"stock"``, else None.
+        micro_batch: the micro-batch's index in the session's window, or None when it is scored on its own.
+        rows: B, the micro-batch's rows.
+        backbone_tokens: tokens the chosen path runs through the backbone (padded widths counted).
+        stock_tokens: tokens stock TRL runs through the backbone for it, B x (P + C).
+    """
+
+    path: str
+    cause: str | None
+    micro_batch: int | None
+    rows: int
+    backbone_tokens: int
+    stock_tokens: int
 
 
 class SharingSession:
@@ -33,17 +60,14 @@ class SharingSession:
 
     Args:
         sharing: ``"tree"``: the window's prompts form a ``PromptTrie``; every span several prompts share (a system
-            prompt, a few-shot block) and every prompt is forwarded once per window (``tree_forward``). ``"group"``:
-            every unique prompt is forwarded whole, once per window. Ranks in lockstep (FSDP, DeepSpeed) share by
-            group whatever is asked, since a window's trie differs between ranks.
+            prompt, a few-shot block) and every prompt is forwarded once per window. ``"group"``: every unique prompt
+            is forwarded whole, at stock TRL's positions, once per window. Ranks in lockstep (FSDP, DeepSpeed) align
+            their schedules, in either mode.
         min_shared_tokens: tree mode: the shortest span forwarded as a node of its own (``PromptTrie``).
 
     Attributes:
-        store: the ``PromptStore`` of prompt passes kept for a later micro-batch of the current window (group mode).
-        tree: the current window's ``TreeWindow`` (tree mode), else None.
-        sharing: whether the current window shares prompts across micro-batches (False when sharded ranks' plans
-            differ, or between windows).
-        windows_unshared: how many windows were run without sharing because ranks' plans differed.
+        window: the open window's ``Window`` (its plan and cursor), or None.
+        last_decision: the ``Decision`` ``decide`` took last.
 
     Raises:
         ValueError: unknown ``sharing``.
@@ -52,122 +76,206 @@ class SharingSession:
     def __init__(self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS):
         self.mode = check_sharing(sharing)
         self.min_shared_tokens = min_shared_tokens
-        self.store = PromptStore()
-        self.tree: TreeWindow | None = None
-        self.sharing = False
-        self.windows_unshared = 0
-        self._plan: list[list[bytes]] = []
-        self._next = 0
+        self.window: Window | None = None
+        self._pending: tuple[Decision, Window | None] | None = None
+        self.last_decision: Decision | None = None
+
+    @property
+    def pending(self) -> int:
+        """Prompt passes kept for a later micro-batch of the open window (0 outside a window)."""
+        return len(self.window.store) if self.window is not None else 0
 
     @property
     def in_window(self) -> bool:
-        return self._next < len(self._plan)
+        """Whether a window is open with micro-batches left to score."""
+        return self.window is not None and not self.window.done
 
     def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor]) -> None:
         """Plan a window of ``len(prompt_ids)`` micro-batches; closes the previous window if one is open.
 
         Args:
-            model: the model the window trains (its wrappers tell whether ranks must agree, see ``lockstep``).
+            model: the model the window trains (unused; kept for callers that pass it).
             prompt_ids: per micro-batch, (B_i, P_i) int64 left-padded prompt ids, in the order they will be scored.
             prompt_masks: per micro-batch, (B_i, P_i) 0/1 prompt masks.
 
-        With ranks in lockstep, every rank's ``store_schedule`` is compared (one ``all_gather_object``); the window
-        shares prompts only if they are all equal.
-
         Raises:
-            ValueError: no micro-batch, or lists of different lengths.
+            ValueError: no micro-batch, lists of different lengths, a prompt with no real token.
         """
-        if not prompt_ids or len(prompt_ids) != len(prompt_masks):
-            raise ValueError(
-                f"a window needs one prompt mask per micro-batch, got {len(prompt_ids)} prompt tensors and "
-                f"{len(prompt_masks)} masks"
-            )
         self.close_window()
-        self._plan = [prompt_keys(ids, mask) for ids, mask in zip(prompt_ids, prompt_masks)]
-        self._next = 0
-        self.sharing = True
-        if self.mode == "tree" and not lockstep(model):
-            self.tree = TreeWindow.plan(prompt_ids, prompt_masks, keys=self._plan,
-                                        min_shared_tokens=self.min_shared_tokens)  # fmt: skip
-        elif lockstep(model):
-            import torch.distributed as dist
+        plan = WindowPlan.build(self.mode, prompt_ids, prompt_masks, min_shared_tokens=self.min_shared_tokens)
+        self.window = Window(plan)
 
-            mine = store_schedule((), self._plan, closes=True)
-            schedules = [None] * dist.get_world_size()
-            dist.all_gather_object(schedules, mine)
-            if any(s != mine for s in schedules):
-                self.sharing = False
-                self.windows_unshared += 1
+    def end_after_next(self) -> None:
+        """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): what is
+        pending is completed in its backward."""
+        if self.in_window:
+            self.window.plan.end_after(self.window.current)
+
+    def close_window(self) -> None:
+        """End the current window. Raises RuntimeError if prompt passes are still pending (a planned micro-batch was
+        never scored), since their graphs would never be backpropagated."""
+        window, self.window, self._pending = self.window, None, None
+        if window is not None and len(window.store):
+            pending = window.store.discard()
+            raise RuntimeError(f"window closed with {pending} prompt passes pending: a planned micro-batch was not scored")
 
     def shares(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> bool:
-        """Whether the next micro-batch of the window shares a prompt pass with another micro-batch (so that scoring
-        it through grpo_mem saves work even if none of its own prompts repeats)."""
-        if not (self.sharing and self.in_window):
-            return False
-        if self.tree is not None:
-            return self.tree.shares(prompt_keys(prompt_ids, prompt_mask))
-        keys = set(prompt_keys(prompt_ids, prompt_mask))
-        return bool(keys & set(self.store.entries)) or any(keys & set(k) for k in self._plan[self._next + 1 :])
+        """Whether the window's next micro-batch (whose prompts these are) shares a prompt pass with another row or
+        micro-batch, i.e. whether its decision would take the prompt-once path when a stock path is available."""
+        if not self.in_window:
+            return PromptGrouping.of(prompt_ids, prompt_mask).repeats
+        return self.window.plan.shares(self.window.current)
+
+    # ------------------------------------------------------------------------------------------------------------------
+
+    def _window_for(self, grouping: PromptGrouping) -> Window | None:
+        """The open window if this micro-batch is its next one (gradients on, the planned prompts), else None.
+
+        Raises:
+            ValueError: gradients are on and the prompts are not the ones planned for the window's next micro-batch.
+        """
+        if not (self.in_window and torch.is_grad_enabled()):
+            return None
+        planned = self.window.plan.keys[self.window.current]
+        if grouping.keys != planned:
+            raise ValueError(
+                f"micro-batch {self.window.current} of the window does not hold the prompts planned for it "
+                f"({len(set(grouping.keys))} unique prompts in {len(grouping.keys)} rows, planned "
+                f"{len(set(planned))} in {len(planned)})"
+            )
+        return self.window
+
+    def decide(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
+               cause: str | None = None, stock_available: bool = False) -> Decision:  # fmt: skip
+        """Decide how the micro-batch ``input_ids``/``attention_mask`` is scored; ``run`` must follow.
+
+        ``cause``: a reason of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
+        take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it.
+        Ranks in lockstep decide together: every rank must call ``decide`` once per micro-batch (one collective).
+
+        Raises:
+            ValueError/TypeError: as ``shared_prompt_logprobs``; prompts that are not the ones planned.
+        """
+        validate_inputs(input_ids, attention_mask, logits_to_keep, temperature)
+        B, T = input_ids.shape
+        P = T - logits_to_keep
+        grouping = PromptGrouping.of(input_ids[:, :P], attention_mask[:, :P])
+        window = self._window_for(grouping)
+        if window is None:
+            plan = WindowPlan.build(self.mode, [input_ids[:, :P]], [attention_mask[:, :P]], groupings=[grouping],
+                                    min_shared_tokens=self.min_shared_tokens)  # fmt: skip
+            window = Window(plan)
+            j = None
+        else:
+            j = window.current
+        reason = cause or unsupported_reason(unwrap_causal_lm(model), T)
+        in_lockstep = lockstep(model)
+        current = window.current
+        if in_lockstep:
+            reason, keys = agree(reason, [p.key for p in window.plan.passes_at(current)])
+            window.plan.align({k for k in keys if k[0] == current})
+        elif reason is None and stock_available and not window.plan.shares(current):
+            reason = UNSHARED
+        width = logits_to_keep - 1 if logits_to_keep > 1 or not in_lockstep else 1
+        stock_tokens = B * T
+        tokens = stock_tokens if reason else window.plan.tokens_at(current, width)
+        decision = Decision(path="stock" if reason else self.mode, cause=reason, micro_batch=j, rows=B,
+                            backbone_tokens=tokens, stock_tokens=stock_tokens)  # fmt: skip
+        self._pending = (decision, window)
+        self.last_decision = decision
+        return decision
+
+    def run(self, decision: Decision, model, input_ids, attention_mask, logits_to_keep: int, *, temperature=1.0,
+            compute_entropy=False, cast_lm_head_to_fp32=False, stock=None):  # fmt: skip
+        """Score the micro-batch ``decide`` just decided on. Returns (B, C) fp32 log-probs and entropies (or None),
+        zero where the completion mask is 0; in a window, each followed by its backward.
+
+        ``stock``: the caller's stock path, ``stock() -> (log_probs, entropies | None)``, run when the decision says
+        ``"stock"`` (default: the model's own full-sequence computation, ``full_sequence_logprobs``).
+
+        Raises:
+            RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
+        """
+        if self._pending is None or self._pending[0] is not decision:
+            raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
+        _, window = self._pending
+        self._pending = None
+        options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
+        causal_lm = unwrap_causal_lm(model)
+        if decision.path == "stock":
+            warn_fallback(decision.cause)
+            if stock is None:
+                logps, entropy = run_in_forward(model, causal_lm, lambda m, ids, mask: full_sequence_logprobs(
+                    m, ids, mask, options), input_ids, attention_mask)  # fmt: skip
+            else:
+                logps, entropy = stock()
+            if decision.micro_batch is not None:  # sharing ends here: what is pending goes into this backward
+                logps = window.skip(logps) if decision.cause == UNSHARED else window.abandon(logps)
+            return logps, entropy
+        in_lockstep = lockstep(model)
+        return run_in_forward(model, causal_lm, lambda m, ids, mask: window.run(m, ids, mask, options,
+                              lockstep=in_lockstep), input_ids, attention_mask)  # fmt: skip
 
     def score(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
               compute_entropy: bool = False, cast_lm_head_to_fp32: bool = False):  # fmt: skip
-        """Score the window's next micro-batch; same arguments and returns as ``shared_prompt_logprobs``.
-
-        Outside a window (or in a window that does not share), the micro-batch is scored on its own.
+        """``decide`` then ``run`` with the model's own computation as the stock path; same arguments and returns as
+        ``shared_prompt_logprobs``. Outside a window (or without gradients), the micro-batch is shared on its own.
 
         Raises:
             ValueError: the micro-batch's prompts are not the ones planned for it by ``begin_window``.
         """
-        P = input_ids.shape[1] - logits_to_keep
-        request = GroupRequest(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
-        if not self.in_window:
-            return score(model, input_ids, attention_mask, request)
-        keys = prompt_keys(input_ids[:, :P], attention_mask[:, :P])
-        planned = self._plan[self._next]
-        if keys != planned:
-            raise ValueError(
-                f"micro-batch {self._next} of the window does not hold the prompts planned for it "
-                f"({len(set(keys))} unique prompts in {len(keys)} rows, planned {len(set(planned))} in {len(planned)})"
-            )
-        self._next += 1
-        if not self.sharing:
-            return score(model, input_ids, attention_mask, request)
-        if self.tree is not None:
-            self.tree.current = self._next - 1  # micro-batches skipped or scored on the stock path count too
-            request.sharing, request.tree, request.prompt_keys = "tree", self.tree, keys
-            store = self.tree.store
-        else:
-            request.store = store = self.store
-            request.later = frozenset(k for mb in self._plan[self._next :] for k in mb)
-        logps, entropy = score(model, input_ids, attention_mask, request)
-        if not self.in_window:  # the window's last micro-batch: complete every pending prompt graph in its backward
-            logps = store.flush_into(logps)
-        return logps, entropy
+        decision = self.decide(model, input_ids, attention_mask, logits_to_keep, temperature=temperature)
+        return self.run(decision, model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
+                        compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)  # fmt: skip
 
-    def skip(self) -> None:
-        """Pass over the window's next micro-batch (scored elsewhere, e.g. on the stock path). Only valid when it
-        shares nothing (``shares`` is False): none of its prompts is kept or planned again."""
-        if self.in_window:
-            self._next += 1
-            if self.tree is not None:
-                self.tree.finish_micro_batch()
 
-    def end_after_next(self) -> None:
-        """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): prompts
-        planned for later micro-batches are not kept, and what is pending is completed in its backward."""
-        if self.in_window:
-            self._plan = self._plan[: self._next + 1]
-            if self.tree is not None:
-                self.tree.end_after_current()
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    cast_lm_head_to_fp32: bool = False,
+    sharing: str = "tree",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
 
-    def close_window(self) -> None:
-        """End the current window. Raises RuntimeError if prompt gradients are still pending (a planned micro-batch
-        was never scored), since their prompt graphs would never be backpropagated."""
-        tree, self.tree = self.tree, None
-        self._plan, self._next, self.sharing = [], 0, False
-        for store in (self.store, tree.store if tree is not None else None):
-            if store is None or not len(store):
-                continue
-            pending = len(store)
-            store.entries.clear()
-            raise RuntimeError(f"window closed with {pending} prompt passes pending: a planned micro-batch was not scored")
+    Same contract and numbers as TRL 1.16's ``GRPOTrainer._get_per_token_logps_and_entropies`` for text models
+    (within fp32 rounding), gradients included: each unique prompt row is forwarded once with gradients, its per-layer
+    K/V serve every completion of the group, and log-probs come from completion hidden states through a chunked head
+    that never builds (B, C, V) logits. Rows of one prompt need not be adjacent: identical prompts (ids and mask,
+    padding slots ignored) are found anywhere in the batch. Runs inside one call of ``model``'s forward, so wrappers'
+    hooks (DDP, DeepSpeed, FSDP) fire; works on a plain causal LM, a PEFT model, and a model given TRL's fused head.
+    With ``sharing="tree"`` (default) the unique prompts' common prefixes are found too (``PromptTrie``): a span that
+    several prompts share (a system prompt, a few-shot block) is forwarded once and every prompt's own part attends
+    to it in place, at positions that keep stock TRL's position differences (RoPE scores equal up to the rounding of
+    the rotation); ``"group"`` forwards each unique prompt whole, at stock TRL's positions. Stateless: nothing is kept
+    between calls (``SharingSession`` shares prompts and trie nodes across the micro-batches of an optimizer step).
+
+    Side effect: the first call gives the underlying causal LM a pass-through forward and attention implementation
+    (``grpo_mem_<impl>``); calls without grpo_mem compute exactly what they did. ``grpo_mem.restore(model)`` undoes it.
+    Where the path cannot be exact (see ``unsupported_reason``) it warns once and runs the model's own computation.
+
+    Args:
+        model: transformers causal LM, possibly PEFT- and DDP/DeepSpeed/FSDP-wrapped.
+        input_ids: (B, P + C) int64, left-padded prompts followed by right-padded completions.
+        attention_mask: (B, P + C) 0/1, same shape.
+        logits_to_keep: C, the completion width, 1 <= C < P + C.
+        temperature: > 0, the logits are divided by it (after logit scale and final softcap, as TRL does).
+        compute_entropy: also return the entropy of each next-token distribution.
+        cast_lm_head_to_fp32: run the LM head in fp32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
+        sharing: ``"tree"`` or ``"group"``, see above.
+
+    Returns:
+        log_probs: (B, C) fp32, zero where the completion mask is 0.
+        entropies: (B, C) fp32 (zero where masked) if ``compute_entropy``, else None.
+
+    Raises:
+        ValueError: shape mismatch, ``logits_to_keep`` out of range, ``temperature <= 0``, right-padded prompts,
+            unknown ``sharing``.
+        TypeError: non-integer ids or ``logits_to_keep``.
+    """
+    return SharingSession(sharing).score(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
+                                         compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)

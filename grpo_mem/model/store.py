@@ -1,10 +1,12 @@
-"""Prompt passes kept across the micro-batches of one optimizer step, and what keeping them costs each micro-batch.
+"""Prompt passes kept across the micro-batches of one optimizer step, so that each is forwarded and backpropagated once.
 
-A group whose completions are spread over several micro-batches has its prompt forwarded once: ``PromptStore`` keeps
-the prompt's states, earlier micro-batches attend to detached copies of them and leave their gradient there, and the
-group's last micro-batch backpropagates the prompt graph once with the summed gradient (``_AddStoredGrad``).
-``store_schedule`` counts the prompt passes and prompt backward traversals this makes per micro-batch, which ranks in
-lockstep compare before sharing. This module knows torch only.
+A pass whose nodes (prompts, or trie nodes) are read by several micro-batches of a window is forwarded in the first
+of them and kept here until its release micro-batch, the last one that reads it. Earlier micro-batches read detached
+copies (leaves) whose ``.grad`` sums their gradient; the release micro-batch reads the real states through
+``_AddStoredGrad``, so the pass's graph is traversed once, with the whole window's gradient, inside that micro-batch's
+backward call. A pass nobody reads at its release is sent into that micro-batch's output by ``flush_into``.
+Parameters must not change within a window (they do not between optimizer steps), which keeps this exact. This module
+knows torch only.
 """
 
 from __future__ import annotations
@@ -14,16 +16,10 @@ from dataclasses import dataclass
 import torch
 
 
-def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[bytes]:
-    """One hashable key per row: equal keys exactly when ``find_groups`` would group the rows together."""
-    key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
-    return [row.tobytes() for row in key.to(torch.int64).cpu().numpy()]
-
-
 @dataclass
 class PromptStates:
-    """What completions need of a prompt pass: per-layer post-RoPE K/V (n, kv_heads, P, head_dim) and the last prompt
-    position's final hidden state (n, H), which predicts completion token 1."""
+    """What readers need of a pass: per-layer post-RoPE K/V (n, kv_heads, S, head_dim) and, per row, the final hidden
+    state of its last real token (n, H), which predicts the next token (completion token 1 for a prompt's leaf)."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     last_hidden: torch.Tensor
@@ -36,16 +32,15 @@ class PromptStates:
         tensors = list(tensors)
         return cls(kv=list(zip(tensors[:-1:2], tensors[1:-1:2])), last_hidden=tensors[-1])
 
-    @classmethod
-    def cat(cls, parts: list[PromptStates]) -> PromptStates:
-        if len(parts) == 1:
-            return parts[0]
-        return cls.from_tensors(torch.cat(ts, 0) for ts in zip(*(p.tensors() for p in parts)))
+
+def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
+    """A leaf's summed gradient; zeros when nothing reached it, so that the pass's backward still runs (sharded ranks
+    count on every pass being traversed)."""
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
 class _AddStoredGrad(torch.autograd.Function):
-    """Identity on the prompt states; backward adds the gradient earlier micro-batches left on their detached leaves,
-    so the prompt graph is traversed once, with the whole group's gradient."""
+    """Identity on the real states; backward adds the gradient earlier micro-batches left on the leaves."""
 
     @staticmethod
     def forward(ctx, n, *tensors):
@@ -59,8 +54,8 @@ class _AddStoredGrad(torch.autograd.Function):
 
 
 class _FlushStored(torch.autograd.Function):
-    """Identity on ``anchor`` (an output of the window's last micro-batch); backward also sends each pending prompt's
-    stored gradient into its graph, inside that micro-batch's backward call (where DDP synchronises gradients)."""
+    """Identity on ``anchor`` (an output of the release micro-batch); backward also sends each flushed pass's stored
+    gradient into its graph, inside that micro-batch's backward call (where DDP synchronises gradients)."""
 
     @staticmethod
     def forward(ctx, anchor, n, *tensors):
@@ -69,76 +64,52 @@ class _FlushStored(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (grad, None, *(leaf.grad for leaf in ctx.leaves), *([None] * len(ctx.leaves)))
+        return (grad, None, *(_grad_or_zeros(leaf) for leaf in ctx.leaves), *([None] * len(ctx.leaves)))
 
 
 class PromptStore:
-    """Prompt passes kept across the micro-batches of one optimizer step (gradient-accumulation window).
-
-    A group whose completions are spread over several micro-batches has its prompt forwarded once, in the first of
-    them. Until its last micro-batch, completions attend to detached copies (leaves) of the prompt states, whose
-    ``.grad`` sums each micro-batch's contribution; the last one attends to the real states and its backward adds the
-    stored sum, so the prompt graph is backpropagated once, inside that micro-batch's backward call. Whatever is still
-    pending when the window ends is sent into its graph by ``flush_into`` on the window's last output. Parameters
-    must not change within a window (they do not between optimizer steps), which keeps this exact.
-    """
+    """Passes kept for later micro-batches of a window, keyed by pass id, each with its release micro-batch."""
 
     def __init__(self):
-        self.entries: dict[bytes, tuple[PromptStates, PromptStates]] = {}  # key -> (real, leaves)
+        self._entries: dict[int, tuple[PromptStates, PromptStates, int]] = {}  # id -> (real, leaves, release)
 
-    def __len__(self):
-        return len(self.entries)
+    def __len__(self) -> int:
+        return len(self._entries)
 
-    def keep(self, key: bytes, real: PromptStates) -> PromptStates:
+    def keep(self, key: int, real: PromptStates, release: int) -> None:
+        """Keep ``real`` until micro-batch ``release``; readers before then get detached leaves."""
         leaves = PromptStates.from_tensors(t.detach().requires_grad_(t.requires_grad) for t in real.tensors())
-        self.entries[key] = (real, leaves)
-        return leaves
+        self._entries[key] = (real, leaves, release)
 
-    def take(self, key: bytes, *, last: bool) -> PromptStates:
-        real, leaves = self.entries[key]
-        if not last:
-            return leaves
-        del self.entries[key]
+    def leaves(self, key: int) -> PromptStates:
+        """Detached copies of the states, for a reader whose graph is backpropagated before the release."""
+        return self._entries[key][1]
+
+    def real(self, key: int) -> PromptStates:
+        """The states themselves, for a kept pass built on them and released in the same micro-batch."""
+        return self._entries[key][0]
+
+    def release(self, key: int) -> PromptStates:
+        """The states for the release micro-batch: their backward adds the leaves' stored gradient. Removes the entry."""
+        real, leaves, _ = self._entries.pop(key)
         tensors = real.tensors()
         return PromptStates.from_tensors(_AddStoredGrad.apply(len(tensors), *tensors, *leaves.tensors()))
 
-    def flush_into(self, anchor: torch.Tensor) -> torch.Tensor:
-        """Return ``anchor`` unchanged in value, carrying every pending prompt's stored gradient in its backward."""
+    def flush_into(self, anchor: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+        """``anchor`` unchanged in value, carrying in its backward every pass whose release is ``<= upto`` (every
+        pass if None); those entries are removed."""
+        due = [key for key, (_, _, release) in self._entries.items() if upto is None or release <= upto]
         reals, leaves = [], []
-        for real, leaf in self.entries.values():
+        for key in due:
+            real, leaf, _ = self._entries.pop(key)
             reals += real.tensors()
             leaves += leaf.tensors()
-        self.entries.clear()
         if not reals:
             return anchor
         return _FlushStored.apply(anchor, len(reals), *reals, *leaves)
 
-
-def store_schedule(pending, micro_batches, *, closes: bool) -> list[tuple[int, int]]:
-    """What sharing prompt passes through a ``PromptStore`` costs each of the window's remaining micro-batches.
-
-    Args:
-        pending: keys (``prompt_keys``) of prompts kept in the store by earlier micro-batches of the window.
-        micro_batches: for the current and each later micro-batch of the window, the keys of its rows.
-        closes: the last entry of ``micro_batches`` closes the window (pending prompts are flushed into its backward).
-
-    Returns:
-        One ``(prompt passes forwarded, prompt graphs backpropagated)`` per micro-batch: exactly the backbone calls
-        ``_prompt_states`` makes and the prompt graphs its micro-batch's backward traverses. Ranks whose schedules
-        are equal issue the same module calls and backward passes.
-    """
-    pending = set(pending)
-    schedule = []
-    for j, keys in enumerate(micro_batches):
-        keys = set(keys)
-        later = set().union(*map(set, micro_batches[j + 1 :]))
-        fresh = {k for k in keys if k not in pending and k not in later}
-        kept = {k for k in keys if k not in pending and k in later}
-        taken = {k for k in keys if k in pending and k not in later}
-        pending = (pending | kept) - taken
-        graphs = bool(fresh) + len(taken)
-        if closes and j == len(micro_batches) - 1:
-            graphs += len(pending)
-            pending = set()
-        schedule.append((bool(fresh) + len(kept), graphs))
-    return schedule
+    def discard(self) -> int:
+        """Drop every entry (their graphs are never backpropagated); returns how many there were."""
+        n = len(self._entries)
+        self._entries.clear()
+        return n

@@ -91,11 +91,21 @@ def unsupported_reason(causal_lm, seq_len: int) -> str | None:
 
 
 
-def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request: GroupRequest):
+def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request):
     """Stock-equivalent path: the whole prompt+completion sequence per row, the head on completion positions only."""
     C = request.logits_to_keep
     out = causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = out.last_hidden_state[:, -C - 1 : -1]
     return completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], request)
 
+
+@contextlib.contextmanager
+def restoring_warnings():
+    """Within the block fallbacks warn as usual; afterwards the causes first warned inside it are forgotten, so that
+    they still warn once later (``grpo_mem.verify`` runs before training)."""
+    before = set(_warned)
+    try:
+        yield
+    finally:
+        _warned.intersection_update(before)
 

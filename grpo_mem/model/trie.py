@@ -74,7 +74,27 @@ class PromptTrie:
         self.nodes: list[TrieNode] = []
         self.leaf: list[int] = [-1] * len(seqs)
         self._seqs = seqs
-        self._build(list(range(len(seqs))), 0, None, 0)
+        if seqs:
+            self._build(list(range(len(seqs))), 0, None, 0)
+
+    @classmethod
+    def flat(cls, prompts, starts) -> PromptTrie:
+        """Group sharing, the trie with no shared node: prompt i is one root node whose tokens sit at positions
+        ``starts[i] …`` (stock TRL's: its left padding in the batch it first appears in). ``prompts`` are distinct.
+
+        Raises:
+            ValueError: an empty prompt, or ``starts`` of another length.
+        """
+        if len(starts) != len(prompts):
+            raise ValueError(f"one start per prompt, got {len(starts)} starts for {len(prompts)} prompts")
+        trie = cls([], min_shared_tokens=1)
+        trie._seqs = [tuple(p.tolist()) if isinstance(p, torch.Tensor) else tuple(p) for p in prompts]
+        for i, (seq, start) in enumerate(zip(trie._seqs, starts)):
+            if not seq:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one real token")
+            trie.nodes.append(TrieNode(tokens=seq, start=int(start), parent=None, depth=0, prompts=[i]))
+        trie.leaf = list(range(len(trie._seqs)))
+        return trie
 
     def _build(self, members: list[int], start: int, parent: int | None, depth: int) -> None:
         """Add the subtree of ``members`` (prompts equal on ``[:start]``, none of them ending at ``start``)."""

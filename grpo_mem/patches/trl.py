@@ -1,102 +1,45 @@
-"""The TRL patch: with ``grpo_mem.verify``, which builds on it, the only code of grpo_mem that knows TRL.
+"""The TRL patch: with ``grpo_mem.patches.verify``, the only code of grpo_mem that knows TRL.
 
 Two methods of ``GRPOTrainer``/``RLOOTrainer`` (written against TRL 1.16; 1.10-1.15 pass the parity tests too) are
 replaced by reference, on the class or on one trainer instance, and put back by ``PatchHandle.revert()``:
 
 - ``_get_per_token_logps_and_entropies``: every caller (policy with gradients, old log-probs, separate reference
-  model, PEFT reference with the adapter disabled) goes through ``shared_prompt_logprobs`` chunk by chunk, inside
-  ``accelerator.autocast()`` as stock does. Inputs the prompt-once path does not cover (vision inputs,
-  ``token_type_ids``, the MoE aux loss, unsupported models, a chunk with no repeated prompt) go to the stock method,
-  with one warning per cause.
+  model, PEFT reference with the adapter disabled) is scored chunk by chunk through the trainer's
+  ``SharingSession``, which takes one decision per chunk (``SharingSession.decide``: prompt-once in tree or group
+  mode, or TRL's own method with the cause, warned once per cause) and runs it. Inputs only TRL's own method takes
+  (vision inputs, ``token_type_ids``, the MoE aux loss) are a cause the patch names. For the policy's training
+  micro-batches, the decision's token counts and path go into TRL's logged metrics (``grpo_mem/...``).
 - ``_prepare_inputs``: TRL shuffles the generation batch row by row before splitting it into micro-batches, so a
   micro-batch rarely holds two completions of one prompt. During this method only (with ``group_shuffle``), the
   module's ``shuffle_sequence_dict`` is replaced by a group-aware shuffle (whole groups in random order, rows in
-  random order within each group); the same rows reach training, each exactly once. It also plans the trainer's
-  ``SharingSession`` window (the micro-batches up to the end of the gradient-accumulation window), so a prompt
-  spread over several of them is forwarded and backpropagated once.
+  random order within each group); the same rows reach training, each exactly once. It also opens the session's
+  window (the micro-batches up to the end of the gradient-accumulation window), so a prompt spread over several of
+  them is forwarded and backpropagated once.
 
-The patch keeps its state on its ``PatchHandle`` (sessions per trainer, the models it touched), never on the
-trainer; before touching anything it checks what it relies on: the two methods' signatures and the trainer attributes
-it reads (not a version range), plus a floor (TRL >= 1.10) and a list of releases refused by name.
+The patch keeps its state on its ``PatchHandle`` (a session per trainer, the models it touched), never on the
+trainer; before touching anything it checks what it relies on (``grpo_mem.patches.checks``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import inspect
 import types
 import weakref
 
 import torch
 
-from ..model.distributed import agree_fallback, lockstep, unwrap_causal_lm
-from ..model.group_forward import check_sharing, find_groups, restore, shared_prompt_logprobs
-from ..model.support import unsupported_reason, warn_fallback
-from ..model.sharing import SharingSession
-
-MIN_TRL = (1, 10)
-# Releases refused by name although their signatures pass, as (major, minor[, micro]) -> why. Empty: every release
-# from 1.10 to 1.16 passes the checks below and the parity tests (README, "TRL releases tested").
-KNOWN_BAD_TRL: dict[tuple[int, ...], str] = {}
-LOGPS_METHOD = "_get_per_token_logps_and_entropies"
-PREPARE_METHOD = "_prepare_inputs"
-LOGPS_PARAMS = (
-    "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-    "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+from ..model.distributed import unwrap_causal_lm
+from ..model.forward import restore
+from ..model.plan import check_sharing, find_groups
+from ..model.sharing import Decision, SharingSession
+from .checks import (
+    _MARK, LOGPS_METHOD, LOGPS_PARAMS, PREPARE_METHOD, PREPARE_PARAMS, check_signature, check_trainer_attrs,
+    check_trl_version,
 )  # fmt: skip
-PREPARE_PARAMS = ("self", "generation_batch")
-_MARK = "__grpo_mem_patch__"
 
-
-# TRL 1.14.x: _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kwargs)
-# only dispatches, to this method (or, with use_liger_kernel, to _chunked_logps, which takes the same arguments but
-# batch_size); its callers pass 1.16's parameters, so the dispatcher is replaced like 1.16's method.
-DISPATCH_TARGET = "_full_logits_logps"
-
-
-def _trl_version() -> tuple[tuple[int, ...], str]:
-    import trl
-    from packaging.version import Version
-
-    return Version(trl.__version__).release, trl.__version__
-
-
-def check_trl_version() -> None:
-    """Raise ``RuntimeError`` for TRL older than ``MIN_TRL`` or a release in ``KNOWN_BAD_TRL``.
-
-    Newer releases are not refused by number: ``patch_trl`` checks the methods' signatures and the trainer attributes
-    it reads instead, and refuses (``TypeError``) a release that changed them.
-    """
-    release, full = _trl_version()
-    if release[:2] < MIN_TRL:
-        raise RuntimeError(
-            f"grpo_mem needs TRL >= {MIN_TRL[0]}.{MIN_TRL[1]} (older releases score completions differently), found "
-            f"trl {full}"
-        )
-    for bad, why in KNOWN_BAD_TRL.items():
-        if release[: len(bad)] == bad:
-            raise RuntimeError(f"grpo_mem does not patch trl {full}: {why}")
-
-
-def _check_signature(owner, name: str, expected: tuple[str, ...]) -> None:
-    fn = getattr(owner, name, None)
-    if fn is None:
-        raise TypeError(f"{getattr(owner, '__name__', type(owner).__name__)} has no method {name}")
-    fn = getattr(fn, "__wrapped_original__", fn)
-    signature = inspect.signature(fn)
-    params = tuple(signature.parameters)
-    if isinstance(owner, type) or params[:1] == ("self",):
-        got = params
-    else:  # bound method of an instance
-        got = ("self", *params)
-    kinds = {p.kind for p in signature.parameters.values()}
-    dispatcher = {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds
-    if got != expected and name == LOGPS_METHOD and dispatcher and hasattr(owner, DISPATCH_TARGET):
-        _check_signature(owner, DISPATCH_TARGET, expected)  # TRL 1.14.x
-        return
-    if got != expected:
-        raise TypeError(f"{name} of {owner!r} has parameters {got}, grpo_mem was written against {expected}")
+METRIC_PREFIX = "grpo_mem/"
+PATHS = ("tree", "group", "stock")
 
 
 def group_shuffle(seq_dict: dict, batch_size: int) -> dict:
@@ -130,94 +73,69 @@ def group_shuffle(seq_dict: dict, batch_size: int) -> dict:
     return {key: permute(value) for key, value in seq_dict.items()}
 
 
-# what the patched methods read of a trainer, checked before patching (names, then on first use the attributes)
-TRAINER_ATTRS = ("_buffered_inputs", "_step", "num_iterations", "temperature", "accelerator", "args")
-ARGS_ATTRS = ("steps_per_generation", "per_device_train_batch_size")
+def _input_cause(extras: dict, compute_aux_loss: bool) -> str | None:
+    """Why TRL's own method must score a call whatever the model: inputs the prompt-once path does not take."""
+    used = sorted(k for k, v in extras.items() if v is not None)
+    if used:
+        return f"multimodal or token-type inputs {used}"
+    if compute_aux_loss:
+        return "the MoE load-balancing aux loss is requested"
+    return None
 
 
-def _check_trainer_attrs(owner) -> None:
-    """Raise ``TypeError`` unless ``owner`` (a trainer class or instance) has the attributes the patch reads: on an
-    instance the attributes themselves; on a class, their assignments in ``__init__`` and the shuffle in
-    ``_prepare_inputs`` that ``group_shuffle`` replaces."""
-    if isinstance(owner, type):
-        init_src = inspect.getsource(owner.__init__)
-        missing = [a for a in TRAINER_ATTRS if f"self.{a}" not in init_src and not hasattr(owner, a)]
-        prepare_src = inspect.getsource(inspect.unwrap(getattr(owner, PREPARE_METHOD)))
-        if "shuffle_sequence_dict(" not in prepare_src:
-            missing.append("shuffle_sequence_dict (in _prepare_inputs)")
-        missing += [f"args.{a}" for a in ARGS_ATTRS if a not in prepare_src + init_src]
-    else:
-        missing = [a for a in TRAINER_ATTRS if not hasattr(owner, a)]
-        missing += [f"args.{a}" for a in ARGS_ATTRS if not hasattr(getattr(owner, "args", None), a)]
-    if missing:
-        name = getattr(owner, "__name__", type(owner).__name__)
-        raise TypeError(f"{name} lacks {missing}, which the grpo_mem patch reads (written against TRL 1.16)")
+def log_decision(trainer, decision: Decision) -> None:
+    """Add a training micro-batch's decision to TRL's metrics (averaged over the step when TRL logs): tokens the
+    backbone ran, tokens stock TRL would have run, their ratio, and one 0/1 entry per path."""
+    metrics = getattr(trainer, "_metrics", None)
+    if metrics is None or "train" not in metrics:
+        return
+    train = metrics["train"]
+    train[METRIC_PREFIX + "backbone_tokens"].append(float(decision.backbone_tokens))
+    train[METRIC_PREFIX + "stock_tokens"].append(float(decision.stock_tokens))
+    train[METRIC_PREFIX + "token_ratio"].append(decision.backbone_tokens / decision.stock_tokens)
+    for path in PATHS:
+        train[f"{METRIC_PREFIX}path/{path}"].append(float(decision.path == path))
 
 
-def _make_logps(original, handle: PatchHandle):
+def patched_logps_method(original, handle: PatchHandle):
+    """The patched ``_get_per_token_logps_and_entropies`` around TRL's ``original``, keeping its state on ``handle``."""
+
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **extras,
     ):  # fmt: skip
-        def stock(ids, mask):
-            return original(
-                self, model, ids, mask, logits_to_keep, batch_size=ids.shape[0], compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss, **extras,
-            )  # fmt: skip
-
-        used = sorted(k for k, v in extras.items() if v is not None)
-        if used:
-            reason = f"multimodal or token-type inputs {used}"
-        elif compute_aux_loss:
-            reason = "the MoE load-balancing aux loss is requested"
-        else:
-            reason = unsupported_reason(unwrap_causal_lm(model), input_ids.shape[1])
-        # sharded ranks decide together: one rank on the stock path and another on ours would issue different
-        # collectives (and hang)
-        in_lockstep = lockstep(model)
-        if in_lockstep:
-            reason = agree_fallback(model, reason)
-        if reason is not None:
-            warn_fallback(reason)
-            return original(
-                self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extras,
-            )  # fmt: skip
-
-        # The training micro-batch _prepare_inputs planned (gradients on, its rows in one chunk) is scored through the
-        # trainer's sharing session; every other call (no-grad callers, reference model) on its own.
-        planned = handle._planned.pop(self, None)
-        session = handle.sessions.get(self)
-        batch_size = batch_size or input_ids.size(0)
-        if not (planned == input_ids.shape[0] == batch_size and torch.is_grad_enabled() and model.training):
-            session = None
+        cause = _input_cause(extras, compute_aux_loss)
+        B = input_ids.size(0)
+        # inputs that TRL's own method slices per chunk: the call is one decision, scored by TRL whole
+        step = B if cause is not None else (batch_size or B)
+        session = handle.session(self)
         handle.models.add(unwrap_causal_lm(model))
-        all_logps, all_entropies = [], []
-        P = input_ids.shape[1] - logits_to_keep
-        for start in range(0, input_ids.size(0), batch_size):
-            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            first, _ = find_groups(ids[:, :P], mask[:, :P])
-            shared = session is not None and session.shares(ids[:, :P], mask[:, :P])
-            # in lockstep ours runs anyway: exact, and the same module calls as on ranks whose prompts repeat
-            if first.numel() == ids.shape[0] and not shared and not in_lockstep:
-                warn_fallback("a micro-batch holds no repeated prompt")
-                if session is not None:
-                    session.skip()
-                logps, entropies, _ = stock(ids, mask)
-            else:
-                options = dict(temperature=self.temperature, compute_entropy=compute_entropy,
-                               cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
-                with self.accelerator.autocast():
-                    if session is not None:
-                        logps, entropies = session.score(model, ids, mask, logits_to_keep, **options)
-                    else:
-                        logps, entropies = shared_prompt_logprobs(model, ids, mask, logits_to_keep, **options,
-                                                                  sharing=handle.sharing)  # fmt: skip
+        training = torch.is_grad_enabled() and model.training
+        options = dict(temperature=self.temperature, compute_entropy=compute_entropy,
+                       cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))  # fmt: skip
+        all_logps, all_entropies, aux = [], [], [None]
+        for start in range(0, B, step):
+            ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
+            chunk_size = batch_size if cause is not None else ids.shape[0]
+
+            def stock(ids=ids, mask=mask, chunk_size=chunk_size):
+                out = original(self, model, ids, mask, logits_to_keep, batch_size=chunk_size,
+                               compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extras)  # fmt: skip
+                aux[0] = out[2] if len(out) > 2 else None
+                return out[0], out[1]
+
+            decision = session.decide(model, ids, mask, logits_to_keep, temperature=self.temperature, cause=cause,
+                                      stock_available=True)  # fmt: skip
+            autocast = self.accelerator.autocast() if decision.path != "stock" else contextlib.nullcontext()
+            with autocast:
+                logps, entropies = session.run(decision, model, ids, mask, logits_to_keep, **options, stock=stock)
+            if training and handle.log_metrics:
+                log_decision(self, decision)
             all_logps.append(logps)
             all_entropies.append(entropies)
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        return logps, entropies, None
+        return logps, entropies, aux[0]
 
     _get_per_token_logps_and_entropies.__wrapped_original__ = original
     setattr(_get_per_token_logps_and_entropies, _MARK, True)
@@ -257,13 +175,11 @@ def _make_prepare(original, handle: PatchHandle):
         finally:
             module.shuffle_sequence_dict = stock_shuffle
         if self.model.training and self._buffered_inputs:
-            session = handle.sessions.setdefault(self, SharingSession(handle.sharing))
+            session = handle.session(self)
             if self._step % self.current_gradient_accumulation_steps == 0 or not session.in_window:
-                model = getattr(self, "model_wrapped", None) or self.model
-                session.begin_window(model, *_window_prompts(self))
+                session.begin_window(getattr(self, "model_wrapped", None) or self.model, *_window_prompts(self))
             if self.accelerator.sync_gradients:  # the Trainer steps after this micro-batch (a short last window)
                 session.end_after_next()
-            handle._planned[self] = inputs["prompt_ids"].shape[0]
         return inputs
 
     _prepare_inputs.__wrapped_original__ = original
@@ -280,18 +196,26 @@ class PatchHandle:
         models: the models the patched methods routed through grpo_mem (``revert`` restores exactly these).
         group_shuffle: whether ``_prepare_inputs`` shuffles by whole groups.
         sharing: the sessions' sharing mode, ``"tree"`` or ``"group"``.
+        log_metrics: whether training micro-batches' decisions go into the trainer's logged metrics.
         active: False once reverted.
     """
 
-    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree"):
+    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True):
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> rows planned next
         self.models: weakref.WeakSet = weakref.WeakSet()
         self.group_shuffle = group_shuffle
         self.sharing = sharing
+        self.log_metrics = log_metrics
         self.active = True
+
+    def session(self, trainer) -> SharingSession:
+        """The trainer's ``SharingSession`` (created on first use, in the handle's sharing mode)."""
+        session = self.sessions.get(trainer)
+        if session is None:
+            session = self.sessions[trainer] = SharingSession(self.sharing)
+        return session
 
     def revert(self) -> None:
         """Put every patched method back as it was and give the models this patch touched their own forward and
@@ -310,7 +234,6 @@ class PatchHandle:
             restore(model)
         self.models.clear()
         self.sessions.clear()
-        self._planned.clear()
         _ACTIVE.pop(self._key, None)
         self.active = False
 
@@ -333,6 +256,15 @@ _MISSING = object()
 _ACTIVE: dict = {}
 
 
+def active_handle(trainer) -> PatchHandle | None:
+    """The active ``PatchHandle`` whose patch covers ``trainer`` (its class or the instance), or None."""
+    for handle in _ACTIVE.values():
+        if any(owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner))
+               for owner, _, _ in handle._entries):  # fmt: skip
+            return handle
+    return None
+
+
 def _default_targets():
     import trl
 
@@ -351,7 +283,7 @@ def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree")
         sharing: ``"tree"``: a span shared by several prompts of an optimizer step (system prompt, few-shot block)
             is forwarded once per step and each prompt's own part once, at positions that keep stock TRL's position
             differences; ``"group"``: each unique prompt is forwarded whole, once per step. Sharded ranks in lockstep
-            (FSDP, DeepSpeed) share by group either way.
+            (FSDP, DeepSpeed) align their schedules in either mode.
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
@@ -370,21 +302,18 @@ def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree")
     if key in _ACTIVE:
         return _ACTIVE[key]
     for owner in owners:
-        _check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
-        _check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
+        check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
+        check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
         if getattr(getattr(owner, LOGPS_METHOD), _MARK, False):
             # already routed through grpo_mem, e.g. an instance of a patched class: the covering handle stands
             covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
             if covering:
                 return covering[0]
-        _check_trainer_attrs(owner)
-        cls = owner if isinstance(owner, type) else type(owner)
-        if not hasattr(importlib.import_module(cls.__module__), "shuffle_sequence_dict"):
-            raise TypeError(f"{cls.__module__} has no shuffle_sequence_dict, which the grpo_mem patch swaps")
+        check_trainer_attrs(owner)
 
     handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing)
     for owner in owners:
-        for name, make in ((LOGPS_METHOD, _make_logps), (PREPARE_METHOD, _make_prepare)):
+        for name, make in ((LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)):
             if isinstance(owner, type):
                 previous = owner.__dict__.get(name, _MISSING)
                 original = getattr(owner, name)

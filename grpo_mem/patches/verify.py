@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model.distributed import unwrap_causal_lm
-from .model import support
-from .model.group_forward import _FORWARD_MARK, find_groups, restore, validate_inputs
-from .model.support import recording_fallbacks
-from .model.sharing import SharingSession
-from .model.store import prompt_keys
-from .patches.trl import _ACTIVE, LOGPS_METHOD, LOGPS_PARAMS, PatchHandle, _make_logps, group_shuffle
+from ..model import support
+from ..model.distributed import unwrap_causal_lm
+from ..model.forward import installed, own_forward, restore, validate_inputs
+from ..model.plan import PromptGrouping
+from .checks import LOGPS_METHOD, LOGPS_PARAMS
+from .trl import PatchHandle, active_handle, group_shuffle, patched_logps_method
 
 __all__ = [
     "BF16_GRAD_TOL",
@@ -282,7 +281,7 @@ def _stock_method(owner):
 
 
 def _has_fused_head(causal_lm) -> bool:
-    fn = causal_lm.__dict__.get(_FORWARD_MARK, causal_lm.__dict__.get("forward"))
+    fn = own_forward(causal_lm)
     if fn is None:
         return False
     try:
@@ -342,12 +341,8 @@ def _trainer_batch(trainer) -> dict:
             setattr(trainer, name, value)
         if hasattr(accelerator, "_dataloaders"):
             del accelerator._dataloaders[n_loaders:]
-    shuffle_by_group = True
-    for handle in _ACTIVE.values():
-        if any(owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner)) for owner, _, _ in
-               handle._entries):  # fmt: skip
-            shuffle_by_group = handle.group_shuffle
-    if shuffle_by_group:
+    handle = active_handle(trainer)
+    if handle is None or handle.group_shuffle:
         return group_shuffle(batch, trainer.args.per_device_train_batch_size)
     module = sys.modules[type(trainer).__module__]
     return module.shuffle_sequence_dict(batch) if hasattr(module, "shuffle_sequence_dict") else batch
@@ -369,13 +364,12 @@ def _preserved(model):
     causal_lm = unwrap_causal_lm(model)
     had_forward = "forward" in causal_lm.__dict__
     previous_forward = causal_lm.__dict__.get("forward")
-    had_grpo_mem = _FORWARD_MARK in causal_lm.__dict__
+    had_grpo_mem = installed(causal_lm)
     attn_impl = causal_lm.config._attn_implementation
-    warned = set(support._warned)
     for p in params:
         p.grad = None
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), support.restoring_warnings():
             warnings.filterwarnings("ignore", message="grpo_mem: falling back")
             yield
     finally:
@@ -394,14 +388,11 @@ def _preserved(model):
         if not had_grpo_mem:
             restore(causal_lm)
         elif causal_lm.config._attn_implementation != attn_impl:
-            from .model import attention_hook as attn_hook
-
-            attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
+            restore(causal_lm, forward=False)
         if had_forward:
             causal_lm.forward = previous_forward
         else:
             causal_lm.__dict__.pop("forward", None)
-        support._warned.intersection_update(warned)  # verify's fallbacks still warn in training
 
 
 @contextlib.contextmanager
@@ -442,27 +433,28 @@ class _Run:
     entropy_coef: float
 
 
-def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, entropy_coef, before_call=None,
-           paths=None) -> _Run:  # fmt: skip
-    """Score the micro-batches ``slices`` in order with ``fn`` (TRL's method or the patched one), each followed by the
-    backward of its share of the fixed loss; returns log-probs, entropies (fp32) and the summed gradients.
+def _score(fn, setup: _Setup, entropy_coef, before_call=None, after_call=None) -> _Run:
+    """Score the micro-batches ``setup.slices`` in order with ``fn`` (TRL's method or the patched one), each followed
+    by the backward of its share of the fixed loss; returns log-probs, entropies (fp32) and the summed gradients.
     ``entropy_coef`` None: ``ENTROPY_COEF`` if the method's entropies carry gradient (TRL < 1.14 computes them without
-    gradient unless the entropy bonus is on), else 0; the coefficient used is returned for the other runs."""
+    gradient unless the entropy bonus is on), else 0; the coefficient used is returned for the other runs.
+    ``before_call(i)`` / ``after_call()`` run around micro-batch i's call."""
+    model, self_obj, ids, mask, loss_mask = setup.model, setup.self_obj, setup.ids, setup.mask, setup.loss_mask
     C = loss_mask.shape[1]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     all_logps, all_ent = [], []
-    for i, (lo, hi) in enumerate(slices):
+    for i, (lo, hi) in enumerate(setup.slices):
         if before_call is not None:
             before_call(i)
         # forward under the trainer's mixed precision, as accelerate's prepared forward applies it in training (TRL
         # < 1.15's method enters no autocast itself; 1.15+ enters the same one again inside); backward outside any
         # autocast, as in training, also when verify is called inside one
-        with recording_fallbacks() as causes, self_obj.accelerator.autocast():
+        with self_obj.accelerator.autocast():
             logps, ent, _ = fn(self_obj, model, ids[lo:hi], mask[lo:hi], C, batch_size=hi - lo, compute_entropy=True,
-                               compute_aux_loss=aux, **extras)  # fmt: skip
-        if paths is not None:
-            paths.append(list(causes))
-        m, (a, n_tok) = loss_mask[lo:hi].float(), weights
+                               compute_aux_loss=setup.aux, **setup.extras)  # fmt: skip
+        if after_call is not None:
+            after_call()
+        m, (a, n_tok) = loss_mask[lo:hi].float(), setup.weights
         if entropy_coef is None:
             entropy_coef = ENTROPY_COEF if ent.requires_grad else 0.0
         loss = -(a[lo:hi, None] * m * logps.float()).sum() / n_tok - entropy_coef * (m * ent.float()).sum() / n_tok
@@ -474,6 +466,195 @@ def _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, a
     for _, p in named:
         p.grad = None
     return _Run(torch.cat(all_logps), torch.cat(all_ent), grads, entropy_coef)
+
+
+@dataclass
+class _Setup:
+    """What both paths of ``verify`` score: the model, the object whose method is called, the batch laid out as TRL
+    lays it out, the micro-batches, the loss weights and the gradient-accumulation windows."""
+
+    model: torch.nn.Module
+    self_obj: object
+    stock_fn: object
+    temperature: float
+    ids: torch.Tensor
+    mask: torch.Tensor
+    P: int
+    loss_mask: torch.Tensor
+    sel: torch.Tensor
+    slices: list
+    weights: tuple
+    extras: dict
+    aux: bool
+    window: int
+
+
+def _setup(trainer_or_model, batch, micro_batch_size, temperature, seed) -> _Setup:
+    """Validate the arguments and lay out the batch (generating it from the trainer if None); call inside
+    ``_preserved``, since generating runs the model."""
+    is_trainer = _is_trainer(trainer_or_model)
+    model = trainer_or_model.model if is_trainer else trainer_or_model
+    if is_trainer:
+        self_obj, stock_fn = trainer_or_model, _stock_method(trainer_or_model)
+        T = float(trainer_or_model.temperature)
+        mb = micro_batch_size or trainer_or_model.args.per_device_train_batch_size
+        ga = trainer_or_model.args.gradient_accumulation_steps
+        aux = bool(getattr(trainer_or_model, "aux_loss_enabled", False))
+    else:
+        import trl
+
+        T = 1.0 if temperature is None else float(temperature)
+        self_obj, stock_fn = _Scorer(model, T), _stock_method(trl.GRPOTrainer)
+        mb, ga, aux = micro_batch_size, None, False
+        causal_lm = unwrap_causal_lm(model)
+        if not _has_fused_head(causal_lm):
+            with contextlib.suppress(ImportError):  # TRL releases without a fused head score logits themselves
+                from trl.trainer.utils import add_fused_lm_head
+
+                add_fused_lm_head(causal_lm, temperature=T, outputs=("log_probs", "entropy"))
+    model.train()
+    if batch is None:
+        batch = _check_batch(_trainer_batch(trainer_or_model))
+    device = next(model.parameters()).device
+    batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).long()
+    P, C = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    validate_inputs(ids, mask, C, T)
+    B = ids.shape[0]
+    extras = {k: batch[k] for k in EXTRA_KEYS if batch.get(k) is not None}
+    mb = B if (mb is None or extras) else min(int(mb), B)  # multimodal inputs: one call, TRL slices them
+    slices = [(lo, min(lo + mb, B)) for lo in range(0, B, mb)]
+    loss_mask = batch["completion_mask"].long()
+    if batch.get("tool_mask") is not None:
+        loss_mask = loss_mask * batch["tool_mask"].long()
+    sel = loss_mask.bool() if batch.get("tool_mask") is None else batch["completion_mask"].bool()
+    advantages = torch.randn(B, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(device)
+    weights = (advantages, loss_mask.sum().clamp_min(1).float())
+    return _Setup(model, self_obj, stock_fn, T, ids, mask, P, loss_mask, sel, slices, weights, extras, aux,
+                  ga or len(slices))  # fmt: skip
+
+
+def _score_both(setup: _Setup, low: str | None, seed: int):
+    """Score the batch with stock TRL, with grpo_mem (micro-batch decisions recorded) and, in low precision, with
+    stock TRL in fp32. Returns (stock, ours, truth or None, decisions)."""
+
+    def score_with(fn, before_call=None, entropy_coef=None, after_call=None):
+        torch.manual_seed(seed)  # the same dropout draws, if any
+        return _score(fn, setup, entropy_coef, before_call, after_call)
+
+    stock = score_with(setup.stock_fn)
+    # grpo_mem: the patched method, on a private handle (nothing installed on a class or the trainer)
+    handle = PatchHandle(None, group_shuffle=False, log_metrics=False)
+    ours_fn = patched_logps_method(setup.stock_fn, handle)
+    session = handle.session(setup.self_obj)
+    prompt_ids, prompt_mask = setup.ids[:, : setup.P], setup.mask[:, : setup.P]
+    decisions = []
+
+    def before_call(i):
+        if i % setup.window == 0:
+            window = setup.slices[i : i + setup.window]
+            session.begin_window(setup.model, [prompt_ids[lo:hi] for lo, hi in window],
+                                 [prompt_mask[lo:hi] for lo, hi in window])  # fmt: skip
+
+    try:
+        ours = score_with(ours_fn, before_call, stock.entropy_coef, lambda: decisions.append(session.last_decision))
+    finally:
+        with contextlib.suppress(RuntimeError):
+            session.close_window()
+    truth = None
+    if low:
+        with _fp32(setup.model, setup.self_obj):
+            truth = score_with(setup.stock_fn, entropy_coef=stock.entropy_coef)
+    return stock, ours, truth, decisions
+
+
+def _fp32_failures(report, ours, stock, sel) -> list[str]:
+    """Bounds against stock TRL directly (fp32)."""
+    report.bounds = {k: f"<= {v:g}" for k, v in (("log-prob", FP32_VALUE_TOL), ("entropy", FP32_VALUE_TOL),
+                                                 ("gradient", FP32_GRAD_TOL))}  # fmt: skip
+    failures = []
+    for name, value, tol in (("log-prob", report.max_logp_diff, FP32_VALUE_TOL),
+                             ("entropy", report.max_entropy_diff, FP32_VALUE_TOL),
+                             ("gradient", max(report.grad_rel_diff, report.worst_param_rel_diff), FP32_GRAD_TOL)):  # fmt: skip
+        if not value <= tol:
+            failures.append(f"{name}: {value:.3e} > {tol:g}")
+    return failures
+
+
+def _low_precision_failures(report, ours, stock, truth, sel, common) -> list[str]:
+    """Bounds against a stock fp32 run (bf16/fp16): grpo_mem's error within stock's own."""
+    stat_bound = (f"ours rms, mean <= stock's + {BF16_STAT_TOL:g}; "
+                  f"max <= {BF16_MAX_FACTOR:g} x stock's + {BF16_STAT_TOL:g}")  # fmt: skip
+    report.bounds = {"log-prob": "-", "entropy": "-", "gradient": "-", "log-prob vs fp32": stat_bound,
+                     "entropy vs fp32": stat_bound,
+                     "gradient vs fp32": f"per param: ours <= stock's + {BF16_GRAD_TOL:g}"}  # fmt: skip
+    report.logp_vs_fp32, report.entropy_vs_fp32 = {}, {}
+    failures = []
+    for name, attr, out in (("log-prob", "logps", report.logp_vs_fp32),
+                            ("entropy", "entropies", report.entropy_vs_fp32)):  # fmt: skip
+        err_ours = (getattr(ours, attr) - getattr(truth, attr))[sel]
+        err_stock = (getattr(stock, attr) - getattr(truth, attr))[sel]
+        out["grpo_mem"], out["stock"] = error_stats(err_ours), error_stats(err_stock)
+        ok, why = within_stock_error(err_ours, err_stock)
+        if not ok:
+            failures.append(f"{name} vs fp32: {why}")
+    truth_grads = {n: truth.grads[n] for n in common if n in truth.grads}
+    rel_ours, _, _, per_ours = grad_errors(ours.grads, truth_grads)
+    rel_stock, _, _, per_stock = grad_errors(stock.grads, truth_grads)
+    ok, worst_p, excess = grad_within_stock_error(per_ours, per_stock)
+    report.grad_vs_fp32 = {"grpo_mem": rel_ours, "stock": rel_stock, "worst_param": worst_p, "worst_excess": excess}
+    if not (ok and rel_ours <= rel_stock + BF16_GRAD_TOL):
+        failures.append(
+            f"gradient vs fp32: {worst_p}: relative error {per_ours.get(worst_p, 0):.3e} vs stock's "
+            f"{per_stock.get(worst_p, 0):.3e} (+{BF16_GRAD_TOL:g} allowed); all params {rel_ours:.3e} vs "
+            f"{rel_stock:.3e}"
+        )
+    return failures
+
+
+def _compare(setup: _Setup, stock, ours, truth, low) -> VerifyReport:
+    """The report's differences and failures (paths are added by ``_micro_batch_paths``)."""
+    sel = setup.sel.to(stock.logps.device)
+    d_logp = (ours.logps - stock.logps)[sel]
+    d_ent = (ours.entropies - stock.entropies)[sel]
+    failures = []
+    only = sorted(set(ours.grads) ^ set(stock.grads))
+    if only:
+        failures.append(f"gradient: parameters with a gradient on one path only: {only[:5]}")
+    common = {n: stock.grads[n] for n in stock.grads if n in ours.grads}
+    rel, worst, worst_rel, _ = grad_errors(ours.grads, common)
+    report = VerifyReport(
+        passed=False, precision=low or "fp32", rows=setup.ids.shape[0], prompt_len=setup.P,
+        completion_len=setup.loss_mask.shape[1], max_logp_diff=error_stats(d_logp)["max"],
+        max_entropy_diff=error_stats(d_ent)["max"], grad_rel_diff=rel, worst_param=worst,
+        worst_param_rel_diff=worst_rel, bounds={}, micro_batches=[], failures=failures,
+    )  # fmt: skip
+    if low:
+        failures += _low_precision_failures(report, ours, stock, truth, sel, common)
+    else:
+        failures += _fp32_failures(report, ours, stock, sel)
+    return report
+
+
+def _micro_batch_paths(setup: _Setup, decisions) -> list[MicroBatchPath]:
+    """Per micro-batch, the path its decision took and why (or what it shared)."""
+    groupings = [PromptGrouping.of(setup.ids[lo:hi, : setup.P], setup.mask[lo:hi, : setup.P]) for lo, hi in setup.slices]
+    paths = []
+    for i, ((lo, hi), decision) in enumerate(zip(setup.slices, decisions)):
+        unique = int(groupings[i].first.numel())
+        if decision.path == "stock":
+            paths.append(MicroBatchPath(i, hi - lo, unique, "stock fallback", decision.cause))
+            continue
+        w0 = i - i % setup.window
+        mine = set(groupings[i].keys)
+        shared = [j for j in range(w0, min(w0 + setup.window, len(setup.slices))) if j != i and mine & set(groupings[j].keys)]
+        detail = (f"{decision.path} sharing, {unique} prompt{'s' if unique != 1 else ''} for {hi - lo} rows; "
+                  f"{decision.backbone_tokens} backbone tokens vs stock's {decision.stock_tokens}")  # fmt: skip
+        if shared:
+            detail += f"; prompt pass shared with micro-batch(es) {shared}"
+        paths.append(MicroBatchPath(i, hi - lo, unique, "prompt-once", detail))
+    return paths
 
 
 def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, micro_batch_size: int | None = None,
@@ -504,164 +685,32 @@ def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, mic
         VerificationError: with ``raise_on_mismatch`` and a failed bound.
     """
     start = time.perf_counter()
-    is_trainer = hasattr(trainer_or_model, "accelerator") and hasattr(trainer_or_model, "model")
-    model = trainer_or_model.model if is_trainer else trainer_or_model
+    model = trainer_or_model.model if _is_trainer(trainer_or_model) else trainer_or_model
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"verify takes a TRL trainer or a torch model, got {type(trainer_or_model).__name__}")
-    if batch is None and not is_trainer:
+    if batch is None and not _is_trainer(trainer_or_model):
         raise ValueError("verify needs a batch when given a model (a dict with prompt_ids, prompt_mask, ...)")
     if micro_batch_size is not None and not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
     if batch is not None:
         _check_batch(batch)
-    if is_trainer:
-        self_obj = trainer_or_model
-        stock_fn = _stock_method(trainer_or_model)
-        T = float(trainer_or_model.temperature)
-        mb = micro_batch_size or trainer_or_model.args.per_device_train_batch_size
-        ga = trainer_or_model.args.gradient_accumulation_steps
-        aux = bool(getattr(trainer_or_model, "aux_loss_enabled", False))
-    else:
-        import trl
-
-        T = 1.0 if temperature is None else float(temperature)
-        self_obj = _Scorer(model, T)
-        stock_fn = _stock_method(trl.GRPOTrainer)
-        mb, ga, aux = micro_batch_size, None, False
-
-    causal_lm = unwrap_causal_lm(model)
-    device = next(model.parameters()).device
     with _preserved(model):
-        if not is_trainer and not _has_fused_head(causal_lm):
-            with contextlib.suppress(ImportError):  # TRL releases without a fused head score logits themselves
-                from trl.trainer.utils import add_fused_lm_head
-
-                add_fused_lm_head(causal_lm, temperature=T, outputs=("log_probs", "entropy"))
-        model.train()
-        if batch is None:
-            batch = _check_batch(_trainer_batch(trainer_or_model))
-        batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).long()
-        P, C = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
-        validate_inputs(ids, mask, C, T)
-        B = ids.shape[0]
-        extras = {k: batch[k] for k in EXTRA_KEYS if batch.get(k) is not None}
-        mb = B if (mb is None or extras) else min(int(mb), B)  # multimodal inputs: one call, TRL slices them
-        slices = [(lo, min(lo + mb, B)) for lo in range(0, B, mb)]
-        loss_mask = batch["completion_mask"].long()
-        if batch.get("tool_mask") is not None:
-            loss_mask = loss_mask * batch["tool_mask"].long()
-        g = torch.Generator().manual_seed(seed)
-        advantages = torch.randn(B, generator=g, dtype=torch.float32).to(device)
-        weights = (advantages, loss_mask.sum().clamp_min(1).float())
-
-        def score_with(fn, before_call=None, paths=None, entropy_coef=None):
-            torch.manual_seed(seed)  # the same dropout draws, if any
-            return _score(fn, self_obj, model, ids, mask, loss_mask, slices, weights, extras, aux, entropy_coef,
-                          before_call, paths)  # fmt: skip
-
-        # stock TRL
-        stock = score_with(stock_fn)
-        # grpo_mem: the patched method, on a private handle (nothing installed on a class or the trainer)
-        handle = PatchHandle(None, group_shuffle=False)
-        ours_fn = _make_logps(stock_fn, handle)
-        session = SharingSession()
-        handle.sessions[self_obj] = session
-        windows = ga or len(slices)
-        prompt_ids, prompt_mask = ids[:, :P], mask[:, :P]
-
-        def before_call(i):
-            if i % windows == 0:
-                window = slices[i : i + windows]
-                session.begin_window(model, [prompt_ids[lo:hi] for lo, hi in window],
-                                     [prompt_mask[lo:hi] for lo, hi in window])  # fmt: skip
-            handle._planned[self_obj] = slices[i][1] - slices[i][0]
-
-        causes = []
-        try:
-            ours = score_with(ours_fn, before_call, causes, stock.entropy_coef)
-        finally:
-            with contextlib.suppress(RuntimeError):
-                session.close_window()
-        low = _low_precision(model, trainer_or_model if is_trainer else None)
-        truth = None
-        if low:
-            with _fp32(model, self_obj):
-                truth = score_with(stock_fn, entropy_coef=stock.entropy_coef)
-    # ---- compare
-    sel = loss_mask.bool() if batch.get("tool_mask") is None else batch["completion_mask"].bool()
-    sel = sel.to(stock.logps.device)
-    d_logp = (ours.logps - stock.logps)[sel]
-    d_ent = (ours.entropies - stock.entropies)[sel]
-    failures = []
-    only = sorted(set(ours.grads) ^ set(stock.grads))
-    if only:
-        failures.append(f"gradient: parameters with a gradient on one path only: {only[:5]}")
-    common = {n: stock.grads[n] for n in stock.grads if n in ours.grads}
-    rel, worst, worst_rel, _ = grad_errors(ours.grads, common)
-    report = VerifyReport(
-        passed=False, precision=low or "fp32", rows=B, prompt_len=P, completion_len=C,
-        max_logp_diff=error_stats(d_logp)["max"], max_entropy_diff=error_stats(d_ent)["max"], grad_rel_diff=rel,
-        worst_param=worst, worst_param_rel_diff=worst_rel, bounds={}, micro_batches=[], failures=failures,
-    )  # fmt: skip
-    if not low:
-        report.bounds = {k: f"<= {v:g}" for k, v in (("log-prob", FP32_VALUE_TOL), ("entropy", FP32_VALUE_TOL),
-                                                     ("gradient", FP32_GRAD_TOL))}  # fmt: skip
-        for name, value, tol in (("log-prob", report.max_logp_diff, FP32_VALUE_TOL),
-                                 ("entropy", report.max_entropy_diff, FP32_VALUE_TOL),
-                                 ("gradient", max(rel, worst_rel), FP32_GRAD_TOL)):  # fmt: skip
-            if not value <= tol:
-                failures.append(f"{name}: {value:.3e} > {tol:g}")
-    else:
-        stat_bound = (f"ours rms, mean <= stock's + {BF16_STAT_TOL:g}; "
-                      f"max <= {BF16_MAX_FACTOR:g} x stock's + {BF16_STAT_TOL:g}")  # fmt: skip
-        report.bounds = {"log-prob": "-", "entropy": "-", "gradient": "-", "log-prob vs fp32": stat_bound,
-                         "entropy vs fp32": stat_bound,
-                         "gradient vs fp32": f"per param: ours <= stock's + {BF16_GRAD_TOL:g}"}  # fmt: skip
-        report.logp_vs_fp32, report.entropy_vs_fp32 = {}, {}
-        for name, attr, out in (("log-prob", "logps", report.logp_vs_fp32),
-                                ("entropy", "entropies", report.entropy_vs_fp32)):  # fmt: skip
-            err_ours = (getattr(ours, attr) - getattr(truth, attr))[sel]
-            err_stock = (getattr(stock, attr) - getattr(truth, attr))[sel]
-            out["grpo_mem"], out["stock"] = error_stats(err_ours), error_stats(err_stock)
-            ok, why = within_stock_error(err_ours, err_stock)
-            if not ok:
-                failures.append(f"{name} vs fp32: {why}")
-        truth_grads = {n: truth.grads[n] for n in common if n in truth.grads}
-        rel_ours, _, _, per_ours = grad_errors(ours.grads, truth_grads)
-        rel_stock, _, _, per_stock = grad_errors(stock.grads, truth_grads)
-        ok, worst_p, excess = grad_within_stock_error(per_ours, per_stock)
-        report.grad_vs_fp32 = {"grpo_mem": rel_ours, "stock": rel_stock, "worst_param": worst_p,
-                               "worst_excess": excess}  # fmt: skip
-        if not (ok and rel_ours <= rel_stock + BF16_GRAD_TOL):
-            failures.append(
-                f"gradient vs fp32: {worst_p}: relative error {per_ours.get(worst_p, 0):.3e} vs stock's "
-                f"{per_stock.get(worst_p, 0):.3e} (+{BF16_GRAD_TOL:g} allowed); all params {rel_ours:.3e} vs "
-                f"{rel_stock:.3e}"
-            )
-    plan_keys = [prompt_keys(prompt_ids[lo:hi], prompt_mask[lo:hi]) for lo, hi in slices]
-    for i, ((lo, hi), why) in enumerate(zip(slices, causes)):
-        first, _ = find_groups(prompt_ids[lo:hi], prompt_mask[lo:hi])
-        if why:
-            path, detail = "stock fallback", "; ".join(dict.fromkeys(why))
-        else:
-            w0 = i - i % (ga or len(slices))
-            window = range(w0, min(w0 + (ga or len(slices)), len(slices)))
-            mine = set(plan_keys[i])
-            shared = [j for j in window if j != i and mine & set(plan_keys[j])]
-            path = "prompt-once"
-            detail = f"{first.numel()} prompt pass{'es' if first.numel() != 1 else ''} for {hi - lo} rows"
-            if shared:
-                detail += f"; prompt pass shared with micro-batch(es) {shared}"
-        report.micro_batches.append(MicroBatchPath(i, hi - lo, int(first.numel()), path, detail))
-    report.passed = not failures
+        setup = _setup(trainer_or_model, batch, micro_batch_size, temperature, seed)
+        low = _low_precision(model, trainer_or_model if _is_trainer(trainer_or_model) else None)
+        stock, ours, truth, decisions = _score_both(setup, low, seed)
+    report = _compare(setup, stock, ours, truth, low)
+    report.micro_batches = _micro_batch_paths(setup, decisions)
+    report.passed = not report.failures
     report.seconds = time.perf_counter() - start
     if print_report:
         print(report)
     if raise_on_mismatch and not report.passed:
         raise VerificationError(report)
     return report
+
+
+def _is_trainer(obj) -> bool:
+    return hasattr(obj, "accelerator") and hasattr(obj, "model")
 
 
 def _low_precision(model, trainer) -> str | None:

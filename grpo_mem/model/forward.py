@@ -1,0 +1,179 @@
+"""The model-forward plumbing of grpo_mem: the options of one scoring call, input checks, and the pass-through forward
+through which every grpo_mem computation runs inside one call of the (possibly wrapped) model.
+
+Running inside the model's forward matters: DDP, DeepSpeed and FSDP hooks of a wrapping module fire once per call, as
+they do for stock TRL, and accelerate's mixed-precision autocast applies. The computation itself (a ``Window``'s
+micro-batch, or the full-sequence fallback) travels as a string token naming it in a registry of this module, since
+FSDP2's root pre-forward hook rebuilds containers it finds in kwargs. This module knows transformers, not TRL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import types
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import ModelOutput
+
+from . import attention_hook as attn_hook
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """Non-tensor options of one scoring call (``shared_prompt_logprobs``' arguments)."""
+
+    logits_to_keep: int
+    temperature: float = 1.0
+    compute_entropy: bool = False
+    cast_lm_head_to_fp32: bool = False
+
+
+@dataclass
+class LogprobsOutput(ModelOutput):
+    """log_probs, entropy: (B, C) fp32, zero where the completion mask is 0 (entropy None unless asked)."""
+
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> None:
+    """Raise ``ValueError``/``TypeError`` for inputs stock TRL would score wrongly or not at all."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D (B, P+C) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(getattr(attention_mask, 'shape', ()))} does not match input_ids shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise TypeError(f"logits_to_keep must be an int, got {logits_to_keep!r}")
+    if not 0 < logits_to_keep < input_ids.shape[1]:
+        raise ValueError(
+            f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}] (sequence length {input_ids.shape[1]}), "
+            f"got {logits_to_keep}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    prompt_mask = attention_mask[:, : input_ids.shape[1] - logits_to_keep].bool()
+    right_padded = (prompt_mask[:, :-1] & ~prompt_mask[:, 1:]).any(dim=1)
+    if bool(right_padded.any()):
+        rows = right_padded.nonzero().flatten().tolist()
+        raise ValueError(
+            f"prompts must be left-padded (a 1 in the prompt mask followed by a 0), rows {rows[:8]} are not"
+        )
+
+
+_FORWARD_MARK = "_grpo_mem_previous_forward"
+
+
+def _autocasts_of(fn, depth: int = 0) -> list:
+    """The ``torch.autocast`` contexts that wrappers of ``fn`` enter around the model's own forward, outermost first.
+
+    accelerate's ``prepare`` (mixed precision) replaces an instance's forward by ``convert_outputs_to_fp32(
+    torch.autocast(...)(forward))``: the autocast instance sits in the decorator's closure, the inner forward behind
+    ``__wrapped__`` / ``model_forward``. Other wrappers are walked the same way; nothing is called.
+    """
+    if fn is None or depth > 16:
+        return []
+    if isinstance(fn, torch.autocast):
+        return [fn]
+    found = []
+    inner = [getattr(fn, "__func__", None), getattr(fn, "__wrapped__", None), getattr(fn, "model_forward", None)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # empty cell
+            continue
+    for obj in inner:
+        if obj is not None and (callable(obj) or isinstance(obj, torch.autocast)):
+            found += _autocasts_of(obj, depth + 1)
+    return found
+
+
+def install_forward(causal_lm) -> None:
+    """Give ``causal_lm`` a forward that also accepts ``grpo_mem=token`` (a token from ``run_in_forward``);
+    idempotent.
+
+    Without that kwarg the model's previous forward (TRL's fused head, if installed) runs unchanged. With it, the named
+    computation runs inside the forward call, under the autocast the previous forward was wrapped in (accelerate's
+    mixed precision), so grpo_mem and the stock path compute in the same precision.
+    """
+    if _FORWARD_MARK in causal_lm.__dict__:
+        return
+    previous = causal_lm.__dict__.get("forward")
+    inner_forward = causal_lm.forward
+    autocasts = [(a.device, a.fast_dtype, a._enabled, a._cache_enabled) for a in _autocasts_of(previous)]
+
+    @functools.wraps(type(causal_lm).forward)
+    def forward(self, *args, grpo_mem: str | None = None, **kwargs):
+        if grpo_mem is None:
+            return inner_forward(*args, **kwargs)
+        compute = _CALLS.get(grpo_mem)
+        if compute is None:
+            raise RuntimeError(f"grpo_mem: unknown or finished computation {grpo_mem!r}")
+        with contextlib.ExitStack() as stack:
+            for device, dtype, enabled, cache in autocasts:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            logps, entropy = compute(self, kwargs["input_ids"], kwargs["attention_mask"])
+        return LogprobsOutput(log_probs=logps, entropy=entropy)
+
+    causal_lm.forward = types.MethodType(forward, causal_lm)
+    causal_lm.__dict__[_FORWARD_MARK] = previous
+
+
+class _Call:
+    """A computation run inside the model's forward: ``fn(causal_lm, input_ids, attention_mask)`` -> (log-probs,
+    entropies | None), with the inputs as the model's wrappers handed them on."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, causal_lm, input_ids, attention_mask):
+        return self.fn(causal_lm, input_ids, attention_mask)
+
+
+_CALLS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_CALL_IDS = itertools.count()
+
+
+def run_in_forward(model, causal_lm, fn, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``fn(causal_lm, input_ids, attention_mask)`` inside one call of ``model`` (the wrapper around
+    ``causal_lm``, or ``causal_lm`` itself)."""
+    install_forward(causal_lm)
+    call = _Call(fn)
+    token = f"grpo_mem:call:{next(_CALL_IDS)}"
+    _CALLS[token] = call
+    out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=token)
+    return out.log_probs, out.entropy
+
+
+def installed(causal_lm) -> bool:
+    """Whether ``install_forward`` gave ``causal_lm`` grpo_mem's forward."""
+    return _FORWARD_MARK in causal_lm.__dict__
+
+
+def own_forward(causal_lm):
+    """The instance forward ``causal_lm`` has of its own (e.g. TRL's fused head), past grpo_mem's; None if none."""
+    if installed(causal_lm):
+        return causal_lm.__dict__[_FORWARD_MARK]
+    return causal_lm.__dict__.get("forward")
+
+
+def restore(causal_lm, *, forward: bool = True) -> None:
+    """Undo ``install_forward`` (unless ``forward=False``) and the attention take-over on ``causal_lm``; no-op on an
+    untouched model."""
+    if forward and _FORWARD_MARK in causal_lm.__dict__:
+        previous = causal_lm.__dict__.pop(_FORWARD_MARK)
+        if previous is None:
+            causal_lm.__dict__.pop("forward", None)
+        else:
+            causal_lm.forward = previous
+    impl = causal_lm.config._attn_implementation or ""
+    if impl.startswith(attn_hook.PREFIX):
+        attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
