@@ -8,7 +8,7 @@ import types
 from contextlib import nullcontext
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
 VOCAB = 101
 EOS = 3
@@ -219,6 +219,33 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="
     )  # fmt: skip
     handle = grpo_mem.patch_trl(trainer, group_shuffle=group_shuffle, sharing=sharing) if patch else None
     return trainer, handle
+
+
+class GradientRecorder(TrainerCallback):
+    """Every optimizer step's gradients (before the step) and learning rate (after it)."""
+
+    def __init__(self):
+        self.grads, self.lrs = [], []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def train_recorded(tmp_path, kind, patch, group_shuffle=False, **args):
+    """Train a ``make_trainer`` trainer (patched if ``patch``; reverted afterwards); returns it and its
+    ``GradientRecorder``."""
+    trainer, handle = make_trainer(kind, patch=patch, group_shuffle=group_shuffle, output_dir=tmp_path, **args)
+    record = GradientRecorder()
+    trainer.add_callback(record)
+    try:
+        trainer.train()
+    finally:
+        if handle is not None:
+            handle.revert()
+    return trainer, record
 
 
 def run_under_interpreter(test_file: str, select: str, expected_passed: int) -> None:

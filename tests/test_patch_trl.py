@@ -7,8 +7,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_close, assert_grads_close, make_batch, make_trainer
-from transformers import TrainerCallback
+from helpers import GradientRecorder, assert_close, assert_grads_close, make_batch, make_trainer, train_recorded
 
 import grpo_mem
 from grpo_mem.patches.checks import LOGPS_METHOD, PREPARE_METHOD
@@ -89,37 +88,14 @@ def test_bf16_autocast_loss_path_error_within_stock_error(tmp_path):
         assert rel_ours <= rel_stock + 1e-2, f"{name}: relative gradient error {rel_ours:.4f} vs stock {rel_stock:.4f}"
 
 
-class _Record(TrainerCallback):
-    def __init__(self):
-        self.grads, self.lrs = [], []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-        self.lrs.append(optimizer.param_groups[0]["lr"])
-
-
-def _train(tmp_path, kind, patch, group_shuffle=False, **args):
-    trainer, handle = make_trainer(kind, patch=patch, group_shuffle=group_shuffle, output_dir=tmp_path, **args)
-    record = _Record()
-    trainer.add_callback(record)
-    try:
-        trainer.train()
-    finally:
-        if handle is not None:
-            handle.revert()
-    return trainer, record
-
-
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_two_step_training_matches_stock(tmp_path, kind):
     args = dict(max_steps=2, gradient_accumulation_steps=2, num_iterations=2, lr_scheduler_type="cosine",
                 warmup_steps=1, beta=0.04, optim="sgd")  # fmt: skip
     # SGD: weights differ by lr x gradient difference; Adam's first step is ~lr x sign(grad), which turns rounding
     # noise in near-zero gradient entries into lr-sized weight differences. Gradients are compared at every step.
-    stock, stock_rec = _train(tmp_path / "stock", kind, patch=False, **args)
-    ours, ours_rec = _train(tmp_path / "ours", kind, patch=True, **args)
+    stock, stock_rec = train_recorded(tmp_path / "stock", kind, patch=False, **args)
+    ours, ours_rec = train_recorded(tmp_path / "ours", kind, patch=True, **args)
     assert ours.state.global_step == stock.state.global_step == 2
     assert ours_rec.lrs == stock_rec.lrs and len(ours_rec.lrs) == 2
     assert [h.get("epoch") for h in ours.state.log_history] == [h.get("epoch") for h in stock.state.log_history]
@@ -135,8 +111,8 @@ def test_group_shuffle_keeps_rows_and_step_gradient(tmp_path, loss_type):
     """Whole groups per micro-batch; the optimizer step's gradient equals stock's row-shuffled one."""
     args = dict(max_steps=1, gradient_accumulation_steps=2, loss_type=loss_type)
     seen = []
-    stock, stock_rec = _train(tmp_path / "stock", "grpo", patch=False, **args)
-    ours, ours_rec = _train(tmp_path / "ours", "grpo", patch=True, group_shuffle=True, **args)
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
+    ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, group_shuffle=True, **args)
     for batch in ours._buffered_inputs:
         seen.append(batch)
         prompts = batch["prompt_ids"].masked_fill(batch["prompt_mask"] == 0, -1)
@@ -292,10 +268,10 @@ def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_devi
     the step's gradient equals stock TRL's (whose micro-batches each forward the full sequences)."""
     args = dict(max_steps=1, num_generations=8, per_device_train_batch_size=per_device,
                 gradient_accumulation_steps=8 // per_device, loss_type="dapo", beta=0.04)  # fmt: skip
-    stock, stock_rec = _train(tmp_path / "stock", "grpo", patch=False, **args)
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
 
     trainer, handle = make_trainer("grpo", patch=True, output_dir=tmp_path / "ours", **args)
-    record, widths = _Record(), []
+    record, widths = GradientRecorder(), []
     trainer.add_callback(record)
     embed = trainer.model.get_input_embeddings()
     hook = embed.register_forward_hook(

@@ -4,7 +4,9 @@ import warnings
 
 import pytest
 import torch
-from helpers import VOCAB, assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model
+from helpers import (
+    VOCAB, assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model, train_recorded,
+)  # fmt: skip
 
 import grpo_mem
 from grpo_mem.model import window as window_module
@@ -206,14 +208,13 @@ def test_patched_training_with_a_system_prompt_matches_stock(tmp_path, monkeypat
     """Three optimizer steps of 4 micro-batches, each holding half a group of one of the step's 2 prompts: the system
     prompt is forwarded once per step, and the weights after training equal stock TRL's."""
     from helpers import PROMPTS
-    from test_patch_trl import _train
 
     prompts = [SYSTEM_TEXT + p for p in PROMPTS]
     args = dict(max_steps=3, gradient_accumulation_steps=4, per_device_train_batch_size=2, num_generations=4,
                 optim="sgd", beta=0.04, prompts=prompts)  # fmt: skip
-    stock, stock_rec = _train(tmp_path / "stock", kind, patch=False, **args)
+    stock, stock_rec = train_recorded(tmp_path / "stock", kind, patch=False, **args)
     count = _CountPasses(monkeypatch)
-    ours, ours_rec = _train(tmp_path / "ours", kind, patch=True, group_shuffle=True, **args)
+    ours, ours_rec = train_recorded(tmp_path / "ours", kind, patch=True, group_shuffle=True, **args)
     assert ours.state.global_step == stock.state.global_step == 3
     # one optimizer step = one window: the system prompt once, each prompt's own part once
     assert sum(p.count(len(SYSTEM_TEXT)) for p in count.passes) == 3, count.passes
