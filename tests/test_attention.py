@@ -9,8 +9,8 @@ from helpers import run_under_interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_mem.ops.attention import (
-    SharedPrefixAttentionFunction,
-    SharedPrefixAttentionParams,
+    MultiRegionAttentionFunction,
+    MultiRegionAttentionParams,
     shared_prefix_attention,
     shared_prefix_attention_ref,
 )
@@ -69,9 +69,10 @@ def check_fp32_against_truth(res, truth):
         assert_close("d" + n, res["d" + n], want, 1e-4 * max(want.abs().max().item(), 1e-6))
 
 
-def torch_path(*args, scale, chunk_elems=1 << 20):
-    return SharedPrefixAttentionFunction.apply(
-        *args, SharedPrefixAttentionParams(scale=scale, backend="torch", chunk_elems=chunk_elems))
+def torch_path(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, *, scale, chunk_elems=1 << 20):
+    """The torch backend with a chosen chunk size: the autograd Function with the one region."""
+    params = MultiRegionAttentionParams(scale=scale, backend="torch", chunk_elems=chunk_elems)
+    return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, prefix_k, prefix_v, prefix_index, prefix_mask)
 
 
 # (B, Hq, Hkv, C, P, d, prefix_index, prompt_lens, completion_lens)
@@ -506,11 +507,13 @@ class _LaunchRecorder:
 
 def _run_triton_launchers(t, pi, pm, km, go, scale=0.125):
     """Call the Triton forward and backward launchers directly (no backend check), as the autograd node does."""
-    from grpo_mem.ops.attention_triton import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+    from grpo_mem.ops.attention import BACKENDS
 
-    args = [t[n] for n in GRAD_NAMES] + [pi, pm, km]
-    out, lse = shared_prefix_attention_fwd(*args, scale)
-    return shared_prefix_attention_bwd(go, *args, out, lse, scale)
+    fwd, bwd = BACKENDS["triton"]
+    params = MultiRegionAttentionParams(scale=scale, backend="triton")
+    regions = [(t["prefix_k"], t["prefix_v"], pi, pm)]
+    out, lse = fwd(t["q"], t["k"], t["v"], regions, km, params)
+    return bwd(go, t["q"], t["k"], t["v"], regions, km, out, lse, params)
 
 
 def test_launch_device_helper():

@@ -365,8 +365,10 @@ def test_triton_launches_per_region(monkeypatch, n_regions):
     """One forward and one dQ launch per region (one without regions); with one region exactly the shared-prefix
     launches; per region one dK/dV launch (and its in-order reduction when split). A row with index −1 runs no key
     tile of that region: its programs find an empty span (checked under the interpreter by the cases above)."""
-    from grpo_mem.ops.attention_triton import multi_region_attention_bwd, multi_region_attention_fwd
+    from grpo_mem.ops.attention import BACKENDS
 
+    fwd, bwd = BACKENDS["triton"]
+    params = MultiRegionAttentionParams(scale=0.1, backend="triton")
     rec = _LaunchRecorder(monkeypatch)
     B, Hq, Hkv, C, S, d = 8, 12, 2, 1024, 256, 128
     meta = dict(device="meta", dtype=torch.bfloat16)
@@ -376,8 +378,8 @@ def test_triton_launches_per_region(monkeypatch, n_regions):
                 torch.zeros(B, dtype=torch.int64, device="meta"), torch.empty(2, S, dtype=torch.bool, device="meta"))
                for _ in range(n_regions)]
     km = torch.empty(B, C, dtype=torch.bool, device="meta")
-    out, lse = multi_region_attention_fwd(q, k, v, regions, km, 0.1)
-    multi_region_attention_bwd(out, q, k, v, regions, km, out, lse, 0.1)
+    out, lse = fwd(q, k, v, regions, km, params)
+    bwd(out, q, k, v, regions, km, out, lse, params)
     names = [name for name, _, _ in rec.launches]
     region_bwd = ["bwd_dkdv_prefix", "bwd_prefix_reduce"] * n_regions
     assert names == ["fwd"] * max(1, n_regions) + ["bwd_delta"] + ["bwd_dq"] * max(1, n_regions) + \

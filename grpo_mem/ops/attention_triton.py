@@ -1,4 +1,4 @@
-"""Triton kernels for multi-region attention (and its two-region case, shared-prefix attention): forward, and a
+"""Triton kernels for multi-region attention (shared-prefix attention is its one-region call): forward, and a
 three-kernel backward.
 
 Same op as :func:`grpo_mem.ops.attention.multi_region_attention` (see there for the semantics). Layout of the work:
@@ -40,8 +40,6 @@ from ._device import launch_device
 __all__ = [
     "multi_region_attention_fwd",
     "multi_region_attention_bwd",
-    "shared_prefix_attention_fwd",
-    "shared_prefix_attention_bwd",
     "block_config",
     "prefix_dkdv_grid",
     "head_dim_tiles",
@@ -804,9 +802,10 @@ def _launch_plan(regions):
     return [(True, i == R - 1, i > 0) for i in range(R)]
 
 
-def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
+def multi_region_attention_fwd(q, k, v, regions, key_mask, params):
     """Launch the forward kernel, once per region (see ``_launch_plan``). Shapes as
-    :func:`grpo_mem.ops.attention.multi_region_attention` (validated there).
+    :func:`grpo_mem.ops.attention.multi_region_attention` (validated there); ``params.scale`` is the softmax scale
+    (``params`` a ``MultiRegionAttentionParams``).
 
     Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
     value is read back to the host. With two regions or more, the partial result between launches is a normalised
@@ -844,7 +843,7 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
         _launch("fwd", grid, (
             q, k, v, rk, rv, index, span, mask, kmask, dst, lse, partial,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
-            *dst.stride()[:3], float(scale), C, c_pad, rk.shape[2], Hkv,
+            *dst.stride()[:3], float(params.scale), C, c_pad, rk.shape[2], Hkv,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, HAS_REGION=has_region, HAS_OWN=has_own,
             HAS_PREV=has_prev, **meta)  # fmt: skip
     return out, lse
@@ -879,7 +878,7 @@ def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, sca
     return drk, drv
 
 
-def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale):
+def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
     """Launch the backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d).
 
     Returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])`` in the dtypes of q, k, v and each region's K/V (fp32
@@ -925,30 +924,15 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale
         dst = dq if has_own else partial
         _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
             q, k, v, rk, rv, index, span, mask, kmask, dout, lse, delta, dst, partial,
-            *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(scale), C, c_pad,
-            rk.shape[2], Hkv,
+            *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(params.scale), C,
+            c_pad, rk.shape[2], Hkv,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, HAS_REGION=has_region, HAS_OWN=has_own,
             HAS_PREV=has_prev, **meta)  # fmt: skip
     meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
     _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
         q, k, v, kmask, dout, lse, delta, dk, dv,
-        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(scale), C, c_pad, Hkv,
+        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(params.scale), C, c_pad, Hkv,
     ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
-    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, scale, interpret)
+    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, params.scale, interpret)
                 for rk, rv, index, span, mask in (args if regions else [])]
     return dq, dk, dv, dregions
-
-
-def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale):
-    """Forward of :func:`grpo_mem.ops.attention.shared_prefix_attention`: :func:`multi_region_attention_fwd` with the
-    one region ``(prefix_k, prefix_v, prefix_index, prefix_mask)`` (one launch)."""
-    return multi_region_attention_fwd(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale)
-
-
-def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse,
-                                scale):
-    """Backward of :func:`shared_prefix_attention_fwd`: ``(dq, dk, dv, dprefix_k, dprefix_v)`` (see
-    :func:`multi_region_attention_bwd`)."""
-    dq, dk, dv, ((dpk, dpv),) = multi_region_attention_bwd(dout, q, k, v, [(prefix_k, prefix_v, prefix_index,
-                                                                             prefix_mask)], key_mask, out, lse, scale)
-    return dq, dk, dv, dpk, dpv
