@@ -164,6 +164,19 @@ def _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DI
 
 
 @triton.jit
+def _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One tile of a shared region's entry from key ``n0``: K/V and the visibility of its keys to every query (the
+    entry's key mask, as a (1, BLOCK_N) row)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < S
+    k0, k1, v0, v1 = _load_kv(RK_BASE, RV_BASE, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                              EMULATE_BF16)
+    real = tl.load(RM_BASE + offs_n, mask=n_ok, other=0) != 0
+    return k0, k1, v0, v1, real[None, :]
+
+
+@triton.jit
 def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1: tl.constexpr,
               EMULATE_BF16: tl.constexpr):
     """One key tile of the online softmax (FlashAttention-2 forward, log2 units), scores kept where ``visible``:
@@ -261,12 +274,9 @@ def _mra_fwd_kernel(
         rv_base = RV + u * stride_rvu + h * stride_rvh
         rm_base = RMASK + u * S
         for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < S
-            k0, k1, v0, v1 = _load_kv(rk_base, rv_base, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
-                                      BLOCK_D1, EMULATE_BF16)
-            real = tl.load(rm_base + offs_n, mask=n_ok, other=0) != 0
-            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, real[None, :], m_i, l_i, acc0, acc1, qk_scale,
+            k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
+                                                   BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
                                              BLOCK_D1, EMULATE_BF16)
 
     if HAS_OWN:  # the row's own keys, causal (up to the largest query position in this block)
@@ -371,12 +381,9 @@ def _mra_bwd_dq_kernel(
         rv_base = RV + u * stride_rvu + h * stride_rvh
         rm_base = RMASK + u * S
         for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < S
-            k0, k1, v0, v1 = _load_kv(rk_base, rv_base, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
-                                      BLOCK_D1, EMULATE_BF16)
-            real = tl.load(rm_base + offs_n, mask=n_ok, other=0) != 0
-            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, real[None, :], lse2, delta, dq0, dq1, qk_scale,
+            k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
+                                                   BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
                                 BLOCK_D1, EMULATE_BF16)
 
     if HAS_OWN:
