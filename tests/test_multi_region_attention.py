@@ -168,6 +168,19 @@ def test_one_region_equals_shared_prefix_attention(backend):
         assert torch.equal(a[n], b[n]), n
 
 
+def test_backend_tables_agree():
+    """Every op's preference table (``_backends.TABLE``, read by ``resolve``) names exactly the backends of its
+    (forward, backward) table, so ``resolve`` never returns a backend the op cannot run."""
+    from grpo_mem.ops import attention, logprobs
+    from grpo_mem.ops._backends import TABLE
+
+    tables = {"multi_region_attention": attention.BACKENDS, "linear_logprobs": logprobs.LINEAR_BACKENDS,
+              "selective_log_softmax": logprobs.SLS_BACKENDS}
+    assert set(TABLE) == set(tables)
+    for op, backends in tables.items():
+        assert sorted(name for name, _ in TABLE[op]) == sorted(backends), op
+
+
 def test_no_region_is_causal_attention():
     """regions=[]: F.scaled_dot_product_attention with the causal-and-padding mask (GQA repeated by hand)."""
     B, Hq, Hkv, C, d, _, clens = CASES["r0_gqa2"]
