@@ -11,6 +11,10 @@
 //
 // Built with -mavx2 -mfma and CPU_CAPABILITY=AVX2 (setup.py); grpo_mem/ops/_ext.py only loads it on CPUs torch
 // reports as AVX2 or AVX512 capable.
+//
+// The ops are registered with the dispatcher as torch.ops.grpo_mem.* (TORCH_LIBRARY below, CPU kernels here; their
+// fake/meta kernels are registered from Python in grpo_mem/ops/logprobs.py), so torch.compile and FakeTensor see
+// them. Tile sizes are arguments of every op: the one tile policy is grpo_mem.ops.logprobs._cpp_blocks.
 
 #include <torch/extension.h>
 
@@ -20,6 +24,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -29,10 +34,6 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Default tile shape (the Python side passes its own, grpo_mem.ops.logprobs.CPP_BLOCK_N / CPP_BLOCK_V); the column
-// block also bounds the row buffer of selective_log_softmax.
-constexpr int64_t BLOCK_N = 2048;
-constexpr int64_t BLOCK_V = 1024;
 // rows per parallel task in the elementwise passes
 constexpr int64_t ROW_GRAIN = 16;
 
@@ -201,8 +202,10 @@ inline void gemm_tile(Tensor& tile, const Tensor& h, const Tensor& w, const c10:
   }
 }
 
-std::vector<Tensor> finish(const Tensor& m, const Tensor& s, const Tensor& sz, const Tensor& zy, const Tensor& target,
-                           bool want_entropy) {
+using Three = std::tuple<Tensor, Tensor, Tensor>;
+
+Three finish(const Tensor& m, const Tensor& s, const Tensor& sz, const Tensor& zy, const Tensor& target,
+             bool want_entropy) {
   Tensor valid = target.ge(0);
   Tensor log_s = s.log();
   Tensor lse = m + log_s;
@@ -215,8 +218,8 @@ std::vector<Tensor> finish(const Tensor& m, const Tensor& s, const Tensor& sz, c
 }  // namespace
 
 // Forward. hidden (N, H), weight (V, H) same float dtype; bias (V,) or None; target (N,) int64 with -1 = ignored.
-// Returns [logp (N,), entropy (N,) or empty, lse (N,)], fp32.
-std::vector<Tensor> linear_logprobs_fwd(const Tensor& hidden, const Tensor& weight, const c10::optional<Tensor>& bias,
+// Returns (logp (N,), entropy (N,) or (0,), lse (N,)), fp32.
+Three linear_logprobs_fwd(const Tensor& hidden, const Tensor& weight, const c10::optional<Tensor>& bias,
                                         const Tensor& target, double scale, double cap, double inv_t, bool has_cap,
                                         bool want_entropy, int64_t block_n, int64_t block_v) {
   TORCH_CHECK(block_n > 0 && block_v > 0, "block sizes must be positive, got ", block_n, " x ", block_v);
@@ -261,9 +264,9 @@ std::vector<Tensor> linear_logprobs_fwd(const Tensor& hidden, const Tensor& weig
 
 // Backward. g_lp / g_ent: (N,) fp32 upstream gradients (zero on ignored rows) or None. Vocabulary blocks outer,
 // token blocks inner: each d_weight block is complete after its inner loop, so a non-fp32 weight needs only a
-// (block_v, H) fp32 accumulator; d_hidden accumulates in an (N, H) fp32 buffer. Returns [dh, dw, db] in the inputs'
-// dtypes (undefined where not requested).
-std::vector<Tensor> linear_logprobs_bwd(const Tensor& hidden, const Tensor& weight, const c10::optional<Tensor>& bias,
+// (block_v, H) fp32 accumulator; d_hidden accumulates in an (N, H) fp32 buffer. Returns (dh, dw, db) in the inputs'
+// dtypes ((0,) where not requested: the dispatcher takes no undefined tensor).
+Three linear_logprobs_bwd(const Tensor& hidden, const Tensor& weight, const c10::optional<Tensor>& bias,
                                         const Tensor& target, const Tensor& lse, const c10::optional<Tensor>& ent,
                                         const c10::optional<Tensor>& g_lp, const c10::optional<Tensor>& g_ent,
                                         double scale, double cap, double inv_t, bool has_cap, bool need_dh,
@@ -331,12 +334,14 @@ std::vector<Tensor> linear_logprobs_bwd(const Tensor& hidden, const Tensor& weig
     if (need_db) db.narrow(0, v0, c).copy_(dbb);
   }
   if (need_dh && hidden.scalar_type() != at::kFloat) dh = dh.to(hidden.scalar_type());
-  return {dh, dw, db};
+  auto none = [&](const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); };
+  return {none(dh, hidden), none(dw, weight), none(db, bias.has_value() ? *bias : weight)};
 }
 
-// selective_log_softmax forward over given logits (N, V) of any float dtype; rows folded in BLOCK_V column blocks.
-std::vector<Tensor> selective_log_softmax_fwd(const Tensor& logits, const Tensor& target, double inv_t,
-                                              bool want_entropy) {
+// selective_log_softmax forward over given logits (N, V) of any float dtype; rows folded in block_v column blocks.
+Three selective_log_softmax_fwd(const Tensor& logits, const Tensor& target, double inv_t, bool want_entropy,
+                                int64_t block_v) {
+  TORCH_CHECK(block_v > 0, "block_v must be positive, got ", block_v);
   check_cpu(logits, "logits");
   const int64_t N = logits.size(0), V = logits.size(1);
   const Head hd{1.f, 0.f, float(inv_t), false};
@@ -347,10 +352,10 @@ std::vector<Tensor> selective_log_softmax_fwd(const Tensor& logits, const Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "selective_log_softmax_fwd", [&] {
     const scalar_t* src = logits.data_ptr<scalar_t>();
     at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<float> row(std::min(V, BLOCK_V));
+      std::vector<float> row(std::min(V, block_v));
       for (int64_t i = r0; i < r1; ++i) {
-        for (int64_t v0 = 0; v0 < V; v0 += BLOCK_V) {
-          const int64_t c = std::min(V, v0 + BLOCK_V) - v0;
+        for (int64_t v0 = 0; v0 < V; v0 += block_v) {
+          const int64_t c = std::min(V, v0 + block_v) - v0;
           const scalar_t* x = src + i * V + v0;
           for (int64_t j = 0; j < c; ++j) row[j] = static_cast<float>(x[j]);
           const float zmax = transform_row(row.data(), c, hd);
@@ -367,7 +372,8 @@ std::vector<Tensor> selective_log_softmax_fwd(const Tensor& logits, const Tensor
 // selective_log_softmax backward: d_logits (N, V) in the dtype of `logits`.
 Tensor selective_log_softmax_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse,
                                  const c10::optional<Tensor>& ent, const c10::optional<Tensor>& g_lp,
-                                 const c10::optional<Tensor>& g_ent, double inv_t) {
+                                 const c10::optional<Tensor>& g_ent, double inv_t, int64_t block_v) {
+  TORCH_CHECK(block_v > 0, "block_v must be positive, got ", block_v);
   check_cpu(logits, "logits");
   const int64_t N = logits.size(0), V = logits.size(1);
   const Head hd{1.f, 0.f, float(inv_t), false};
@@ -381,10 +387,10 @@ Tensor selective_log_softmax_bwd(const Tensor& logits, const Tensor& target, con
     const scalar_t* src = logits.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<float> row(std::min(V, BLOCK_V));
+      std::vector<float> row(std::min(V, block_v));
       for (int64_t i = r0; i < r1; ++i) {
-        for (int64_t v0 = 0; v0 < V; v0 += BLOCK_V) {
-          const int64_t c = std::min(V, v0 + BLOCK_V) - v0;
+        for (int64_t v0 = 0; v0 < V; v0 += block_v) {
+          const int64_t c = std::min(V, v0 + block_v) - v0;
           const scalar_t* x = src + i * V + v0;
           for (int64_t j = 0; j < c; ++j) row[j] = static_cast<float>(x[j]);
           grad_row(row.data(), c, tgt[i] - v0, plse[i], pent ? pent[i] : 0.f, pglp ? pglp[i] : 0.f,
@@ -398,12 +404,26 @@ Tensor selective_log_softmax_bwd(const Tensor& logits, const Tensor& target, con
   return out;
 }
 
+TORCH_LIBRARY(grpo_mem, m) {
+  m.def("linear_logprobs_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, float scale, float cap, "
+        "float inv_t, bool has_cap, bool want_entropy, int block_n, int block_v) -> (Tensor, Tensor, Tensor)");
+  m.def("linear_logprobs_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor lse, Tensor? ent, "
+        "Tensor? g_lp, Tensor? g_ent, float scale, float cap, float inv_t, bool has_cap, bool need_dh, bool need_dw, "
+        "bool need_db, int block_n, int block_v) -> (Tensor, Tensor, Tensor)");
+  m.def("selective_log_softmax_fwd(Tensor logits, Tensor target, float inv_t, bool want_entropy, int block_v) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("selective_log_softmax_bwd(Tensor logits, Tensor target, Tensor lse, Tensor? ent, Tensor? g_lp, "
+        "Tensor? g_ent, float inv_t, int block_v) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(grpo_mem, CPU, m) {
+  m.impl("linear_logprobs_fwd", &linear_logprobs_fwd);
+  m.impl("linear_logprobs_bwd", &linear_logprobs_bwd);
+  m.impl("selective_log_softmax_fwd", &selective_log_softmax_fwd);
+  m.impl("selective_log_softmax_bwd", &selective_log_softmax_bwd);
+}
+
+// Importing grpo_mem._C registers the ops above; the module itself exposes nothing else.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.doc() = "grpo_mem C++ CPU kernels: fused selective log-softmax (see grpo_mem/ops/logprobs.py)";
-  mod.def("linear_logprobs_fwd", &linear_logprobs_fwd, "fused head forward -> [logp, entropy, lse]");
-  mod.def("linear_logprobs_bwd", &linear_logprobs_bwd, "fused head backward -> [d_hidden, d_weight, d_bias]");
-  mod.def("selective_log_softmax_fwd", &selective_log_softmax_fwd, "selective log-softmax forward");
-  mod.def("selective_log_softmax_bwd", &selective_log_softmax_bwd, "selective log-softmax backward");
-  mod.attr("BLOCK_N") = BLOCK_N;
-  mod.attr("BLOCK_V") = BLOCK_V;
+  mod.doc() = "grpo_mem C++ CPU kernels, registered as torch.ops.grpo_mem.* (see grpo_mem/ops/logprobs.py)";
 }

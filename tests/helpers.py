@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import types
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
 VOCAB = 101
@@ -148,14 +151,17 @@ def assert_grads_close(ours: dict, ref: dict, rel=1e-4):
 
 
 def assert_close(ours, ref, atol, what="values", mask=None):
-    """max |ours - ref| <= atol, over the positions where ``mask`` (same shape) is non-zero if given."""
-    err = (ours - ref).abs()
+    """max |ours - ref| <= atol (NaN fails), over the positions where ``mask`` (same shape) is non-zero if given; on
+    failure name the worst index and both values. The one comparison of the model and ops tests."""
+    ours_d, ref_d = ours.double(), ref.double()
+    err = (ours_d - ref_d).abs()
     if mask is not None:
         err = err.masked_fill(mask == 0, 0)
-    idx = int(err.argmax())
-    assert err.max() <= atol, (
-        f"{what}: max |diff| {err.max():.3e} at flat index {idx}: ours {ours.flatten()[idx]:.6g} ref "
-        f"{ref.flatten()[idx]:.6g}"
+    err = torch.nan_to_num(err, nan=float("inf"))
+    worst = int(err.argmax()) if err.numel() else 0
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
+    assert err.numel() == 0 or err.max() <= atol, (
+        f"{what}: max |diff| {err.max():.3e} > {atol:.1e} at {idx}: ours {ours_d[idx]:.8g} ref {ref_d[idx]:.8g}"
     )
 
 
@@ -266,3 +272,125 @@ def run_under_interpreter(test_file: str, select: str, expected_passed: int) -> 
     assert proc.returncode == 0, report
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert f"{expected_passed} passed" in tail and "skipped" not in tail and "failed" not in tail, report
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ops tests: attention inputs, Triton interpreter, recorded launches, host synchronisation
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _entry_masks(U, S, spec, g):
+    """(U, S) bool: ("right", lens) real keys first, ("left", lens) real keys last, ("junk", p) each key real with
+    probability p (padding anywhere), except in the last entry, which has no real key."""
+    kind, arg = spec
+    pos = torch.arange(S)[None, :]
+    if kind == "right":
+        return pos < torch.tensor(arg)[:, None]
+    if kind == "left":
+        return pos >= S - torch.tensor(arg)[:, None]
+    mask = torch.rand(U, S, generator=g) < arg
+    mask[-1] = False
+    return mask
+
+
+def attention_inputs(B, Hq, Hkv, C, d, regions, clens=None, dtype=torch.float32, seed=0):
+    """Random inputs of multi-region attention (shared-prefix attention: one region). ``regions``: list of
+    ``(U, S, index, mask spec)`` (see _entry_masks); padded key positions hold random junk. Drawn in fp64, then cast.
+    Returns (tensors {q, k, v, rk0, rv0, ...}, [(index, mask)] per region, key_mask or None, grad_out)."""
+    g = torch.Generator().manual_seed(seed)
+    t = {n: torch.randn(B, H, C, d, generator=g, dtype=torch.float64) for n, H in (("q", Hq), ("k", Hkv), ("v", Hkv))}
+    meta = []
+    for i, (U, S, index, spec) in enumerate(regions):
+        t[f"rk{i}"] = torch.randn(U, Hkv, S, d, generator=g, dtype=torch.float64)
+        t[f"rv{i}"] = torch.randn(U, Hkv, S, d, generator=g, dtype=torch.float64)
+        meta.append((torch.tensor(index, dtype=torch.int64), _entry_masks(U, S, spec, g)))
+    t = {n: x.to(dtype) for n, x in t.items()}
+    key_mask = None if clens is None else torch.arange(C)[None, :] < torch.tensor(clens)[:, None]
+    grad_out = torch.randn(B, Hq, C, d, generator=g, dtype=torch.float64).to(dtype)
+    return t, meta, key_mask, grad_out
+
+
+# Triton's interpreter works only if TRITON_INTERPRET=1 was set before triton's first import, which cannot be arranged
+# inside a shared pytest process (and would turn every other module's @triton.jit kernels into interpreted ones). The
+# tests marked `needs_interpreter` are therefore rerun in a fresh TRITON_INTERPRET=1 process by run_under_interpreter
+# (each Triton test module has one test that does it); in such a process they run directly.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETING, reason="run in a fresh TRITON_INTERPRET=1 process by its module's run_under_interpreter test")
+
+
+class FakeKernel:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` calls ``on_launch(name, grid, args,
+    kwargs)`` and runs nothing."""
+
+    def __init__(self, name, on_launch):
+        self.name, self.on_launch = name, on_launch
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.on_launch(self.name, grid, args, kwargs)
+
+
+def recording_launch_device(active):
+    """A stand-in for ``grpo_mem.ops._device.launch_device``: ``enter(tensor)`` is a context manager, and ``active``
+    (a list) holds the devices of the contexts entered and not yet left."""
+
+    @contextmanager
+    def enter(tensor):
+        active.append(tensor.device)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    return enter
+
+
+class LaunchRecorder:
+    """Replaces the kernels of ``grpo_mem.ops.attention_triton`` by FakeKernels and its ``launch_device`` by a recording
+    one: ``launches`` lists each launch's (kernel name, grid, devices of the launch_device contexts active then)."""
+
+    def __init__(self, monkeypatch):
+        from grpo_mem.ops import attention_triton as spa
+
+        self.active, self.launches = [], []
+        monkeypatch.setattr(spa, "launch_device", recording_launch_device(self.active), raising=False)
+        record = lambda name, grid, args, kwargs: self.launches.append((name, tuple(grid), list(self.active)))  # noqa: E731
+        monkeypatch.setattr(spa, "KERNELS", {n: FakeKernel(n, record) for n in spa.KERNELS})
+
+
+# aten ops that wait for the device on CUDA (they read a value back, or size their output from data)
+_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "masked_select", "bincount",
+             "unique_dim", "_unique", "_unique2", "unique_consecutive", "unique_dim_consecutive", "histc"}
+_ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+class HostSyncsAndCopies(TorchDispatchMode):
+    """Records, outside Triton's interpreter machinery, every aten op that synchronises with the device on CUDA
+    (``syncs``) and every op other than an allocation whose output holds ``big`` elements or more (``copies``: a copy
+    or temporary the size of an input)."""
+
+    def __init__(self, big):
+        super().__init__()
+        self.big, self.syncs, self.copies = big, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        frame = sys._getframe(1)
+        while frame is not None:  # the interpreter copies kernel arguments to "host" and back: not the launcher's ops
+            if "triton/runtime/interpreter" in frame.f_code.co_filename:
+                return out
+            frame = frame.f_back
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS or (name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
+                                 and func._overloadname == "Tensor"):
+            self.syncs.append(name)
+        if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            self.syncs.append("index with a bool mask")
+        if name not in _ALLOC_OPS:
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor)}
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                fresh = isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs  # not a view
+                if fresh and o.numel() >= self.big:
+                    self.copies.append((name, tuple(o.shape)))
+        return out

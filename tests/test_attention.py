@@ -1,16 +1,23 @@
 """Shared-prefix attention against naive full-sequence attention with the prompt K/V materialised per row."""
 
 import os
-import sys
 
 import pytest
 import torch
-from helpers import run_under_interpreter
+from helpers import (
+    INTERPRETING,
+    HostSyncsAndCopies,
+    LaunchRecorder,
+    assert_close,
+    attention_inputs,
+    needs_interpreter,
+    run_under_interpreter,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_mem.ops.attention import (
-    SharedPrefixAttentionFunction,
-    SharedPrefixAttentionParams,
+    MultiRegionAttentionFunction,
+    MultiRegionAttentionParams,
     shared_prefix_attention,
     shared_prefix_attention_ref,
 )
@@ -19,24 +26,13 @@ GRAD_NAMES = ("q", "k", "v", "prefix_k", "prefix_v")
 
 
 def make_inputs(B, Hq, Hkv, C, P, d, prefix_index, prompt_lens, completion_lens=None, dtype=torch.float32, seed=0):
-    """Random inputs; prompt u is left-padded to P with ``prompt_lens[u]`` real keys; padding holds random junk."""
-    g = torch.Generator().manual_seed(seed)
-    U = len(prompt_lens)
-    t = {
-        "q": torch.randn(B, Hq, C, d, generator=g, dtype=torch.float64),
-        "k": torch.randn(B, Hkv, C, d, generator=g, dtype=torch.float64),
-        "v": torch.randn(B, Hkv, C, d, generator=g, dtype=torch.float64),
-        "prefix_k": torch.randn(U, Hkv, P, d, generator=g, dtype=torch.float64),
-        "prefix_v": torch.randn(U, Hkv, P, d, generator=g, dtype=torch.float64),
-    }
-    t = {n: x.to(dtype) for n, x in t.items()}
-    prefix_index = torch.tensor(prefix_index, dtype=torch.int64)
-    prefix_mask = torch.arange(P)[None, :] >= (P - torch.tensor(prompt_lens))[:, None]
-    key_mask = None
-    if completion_lens is not None:
-        key_mask = torch.arange(C)[None, :] < torch.tensor(completion_lens)[:, None]
-    grad_out = torch.randn(B, Hq, C, d, generator=g, dtype=torch.float64).to(dtype)
-    return t, prefix_index, prefix_mask, key_mask, grad_out
+    """``attention_inputs`` with one region, named as shared_prefix_attention's arguments: prompt u is left-padded to P
+    with ``prompt_lens[u]`` real keys (padding holds random junk). Returns (tensors {q, k, v, prefix_k, prefix_v},
+    prefix_index, prefix_mask, key_mask, grad_out)."""
+    region = (len(prompt_lens), P, prefix_index, ("left", prompt_lens))
+    t, ((pi, pm),), km, go = attention_inputs(B, Hq, Hkv, C, d, [region], completion_lens, dtype, seed)
+    t["prefix_k"], t["prefix_v"] = t.pop("rk0"), t.pop("rv0")
+    return t, pi, pm, km, go
 
 
 def run(fn, tensors, prefix_index, prefix_mask, key_mask, grad_out, dtype=None, **kw):
@@ -49,29 +45,18 @@ def run(fn, tensors, prefix_index, prefix_mask, key_mask, grad_out, dtype=None, 
     return res
 
 
-def assert_close(name, got, want, atol):
-    """Elementwise |got − want| ≤ atol; on failure name the worst index and both values."""
-    got, want = got.double(), want.double()
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (got - want).abs()
-    worst = int(err.argmax())
-    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
-    assert err.max() <= atol, (
-        f"{name}: max |err| {err.max():.3e} > {atol:.1e} at {idx}: got {got[idx]:.8f}, want {want[idx]:.8f}"
-    )
-
-
 def check_fp32_against_truth(res, truth):
     """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient|."""
-    assert_close("out", res["out"], truth["out"], 1e-5)
+    assert_close(res["out"], truth["out"], 1e-5, "out")
     for n in GRAD_NAMES:
         want = truth["d" + n]
-        assert_close("d" + n, res["d" + n], want, 1e-4 * max(want.abs().max().item(), 1e-6))
+        assert_close(res["d" + n], want, 1e-4 * max(want.abs().max().item(), 1e-6), "d" + n)
 
 
-def torch_path(*args, scale, chunk_elems=1 << 20):
-    return SharedPrefixAttentionFunction.apply(
-        *args, SharedPrefixAttentionParams(scale=scale, backend="torch", chunk_elems=chunk_elems))
+def torch_path(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, *, scale, chunk_elems=1 << 20):
+    """The torch backend with a chosen chunk size: the autograd Function with the one region."""
+    params = MultiRegionAttentionParams(scale=scale, backend="torch", chunk_elems=chunk_elems)
+    return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, prefix_k, prefix_v, prefix_index, prefix_mask)
 
 
 # (B, Hq, Hkv, C, P, d, prefix_index, prompt_lens, completion_lens)
@@ -121,7 +106,7 @@ def test_public_api_fp64_is_exact():
     truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=0.11)
     res = run(shared_prefix_attention, t, pi, pm, km, go, scale=0.11)
     for n in truth:
-        assert_close(n, res[n], truth[n], 1e-12)
+        assert_close(res[n], truth[n], 1e-12, n)
 
 
 def test_prompt_gradient_is_sum_over_group():
@@ -137,7 +122,7 @@ def test_prompt_gradient_is_sum_over_group():
             r = run(shared_prefix_attention_ref, one, torch.zeros(1, dtype=torch.int64), pm[u:u + 1], None,
                     go[b:b + 1], scale=0.125)
             total += r["dprefix_k"][0]
-        assert_close(f"dprefix_k[{u}]", res["dprefix_k"][u], total, 1e-12)
+        assert_close(res["dprefix_k"][u], total, 1e-12, f"dprefix_k[{u}]")
 
 
 @pytest.mark.parametrize("fn", [shared_prefix_attention, shared_prefix_attention_ref])
@@ -262,45 +247,25 @@ TRITON_CASES = {
 }
 
 
-def _interpreter_ready():
-    from grpo_mem.ops._backends import triton_status
-
-    return triton_status(torch.device("cpu"))[0]
-
-
-# Triton's interpreter works only if TRITON_INTERPRET=1 was set before triton's first import, which cannot be arranged
-# inside a shared pytest process (and would turn every other module's @triton.jit kernels into interpreted ones).
-# test_triton_kernels_under_interpreter therefore reruns the tests marked `needs_interpreter` in a fresh
-# TRITON_INTERPRET=1 process; in a process that already has it they run directly.
-INTERPRETER_READY = _interpreter_ready()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETER_READY, reason="run in a TRITON_INTERPRET=1 subprocess by test_triton_kernels_under_interpreter")
-
-
-@pytest.fixture
-def interpret():
-    assert INTERPRETER_READY
-
-
 def triton_path(*args, scale):
     return shared_prefix_attention(*args, scale=scale, backend="triton")
 
 
 @pytest.mark.parametrize("case", list(TRITON_CASES))
 @needs_interpreter
-def test_triton_fp32_matches_torch_path(interpret, case):
+def test_triton_fp32_matches_torch_path(case):
     B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES[case]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=1)
     ref = run(torch_path, t, pi, pm, km, go, scale=d ** -0.5)
     res = run(triton_path, t, pi, pm, km, go, scale=d ** -0.5)
-    assert_close("out", res["out"], ref["out"], 1e-5)
+    assert_close(res["out"], ref["out"], 1e-5, "out")
     for n in GRAD_NAMES:
         want = ref["d" + n]
-        assert_close("d" + n, res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0))
+        assert_close(res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0), "d" + n)
 
 
 @needs_interpreter
-def test_triton_rows_without_visible_keys(interpret):
+def test_triton_rows_without_visible_keys():
     B, Hq, Hkv, C, P, d = 3, 2, 1, 4, 20, 64
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, [0, 1, 0], [0, 20], [4, 4, 4])
     km[0, 0] = False
@@ -309,12 +274,12 @@ def test_triton_rows_without_visible_keys(interpret):
     res = run(triton_path, t, pi, pm, km, go, scale=0.125)
     assert (res["out"][0, :, 0] == 0).all() and (res["out"][2, :, :2] == 0).all()
     for n in ref:
-        assert_close(n, res[n], ref[n], 1e-5)
+        assert_close(res[n], ref[n], 1e-5, n)
 
 
 @pytest.mark.parametrize("case", ["mixed_gqa4_d64", "g1_mha_d128", "gqa2_d96"])
 @needs_interpreter
-def test_triton_bf16_error_within_twice_naive(interpret, case):
+def test_triton_bf16_error_within_twice_naive(case):
     """bf16 kernel error against an fp32 truth ≤ 2 × the naive bf16 reference's error (max over each tensor)."""
     B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES[case]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, dtype=torch.bfloat16, seed=2)
@@ -330,7 +295,7 @@ def test_triton_bf16_error_within_twice_naive(interpret, case):
 
 @pytest.mark.parametrize("d", [64, 96])
 @needs_interpreter
-def test_triton_prompt_gradient_is_deterministic(interpret, d):
+def test_triton_prompt_gradient_is_deterministic(d):
     """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit (with the work split over
     24 programs whose fp32 partial sums are added in order), with one head-dim tile (d=64) and with two (d=96)."""
     from grpo_mem.ops.attention_triton import prefix_dkdv_grid
@@ -355,47 +320,9 @@ def _transformers_layout(B, Hq, Hkv, C, P, d, U, dtype, seed=0):
     return leaves, views, torch.randn(B, C, Hq, d, generator=g).to(dtype).transpose(1, 2)
 
 
-# aten ops that wait for the device on CUDA (they read a value back, or size their output from data)
-_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "masked_select", "bincount",
-             "unique_dim", "_unique", "_unique2", "unique_consecutive", "unique_dim_consecutive", "histc"}
-_ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
-
-
-class _HostSyncsAndCopies(TorchDispatchMode):
-    """Records, outside Triton's interpreter machinery, every aten op that synchronises with the device on CUDA and
-    every op other than an allocation whose output holds ``big`` elements or more (a copy or temporary the size of an
-    input)."""
-
-    def __init__(self, big):
-        super().__init__()
-        self.big, self.syncs, self.copies = big, [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        frame = sys._getframe(1)
-        while frame is not None:  # the interpreter copies kernel arguments to "host" and back: not the launcher's ops
-            if "triton/runtime/interpreter" in frame.f_code.co_filename:
-                return out
-            frame = frame.f_back
-        name = func.overloadpacket.__name__
-        if name in _SYNC_OPS or (name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
-                                 and func._overloadname == "Tensor"):
-            self.syncs.append(name)
-        if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
-            self.syncs.append("index with a bool mask")
-        if name not in _ALLOC_OPS:
-            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                      if isinstance(a, torch.Tensor)}
-            for o in out if isinstance(out, (tuple, list)) else (out,):
-                fresh = isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs  # not a view
-                if fresh and o.numel() >= self.big:
-                    self.copies.append((name, tuple(o.shape)))
-        return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @needs_interpreter
-def test_triton_layer_call_has_no_host_sync_and_no_copies(interpret, monkeypatch, dtype):
+def test_triton_layer_call_has_no_host_sync_and_no_copies(monkeypatch, dtype):
     """One attention call (forward + backward) on transformers' transposed q/k/v/prompt K/V: no host synchronisation
     (.item(), int(tensor), bincount, ...), no copy of an input and no input-sized temporary (the old D = rowsum(dO ∘ O)
     built two fp32 (B, Hq, C, d) tensors). Python-level reads (tolist, numpy) are patched to count as well. Results
@@ -411,7 +338,7 @@ def test_triton_layer_call_has_no_host_sync_and_no_copies(interpret, monkeypatch
         monkeypatch.setattr(torch.Tensor, meth, lambda self, *a, _o=orig, _m=meth, **k: (py_reads.append(_m),
                                                                                           _o(self, *a, **k))[1])
     big = min(x.numel() for x in views.values()) // 4  # the (B, Hq, C) LSE and the masks stay below
-    with _HostSyncsAndCopies(big) as mode:
+    with HostSyncsAndCopies(big) as mode:
         out = triton_path(*(views[n] for n in GRAD_NAMES), pi, pm, km, scale=d ** -0.5)
         grads = torch.autograd.grad(out, [leaves[n] for n in GRAD_NAMES], go)
     assert mode.syncs == [] and py_reads == [], (mode.syncs, py_reads)
@@ -420,14 +347,14 @@ def test_triton_layer_call_has_no_host_sync_and_no_copies(interpret, monkeypatch
     if dtype == torch.float32:
         t = {n: x.detach() for n, x in views.items()}
         ref = run(torch_path, t, pi, pm, km, go.detach(), scale=d ** -0.5)
-        assert_close("out", out.detach(), ref["out"], 1e-5)
+        assert_close(out.detach(), ref["out"], 1e-5, "out")
         for n, gr in zip(GRAD_NAMES, grads):
             want = ref["d" + n]
-            assert_close("d" + n, gr.transpose(1, 2), want, 1e-5 * max(want.abs().max().item(), 1.0))
+            assert_close(gr.transpose(1, 2), want, 1e-5 * max(want.abs().max().item(), 1.0), "d" + n)
 
 
 @needs_interpreter
-def test_triton_batch_offsets_past_int32(interpret):
+def test_triton_batch_offsets_past_int32():
     """Batch and prompt strides of 2**30 + 64 elements: row 2's and prompt 2's data start past 2**31 elements, where an
     int32 ``b * stride`` wraps. The tensors are views into one sparse anonymous mapping (8 GiB of address space, a few
     pages touched); results must equal the torch path on compact copies."""
@@ -447,10 +374,10 @@ def test_triton_batch_offsets_past_int32(interpret):
     assert far["q"][2].data_ptr() - base.data_ptr() >= 2**31 * 4
     ref = run(torch_path, t, pi, pm, km, go, scale=0.25)
     res = run(triton_path, far, pi, pm, km, go, scale=0.25)
-    assert_close("out", res["out"], ref["out"], 1e-5)
+    assert_close(res["out"], ref["out"], 1e-5, "out")
     for n in GRAD_NAMES:
         want = ref["d" + n]
-        assert_close("d" + n, res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0))
+        assert_close(res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0), "d" + n)
     del far, base
     buf.close()
 
@@ -459,7 +386,7 @@ N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 3 + 2 + 2 + 1
 
 
 def test_triton_kernels_under_interpreter():
-    if INTERPRETER_READY:
+    if INTERPRETING:
         pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
     run_under_interpreter(__file__, "triton and not under_interpreter", N_INTERPRETER_TESTS)
 
@@ -469,48 +396,15 @@ def test_triton_kernels_under_interpreter():
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class _LaunchRecorder:
-    """Stands in for the Triton kernels and for ``launch_device`` in ``attention_triton``: records each launch's kernel
-    name, grid and the devices whose ``launch_device`` contexts were active when it was launched. Kernels do nothing."""
-
-    def __init__(self, monkeypatch):
-        from contextlib import contextmanager
-
-        from grpo_mem.ops import attention_triton as spa
-
-        self.active, self.launches = [], []
-
-        @contextmanager
-        def fake_launch_device(tensor):
-            self.active.append(tensor.device)
-            try:
-                yield
-            finally:
-                self.active.pop()
-
-        recorder = self
-
-        class FakeKernel:
-            def __init__(self, name):
-                self.name = name
-
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    recorder.launches.append((self.name, tuple(grid), list(recorder.active)))
-
-                return launch
-
-        monkeypatch.setattr(spa, "launch_device", fake_launch_device, raising=False)
-        monkeypatch.setattr(spa, "KERNELS", {n: FakeKernel(n) for n in spa.KERNELS})
-
-
 def _run_triton_launchers(t, pi, pm, km, go, scale=0.125):
     """Call the Triton forward and backward launchers directly (no backend check), as the autograd node does."""
-    from grpo_mem.ops.attention_triton import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+    from grpo_mem.ops.attention import BACKENDS
 
-    args = [t[n] for n in GRAD_NAMES] + [pi, pm, km]
-    out, lse = shared_prefix_attention_fwd(*args, scale)
-    return shared_prefix_attention_bwd(go, *args, out, lse, scale)
+    fwd, bwd = BACKENDS["triton"]
+    params = MultiRegionAttentionParams(scale=scale, backend="triton")
+    regions = [(t["prefix_k"], t["prefix_v"], pi, pm)]
+    out, lse = fwd(t["q"], t["k"], t["v"], regions, km, params)
+    return bwd(go, t["q"], t["k"], t["v"], regions, km, out, lse, params)
 
 
 def test_launch_device_helper():
@@ -529,7 +423,7 @@ def test_launch_device_helper():
 def test_every_kernel_launch_enters_the_tensor_device(monkeypatch):
     """device_map over several GPUs: Triton launches on the current device, so each launch must run inside
     ``launch_device`` of the op's tensors (here recorded; a GPU is not needed to see which context was active)."""
-    rec = _LaunchRecorder(monkeypatch)
+    rec = LaunchRecorder(monkeypatch)
     B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
     _run_triton_launchers(t, pi, pm, km, go)
@@ -566,7 +460,7 @@ def test_prefix_dkdv_grid_fills_an_h100(name, B, U, Hq, Hkv, C, P, d, dtype):
 def test_prefix_dkdv_launch_is_split_and_reduced(monkeypatch):
     """The launcher uses that grid: for the Qwen2.5-1.5B shape (meta tensors, kernels stubbed) the prompt dK/dV kernel
     runs on >= 264 programs and the reduction follows it."""
-    rec = _LaunchRecorder(monkeypatch)
+    rec = LaunchRecorder(monkeypatch)
     B, U, Hq, Hkv, C, P, d = REALISTIC[0][1:]
     meta = dict(device="meta", dtype=torch.bfloat16)
     t = {"q": torch.empty(B, C, Hq, d, **meta).transpose(1, 2), "k": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),

@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from grpo_mem.ops import aot  # noqa: E402
+import aot  # noqa: E402  (tests/aot.py)
 from grpo_mem.ops import attention_triton as spa  # noqa: E402
 
 POINTERS_IN = {"Q", "K", "V", "RK", "RV", "OUT", "DO", "DQ", "DK", "DV"}

@@ -17,7 +17,8 @@ triton = pytest.importorskip("triton")
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
-from grpo_mem.ops import aot  # noqa: E402
+import aot  # noqa: E402  (tests/aot.py)
+from helpers import FakeKernel  # noqa: E402
 from grpo_mem.ops import logprobs as lp_mod  # noqa: E402
 from grpo_mem.ops import logprobs_triton as tri  # noqa: E402
 
@@ -33,18 +34,9 @@ def cuda_launchers(on_launch):
     """The head launchers as they run on an H100 (CUDA tile configs, vocabulary chunks and split counts), with every
     kernel replaced by a recorder that calls ``on_launch(name, grid, args, kwargs)`` instead of launching."""
 
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                on_launch(self.name, grid, args, kwargs)
-            return launch
-
     with contextlib.ExitStack() as stack:
         for name in tri.KERNELS:
-            stack.enter_context(mock.patch.object(tri, f"_{name}_kernel", Recorder(name)))
+            stack.enter_context(mock.patch.object(tri, f"_{name}_kernel", FakeKernel(name, on_launch)))
         cuda = torch.device("cuda")
         config, chunk = tri._config, tri._vocab_chunk
         stack.enter_context(mock.patch.object(tri, "_config", lambda device, dt, name: config(cuda, dt, name)))

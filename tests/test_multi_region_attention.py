@@ -3,43 +3,19 @@
 
 import pytest
 import torch
-from helpers import run_under_interpreter
-from test_attention import INTERPRETER_READY, _HostSyncsAndCopies, _LaunchRecorder, assert_close
-from test_attention import interpret  # noqa: F401  (the fixture of the interpreter tests)
+from helpers import (
+    INTERPRETING,
+    HostSyncsAndCopies,
+    LaunchRecorder,
+    assert_close,
+    attention_inputs,
+    needs_interpreter,
+    run_under_interpreter,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_mem.ops import multi_region_attention, multi_region_attention_ref, shared_prefix_attention
 from grpo_mem.ops.attention import MultiRegionAttentionFunction, MultiRegionAttentionParams
-
-
-def _entry_masks(U, S, spec, g):
-    """(U, S) bool: ("right", lens) real keys first, ("left", lens) real keys last, ("junk", p) each key real with
-    probability p (padding anywhere), except in the last entry, which has no real key."""
-    kind, arg = spec
-    pos = torch.arange(S)[None, :]
-    if kind == "right":
-        return pos < torch.tensor(arg)[:, None]
-    if kind == "left":
-        return pos >= S - torch.tensor(arg)[:, None]
-    mask = torch.rand(U, S, generator=g) < arg
-    mask[-1] = False
-    return mask
-
-
-def make_inputs(B, Hq, Hkv, C, d, regions, clens=None, dtype=torch.float32, seed=0):
-    """Random inputs. ``regions``: list of ``(U, S, index, mask spec)`` (see _entry_masks); padded key positions hold
-    random junk. Returns (tensors {q, k, v, rk0, rv0, ...}, [(index, mask)] per region, key_mask, grad_out)."""
-    g = torch.Generator().manual_seed(seed)
-    t = {n: torch.randn(B, H, C, d, generator=g, dtype=torch.float64) for n, H in (("q", Hq), ("k", Hkv), ("v", Hkv))}
-    meta = []
-    for i, (U, S, index, spec) in enumerate(regions):
-        t[f"rk{i}"] = torch.randn(U, Hkv, S, d, generator=g, dtype=torch.float64)
-        t[f"rv{i}"] = torch.randn(U, Hkv, S, d, generator=g, dtype=torch.float64)
-        meta.append((torch.tensor(index, dtype=torch.int64), _entry_masks(U, S, spec, g)))
-    t = {n: x.to(dtype) for n, x in t.items()}
-    key_mask = None if clens is None else torch.arange(C)[None, :] < torch.tensor(clens)[:, None]
-    grad_out = torch.randn(B, Hq, C, d, generator=g, dtype=torch.float64).to(dtype)
-    return t, meta, key_mask, grad_out
 
 
 def run(fn, tensors, meta, key_mask, grad_out, dtype=None, **kw):
@@ -56,10 +32,10 @@ def run(fn, tensors, meta, key_mask, grad_out, dtype=None, **kw):
 
 def check_fp32_against_truth(res, truth):
     """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient| (as tests/test_attention.py)."""
-    assert_close("out", res["out"], truth["out"], 1e-5)
+    assert_close(res["out"], truth["out"], 1e-5, "out")
     for n in truth:
         if n != "out":
-            assert_close(n, res[n], truth[n], 1e-4 * max(truth[n].abs().max().item(), 1e-6))
+            assert_close(res[n], truth[n], 1e-4 * max(truth[n].abs().max().item(), 1e-6), n)
 
 
 def check_bf16_against_truth(res, truth, naive):
@@ -92,7 +68,7 @@ CASES = {
 def _only_region_keys_inputs(dtype=torch.float32, seed=5):
     """Row 0 sees no own key at queries 0, 1 (its region 0 keys only); row 1 has no real own key at all (region 1
     keys only); row 2 reads no region and its own key 0 is padding, so its query 0 sees nothing."""
-    t, meta, km, go = make_inputs(3, 4, 2, 4, 64, [(1, 6, [0, -1, -1], ("right", [6])),
+    t, meta, km, go = attention_inputs(3, 4, 2, 4, 64, [(1, 6, [0, -1, -1], ("right", [6])),
                                                    (2, 5, [-1, 1, -1], ("right", [5, 4]))], [4, 4, 4], dtype, seed)
     km[0, :2] = False
     km[1] = False
@@ -132,7 +108,7 @@ def test_matches_reference_fp32(case, backend):
         d = 64
     else:
         B, Hq, Hkv, C, d, regions, clens = CASES[case]
-        t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens)
+        t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens)
     scale = d ** -0.5
     truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float64, scale=scale)
     res = run(backend_path(backend), t, meta, km, go, scale=scale)
@@ -147,7 +123,7 @@ def test_matches_reference_fp32(case, backend):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_bf16_error_within_twice_naive(case, backend):
     B, Hq, Hkv, C, d, regions, clens = CASES[case]
-    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.bfloat16, seed=2)
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.bfloat16, seed=2)
     truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float32, scale=d ** -0.5)
     naive = run(multi_region_attention_ref, t, meta, km, go, scale=d ** -0.5)
     check_bf16_against_truth(run(backend_path(backend), t, meta, km, go, scale=d ** -0.5), truth, naive)
@@ -155,12 +131,12 @@ def test_bf16_error_within_twice_naive(case, backend):
 
 def test_fp64_is_exact():
     B, Hq, Hkv, C, d, regions, clens = CASES["r3_mixed"]
-    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.float64)
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.float64)
     truth = run(multi_region_attention_ref, t, meta, km, go, scale=0.11)
     for backend in ("torch", "cpu"):
         res = run(backend_path(backend), t, meta, km, go, scale=0.11)
         for n in truth:
-            assert_close(f"{backend} {n}", res[n], truth[n], 1e-12)
+            assert_close(res[n], truth[n], 1e-12, f"{backend} {n}")
 
 
 def _shared_prefix_as_multi(q, k, v, regions, key_mask, *, scale, backend):
@@ -170,23 +146,51 @@ def _shared_prefix_as_multi(q, k, v, regions, key_mask, *, scale, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_one_region_equals_shared_prefix_attention(backend):
-    t, meta, km, go = make_inputs(5, 4, 2, 6, 64, [(3, 11, [2, 1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1])
-    a = run(backend_path(backend), t, meta, km, go, scale=0.125)
-    b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend=backend)
+    """One region read by every row: multi_region_attention runs exactly the aten ops of shared_prefix_attention,
+    forward and backward (so it costs the same, with the same host reads), and gives the same bits."""
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    t, meta, km, go = attention_inputs(5, 4, 2, 6, 64, [(3, 11, [2, 1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1])
+    with Ops() as ops_a:
+        a = run(backend_path(backend), t, meta, km, go, scale=0.125)
+    with Ops() as ops_b:
+        b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend=backend)
+    assert ops_a.names == ops_b.names
     for n in a:
         assert torch.equal(a[n], b[n]), n
+
+
+def test_backend_tables_agree():
+    """Every op's preference table (``_backends.TABLE``, read by ``resolve``) names exactly the backends of its
+    (forward, backward) table, so ``resolve`` never returns a backend the op cannot run."""
+    from grpo_mem.ops import attention, logprobs
+    from grpo_mem.ops._backends import TABLE
+
+    tables = {"multi_region_attention": attention.BACKENDS, "linear_logprobs": logprobs.LINEAR_BACKENDS,
+              "selective_log_softmax": logprobs.SLS_BACKENDS}
+    assert set(TABLE) == set(tables)
+    for op, backends in tables.items():
+        assert sorted(name for name, _ in TABLE[op]) == sorted(backends), op
 
 
 def test_no_region_is_causal_attention():
     """regions=[]: F.scaled_dot_product_attention with the causal-and-padding mask (GQA repeated by hand)."""
     B, Hq, Hkv, C, d, _, clens = CASES["r0_gqa2"]
-    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, [], clens, dtype=torch.float64)
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, [], clens, dtype=torch.float64)
     out = multi_region_attention(t["q"], t["k"], t["v"], [], km, scale=0.2, backend="torch")
     mask = torch.ones(C, C, dtype=torch.bool).tril() & km[:, None, None, :]
     rep = Hq // Hkv
     want = torch.nn.functional.scaled_dot_product_attention(
         t["q"], t["k"].repeat_interleave(rep, 1), t["v"].repeat_interleave(rep, 1), attn_mask=mask, scale=0.2)
-    assert_close("out", out, want, 1e-12)
+    assert_close(out, want, 1e-12, "out")
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -194,7 +198,7 @@ def test_does_not_materialise_region_copies(backend):
     """No intermediate as large as one region's K gathered per row (B·Hkv·S·d) in forward or backward."""
     B, Hq, Hkv, C, d = 16, 8, 2, 4, 16
     regions = [(1, 64, [0] * B, ("right", [50])), (2, 64, [0, 1] * (B // 2), ("right", [64, 30]))]
-    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions)
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions)
     per_row_copy = B * Hkv * 64 * d
 
     class MaxNumel(TorchDispatchMode):
@@ -220,7 +224,7 @@ def test_does_not_materialise_region_copies(backend):
 
 def test_saves_only_inputs_output_and_lse():
     B, Hq, Hkv, C, d, regions, clens = CASES["r3_mixed"]
-    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens)
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens)
     leaves = {n: x.clone().requires_grad_(True) for n, x in t.items()}
     regs = [(leaves[f"rk{i}"], leaves[f"rv{i}"], idx, m) for i, (idx, m) in enumerate(meta)]
     out = multi_region_attention(leaves["q"], leaves["k"], leaves["v"], regs, km, scale=0.1)
@@ -231,7 +235,7 @@ def test_saves_only_inputs_output_and_lse():
 
 def test_bad_input_raises():
     B, Hq, Hkv, C, d, regions, clens = CASES["r3_mixed"]
-    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens)
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens)
     q, k, v = t["q"], t["k"], t["v"]
     good = [(t[f"rk{i}"], t[f"rv{i}"], idx, m) for i, (idx, m) in enumerate(meta)]
 
@@ -296,13 +300,11 @@ TRITON_CASES = {
     ], [5, 3, 5, 1]),
     "r2_mha_d64": (2, 2, 2, 4, 64, [(1, 9, [0, 0], ("right", [7])), (2, 3, [1, 0], ("right", [3, 1]))], None),
 }
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETER_READY, reason="run in a TRITON_INTERPRET=1 subprocess by test_triton_kernels_under_interpreter")
 
 
 @pytest.mark.parametrize("case", list(TRITON_CASES) + ["only_region_keys"])
 @needs_interpreter
-def test_triton_fp32_matches_reference(interpret, case):
+def test_triton_fp32_matches_reference(case):
     """Against the fp64 reference; forward and backward never synchronise with the host (.item(), bincount, ...) and
     copy no input (with two regions or more, the fp32 running output and dQ are allocations)."""
     if case == "only_region_keys":
@@ -310,10 +312,10 @@ def test_triton_fp32_matches_reference(interpret, case):
         d = 64
     else:
         B, Hq, Hkv, C, d, regions, clens = TRITON_CASES[case]
-        t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens, seed=1)
+        t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, seed=1)
     truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float64, scale=d ** -0.5)
     q = t["q"]
-    with _HostSyncsAndCopies(q.numel()) as mode:
+    with HostSyncsAndCopies(q.numel()) as mode:
         res = run(backend_path("triton"), t, meta, km, go, scale=d ** -0.5)
     assert mode.syncs == [], mode.syncs
     assert mode.copies == [], mode.copies
@@ -324,21 +326,21 @@ def test_triton_fp32_matches_reference(interpret, case):
 
 
 @needs_interpreter
-def test_triton_bf16_error_within_twice_naive(interpret):
+def test_triton_bf16_error_within_twice_naive():
     B, Hq, Hkv, C, d, regions, clens = TRITON_CASES["r3_mixed"]
-    t, meta, km, go = make_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.bfloat16, seed=2)
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.bfloat16, seed=2)
     truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float32, scale=d ** -0.5)
     naive = run(multi_region_attention_ref, t, meta, km, go, scale=d ** -0.5)
     check_bf16_against_truth(run(backend_path("triton"), t, meta, km, go, scale=d ** -0.5), truth, naive)
 
 
 @needs_interpreter
-def test_triton_one_region_equals_shared_prefix_attention_and_is_deterministic(interpret):
+def test_triton_one_region_equals_shared_prefix_attention_and_is_deterministic():
     """One region is shared_prefix_attention bit for bit, and region dK/dV (reduced without atomics, here over a
     split of the work into several programs) agree bit for bit between two runs."""
     from grpo_mem.ops.attention_triton import prefix_dkdv_grid
 
-    t, meta, km, go = make_inputs(2, 4, 1, 1, 32, [(1, 24, [0, 0], ("left", [9]))], None, seed=3)
+    t, meta, km, go = attention_inputs(2, 4, 1, 1, 32, [(1, 24, [0, 0], ("left", [9]))], None, seed=3)
     assert prefix_dkdv_grid(2, 1, 1, 4, 1, 24, 32, torch.float32, 132)[2] > 1
     a = run(backend_path("triton"), t, meta, km, go, scale=0.125)
     b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend="triton")
@@ -350,7 +352,7 @@ N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 1 + 1
 
 
 def test_triton_kernels_under_interpreter():
-    if INTERPRETER_READY:
+    if INTERPRETING:
         pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
     run_under_interpreter(__file__, "triton and not under_interpreter and not launch", N_INTERPRETER_TESTS)
 
@@ -365,9 +367,11 @@ def test_triton_launches_per_region(monkeypatch, n_regions):
     """One forward and one dQ launch per region (one without regions); with one region exactly the shared-prefix
     launches; per region one dK/dV launch (and its in-order reduction when split). A row with index −1 runs no key
     tile of that region: its programs find an empty span (checked under the interpreter by the cases above)."""
-    from grpo_mem.ops.attention_triton import multi_region_attention_bwd, multi_region_attention_fwd
+    from grpo_mem.ops.attention import BACKENDS
 
-    rec = _LaunchRecorder(monkeypatch)
+    fwd, bwd = BACKENDS["triton"]
+    params = MultiRegionAttentionParams(scale=0.1, backend="triton")
+    rec = LaunchRecorder(monkeypatch)
     B, Hq, Hkv, C, S, d = 8, 12, 2, 1024, 256, 128
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(B, C, Hq, d, **meta).transpose(1, 2)
@@ -376,8 +380,8 @@ def test_triton_launches_per_region(monkeypatch, n_regions):
                 torch.zeros(B, dtype=torch.int64, device="meta"), torch.empty(2, S, dtype=torch.bool, device="meta"))
                for _ in range(n_regions)]
     km = torch.empty(B, C, dtype=torch.bool, device="meta")
-    out, lse = multi_region_attention_fwd(q, k, v, regions, km, 0.1)
-    multi_region_attention_bwd(out, q, k, v, regions, km, out, lse, 0.1)
+    out, lse = fwd(q, k, v, regions, km, params)
+    bwd(out, q, k, v, regions, km, out, lse, params)
     names = [name for name, _, _ in rec.launches]
     region_bwd = ["bwd_dkdv_prefix", "bwd_prefix_reduce"] * n_regions
     assert names == ["fwd"] * max(1, n_regions) + ["bwd_delta"] + ["bwd_dq"] * max(1, n_regions) + \

@@ -11,22 +11,33 @@ before triton was first imported (``triton.language``'s helpers are wrapped for 
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 
 from . import _ext
 
-__all__ = ["BackendUnavailableError", "TABLE", "aten_cpu_attention", "resolve", "triton_status"]
+__all__ = ["BackendUnavailableError", "TABLE", "aten_cpu_attention", "lazy", "resolve", "triton_status"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # op -> backends in ``auto``'s order of preference, each with the dtypes it takes (None: any)
 TABLE: dict[str, tuple[tuple[str, tuple | None], ...]] = {
     "linear_logprobs": (("triton", None), ("cpp", None), ("torch", None)),
     "selective_log_softmax": (("triton", None), ("cpp", None), ("torch", None)),
-    "shared_prefix_attention": (("triton", _FLOAT), ("cpu", None), ("torch", None)),
     "multi_region_attention": (("triton", _FLOAT), ("cpu", None), ("torch", None)),
 }
+
+
+def lazy(module: str, name: str):
+    """A function that calls ``grpo_mem.ops.<module>.<name>``, importing the module on its first call (the Triton
+    launchers: an op's table of backends names them without importing triton)."""
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 class BackendUnavailableError(ValueError):

@@ -1,6 +1,8 @@
 """The one place that loads the optional C++ extension ``grpo_mem._C`` (sources in ``csrc/``).
 
 ``HAS_EXT`` is True when it loaded; ``C`` is the module (None otherwise) and ``LOAD_ERROR`` the reason it did not.
+Loading it registers its kernels with the dispatcher as ``torch.ops.grpo_mem.*`` (CPU kernels; their fake kernels are
+registered by ``logprobs``), which is how the ops are called; the module itself holds nothing else.
 The package works without it: ``backend="auto"`` then uses the torch paths. Setting ``GRPO_MEM_SKIP_EXT`` in the
 environment skips the build (setup.py) and also skips loading an already built extension at import time.
 """

@@ -1,5 +1,5 @@
-"""Multi-region attention for the completion pass of a GRPO group forward, and its two-region case, shared-prefix
-attention.
+"""Multi-region attention for the completion pass of a GRPO group forward; shared-prefix attention is its one-region
+call.
 
 G completions of one prompt attend to that prompt's keys/values and, causally, to their own. Stock scoring
 concatenates the prompt K/V in front of every completion (``torch.cat`` in the KV cache, then ``repeat_kv`` for GQA),
@@ -19,9 +19,10 @@ autograd graph holds only the inputs, the output and the (B, Hq, C) fp32 log-sum
 merge follows Hydragen (arXiv 2402.05099) and ring-flash-attention's ``_update_out_and_lse``; the fused CUDA analogue
 of the two-region case is DualKV (arXiv 2605.15422).
 
-Backends: ``"torch"`` (any device, chunked so temporaries stay bounded), ``"cpu"`` (the same regions on ATen's fused
-CPU attention kernels, whose forward returns the log-sum-exp and whose backward takes the merged output and
-log-sum-exp), ``"triton"`` (``attention_triton.py``; CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
+Backends (``BACKENDS``: name -> (forward, backward)): ``"torch"`` (any device, chunked so temporaries stay bounded),
+``"cpu"`` (the same regions on ATen's fused CPU attention kernels, whose forward returns the log-sum-exp and whose
+backward takes the merged output and log-sum-exp), ``"triton"`` (``attention_triton.py``, imported on first use; CUDA,
+or CPU tensors under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -31,17 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backends import aten_cpu_attention, resolve
+from ._backends import aten_cpu_attention, lazy, resolve
 
 __all__ = [
+    "BACKENDS",
     "multi_region_attention",
     "multi_region_attention_ref",
     "shared_prefix_attention",
     "shared_prefix_attention_ref",
     "MultiRegionAttentionFunction",
     "MultiRegionAttentionParams",
-    "SharedPrefixAttentionFunction",
-    "SharedPrefixAttentionParams",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -55,17 +55,13 @@ class MultiRegionAttentionParams:
     """Non-tensor options of :class:`MultiRegionAttentionFunction`.
 
     scale: softmax scale applied to ``q·k`` (dimensionless, usually ``d**-0.5``).
-    backend: ``"torch"``, ``"cpu"`` or ``"triton"`` (already resolved, never ``"auto"``).
+    backend: a key of ``BACKENDS`` (already resolved, never ``"auto"``).
     chunk_elems: upper bound on the elements of one score matrix chunk in the torch path.
     """
 
     scale: float
     backend: str
     chunk_elems: int = _DEFAULT_CHUNK_ELEMS
-
-
-# The two-region op takes the same options.
-SharedPrefixAttentionParams = MultiRegionAttentionParams
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -158,9 +154,14 @@ def _check_region(names, region_k, region_v, index, mask, q, Hkv, lo, sync):
     return U, S
 
 
-def _check_regions(regions, q, Hkv, sync):
-    """Validate ``regions`` (a sequence of 4-tuples) for :func:`multi_region_attention`; returns it as a tuple of
-    tuples."""
+# Argument names of shared_prefix_attention's one region, for messages; its rows all read a prompt (index >= 0).
+_PREFIX_NAMES = ("prefix_k", "prefix_v", "prefix_index", "prefix_mask")
+
+
+def _check_regions(regions, q, Hkv, sync, prefix):
+    """Validate ``regions`` (a sequence of 4-tuples) and return it as a tuple of tuples. ``prefix``: the one region of
+    :func:`shared_prefix_attention` (messages use its argument names, index -1 is refused); otherwise those of
+    :func:`multi_region_attention` (index -1: the row reads nothing of that region)."""
     if isinstance(regions, torch.Tensor) or not isinstance(regions, (list, tuple)):
         raise TypeError(f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got "
                         f"{type(regions).__name__}")
@@ -172,19 +173,11 @@ def _check_regions(regions, q, Hkv, sync):
         if isinstance(region, torch.Tensor) or not isinstance(region, (list, tuple)) or len(region) != 4:
             what = type(region).__name__ if not isinstance(region, (list, tuple)) else f"length {len(region)}"
             raise TypeError(f"regions[{i}] must be a 4-tuple (region_k, region_v, index, mask), got {what}")
-        names = tuple(f"regions[{i}].{n}" for n in ("region_k", "region_v", "index", "mask"))
-        _check_region(names, *region, q, Hkv, -1, sync)
+        names = _PREFIX_NAMES if prefix else tuple(f"regions[{i}].{n}" for n in ("region_k", "region_v", "index",
+                                                                                  "mask"))
+        _check_region(names, *region, q, Hkv, 0 if prefix else -1, sync)
         out.append(tuple(region))
     return tuple(out)
-
-
-def _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=True):
-    """Validate the arguments of :func:`shared_prefix_attention` (every row reads a prompt: ``prefix_index`` in
-    ``[0, U)``); returns ``(B, Hq, Hkv, C, P, U, d)``."""
-    B, Hq, Hkv, C, d = _check_own(q, k, v, key_mask, scale)
-    names = ("prefix_k", "prefix_v", "prefix_index", "prefix_mask")
-    U, P = _check_region(names, prefix_k, prefix_v, prefix_index, prefix_mask, q, Hkv, 0, sync)
-    return B, Hq, Hkv, C, P, U, d
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -203,8 +196,13 @@ def multi_region_attention_ref(q, k, v, regions, key_mask=None, *, scale):
 
     Args and return: as :func:`multi_region_attention`. Raises ``ValueError``/``TypeError`` on bad input.
     """
+    return _reference(q, k, v, regions, key_mask, scale, prefix=False)
+
+
+def _reference(q, k, v, regions, key_mask, scale, prefix):
+    """Body of the two references (``prefix`` as in :func:`_check_regions`)."""
     B, Hq, Hkv, C, d = _check_own(q, k, v, key_mask, scale)
-    regions = _check_regions(regions, q, Hkv, sync=True)
+    regions = _check_regions(regions, q, Hkv, sync=True, prefix=prefix)
     rep = Hq // Hkv
     keys, values, vis = [], [], []
     for region_k, region_v, index, mask in regions:
@@ -236,9 +234,7 @@ def shared_prefix_attention_ref(q, k, v, prefix_k, prefix_v, prefix_index, prefi
 
     Args and return: as :func:`shared_prefix_attention`. Raises ``ValueError``/``TypeError`` on bad input.
     """
-    _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale)
-    return multi_region_attention_ref(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask,
-                                      scale=scale)
+    return _reference(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, prefix=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -548,25 +544,29 @@ def _cpu_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+BACKENDS = {
+    "torch": (_torch_fwd, _torch_bwd),
+    "cpu": (_cpu_fwd, _cpu_bwd),
+    "triton": (lazy("attention_triton", "multi_region_attention_fwd"),
+               lazy("attention_triton", "multi_region_attention_bwd")),
+}
+"""Backend name -> ``(forward, backward)``. ``forward(q, k, v, regions, key_mask, params)`` returns ``(out in q's dtype,
+lse fp32 (B, Hq, C))`` (fp64 for the torch path's fp64 inputs); ``backward(dout, q, k, v, regions, key_mask, out, lse,
+params)`` returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])``."""
+
+
 class MultiRegionAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: saves only the inputs, the output and the fp32 log-sum-exp; recomputes scores in backward.
 
     ``forward(q, k, v, key_mask, params, *region_tensors)`` → ``out``, with ``region_tensors`` the regions flattened
     (``region_k, region_v, index, mask`` of region 0, then of region 1, ...); see :func:`multi_region_attention` for
-    shapes. ``params`` is a :class:`MultiRegionAttentionParams`.
+    shapes. ``params`` is a :class:`MultiRegionAttentionParams`; ``BACKENDS[params.backend]`` does the work.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, params, *region_tensors):
         regions = [region_tensors[i:i + 4] for i in range(0, len(region_tensors), 4)]
-        if params.backend == "triton":
-            from .attention_triton import multi_region_attention_fwd
-
-            out, lse = multi_region_attention_fwd(q, k, v, regions, key_mask, params.scale)
-        elif params.backend == "cpu":
-            out, lse = _cpu_fwd(q, k, v, regions, key_mask, params)
-        else:
-            out, lse = _torch_fwd(q, k, v, regions, key_mask, params)
+        out, lse = BACKENDS[params.backend][0](q, k, v, regions, key_mask, params)
         ctx.save_for_backward(q, k, v, key_mask, out, lse, *region_tensors)
         ctx.params = params
         return out
@@ -576,23 +576,21 @@ class MultiRegionAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, key_mask, out, lse, *region_tensors = ctx.saved_tensors
         regions = [region_tensors[i:i + 4] for i in range(0, len(region_tensors), 4)]
-        params = ctx.params
-        if params.backend == "triton":
-            from .attention_triton import multi_region_attention_bwd
-
-            dq, dk, dv, dregions = multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params.scale)
-        elif params.backend == "cpu":
-            dq, dk, dv, dregions = _cpu_bwd(dout, q, k, v, regions, key_mask, out, lse, params)
-        else:
-            dq, dk, dv, dregions = _torch_bwd(dout, q, k, v, regions, key_mask, out, lse, params)
+        dq, dk, dv, dregions = BACKENDS[ctx.params.backend][1](dout, q, k, v, regions, key_mask, out, lse, ctx.params)
         grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None]
         for (drk, drv), (rk, rv, _, _) in zip(dregions, regions):
             grads += [drk.to(rk.dtype), drv.to(rv.dtype), None, None]
         return tuple(grads)
 
 
-def _apply(q, k, v, regions, key_mask, scale, backend):
-    """Run the autograd Function on validated inputs with a resolved ``backend``."""
+def _attention(q, k, v, regions, key_mask, scale, backend, prefix):
+    """Validate (``prefix`` as in :func:`_check_regions`), resolve ``backend`` and run the autograd Function."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    backend = resolve("multi_region_attention", backend, q)
+    _, _, Hkv, _, _ = _check_own(q, k, v, key_mask, scale)
+    # the Triton path must not stall the host on each layer: its index checks run on the device
+    regions = _check_regions(regions, q, Hkv, sync=backend != "triton", prefix=prefix)
     params = MultiRegionAttentionParams(scale=float(scale), backend=backend)
     return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, *(t for r in regions for t in r))
 
@@ -643,24 +641,7 @@ def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="a
         TypeError: non-tensor arguments, ``regions`` not a sequence of 4-tuples, non-float or mismatched dtypes,
             non-int64 index, non-bool masks.
     """
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    backend = resolve("multi_region_attention", backend, q)
-    _, _, Hkv, _, _ = _check_own(q, k, v, key_mask, scale)
-    # the Triton path must not stall the host on each layer: its index checks run on the device
-    regions = _check_regions(regions, q, Hkv, sync=backend != "triton")
-    return _apply(q, k, v, regions, key_mask, scale, backend)
-
-
-class SharedPrefixAttentionFunction:
-    """The two-region case of :class:`MultiRegionAttentionFunction`, with the argument order of
-    :func:`shared_prefix_attention`: ``apply(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask,
-    params)`` → ``out`` (inputs not validated)."""
-
-    @staticmethod
-    def apply(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, params):
-        return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, prefix_k, prefix_v, prefix_index,
-                                                  prefix_mask)
+    return _attention(q, k, v, regions, key_mask, scale, backend, prefix=False)
 
 
 def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale,
@@ -709,9 +690,5 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
             the next synchronising call on CUDA).
         TypeError: non-tensor arguments, non-float q/k/v, non-int64 ``prefix_index``, non-bool masks.
     """
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    backend = resolve("shared_prefix_attention", backend, q)
-    # the Triton path must not stall the host on each layer: its index check runs on the device
-    _check_inputs(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale, sync=backend != "triton")
-    return _apply(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, backend)
+    return _attention(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, backend,
+                      prefix=True)

@@ -1,4 +1,4 @@
-"""Triton kernels for multi-region attention (and its two-region case, shared-prefix attention): forward, and a
+"""Triton kernels for multi-region attention (shared-prefix attention is its one-region call): forward, and a
 three-kernel backward.
 
 Same op as :func:`grpo_mem.ops.attention.multi_region_attention` (see there for the semantics). Layout of the work:
@@ -40,8 +40,6 @@ from ._device import launch_device
 __all__ = [
     "multi_region_attention_fwd",
     "multi_region_attention_bwd",
-    "shared_prefix_attention_fwd",
-    "shared_prefix_attention_bwd",
     "block_config",
     "prefix_dkdv_grid",
     "head_dim_tiles",
@@ -166,6 +164,19 @@ def _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DI
 
 
 @triton.jit
+def _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One tile of a shared region's entry from key ``n0``: K/V and the visibility of its keys to every query (the
+    entry's key mask, as a (1, BLOCK_N) row)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < S
+    k0, k1, v0, v1 = _load_kv(RK_BASE, RV_BASE, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                              EMULATE_BF16)
+    real = tl.load(RM_BASE + offs_n, mask=n_ok, other=0) != 0
+    return k0, k1, v0, v1, real[None, :]
+
+
+@triton.jit
 def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1: tl.constexpr,
               EMULATE_BF16: tl.constexpr):
     """One key tile of the online softmax (FlashAttention-2 forward, log2 units), scores kept where ``visible``:
@@ -263,12 +274,9 @@ def _mra_fwd_kernel(
         rv_base = RV + u * stride_rvu + h * stride_rvh
         rm_base = RMASK + u * S
         for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < S
-            k0, k1, v0, v1 = _load_kv(rk_base, rv_base, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
-                                      BLOCK_D1, EMULATE_BF16)
-            real = tl.load(rm_base + offs_n, mask=n_ok, other=0) != 0
-            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, real[None, :], m_i, l_i, acc0, acc1, qk_scale,
+            k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
+                                                   BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
                                              BLOCK_D1, EMULATE_BF16)
 
     if HAS_OWN:  # the row's own keys, causal (up to the largest query position in this block)
@@ -373,12 +381,9 @@ def _mra_bwd_dq_kernel(
         rv_base = RV + u * stride_rvu + h * stride_rvh
         rm_base = RMASK + u * S
         for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < S
-            k0, k1, v0, v1 = _load_kv(rk_base, rv_base, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0,
-                                      BLOCK_D1, EMULATE_BF16)
-            real = tl.load(rm_base + offs_n, mask=n_ok, other=0) != 0
-            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, real[None, :], lse2, delta, dq0, dq1, qk_scale,
+            k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
+                                                   BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
                                 BLOCK_D1, EMULATE_BF16)
 
     if HAS_OWN:
@@ -804,9 +809,10 @@ def _launch_plan(regions):
     return [(True, i == R - 1, i > 0) for i in range(R)]
 
 
-def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
+def multi_region_attention_fwd(q, k, v, regions, key_mask, params):
     """Launch the forward kernel, once per region (see ``_launch_plan``). Shapes as
-    :func:`grpo_mem.ops.attention.multi_region_attention` (validated there).
+    :func:`grpo_mem.ops.attention.multi_region_attention` (validated there); ``params.scale`` is the softmax scale
+    (``params`` a ``MultiRegionAttentionParams``).
 
     Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
     value is read back to the host. With two regions or more, the partial result between launches is a normalised
@@ -844,7 +850,7 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, scale):
         _launch("fwd", grid, (
             q, k, v, rk, rv, index, span, mask, kmask, dst, lse, partial,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
-            *dst.stride()[:3], float(scale), C, c_pad, rk.shape[2], Hkv,
+            *dst.stride()[:3], float(params.scale), C, c_pad, rk.shape[2], Hkv,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, HAS_REGION=has_region, HAS_OWN=has_own,
             HAS_PREV=has_prev, **meta)  # fmt: skip
     return out, lse
@@ -879,7 +885,7 @@ def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, sca
     return drk, drv
 
 
-def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale):
+def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
     """Launch the backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d).
 
     Returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])`` in the dtypes of q, k, v and each region's K/V (fp32
@@ -925,30 +931,15 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, scale
         dst = dq if has_own else partial
         _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
             q, k, v, rk, rv, index, span, mask, kmask, dout, lse, delta, dst, partial,
-            *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(scale), C, c_pad,
-            rk.shape[2], Hkv,
+            *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(params.scale), C,
+            c_pad, rk.shape[2], Hkv,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, HAS_REGION=has_region, HAS_OWN=has_own,
             HAS_PREV=has_prev, **meta)  # fmt: skip
     meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
     _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
         q, k, v, kmask, dout, lse, delta, dk, dv,
-        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(scale), C, c_pad, Hkv,
+        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(params.scale), C, c_pad, Hkv,
     ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
-    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, scale, interpret)
+    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, params.scale, interpret)
                 for rk, rv, index, span, mask in (args if regions else [])]
     return dq, dk, dv, dregions
-
-
-def shared_prefix_attention_fwd(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, scale):
-    """Forward of :func:`grpo_mem.ops.attention.shared_prefix_attention`: :func:`multi_region_attention_fwd` with the
-    one region ``(prefix_k, prefix_v, prefix_index, prefix_mask)`` (one launch)."""
-    return multi_region_attention_fwd(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale)
-
-
-def shared_prefix_attention_bwd(dout, q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, out, lse,
-                                scale):
-    """Backward of :func:`shared_prefix_attention_fwd`: ``(dq, dk, dv, dprefix_k, dprefix_v)`` (see
-    :func:`multi_region_attention_bwd`)."""
-    dq, dk, dv, ((dpk, dpv),) = multi_region_attention_bwd(dout, q, k, v, [(prefix_k, prefix_v, prefix_index,
-                                                                             prefix_mask)], key_mask, out, lse, scale)
-    return dq, dk, dv, dpk, dpv

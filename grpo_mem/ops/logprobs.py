@@ -9,8 +9,10 @@ Logits are transformed as TRL 1.16's fused head does (``trl/kernels/chunked_logp
 ``z = softcap * tanh((h W^T + b) * logit_scale / softcap) / temperature`` (no tanh when ``softcap`` is None).
 
 Three backends share this math: ``"torch"`` (chunked pure torch, this file), ``"cpp"`` (``csrc/linear_logprobs.cpp``,
-loaded by ``_ext``) and ``"triton"`` (``logprobs_triton``). ``linear_logprobs_ref`` is the naive (N, V) reference
-that tests and benchmarks compare against.
+loaded by ``_ext`` and registered with the dispatcher as ``torch.ops.grpo_mem.*``, fake kernels below) and
+``"triton"`` (``logprobs_triton``, imported on first use). ``LINEAR_BACKENDS`` and ``SLS_BACKENDS`` map each name to
+its ``(forward, backward)``. ``linear_logprobs_ref`` is the naive (N, V) reference that tests and benchmarks compare
+against.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from ._backends import resolve
+from ._backends import lazy, resolve
 from ._rowstats import finish_row_stats
 
 __all__ = [
+    "LINEAR_BACKENDS",
+    "SLS_BACKENDS",
     "LinearLogprobsFunction",
     "LogprobParams",
     "SelectiveLogSoftmaxFunction",
@@ -40,8 +44,9 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tile of the torch backend: (TORCH_BLOCK_N tokens) x (TORCH_BLOCK_V vocabulary entries) in fp32 = 16 MiB per temporary.
 TORCH_BLOCK_N = 1024
 TORCH_BLOCK_V = 4096
-# Tile of the cpp backend: one fp32 buffer of CPP_BLOCK_N x CPP_BLOCK_V elements (32 MiB); with fewer tokens than
-# CPP_BLOCK_N the vocabulary block widens to keep that size (_cpp_blocks). Measured with the bench_head.py worker
+# Tile of the cpp backend, its one tile policy (the C++ ops take their tiles as arguments): one fp32 buffer of
+# CPP_BLOCK_N x CPP_BLOCK_V elements (32 MiB); with fewer tokens than CPP_BLOCK_N the vocabulary block widens to keep
+# that size (_cpp_blocks); selective_log_softmax folds each row in CPP_BLOCK_V columns. Measured with the bench_head.py worker
 # (cpp_block override), fwd+bwd, H=576: N=4096, V=49152: 4096 x 2048 took 10.9 CPU-s vs 12.3 for 2048 x 1024;
 # N=1024, V=151936: 1024 x 8192 took 7.9 CPU-s vs 10.0 for 1024 x 2048.
 CPP_BLOCK_N = 4096
@@ -49,9 +54,42 @@ CPP_BLOCK_V = 2048
 
 
 def _cpp_blocks(n_tok: int) -> tuple[int, int]:
+    """``(block_n, block_v)`` of the cpp linear head for ``n_tok`` tokens."""
     block_n = max(1, min(n_tok, CPP_BLOCK_N))
     block_v = max(CPP_BLOCK_V, (CPP_BLOCK_N * CPP_BLOCK_V // block_n) // 64 * 64)
     return block_n, block_v
+
+
+def _register_fake_kernels() -> None:
+    """Output shapes and dtypes of the C++ ops (``csrc/linear_logprobs.cpp`` registers their CPU kernels), so that
+    FakeTensor and ``torch.compile`` can trace through them. Outputs an op does not compute are (0,)."""
+    f32 = torch.float32
+
+    @torch.library.register_fake("grpo_mem::linear_logprobs_fwd")
+    def _(hidden, weight, bias, target, scale, cap, inv_t, has_cap, want_entropy, block_n, block_v):
+        n = hidden.shape[0]
+        return tuple(hidden.new_empty((size,), dtype=f32) for size in (n, n if want_entropy else 0, n))
+
+    @torch.library.register_fake("grpo_mem::linear_logprobs_bwd")
+    def _(hidden, weight, bias, target, lse, ent, g_lp, g_ent, scale, cap, inv_t, has_cap, need_dh, need_dw, need_db,
+          block_n, block_v):
+        db_like = bias if bias is not None else weight
+        return (torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
+                torch.empty_like(weight) if need_dw else weight.new_empty((0,)),
+                torch.empty_like(db_like) if need_db and bias is not None else db_like.new_empty((0,)))
+
+    @torch.library.register_fake("grpo_mem::selective_log_softmax_fwd")
+    def _(logits, target, inv_t, want_entropy, block_v):
+        n = logits.shape[0]
+        return tuple(logits.new_empty((size,), dtype=f32) for size in (n, n if want_entropy else 0, n))
+
+    @torch.library.register_fake("grpo_mem::selective_log_softmax_bwd")
+    def _(logits, target, lse, ent, g_lp, g_ent, inv_t, block_v):
+        return torch.empty_like(logits)
+
+
+if _ext.HAS_EXT:
+    _register_fake_kernels()
 
 
 @dataclass(frozen=True)
@@ -249,10 +287,11 @@ def linear_logprobs_fwd_torch(hidden, weight, bias, target, p: LogprobParams):
     return finish_row_stats(m, s, sz, zy, target, want_entropy)
 
 
-def linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db):
+def linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db,
+                              logp=None):
     """Chunked torch backward (vocabulary outer, tokens inner: d_weight rows finish one vocabulary block at a time, so
     the fp32 accumulator is one (block_v, H) tile unless the weight is already fp32). Returns (dh, dw, db) in the
-    inputs' dtypes, None where not needed."""
+    inputs' dtypes, None where not needed (``logp`` unused: the triton backward's input)."""
     n_tok, vocab = hidden.shape[0], weight.shape[0]
     dh = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_dh else None
     dw = torch.empty_like(weight) if need_dw else None
@@ -297,33 +336,34 @@ def linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_en
 # autograd Functions and dispatch
 
 
-def _fwd(hidden, weight, bias, target, p):
-    if p.backend == "cpp":
-        logp, ent, lse = _ext.C.linear_logprobs_fwd(
-            hidden, weight, bias, target, p.logit_scale, p.softcap or 0.0, p.inv_t, p.softcap is not None,
-            p.return_entropy, *_cpp_blocks(hidden.shape[0]),
-        )
-        return logp, (ent if p.return_entropy else None), lse
-    if p.backend == "triton":
-        from .logprobs_triton import linear_logprobs_fwd
-
-        return linear_logprobs_fwd(hidden, weight, bias, target, p)
-    return linear_logprobs_fwd_torch(hidden, weight, bias, target, p)
+def linear_logprobs_fwd_cpp(hidden, weight, bias, target, p: LogprobParams):
+    """C++ forward (``torch.ops.grpo_mem.linear_logprobs_fwd``); returns as :func:`linear_logprobs_fwd_torch`."""
+    logp, ent, lse = torch.ops.grpo_mem.linear_logprobs_fwd(
+        hidden, weight, bias, target, p.logit_scale, p.softcap or 0.0, p.inv_t, p.softcap is not None,
+        p.return_entropy, *_cpp_blocks(hidden.shape[0]),
+    )
+    return logp, (ent if p.return_entropy else None), lse
 
 
-def _bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp=None):
-    if p.backend == "cpp":
-        return _ext.C.linear_logprobs_bwd(
-            hidden, weight, bias, target, lse, ent, g_lp, g_ent, p.logit_scale, p.softcap or 0.0, p.inv_t,
-            p.softcap is not None, need_dh, need_dw, need_db, *_cpp_blocks(hidden.shape[0]),
-        )
-    if p.backend == "triton":
-        from .logprobs_triton import linear_logprobs_bwd
+def linear_logprobs_bwd_cpp(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db,
+                            logp=None):
+    """C++ backward (``torch.ops.grpo_mem.linear_logprobs_bwd``); returns as :func:`linear_logprobs_bwd_torch`
+    (``logp`` unused)."""
+    grads = torch.ops.grpo_mem.linear_logprobs_bwd(
+        hidden, weight, bias, target, lse, ent, g_lp, g_ent, p.logit_scale, p.softcap or 0.0, p.inv_t,
+        p.softcap is not None, need_dh, need_dw, need_db, *_cpp_blocks(hidden.shape[0]),
+    )
+    return tuple(g if need else None for g, need in zip(grads, (need_dh, need_dw, need_db)))
 
-        return linear_logprobs_bwd(
-            hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp
-        )
-    return linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db)
+
+LINEAR_BACKENDS = {
+    "torch": (linear_logprobs_fwd_torch, linear_logprobs_bwd_torch),
+    "cpp": (linear_logprobs_fwd_cpp, linear_logprobs_bwd_cpp),
+    "triton": (lazy("logprobs_triton", "linear_logprobs_fwd"), lazy("logprobs_triton", "linear_logprobs_bwd")),
+}
+"""Backend name -> ``(forward, backward)`` of the fused head. ``forward(hidden, weight, bias, target, params)`` returns
+``(logp, entropy or None, lse)``, each (N,) fp32; ``backward(hidden, weight, bias, target, lse, ent, g_lp, g_ent,
+params, need_dh, need_dw, need_db, logp)`` returns ``(dh, dw, db)``, None where not needed."""
 
 
 def _row_grad(g, target):
@@ -340,7 +380,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, params: LogprobParams):
         ctx.set_materialize_grads(False)
-        logp, ent, lse = _fwd(hidden, weight, bias, target, params)
+        logp, ent, lse = LINEAR_BACKENDS[params.backend][0](hidden, weight, bias, target, params)
         # the triton backward takes the target term from the saved log-probs (see logprobs_triton._dlogits)
         ctx.save_for_backward(hidden, weight, bias, target, lse, ent, logp if params.backend == "triton" else None)
         ctx.params = params
@@ -353,7 +393,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         g_lp, g_ent = _row_grad(g_lp, target), _row_grad(g_ent, target)
         if (g_lp is None and g_ent is None) or not (need_dh or need_dw or need_db):
             return None, None, None, None, None
-        dh, dw, db = _bwd(
+        dh, dw, db = LINEAR_BACKENDS[ctx.params.backend][1](
             hidden, weight, bias, target, lse, ent, g_lp, g_ent, ctx.params, need_dh, need_dw,
             need_db and bias is not None, logp,
         )
@@ -475,6 +515,28 @@ def selective_log_softmax_bwd_torch(logits, target, lse, ent, g_lp, g_ent, p):
     return out
 
 
+def selective_log_softmax_fwd_cpp(logits, target, p: LogprobParams):
+    """C++ forward (``torch.ops.grpo_mem.selective_log_softmax_fwd``); returns as the torch forward."""
+    logp, ent, lse = torch.ops.grpo_mem.selective_log_softmax_fwd(logits, target, p.inv_t, p.return_entropy,
+                                                                  CPP_BLOCK_V)
+    return logp, (ent if p.return_entropy else None), lse
+
+
+def selective_log_softmax_bwd_cpp(logits, target, lse, ent, g_lp, g_ent, p):
+    """C++ backward (``torch.ops.grpo_mem.selective_log_softmax_bwd``): d_logits in the dtype of ``logits``."""
+    return torch.ops.grpo_mem.selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p.inv_t, CPP_BLOCK_V)
+
+
+SLS_BACKENDS = {
+    "torch": (selective_log_softmax_fwd_torch, selective_log_softmax_bwd_torch),
+    "cpp": (selective_log_softmax_fwd_cpp, selective_log_softmax_bwd_cpp),
+    "triton": (lazy("logprobs_triton", "selective_log_softmax_fwd"),
+               lazy("logprobs_triton", "selective_log_softmax_bwd")),
+}
+"""Backend name -> ``(forward, backward)`` of :func:`selective_log_softmax`: ``forward(logits, target, params)`` ->
+``(logp, entropy or None, lse)``; ``backward(logits, target, lse, ent, g_lp, g_ent, params)`` -> d_logits."""
+
+
 class SelectiveLogSoftmaxFunction(torch.autograd.Function):
     """Autograd Function of :func:`selective_log_softmax` on flattened, validated inputs: apply(logits (N, V),
     target (N,) int64, params) -> (logp, entropy or None)."""
@@ -482,15 +544,7 @@ class SelectiveLogSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, params: LogprobParams):
         ctx.set_materialize_grads(False)
-        if params.backend == "cpp":
-            logp, ent, lse = _ext.C.selective_log_softmax_fwd(logits, target, params.inv_t, params.return_entropy)
-            ent = ent if params.return_entropy else None
-        elif params.backend == "triton":
-            from .logprobs_triton import selective_log_softmax_fwd
-
-            logp, ent, lse = selective_log_softmax_fwd(logits, target, params)
-        else:
-            logp, ent, lse = selective_log_softmax_fwd_torch(logits, target, params)
+        logp, ent, lse = SLS_BACKENDS[params.backend][0](logits, target, params)
         ctx.save_for_backward(logits, target, lse, ent)
         ctx.params = params
         return logp, ent
@@ -502,15 +556,7 @@ class SelectiveLogSoftmaxFunction(torch.autograd.Function):
         g_lp, g_ent = _row_grad(g_lp, target), _row_grad(g_ent, target)
         if (g_lp is None and g_ent is None) or not ctx.needs_input_grad[0]:
             return None, None, None
-        if p.backend == "cpp":
-            d = _ext.C.selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p.inv_t)
-        elif p.backend == "triton":
-            from .logprobs_triton import selective_log_softmax_bwd
-
-            d = selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p)
-        else:
-            d = selective_log_softmax_bwd_torch(logits, target, lse, ent, g_lp, g_ent, p)
-        return d, None, None
+        return SLS_BACKENDS[p.backend][1](logits, target, lse, ent, g_lp, g_ent, p), None, None
 
 
 def selective_log_softmax(

@@ -3,7 +3,8 @@
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` builds PTX and a cubin on
 any machine; the register count and spills (local memory) are then read from the cubin with the ``cuobjdump`` that
 Triton ships (``triton/backends/nvidia/bin``), since ``n_regs`` / ``n_spills`` need a GPU to load the kernel.
-Used by the kernel tests to show that the shipped block sizes compile for sm_80 / sm_90 and do not spill.
+Test-only tooling: used by the AOT kernel tests (tests/test_*_aot.py) to show that the shipped block sizes compile
+for sm_80 / sm_90 and do not spill.
 
 ``ttir`` gives a kernel's Triton IR after inlining (no GPU either) and ``i32_pointer_offsets`` finds the 32-bit scalar
 products that reach a pointer offset in it: an offset such as ``b * stride_b`` computed in i32 wraps once it passes
