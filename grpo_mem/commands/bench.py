@@ -135,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The standalone parser of ``grpo-mem bench`` (``python -m grpo_mem.job.bench``)."""
+    """The standalone parser of ``grpo-mem bench`` (``python -m grpo_mem.commands.bench``)."""
     parser = argparse.ArgumentParser(prog="grpo-mem bench", description=DESCRIPTION,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     return add_arguments(parser)
@@ -576,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from grpo_mem.job.smollm2 import force_offline
+    from grpo_mem.commands.smollm2 import force_offline
 
     force_offline()
     sys.exit(main())
