@@ -592,7 +592,8 @@ def _log_history():
 def _run_summary(rows, patched, out):
     from grpo_mem.commands.train import _totals
 
-    return {"model": "/m/tiny", "task": "chain_sum", "patched": patched, "few_shot": 0, "settings": {"num_generations": 8},
+    return {"model": "/m/tiny", "task": "chain_sum", "patched": patched, "few_shot": 0,
+            "settings": {"num_generations": 8},
             "prompt_tokens": {"min": 40, "max": 43, "mean": 41.5, "shared_prefix": 32}, "steps": rows,
             "totals": _totals(rows), "rss_before_train_mb": 600.0, "ru_maxrss_mb": 1000.0, "train_time_s": 9.0,
             "wall_time_s": 10.0, "conversion_time_s": 0.0, "grpo_mem_warnings": [],

@@ -1,7 +1,7 @@
 """Shared benchmark harness: isolated runs, wall time, peak memory, long-format CSV, plot, markdown table.
 
-Every benchmark script in ``benchmarks/`` and ``grpo-mem bench`` build on this module (``benchmarks/harness.py`` is
-this module under its old name). The pattern (after Liger-Kernel's
+Every benchmark script in ``benchmarks/`` and ``grpo-mem bench`` build on this module (the sweep runner,
+:mod:`grpo_mem.bench.sweep`, drives it for most of them). The pattern (after Liger-Kernel's
 ``benchmark/scripts/utils.py`` and ml-cross-entropy's ``benchmark/memory.py``, re-written here):
 
 1. The script defines a *worker*: a module-level function ``worker(args: dict) -> dict`` that builds its inputs, calls
@@ -463,7 +463,7 @@ def run_isolated(
     JSON. The parent polls the child's RSS every ``poll_s`` seconds and kills it once it exceeds ``rss_budget_mb``.
 
     Args:
-        target: ``"module:function"`` (e.g. ``"bench_group:worker"``, importable in this process) or
+        target: ``"module:function"`` (e.g. ``"grpo_mem.bench.group:worker"``, importable in this process) or
             ``"path/file.py:function"``. The function takes one dict and returns a JSON-serialisable dict.
         args: JSON-serialisable arguments for ``target``.
         timeout_s: wall-clock limit of the child in seconds.

