@@ -47,14 +47,12 @@ setup(
         "transformers>=5.0,<6",
         "trl>=1.10,<1.17",  # 1.10-1.16 pass the parity tests (README, "TRL releases tested"); CI runs 1.16
         "accelerate>=1.0",
-        "datasets",
-        "reasoning-gym",
-        "gguf",
-        "matplotlib",
-        "tqdm",
         "triton; platform_system == 'Linux'",
     ],
     extras_require={
+        # the grpo-mem command line (grpo_mem/commands/): the main job's task (reasoning-gym, datasets), its model
+        # (gguf: transformers reads SmolLM2's GGUF with it), the figures (matplotlib), progress (tqdm)
+        "cli": ["reasoning-gym", "datasets", "gguf", "matplotlib", "tqdm"],
         # deepspeed: the ZeRO-2/3 tests (tests/test_distributed.py) run it on CPU; the version they were checked with
         "test": ["pytest", "peft", "deepspeed==0.19.8"],
         "gpu": ["flash-attn"],

@@ -20,8 +20,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # this script (its workers' module) and the checkout's grpo_mem
+
+from grpo_mem.bench import harness  # noqa: E402
 
 OP = "shared_prefix_attention"
 PROVIDERS = ("ref", "torch", "cpu")

@@ -1,13 +1,15 @@
 """Per-rank peak memory and time of the scoring forward + backward under FSDP2, 2 processes on CPU (gloo).
 
 Providers, each in its own ``torch.distributed.run`` launch of 2 processes: ``trl`` and ``grpo_mem`` as in
-``bench_group.py``; ``full_seq`` is the full-sequence baseline run through the root module (FSDP2 unshards the
-embedding and head only inside the root's forward, so ``bench_group``'s direct backbone call does not run here):
-``model(..., logits_to_keep=C + 1)`` and an fp32 log-softmax gather on the C completion positions, whose (B, C, V)
-logits are a few percent of the trunk's activations at these shapes. Every rank builds the same trunk-heavy Llama (``bench_group.ARCHS["llama"]``: 8 layers, hidden
-512, V=8192), shards it with ``fully_shard`` per decoder layer and then at the root (``reshard_after_forward=True``),
-as accelerate's ``fsdp_version: 2`` does, and scores its own group (one prompt of width P, G completions of width C;
-a different random group per rank): log-probs, then ``(log_probs * completion_mask).sum().backward()``.
+``bench_group.py`` (``grpo_mem.bench.group``); ``full_seq`` is the full-sequence baseline run through the root module
+(FSDP2 unshards the embedding and head only inside the root's forward, so ``group``'s direct backbone call does not
+run here): ``model(..., logits_to_keep=C + 1)`` and an fp32 log-softmax gather on the C completion positions, whose
+(B, C, V) logits are a few percent of the trunk's activations at these shapes. Every rank builds the same
+trunk-heavy Llama (``grpo_mem.bench.presets.BENCH_MODELS["llama"]``: 8 layers, hidden 512, V=8192), shards it with
+``fully_shard`` per decoder layer and then at the root (``reshard_after_forward=True``), as accelerate's
+``fsdp_version: 2`` does, and scores its own group (one prompt of width P, G completions of width C; a different
+random group per rank): log-probs, then ``(log_probs * completion_mask).sum().backward()``. The launches run through
+the benchmark library's sweep (``grpo_mem.bench.sweep``), which writes one set of CSV rows per rank.
 Measured per rank with ``harness.measure`` (1 warm-up call, timed calls, then one call under ``PeakRSS`` and the
 live-tensor tracker); the table gives the mean over the ranks and the ratio grpo_mem / full_seq against the ideal
 ratio (P + G·C) / (G·(P + C)). The ranks start with glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``,
@@ -33,8 +35,11 @@ import sys
 import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-import harness  # noqa: E402
+_ROOT = os.path.dirname(_HERE)
+sys.path.insert(0, _ROOT)  # the checkout's grpo_mem: the script measures the code beside it
+
+from grpo_mem.bench import harness  # noqa: E402
+from grpo_mem.bench.sweep import Cell, Sweep  # noqa: E402
 
 OP = "group_logprobs_fsdp2"
 CSV_PATH = os.path.join(_HERE, "results", "fsdp.csv")
@@ -51,13 +56,14 @@ def worker(provider: str, P: int, C: int, G: int, repeats: int, out: str) -> Non
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import bench_group
+    from grpo_mem.bench import group
+    from grpo_mem.bench.presets import bench_model_config
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = bench_group.build_model("llama")
+    model = group.build_model(bench_model_config("llama"))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -70,9 +76,9 @@ def worker(provider: str, P: int, C: int, G: int, repeats: int, out: str) -> Non
             return logps, None
 
     else:
-        fn = bench_group.make_logprob_fn(provider, model, C)
+        fn = group.make_logprob_fn(provider, model, C)
     vocab = model.config.vocab_size
-    ids, mask, cmask = bench_group.make_inputs(G, P, C, groups=1, vocab=vocab, seed=rank)
+    ids, mask, cmask = group.make_inputs(G, P, C, groups=1, vocab=vocab, seed=rank)
 
     def op():
         logps, _ = fn(ids, mask)
@@ -95,20 +101,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(provider: str, P: int, C: int, G: int, repeats: int) -> list[dict]:
-    """Run ``worker`` on 2 fresh processes; every rank's ``harness.Measurement`` as a dict."""
+def launch(args: dict) -> dict:
+    """Run ``worker`` on 2 fresh processes (``args``: provider, P, C, G, repeats); ``{"ranks": [each rank's
+    harness.Measurement as a dict]}``, or ``{"skipped": reason, "stderr_tail": ...}`` when the launch failed."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "m.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([_HERE, os.path.dirname(_HERE)]),
-                   **ALLOCATOR_ENV)  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_ROOT, **ALLOCATOR_ENV)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", provider, "-P", str(P),
-               "-C", str(C), "-G", str(G), "--repeats", str(repeats), "--out", out]  # fmt: skip
+               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", args["provider"],
+               "-P", str(args["P"]), "-C", str(args["C"]), "-G", str(args["G"]), "--repeats", str(args["repeats"]),
+               "--out", out]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{provider} failed:\n{proc.stderr[-3000:]}")
+            return {"skipped": f"torch.distributed.run exited with code {proc.returncode}",
+                    "stderr_tail": proc.stderr[-3000:]}
         with open(out) as f:
-            return json.load(f)
+            return {"ranks": json.load(f)}
 
 
 def table(path: str = CSV_PATH) -> str:
@@ -162,15 +170,15 @@ def main(argv=None) -> int:
     if args.table:
         print(table())
         return 0
-    rows = []
-    for provider in args.providers.split(","):
+    providers = args.providers.split(",")
+    for provider in providers:
         if provider not in PROVIDERS:
             ap.error(f"--providers: unknown provider {provider!r}, expected some of {PROVIDERS}")
-        for rank, m in enumerate(launch(provider, args.P, args.C, args.G, args.repeats)):
-            config = dict(P=args.P, C=args.C, G=args.G, rank=rank, world=WORLD, model="llama", fsdp="fully_shard",
-                          allocator_env=ALLOCATOR_ENV)  # fmt: skip
-            rows += harness.measurement_rows(OP, provider, "full", "G", args.G, m, config)
-        print(f"{provider}: done", flush=True)
+    config = dict(P=args.P, C=args.C, G=args.G, model="llama", fsdp="fully_shard", allocator_env=ALLOCATOR_ENV)
+    outcomes = Sweep(OP, "G", launch).run(
+        [Cell(p, args.G, config, dict(provider=p, P=args.P, C=args.C, G=args.G, repeats=args.repeats),
+              name=f"P={args.P} C={args.C} G={args.G}") for p in providers])
+    rows = [row for o in outcomes for row in o.rows]
     harness.write_csv(rows, CSV_PATH, append=os.path.exists(CSV_PATH))
     print(table())
     return 0

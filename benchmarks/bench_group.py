@@ -4,8 +4,9 @@ The op, per provider, on B = groups·G rows (G completions of each prompt; promp
 right-padded to width C and ended by EOS): per-token log-probs (and entropies) of every completion token, then
 ``(log_probs * completion_mask).sum().backward()`` into freshly ``None``-ed parameter gradients.
 
-The op, its inputs, the providers and the worker live in ``grpo_mem.bench.group`` (shared with ``grpo-mem bench``);
-this script adds the toy models, the sweep, the CSV, plot and tables.
+The op, its inputs, the providers and the worker live in ``grpo_mem.bench.group`` (shared with ``grpo-mem bench``),
+the models in ``grpo_mem.bench.presets.BENCH_MODELS``, the sweep runner in ``grpo_mem.bench.sweep``; this script
+holds the configurations, the CSV, plot and tables.
 
 Providers:
 
@@ -21,14 +22,15 @@ Providers:
   plain model: each prompt forwarded once, its K/V shared by the group's completions.
 
 Ideal ratio of the token-linear work, grpo_mem over full sequence: rho = (P + G·C) / (G·(P + C)). Each
-(configuration, provider) runs in a fresh process (``harness.run_isolated``) and is warmed up on a tiny group first.
+(configuration, provider) runs in a fresh process (``grpo_mem.bench.sweep``) and is warmed up on a tiny group first.
 Wall and CPU time are p50 over the timed calls (up to ``--repeats``); memory is the peak RSS above the process's base
 just before the op (weights and inputs are in the base; the gradients the op creates are not) and the op's own peak
 live tensor bytes. After measuring, every provider's log-probs are compared with a plain no-grad full-sequence
 forward (log_softmax over the vocabulary) in the same process, and with ``trl``'s log-probs and gradient norm when
 ``trl`` ran in the same sweep; the differences are printed and stored in ``config``.
 
-Models (random weights, fp32, SDPA attention, train mode, gradient checkpointing off):
+Models (``grpo_mem.bench.presets.BENCH_MODELS``; random weights, fp32, SDPA attention, train mode, gradient
+checkpointing off):
 
 - ``llama``: Llama-shaped trunk-heavy model, 8 layers, hidden 512, intermediate 1408, 8 heads, 2 KV heads, V=8192,
   tied embeddings.
@@ -48,89 +50,40 @@ Usage (from the repository root)::
     python benchmarks/bench_group.py --table    # reprint the markdown table from the CSV
     python benchmarks/bench_group.py --split    # one group of 8 over micro-batches of 2 (stock providers)
     python benchmarks/bench_group.py --device cuda --quick   # on the current GPU -> group_cuda.csv
-    python benchmarks/bench_group.py --tree     # prompts sharing a system prompt: bench_tree.py's sweep
+
+Prompts sharing a system prompt (prefix trees): ``benchmarks/bench_tree.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-import harness  # noqa: E402
-import harness_cuda  # noqa: E402
+sys.path.insert(0, os.path.dirname(_HERE))  # the checkout's grpo_mem: the script measures the code beside it
 
-from grpo_mem.bench import group  # noqa: E402
-from grpo_mem.bench.group import EOS_ID, PAD_ID, ideal_ratio, make_inputs, make_logprob_fn  # noqa: E402,F401
+from grpo_mem.bench import harness, harness_cuda  # noqa: E402
+from grpo_mem.bench.group import ideal_ratio  # noqa: E402
+from grpo_mem.bench.presets import bench_model_config  # noqa: E402
+from grpo_mem.bench.sweep import Cell, Sweep, isolated, merge_csv  # noqa: E402
 
 OP = "group_logprobs"
 OP_SPLIT = "group_logprobs_split"
 PROVIDERS = ("trl", "full_seq", "grpo_mem")
+WORKER = "grpo_mem.bench.group:worker"
 RESULTS = os.path.join(_HERE, "results")
 CSV_PATH = os.path.join(RESULTS, "group.csv")
 PNG_PATH = os.path.join(RESULTS, "group.png")
 CUDA_CSV_PATH = os.path.join(RESULTS, "group_cuda.csv")
 CUDA_PNG_PATH = os.path.join(RESULTS, "group_cuda.png")
-
-ARCHS = {
-    "llama": dict(model_type="llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
-                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True),
-    "qwen2": dict(model_type="qwen2", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
-                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False),
-    "smollm2": dict(model_type="llama", num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
-                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
-                    rope_theta=100000.0, rms_norm_eps=1e-5),
-}
-
-
-# --------------------------------------------------------------------------------------------------- worker side
-def arch_config(arch: str) -> dict:
-    """The config.json content (a dict with ``model_type``) of ``ARCHS[arch]``: max 4096 positions, BOS 1, EOS
-    ``EOS_ID``, padding ``PAD_ID``, no attention dropout."""
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    return dict(ARCHS[arch], max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                attention_dropout=0.0)
-
-
-def build_model(arch: str, seed: int = 0):
-    """A randomly initialised causal LM of ``ARCHS[arch]`` (fp32, SDPA, train mode, no dropout)."""
-    return group.build_model(arch_config(arch), seed=seed)
-
-
-def worker(args: dict) -> dict:
-    """One (configuration, provider) in a fresh process. ``args``: arch, provider, G, P, C, groups, and optionally
-    seed, warmup (full-size untimed calls, default 0: a tiny group warms up instead), repeats, min_repeats,
-    time_budget_s (see ``harness.measure``). Returns ``grpo_mem.bench.group.worker``'s result: the measurement dict
-    plus ``log_probs``/``entropies`` of the last call (lists, masked entries 0), ``grad_norm`` (L2 over all parameter
-    gradients), ``fallback_warnings`` (grpo_mem's fallback messages), ``n_params``,
-    ``logp_max_abs_diff_vs_plain_forward`` and ``version`` (``harness.versions()`` as this process saw the code)."""
-    return group.worker(dict(args, model_config=arch_config(args["arch"])))
-
-
-def split_worker(args: dict) -> dict:
-    """One group of ``G`` completions scored in micro-batches of ``micro`` rows, gradients accumulated over them (what
-    TRL does when ``per_device_train_batch_size`` < G). Same arguments and result as :func:`worker`, plus ``micro``.
-
-    ``grpo_mem`` runs as the TRL patch does inside one gradient-accumulation window (a ``SharingSession``): the
-    group's prompt is forwarded once, in the first micro-batch, and backpropagated once, in the last micro-batch's
-    backward, with the gradient the earlier micro-batches left on its detached states.
-    """
-    if args["provider"] not in SPLIT_PROVIDERS:
-        raise ValueError(f"split provider must be one of {SPLIT_PROVIDERS}, got {args['provider']!r}")
-    G, micro = args["G"], args["micro"]
-    if micro < 1 or G % micro:
-        raise ValueError(f"G={G} must be a positive multiple of micro={micro}")
-    return group.worker(dict(args, model_config=arch_config(args["arch"]), groups=1))
-
-
-SPLIT_PROVIDERS = ("trl", "full_seq", "grpo_mem")
+SPLIT = dict(arch="llama", G=8, P=512, C=64, groups=1)
+"""``--split``: one group of 8 over micro-batches of 2 (grpo_mem runs as the TRL patch does inside one
+gradient-accumulation window: the prompt forwarded once, in the first micro-batch, and backpropagated once, in the
+last micro-batch's backward), then the same group in one micro-batch for the time ratio."""
 
 
 # --------------------------------------------------------------------------------------------------- parent side
@@ -155,99 +108,45 @@ def sweep_configs(quick: bool = False, full_grid: bool = False) -> list[dict]:
     return grid + [dict(arch="llama", G=8, P=512, C=64, groups=2), dict(arch="smollm2", G=8, P=256, C=64, groups=1)]
 
 
-def _max_abs_diff(a: list, b: list) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+def _key(cfg: dict) -> tuple:
+    """The configuration a CSV config or a sweep configuration describes: (model, G, P, C, groups)."""
+    return (cfg.get("model", cfg.get("arch")), cfg["G"], cfg["P"], cfg["C"], cfg.get("groups", 1))
 
 
-def run_sweep(cfgs: list[dict], providers: Sequence[str], *, worker_name: str, op: str, rss_budget_mb: float,
-              threads: int, timeout_s: float, measure_args: dict, extra: dict | None = None,
-              on_config_done: Callable[[list[dict]], None] | None = None,
-              trl_grad_norms: dict | None = None, device_type: str = "cpu") -> list[dict]:
-    """Run every (configuration, provider) in a fresh process and return the CSV rows.
-
-    ``measure_args`` (repeats, min_repeats, time_budget_s, warmup) go to the worker and into ``config``; ``extra``
-    (e.g. ``{"micro": 2}``) is part of the configuration. ``on_config_done(rows_so_far)`` runs after each
-    configuration (the CLI writes the CSV there, so an interrupted sweep keeps what it measured).
-    ``trl_grad_norms`` (``{(model, G, P, C, groups): norm}``, from an earlier CSV) serves the gradient-norm check when
-    ``trl`` is not among ``providers``. ``device_type`` "cuda" runs the workers on the current GPU. Progress goes to
-    stderr.
-    """
-    rows: list[dict] = []
-    version = harness.versions()
-    cuda = device_type == "cuda"
-    device = harness_cuda.cuda_device_name() if cuda else harness.device_name(threads)
-    if cuda:
-        measure_args = dict(measure_args, device="cuda")
+def cells(cfgs: list[dict], providers: Sequence[str], *, threads: int, measure_args: dict,
+          extra: dict | None = None, cuda: bool = False) -> list[Cell]:
+    """The sweep's cells: every configuration with every provider (in that order, so ``trl`` runs first and the
+    others are compared with it). ``measure_args`` (repeats, min_repeats, time_budget_s) go to the worker and into
+    ``config``; ``extra`` (e.g. ``{"micro": 2}``) is part of the configuration."""
+    out = []
     for cfg in cfgs:
-        G, P, C = cfg["G"], cfg["P"], cfg["C"]
-        config = dict(cfg, ideal_ratio=round(ideal_ratio(G, P, C), 4), threads=threads, **(extra or {}),
-                      **measure_args)
-        config["model"] = config.pop("arch")
-        ref = None
-        for prov in providers:
-            t0 = time.perf_counter()
-            res = harness.run_isolated(f"bench_group:{worker_name}",
-                                       dict(cfg, provider=prov, **(extra or {}), **measure_args),
-                                       timeout_s=timeout_s, rss_budget_mb=rss_budget_mb, threads=threads)
-            took = time.perf_counter() - t0
-            if "skipped" in res:
-                print(f"[{op}] {cfg} {prov}: SKIPPED ({res['skipped']})\n{res.get('stderr_tail', '')}",
-                      file=sys.stderr, flush=True)
-                rows += harness.skipped_rows(op, prov, "full", "P", P, config, res["skipped"], device=device,
-                                             version=version)
-                continue
-            c = dict(config, grad_norm=res["grad_norm"], n_params=res["n_params"],
-                     logp_max_abs_diff_vs_plain_forward=res["logp_max_abs_diff_vs_plain_forward"])
-            if cuda:
-                c.update(memory="torch.cuda.max_memory_allocated above memory_allocated before the call",
-                         cuda_peak_allocated_mb=round(res["cuda_peak_allocated_mb"], 1))
-            if res["fallback_warnings"]:
-                c["fallback"] = res["fallback_warnings"]
-            if res.get("prompt_passes_per_call") is not None:
-                c["prompt_passes_per_call"] = res["prompt_passes_per_call"]
-            if prov == "trl":
-                ref = res
-            elif ref is not None:
-                c["logp_max_abs_diff_vs_trl"] = _max_abs_diff(res["log_probs"], ref["log_probs"])
-                c["entropy_max_abs_diff_vs_trl"] = _max_abs_diff(res["entropies"], ref["entropies"])
-                c["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
-            elif trl_grad_norms and (key := (cfg["arch"], G, P, C, cfg.get("groups", 1))) in trl_grad_norms:
-                c["grad_norm_rel_diff_vs_trl"] = abs(res["grad_norm"] - trl_grad_norms[key]) / trl_grad_norms[key]
-            rows += harness.measurement_rows(op, prov, "full", "P", P, res, c, device=device,
-                                             version=res.get("version", version))
-            m = harness.Measurement.from_dict(res)
-            print(f"[{op}] {cfg} {prov}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, "
-                  f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)}), "
-                  + (f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB, " if m.peak_rss_above_base_bytes else "")
-                  + f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB, child {took:.0f} s, "
-                  f"|dlogp| vs plain forward {res['logp_max_abs_diff_vs_plain_forward']:.1e}"
-                  + (f", |dlogp| vs trl {c['logp_max_abs_diff_vs_trl']:.1e}"
-                     if "logp_max_abs_diff_vs_trl" in c else "")
-                  + (f", grad-norm rel diff vs trl {c['grad_norm_rel_diff_vs_trl']:.1e}"
-                     if "grad_norm_rel_diff_vs_trl" in c else "")
-                  + (f", FALLBACK {c['fallback']}" if "fallback" in c else ""), file=sys.stderr, flush=True)
-        if on_config_done is not None:
-            on_config_done(rows)
-    return rows
+        args = dict(cfg, model_config=bench_model_config(cfg["arch"]), **(extra or {}), **measure_args)
+        config = {k: v for k, v in cfg.items() if k != "arch"}
+        config.update(model=cfg["arch"], ideal_ratio=round(ideal_ratio(cfg["G"], cfg["P"], cfg["C"]), 4),
+                      threads=threads, **(extra or {}), **measure_args)
+        if cuda:
+            args["device"] = "cuda"
+            config.update(device="cuda",
+                          memory="torch.cuda.max_memory_allocated above memory_allocated before the call")
+        out += [Cell(prov, cfg["P"], config, dict(args, provider=prov), key=_key(cfg), name=str(cfg))
+                for prov in providers]
+    return out
+
+
+def earlier_trl_grad_norms(path: str, op: str) -> dict:
+    """``{(model, G, P, C, groups): {"grad_norm": x}}`` of the ``trl`` rows of ``op`` in an earlier CSV: the
+    gradient-norm check of a sweep that does not run ``trl`` itself."""
+    out = {}
+    if os.path.exists(path):
+        for r in harness.read_csv(path):
+            if r["op"] == op and r["provider"] == "trl" and r["metric"] == "wall_time" and "grad_norm" in r["config"]:
+                out[_key(r["config"])] = {"grad_norm": r["config"]["grad_norm"]}
+    return out
 
 
 def _row_key(r: dict) -> tuple:
-    c = r["config"] if isinstance(r["config"], dict) else json.loads(r["config"])
-    return (r["op"], r["provider"], r["metric"], c.get("model"), c.get("G"), c.get("P"), c.get("C"),
-            c.get("groups", 1), c.get("micro"))
-
-
-def write_rows(rows: list[dict], path: str = CSV_PATH) -> None:
-    """Write ``rows`` to ``path``; rows already there for the same op, provider, metric and configuration are
-    replaced, all others kept (so ``--providers grpo_mem`` re-measures one provider without losing the others)."""
-    new = {_row_key(r) for r in rows}
-    keep = []
-    if os.path.exists(path):
-        for r in harness.read_csv(path):
-            if _row_key(r) not in new:
-                r["config"] = json.dumps(r["config"], sort_keys=True)
-                keep.append(r)
-    harness.write_csv(keep + rows, path)
+    c = r["config"]
+    return (r["op"], r["provider"], r["metric"], *_key(c), c.get("micro"))
 
 
 def _index(rows: list[dict]) -> dict:
@@ -351,11 +250,9 @@ def plot(csv_path: str = CSV_PATH, png_path: str = PNG_PATH) -> None:
                      title="group forward+backward (C=64): p50 wall time, CPU time, peak RSS above base")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 small configurations (smoke run)")
-    p.add_argument("--tree", action="store_true",
-                   help="the prefix-tree configurations instead (bench_tree.py; further flags go to it)")
     p.add_argument("--full-grid", action="store_true", help="the whole G x P grid on qwen2 too, not only G=16")
     p.add_argument("--only", default="", help="comma-separated MODEL/G/P[/GROUPS] to keep from the sweep, "
                    "e.g. llama/16/512")
@@ -373,13 +270,48 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="cpu (default) or cuda: the current GPU (CSV default %s)" % os.path.relpath(CUDA_CSV_PATH))
     p.add_argument("--csv", default=None, help=f"default {os.path.relpath(CSV_PATH)} (cpu)")
     p.add_argument("--png", default=None)
-    a, rest = p.parse_known_args(argv)
-    if a.tree:
-        import bench_tree
+    return p
 
-        return bench_tree.main(rest)
-    if rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+
+def selected_configs(a: argparse.Namespace) -> list[dict]:
+    """The configurations the flags select (``--split``'s one, or the sweep's filtered by ``--only``)."""
+    if a.split:
+        return [SPLIT]
+    cfgs = sweep_configs(a.quick, a.full_grid)
+    if a.only:
+        keep = {tuple(x.split("/")) for x in a.only.split(",") if x}
+        cfgs = [c for c in cfgs if (c["arch"], str(c["G"]), str(c["P"])) in keep
+                or (c["arch"], str(c["G"]), str(c["P"]), str(c["groups"])) in keep]
+        if not cfgs:
+            raise ValueError(f"--only {a.only!r} matches no configuration of the sweep")
+    return cfgs
+
+
+def measure(a: argparse.Namespace, providers: Sequence[str]) -> None:
+    """Run the selected cells, each in a fresh process, writing the CSV after each one."""
+    op = OP_SPLIT if a.split else OP
+    cuda = a.device == "cuda"
+    sweep = Sweep(op, "P", isolated(WORKER, threads=a.threads, timeout_s=a.timeout_s, rss_budget_mb=a.rss_budget_mb),
+                  device=harness_cuda.cuda_device_name() if cuda else harness.device_name(a.threads),
+                  references=earlier_trl_grad_norms(a.csv, op))
+    run = dict(threads=a.threads, cuda=cuda,
+               measure_args=dict(repeats=a.repeats, min_repeats=a.min_repeats, time_budget_s=a.time_budget_s))
+    todo = cells(selected_configs(a), providers, extra={"micro": 2} if a.split else None, **run)
+    if a.split and "grpo_mem" in providers:  # the same group in one micro-batch, for the split's time ratio
+        todo += cells([SPLIT], ["grpo_mem"], extra={"micro": SPLIT["G"]}, **run)
+    rows: list[dict] = []
+
+    def save(outcome):
+        rows.extend(outcome.rows)
+        merge_csv(rows, a.csv, _row_key)
+
+    t0 = time.perf_counter()
+    sweep.run(todo, on_outcome=save)
+    print(f"sweep took {time.perf_counter() - t0:.0f} s; wrote {a.csv}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     cuda = a.device == "cuda"
     a.csv = a.csv or (CUDA_CSV_PATH if cuda else CSV_PATH)
     a.png = a.png or (CUDA_PNG_PATH if cuda else PNG_PATH)
@@ -390,57 +322,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for x in providers:
         if x not in PROVIDERS:
             raise ValueError(f"unknown provider {x!r}; choose from {PROVIDERS}")
-    measure_args = dict(repeats=a.repeats, min_repeats=a.min_repeats, time_budget_s=a.time_budget_s)
     if not a.table:
-        t0 = time.perf_counter()
-
-        def save(rows):
-            write_rows(rows, a.csv)
-
-        trl_norms = {}
-        if os.path.exists(a.csv):
-            for r in harness.read_csv(a.csv):
-                c = r["config"]
-                if (r["op"] == (OP_SPLIT if a.split else OP) and r["provider"] == "trl" and r["metric"] == "wall_time"
-                        and "grad_norm" in c):
-                    trl_norms[(c["model"], c["G"], c["P"], c["C"], c.get("groups", 1))] = c["grad_norm"]
-
-        if a.split:
-            cfgs = [dict(arch="llama", G=8, P=512, C=64, groups=1)]
-            rows = run_sweep(cfgs, [x for x in providers if x in SPLIT_PROVIDERS], worker_name="split_worker",
-                             op=OP_SPLIT, rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
-                             measure_args=measure_args, extra={"micro": 2}, on_config_done=save,
-                             trl_grad_norms=trl_norms, device_type=a.device)
-            if "grpo_mem" in providers:  # the same group in one micro-batch, for the split's time ratio
-                run_sweep(cfgs, ["grpo_mem"], worker_name="split_worker", op=OP_SPLIT, rss_budget_mb=a.rss_budget_mb,
-                          threads=a.threads, timeout_s=a.timeout_s, measure_args=measure_args, extra={"micro": 8},
-                          on_config_done=lambda more: save(rows + more), trl_grad_norms=trl_norms,
-                          device_type=a.device)
-        else:
-            cfgs = sweep_configs(a.quick, a.full_grid)
-            if a.only:
-                keep = {tuple(x.split("/")) for x in a.only.split(",") if x}
-                cfgs = [c for c in cfgs if (c["arch"], str(c["G"]), str(c["P"])) in keep
-                        or (c["arch"], str(c["G"]), str(c["P"]), str(c["groups"])) in keep]
-                if not cfgs:
-                    raise ValueError(f"--only {a.only!r} matches no configuration of the sweep")
-            run_sweep(cfgs, providers, worker_name="worker", op=OP,
-                      rss_budget_mb=a.rss_budget_mb, threads=a.threads, timeout_s=a.timeout_s,
-                      measure_args=measure_args, on_config_done=save, trl_grad_norms=trl_norms,
-                      device_type=a.device)
-        print(f"sweep took {time.perf_counter() - t0:.0f} s; wrote {a.csv}", file=sys.stderr)
-        if not a.split:
-            plot(a.csv, a.png)
-            print(f"wrote {a.png}", file=sys.stderr)
-    if a.table and not a.split:
-        plot(a.csv, a.png)
-    print(table(a.csv, OP_SPLIT if a.split else OP))
-    if a.split:
-        print()
-        print(split_summary(a.csv))
+        measure(a, providers)
     if not a.split:
-        print()
-        print(targets(a.csv))
+        plot(a.csv, a.png)
+        print(f"wrote {a.png}", file=sys.stderr)
+    print(table(a.csv, OP_SPLIT if a.split else OP))
+    print()
+    print(split_summary(a.csv) if a.split else targets(a.csv))
     return 0
 
 

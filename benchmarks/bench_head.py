@@ -44,9 +44,9 @@ import sys
 from typing import Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-import harness  # noqa: E402
-import harness_cuda  # noqa: E402
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # this script (its workers' module) and the checkout's grpo_mem
+
+from grpo_mem.bench import harness, harness_cuda  # noqa: E402
 
 OP = "head_logprobs"
 PROVIDERS = ("grpo_mem_cpp", "grpo_mem_torch", "trl", "liger", "naive")

@@ -8,7 +8,8 @@ have lengths uniform in [C/2, C] and end with EOS. Each micro-batch: per-token l
 
 Providers:
 
-- ``trl``, ``full_seq``: as in ``bench_group.py`` (every row forwards its whole prompt and completion).
+- ``trl``, ``full_seq``: as in ``bench_group.py`` (``grpo_mem.bench.group``; every row forwards its whole prompt and
+  completion).
 - ``grpo_mem_group``: a ``SharingSession(sharing="group")`` over the window: each prompt forwarded once, whole.
 - ``grpo_mem_tree``: a ``SharingSession(sharing="tree")``: the system prompt forwarded once per window, each own
   part once, every level read in place.
@@ -22,7 +23,7 @@ window (``trunk_tokens``), so the CSV shows the work each mode does, not only it
 above S), for S ∈ {8, 16, 32, 64, 128}, one micro-batch of 4 groups; that sets ``grpo_mem.model.trie.
 DEFAULT_MIN_SHARED_TOKENS``.
 
-Each (configuration, provider) runs in a fresh process (``harness.run_isolated``); memory is the peak RSS above the
+Each (configuration, provider) runs in a fresh process (``grpo_mem.bench.sweep``); memory is the peak RSS above the
 process's base before the window (weights and inputs in the base). Log-probs of every provider are compared with a
 plain no-grad full-sequence forward afterwards.
 
@@ -39,16 +40,15 @@ import argparse
 import math
 import os
 import sys
-import time
 import warnings
 from typing import Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-import bench_group  # noqa: E402
-import harness  # noqa: E402
+sys.path.insert(0, os.path.dirname(_HERE))  # the checkout's grpo_mem: the script measures the code beside it
 
-from grpo_mem.bench import group  # noqa: E402
+from grpo_mem.bench import group, harness  # noqa: E402
+from grpo_mem.bench.presets import bench_model_config  # noqa: E402
+from grpo_mem.bench.sweep import Cell, Sweep, isolated, merge_csv  # noqa: E402
 
 OP = "tree_window"
 OP_THRESHOLD = "tree_threshold"
@@ -108,7 +108,8 @@ def make_window(S: int, Qs: Sequence[int], G: int, C: int, groups_per_mb: int, v
 
 def _window_fn(provider: str, model, C: int, input_ids, attention_mask, rows: int, min_shared_tokens: int | None):
     """``fn(ids, mask)`` scoring the window's micro-batches (``rows`` rows each) in order; the grpo_mem providers
-    through a ``SharingSession`` whose window is the whole of ``input_ids`` (``grpo_mem.bench.group.make_window_fn``)."""
+    through a ``SharingSession`` whose window is the whole of ``input_ids``
+    (``grpo_mem.bench.group.make_window_fn``)."""
     if provider in ("trl", "full_seq"):
         return group.make_logprob_fn(provider, model, C)
     P = input_ids.shape[1] - C
@@ -127,7 +128,7 @@ def worker(args: dict) -> dict:
     import torch
 
     version = harness.versions()
-    model = bench_group.build_model(args["arch"], seed=args.get("seed", 0))
+    model = group.build_model(bench_model_config(args["arch"]), seed=args.get("seed", 0))
     U = args["groups_per_mb"] * args["micro_batches"]
     Qs = own_lengths(U, args["q_min"], args["q_max"], args.get("seed", 0))
     G, C = args["G"], args["C"]
@@ -172,7 +173,7 @@ def worker(args: dict) -> dict:
 
 def sweep_configs() -> list[dict]:
     """The issue's configurations: S ∈ {512, 2048}, own parts 32–96 tokens, G=8, C=64, 4 groups per micro-batch,
-    4 micro-batches per window, on the 8-layer Llama-shaped model of ``bench_group``."""
+    4 micro-batches per window, on the 8-layer Llama-shaped model (``grpo_mem.bench.presets.BENCH_MODELS["llama"]``)."""
     return [dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=4)
             for S in (512, 2048)]
 
@@ -184,54 +185,30 @@ def threshold_configs() -> list[dict]:
 
 
 def _run(cfgs, providers_of, op, csv_path, *, threads, rss_budget_mb, timeout_s, measure_args):
-    """Run every (configuration, provider) in a fresh process; the CSV keeps rows of S values not run now."""
-    rows = []
-    if os.path.exists(csv_path):
-        import json
-
-        run_s = {float(c["S"]) for c in cfgs}
-        for r in harness.read_csv(csv_path):
-            if float(r["x_value"]) not in run_s:
-                r["config"] = json.dumps(r["config"], sort_keys=True)
-                rows.append(r)
-    version = harness.versions()
-    device = harness.device_name(threads)
+    """Run every (configuration, provider) in a fresh process (stock providers above ``STOCK_MAX_S`` recorded as
+    skipped); the CSV, written after each one, keeps the rows of other S values and providers."""
+    cells = []
     for cfg in cfgs:
         U = cfg["groups_per_mb"] * cfg["micro_batches"]
-        Qs = own_lengths(U, cfg["q_min"], cfg["q_max"], 0)
+        rho = ideal_ratio(cfg["S"], own_lengths(U, cfg["q_min"], cfg["q_max"], 0), cfg["G"], cfg["C"])
         for prov, extra in providers_of(cfg):
-            config = dict(cfg, **extra, ideal_ratio_tree_over_group=round(ideal_ratio(cfg["S"], Qs, cfg["G"],
-                                                                                      cfg["C"]), 4),
-                          threads=threads, **measure_args)
-            config["model"] = config.pop("arch")
-            label = prov + (f"@{extra['min_shared_tokens']}" if "min_shared_tokens" in extra else "")
-            if prov in ("trl", "full_seq") and cfg["S"] > STOCK_MAX_S:
-                reason = f"not run: S={cfg['S']} needs over 24 GB for the stock path (9.5 GB at S=512)"
-                rows += harness.skipped_rows(op, label, "full", "S", cfg["S"], config, reason, device=device,
-                                             version=version)
-                continue
-            t0 = time.perf_counter()
-            res = harness.run_isolated("bench_tree:worker", dict(cfg, provider=prov, **extra, **measure_args),
-                                       timeout_s=timeout_s, rss_budget_mb=rss_budget_mb, threads=threads)
-            if "skipped" in res:
-                print(f"[{op}] {cfg} {label}: SKIPPED ({res['skipped']})\n{res.get('stderr_tail', '')}",
-                      file=sys.stderr, flush=True)
-                rows += harness.skipped_rows(op, label, "full", "S", cfg["S"], config, res["skipped"], device=device,
-                                             version=version)
-                continue
-            config.update(trunk_tokens=res["trunk_tokens"], grad_norm=res["grad_norm"],
-                          logp_max_abs_diff_vs_plain_forward=res["logp_max_abs_diff_vs_plain_forward"])
-            if res["fallback_warnings"]:
-                config["fallback"] = res["fallback_warnings"]
-            rows += harness.measurement_rows(op, label, "full", "S", cfg["S"], res, config, device=device,
-                                             version=res.get("version", version))
-            m = harness.Measurement.from_dict(res)
-            print(f"[{op}] {cfg} {label}: wall p50 {harness.percentiles(m.times_s)[0]:.2f} s, cpu p50 "
-                  f"{harness.percentiles(m.cpu_times_s)[0]:.2f} s, rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB,"
-                  f" trunk tokens {res['trunk_tokens']}, grad norm {res['grad_norm']:.6g}, |dlogp| vs plain forward "
-                  f"{res['logp_max_abs_diff_vs_plain_forward']:.1e}, child {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr, flush=True)
-            harness.write_csv(rows, csv_path)
+            config = {k: v for k, v in cfg.items() if k != "arch"}
+            config.update(extra, ideal_ratio_tree_over_group=round(rho, 4), threads=threads, **measure_args,
+                          model=cfg["arch"])
+            skip = (f"not run: S={cfg['S']} needs over 24 GB for the stock path (9.5 GB at S=512)"
+                    if prov in ("trl", "full_seq") and cfg["S"] > STOCK_MAX_S else None)
+            cells.append(Cell(prov + (f"@{extra['min_shared_tokens']}" if "min_shared_tokens" in extra else ""),
+                              cfg["S"], config, dict(cfg, provider=prov, **extra, **measure_args),
+                              key=(cfg["S"],), name=str(cfg), skip=skip))
+    rows: list[dict] = []
+
+    def save(outcome):
+        rows.extend(outcome.rows)
+        merge_csv(rows, csv_path, lambda r: (r["op"], r["provider"], r["metric"], r["x_value"]))
+
+    sweep = Sweep(op, "S", isolated("bench_tree:worker", threads=threads, timeout_s=timeout_s,
+                                    rss_budget_mb=rss_budget_mb), device=harness.device_name(threads))
+    sweep.run(cells, on_outcome=save)
     return rows
 
 

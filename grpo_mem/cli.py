@@ -26,15 +26,31 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
 
-from grpo_mem.job.smollm2 import force_offline  # noqa: E402  (imports nothing heavy)
+from grpo_mem.commands.smollm2 import force_offline  # noqa: E402  (imports nothing heavy)
 
 force_offline()
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("grpo_mem.job.train", "GRPO on a reasoning-gym task with TRL's GRPOTrainer on CPU, patched by grpo_mem"),
-    "bench": ("grpo_mem.job.bench", "will grpo_mem help on my model? stock TRL vs grpo_mem on one scoring step"),
+    "train": ("grpo_mem.commands.train",
+              "GRPO on a reasoning-gym task with TRL's GRPOTrainer on CPU, patched by grpo_mem"),
+    "bench": ("grpo_mem.commands.bench", "will grpo_mem help on my model? stock TRL vs grpo_mem on one scoring step"),
 }
 """Command name -> (module defining ``main(argv: list[str]) -> int``, one-line help)."""
+
+CLI_EXTRA = ("reasoning_gym", "gguf", "datasets", "matplotlib")
+"""Top-level modules of the ``cli`` extra's packages (setup.py): the commands need them, the library does not."""
+
+
+def missing_cli_modules() -> list[str]:
+    """The modules of :data:`CLI_EXTRA` that cannot be imported (looked up, not imported)."""
+    import importlib.util
+
+    def importable(name: str) -> bool:
+        if name in sys.modules:
+            return sys.modules[name] is not None
+        return importlib.util.find_spec(name) is not None
+
+    return [name for name in CLI_EXTRA if not importable(name)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,12 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``grpo-mem`` console script: run ``COMMAND`` with the rest of ``argv`` (default
-    ``sys.argv[1:]``) and return its exit status."""
+    ``sys.argv[1:]``) and return its exit status; 2, with a message naming the extra to install, when a module of
+    the ``cli`` extra (:data:`CLI_EXTRA`) is missing (``--help`` works without them)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints the help or the error and exits
         return 2
     module_name, _ = COMMANDS[argv[0]]
+    missing = [] if {"-h", "--help"} & set(argv) else missing_cli_modules()
+    if missing:
+        print(f"grpo-mem {argv[0]}: error: {', '.join(missing)} not installed; the commands need the cli extra: "
+              'pip install "grpo_mem[cli]"', file=sys.stderr)
+        return 2
     return importlib.import_module(module_name).main(argv[1:])
 
 

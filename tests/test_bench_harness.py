@@ -1,17 +1,16 @@
 """The benchmark harness measures known allocations and writes its CSV schema exactly."""
 
 import csv
+import json
 import math
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import harness  # noqa: E402
+from grpo_mem.bench import harness
 
 ALLOC_BYTES = 200 * 10**6  # 200 MB, fp32
 THIS = os.path.abspath(__file__)
@@ -150,3 +149,58 @@ def test_csv_schema_plot_and_table(tmp_path):
                                    [[256, "trl", 1.23456], [512, "trl", float("nan")], [1024, "trl", 3001.4]])
     assert table.splitlines() == ["| P | provider | time s |", "|---:|---|---:|", "| 256 | trl | 1.23 |",
                                   "| 512 | trl | - |", "| 1024 | trl | 3001 |"]
+
+
+def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
+    """The one sweep runner: each cell launched in order, compared with the ``trl`` cell of its configuration (or an
+    earlier reference), skipped cells recorded as such, per-rank rows for a multi-process launch, and a CSV merge
+    that replaces only the rows re-measured."""
+    from grpo_mem.bench.sweep import Cell, Sweep, merge_csv
+
+    def result(lp, ent, norm, **extra):
+        m = harness.Measurement(times_s=[1.0], cpu_times_s=[2.0], peak_rss_above_base_bytes=[3 * 10**6],
+                                peak_tensor_bytes=[10**6])
+        return dict(m.to_dict(), log_probs=lp, entropies=ent, grad_norm=norm, **extra)
+
+    results = {"trl": result([[-1.0, -2.0]], [[0.5, 0.25]], 4.0, n_params=10),
+               "grpo_mem": result([[-1.0, -2.5]], [[0.5, 0.5]], 5.0, fallback_warnings=["grpo_mem: fell back"],
+                                  prompt_passes_per_call=1.0),
+               "late": result([[0.0]], [[0.0]], 3.0)}
+    launched, lines = [], []
+
+    def launch(args):
+        launched.append(args["provider"])
+        return results[args["provider"]]
+
+    cells = [Cell("trl", 8, {"P": 8}, {"provider": "trl"}, key="a"),
+             Cell("grpo_mem", 8, {"P": 8}, {"provider": "grpo_mem"}, key="a"),
+             Cell("grpo_mem", 16, {"P": 16}, {"provider": "grpo_mem"}, key="b", skip="too big"),
+             Cell("late", 32, {"P": 32}, {"provider": "late"}, key="c")]
+    sweep = Sweep("op", "P", launch, device="cpu", version="v", references={"c": {"grad_norm": 2.0}},
+                  report=lines.append)
+    out = sweep.run(cells)
+    assert launched == ["trl", "grpo_mem", "late"]  # the skipped cell is never launched
+    c = out[1].config
+    assert (c["logp_max_abs_diff_vs_trl"], c["entropy_max_abs_diff_vs_trl"], c["grad_norm_rel_diff_vs_trl"]) == (
+        0.5, 0.25, 0.25)
+    assert c["fallback"] == ["grpo_mem: fell back"] and c["prompt_passes_per_call"] == 1.0 and c["grad_norm"] == 5.0
+    assert out[0].config == {"P": 8, "grad_norm": 4.0, "n_params": 10}  # the reference is not compared with itself
+    assert out[3].config["grad_norm_rel_diff_vs_trl"] == 0.5 and "logp_max_abs_diff_vs_trl" not in out[3].config
+    assert out[2].skipped == "too big" and {r["p50"] for r in out[2].rows} == {""}
+    assert "SKIPPED (too big)" in lines[2] and "grad-norm rel diff vs trl 2.5e-01" in lines[1]
+    assert len(out[1].rows) == 4 and {r["x_value"] for r in out[1].rows} == {8}
+
+    ranks = Sweep("op", "G", lambda args: {"ranks": [results["trl"], results["trl"]]}, device="cpu",
+                  version="v", report=lines.append).run([Cell("trl", 2, {"G": 2}, {})])[0]
+    assert sorted((json.loads(r["config"])["rank"], json.loads(r["config"])["world"]) for r in ranks.rows
+                  if r["metric"] == "wall_time") == [(0, 2), (1, 2)]
+
+    path = str(tmp_path / "m.csv")
+    key = lambda r: (r["provider"], r["x_value"], r["metric"])  # noqa: E731
+    merge_csv(out[0].rows + out[1].rows, path, key)
+    merge_csv(out[3].rows, path, key)  # a new configuration: added
+    merge_csv(out[2].rows, path, key)  # grpo_mem at 16: added; nothing else replaced
+    back = harness.read_csv(path)
+    assert len(back) == 16 and sorted({r["provider"] for r in back}) == ["grpo_mem", "late", "trl"]
+    merge_csv(out[1].rows[:1], path, key)  # re-measured: one row replaced, not duplicated
+    assert len(harness.read_csv(path)) == 16

@@ -13,8 +13,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from grpo_mem.job.tasks import extract_answer, make_task
-from grpo_mem.job.train import TrainSettings
+from grpo_mem.commands.tasks import extract_answer, make_task
+from grpo_mem.commands.train import TrainSettings
 
 # ---------------------------------------------------------------------------------------------------------------
 # Answer extraction and the exact reward
@@ -106,7 +106,7 @@ def test_settings_validation(kwargs, match):
 def test_cache_root_and_offline(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from grpo_mem.job.smollm2 import cache_root, force_offline
+    from grpo_mem.commands.smollm2 import cache_root, force_offline
 
     monkeypatch.setenv("GRPO_MEM_CACHE", str(tmp_path))
     assert cache_root() == tmp_path
@@ -119,7 +119,7 @@ def test_cache_root_and_offline(monkeypatch, tmp_path):
 
 
 def test_ensure_smollm2_reuses_a_finished_conversion_and_refuses_a_partial_one(tmp_path):
-    from grpo_mem.job.smollm2 import ensure_smollm2, gguf_path
+    from grpo_mem.commands.smollm2 import ensure_smollm2, gguf_path
 
     assert gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf_path().stat().st_size > 50 * 2**20
     done = tmp_path / "done"
@@ -149,7 +149,7 @@ def tiny_model_dir(tmp_path_factory):
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_mem.job.smollm2 import load_gguf_tokenizer
+    from grpo_mem.commands.smollm2 import load_gguf_tokenizer
 
     tok = load_gguf_tokenizer()
     torch.manual_seed(0)
@@ -306,7 +306,7 @@ def test_cli_reports_setup_errors(capsys):
 
 
 def _parse(*argv):
-    from grpo_mem.job.train import build_parser
+    from grpo_mem.commands.train import build_parser
 
     return build_parser().parse_settings(list(argv))
 
@@ -314,7 +314,7 @@ def _parse(*argv):
 def test_flags_come_from_the_settings_dataclass(capsys):
     import dataclasses
 
-    from grpo_mem.job.flags import to_argv
+    from grpo_mem.commands.flags import to_argv
 
     assert _parse() == TrainSettings()
     with pytest.raises(SystemExit) as exc:
@@ -440,7 +440,7 @@ def test_few_shot_system_prompt_holds_k_solved_examples_from_disjoint_seeds():
 
     import reasoning_gym
 
-    from grpo_mem.job.tasks import FEW_SHOT_SEED_OFFSET, few_shot_block, system_prompt
+    from grpo_mem.commands.tasks import FEW_SHOT_SEED_OFFSET, few_shot_block, system_prompt
 
     size, seed, k = 32, 5, 16
     task = make_task("chain_sum", size=size, seed=seed, few_shot=k)
@@ -495,8 +495,8 @@ def test_few_shot_refuses_prompts_longer_than_the_model(tiny_model_dir, tmp_path
 
 def test_compare_and_few_shot_flags(capsys):
     from grpo_mem.cli import main
-    from grpo_mem.job.compare import run_command
-    from grpo_mem.job.train import run
+    from grpo_mem.commands.compare import run_command
+    from grpo_mem.commands.train import run
 
     s = _parse("--compare", "--few-shot", "3", "--steps", "2")
     assert (s.compare, s.few_shot, s.patch) == (True, 3, True)
@@ -507,7 +507,7 @@ def test_compare_and_few_shot_flags(capsys):
     assert (child.compare, child.patch, child.few_shot, child.steps, child.output_dir) == (False, False, 3, 2,
                                                                                          "out/stock")
     assert _parse(*run_command(s, True, "p")[4:]).patch is True
-    with pytest.raises(ValueError, match="compare=True is grpo_mem.job.compare.run_compare"):
+    with pytest.raises(ValueError, match="compare=True is grpo_mem.commands.compare.run_compare"):
         run(s)
     for argv, message in [
         (["--few-shot", "-1"], "argument --few-shot: expected an integer >= 0, got -1"),
@@ -523,7 +523,7 @@ def test_compare_and_few_shot_flags(capsys):
 
 
 def test_compare_runs_reports_reward_differences():
-    from grpo_mem.job.compare import compare_runs
+    from grpo_mem.commands.compare import compare_runs
 
     def summary(rewards, peaks, times):
         steps = [{"step": i + 1, "reward": r, "peak_rss_mb": m, "step_time_s": t, "loss": 0.0, "grad_norm": 1.0}
@@ -542,3 +542,102 @@ def test_compare_runs_reports_reward_differences():
     assert r["peak_rss_median_mb"] == pytest.approx(450 / 900)  # steps 2.. (step 1 is before AdamW's moments)
     assert r["step_time_median_s"] == pytest.approx(2 / 4) and r["train_time_s"] == pytest.approx(6 / 12)
     assert compare_runs(stock, stock)["rewards_identical"] is True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The token saving the patch logs: read from log_history, printed, summarised, plotted
+
+
+def _log_history():
+    """A ``trainer.state.log_history`` as TRL 1.16 leaves it with ``logging_steps=1``: one entry per step, then the
+    train summary; step 1 carries the patch's metrics, step 2 does not (a grpo_mem that does not log them)."""
+    return [
+        {"loss": 0.01, "grad_norm": 0.5, "learning_rate": 2e-5, "reward": 0.25, "reward_std": 0.4,
+         "completions/mean_length": 5.0, "grpo_mem/backbone_tokens": 310.0, "grpo_mem/stock_tokens": 1240.0,
+         "grpo_mem/token_ratio": 0.25, "grpo_mem/path/tree": 0.5, "grpo_mem/path/group": 0.0,
+         "grpo_mem/path/stock": 0.5, "step": 1},
+        {"loss": 0.02, "grad_norm": 0.6, "learning_rate": 2e-5, "reward": 0.5, "reward_std": 0.5,
+         "completions/mean_length": 4.0, "step": 2},
+        {"train_runtime": 9.0, "train_loss": 0.015, "step": 2},
+    ]  # fmt: skip
+
+
+def _run_summary(rows, patched, out):
+    from grpo_mem.commands.train import _totals
+
+    return {"model": "/m/tiny", "task": "chain_sum", "patched": patched, "few_shot": 0,
+            "settings": {"num_generations": 8},
+            "prompt_tokens": {"min": 40, "max": 43, "mean": 41.5, "shared_prefix": 32}, "steps": rows,
+            "totals": _totals(rows), "rss_before_train_mb": 600.0, "ru_maxrss_mb": 1000.0, "train_time_s": 9.0,
+            "wall_time_s": 10.0, "conversion_time_s": 0.0, "grpo_mem_warnings": [],
+            "files": {"json": str(out / "summary.json"), "png": str(out / "summary.png")}}  # fmt: skip
+
+
+def test_token_saving_from_log_history_is_printed_summarised_and_plotted(tmp_path):
+    from grpo_mem.commands.report import format_summary, plot_summary, step_rows
+
+    records = [{"step": 1, "step_time_s": 2.0, "peak_rss_mb": 900.0}, {"step": 2, "step_time_s": 3.0,
+                                                                     "peak_rss_mb": 950.0}]
+    rows = step_rows(records, _log_history())
+    assert [(r["step"], r["reward"], r["loss"], r["peak_rss_mb"]) for r in rows] == [(1, 0.25, 0.01, 900.0),
+                                                                                     (2, 0.5, 0.02, 950.0)]
+    assert (rows[0]["backbone_tokens"], rows[0]["stock_tokens"], rows[0]["token_ratio"]) == (310.0, 1240.0, 0.25)
+    assert rows[0]["paths"] == {"tree": 0.5, "group": 0.0, "stock": 0.5}
+    assert (rows[1]["backbone_tokens"], rows[1]["token_ratio"], rows[1]["paths"]) == (None, None, {})
+    summary = _run_summary(rows, True, tmp_path)
+    assert summary["totals"]["token_ratio_mean"] == 0.25  # over the steps that logged a ratio
+    text = format_summary(summary).splitlines()
+    assert text[2].endswith("backbone tokens / stock")
+    assert text[3].endswith("tokens 0.250x stock (stock 0.50, tree 0.50)") and text[4].endswith("950    3.00  -")
+    assert "backbone tokens / stock TRL's: mean over steps 0.250" in text
+    plot_summary(summary, tmp_path / "summary.png")
+    _check_png(tmp_path / "summary.png")
+    # Stock TRL logs none of the keys: nothing about them is printed, the totals say None
+    stock_rows = step_rows(records, [{k: v for k, v in e.items() if not k.startswith("grpo_mem/")}
+                                     for e in _log_history()])
+    stock = _run_summary(stock_rows, False, tmp_path)
+    assert stock["totals"]["token_ratio_mean"] is None and "backbone" not in format_summary(stock)
+    plot_summary(stock, tmp_path / "stock.png")
+    _check_png(tmp_path / "stock.png")
+
+
+def test_compare_shows_the_patched_runs_token_saving(tmp_path):
+    from grpo_mem.commands.compare import compare_runs, format_compare, plot_compare
+    from grpo_mem.commands.report import step_rows
+
+    records = [{"step": 1, "step_time_s": 2.0, "peak_rss_mb": 900.0}]
+    patched = _run_summary(step_rows(records, _log_history()[:1]), True, tmp_path)
+    stock = _run_summary(step_rows(records, [{"reward": 0.25, "step": 1}]), False, tmp_path)
+    c = {"runs": {"stock": stock, "patched": patched}, **compare_runs(stock, patched),
+         "files": {"json": "s.json", "png": str(tmp_path / "cmp.png")}}
+    assert c["token_ratio_mean"] == 0.25
+    text = format_compare(c)
+    assert text.splitlines()[2].endswith("patched tokens / stock") and text.splitlines()[3].endswith("  0.250")
+    assert "tokens the patched run's backbone forwarded / stock TRL's: 0.250 (mean over steps)" in text
+    plot_compare(c, tmp_path / "cmp.png")
+    _check_png(tmp_path / "cmp.png")
+    c = {"runs": {"stock": stock, "patched": stock}, **compare_runs(stock, stock), "files": c["files"]}
+    assert c["token_ratio_mean"] is None and "backbone" not in format_compare(c)
+
+
+_WITHOUT_CLI_EXTRA = r"""
+import sys
+for name in ("reasoning_gym", "gguf", "matplotlib", "datasets"):
+    sys.modules[name] = None  # importing it now raises ModuleNotFoundError
+import grpo_mem
+import grpo_mem.model
+import grpo_mem.patches.trl
+assert callable(grpo_mem.shared_prompt_logprobs) and callable(grpo_mem.patch_trl)
+from grpo_mem.cli import main
+assert main(["train", "--steps", "1"]) == 2
+print("ok")
+"""
+
+
+def test_library_imports_without_the_cli_extra():
+    """The library needs none of the ``cli`` extra's packages; the command line says which extra to install."""
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_CLI_EXTRA], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert "grpo-mem train: error: reasoning_gym, gguf, datasets, matplotlib not installed" in proc.stderr
+    assert 'pip install "grpo_mem[cli]"' in proc.stderr

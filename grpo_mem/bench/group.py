@@ -33,9 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from grpo_mem.bench import harness
-
-EOS_ID = 2
-PAD_ID = 0
+from grpo_mem.bench.presets import EOS_ID, PAD_ID
 WARMUP_SHAPE = dict(G=2, P=16, C=8)
 """The tiny group every worker scores once (forward + backward) before measuring: lazy imports and one-time installs
 happen there instead of in a full-size untimed call."""
@@ -229,7 +227,8 @@ def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks:
     """A grpo_mem provider over the micro-batches of one gradient-accumulation window, as the TRL patch runs it:
     ``fn(input_ids, attention_mask)`` called once per micro-batch, in order, through a ``SharingSession`` whose window
     is ``prompt_ids``/``prompt_masks`` (per micro-batch, its (rows, P) prompt ids and mask); the window restarts after
-    its last micro-batch. ``min_shared_tokens``: the tree mode's threshold (``PromptTrie``; default its own). Each prompt is forwarded once per window and backpropagated in the window's last backward.
+    its last micro-batch. ``min_shared_tokens``: the tree mode's threshold (``PromptTrie``; default its own). Each
+    prompt is forwarded once per window and backpropagated in the window's last backward.
 
     ``fn.prompt_passes_per_call`` (set after each completed window) counts prompt passes per window (for the tree
     mode, passes over trie nodes): calls of the input embedding inside ``fn`` other than each micro-batch's one

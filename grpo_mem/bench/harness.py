@@ -1,7 +1,7 @@
 """Shared benchmark harness: isolated runs, wall time, peak memory, long-format CSV, plot, markdown table.
 
-Every benchmark script in ``benchmarks/`` and ``grpo-mem bench`` build on this module (``benchmarks/harness.py`` is
-this module under its old name). The pattern (after Liger-Kernel's
+Every benchmark script in ``benchmarks/`` and ``grpo-mem bench`` build on this module (the sweep runner,
+:mod:`grpo_mem.bench.sweep`, drives it for most of them). The pattern (after Liger-Kernel's
 ``benchmark/scripts/utils.py`` and ml-cross-entropy's ``benchmark/memory.py``, re-written here):
 
 1. The script defines a *worker*: a module-level function ``worker(args: dict) -> dict`` that builds its inputs, calls
@@ -333,6 +333,15 @@ def measure(
         setup()
         out = fn()
         del out
+    _timed_calls(m, fn, setup, repeats, min_repeats, time_budget_s)
+    if memory_repeats:
+        m.mmap_threshold_fixed = fix_mmap_threshold()
+    _memory_calls(m, fn, setup, memory_repeats, track_tensors)
+    return m
+
+
+def _timed_calls(m: Measurement, fn, setup, repeats: int, min_repeats: int, time_budget_s: float | None) -> None:
+    """:func:`measure`'s timed calls, appended to ``m.times_s`` and ``m.cpu_times_s``."""
     total = 0.0
     for i in range(repeats):
         setup()
@@ -346,8 +355,10 @@ def measure(
         total += dt
         if time_budget_s is not None and i + 1 >= min_repeats and total >= time_budget_s:
             break
-    if memory_repeats:
-        m.mmap_threshold_fixed = fix_mmap_threshold()
+
+
+def _memory_calls(m: Measurement, fn, setup, memory_repeats: int, track_tensors: bool) -> None:
+    """:func:`measure`'s memory calls, each from a freshly released base, appended to ``m``."""
     for _ in range(memory_repeats):
         setup()
         release_free_memory()
@@ -365,7 +376,6 @@ def measure(
         m.peak_rss_above_base_bytes.append(rss.peak_above_base)
         if tracker is not None:
             m.peak_tensor_bytes.append(tracker.peak_bytes)
-    return m
 
 
 def measure_once(fn: Callable[[], Any], *, setup: Callable[[], None] | None = None) -> Measurement:
@@ -445,6 +455,36 @@ def _parent_import_path() -> str:
 _CHILD_MAIN = "import sys; sys.path.pop(0); from grpo_mem.bench.harness import _worker_main; sys.exit(_worker_main())"
 
 
+def _watch(proc, t0: float, *, timeout_s: float, rss_budget_mb: float, poll_s: float) -> tuple[int, str | None]:
+    """Poll the child ``proc`` until it exits; kill it once over ``rss_budget_mb`` or ``timeout_s`` (counted from
+    ``t0``). Returns (its peak sampled RSS in bytes, the reason it was killed or None)."""
+    peak = 0
+    while proc.poll() is None:
+        rss = _child_rss_bytes(proc.pid)
+        peak = max(peak, rss)
+        reason = None
+        if rss > rss_budget_mb * MB:
+            reason = f"over the RSS budget of {rss_budget_mb:.0f} MB (killed at {rss / MB:.0f} MB)"
+        elif time.perf_counter() - t0 > timeout_s:
+            reason = f"over the time limit of {timeout_s:.0f} s"
+        if reason:
+            proc.kill()
+            proc.wait()
+            return peak, reason
+        time.sleep(poll_s)
+    return peak, None
+
+
+def _failure(returncode: int, err_path: str) -> tuple[str, str]:
+    """(reason, last 20 stderr lines) of a child that exited with ``returncode``: the exception line of its last
+    traceback, else its last stderr line."""
+    with open(err_path) as f:
+        lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln)]
+    tail = exc[-1] if exc else (lines[-1] if lines else "(no stderr)")
+    return f"worker exited with code {returncode}: {tail[:300]}", "\n".join(lines[-20:])
+
+
 def run_isolated(
     target: str,
     args: dict,
@@ -463,7 +503,7 @@ def run_isolated(
     JSON. The parent polls the child's RSS every ``poll_s`` seconds and kills it once it exceeds ``rss_budget_mb``.
 
     Args:
-        target: ``"module:function"`` (e.g. ``"bench_group:worker"``, importable in this process) or
+        target: ``"module:function"`` (e.g. ``"grpo_mem.bench.group:worker"``, importable in this process) or
             ``"path/file.py:function"``. The function takes one dict and returns a JSON-serialisable dict.
         args: JSON-serialisable arguments for ``target``.
         timeout_s: wall-clock limit of the child in seconds.
@@ -494,32 +534,13 @@ def run_isolated(
         cmd = [sys.executable, "-c", _CHILD_MAIN, "--worker", target, "--args", args_path, "--out", out_path,
                "--threads", str(threads)]
         t0 = time.perf_counter()
-        peak = 0
-        reason = None
-        stderr_tail = ""
         with open(err_path, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=child_env)
-            while proc.poll() is None:
-                rss = _child_rss_bytes(proc.pid)
-                peak = max(peak, rss)
-                if rss > rss_budget_mb * MB:
-                    reason = f"over the RSS budget of {rss_budget_mb:.0f} MB (killed at {rss / MB:.0f} MB)"
-                elif time.perf_counter() - t0 > timeout_s:
-                    reason = f"over the time limit of {timeout_s:.0f} s"
-                if reason:
-                    proc.kill()
-                    proc.wait()
-                    break
-                time.sleep(poll_s)
+            peak, reason = _watch(proc, t0, timeout_s=timeout_s, rss_budget_mb=rss_budget_mb, poll_s=poll_s)
         wall = time.perf_counter() - t0
+        stderr_tail = ""
         if reason is None and proc.returncode != 0:
-            with open(err_path) as f:
-                lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
-            # The exception line of the last traceback, else the last line
-            exc = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln)]
-            tail = exc[-1] if exc else (lines[-1] if lines else "(no stderr)")
-            reason = f"worker exited with code {proc.returncode}: {tail[:300]}"
-            stderr_tail = "\n".join(lines[-20:])
+            reason, stderr_tail = _failure(proc.returncode, err_path)
         if reason is None and not os.path.exists(out_path):
             reason = "worker wrote no result"
         if reason is not None:

@@ -102,11 +102,10 @@ class RssSampler:
 
 
 def make_step_stats_callback(sampler: RssSampler):
-    """A ``transformers.TrainerCallback`` recording, per optimizer step, wall time, peak RSS and the logged metrics.
+    """A ``transformers.TrainerCallback`` recording, per optimizer step, its wall time and peak RSS.
 
     The returned callback has ``records``: a list of dicts ``{"step": int, "step_time_s": float, "peak_rss_mb":
-    float, "logs": dict}``, one per optimizer step, ``logs`` holding what the trainer logged at that step (TRL's
-    ``reward``, ``reward_std``, ``loss``, ... when ``logging_steps=1``).
+    float}``, one per optimizer step (what the trainer logged at that step is in ``trainer.state.log_history``).
     """
     from transformers import TrainerCallback
 
@@ -121,13 +120,7 @@ def make_step_stats_callback(sampler: RssSampler):
 
         def on_step_end(self, args, state, control, **kwargs):
             elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
-            self.records.append(
-                {"step": state.global_step, "step_time_s": elapsed, "peak_rss_mb": sampler.peak_mb(), "logs": {}}
-            )
+            self.records.append({"step": state.global_step, "step_time_s": elapsed, "peak_rss_mb": sampler.peak_mb()})
             self._t0 = None
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and self.records and self.records[-1]["step"] == state.global_step:
-                self.records[-1]["logs"].update(logs)
 
     return StepStatsCallback()

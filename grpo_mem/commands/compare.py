@@ -23,8 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_mem.job.flags import to_argv
-from grpo_mem.job.train import prompt_text
+from grpo_mem.commands.flags import to_argv
+from grpo_mem.commands.report import fmt, plot_token_ratio, prompt_text, token_ratio_mean
 
 RUNS = ("stock", "patched")
 """Run names, in the order they run; also the subdirectories of the output directory."""
@@ -54,14 +54,15 @@ def _median_after_first(values: list[float]) -> float:
 
 
 def compare_runs(stock: dict, patched: dict) -> dict:
-    """Differences and ratios (patched / stock) of two run summaries (:func:`grpo_mem.job.train.run`).
+    """Differences and ratios (patched / stock) of two run summaries (:func:`grpo_mem.commands.train.run`).
 
     Returns a dict with ``steps_compared`` (steps present in both), ``reward_abs_diff`` (per step, |patched -
     stock|), ``reward_max_abs_diff``, ``rewards_identical`` (bool), ``loss_max_abs_diff``,
     ``grad_norm_max_rel_diff``, and ``ratios``: ``peak_rss_mb`` (max step peak), ``peak_rss_median_mb`` (median
     step peak over steps 2..), ``peak_rss_above_start_mb`` (max step peak minus the RSS before training),
     ``ru_maxrss_mb``, ``step_time_median_s``, ``step_time_mean_s``, ``train_time_s``. A ratio is NaN when a figure
-    is missing or zero.
+    is missing or zero. ``token_ratio_mean``: the patched run's mean over steps of the backbone's tokens over stock
+    TRL's, as its patch logged them (None when it logged none; the stock run logs none).
     """
     by_step = {r["step"]: r for r in stock["steps"]}
     pairs = [(by_step[r["step"]], r) for r in patched["steps"] if r["step"] in by_step]
@@ -95,6 +96,7 @@ def compare_runs(stock: dict, patched: dict) -> dict:
         and len(stock["steps"]) == len(patched["steps"]),
         "loss_max_abs_diff": max(loss) if loss else math.nan,
         "grad_norm_max_rel_diff": max(grad) if grad else math.nan,
+        "token_ratio_mean": token_ratio_mean(patched["steps"]),
         "ratios": {
             "peak_rss_mb": _ratio(pt["peak_rss_mb"], st["peak_rss_mb"]),
             "peak_rss_median_mb": _ratio(median_peak(patched), median_peak(stock)),
@@ -107,42 +109,43 @@ def compare_runs(stock: dict, patched: dict) -> dict:
     }
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def _reward_diff_text(summary: dict) -> str:
     d = summary["reward_max_abs_diff"]
     if summary["rewards_identical"]:
         return "max |Δ reward| per step = 0 (identical rewards)"
-    return f"max |Δ reward| per step = {_fmt(d, '.3g')} (rewards differ)"
+    return f"max |Δ reward| per step = {fmt(d, '.3g')} (rewards differ)"
 
 
 def format_compare(summary: dict) -> str:
     """The side-by-side table printed at the end of ``--compare``: per step reward, peak RSS and step time of both
-    runs, then the ratios."""
+    runs (and the patched run's backbone tokens over stock TRL's, when its patch logged them), then the ratios."""
     stock, patched = summary["runs"]["stock"], summary["runs"]["patched"]
     by_step = {r["step"]: r for r in patched["steps"]}
+    tokens = summary.get("token_ratio_mean") is not None
     lines = [
         f"grpo-mem train --compare: {Path(stock['model']).name} on {stock['task']}, "
         f"G={stock['settings']['num_generations']}, prompts: {prompt_text(stock)}",
         f"{'':>5} {'reward':^15} {'peak RSS MB':^15} {'step time s':^15}",
-        f"{'step':>5} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7}",
+        f"{'step':>5} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7}"
+        + ("  patched tokens / stock" if tokens else ""),
     ]
     for s in stock["steps"]:
         p = by_step.get(s["step"], {})
         lines.append(
-            f"{s['step']:>5} {_fmt(s['reward'], '7.3f')} {_fmt(p.get('reward'), '7.3f')} "
-            f"{_fmt(s['peak_rss_mb'], '7.0f')} {_fmt(p.get('peak_rss_mb'), '7.0f')} "
-            f"{_fmt(s['step_time_s'], '7.2f')} {_fmt(p.get('step_time_s'), '7.2f')}"
+            f"{s['step']:>5} {fmt(s['reward'], '7.3f')} {fmt(p.get('reward'), '7.3f')} "
+            f"{fmt(s['peak_rss_mb'], '7.0f')} {fmt(p.get('peak_rss_mb'), '7.0f')} "
+            f"{fmt(s['step_time_s'], '7.2f')} {fmt(p.get('step_time_s'), '7.2f')}"
+            + (f"  {fmt(p.get('token_ratio'), '.3f')}" if tokens else "")
         )
     r = summary["ratios"]
     lines += [
-        f"patched / stock: peak RSS {_fmt(r['peak_rss_mb'], '.3f')}x (max over steps; "
-        f"{_fmt(r['peak_rss_above_start_mb'], '.3f')}x above the RSS before training), "
-        f"step time {_fmt(r['step_time_median_s'], '.3f')}x (median), training time {_fmt(r['train_time_s'], '.3f')}x",
-        f"{_reward_diff_text(summary)}; max |Δ loss| {_fmt(summary['loss_max_abs_diff'], '.3g')}, "
-        f"max relative |Δ grad norm| {_fmt(summary['grad_norm_max_rel_diff'], '.3g')}",
+        f"patched / stock: peak RSS {fmt(r['peak_rss_mb'], '.3f')}x (max over steps; "
+        f"{fmt(r['peak_rss_above_start_mb'], '.3f')}x above the RSS before training), "
+        f"step time {fmt(r['step_time_median_s'], '.3f')}x (median), training time {fmt(r['train_time_s'], '.3f')}x",
+        f"{_reward_diff_text(summary)}; max |Δ loss| {fmt(summary['loss_max_abs_diff'], '.3g')}, "
+        f"max relative |Δ grad norm| {fmt(summary['grad_norm_max_rel_diff'], '.3g')}",
+        *([f"tokens the patched run's backbone forwarded / stock TRL's: {summary['token_ratio_mean']:.3f} (mean "
+           "over steps)"] if tokens else []),
         f"wrote {summary['files']['json']} and {summary['files']['png']}",
     ]
     return "\n".join(lines)
@@ -150,7 +153,8 @@ def format_compare(summary: dict) -> str:
 
 def plot_compare(summary: dict, path: Path | str) -> None:
     """One PNG (matplotlib, Agg backend): reward, peak RSS and step time per step of both runs, sharing the step
-    axis, each panel annotated with its patched/stock figure."""
+    axis, each panel annotated with its patched/stock figure; below them the patched run's backbone tokens over stock
+    TRL's per step, when its patch logged them (the stock run has no such figure)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -160,7 +164,9 @@ def plot_compare(summary: dict, path: Path | str) -> None:
     stock, patched = summary["runs"]["stock"], summary["runs"]["patched"]
     style = {"stock": dict(color="tab:gray", marker="o", ms=5, lw=2, label="stock TRL"),
              "patched": dict(color="tab:blue", marker="x", ms=6, lw=1.2, ls="--", label="grpo_mem patch")}
-    fig, (ax_r, ax_m, ax_t) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    tokens = summary.get("token_ratio_mean") is not None
+    fig, axes = plt.subplots(4 if tokens else 3, 1, figsize=(8, 11.5 if tokens else 9), sharex=True)
+    ax_r, ax_m, ax_t = axes[:3]
     for name, run in (("stock", stock), ("patched", patched)):
         steps = [r["step"] for r in run["steps"]]
         ax_r.plot(steps, [r["reward"] if r["reward"] is not None else math.nan for r in run["steps"]], **style[name])
@@ -174,26 +180,28 @@ def plot_compare(summary: dict, path: Path | str) -> None:
 
     ax_r.set_ylabel("mean reward")
     ax_r.set_ylim(-0.05, 1.05)
-    ax_r.legend(loc="upper left", fontsize=8)
     note(ax_r, _reward_diff_text(summary))
     ax_m.set_ylabel("peak RSS in step (MB)")
-    ax_m.legend(loc="upper left", fontsize=8)
-    note(ax_m, f"patched / stock: {_fmt(r['peak_rss_mb'], '.2f')}x max step peak, "
-               f"{_fmt(r['peak_rss_above_start_mb'], '.2f')}x above RSS before training")
+    note(ax_m, f"patched / stock: {fmt(r['peak_rss_mb'], '.2f')}x max step peak, "
+               f"{fmt(r['peak_rss_above_start_mb'], '.2f')}x above RSS before training")
     ax_t.set_ylabel("step time (s)")
-    ax_t.set_xlabel("optimizer step")
-    all_steps = sorted({r["step"] for run in (stock, patched) for r in run["steps"]})
-    if 0 < len(all_steps) <= 20:
-        ax_t.set_xticks(all_steps)
-        ax_t.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)
-    else:
-        ax_t.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_t.legend(loc="upper left", fontsize=8)
-    note(ax_t, f"patched / stock: {_fmt(r['step_time_median_s'], '.2f')}x median step time, "
-               f"{_fmt(r['train_time_s'], '.2f')}x training time")
+    note(ax_t, f"patched / stock: {fmt(r['step_time_median_s'], '.2f')}x median step time, "
+               f"{fmt(r['train_time_s'], '.2f')}x training time")
     for ax in (ax_m, ax_t):
         lo, hi = ax.get_ylim()
         ax.set_ylim(0, hi * 1.05)
+    if tokens:
+        plot_token_ratio(axes[3], [(patched["steps"], style["patched"])])
+        note(axes[3], f"patched: backbone tokens {summary['token_ratio_mean']:.3f}x stock TRL's (mean over steps)")
+    for ax in axes:
+        ax.legend(loc="upper left", fontsize=8)
+    axes[-1].set_xlabel("optimizer step")
+    all_steps = sorted({r["step"] for run in (stock, patched) for r in run["steps"]})
+    if 0 < len(all_steps) <= 20:
+        axes[-1].set_xticks(all_steps)
+        axes[-1].set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)
+    else:
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{Path(stock['model']).name} · {stock['task']} · G={stock['settings']['num_generations']} · "
                  f"stock TRL vs grpo_mem, same seeds\nprompts: {prompt_text(stock)}", fontsize=10)
     fig.tight_layout()

@@ -1,9 +1,10 @@
 """The main job: GRPO on a reasoning-gym task with TRL's ``GRPOTrainer`` on CPU, patched by grpo_mem.
 
 :func:`run` loads a local HF causal LM (default: SmolLM2-135M-Instruct converted offline by
-:func:`grpo_mem.job.smollm2.ensure_smollm2`), builds the task's prompts and exact reward (:mod:`grpo_mem.job.tasks`),
-trains ``steps`` optimizer steps with ``GRPOTrainer`` (``grpo_mem.patch_trl(trainer)`` applied unless
-``patch=False``), records per step the mean reward, the peak RSS and the wall time (:mod:`grpo_mem.job.memory`), then
+:func:`grpo_mem.commands.smollm2.ensure_smollm2`), builds the task's prompts and exact reward
+(:mod:`grpo_mem.commands.tasks`), trains ``steps`` optimizer steps with ``GRPOTrainer`` (``grpo_mem.patch_trl(trainer)``
+applied unless ``patch=False``), records per step the peak RSS and the wall time (:mod:`grpo_mem.commands.memory`),
+reads TRL's per-step logs (mean reward, ..., and the patch's token saving; :mod:`grpo_mem.commands.report`), then
 prints a summary and writes ``summary.json`` and ``summary.png`` into the output directory.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -20,25 +20,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_mem.job.flags import json_dict, non_negative_int, positive_int, settings_parser
-from grpo_mem.job.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
-from grpo_mem.job.smollm2 import ensure_smollm2, force_offline
-from grpo_mem.job.tasks import DEFAULT_TASK, make_task
-
-# Per-step metrics copied from TRL's logs into summary.json (TRL name -> summary name).
-_LOGGED = {
-    "reward": "reward",
-    "reward_std": "reward_std",
-    "frac_reward_zero_std": "frac_reward_zero_std",
-    "completions/mean_length": "completion_mean_length",
-    "loss": "loss",
-    "grad_norm": "grad_norm",
-    "learning_rate": "learning_rate",
-}
+from grpo_mem.commands.flags import json_dict, non_negative_int, positive_int, settings_parser
+from grpo_mem.commands.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
+from grpo_mem.commands.report import (format_summary, plot_summary, saving_text, step_rows, token_ratio_mean,
+                                      token_saving)
+from grpo_mem.commands.smollm2 import ensure_smollm2, force_offline
+from grpo_mem.commands.tasks import DEFAULT_TASK, make_task
 
 
 def _opt(default=None, help: str = "", *, metavar=None, type=None, default_factory=None):
-    """A settings field whose ``metadata`` makes its command-line flag (:mod:`grpo_mem.job.flags`)."""
+    """A settings field whose ``metadata`` makes its command-line flag (:mod:`grpo_mem.commands.flags`)."""
     metadata = {"help": help}
     if metavar is not None:
         metadata["metavar"] = metavar
@@ -66,10 +57,10 @@ class TrainSettings:
     task: str = _opt(DEFAULT_TASK, "reasoning-gym dataset name", metavar="NAME")
     task_config: dict[str, Any] | None = _opt(
         None, 'reasoning-gym options as JSON, e.g. \'{"min_terms": 2, "max_terms": 3}\' (default: '
-        "grpo_mem.job.tasks.DEFAULT_TASK_CONFIGS[task], else reasoning-gym's defaults)", type=json_dict,
+        "grpo_mem.commands.tasks.DEFAULT_TASK_CONFIGS[task], else reasoning-gym's defaults)", type=json_dict,
         metavar="JSON")
     system_prompt: str | None = _opt(None, "system message of every prompt (default: tuned per task, see "
-                                     "grpo_mem.job.tasks)", metavar="TEXT")
+                                     "grpo_mem.commands.tasks)", metavar="TEXT")
     few_shot: int = _opt(0, "put K solved examples of the task into the system message, so every prompt starts with "
                          "the same long prefix: reasoning-gym entries drawn from a seed disjoint from the training "
                          "entries', no training question among them, with their exact answers",
@@ -149,7 +140,9 @@ def _apply_patch(trainer):
 
 
 def _compact_progress_callback():
-    """transformers' progress bar, printing one short line per logged step instead of TRL's full metrics dict."""
+    """transformers' progress bar, printing one short line per logged step instead of TRL's full metrics dict (with
+    the backbone's tokens over stock TRL's when the patch logged them:
+    :func:`~grpo_mem.commands.report.saving_text`)."""
     from transformers.trainer_callback import ProgressCallback
 
     class CompactProgressCallback(ProgressCallback):
@@ -163,20 +156,10 @@ def _compact_progress_callback():
                 parts.append(f"len {logs['completions/mean_length']:.1f}")
             if "loss" in logs:
                 parts.append(f"loss {logs['loss']:.4f}")
-            self.training_bar.write("  ".join(parts))
+            saving = saving_text(token_saving(logs))
+            self.training_bar.write("  ".join(parts + ([saving] if saving else [])))
 
     return CompactProgressCallback()
-
-
-def _step_rows(records: list[dict]) -> list[dict]:
-    rows = []
-    for rec in records:
-        row = {"step": rec["step"], "step_time_s": rec["step_time_s"], "peak_rss_mb": rec["peak_rss_mb"]}
-        for src, dst in _LOGGED.items():
-            value = rec["logs"].get(src)
-            row[dst] = float(value) if isinstance(value, (int, float)) else None
-        rows.append(row)
-    return rows
 
 
 def _versions() -> dict[str, str]:
@@ -197,78 +180,6 @@ def _versions() -> dict[str, str]:
         "trl": trl.__version__,
         "grpo_mem": grpo_mem_version,
     }
-
-
-def plot_summary(summary: dict, path: Path) -> None:
-    """Write a PNG with mean reward and peak RSS per step (matplotlib, Agg backend) to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    rows = summary["steps"]
-    steps = [r["step"] for r in rows]
-    reward = [r["reward"] if r["reward"] is not None else math.nan for r in rows]
-    std = [r["reward_std"] if r["reward_std"] is not None else 0.0 for r in rows]
-    peak = [r["peak_rss_mb"] for r in rows]
-    label = "grpo_mem patch" if summary["patched"] else "stock TRL"
-    fig, (ax_r, ax_m) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax_r.plot(steps, reward, marker="o", ms=3, label="mean reward")
-    ax_r.fill_between(steps, [max(r - s, 0.0) for r, s in zip(reward, std)],
-                      [min(r + s, 1.0) for r, s in zip(reward, std)], alpha=0.2, label="± reward std (clipped to [0, 1])")
-    ax_r.set_ylabel("reward")
-    ax_r.set_ylim(-0.05, 1.05)
-    ax_r.legend(loc="upper left", fontsize=8)
-    ax_r.set_title(f"{Path(summary['model']).name} · {summary['task']} · G={summary['settings']['num_generations']}"
-                   f" · {label}\nprompts: {prompt_text(summary)}", fontsize=10)
-    ax_m.plot(steps, peak, marker="o", ms=3, color="tab:red", label="peak RSS in step")
-    ax_m.axhline(summary["ru_maxrss_mb"], color="tab:red", ls=":", lw=1, label="ru_maxrss (whole process)")
-    ax_m.axhline(summary["rss_before_train_mb"], color="gray", ls="--", lw=1, label="RSS before training")
-    ax_m.set_ylabel("RSS (MB)")
-    ax_m.set_xlabel("optimizer step")
-    ax_m.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_m.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def format_summary(summary: dict) -> str:
-    """The end-of-run text report: one line per step, then totals."""
-    lines = [
-        f"grpo-mem train: {summary['model']} on {summary['task']} "
-        f"({'grpo_mem patch' if summary['patched'] else 'stock TRL, --no-patch'})",
-        f"prompts: {prompt_text(summary)}",
-        f"{'step':>5} {'reward':>7} {'std':>6} {'len':>5} {'peak RSS MB':>12} {'time s':>7}",
-    ]
-    for r in summary["steps"]:
-        def f(v, spec):
-            return format(v, spec) if v is not None else "-"
-        lines.append(f"{r['step']:>5} {f(r['reward'], '7.3f')} {f(r['reward_std'], '6.3f')} "
-                     f"{f(r['completion_mean_length'], '5.1f')} {r['peak_rss_mb']:>12.0f} {r['step_time_s']:>7.2f}")
-    t = summary["totals"]
-    lines += [
-        f"reward: first {t['reward_first']:.3f}, last {t['reward_last']:.3f}, "
-        f"mean of first half {t['reward_first_half']:.3f}, second half {t['reward_second_half']:.3f}",
-        f"peak RSS: max over steps {t['peak_rss_mb']:.0f} MB (before training {summary['rss_before_train_mb']:.0f} MB), "
-        f"ru_maxrss {summary['ru_maxrss_mb']:.0f} MB",
-        f"step time: mean {t['step_time_mean_s']:.2f} s, median {t['step_time_median_s']:.2f} s; "
-        f"training {summary['train_time_s']:.1f} s; wall {summary['wall_time_s']:.1f} s"
-        + (f" (incl. {summary['conversion_time_s']:.1f} s one-time conversion)" if summary["conversion_time_s"] else ""),
-    ]
-    if summary["grpo_mem_warnings"]:
-        lines.append("grpo_mem warnings: " + " | ".join(summary["grpo_mem_warnings"]))
-    lines.append(f"wrote {summary['files']['json']} and {summary['files']['png']}")
-    return "\n".join(lines)
-
-
-def prompt_text(summary: dict) -> str:
-    """``"449 tokens (shared prefix 438), 16 few-shot examples"``: the prompts' length after the chat template."""
-    t = summary["prompt_tokens"]
-    size = f"{t['max']}" if t["min"] == t["max"] else f"{t['min']}-{t['max']}"
-    text = f"{size} tokens (shared prefix {t['shared_prefix']})"
-    return text + (f", {summary['few_shot']} few-shot examples" if summary["few_shot"] else "")
 
 
 def _half_mean(values: list[float], second: bool) -> float:
@@ -310,38 +221,31 @@ def check_prompt_length(stats: dict, settings: TrainSettings, max_positions: int
     )
 
 
-def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
-    """Train once and return the summary dict (also written as ``<output_dir>/summary.json``).
+@dataclass
+class _Setup:
+    """What a run trains on: the model directory (and the seconds its one-time conversion took), tokenizer, task,
+    and the prompts' token counts."""
 
-    Summary keys: ``model``, ``task``, ``task_config``, ``system_prompt``, ``few_shot`` (K), ``few_shot_seed``,
-    ``prompt_tokens`` (:func:`prompt_token_stats`), ``system_prompt_tokens``, ``max_position_embeddings``,
-    ``patched``, ``settings``, ``steps`` (per step: ``step``, ``reward``, ``reward_std``, ``frac_reward_zero_std``,
-    ``completion_mean_length``, ``loss``, ``grad_norm``, ``learning_rate``, ``peak_rss_mb`` (MB), ``step_time_s``
-    (s)), ``totals``, ``rss_before_train_mb``, ``ru_maxrss_mb``, ``train_time_s``, ``conversion_time_s``,
-    ``wall_time_s``, ``grpo_mem_warnings``, ``versions``, ``files``.
+    model_dir: Path
+    conversion_time_s: float
+    tokenizer: Any
+    task: Any
+    prompt_tokens: dict
+    system_tokens: int
+    max_positions: int | None
 
-    Raises:
-        ValueError: a bad setting (see :meth:`TrainSettings.validate`; ``compare=True`` belongs to
-            :func:`grpo_mem.job.compare.run_compare`), unknown task, a model directory without a chat template, or
-            prompts that do not fit the model's positions with ``max_completion_length`` (:func:`check_prompt_length`).
-        RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
-    """
-    wall0 = time.perf_counter()
+
+def _check_run_settings(settings: TrainSettings) -> None:
     settings.validate()
     if settings.compare:
-        raise ValueError("run() trains once; compare=True is grpo_mem.job.compare.run_compare(settings)")
+        raise ValueError("run() trains once; compare=True is grpo_mem.commands.compare.run_compare(settings)")
     if settings.model is not None and not (Path(settings.model).expanduser() / "config.json").is_file():
         raise ValueError(f"--model must be a local HF model directory with config.json, got {settings.model!r}")
-    force_offline()
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.trainer_callback import ProgressCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
-    out = Path(settings.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+
+def _setup(settings: TrainSettings, verbose: bool) -> _Setup:
+    """Convert (once) or locate the model, load its tokenizer, build the task and check its prompts fit."""
+    from transformers import AutoConfig, AutoTokenizer
 
     conversion_time = 0.0
     if settings.model is None:
@@ -352,7 +256,6 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
             conversion_time = 0.0
     else:
         model_dir = Path(settings.model).expanduser()
-
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer in {model_dir} has no chat template; the prompts are chat messages")
@@ -362,8 +265,16 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     system_tokens = len(tokenizer(task.system, add_special_tokens=False)["input_ids"]) if task.system else 0
     max_positions = getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", None)
     check_prompt_length(prompt_tokens, settings, max_positions, system_tokens)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return _Setup(model_dir, conversion_time, tokenizer, task, prompt_tokens, system_tokens, max_positions)
 
+
+def _make_trainer(settings: TrainSettings, setup: _Setup, out: Path):
+    """TRL's ``GRPOTrainer`` on CPU in fp32 with the settings' options, logging every step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(setup.model_dir), dtype=torch.float32)
     config_kwargs = dict(
         output_dir=str(out),
         max_steps=settings.steps,
@@ -389,17 +300,17 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     if settings.loss_type is not None:
         config_kwargs["loss_type"] = settings.loss_type
     config_kwargs.update(settings.extra)
-    args = GRPOConfig(**config_kwargs)
+    return GRPOTrainer(model=model, reward_funcs=setup.task.reward_func(), args=GRPOConfig(**config_kwargs),
+                       train_dataset=setup.task.hf_dataset(), processing_class=setup.tokenizer)
 
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=task.reward_func(),
-        args=args,
-        train_dataset=task.hf_dataset(),
-        processing_class=tokenizer,
-    )
-    handle = _apply_patch(trainer) if settings.patch else None
 
+def _train(trainer, patch: bool) -> dict:
+    """Train (patched when ``patch``), sampling RSS per step; returns ``records`` (the step stats callback's),
+    ``rss_before_train_mb``, ``rss_sample_interval_s``, ``train_time_s`` and ``grpo_mem_warnings`` (messages of the
+    warnings grpo_mem raised, shown again after training)."""
+    from transformers.trainer_callback import ProgressCallback
+
+    handle = _apply_patch(trainer) if patch else None
     sampler = RssSampler().start()
     stats = make_step_stats_callback(sampler)
     trainer.add_callback(stats)
@@ -419,45 +330,82 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     for w in caught:  # show what was held back during training, in order
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     grpo_mem_root = str(Path(__file__).resolve().parents[1])
-    grpo_mem_warnings = sorted({
-        str(w.message) for w in caught
-        if str(w.filename).startswith(grpo_mem_root) or str(w.message).startswith("grpo_mem")
-    })
+    return {
+        "records": stats.records,
+        "rss_before_train_mb": rss_before,
+        "rss_sample_interval_s": sampler.interval_s,
+        "train_time_s": train_time,
+        "grpo_mem_warnings": sorted({str(w.message) for w in caught if str(w.filename).startswith(grpo_mem_root)
+                                     or str(w.message).startswith("grpo_mem")}),
+    }
 
-    rows = _step_rows(stats.records)
+
+def _totals(rows: list[dict]) -> dict:
     rewards = [r["reward"] for r in rows if r["reward"] is not None]
     times = [r["step_time_s"] for r in rows]
+    return {
+        "reward_first": rewards[0] if rewards else math.nan,
+        "reward_last": rewards[-1] if rewards else math.nan,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+        "reward_first_half": _half_mean(rewards, second=False),
+        "reward_second_half": _half_mean(rewards, second=True),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in rows) if rows else math.nan,
+        "step_time_mean_s": sum(times) / len(times) if times else math.nan,
+        "step_time_median_s": statistics.median(times) if times else math.nan,
+        "token_ratio_mean": token_ratio_mean(rows),
+    }
+
+
+def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
+    """Train once and return the summary dict (also written as ``<output_dir>/summary.json``).
+
+    Summary keys: ``model``, ``task``, ``task_config``, ``system_prompt``, ``few_shot`` (K), ``few_shot_seed``,
+    ``prompt_tokens`` (:func:`prompt_token_stats`), ``system_prompt_tokens``, ``max_position_embeddings``,
+    ``patched``, ``settings``, ``steps`` (per step, :func:`~grpo_mem.commands.report.step_rows`: ``step``,
+    ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completion_mean_length``, ``loss``, ``grad_norm``,
+    ``learning_rate``, ``peak_rss_mb`` (MB), ``step_time_s`` (s), and the patch's ``backbone_tokens``,
+    ``stock_tokens``, ``token_ratio`` (None when not logged) and ``paths``), ``totals`` (with ``token_ratio_mean``),
+    ``rss_before_train_mb``, ``ru_maxrss_mb``, ``rss_sample_interval_s``, ``train_time_s``, ``conversion_time_s``,
+    ``wall_time_s``, ``torch_threads``, ``grpo_mem_warnings``, ``versions``, ``files``.
+
+    Raises:
+        ValueError: a bad setting (see :meth:`TrainSettings.validate`; ``compare=True`` belongs to
+            :func:`grpo_mem.commands.compare.run_compare`), unknown task, a model directory without a chat template,
+            or prompts that do not fit the model's positions with ``max_completion_length``
+            (:func:`check_prompt_length`).
+        RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
+    """
+    wall0 = time.perf_counter()
+    _check_run_settings(settings)
+    force_offline()
+    import torch
+
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    out = Path(settings.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    setup = _setup(settings, verbose)
+    trainer = _make_trainer(settings, setup, out)
+    trained = _train(trainer, settings.patch)
+    rows = step_rows(trained.pop("records"), trainer.state.log_history)
     summary = {
-        "model": str(model_dir),
-        "task": task.name,
-        "task_config": task.config,
-        "system_prompt": task.system,
+        "model": str(setup.model_dir),
+        "task": setup.task.name,
+        "task_config": setup.task.config,
+        "system_prompt": setup.task.system,
         "few_shot": settings.few_shot,
-        "few_shot_seed": task.few_shot_seed,
-        "prompt_tokens": prompt_tokens,
-        "system_prompt_tokens": system_tokens,
-        "max_position_embeddings": max_positions,
+        "few_shot_seed": setup.task.few_shot_seed,
+        "prompt_tokens": setup.prompt_tokens,
+        "system_prompt_tokens": setup.system_tokens,
+        "max_position_embeddings": setup.max_positions,
         "patched": settings.patch,
         "settings": {k: v for k, v in asdict(settings).items() if k != "extra"} | {"extra": settings.extra},
         "steps": rows,
-        "totals": {
-            "reward_first": rewards[0] if rewards else math.nan,
-            "reward_last": rewards[-1] if rewards else math.nan,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
-            "reward_first_half": _half_mean(rewards, second=False),
-            "reward_second_half": _half_mean(rewards, second=True),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in rows) if rows else math.nan,
-            "step_time_mean_s": sum(times) / len(times) if times else math.nan,
-            "step_time_median_s": statistics.median(times) if times else math.nan,
-        },
-        "rss_before_train_mb": rss_before,
+        "totals": _totals(rows),
+        **trained,
         "ru_maxrss_mb": ru_maxrss_mb(),
-        "rss_sample_interval_s": sampler.interval_s,
-        "train_time_s": train_time,
-        "conversion_time_s": conversion_time,
-        "wall_time_s": time.perf_counter() - wall0,
+        "conversion_time_s": setup.conversion_time_s,
         "torch_threads": torch.get_num_threads(),
-        "grpo_mem_warnings": grpo_mem_warnings,
         "versions": _versions(),
         "files": {"json": str(out / "summary.json"), "png": str(out / "summary.png")},
     }
@@ -479,9 +427,9 @@ DESCRIPTION = (
 
 def build_parser(prog: str = "grpo-mem train"):
     """The ``grpo-mem train`` parser: one flag per :class:`TrainSettings` field
-    (:func:`grpo_mem.job.flags.settings_parser`).
+    (:func:`grpo_mem.commands.flags.settings_parser`).
 
-    In-place effect: forces Hugging Face's offline variables (:func:`~grpo_mem.job.smollm2.force_offline`) before
+    In-place effect: forces Hugging Face's offline variables (:func:`~grpo_mem.commands.smollm2.force_offline`) before
     the parser imports transformers.
     """
     force_offline()
@@ -499,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = build_parser().parse_settings(argv)
     try:
         if settings.compare:
-            from grpo_mem.job.compare import run_compare
+            from grpo_mem.commands.compare import run_compare
 
             run_compare(settings)
         else:

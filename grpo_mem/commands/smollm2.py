@@ -168,7 +168,7 @@ def ensure_smollm2(
     Args:
         cache_dir: directory to hold the model; default ``cache_root() / "smollm2-135m-instruct"``.
         verbose: print one line when converting.
-        subprocess: convert in a child process (``python -m grpo_mem.job.smollm2``), so that the conversion's
+        subprocess: convert in a child process (``python -m grpo_mem.commands.smollm2``), so that the conversion's
             memory (two copies of the model) neither stays in this process's heap nor enters its ``ru_maxrss``.
 
     Returns:
@@ -191,7 +191,7 @@ def ensure_smollm2(
         import sys
 
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        proc = sp.run([sys.executable, "-m", "grpo_mem.job.smollm2", str(target)], env=env)
+        proc = sp.run([sys.executable, "-m", "grpo_mem.commands.smollm2", str(target)], env=env)
         if proc.returncode != 0 or not _is_complete(target):
             raise RuntimeError(f"converting {source} into {target} failed (exit status {proc.returncode})")
     else:
@@ -199,7 +199,7 @@ def ensure_smollm2(
     return target
 
 
-if __name__ == "__main__":  # python -m grpo_mem.job.smollm2 [DIR]: convert once, print the directory
+if __name__ == "__main__":  # python -m grpo_mem.commands.smollm2 [DIR]: convert once, print the directory
     import sys
 
     force_offline()

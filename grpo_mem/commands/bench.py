@@ -1,0 +1,340 @@
+"""``grpo-mem bench``: will grpo_mem help on my model? One scoring forward + backward, stock TRL against grpo_mem.
+
+For a model shape (a preset, or a local HF model directory's ``config.json``: only the configuration is read, the
+weights are random, nothing is downloaded) and a batch shape (G completions of C tokens per prompt of P tokens), each
+provider scores the completions and backpropagates once, in its own fresh process (the benchmark library's sweep,
+:mod:`grpo_mem.bench.sweep`; the op and providers of :mod:`grpo_mem.bench.group`): stock TRL 1.16 (``trl``), then
+grpo_mem in each sharing mode the installed grpo_mem offers (``grpo_mem``: each group's prompt once;
+``grpo_mem_tree`` when ``shared_prompt_logprobs`` takes ``sharing="tree"``). Printed: wall time, CPU time, peak memory above the process's
+base, their ratios to stock TRL, and the largest log-prob difference from stock TRL. Written: ``bench.csv`` (the
+harness's long format) and ``bench.png`` in ``--output``.
+
+Before running, the stock path's peak memory is estimated (:mod:`grpo_mem.bench.estimate`) and compared with the memory
+this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory): a shape that would not
+fit is refused with the estimate and what to lower, instead of swapping. Each child is also killed if its resident set
+grows past the available memory (the harness's RSS budget).
+
+Child processes run with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set (see ``grpo_mem.cli``: spinning OpenMP
+threads cost several times the time on cores shared with other processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from grpo_mem.bench.estimate import (DTYPES, GB, MemoryEstimate, ModelShape, available_memory_bytes, check_fits,
+                                     estimate_stock_memory, model_shape)
+from grpo_mem.bench.presets import PRESETS, ModelSpec, resolve_model
+from grpo_mem.commands.flags import non_negative_int, positive_int
+
+OP = "group_logprobs"
+"""The CSV's ``op``: the same op as ``benchmarks/bench_group.py`` measures."""
+
+WORKER = "grpo_mem.bench.group:worker"
+
+HELP = "will grpo_mem help on my model? time and memory of stock TRL vs grpo_mem on one scoring step"
+DESCRIPTION = (
+    "One scoring forward + backward (log-probs and entropies of every completion token) of stock TRL 1.16 and of "
+    "grpo_mem (each sharing mode), each in a fresh process, on a randomly initialised model of the given shape. "
+    "Prints wall time, CPU time, peak memory above base, ratios to stock TRL and the largest log-prob difference; "
+    "writes bench.csv and bench.png into --output. Refuses shapes whose estimated stock peak does not fit the "
+    "available memory."
+)
+
+
+# ------------------------------------------------------------------------------------------------------- arguments
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``grpo-mem bench``'s flags to ``parser`` (a subcommand's parser or a standalone one); returns it."""
+    parser.add_argument("--model", default="smollm2-135m",
+                        help=f"a preset ({', '.join(PRESETS)}) or a local HF model directory (only its config.json is "
+                        "read; random weights)")
+    parser.add_argument("--prompt-length", type=positive_int, default=512, help="prompt tokens per row (P)")
+    parser.add_argument("--completion-length", type=positive_int, default=64, help="completion tokens per row (C)")
+    parser.add_argument("-G", "--num-generations", type=positive_int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--groups", type=positive_int, default=1, help="prompts, each with G completions")
+    parser.add_argument("--micro-batch", type=positive_int, default=None,
+                        help="rows per micro-batch, a divisor of groups x G (default: G); gradients accumulate over "
+                        "the micro-batches, grpo_mem shares prompts across them as its TRL patch does")
+    parser.add_argument("--shared-prefix-length", type=non_negative_int, default=0,
+                        help="tokens at the start of every prompt that all prompts share (for the tree sharing mode)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and activations")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument("--threads", type=positive_int, default=_cpu_count(),
+                        help="torch intra-op threads of each run")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="calls per provider: 1 times and measures memory in the same call; N > 1 times N calls "
+                        "(p50) and measures memory (peak RSS and live tensors) in one more")
+    parser.add_argument("--output", default="grpo-mem-bench", help="directory for bench.csv and bench.png")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone parser of ``grpo-mem bench`` (``python -m grpo_mem.commands.bench``)."""
+    parser = argparse.ArgumentParser(prog="grpo-mem bench", description=DESCRIPTION,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return add_arguments(parser)
+
+
+# -------------------------------------------------------------------------------------------------------- running
+def providers_to_run() -> list[str]:
+    """Stock TRL first, then every grpo_mem sharing mode this installation offers."""
+    from grpo_mem.bench.group import PROVIDERS, available_providers
+
+    return ["trl"] + [p for p in available_providers() if PROVIDERS[p].sharing is not None]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b) else a / b
+
+
+def summarize(outcomes: list) -> list[dict]:
+    """Per provider (in order, from the sweep's :class:`~grpo_mem.bench.sweep.Outcome` list): wall and CPU time p50
+    (s), peak memory above base (MB; peak RSS on CPU, peak CUDA allocation on CUDA), ratios to ``trl``, max |Δ
+    log-prob| and |Δ entropy| vs ``trl``, gradient-norm relative difference vs ``trl``, fallback warnings, or the
+    reason it was skipped."""
+    from grpo_mem.bench import harness
+
+    out = []
+    for outcome in outcomes:
+        row: dict[str, Any] = {"provider": outcome.cell.provider}
+        if outcome.skipped:
+            out.append(dict(row, skipped=outcome.skipped))
+            continue
+        metrics = harness.Measurement.from_dict(outcome.result).metrics()
+        mem = metrics.get("peak_rss_above_base") or metrics.get("peak_tensor")
+        cpu = metrics.get("cpu_time")
+        row.update(time_s=metrics["wall_time"][1][0], cpu_s=cpu[1][0] if cpu else None,
+                   mem_mb=mem[1][0] if mem else None, fallback=outcome.config.get("fallback") or [])
+        row.update({k: v for k, v in outcome.config.items() if k.endswith("_vs_trl")})
+        out.append(row)
+    base = next((r for r in out if r["provider"] == "trl" and "skipped" not in r), {})
+    for row in out:
+        if "skipped" not in row:
+            row["time_vs_trl"] = _ratio(row["time_s"], base.get("time_s"))
+            row["cpu_vs_trl"] = _ratio(row["cpu_s"], base.get("cpu_s"))
+            row["mem_vs_trl"] = _ratio(row["mem_mb"], base.get("mem_mb"))
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    """The markdown table printed by ``grpo-mem bench``."""
+    from grpo_mem.bench import harness
+
+    headers = ["provider", "time s", "CPU s", "peak mem MB", "time / trl", "CPU / trl", "mem / trl",
+               "max abs Δlogp vs trl"]
+    rows = []
+    for r in summary:
+        if "skipped" in r:
+            rows.append([r["provider"], None, None, None, None, None, None, f"skipped: {r['skipped'][:80]}"])
+            continue
+        if r["provider"] == "trl":
+            diff = "(reference)"
+        elif "logp_max_abs_diff_vs_trl" in r:
+            diff = f"{r['logp_max_abs_diff_vs_trl']:.1e}"
+        else:
+            diff = "-"
+        if r["fallback"]:
+            diff += " (fell back to the full sequence)"
+        rows.append([r["provider"], r["time_s"], r["cpu_s"], r["mem_mb"], r["time_vs_trl"], r["cpu_vs_trl"],
+                     r["mem_vs_trl"], diff])
+    return harness.markdown_table(headers, rows)
+
+
+def plot(summary: list[dict], png_path: str, title: str) -> None:
+    """Bar chart of wall time, CPU time and peak memory per provider (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in summary if "skipped" not in r]
+    panels = [(k, label) for k, label in (("time_s", "wall time [s]"), ("cpu_s", "CPU time [s]"),
+                                          ("mem_mb", "peak memory above base [MB]"))
+              if any(r.get(k) is not None for r in measured)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 0.5, 3.4), squeeze=False,
+                             constrained_layout=True)
+    names = [r["provider"] for r in measured]
+    for ax, (key, label) in zip(axes[0], panels):
+        values = [r.get(key) or 0.0 for r in measured]
+        bars = ax.bar(names, values, color=["0.6" if n == "trl" else "tab:blue" for n in names])
+        ax.bar_label(bars, labels=[f"{v:.0f}" if v >= 1000 else f"{v:.3g}" for v in values], fontsize=8)
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass
+class BenchConfig:
+    """A validated ``grpo-mem bench`` invocation."""
+
+    model: ModelSpec
+    shape: ModelShape
+    P: int
+    C: int
+    G: int
+    groups: int
+    micro: int
+    shared_prefix: int
+    dtype: str
+    device: str
+    threads: int
+    repeats: int
+    output: str
+
+    def worker_args(self, provider: str) -> dict:
+        return dict(model_config=self.model.config, provider=provider, G=self.G, P=self.P, C=self.C,
+                    groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
+                    dtype=DTYPES[self.dtype], device=self.device, repeats=self.repeats, min_repeats=self.repeats,
+                    time_budget_s=None, single_call=self.repeats == 1, plain_forward_check=False)
+
+    def csv_config(self) -> dict:
+        from grpo_mem.bench.group import ideal_ratio
+
+        return dict(model=self.model.name, model_source=self.model.source, n_params=self.shape.n_params, G=self.G,
+                    P=self.P, C=self.C, groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
+                    dtype=self.dtype, threads=self.threads, repeats=self.repeats,
+                    ideal_ratio=round(ideal_ratio(self.G, self.P, self.C), 4))
+
+
+def validate(args: argparse.Namespace) -> BenchConfig:
+    """Turn parsed flags into a :class:`BenchConfig`. Raises ValueError naming the flag at fault."""
+    spec = resolve_model(args.model)
+    shape = model_shape(spec.config)
+    P, C, G, groups = args.prompt_length, args.completion_length, args.num_generations, args.groups
+    rows = G * groups
+    micro = args.micro_batch or G
+    if rows % micro:
+        raise ValueError(f"--micro-batch {micro} must divide the {rows} rows (--groups {groups} x -G {G})")
+    shortest = P - P // (8 if groups == 1 else 4)
+    if args.shared_prefix_length > shortest:
+        raise ValueError(f"--shared-prefix-length {args.shared_prefix_length} is longer than the shortest prompt "
+                         f"({shortest} tokens: prompts are left-padded by P/8, or P/4 beyond the first group)")
+    if shape.max_positions is not None and P + C > shape.max_positions:
+        raise ValueError(f"--prompt-length + --completion-length = {P + C} exceeds the model's "
+                         f"max_position_embeddings {shape.max_positions}")
+    return BenchConfig(model=spec, shape=shape, P=P, C=C, G=G, groups=groups, micro=micro,
+                       shared_prefix=args.shared_prefix_length, dtype=args.dtype, device=args.device,
+                       threads=args.threads, repeats=args.repeats, output=args.output)
+
+
+def _fail(message: str) -> int:
+    print(f"grpo-mem bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _memory_guard(cfg: BenchConfig) -> tuple[MemoryEstimate, float, str, float]:
+    """Stock TRL's estimated peak, the memory available for it (bytes) and where that figure comes from, and the
+    host memory available (the children's RSS budget). Raises ValueError with the refusal when it does not fit."""
+    estimate = estimate_stock_memory(cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device)
+    try:
+        available, where = available_memory_bytes(cfg.device)
+        host_available = available if cfg.device == "cpu" else available_memory_bytes("cpu")[0]
+    except OSError as exc:  # no /proc/meminfo: run unguarded rather than not at all
+        print(f"grpo-mem bench: warning: available memory unknown ({exc}); the memory guard is off", file=sys.stderr)
+        available, where, host_available = math.inf, "unknown", math.inf
+    if (refusal := check_fits(estimate, available, where)) is not None:
+        raise ValueError(refusal)
+    return estimate, available, where, host_available
+
+
+def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) -> list:
+    """Each provider in a fresh process, through the benchmark library's sweep; the sweep's outcomes."""
+    from tqdm import tqdm
+
+    from grpo_mem.bench import harness
+    from grpo_mem.bench.sweep import Cell, Sweep, isolated
+
+    config = dict(cfg.csv_config(), estimated_stock_peak_gb=round(estimate.total / GB, 2))
+    cells = [Cell(prov, cfg.P, config, cfg.worker_args(prov), name="grpo-mem bench") for prov in providers_to_run()]
+    device = None
+    if cfg.device == "cuda":
+        from grpo_mem.bench.harness_cuda import cuda_device_name
+
+        device = cuda_device_name()
+    bar = tqdm(total=len(cells), desc="grpo-mem bench", unit="run", file=sys.stderr, dynamic_ncols=True)
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    sweep = Sweep(OP, "P", isolated(WORKER, threads=cfg.threads, env=env, timeout_s=3600.0,
+                                    rss_budget_mb=0.95 * host_available / harness.MB),
+                  device=device, report=lambda line: bar.write(line, file=sys.stderr))
+    outcomes = sweep.run(cells, on_outcome=lambda _: bar.update())
+    bar.close()
+    return outcomes
+
+
+def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
+    """bench.csv and bench.png into ``cfg.output``, the table on stdout; returns :func:`summarize`'s rows."""
+    from grpo_mem.bench import harness
+
+    summary = summarize(outcomes)
+    os.makedirs(cfg.output, exist_ok=True)
+    csv_path = os.path.join(cfg.output, "bench.csv")
+    png_path = os.path.join(cfg.output, "bench.png")
+    harness.write_csv([row for outcome in outcomes for row in outcome.rows], csv_path)
+    title = (f"grpo-mem bench: {cfg.model.name}, {cfg.dtype}, G={cfg.G}, P={cfg.P}, C={cfg.C}, groups={cfg.groups}, "
+             f"micro-batch {cfg.micro}")
+    plotted = any("skipped" not in r for r in summary)
+    if plotted:
+        plot(summary, png_path, title)
+    elif os.path.exists(png_path):  # not this run's
+        os.remove(png_path)
+    print(f"\n{title}\n")
+    print(table(summary))
+    print(f"\nwrote {csv_path}" + (f" and {png_path}" if plotted else ""))
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``grpo-mem bench`` for parsed flags; returns the exit status: 0 when every provider ran, 1 when one was
+    skipped (failed, over the time limit or the RSS budget; the table says why), 2 for invalid flags or a refused
+    shape (nothing run)."""
+    from grpo_mem.bench.group import ideal_ratio
+
+    try:
+        cfg = validate(args)
+        if cfg.device == "cuda":
+            from grpo_mem.bench.harness_cuda import cuda_unavailable_reason
+
+            if (reason := cuda_unavailable_reason()) is not None:
+                raise ValueError(reason)
+        estimate, available, where, host_available = _memory_guard(cfg)
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(f"grpo-mem bench: {cfg.model.name} ({cfg.shape.n_params / 1e6:.0f}M parameters, random weights, "
+          f"{cfg.dtype}, {cfg.device}, {cfg.threads} threads); {cfg.groups} prompt(s) x G={cfg.G} completions, "
+          f"P={cfg.P}, C={cfg.C}, {cfg.G * cfg.groups // cfg.micro} micro-batch(es) of {cfg.micro} rows"
+          + (f", shared prefix {cfg.shared_prefix}" if cfg.shared_prefix else "")
+          + f"; ideal token ratio (P+G·C)/(G·(P+C)) = {ideal_ratio(cfg.G, cfg.P, cfg.C):.3f}", file=sys.stderr)
+    print(f"grpo-mem bench: stock TRL estimated at {estimate.describe()}; {available / GB:.1f} GB available "
+          f"({where})", file=sys.stderr)
+    summary = _write_and_print(cfg, _measure(cfg, estimate, host_available))
+    return 0 if all("skipped" not in r for r in summary) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``grpo-mem bench`` as a function: parse ``argv`` (default ``sys.argv[1:]``), run, return the exit status."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    from grpo_mem.commands.smollm2 import force_offline
+
+    force_offline()
+    sys.exit(main())
