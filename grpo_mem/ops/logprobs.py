@@ -400,6 +400,40 @@ class LinearLogprobsFunction(torch.autograd.Function):
         return dh, dw, db, None, None
 
 
+def _check_linear_inputs(hidden, weight, index, bias, temperature, logit_scale, softcap, ignore_index):
+    """``linear_logprobs``' argument checks (its Raises); returns the float hyperparameters as Python floats."""
+    for name, x in (("hidden", hidden), ("weight", weight), ("index", index)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be (N, H), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be (V, H) with H = {hidden.shape[1]}, got shape {tuple(weight.shape)}")
+    if index.shape != (hidden.shape[0],):
+        raise ValueError(f"index must have shape ({hidden.shape[0]},), got {tuple(index.shape)}")
+    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden and weight must be fp32, bf16 or fp16, got {hidden.dtype} and {weight.dtype}")
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise TypeError(f"index must be an integer tensor, got {index.dtype}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"bias must be fp32, bf16 or fp16, got {bias.dtype}")
+    for name, x in (("weight", weight), ("index", index), ("bias", bias)):
+        if x is not None and x.device != hidden.device:
+            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+    temperature = _check_float("temperature", temperature, positive=True)
+    logit_scale = _check_float("logit_scale", logit_scale, positive=False)
+    if softcap is not None:
+        softcap = _check_float("softcap", softcap, positive=True)
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return temperature, logit_scale, softcap
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -442,35 +476,8 @@ def linear_logprobs(
             unknown backend.
         BackendUnavailableError (a ValueError): an explicitly requested backend that cannot run here.
     """
-    for name, x in (("hidden", hidden), ("weight", weight), ("index", index)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be (N, H), got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be (V, H) with H = {hidden.shape[1]}, got shape {tuple(weight.shape)}")
-    if index.shape != (hidden.shape[0],):
-        raise ValueError(f"index must have shape ({hidden.shape[0]},), got {tuple(index.shape)}")
-    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden and weight must be fp32, bf16 or fp16, got {hidden.dtype} and {weight.dtype}")
-    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-        raise TypeError(f"index must be an integer tensor, got {index.dtype}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"bias must be fp32, bf16 or fp16, got {bias.dtype}")
-    for name, x in (("weight", weight), ("index", index), ("bias", bias)):
-        if x is not None and x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
-    temperature = _check_float("temperature", temperature, positive=True)
-    logit_scale = _check_float("logit_scale", logit_scale, positive=False)
-    if softcap is not None:
-        softcap = _check_float("softcap", softcap, positive=True)
-    if not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    temperature, logit_scale, softcap = _check_linear_inputs(hidden, weight, index, bias, temperature, logit_scale,
+                                                             softcap, ignore_index)  # fmt: skip
     resolved = resolve("linear_logprobs", backend, hidden)
 
     # one compute dtype for the GEMM operands (autocast-style mixed inputs): cast differentiably outside the Function
