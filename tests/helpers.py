@@ -254,10 +254,10 @@ def train_recorded(tmp_path, kind, patch, group_shuffle=False, **args):
     return trainer, record
 
 
-def run_under_interpreter(test_file: str, select: str, expected_passed: int) -> None:
+def run_under_interpreter(test_file: str, select: str) -> None:
     """Run the tests of ``test_file`` matching ``-k select`` in a fresh ``TRITON_INTERPRET=1`` process (Triton fixes
-    interpreter mode at its first import) and assert that exactly ``expected_passed`` ran and passed, none skipped or
-    failed."""
+    interpreter mode at its first import) and assert that they ran and passed: some passed, none skipped, failed or
+    in error (a skip there means the interpreter did not run what the main process skips)."""
     import subprocess
     import sys
 
@@ -271,7 +271,7 @@ def run_under_interpreter(test_file: str, select: str, expected_passed: int) -> 
     report = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert f"{expected_passed} passed" in tail and "skipped" not in tail and "failed" not in tail, report
+    assert " passed" in tail and not any(word in tail for word in ("skipped", "failed", "error")), report
 
 
 # ----------------------------------------------------------------------------------------------------------------------

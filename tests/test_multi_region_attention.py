@@ -348,13 +348,11 @@ def test_triton_one_region_equals_shared_prefix_attention_and_is_deterministic()
         assert torch.equal(a[n], b[n]), n
 
 
-N_INTERPRETER_TESTS = len(TRITON_CASES) + 1 + 1 + 1
-
 
 def test_triton_kernels_under_interpreter():
     if INTERPRETING:
         pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
-    run_under_interpreter(__file__, "triton and not under_interpreter and not launch", N_INTERPRETER_TESTS)
+    run_under_interpreter(__file__, "triton and not under_interpreter and not launch")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
