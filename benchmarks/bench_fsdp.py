@@ -206,7 +206,7 @@ def table(path: str = CSV_PATH) -> str:
 def window_table(path: str = WINDOW_CSV_PATH) -> str:
     """Markdown table of ``--window`` runs, each provider's newest, per rank: time, CPU time, peak RSS above base and
     live tensors, and tree over group against the ideal ratio of the rank's own prompts."""
-    from grpo_mem.bench.tree import ideal_ratio
+    from grpo_mem.bench.tree import ideal_ratio, own_lengths
 
     rows = harness.read_csv(path)
     newest = {}
@@ -216,13 +216,14 @@ def window_table(path: str = WINDOW_CSV_PATH) -> str:
     for r in rows:
         if r["timestamp"] == newest[r["provider"]]:
             key = (r["config"]["S"], r["config"]["rank"], r["provider"])
-            by.setdefault(key, {"Qs": r["config"]["Qs"]})[r["metric"]] = float(r["p50"])
+            by.setdefault(key, {})[r["metric"]] = float(r["p50"])
     out = []
     for (S, rank, provider), m in sorted(by.items()):
         ratio = ""
         group = by.get((S, rank, "grpo_mem_group"))
         if provider == "grpo_mem_tree" and group:
-            rho = ideal_ratio(S, m["Qs"], WINDOW["G"], WINDOW["C"])
+            Qs = own_lengths(WINDOW["groups_per_mb"] * WINDOW["micro_batches"], WINDOW["q_min"], WINDOW["q_max"], rank)
+            rho = ideal_ratio(S, Qs, WINDOW["G"], WINDOW["C"])  # the rank's own prompts (seeded by rank)
             r_rss = m["peak_rss_above_base"] / group["peak_rss_above_base"]
             r_t = m["wall_time"] / group["wall_time"]
             ratio = f"memory {r_rss:.3f} ({r_rss / rho:.2f}x ideal {rho:.3f}); time {r_t:.3f} ({r_t / rho:.2f}x)"
@@ -235,16 +236,11 @@ def window_table(path: str = WINDOW_CSV_PATH) -> str:
 
 def _run_window(S: int, providers: list[str], repeats: int) -> None:
     """``--window S``: each provider's window under FSDP2, rows per rank into ``WINDOW_CSV_PATH``."""
-    from grpo_mem.bench.tree import own_lengths
-
     config = dict(S=S, **WINDOW, model="llama", fsdp="fully_shard", allocator_env=ALLOCATOR_ENV)
     outcomes = Sweep(WINDOW_OP, "S", launch).run(
         [Cell(p, S, config, dict(provider=p, P=0, C=WINDOW["C"], G=WINDOW["G"], repeats=repeats, window_s=S),
               name=f"window S={S}") for p in providers])
     rows = [row for o in outcomes for row in o.rows]
-    for row in rows:  # each rank's own prompt lengths, for its ideal ratio
-        U = WINDOW["groups_per_mb"] * WINDOW["micro_batches"]
-        row["config"]["Qs"] = own_lengths(U, WINDOW["q_min"], WINDOW["q_max"], row["config"]["rank"])
     harness.write_csv(rows, WINDOW_CSV_PATH, append=os.path.exists(WINDOW_CSV_PATH))
     print(window_table())
 
