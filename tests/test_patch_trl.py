@@ -288,4 +288,11 @@ def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_devi
     P = trainer._buffered_inputs[0]["prompt_ids"].shape[1]
     prompt_passes = [w for w in widths if w[1] == P]
     assert prompt_passes == [torch.Size([1, P])], widths
+    # the step's logged saving: one prompt pass plus every micro-batch's completion pass, against B x (P + C) each
+    C = trainer._buffered_inputs[0]["completion_ids"].shape[1]
+    n = 8 // per_device
+    logged = next(h for h in trainer.state.log_history if "grpo_mem/token_ratio" in h)
+    assert logged["grpo_mem/backbone_tokens"] == pytest.approx((P + 8 * (C - 1)) / n)
+    assert logged["grpo_mem/stock_tokens"] == pytest.approx(per_device * (P + C))
+    assert logged["grpo_mem/path/tree"] == 1.0 and logged["grpo_mem/path/stock"] == 0.0
     assert_grads_close(record.grads[0], stock_rec.grads[0], 1e-4)
