@@ -111,7 +111,7 @@ def build_tiny(model_type: str):
     except NotBuilt:
         raise
     except Exception as e:  # any failure of transformers' own config or model code at these sizes
-        raise NotBuilt(f"{type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
+        raise NotBuilt(f"{type(e).__name__}: {' '.join(str(e).split())[:160]}") from e
 
 
 @dataclass
@@ -165,6 +165,17 @@ def _assert_grads_close(what, ours, ref, rel=1e-4):
         assert err <= rel * scale, f"{what}: {name} max |diff| {err:.3e} > {rel} x {scale:.3e}"
 
 
+class _ReasonFailed(Exception):
+    """``unsupported_reason`` itself raised: a grpo_mem failure, never taken for one of the reference."""
+
+
+def _reason(model, seq_len):
+    try:
+        return unsupported_reason(model, seq_len)
+    except Exception as e:
+        raise _ReasonFailed(f"unsupported_reason raised {type(e).__name__}: {e}") from e
+
+
 def check_architecture(model_type: str) -> Row:
     """Build ``model_type`` tiny and check both sharing modes against the right reference (see the module docstring).
 
@@ -177,19 +188,22 @@ def check_architecture(model_type: str) -> Row:
         if model.supports_gradient_checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         ids, mask, C, _ = make_batch(None, 2, 4, prompts=PROMPTS, shuffle=True, junk_in_padding=True)
+        keep = mask[:, -C:].float()
         own, own_e = _own_logps(model, ids, mask, C)
+        reason = _reason(model, ids.shape[1])
+        if reason is None:  # stock TRL is the reference (and agrees with the model's own forward)
+            ref, ref_e = stock_logps(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
+            _assert_close(f"{model_type} stock TRL vs own forward", ref.detach(), own.detach(), keep)
+        else:
+            ref, ref_e = own, own_e
+        ref_g = grads_of(model, ref, ref_e)
     except NotBuilt as e:
         return Row(model_type, "not built", str(e))
-    except Exception as e:  # the model's own forward fails at these sizes: nothing to compare with
-        return Row(model_type, "not built", f"its own forward fails tiny: {type(e).__name__}: {str(e)[:100]}")
-    reason = unsupported_reason(model, ids.shape[1])
-    keep = mask[:, -C:].float()
-    if reason is None:  # stock TRL is the reference (and agrees with the model's own forward)
-        ref, ref_e = stock_logps(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
-        _assert_close(f"{model_type} stock TRL vs own forward", ref.detach(), own.detach(), keep)
-    else:
-        ref, ref_e = own, own_e
-    ref_g = grads_of(model, ref, ref_e)
+    except (AssertionError, _ReasonFailed):
+        raise
+    except Exception as e:  # the reference itself fails at these sizes: nothing to compare with
+        message = " ".join(str(e).split())[:120]
+        return Row(model_type, "not built", f"its own forward or backward fails tiny: {type(e).__name__}: {message}")
     for sharing in ("group", "tree"):
         logps, entropy, causes = _ours(model, ids, mask, C, sharing)
         assert causes == ([] if reason is None else [reason]), f"{model_type} {sharing}: fallbacks {causes}"
@@ -233,8 +247,8 @@ def write_table(path: str) -> list[Row]:
     for model_type in ALL:
         try:
             rows.append(check_architecture(model_type))
-        except AssertionError as e:
-            rows.append(Row(model_type, "FAILED", str(e).splitlines()[0]))
+        except Exception as e:  # AssertionError, or grpo_mem crashing where the reference runs
+            rows.append(Row(model_type, "FAILED", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"))
         print(rows[-1], file=sys.stderr, flush=True)
     with open(path, "w", newline="") as f:
         out = csv.writer(f)

@@ -70,6 +70,12 @@ def _calls_attention_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
 
 
+def _passes_kwargs(cls: type) -> bool:
+    """Whether ``cls.forward`` hands its ``**kwargs`` on to a call (where grpo_mem's context kwarg travels to the
+    attention interface), not only receives them."""
+    return _forward_source(cls).count("**kwargs") >= 2
+
+
 def _takes_positions(cls: type) -> bool:
     """Whether ``cls.forward`` receives its positions from ``position_ids`` (directly or as rotary
     ``position_embeddings`` the backbone computed from them)."""
@@ -148,13 +154,19 @@ def _layers_reason(base) -> str | None:
             for i, layer in enumerate(module):
                 if not any(_calls_attention_interface(type(m)) for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
+                if not _passes_kwargs(type(layer)):
+                    return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
+    if not _passes_kwargs(type(base)):
+        return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
     for name, module in attention:
         cls = type(module)
         if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
             return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
         if _forward_source(cls).count("attention_interface(") > 1:
             return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
-        if not _takes_positions(type(module)):
+        if not _passes_kwargs(cls):
+            return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
+        if not _takes_positions(cls):
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"
@@ -212,7 +224,7 @@ def architecture_reason(causal_lm) -> str | None:
         return f"layer types {sorted(set(layer_types))} (sliding-window, chunked or linear-attention layers)"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit softcapping"
-    return _layers_reason(base) or _positions_reason(config, base) or _head_reason(causal_lm)
+    return _positions_reason(config, base) or _layers_reason(base) or _head_reason(causal_lm)
 
 
 def _reentrant_checkpointing(model) -> bool:
