@@ -64,6 +64,11 @@ def _forward_source(cls: type) -> str:
         return ""
 
 
+def _own_class(module) -> type:
+    """``module``'s class as its library defined it: FSDP2's ``fully_shard`` swaps in a subclass defined by torch."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
+
+
 def _calls_attention_interface(cls: type) -> bool:
     """Whether ``cls.forward`` dispatches through transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``),
     where grpo_mem's hook sits."""
@@ -159,7 +164,7 @@ def _layers_reason(base) -> str | None:
     if not _passes_kwargs(type(base)):
         return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
     for name, module in attention:
-        cls = type(module)
+        cls = _own_class(module)
         if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
             return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
         if _forward_source(cls).count("attention_interface(") > 1:
@@ -206,8 +211,7 @@ def architecture_reason(causal_lm) -> str | None:
     convolution layers, sliding windows, sinks, absolute or ALiBi positions, other LM heads.
     """
     config = causal_lm.config
-    # FSDP2's fully_shard swaps in a subclass defined by torch: the model's own class is the first one past it
-    cls = next(c for c in type(causal_lm).__mro__ if not c.__module__.startswith("torch."))
+    cls = _own_class(causal_lm)
     if not cls.__module__.startswith("transformers."):
         return f"remote code ({cls.__module__}.{cls.__name__})"
     if config.get_text_config() is not config:
