@@ -240,6 +240,25 @@ def test_architecture_sweep(model_type):
     check_architecture(model_type)
 
 
+def test_remote_code_is_named_and_an_fsdp2_wrapper_class_is_not():
+    """A causal LM class defined outside transformers (remote code) falls back by name; FSDP2's wrapper subclass,
+    defined in torch, is looked through."""
+    from helpers import tiny_model
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import LlamaForCausalLM
+
+    from grpo_mem.model.support import architecture_reason
+
+    model = tiny_model("llama")
+    assert architecture_reason(model) is None
+    for module in [model, *model.model.layers]:  # what fully_shard does to each module it shards
+        cls = type(module)
+        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": FSDPModule.__module__})
+    assert architecture_reason(model) is None
+    model.__class__ = type("RemoteLlama", (LlamaForCausalLM,), {"__module__": "transformers_modules.x"})
+    assert architecture_reason(model) == "remote code (transformers_modules.x.RemoteLlama)"
+
+
 def write_table(path: str) -> list[Row]:
     """Run the sweep over every type; write ``path`` (CSV: model_type, model_class, status, cause) and return the
     rows. A type whose check fails is written with status "FAILED" and the assertion, so the table never hides it."""
