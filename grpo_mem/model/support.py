@@ -1,7 +1,9 @@
 """Whether the prompt-once path serves a model exactly, and what runs when it does not.
 
 ``unsupported_reason`` names why a model (or a call) cannot take the prompt-once path; ``warn_fallback`` reports the
-fallback once per cause; ``full_sequence_logprobs`` is the stock-equivalent computation the fallback runs. This module
+fallback once per cause; ``full_sequence_logprobs`` is the fallback: the model's own forward over the whole sequence.
+Support is decided from the model as built (its modules, their forward methods, its config), not from a list of model
+types; ``tests/test_architectures.py`` checks the decision on every causal LM type transformers ships. This module
 knows transformers, not TRL.
 """
 
@@ -9,22 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import re
+import sys
 import warnings
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..ops.logprobs import selective_log_softmax
 from . import attention_hook as attn_hook
-from .head import completion_head
 
-# Decoder-only text architectures whose layers take RoPE positions from `position_ids` and call the attention
-# interface with `module.layer_idx`; each is exact here unless a per-call check below says otherwise.
-SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi3", "smollm3", "qwen3_moe"}
-)
 # RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
-
 
 _warned: set[str] = set()
 _fallback_records: list[list[str]] = []
@@ -51,6 +51,185 @@ def recording_fallbacks():
         _fallback_records.remove(record)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# what the model is made of
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls: type) -> str:
+    """The source of ``cls.forward`` ("" when it cannot be read)."""
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _own_class(module) -> type:
+    """``module``'s class as its library defined it: FSDP2's ``fully_shard`` swaps in a subclass defined by torch."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
+
+
+def _calls_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` dispatches through transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``),
+    where grpo_mem's hook sits."""
+    return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
+
+
+def _passes_kwargs(cls: type) -> bool:
+    """Whether ``cls.forward`` hands its ``**kwargs`` on to a call (where grpo_mem's context kwarg travels to the
+    attention interface), not only receives them."""
+    return _forward_source(cls).count("**kwargs") >= 2
+
+
+def _takes_positions(cls: type) -> bool:
+    """Whether ``cls.forward`` receives its positions from ``position_ids`` (directly or as rotary
+    ``position_embeddings`` the backbone computed from them)."""
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "position_embeddings" in params or "position_ids" in params
+
+
+# assignments of the causal LM's forward that make the logits from the backbone's last hidden state and that the
+# completion head reproduces (``head.logit_transform``: logit scale, logits scaling, final softcapping); ``{head}`` is
+# the attribute holding the output embeddings
+_HEAD_LINES = (
+    r"hidden_states = \w+\.last_hidden_state( if return_dict else \w+\[0\])?",
+    r"hidden_states = \w+\[0\]",
+    r"hidden_states = slice_logits_to_keep\(hidden_states, logits_to_keep\)",
+    r"hidden_states = hidden_states / self\.config\.logits_scaling",
+    r"(lm_)?logits = self\.{head}\(hidden_states(\[[^\]]*\])?(\.to\([\w.= ]*\))?\)(\.float\(\)|\.contiguous\(\))?"
+    r"( \* self\.(config\.logits_scaling|model\.lm_head_multiplier))?",
+    r"logits = (logits|logits\.float\(\)) [*/] (self\.config\.)?final_logit_softcapping",
+    r"logits = torch\.tanh\(logits\)",
+    r"logits = logits \* self\.logit_scale",
+    r"logits = logits / self\.config\.logits_scaling",
+)
+_ASSIGNMENT = re.compile(r"^(lm_)?(hidden_states|logits)(\[[^=]*\])? [-+*/]?= ")  # not `logits=logits,`
+
+
+def _head_reason(causal_lm) -> str | None:
+    """Why the completion head (one linear layer on the backbone's last hidden state, then logit scale and softcap)
+    would not compute ``causal_lm``'s own logits, or None."""
+    base, head = causal_lm.base_model, causal_lm.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return f"the output embeddings are a {type(head).__name__}, not one linear layer"
+    own = {id(p) for p in base.parameters()} | {id(p) for p in head.parameters()}
+    extra = [n for n, p in causal_lm.named_parameters() if id(p) not in own]
+    if extra:
+        return f"the LM head has parameters beyond one linear layer ({extra[0]})"
+    names = [n for n, m in causal_lm.named_children() if m is head]
+    if not names:
+        return "the output embeddings are not a direct child of the causal LM"
+    allowed = [re.compile(p.replace("{head}", re.escape(names[0])) + r"$") for p in _HEAD_LINES]
+    calls = 0
+    for line in _forward_source(type(causal_lm)).splitlines():
+        line = re.sub(r"\s+", " ", line.split("#")[0].strip())
+        if not _ASSIGNMENT.match(line):
+            continue
+        if not any(p.match(line) for p in allowed):
+            return f"the LM head computes more than grpo_mem's head reproduces (`{line}`)"
+        calls += f"self.{names[0]}(" in line
+    if calls != 1:
+        return f"the causal LM's forward does not compute its logits as `self.{names[0]}(hidden_states)` once"
+    return None
+
+
+_POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|pos_emb\w*|positional_embedding\w*)$")
+_CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d)
+
+
+def _layers_reason(base) -> str | None:
+    """Why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", or None."""
+    attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
+    if not attention:
+        names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
+        named = ", ".join(names[:2]) or "no attention module"
+        return f"attention is not computed through transformers' attention interface ({named})"
+    indices = [getattr(m, "layer_idx", None) for _, m in attention]
+    if not all(isinstance(i, int) for i in indices):
+        return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
+    if len(set(indices)) != len(indices):
+        return "several attention modules share one layer_idx (a block shared between layers)"
+    for name, module in base.named_modules():
+        if isinstance(module, _CONVOLUTIONS):
+            return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)"
+        if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a, _ in attention):
+            for i, layer in enumerate(module):
+                if not any(_calls_attention_interface(type(m)) for m in layer.modules()):
+                    return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
+                if not _passes_kwargs(type(layer)):
+                    return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
+    if not _passes_kwargs(type(base)):
+        return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
+    for name, module in attention:
+        cls = _own_class(module)
+        if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
+            return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
+        if _forward_source(cls).count("attention_interface(") > 1:
+            return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
+        if not _passes_kwargs(cls):
+            return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
+        if not _takes_positions(cls):
+            return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
+        if "alibi" in _forward_source(type(module)).lower():
+            return "ALiBi position biases"
+        if any(p.endswith("sinks") for p, _ in module.named_parameters()):
+            return "attention sinks"
+    return None
+
+
+def _positions_reason(config, base) -> str | None:
+    """Why the model's positions are not RoPE (or none) over ``position_ids`` independent of the sequence length."""
+    try:
+        inputs = base.get_input_embeddings()
+    except NotImplementedError:
+        return "the backbone exposes no input embeddings"
+    for name, module in base.named_modules():
+        if module is not inputs and _POSITION_MODULE.search(name):
+            return f"absolute position embeddings ({name}): the prompt-once passes place positions differently"
+    if getattr(config, "alibi", False) or getattr(config, "use_alibi", False):
+        return "ALiBi position biases"
+    rope = getattr(config, "rope_parameters", None) or {}
+    ropes = [rope] if "rope_type" in rope or not all(isinstance(v, dict) for v in rope.values()) else rope.values()
+    for r in ropes:
+        rope_type = r.get("rope_type", "default") if isinstance(r, dict) else "default"
+        if rope_type not in STATIC_ROPE_TYPES:
+            return f"RoPE type {rope_type!r} depends on the sequence length"
+    return None
+
+
+def architecture_reason(causal_lm) -> str | None:
+    """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
+
+    In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
+    ``layer_idx``, full causal attention with no sinks or score softcapping, RoPE (or no positions) from
+    ``position_ids`` independent of the sequence length, and logits made by one linear layer on the last hidden state
+    (plus the logit scale and softcap the completion head applies). Everything else is named: remote code,
+    encoder-decoder models, encoders run as decoders (``is_decoder``), recurrent/state-space/linear-attention and
+    convolution layers, sliding windows, sinks, absolute or ALiBi positions, other LM heads.
+    """
+    config = causal_lm.config
+    cls = _own_class(causal_lm)
+    if not cls.__module__.startswith("transformers."):
+        return f"remote code ({cls.__module__}.{cls.__name__})"
+    if config.get_text_config() is not config:
+        return "vision-language (multi-config) model"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    if hasattr(config, "is_decoder"):
+        return "an encoder run as a decoder (is_decoder, BERT-style)"
+    base = causal_lm.base_model
+    if base is causal_lm:
+        return "the causal LM is its own base model (no backbone returning last_hidden_state)"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return f"layer types {sorted(set(layer_types))} (sliding-window, chunked or linear-attention layers)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping"
+    return _positions_reason(config, base) or _layers_reason(base) or _head_reason(causal_lm)
+
 
 def _reentrant_checkpointing(model) -> bool:
     """Whether a checkpointed layer of ``model`` would run reentrant checkpointing (which drops kwarg gradients)."""
@@ -65,22 +244,16 @@ def _reentrant_checkpointing(model) -> bool:
 
 
 def unsupported_reason(causal_lm, seq_len: int) -> str | None:
-    """Why the prompt-once path cannot be exact for ``causal_lm`` on sequences of ``seq_len`` tokens, or None."""
+    """Why the prompt-once path cannot be exact for ``causal_lm`` (an unwrapped transformers causal LM) on sequences
+    of ``seq_len`` tokens, or None: ``architecture_reason``, then what depends on the call (sequence length against a
+    sliding window, attention implementation, active dropout, reentrant checkpointing)."""
+    reason = architecture_reason(causal_lm)
+    if reason is not None:
+        return reason
     config = causal_lm.config
-    if config.get_text_config() is not config:
-        return "vision-language (multi-config) model"
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"architecture {config.model_type!r} is not among the supported {sorted(SUPPORTED_MODEL_TYPES)}"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return f"layer types {sorted(set(layer_types))} (sliding-window or linear-attention layers)"
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and seq_len > window:
         return f"sliding window {window} shorter than the sequence ({seq_len} tokens)"
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"RoPE type {rope_type!r} depends on the sequence length"
     if attn_hook.inner_implementation(causal_lm) not in SUPPORTED_ATTENTION:
         return f"attention implementation {attn_hook.inner_implementation(causal_lm)!r}"
     if causal_lm.training and getattr(config, "attention_dropout", 0.0):
@@ -90,13 +263,39 @@ def unsupported_reason(causal_lm, seq_len: int) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# the fallback
+
+@functools.lru_cache(maxsize=None)
+def _forward_params(cls: type) -> frozenset:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
 
 def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request):
-    """Stock-equivalent path: the whole prompt+completion sequence per row, the head on completion positions only."""
+    """The model's own computation: its class forward over the whole (B, P+C) sequence, logits of the C positions
+    that predict the completion divided by the temperature, then log-probs (and entropies) as TRL 1.16 computes them
+    from logits. (B, C) fp32 each, zero where the completion mask is 0.
+
+    The class forward is called directly (not the module): this runs inside the model's own forward call, whose
+    wrappers' hooks have fired already; instance-level forward replacements (TRL's fused head, grpo_mem's) are not
+    the model's computation.
+    """
     C = request.logits_to_keep
-    out = causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = out.last_hidden_state[:, -C - 1 : -1]
-    return completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], request)
+    params = _forward_params(type(causal_lm))
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = C + 1
+    out = type(causal_lm).forward(causal_lm, **kwargs)
+    logits = out.logits[:, -C - 1 : -1]
+    targets = input_ids[:, -C:].to(logits.device)
+    result = selective_log_softmax(logits, targets, temperature=request.temperature,
+                                   return_entropy=request.compute_entropy)  # fmt: skip
+    logps, entropy = result if request.compute_entropy else (result, None)
+    keep = attention_mask[:, -C:].bool().to(logps.device)
+    logps = logps.masked_fill(~keep, 0.0)
+    return logps, (None if entropy is None else entropy.masked_fill(~keep, 0.0))
 
 
 @contextlib.contextmanager
@@ -108,4 +307,3 @@ def restoring_warnings():
         yield
     finally:
         _warned.intersection_update(before)
-

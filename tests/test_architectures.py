@@ -1,0 +1,285 @@
+"""Support by capability: every causal LM type transformers ships, built tiny, is exact or a named fallback.
+
+For each type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny random model (fp32, train mode, non-reentrant gradient
+checkpointing where supported) scores left-padded prompts with a shared prefix, 2 completions each, through the group
+and the tree path. Where ``unsupported_reason`` is None, both must take the prompt-once path and match stock TRL 1.16
+(``_get_per_token_logps_and_entropies``); otherwise both must fall back with that cause and match the model's own
+forward (``model(input_ids, attention_mask).logits``). Log-probs and entropies within 1e-5, every parameter gradient
+within 1e-4 of its scale. Types that cannot be built tiny offline are reported with the reason.
+
+The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The README's support table is
+this sweep's output: ``python tests/test_architectures.py`` writes ``benchmarks/results/architectures.csv`` and prints
+the markdown rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import grads_of, make_batch, stock_logps
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import grpo_mem
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import recording_fallbacks, unsupported_reason
+
+TEMPERATURE = 0.7
+# three prompts of 5-7 tokens sharing a 4-token prefix (left padding, and a trie node in tree mode), 2 completions
+# each of up to 4 tokens
+PROMPTS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 20], [5, 6, 7, 8, 30, 31, 32]]
+MIN_SHARED_TOKENS = 3
+MAX_PARAMS = 16_000_000
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+_TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+_SIZES = dict(
+    vocab_size=128, hidden_size=64, n_embd=64, d_model=64, intermediate_size=128, ffn_dim=128, n_inner=128,
+    num_attention_heads=4, n_head=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_positions=64,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=3,
+)  # fmt: skip
+
+
+class NotBuilt(Exception):
+    """The type cannot be built and run tiny here (the message says why)."""
+
+
+def _tiny_layers(d: dict, full: int | None) -> tuple[int, list[str]]:
+    """How many layers the tiny model keeps (2, or enough to hold every kind of layer a per-layer list names, at most
+    8) and which keys of ``d`` are per-layer lists."""
+    per_layer = [k for k, v in d.items() if full and isinstance(v, list) and len(v) == full]
+    n = 2
+    for k in per_layer:
+        seen: list[str] = []
+        for i, v in enumerate(d[k]):
+            if repr(v) not in seen:
+                seen.append(repr(v))
+                n = max(n, i + 1)
+    return min(n, 8), per_layer
+
+
+def _shrink(d: dict) -> dict:
+    """A config dict (nested sub-configs included) at the tiny sizes, with dropout off."""
+    key = next((k for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
+    n, per_layer = _tiny_layers(d, d.get(key) if key else None)
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and "model_type" in v:
+            out[k] = _shrink(v)
+        elif k in per_layer:
+            out[k] = v[:n]
+        elif k == key:
+            out[k] = n
+        elif k in _LAYER_KEYS and isinstance(v, int):
+            out[k] = min(v, 2)
+        elif isinstance(v, dict) and k.startswith("per_layer") and all(str(i).isdigit() for i in v):
+            out[k] = {i: c for i, c in v.items() if int(i) < n}
+        elif k in _SIZES and isinstance(v, int) and not isinstance(v, bool) or k in _TOKEN_KEYS:
+            out[k] = _SIZES[k]
+        elif isinstance(v, float) and ("dropout" in k or "pdrop" in k):
+            out[k] = 0.0
+        else:
+            out[k] = v
+    if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention rotates head_dim channels
+        out["head_dim"] = out["qk_rope_head_dim"]
+    return out
+
+
+def build_tiny(model_type: str):
+    """A tiny random fp32 ``AutoModelForCausalLM`` of ``model_type``, built offline from its default config.
+
+    Raises:
+        NotBuilt: the config or model cannot be built at tiny sizes, or is still over ``MAX_PARAMS`` parameters.
+    """
+    try:
+        base = AutoConfig.for_model(model_type)
+        config = type(base).from_dict(_shrink(base.to_dict()))
+        with torch.device("meta"):
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if n > MAX_PARAMS:
+            raise NotBuilt(f"{n / 1e6:.0f} M parameters at the tiny sizes (sub-configs keep their full sizes)")
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).float()
+    except NotBuilt:
+        raise
+    except Exception as e:  # any failure of transformers' own config or model code at these sizes
+        raise NotBuilt(f"{type(e).__name__}: {' '.join(str(e).split())[:160]}") from e
+
+
+@dataclass
+class Row:
+    """One type's outcome: ``status`` "prompt-once", "fallback" or "not built"; ``cause`` the fallback's cause or why
+    the type was not built; ``model_class`` the causal LM class built."""
+
+    model_type: str
+    status: str
+    cause: str = ""
+    model_class: str = ""
+
+
+def _own_logps(model, ids, mask, C):
+    """The model's own forward: (B, C) fp32 log-probs and entropies of the completion tokens, zero where masked."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1 : -1].float() / TEMPERATURE
+    logsm = logits.log_softmax(-1)
+    keep = mask[:, -C:].bool()
+    logps = logsm.gather(-1, ids[:, -C:, None])[..., 0].masked_fill(~keep, 0.0)
+    entropy = -(logsm.exp() * logsm).sum(-1).masked_fill(~keep, 0.0)
+    return logps, entropy
+
+
+def _ours(model, ids, mask, C, sharing):
+    """grpo_mem's scores and the fallback causes recorded while computing them."""
+    with recording_fallbacks() as causes, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if sharing == "group":
+            logps, entropy = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, temperature=TEMPERATURE,
+                                                             compute_entropy=True, sharing="group")  # fmt: skip
+        else:  # a window of one micro-batch whose trie has the 4-token prefix as a node of its own
+            session = SharingSession("tree", min_shared_tokens=MIN_SHARED_TOKENS)
+            session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
+            logps, entropy = session.score(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
+    return logps, entropy, causes
+
+
+def _assert_close(what, ours, ref, keep, atol=1e-5):
+    err = ((ours - ref).abs() * keep).max()
+    assert err <= atol, f"{what}: max |diff| {err:.3e} > {atol}"
+
+
+def _assert_grads_close(what, ours, ref, rel=1e-4):
+    """Every parameter's gradient within ``rel`` of its own scale; a parameter whose exact gradient is zero (e.g. a
+    key bias, which softmax ignores) is measured against 1e-3 of the largest gradient instead of its rounding noise."""
+    assert ours.keys() == ref.keys(), f"{what}: gradients of different parameters {sorted(set(ours) ^ set(ref))[:4]}"
+    top = max(float(r.abs().max()) for r in ref.values())
+    for name, r in ref.items():
+        scale = max(float(r.abs().max()), 1e-3 * top, 1e-30)
+        err = float((ours[name] - r).abs().max())
+        assert err <= rel * scale, f"{what}: {name} max |diff| {err:.3e} > {rel} x {scale:.3e}"
+
+
+class _ReasonFailed(Exception):
+    """``unsupported_reason`` itself raised: a grpo_mem failure, never taken for one of the reference."""
+
+
+def _reason(model, seq_len):
+    try:
+        return unsupported_reason(model, seq_len)
+    except Exception as e:
+        raise _ReasonFailed(f"unsupported_reason raised {type(e).__name__}: {e}") from e
+
+
+def check_architecture(model_type: str) -> Row:
+    """Build ``model_type`` tiny and check both sharing modes against the right reference (see the module docstring).
+
+    Raises:
+        AssertionError: a wrong number, an unexpected path or cause, or a crash of grpo_mem where the reference runs.
+    """
+    try:
+        model = build_tiny(model_type)
+        model.train()
+        if model.supports_gradient_checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        ids, mask, C, _ = make_batch(None, 2, 4, prompts=PROMPTS, shuffle=True, junk_in_padding=True)
+        keep = mask[:, -C:].float()
+        own, own_e = _own_logps(model, ids, mask, C)
+        reason = _reason(model, ids.shape[1])
+        if reason is None:  # stock TRL is the reference (and agrees with the model's own forward)
+            ref, ref_e = stock_logps(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
+            _assert_close(f"{model_type} stock TRL vs own forward", ref.detach(), own.detach(), keep)
+        else:
+            ref, ref_e = own, own_e
+        ref_g = grads_of(model, ref, ref_e)
+    except NotBuilt as e:
+        return Row(model_type, "not built", str(e))
+    except (AssertionError, _ReasonFailed):
+        raise
+    except Exception as e:  # the reference itself fails at these sizes: nothing to compare with
+        message = " ".join(str(e).split())[:120]
+        return Row(model_type, "not built", f"its own forward or backward fails tiny: {type(e).__name__}: {message}")
+    for sharing in ("group", "tree"):
+        logps, entropy, causes = _ours(model, ids, mask, C, sharing)
+        assert causes == ([] if reason is None else [reason]), f"{model_type} {sharing}: fallbacks {causes}"
+        what = f"{model_type} {sharing}"
+        _assert_close(f"{what} log-probs", logps, ref, keep)
+        _assert_close(f"{what} entropies", entropy, ref_e, keep)
+        _assert_grads_close(what, grads_of(model, logps, entropy), ref_g)
+    grpo_mem.restore(model)
+    status = "prompt-once" if reason is None else "fallback"
+    return Row(model_type, status, reason or "", type(model).__name__)
+
+
+# every kind of outcome at least once: prompt-once (dense, MoE, logit scale/softcap, QK-norm, partial RoPE), and
+# each family of fallback causes
+FAST = [
+    "llama", "qwen3_moe", "cohere", "granite", "olmo2", "phi3", "gpt_neox",  # prompt-once
+    "gemma3_text", "qwen3_next", "recurrent_gemma", "mamba", "jamba",  # sliding window, linear attention, recurrence
+    "gpt_oss", "gpt2", "opt", "bloom",  # sinks, absolute positions, ALiBi
+    "bert", "electra", "modernbert-decoder", "inkling_text", "bart",  # BERT-style, heads, encoder-decoder
+    "llama4_text",  # no backbone returning last_hidden_state
+]  # fmt: skip
+ALL = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_architecture(model_type):
+    row = check_architecture(model_type)
+    assert row.status != "not built", f"{model_type}: {row.cause}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [t for t in ALL if t not in FAST])
+def test_architecture_sweep(model_type):
+    check_architecture(model_type)
+
+
+def test_remote_code_is_named_and_an_fsdp2_wrapper_class_is_not():
+    """A causal LM class defined outside transformers (remote code) falls back by name; FSDP2's wrapper subclass,
+    defined in torch, is looked through."""
+    from helpers import tiny_model
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import LlamaForCausalLM
+
+    from grpo_mem.model.support import architecture_reason
+
+    model = tiny_model("llama")
+    assert architecture_reason(model) is None
+    for module in [model, *model.model.layers]:  # what fully_shard does to each module it shards
+        cls = type(module)
+        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": FSDPModule.__module__})
+    assert architecture_reason(model) is None
+    model.__class__ = type("RemoteLlama", (LlamaForCausalLM,), {"__module__": "transformers_modules.x"})
+    assert architecture_reason(model) == "remote code (transformers_modules.x.RemoteLlama)"
+
+
+def write_table(path: str) -> list[Row]:
+    """Run the sweep over every type; write ``path`` (CSV: model_type, model_class, status, cause) and return the
+    rows. A type whose check fails is written with status "FAILED" and the assertion, so the table never hides it."""
+    rows = []
+    for model_type in ALL:
+        try:
+            rows.append(check_architecture(model_type))
+        except Exception as e:  # AssertionError, or grpo_mem crashing where the reference runs
+            rows.append(Row(model_type, "FAILED", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"))
+        print(rows[-1], file=sys.stderr, flush=True)
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["model_type", "model_class", "status", "cause"])
+        out.writerows([r.model_type, r.model_class, r.status, r.cause] for r in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    table = write_table(os.path.join(root, "benchmarks", "results", "architectures.csv"))
+    print("| model type | class | path | cause |\n|---|---|---|---|")
+    for r in table:
+        print(f"| `{r.model_type}` | {r.model_class} | {r.status} | {r.cause.replace('|', '/')} |")
