@@ -83,6 +83,7 @@ FEATURES = {
     "window3": dict(sliding_window=3),
     "softcap": dict(softcap=0.7),  # small cap: most scores in tanh's curved part
     "sinks": dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)),
+    "softcap_sinks": dict(softcap=0.9, sinks=torch.tensor([-0.5, 1.0, 0.3, 2.5], dtype=torch.float64)),
     "all": dict(sliding_window=8, softcap=1.3, sinks=torch.tensor([1.5, -0.3, 0.2, -2.0], dtype=torch.float64)),
 }
 

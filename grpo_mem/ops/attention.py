@@ -727,9 +727,10 @@ def _split(tensors, params):
 
 def _backend(params, positions):
     """``(forward, backward)`` for ``params``, each taking the backend arguments and returning as ``BACKENDS``. The cpu
-    and triton backends run the torch backend's math when a window or soft-capping is asked for."""
+    backend runs the torch backend's math when a window or soft-capping is asked for, the triton backend for a
+    window (its kernels soft-cap)."""
     name = params.backend
-    if params.sliding_window is not None or params.softcap is not None:
+    if params.sliding_window is not None or (params.softcap is not None and name == "cpu"):
         name = "torch"
     fwd, bwd = BACKENDS[name]
     if name != "torch":
@@ -761,7 +762,7 @@ class MultiRegionAttentionFunction(torch.autograd.Function):
     (``region_k, region_v, index, mask`` of region 0, then of region 1, ...), then the (Hq,) sinks if
     ``params.has_sinks``, then ``q_positions`` and each region's positions if ``params.sliding_window``; see
     :func:`multi_region_attention` for shapes. ``params`` is a :class:`MultiRegionAttentionParams`;
-    ``BACKENDS[params.backend]`` does the work (the torch backend's for a window or soft-capping). Sinks are merged
+    ``BACKENDS[params.backend]`` does the work (see :func:`_backend` for the torch fallbacks). Sinks are merged
     into the backend's ``(out, lse)`` here, on every backend, so the backend's backward sees the merged output and
     LSE, and the sink gradient is computed here.
     """
@@ -844,9 +845,11 @@ def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="a
         backend: ``"torch"`` (chunked matmuls, any device), ``"cpu"`` (ATen's fused CPU attention kernels, once for all
             own regions and once per read entry of each region), ``"triton"`` (fp16/bf16/fp32; reads every tensor in
             place with its strides and never synchronises with the host), or ``"auto"`` (triton for fp16/bf16/fp32
-            CUDA tensors, cpu for CPU tensors, torch otherwise). With ``sliding_window`` or ``softcap`` the cpu and
-            triton backends run the torch backend's math (same numbers, chunked matmuls); ``sinks`` run on every
-            backend (merged into the backend's output and LSE by one elementwise pass).
+            CUDA tensors, cpu for CPU tensors, torch otherwise). ``softcap`` runs in the torch and Triton kernels; the
+            cpu backend runs the torch backend's math for it (ATen's fused kernel cannot express it). With
+            ``sliding_window`` the cpu and triton backends run the torch backend's math (same numbers, chunked
+            matmuls). ``sinks`` run on every backend, merged into the backend's output and LSE by one elementwise
+            pass, their gradient from the merged LSE.
         sliding_window: W (int >= 1) or None: key j is visible to query i only if ``0 <= pos_i - pos_j < W`` (the
             test of transformers' sliding-window mask, on absolute positions), besides the masks above. A region
             entry none of whose real keys lies in any reader's window is not read at all.
