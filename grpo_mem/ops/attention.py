@@ -89,10 +89,12 @@ def _check_float4(name, t, q):
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
 
-def _check_bool(name, t, shape, q, what):
-    """``t`` is a bool tensor of ``shape`` (named dims in ``what``, e.g. "(B=3, C=5)") on q's device."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+def _check_bool(name, t, shape, q, what, dtype=torch.bool):
+    """``t`` is a bool (or ``dtype``) tensor of ``shape`` (named dims in ``what``, e.g. "(B=3, C=5)") on q's
+    device."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        kind = "a bool" if dtype == torch.bool else f"an {str(dtype).removeprefix('torch.')}"
+        raise TypeError(f"{name} must be {kind} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {what}, got {tuple(t.shape)}")
     if t.device != q.device:
@@ -160,16 +162,6 @@ def _check_region(names, region_k, region_v, index, mask, q, Hkv, lo, sync):
     return U, S
 
 
-def _check_positions(name, t, shape, q, what):
-    """``t`` is an int64 tensor of ``shape`` (named dims in ``what``) on q's device."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
-        raise TypeError(f"{name} must be an int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {what}, got {tuple(t.shape)}")
-    if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-
-
 def _check_features(q, sliding_window, sinks, softcap, q_positions):
     """Validate the optional features of :func:`multi_region_attention` (q already checked)."""
     B, Hq, C, _ = q.shape
@@ -181,7 +173,7 @@ def _check_features(q, sliding_window, sinks, softcap, q_positions):
         if q_positions is None:
             raise ValueError("sliding_window needs q_positions (B, C) int64 and every region's positions")
     if q_positions is not None:
-        _check_positions("q_positions", q_positions, (B, C), q, f"(B={B}, C={C})")
+        _check_bool("q_positions", q_positions, (B, C), q, f"(B={B}, C={C})", torch.int64)
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
             raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
@@ -229,7 +221,7 @@ def _check_regions(regions, q, Hkv, sync, prefix, window=False):
             raise ValueError(f"sliding_window needs regions[{i}]'s key positions (U={U}, S={S}) int64 as a 5th "
                              f"element")
         if pos is not None:
-            _check_positions(f"regions[{i}].positions", pos, (U, S), q, f"(U={U}, S={S})")
+            _check_bool(f"regions[{i}].positions", pos, (U, S), q, f"(U={U}, S={S})", torch.int64)
         out.append(tuple(region[:4]))
         positions.append(pos)
     return tuple(out), tuple(positions)
