@@ -700,7 +700,9 @@ BACKENDS = {
 }
 """Backend name -> ``(forward, backward)``. ``forward(q, k, v, regions, key_mask, params)`` returns ``(out in q's dtype,
 lse fp32 (B, Hq, C))`` (fp64 for the torch path's fp64 inputs); ``backward(dout, q, k, v, regions, key_mask, out, lse,
-params)`` returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])``."""
+params)`` returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])``. The torch pair also takes ``positions=``
+``(q_positions, region positions)`` for ``params.sliding_window`` (the cpu and triton backends fall back to it, see
+:func:`_backend`)."""
 
 
 def _split(tensors, params):
