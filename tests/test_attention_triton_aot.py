@@ -61,13 +61,15 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
     return types
 
 
-def kernel_constexprs(name: str, fn, dtype: str, head_dim: int, variant: str = "one_region") -> dict:
-    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
+def kernel_constexprs(name: str, fn, dtype: str, head_dim: int, variant: str = "one_region",
+                      softcap: float = 0.0) -> dict:
+    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0)
     has_region, has_own, has_prev = VARIANTS[variant]
     # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
-    every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False), REP=REP,
+    every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0),
+                 REP=REP,
                  BLOCK=cfg["BLOCK_M"], HAS_KMASK=True,  # the register-heavier variant
-                 HAS_REGION=has_region, HAS_OWN=has_own, HAS_PREV=has_prev)
+                 HAS_REGION=has_region, HAS_OWN=has_own, HAS_PREV=has_prev, SOFTCAP=softcap)
     return {n: v for n, v in every.items() if n in fn.arg_names}
 
 
@@ -79,16 +81,16 @@ def divisibility_attrs(fn, sig: dict) -> dict:
             if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE_INTS}
 
 
-def build_args(name, dtype, head_dim, variant="one_region"):
+def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0):
     fn = spa.KERNELS[name]
-    cons = kernel_constexprs(name, fn, dtype, head_dim, variant)
+    cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap)
     sig = aot.signature_for(fn, kernel_types(name, fn, dtype, variant), cons)
     return fn, sig, cons, divisibility_attrs(fn, sig)
 
 
-def report(name, dtype, arch, head_dim, variant="one_region"):
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant)
-    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype])
+def report(name, dtype, arch, head_dim, variant="one_region", softcap=0.0):
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap)
+    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0)
     r = aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs)
     return r, cfg
 
@@ -105,14 +107,14 @@ CASES = [(n, t, a, d) for t in ("bf16", "fp32") for a in (80, 90) for d in HEAD_
          if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)]
 
 
-def _check_build(name, dtype, arch, head_dim, variant="one_region"):
+def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0):
     _compiled_kernels_or_skip()
     try:
         aot.cuobjdump_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    r, cfg = report(name, dtype, arch, head_dim, variant)
-    print(f"\n| {name} | {variant} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
+    r, cfg = report(name, dtype, arch, head_dim, variant, softcap)
+    print(f"\n| {name} | {variant}{' softcap' if softcap else ''} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
           f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
           f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B "
           f"| shared {r['shared']} B |")
@@ -136,6 +138,16 @@ MULTI_CASES = [(n, v, t, a, d) for n in ("fwd", "bwd_dq") for v in ("last", "par
                          ids=[f"{n}-{v}-{t}-sm{a}-d{d}" for n, v, t, a, d in MULTI_CASES])
 def test_aot_multi_region_launches_compile_without_spills(name, variant, dtype, arch, head_dim):
     _check_build(name, dtype, arch, head_dim, variant)
+
+
+# the soft-capped builds (Gemma 2) of the kernels that compute scores, bf16, at Gemma 2's head dims (256) and 128
+SOFTCAP_CASES = [(n, a, d) for n in ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix") for a in (80, 90)
+                 for d in (128, 256)]
+
+
+@pytest.mark.parametrize("name, arch, head_dim", SOFTCAP_CASES, ids=[f"{n}-sm{a}-d{d}" for n, a, d in SOFTCAP_CASES])
+def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
+    _check_build(name, "bf16", arch, head_dim, softcap=50.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -57,11 +57,17 @@ class MultiRegionAttentionParams:
     scale: softmax scale applied to ``q·k`` (dimensionless, usually ``d**-0.5``).
     backend: a key of ``BACKENDS`` (already resolved, never ``"auto"``).
     chunk_elems: upper bound on the elements of one score matrix chunk in the torch path.
+    sliding_window: W, keys visible iff ``0 <= pos_q - pos_k < W`` (positions given to the Function), or None.
+    softcap: c, scores ``s <- c·tanh(s/c)`` before masking, or None.
+    has_sinks: the Function's tensors end with a (Hq,) sink-logit tensor (see :class:`MultiRegionAttentionFunction`).
     """
 
     scale: float
     backend: str
     chunk_elems: int = _DEFAULT_CHUNK_ELEMS
+    sliding_window: int | None = None
+    softcap: float | None = None
+    has_sinks: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -83,10 +89,12 @@ def _check_float4(name, t, q):
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
 
-def _check_bool(name, t, shape, q, what):
-    """``t`` is a bool tensor of ``shape`` (named dims in ``what``, e.g. "(B=3, C=5)") on q's device."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+def _check_bool(name, t, shape, q, what, dtype=torch.bool):
+    """``t`` is a bool (or ``dtype``) tensor of ``shape`` (named dims in ``what``, e.g. "(B=3, C=5)") on q's
+    device."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        kind = "a bool" if dtype == torch.bool else f"an {str(dtype).removeprefix('torch.')}"
+        raise TypeError(f"{name} must be {kind} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {what}, got {tuple(t.shape)}")
     if t.device != q.device:
@@ -154,30 +162,69 @@ def _check_region(names, region_k, region_v, index, mask, q, Hkv, lo, sync):
     return U, S
 
 
+def _check_features(q, sliding_window, sinks, softcap, q_positions):
+    """Validate the optional features of :func:`multi_region_attention` (q already checked)."""
+    B, Hq, C, _ = q.shape
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+            raise TypeError(f"sliding_window must be a Python int or None, got {type(sliding_window).__name__}")
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if q_positions is None:
+            raise ValueError("sliding_window needs q_positions (B, C) int64 and every region's positions")
+    if q_positions is not None:
+        _check_bool("q_positions", q_positions, (B, C), q, f"(B={B}, C={C})", torch.int64)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
+        if not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap must be a finite positive float, got {softcap}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+        if sinks.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"sinks must be a floating tensor (fp16/bf16/fp32/fp64), got {sinks.dtype}")
+        if tuple(sinks.shape) != (Hq,):
+            raise ValueError(f"sinks must have shape (Hq={Hq},), got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+
+
 # Argument names of shared_prefix_attention's one region, for messages; its rows all read a prompt (index >= 0).
 _PREFIX_NAMES = ("prefix_k", "prefix_v", "prefix_index", "prefix_mask")
 
 
-def _check_regions(regions, q, Hkv, sync, prefix):
-    """Validate ``regions`` (a sequence of 4-tuples) and return it as a tuple of tuples. ``prefix``: the one region of
+def _check_regions(regions, q, Hkv, sync, prefix, window=False):
+    """Validate ``regions`` (a sequence of 4-tuples, or 5-tuples ending with key positions) and return
+    ``(regions as a tuple of 4-tuples, tuple of positions or None per region)``. ``prefix``: the one region of
     :func:`shared_prefix_attention` (messages use its argument names, index -1 is refused); otherwise those of
-    :func:`multi_region_attention` (index -1: the row reads nothing of that region)."""
+    :func:`multi_region_attention` (index -1: the row reads nothing of that region). ``window``: every region must
+    carry its positions."""
     if isinstance(regions, torch.Tensor) or not isinstance(regions, (list, tuple)):
         raise TypeError(f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got "
                         f"{type(regions).__name__}")
     if regions and isinstance(regions[0], torch.Tensor):
         raise TypeError(f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got a "
                         f"{type(regions).__name__} of tensors (one region goes in a list: [(region_k, ...)])")
-    out = []
+    out, positions = [], []
+    lengths = (4,) if prefix else (4, 5)
     for i, region in enumerate(regions):
-        if isinstance(region, torch.Tensor) or not isinstance(region, (list, tuple)) or len(region) != 4:
+        if isinstance(region, torch.Tensor) or not isinstance(region, (list, tuple)) or len(region) not in lengths:
             what = type(region).__name__ if not isinstance(region, (list, tuple)) else f"length {len(region)}"
-            raise TypeError(f"regions[{i}] must be a 4-tuple (region_k, region_v, index, mask), got {what}")
+            raise TypeError(f"regions[{i}] must be a 4-tuple (region_k, region_v, index, mask) or a 5-tuple ending "
+                            f"with positions, got {what}")
         names = _PREFIX_NAMES if prefix else tuple(f"regions[{i}].{n}" for n in ("region_k", "region_v", "index",
                                                                                   "mask"))
-        _check_region(names, *region, q, Hkv, 0 if prefix else -1, sync)
-        out.append(tuple(region))
-    return tuple(out)
+        U, S = _check_region(names, *region[:4], q, Hkv, 0 if prefix else -1, sync)
+        pos = region[4] if len(region) == 5 else None
+        if pos is None and window:
+            raise ValueError(f"sliding_window needs regions[{i}]'s key positions (U={U}, S={S}) int64 as a 5th "
+                             f"element")
+        if pos is not None:
+            _check_bool(f"regions[{i}].positions", pos, (U, S), q, f"(U={U}, S={S})", torch.int64)
+        out.append(tuple(region[:4]))
+        positions.append(pos)
+    return tuple(out), tuple(positions)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -185,37 +232,61 @@ def _check_regions(regions, q, Hkv, sync, prefix):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def multi_region_attention_ref(q, k, v, regions, key_mask=None, *, scale):
+def multi_region_attention_ref(q, k, v, regions, key_mask=None, *, scale, sliding_window=None, sinks=None,
+                               softcap=None, q_positions=None):
     """Naive reference: materialise every row's keys ``[regions' entries; own keys]`` and run masked softmax attention.
 
     For row b the keys are ``region_k[index[b]]`` of every region with ``index[b] >= 0`` (its positions visible where
     ``mask[index[b]]``), then ``k[b]`` (causal, visible where ``key_mask[b]``), kv heads repeated ``Hq // Hkv`` times;
-    one softmax over all of them. Computed in the input dtype (fp64 if given fp64), so it serves both as the exact truth
-    and as "the naive same-dtype result". A query with no visible key outputs 0. Memory: O(B·Hq·C·(ΣS_r + C)); for
-    tests and benchmarks only.
+    one softmax over all of them. With ``sliding_window`` W a key is also hidden unless ``0 <= pos_q - pos_k < W``
+    (``q_positions`` for the queries and own keys, each region's 5th element for its keys); with ``softcap`` c the
+    scaled scores become ``c·tanh(s/c)`` before masking; with ``sinks`` one more always-visible key of logit
+    ``sinks[h]`` and value 0 joins each head's softmax. Computed in the input dtype (fp64 if given fp64), so it serves
+    both as the exact truth and as "the naive same-dtype result". A query with no visible key (and no sink) outputs 0.
+    Memory: O(B·Hq·C·(ΣS_r + C)); for tests and benchmarks only.
 
     Args and return: as :func:`multi_region_attention`. Raises ``ValueError``/``TypeError`` on bad input.
     """
-    return _reference(q, k, v, regions, key_mask, scale, prefix=False)
+    return _reference(q, k, v, regions, key_mask, scale, False, (sliding_window, sinks, softcap, q_positions))
 
 
-def _reference(q, k, v, regions, key_mask, scale, prefix):
-    """Body of the two references (``prefix`` as in :func:`_check_regions`)."""
+def _window_visible(W, q_pos, k_pos):
+    """Bool (..., c, S): ``0 <= q_pos[..., i] - k_pos[..., j] < W`` for q_pos (..., c), k_pos (..., S)."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]
+    return (diff >= 0) & (diff < W)
+
+
+def _reference(q, k, v, regions, key_mask, scale, prefix, features=(None, None, None, None)):
+    """Body of the two references (``prefix`` as in :func:`_check_regions`; ``features``: ``(sliding_window, sinks,
+    softcap, q_positions)``)."""
     B, Hq, Hkv, C, d = _check_own(q, k, v, key_mask, scale)
-    regions = _check_regions(regions, q, Hkv, sync=True, prefix=prefix)
+    W, sinks, softcap, q_pos = features
+    _check_features(q, W, sinks, softcap, q_pos)
+    regions, positions = _check_regions(regions, q, Hkv, sync=True, prefix=prefix, window=W is not None)
     rep = Hq // Hkv
     keys, values, vis = [], [], []
-    for region_k, region_v, index, mask in regions:
+    for (region_k, region_v, index, mask), pos in zip(regions, positions):
         safe = index.clamp(min=0)
         keys.append(region_k[safe])  # (B, Hkv, S_r, d)
         values.append(region_v[safe])
         vis.append((mask[safe] & (index >= 0)[:, None])[:, None, :].expand(B, C, -1))
+        if W is not None:
+            vis[-1] = vis[-1] & _window_visible(W, q_pos, pos[safe])
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril().expand(B, C, C)
     vis.append(causal if key_mask is None else causal & key_mask[:, None, :])
+    if W is not None:
+        vis[-1] = vis[-1] & _window_visible(W, q_pos, q_pos)
     keys = torch.cat(keys + [k], dim=2).repeat_interleave(rep, dim=1)  # (B, Hq, ΣS_r + C, d)
     values = torch.cat(values + [v], dim=2).repeat_interleave(rep, dim=1)
     visible = torch.cat(vis, dim=2)[:, None]  # (B, 1, C, ΣS_r + C)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if sinks is not None:  # one more key per head: logit sinks[h], value 0, always visible
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(B, Hq, C, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        values = torch.cat([values, values.new_zeros(B, Hq, 1, d)], dim=2)
+        visible = torch.cat([visible, visible.new_ones(B, 1, C, 1)], dim=-1)
     scores = scores.masked_fill(~visible, float("-inf"))
     has_key = visible.any(dim=-1, keepdim=True)
     # A row without visible keys would be all -inf (NaN softmax); give it zeros instead, with zero gradient.
@@ -234,7 +305,7 @@ def shared_prefix_attention_ref(q, k, v, prefix_k, prefix_v, prefix_index, prefi
 
     Args and return: as :func:`shared_prefix_attention`. Raises ``ValueError``/``TypeError`` on bad input.
     """
-    return _reference(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, prefix=True)
+    return _reference(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -302,19 +373,72 @@ def _unfold(x: torch.Tensor, n: int, Hq: int, c: int) -> torch.Tensor:
     return x.reshape(Hkv, n, Hq // Hkv, c, e).transpose(0, 1).reshape(n, Hq, c, e)
 
 
-def _completion_visibility(rows, c0, c1, C, rep, key_mask, device):
-    """Bool (n, 1, rep·(c1−c0), C): query position i sees own key j iff j ≤ i and key_mask[row, j]."""
+def _completion_visibility(rows, c0, c1, C, rep, key_mask, device, window=None):
+    """Bool (n, 1, rep·(c1−c0), C): query position i sees own key j iff j ≤ i and key_mask[row, j] (and, with
+    ``window = (W, q_positions)``, ``pos_i − pos_j < W``)."""
     qpos = torch.arange(c0, c1, device=device)
     vis = torch.arange(C, device=device)[None, :] <= qpos[:, None]  # (c, C)
     vis = vis.repeat(rep, 1)[None, None]  # (1, 1, rep·c, C)
     if key_mask is not None:
         vis = vis & key_mask[rows][:, None, None, :]
+    if window is not None:
+        W, q_pos = window
+        pos = q_pos.index_select(0, rows)
+        vis = vis & _rep_rows(_window_visible(W, pos[:, c0:c1], pos), rep)[:, None]
     return vis
 
 
-def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, l_acc):
+def _rep_rows(vis, rep):
+    """(n, c, S) → (n, rep·c, S): the same rows for each of the ``rep`` query heads of a kv head (the folded order)."""
+    n, c, S = vis.shape
+    return vis[:, None].expand(n, rep, c, S).reshape(n, rep * c, S)
+
+
+@dataclass(frozen=True)
+class _Features:
+    """Score options of the torch path: ``softcap`` c or None; ``window`` None or ``(W, q_positions (B, C))``."""
+
+    softcap: float | None = None
+    window: tuple | None = None
+
+
+def _scores(qx, kx, scale, softcap, keep_tanh=False):
+    """``scale · qx kxᵀ`` in qx's dtype, soft-capped to ``c·tanh(s/c)`` when ``softcap``; with ``keep_tanh`` returns
+    ``(s, tanh(s/c) or None)`` (the backward's ``ds/ds_raw = 1 − tanh²``)."""
+    s = torch.matmul(qx, kx.transpose(-1, -2)).mul_(scale)
+    t = None
+    if softcap is not None:
+        t = s.div_(softcap).tanh_()
+        s = t * softcap if keep_tanh else t.mul_(softcap)
+    return (s, t) if keep_tanh else s
+
+
+def _region_visible(kmask, feat, k_pos, u, rc, c0, c1, rep):
+    """Visible keys of entry ``u`` for the folded queries of rows ``rc``, positions c0:c1: ``kmask`` (S,) alone, or
+    with a window (1, n·rep·c, S)."""
+    if feat.window is None:
+        return kmask
+    W, q_pos = feat.window
+    vis = _window_visible(W, q_pos.index_select(0, rc)[:, c0:c1], k_pos[u]) & kmask
+    return _rep_rows(vis, rep).reshape(1, -1, kmask.shape[0])
+
+
+def _live_groups(index, mask, feat, k_pos):
+    """:func:`_groups` of a region without the entries whose real keys all lie outside every reader's window (those
+    are never read)."""
+    groups = _groups(index, mask.shape[0])
+    if feat.window is None:
+        return groups
+    W, q_pos = feat.window
+    return [(u, rows) for u, rows in groups
+            if (_window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]).any()]
+
+
+def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, l_acc, feat=_Features(),
+                k_pos=None):
     """Forward over one shared region. Writes the normalised region output into ``o_acc`` and its LSE into ``l_acc``
-    at the rows of ``groups`` (see :func:`_groups`); other rows are left as they are."""
+    at the rows of ``groups`` (see :func:`_groups`); other rows are left as they are. ``feat``: soft-capping and
+    window (``k_pos``: the region's (U, S) key positions)."""
     B, Hq, C, d = q.shape
     S = region_k.shape[2]
     acc = o_acc.dtype
@@ -325,8 +449,8 @@ def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, 
         for rc, c0, c1 in _query_chunks(rows, Hq * S, C, budget):
             n, c = rc.numel(), c1 - c0
             qc = _fold(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
-            s = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, S)
-            s.masked_fill_(~kmask, float("-inf"))
+            s = _scores(qc, ku, scale, feat.softcap)  # (Hkv, M, S)
+            s.masked_fill_(~_region_visible(kmask, feat, k_pos, u, rc, c0, c1, Hq // Hkv), float("-inf"))
             lse = torch.logsumexp(s, dim=-1)  # (Hkv, M), -inf where no key visible
             s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
             o = torch.matmul(s, vu)  # (Hkv, M, d), normalised
@@ -334,7 +458,7 @@ def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, 
             _put(l_acc, rc, c0, c1, _unfold(lse[..., None], n, Hq, c)[..., 0])
 
 
-def _own_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc):
+def _own_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc, feat=_Features()):
     """Forward over the own region (per-row causal). Same outputs as :func:`_region_fwd`, for every row."""
     B, Hq, C, d = q.shape
     rep = Hq // Hkv
@@ -344,8 +468,8 @@ def _own_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc):
         n, c = rc.numel(), c1 - c0
         qc = _take(q, rc, c0, c1).to(acc).reshape(n, Hkv, rep * c, d)
         kc, vc = k.index_select(0, rc).to(acc), v.index_select(0, rc).to(acc)  # (n, Hkv, C, d)
-        s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # (n, Hkv, rep·c, C)
-        s.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, q.device), float("-inf"))
+        s = _scores(qc, kc, scale, feat.softcap)  # (n, Hkv, rep·c, C)
+        s.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, q.device, feat.window), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
         o = torch.matmul(s, vc)  # (n, Hkv, rep·c, d)
@@ -364,26 +488,39 @@ def _merge_(o, l, o_r, l_r):
     l.copy_(lse)
 
 
-def _torch_fwd(q, k, v, regions, key_mask, params):
+def _features(params, positions):
+    """The :class:`_Features` of ``params`` and ``positions`` (``(q_positions, region positions)`` or None), and the
+    region positions (None each without a window)."""
+    if params.sliding_window is None:
+        return _Features(params.softcap), None
+    q_pos, k_pos = positions
+    return _Features(params.softcap, (params.sliding_window, q_pos)), k_pos
+
+
+def _torch_fwd(q, k, v, regions, key_mask, params, positions=None):
     """Torch forward: returns ``(out in q.dtype (B, Hq, C, d), lse (B, Hq, C))``, lse fp32 (fp64 for fp64 inputs).
-    Temporaries: two (B, Hq, C, d) accumulators in that dtype and score chunks of ``params.chunk_elems``."""
+    Temporaries: two (B, Hq, C, d) accumulators in that dtype and score chunks of ``params.chunk_elems``.
+    ``positions``: ``(q_positions, (positions of each region))`` when ``params.sliding_window`` is set."""
     B, Hq, C, d = q.shape
     Hkv = k.shape[1]
     dev, acc = q.device, _acc_dtype(q.dtype)
     o = torch.zeros(B, Hq, C, d, dtype=acc, device=dev)
     lse = torch.full((B, Hq, C), float("-inf"), dtype=acc, device=dev)
-    _own_fwd(q, k, v, key_mask, Hkv, params.scale, params.chunk_elems, o, lse)
+    feat, k_pos = _features(params, positions)
+    _own_fwd(q, k, v, key_mask, Hkv, params.scale, params.chunk_elems, o, lse, feat)
     if regions:
         o_r, l_r = torch.zeros_like(o), torch.empty_like(lse)
-    for region_k, region_v, index, mask in regions:
+    for i, (region_k, region_v, index, mask) in enumerate(regions):
         l_r.fill_(float("-inf"))  # rows that do not read the region
-        _region_fwd(q, region_k, region_v, mask, _groups(index, region_k.shape[0]), Hkv, params.scale,
-                    params.chunk_elems, o_r, l_r)
+        pos = None if k_pos is None else k_pos[i]
+        _region_fwd(q, region_k, region_v, mask, _live_groups(index, mask, feat, pos), Hkv, params.scale,
+                    params.chunk_elems, o_r, l_r, feat, pos)
         _merge_(o, lse, o_r, l_r)
     return o.to(q.dtype), lse
 
 
-def _region_bwd(q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale, budget, dq):
+def _region_bwd(q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale, budget, dq, feat=_Features(),
+                k_pos=None):
     """Backward over one shared region with the merged ``lse`` (−inf replaced by 0) and ``delta = rowsum(dO ∘ O)``,
     ``do`` in the accumulation dtype: adds the region's share to ``dq`` and returns ``(dregion_k, dregion_v)``, summed
     over every row reading an entry and every query head of the kv head."""
@@ -401,17 +538,25 @@ def _region_bwd(q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale,
             doc = _fold(_take(do, rc, c0, c1), Hkv)
             lc = _fold(_take(lse, rc, c0, c1)[..., None], Hkv)  # (Hkv, M, 1)
             dc = _fold(_take(delta, rc, c0, c1)[..., None], Hkv)
-            p = torch.matmul(qc, ku.transpose(1, 2)).mul_(scale)  # (Hkv, M, S)
-            p.masked_fill_(~kmask, float("-inf")).sub_(lc).exp_()
+            p, t = _scores(qc, ku, scale, feat.softcap, keep_tanh=True)  # (Hkv, M, S)
+            p.masked_fill_(~_region_visible(kmask, feat, k_pos, u, rc, c0, c1, Hq // Hkv), float("-inf"))
+            p.sub_(lc).exp_()
             drv[u] += torch.matmul(p.transpose(1, 2), doc)
-            ds = torch.matmul(doc, vu.transpose(1, 2)).sub_(dc).mul_(p)  # dS = P ∘ (dP − D)
-            del p
+            ds = _dscores(torch.matmul(doc, vu.transpose(1, 2)), dc, p, t)
+            del p, t
             _put(dq, rc, c0, c1, _unfold(torch.matmul(ds, ku), n, Hq, c).mul_(scale), accumulate=True)
             drk[u] += torch.matmul(ds.transpose(1, 2), qc).mul_(scale)
     return drk, drv
 
 
-def _own_bwd(q, k, v, do, lse, delta, key_mask, Hkv, scale, budget, dq):
+def _dscores(dp, delta, p, t):
+    """Gradient of the scaled raw scores, in place in ``dp``: ``dS = P ∘ (dP − D)``, times ``1 − tanh²`` when
+    soft-capped (``t`` the tanh, else None)."""
+    ds = dp.sub_(delta).mul_(p)
+    return ds if t is None else ds.mul_(1 - t.square_())
+
+
+def _own_bwd(q, k, v, do, lse, delta, key_mask, Hkv, scale, budget, dq, feat=_Features()):
     """Backward over the own region (arguments as :func:`_region_bwd`): adds to ``dq``, returns ``(dk, dv)``."""
     B, Hq, C, d = q.shape
     rep = Hq // Hkv
@@ -426,18 +571,18 @@ def _own_bwd(q, k, v, do, lse, delta, key_mask, Hkv, scale, budget, dq):
         lc = _take(lse, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
         dc = _take(delta, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
         kc, vc = k.index_select(0, rc).to(acc), v.index_select(0, rc).to(acc)
-        p = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # (n, Hkv, rep·c, C)
-        p.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, dev), float("-inf"))
+        p, t = _scores(qc, kc, scale, feat.softcap, keep_tanh=True)  # (n, Hkv, rep·c, C)
+        p.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, dev, feat.window), float("-inf"))
         p.sub_(lc).exp_()
         dv.index_add_(0, rc, torch.matmul(p.transpose(-1, -2), doc))
-        ds = torch.matmul(doc, vc.transpose(-1, -2)).sub_(dc).mul_(p)
-        del p
+        ds = _dscores(torch.matmul(doc, vc.transpose(-1, -2)), dc, p, t)
+        del p, t
         _put(dq, rc, c0, c1, torch.matmul(ds, kc).mul_(scale).reshape(n, Hq, c, d), accumulate=True)
         dk.index_add_(0, rc, torch.matmul(ds.transpose(-1, -2), qc).mul_(scale))
     return dk, dv
 
 
-def _torch_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
+def _torch_bwd(dout, q, k, v, regions, key_mask, out, lse, params, positions=None):
     """Torch backward, FlashAttention-2 style per region with the merged ``out``/``lse``.
 
     Returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])`` in the accumulation dtype (fp32; fp64 for fp64
@@ -452,9 +597,12 @@ def _torch_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
     delta = (do * out.to(acc)).sum(-1)  # (B, Hq, C): D = rowsum(dO ∘ O)
     lse_safe = torch.where(torch.isinf(lse), 0.0, lse)  # empty rows: every score is -inf, so P = 0 there
     dq = torch.zeros(B, Hq, C, d, dtype=acc, device=q.device)
-    dregions = [_region_bwd(q, do, lse_safe, delta, rk, rv, mask, _groups(index, rk.shape[0]), Hkv, scale, budget, dq)
-                for rk, rv, index, mask in regions]
-    dk, dv = _own_bwd(q, k, v, do, lse_safe, delta, key_mask, Hkv, scale, budget, dq)
+    feat, k_pos = _features(params, positions)
+    k_pos = k_pos or (None,) * len(regions)
+    dregions = [_region_bwd(q, do, lse_safe, delta, rk, rv, mask, _live_groups(index, mask, feat, pos), Hkv, scale,
+                            budget, dq, feat, pos)
+                for (rk, rv, index, mask), pos in zip(regions, k_pos)]
+    dk, dv = _own_bwd(q, k, v, do, lse_safe, delta, key_mask, Hkv, scale, budget, dq, feat)
     return dq, dk, dv, dregions
 
 
@@ -552,50 +700,115 @@ BACKENDS = {
 }
 """Backend name -> ``(forward, backward)``. ``forward(q, k, v, regions, key_mask, params)`` returns ``(out in q's dtype,
 lse fp32 (B, Hq, C))`` (fp64 for the torch path's fp64 inputs); ``backward(dout, q, k, v, regions, key_mask, out, lse,
-params)`` returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])``."""
+params)`` returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])``. The torch pair also takes ``positions=``
+``(q_positions, region positions)`` for ``params.sliding_window`` (the cpu and triton backends fall back to it, see
+:func:`_backend`)."""
+
+
+def _split(tensors, params):
+    """``(regions, sinks or None, positions or None)`` from the Function's flat tensors (see
+    :class:`MultiRegionAttentionFunction`)."""
+    n = len(tensors) - params.has_sinks
+    n_regions = (n - 1) // 5 if params.sliding_window is not None else n // 4
+    regions = [tensors[i:i + 4] for i in range(0, 4 * n_regions, 4)]
+    sinks = tensors[4 * n_regions] if params.has_sinks else None
+    positions = None
+    if params.sliding_window is not None:
+        rest = tensors[4 * n_regions + params.has_sinks:]
+        positions = (rest[0], tuple(rest[1:]))
+    return regions, sinks, positions
+
+
+def _backend(params, positions):
+    """``(forward, backward)`` for ``params``, each taking the backend arguments and returning as ``BACKENDS``. The cpu
+    backend runs the torch backend's math when a window or soft-capping is asked for, the triton backend for a
+    window (its kernels soft-cap)."""
+    name = params.backend
+    if params.sliding_window is not None or (params.softcap is not None and name == "cpu"):
+        name = "torch"
+    fwd, bwd = BACKENDS[name]
+    if name != "torch":
+        return fwd, bwd
+    return (lambda *a: fwd(*a, positions=positions)), (lambda *a: bwd(*a, positions=positions))
+
+
+def _add_sinks(out, lse, sinks):
+    """Merge the sink (one key per head of logit ``sinks[h]``, value 0) into ``(out, lse)``: ``l = logaddexp(l, s_h)``,
+    ``o ← e^{l_old − l} o``. Returns ``(out in out's dtype, lse in lse's dtype)``."""
+    acc = lse.dtype
+    merged = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
+    out = (out.to(acc) * torch.exp(lse - merged)[..., None]).to(out.dtype)
+    return out, merged
+
+
+def _sinks_grad(dout, out, lse, sinks):
+    """``∂L/∂s_h = −Σ_{b,i} P_sink · D`` with ``P_sink = e^{s_h − L}`` (``L`` the merged LSE) and
+    ``D = rowsum(dO ∘ O)``, in the accumulation dtype."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum((0, 2))
 
 
 class MultiRegionAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: saves only the inputs, the output and the fp32 log-sum-exp; recomputes scores in backward.
 
-    ``forward(q, k, v, key_mask, params, *region_tensors)`` → ``out``, with ``region_tensors`` the regions flattened
-    (``region_k, region_v, index, mask`` of region 0, then of region 1, ...); see :func:`multi_region_attention` for
-    shapes. ``params`` is a :class:`MultiRegionAttentionParams`; ``BACKENDS[params.backend]`` does the work.
+    ``forward(q, k, v, key_mask, params, *tensors)`` → ``out``, with ``tensors`` the regions flattened
+    (``region_k, region_v, index, mask`` of region 0, then of region 1, ...), then the (Hq,) sinks if
+    ``params.has_sinks``, then ``q_positions`` and each region's positions if ``params.sliding_window``; see
+    :func:`multi_region_attention` for shapes. ``params`` is a :class:`MultiRegionAttentionParams`;
+    ``BACKENDS[params.backend]`` does the work (see :func:`_backend` for the torch fallbacks). Sinks are merged
+    into the backend's ``(out, lse)`` here, on every backend, so the backend's backward sees the merged output and
+    LSE, and the sink gradient is computed here.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, params, *region_tensors):
-        regions = [region_tensors[i:i + 4] for i in range(0, len(region_tensors), 4)]
-        out, lse = BACKENDS[params.backend][0](q, k, v, regions, key_mask, params)
-        ctx.save_for_backward(q, k, v, key_mask, out, lse, *region_tensors)
+    def forward(ctx, q, k, v, key_mask, params, *tensors):
+        regions, sinks, positions = _split(tensors, params)
+        out, lse = _backend(params, positions)[0](q, k, v, regions, key_mask, params)
+        if sinks is not None:
+            out, lse = _add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, key_mask, out, lse, *tensors)
         ctx.params = params
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, key_mask, out, lse, *region_tensors = ctx.saved_tensors
-        regions = [region_tensors[i:i + 4] for i in range(0, len(region_tensors), 4)]
-        dq, dk, dv, dregions = BACKENDS[ctx.params.backend][1](dout, q, k, v, regions, key_mask, out, lse, ctx.params)
+        q, k, v, key_mask, out, lse, *tensors = ctx.saved_tensors
+        regions, sinks, positions = _split(tensors, ctx.params)
+        bwd = _backend(ctx.params, positions)[1]
+        dq, dk, dv, dregions = bwd(dout, q, k, v, regions, key_mask, out, lse, ctx.params)
         grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None]
         for (drk, drv), (rk, rv, _, _) in zip(dregions, regions):
             grads += [drk.to(rk.dtype), drv.to(rv.dtype), None, None]
+        if sinks is not None:
+            grads.append(_sinks_grad(dout, out, lse, sinks).to(sinks.dtype))
+        grads += [None] * (len(tensors) + 5 - len(grads))  # positions
         return tuple(grads)
 
 
-def _attention(q, k, v, regions, key_mask, scale, backend, prefix):
-    """Validate (``prefix`` as in :func:`_check_regions`), resolve ``backend`` and run the autograd Function."""
+def _attention(q, k, v, regions, key_mask, scale, backend, prefix, features=(None, None, None, None)):
+    """Validate (``prefix`` as in :func:`_check_regions`; ``features`` as in :func:`_reference`), resolve ``backend``
+    and run the autograd Function."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     backend = resolve("multi_region_attention", backend, q)
     _, _, Hkv, _, _ = _check_own(q, k, v, key_mask, scale)
+    W, sinks, softcap, q_pos = features
+    _check_features(q, W, sinks, softcap, q_pos)
     # the Triton path must not stall the host on each layer: its index checks run on the device
-    regions = _check_regions(regions, q, Hkv, sync=backend != "triton", prefix=prefix)
-    params = MultiRegionAttentionParams(scale=float(scale), backend=backend)
-    return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, *(t for r in regions for t in r))
+    regions, positions = _check_regions(regions, q, Hkv, sync=backend != "triton", prefix=prefix, window=W is not None)
+    params = MultiRegionAttentionParams(scale=float(scale), backend=backend, sliding_window=W,
+                                        softcap=None if softcap is None else float(softcap),
+                                        has_sinks=sinks is not None)
+    tensors = [t for r in regions for t in r] + ([sinks] if sinks is not None else [])
+    if W is not None:
+        tensors += [q_pos, *positions]
+    return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, *tensors)
 
 
-def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="auto"):
+def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="auto", sliding_window=None, sinks=None,
+                           softcap=None, q_positions=None):
     """Attention of each row's queries over several shared K/V regions, read in place, and its own causal keys.
 
     Equals :func:`multi_region_attention_ref`, i.e. for each row b, with ``rep = Hq // Hkv`` and ``R_b`` the regions
@@ -615,33 +828,49 @@ def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="a
         q: (B, Hq, C, d) queries after RoPE; fp16, bf16, fp32, or fp64 (torch and cpu backends).
         k, v: (B, Hkv, C, d) each row's own keys/values after RoPE, q's dtype; causal (query i sees own keys 0..i).
             ``Hq % Hkv == 0``.
-        regions: a list or tuple (possibly empty) of 4-tuples ``(region_k, region_v, index, mask)``:
+        regions: a list or tuple (possibly empty) of 4-tuples ``(region_k, region_v, index, mask)``, or 5-tuples
+            ``(region_k, region_v, index, mask, positions)``:
             region_k, region_v: (U_r, Hkv, S_r, d), q's dtype and device, U_r >= 1 entries (S_r may differ between
             regions); index: (B,) int64 in [-1, U_r), the entry row b reads, -1 for none; mask: (U_r, S_r) bool, True
-            at real key positions (padding may sit anywhere in an entry).
+            at real key positions (padding may sit anywhere in an entry); positions: (U_r, S_r) int64, the absolute
+            position of each key (stock TRL's ``arange`` over the padded row), required with ``sliding_window``.
         key_mask: (B, C) bool, True where the own key position is real; None means all real.
         scale: softmax scale (``module.scaling``), a finite positive Python float.
         backend: ``"torch"`` (chunked matmuls, any device), ``"cpu"`` (ATen's fused CPU attention kernels, once for all
             own regions and once per read entry of each region), ``"triton"`` (fp16/bf16/fp32; reads every tensor in
             place with its strides and never synchronises with the host), or ``"auto"`` (triton for fp16/bf16/fp32
-            CUDA tensors, cpu for CPU tensors, torch otherwise).
+            CUDA tensors, cpu for CPU tensors, torch otherwise). ``softcap`` runs in the torch and Triton kernels; the
+            cpu backend runs the torch backend's math for it (ATen's fused kernel cannot express it). With
+            ``sliding_window`` the cpu and triton backends run the torch backend's math (same numbers, chunked
+            matmuls). ``sinks`` run on every backend, merged into the backend's output and LSE by one elementwise
+            pass, their gradient from the merged LSE.
+        sliding_window: W (int >= 1) or None: key j is visible to query i only if ``0 <= pos_i - pos_j < W`` (the
+            test of transformers' sliding-window mask, on absolute positions), besides the masks above. A region
+            entry none of whose real keys lies in any reader's window is not read at all.
+        sinks: (Hq,) floating tensor on q's device, or None: per-head sink logits (gpt-oss ``module.sinks``), one more
+            key in each head's softmax with logit ``sinks[h]`` (not scaled) and value 0. Differentiable.
+        softcap: c (finite float > 0) or None: the scaled scores become ``c·tanh(s/c)`` before masking (Gemma 2's
+            ``attn_logit_softcapping``).
+        q_positions: (B, C) int64 absolute positions of the rows' own queries (and own keys); required with
+            ``sliding_window``.
 
     Returns:
-        (B, Hq, C, d) tensor of q's dtype. Differentiable in q, k, v and every region_k/region_v (a region's gradient
-        is summed in fp32 over all rows reading each entry; entries no row reads get 0). Memory kept for backward: the
-        inputs, the output and a (B, Hq, C) fp32 log-sum-exp.
+        (B, Hq, C, d) tensor of q's dtype. Differentiable in q, k, v, every region_k/region_v (a region's gradient
+        is summed in fp32 over all rows reading each entry; entries no row reads get 0) and ``sinks``. Memory kept for
+        backward: the inputs, the output and a (B, Hq, C) fp32 log-sum-exp.
 
     Raises:
-        ValueError: bad shapes (q/k/v, a region's K/V, index or mask, key_mask), ``Hq % Hkv != 0``, an index out of
-            [-1, U_r), mismatched devices, non-positive scale, unknown backend; ``BackendUnavailableError`` (a
+        ValueError: bad shapes (q/k/v, a region's K/V, index, mask or positions, key_mask, q_positions, sinks),
+            ``Hq % Hkv != 0``, an index out of [-1, U_r), mismatched devices, non-positive scale, ``sliding_window`` <
+            1 or without positions, ``softcap`` <= 0, non-floating ``sinks``, unknown backend; ``BackendUnavailableError`` (a
             ValueError) for an explicitly requested backend that cannot run here (``"triton"`` without CUDA or the
             interpreter, or with fp64 inputs).
         RuntimeError: an index out of range on the triton backend (``torch._assert_async``: at once on CPU, at the next
             synchronising call on CUDA).
-        TypeError: non-tensor arguments, ``regions`` not a sequence of 4-tuples, non-float or mismatched dtypes,
-            non-int64 index, non-bool masks.
+        TypeError: non-tensor arguments, ``regions`` not a sequence of 4- or 5-tuples, non-float or mismatched
+            dtypes, non-int64 index or positions, non-bool masks, non-int ``sliding_window``, non-float ``softcap``.
     """
-    return _attention(q, k, v, regions, key_mask, scale, backend, prefix=False)
+    return _attention(q, k, v, regions, key_mask, scale, backend, False, (sliding_window, sinks, softcap, q_positions))
 
 
 def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale,

@@ -177,12 +177,30 @@ def _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from one exp2 of −2|x| (no overflow; absolute error ~1e-7 near 0)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # e^{-2|x|}
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _capped(s, SOFTCAP: tl.constexpr):
+    """Scores ``s`` in log2 units soft-capped as natural-log scores: ``c·tanh(s·ln2/c)·log2 e``; returns
+    ``(capped s, tanh)`` (the backward's ``1 − tanh²``). Only called when SOFTCAP > 0."""
+    t = _tanh(s * (0.6931471805599453 / SOFTCAP))
+    return t * (SOFTCAP * 1.4426950408889634), t
+
+
+@triton.jit
 def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1: tl.constexpr,
-              EMULATE_BF16: tl.constexpr):
-    """One key tile of the online softmax (FlashAttention-2 forward, log2 units), scores kept where ``visible``:
-    returns the updated running max ``m_i``, sum ``l_i`` and unnormalised output (acc0, acc1). Used for every
-    region."""
+              EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key tile of the online softmax (FlashAttention-2 forward, log2 units), scores kept where ``visible``
+    (soft-capped first when SOFTCAP > 0): returns the updated running max ``m_i``, sum ``l_i`` and unnormalised output
+    (acc0, acc1). Used for every region."""
     s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
+    if SOFTCAP > 0:
+        s, _ = _capped(s, SOFTCAP)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -199,12 +217,17 @@ def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, B
 
 @triton.jit
 def _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale, BLOCK_D1: tl.constexpr,
-             EMULATE_BF16: tl.constexpr):
+             EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     """One key tile of dQ (FlashAttention-2 backward): ``dq += (P ∘ (dP − D)) · K`` with ``P = exp2(S − L)`` over the
-    ``visible`` scores and ``dP = dO · Vᵀ`` (unscaled: the caller multiplies by the softmax scale once)."""
+    ``visible`` scores and ``dP = dO · Vᵀ`` (unscaled: the caller multiplies by the softmax scale once); soft-capped
+    scores (SOFTCAP > 0) multiply dS by ``1 − tanh²``."""
     s = _dot_t(q0, q1, k0, k1, BLOCK_D1) * qk_scale
+    if SOFTCAP > 0:
+        s, t = _capped(s, SOFTCAP)
     s = tl.where(visible, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
+    if SOFTCAP > 0:  # folded into P before the dP product: only one score-sized tile stays live across it
+        p = p * (1.0 - t * t)
     dp = _dot_t(do0, do1, v0, v1, BLOCK_D1)
     ds = p * (dp - delta[:, None])
     dsc = ds.to(k0.dtype)
@@ -225,7 +248,7 @@ def _mra_fwd_kernel(
     SCALE, C, C_PAD, S, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
-    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # Offsets: the batch / head / entry parts are int64 scalars (b·stride_qb alone passes 2^31 elements at
     # B=16, Hq=40, C=32k, d=128); the in-tile parts stay int32 (the launcher checks they fit).
@@ -277,7 +300,7 @@ def _mra_fwd_kernel(
             k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
                                                    BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
             m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                             BLOCK_D1, EMULATE_BF16)
+                                             BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     if HAS_OWN:  # the row's own keys, causal (up to the largest query position in this block)
         k_base = K + b * stride_kb + h * stride_kh
@@ -288,7 +311,7 @@ def _mra_fwd_kernel(
             k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, HEAD_DIM,
                                                 BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
             m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                             BLOCK_D1, EMULATE_BF16)
+                                             BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
     denom = tl.where(empty, 1.0, l_i)[:, None]
@@ -343,7 +366,7 @@ def _mra_bwd_dq_kernel(
     SCALE, C, C_PAD, S, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
-    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # dQ over one shared region (HAS_REGION) and/or the own region (HAS_OWN), plus the fp32 partial dQ of earlier
     # launches (HAS_PREV: PREV with DQ's strides); writes DQ (an fp32 partial, or dQ in q's dtype). LSE/DELTA are the
@@ -384,7 +407,7 @@ def _mra_bwd_dq_kernel(
             k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
                                                    BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
             dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                BLOCK_D1, EMULATE_BF16)
+                                BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     if HAS_OWN:
         k_base = K + b * stride_kb + h * stride_kh
@@ -395,7 +418,7 @@ def _mra_bwd_dq_kernel(
             k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, HEAD_DIM,
                                                 BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
             dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                BLOCK_D1, EMULATE_BF16)
+                                BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     dq0 = dq0 * SCALE
     dq1 = dq1 * SCALE
@@ -416,15 +439,18 @@ def _mra_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LSE_ROW, DELTA_ROW, offs_m, m_ok,
-               qk_scale, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+               qk_scale, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     """One query block's share of a key block's dK/dV, FlashAttention-2 backward on transposed scores (keys along
     rows, queries along columns): P = exp(S − L) over the ``visible`` (keys × queries) pairs, dV += Pᵀ·dO,
     dK += (P ∘ (dP − D))ᵀ·Q, dP = dO·Vᵀ. ``LSE_ROW``/``DELTA_ROW`` point at the query row's natural-log LSE and
-    D = rowsum(dO ∘ O). Used by both dK/dV kernels (completion keys, causal; prompt keys, all visible)."""
+    D = rowsum(dO ∘ O); soft-capped scores (SOFTCAP > 0) multiply dS by ``1 − tanh²``. Used by both dK/dV kernels
+    (completion keys, causal; prompt keys, all visible)."""
     lse2 = tl.load(LSE_ROW + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
     delta = tl.load(DELTA_ROW + offs_m, mask=m_ok, other=0.0)
     st = _dot_t(k0, k1, q0, q1, BLOCK_D1) * qk_scale
+    if SOFTCAP > 0:
+        st, tt = _capped(st, SOFTCAP)
     st = tl.where(visible, st, float("-inf"))
     pt = tl.exp2(st - lse2[None, :])
     ptc = pt.to(do0.dtype)
@@ -433,6 +459,8 @@ def _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LS
     dv0, dv1 = _acc_dot(dv0, dv1, ptc, do0, do1, BLOCK_D1)
     dpt = _dot_t(v0, v1, do0, do1, BLOCK_D1)
     dst = pt * (dpt - delta[None, :])
+    if SOFTCAP > 0:
+        dst = dst * (1.0 - tt * tt)
     dstc = dst.to(q0.dtype)
     if EMULATE_BF16:
         dstc = _round_bf16(dst)
@@ -452,6 +480,7 @@ def _spa_bwd_dkdv_completion_kernel(
     SCALE, C, C_PAD, HKV,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -485,7 +514,7 @@ def _spa_bwd_dkdv_completion_kernel(
             visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
             dk0, dk1, dv0, dv1 = _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible,
                                             LSE + row_base, DELTA + row_base, offs_m, m_ok, qk_scale, BLOCK_D1,
-                                            EMULATE_BF16)  # fmt: skip
+                                            EMULATE_BF16, SOFTCAP)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -507,7 +536,7 @@ def _mra_bwd_dkdv_region_kernel(
     stride_dob, stride_doh, stride_doc,
     SCALE, C, C_PAD, S, HKV, N_SPLIT, stride_split,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # dK/dV of one shared region (a prompt, or any region of multi-region attention). ROWS lists the rows reading
     # each entry (ascending within an entry; rows reading none are not listed); ROW_START[u]..ROW_START[u+1] are entry
@@ -554,7 +583,7 @@ def _mra_bwd_dkdv_region_kernel(
             row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
             dk0, dk1, dv0, dv1 = _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1,
                                             key_ok[:, None] & m_ok[None, :], LSE + row_base, DELTA + row_base,
-                                            offs_m, m_ok, qk_scale, BLOCK_D1, EMULATE_BF16)  # fmt: skip
+                                            offs_m, m_ok, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -626,6 +655,9 @@ _BLOCKS_FP32 = {
     "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1), (16, 32, 4, 2)),
     "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 4,
 }
+# Soft-capped builds (SOFTCAP > 0) that need other tiles: (kernel, tier) -> tiles (16-bit inputs). bwd_dq at d=256
+# spilled 7 stores on sm_90 with 64×32 (tanh and its derivative on top of 250 registers); 64×16 holds 225, no spill.
+_BLOCKS_16BIT_SOFTCAP = {("bwd_dq", 2): (64, 16, 8, 2)}
 _TIER = {64: 0, 128: 1, 256: 2}
 _TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
 # The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
@@ -636,8 +668,9 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _I32_MAX = 2**31 - 1
 
 
-def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype``.
+def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False) -> dict:
+    """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype`` (``softcap``: the
+    soft-capped build).
 
     Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_80 and sm_90 builds have no
     register spills (checked by ``tests/test_attention_triton_aot.py``).
@@ -649,6 +682,8 @@ def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) 
     if tier == _TIER[128] and head_dim_tiles(head_dim)[1]:
         tier = _TIER_SPLIT_128
     block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
+    if softcap and dtype != torch.float32:
+        block_m, block_n, warps, stages = _BLOCKS_16BIT_SOFTCAP.get((name, tier), (block_m, block_n, warps, stages))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -708,21 +743,28 @@ def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
     """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
     if 0 in grid:
         return
-    cfg = block_config(name, head_dim, dtype)
+    cfg = block_config(name, head_dim, dtype, constexprs.get("SOFTCAP", 0.0) > 0)
     opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     with launch_device(args[0]):
         KERNELS[name][grid](*args, **constexprs, **opts)
 
 
-def _tile_constexprs(name, head_dim, dtype, interpret) -> dict:
-    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels."""
-    cfg = block_config(name, head_dim, dtype)
+def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False) -> dict:
+    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels (``softcap``: of the
+    soft-capped build)."""
+    cfg = block_config(name, head_dim, dtype, softcap)
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
     block_d0, block_d1 = head_dim_tiles(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_D0=block_d0, BLOCK_D1=block_d1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 EMULATE_BF16=interpret and dtype == torch.bfloat16)
+
+
+def _softcap(params) -> float:
+    """The kernels' SOFTCAP constexpr: ``params.softcap``, or 0.0 for none (a constexpr, so a Python float never
+    reaches the kernel as a runtime argument, and the uncapped build is the one without it)."""
+    return 0.0 if params.softcap is None else float(params.softcap)
 
 
 def _kernel_view(x: torch.Tensor) -> torch.Tensor:
@@ -812,7 +854,8 @@ def _launch_plan(regions):
 def multi_region_attention_fwd(q, k, v, regions, key_mask, params):
     """Launch the forward kernel, once per region (see ``_launch_plan``). Shapes as
     :func:`grpo_mem.ops.attention.multi_region_attention` (validated there); ``params.scale`` is the softmax scale
-    (``params`` a ``MultiRegionAttentionParams``).
+    (``params`` a ``MultiRegionAttentionParams``; ``params.softcap``, if set, soft-caps the scaled scores in the kernels;
+    the caller runs the torch math instead for a sliding window).
 
     Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
     value is read back to the host. With two regions or more, the partial result between launches is a normalised
@@ -852,11 +895,11 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params):
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
             *dst.stride()[:3], float(params.scale), C, c_pad, rk.shape[2], Hkv,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, HAS_REGION=has_region, HAS_OWN=has_own,
-            HAS_PREV=has_prev, **meta)  # fmt: skip
+            HAS_PREV=has_prev, SOFTCAP=_softcap(params), **meta)  # fmt: skip
     return out, lse
 
 
-def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, scale, interpret):
+def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, params, interpret):
     """dK/dV of one shared region: the region kernel over each entry's rows, its work split for a full GPU (see
     ``prefix_dkdv_grid``) and the fp32 partial sums reduced in a fixed order. Returns ``(dregion_k, dregion_v)``
     contiguous, in the region's dtype; entries no row reads get 0."""
@@ -875,9 +918,9 @@ def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, sca
         part_k, part_v = (torch.empty((n_split, U, Hkv, S, d), dtype=torch.float32, device=q.device) for _ in "kv")
     _launch("bwd_dkdv_prefix", grid, (
         q, region_k, region_v, rows, row_start, span, mask, dout, lse, delta, part_k, part_v,
-        *q.stride()[:3], *region_k.stride()[:3], *region_v.stride()[:3], *dout.stride()[:3], float(scale), C, c_pad,
-        S, Hkv, n_split, n_elems,
-    ), d, q.dtype, interpret, REP=rep, **meta)
+        *q.stride()[:3], *region_k.stride()[:3], *region_v.stride()[:3], *dout.stride()[:3], float(params.scale), C,
+        c_pad, S, Hkv, n_split, n_elems,
+    ), d, q.dtype, interpret, REP=rep, SOFTCAP=_softcap(params), **meta)
     if n_split > 1:
         block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
         _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, drk, drv, n_elems, n_split),
@@ -926,7 +969,7 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     # regions are not written before the last launch: start from zeros
     partial = torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_() \
         if len(plan) > 1 else dq
-    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret)
+    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret, params.softcap is not None)
     for (rk, rv, index, span, mask), (has_region, has_own, has_prev) in zip(args, plan):
         dst = dq if has_own else partial
         _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
@@ -934,12 +977,12 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
             *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(params.scale), C,
             c_pad, rk.shape[2], Hkv,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, HAS_REGION=has_region, HAS_OWN=has_own,
-            HAS_PREV=has_prev, **meta)  # fmt: skip
+            HAS_PREV=has_prev, SOFTCAP=_softcap(params), **meta)  # fmt: skip
     meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
     _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
         q, k, v, kmask, dout, lse, delta, dk, dv,
         *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(params.scale), C, c_pad, Hkv,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, **meta)
-    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, params.scale, interpret)
+    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, SOFTCAP=_softcap(params), **meta)
+    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, params, interpret)
                 for rk, rv, index, span, mask in (args if regions else [])]
     return dq, dk, dv, dregions
