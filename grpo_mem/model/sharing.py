@@ -77,7 +77,7 @@ class SharingSession:
         self.mode = check_sharing(sharing)
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
-        self._pending: tuple[Decision, Window | None] | None = None
+        self._pending: tuple[Decision, Window, bool] | None = None  # the decision, its window, lockstep
         self.last_decision: Decision | None = None
 
     @property
@@ -181,7 +181,7 @@ class SharingSession:
         tokens = stock_tokens if reason else window.plan.tokens_at(current, width)
         decision = Decision(path="stock" if reason else self.mode, cause=reason, micro_batch=j, rows=B,
                             backbone_tokens=tokens, stock_tokens=stock_tokens)  # fmt: skip
-        self._pending = (decision, window)
+        self._pending = (decision, window, in_lockstep)
         self.last_decision = decision
         return decision
 
@@ -198,7 +198,7 @@ class SharingSession:
         """
         if self._pending is None or self._pending[0] is not decision:
             raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
-        _, window = self._pending
+        _, window, in_lockstep = self._pending
         self._pending = None
         options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
         causal_lm = unwrap_causal_lm(model)
@@ -212,7 +212,6 @@ class SharingSession:
             if decision.micro_batch is not None:  # sharing ends here: what is pending goes into this backward
                 logps = window.skip(logps) if decision.cause == UNSHARED else window.abandon(logps)
             return logps, entropy
-        in_lockstep = lockstep(model)
         return run_in_forward(model, causal_lm, lambda m, ids, mask: window.run(m, ids, mask, options,
                               lockstep=in_lockstep), input_ids, attention_mask)  # fmt: skip
 
