@@ -53,8 +53,9 @@ setup(
         # the grpo-mem command line (grpo_mem/commands/): the main job's task (reasoning-gym, datasets), its model
         # (gguf: transformers reads SmolLM2's GGUF with it), the figures (matplotlib), progress (tqdm)
         "cli": ["reasoning-gym", "datasets", "gguf", "matplotlib", "tqdm"],
-        # deepspeed: the ZeRO-2/3 tests (tests/test_distributed.py) run it on CPU; the version they were checked with
-        "test": ["pytest", "peft", "deepspeed==0.19.8"],
+        # deepspeed: the ZeRO-2/3 tests (tests/test_distributed.py) run it on CPU; the version they were checked with.
+        # liger-kernel: tests/test_liger.py (transformers' Trainer refuses use_liger_kernel=True without it)
+        "test": ["pytest", "peft", "deepspeed==0.19.8", "liger-kernel==0.8.5"],
         "gpu": ["flash-attn"],
         "bench": ["liger-kernel"],
     },

@@ -196,10 +196,7 @@ class SharingSession:
         Raises:
             RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
         """
-        if self._pending is None or self._pending[0] is not decision:
-            raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
-        _, window, in_lockstep = self._pending
-        self._pending = None
+        window, in_lockstep = self._take(decision)
         options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
         causal_lm = unwrap_causal_lm(model)
         if decision.path == "stock":
@@ -209,11 +206,44 @@ class SharingSession:
                     m, ids, mask, options), input_ids, attention_mask)  # fmt: skip
             else:
                 logps, entropy = stock()
-            if decision.micro_batch is not None:  # sharing ends here: what is pending goes into this backward
-                logps = window.skip(logps) if decision.cause == UNSHARED else window.abandon(logps)
-            return logps, entropy
+            return self._end_sharing(decision, window, logps), entropy
         return run_in_forward(model, causal_lm, lambda m, ids, mask: window.run(m, ids, mask, options,
                               lockstep=in_lockstep), input_ids, attention_mask)  # fmt: skip
+
+    def run_hidden(self, decision: Decision, model, input_ids, attention_mask, logits_to_keep: int, *, stock):
+        """Like ``run``, but return the LM head's input instead of log-probs: (B, C, H) final hidden states (final norm
+        applied, the backbone's dtype) at the positions that predict the C = ``logits_to_keep`` completion tokens, as
+        ``model.base_model(input_ids, attention_mask).last_hidden_state[:, -C - 1 : -1]`` gives them; in a window, its
+        backward also backpropagates the prompt passes released in this micro-batch.
+
+        Computed in the caller's context, with no call of ``model``'s forward: for a caller that already runs inside
+        the (wrapped) model's forward, as TRL's Liger loss does. ``stock() -> (B, C, H)`` is run when the decision says
+        ``"stock"`` (warned once per cause).
+
+        Raises:
+            RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
+        """
+        window, in_lockstep = self._take(decision)
+        if decision.path == "stock":
+            warn_fallback(decision.cause)
+            return self._end_sharing(decision, window, stock())
+        return window.hidden_states(unwrap_causal_lm(model), input_ids, attention_mask, logits_to_keep,
+                                    lockstep=in_lockstep)  # fmt: skip
+
+    def _take(self, decision: Decision) -> tuple[Window, bool]:
+        """The window and lockstep flag ``decide`` kept for ``decision``; the decision can be run once."""
+        if self._pending is None or self._pending[0] is not decision:
+            raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
+        _, window, in_lockstep = self._pending
+        self._pending = None
+        return window, in_lockstep
+
+    @staticmethod
+    def _end_sharing(decision: Decision, window: Window, anchor: torch.Tensor) -> torch.Tensor:
+        """After a stock micro-batch of a window: sharing ends there, what is pending goes into ``anchor``'s backward."""
+        if decision.micro_batch is None:
+            return anchor
+        return window.skip(anchor) if decision.cause == UNSHARED else window.abandon(anchor)
 
     def score(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
               compute_entropy: bool = False, cast_lm_head_to_fp32: bool = False):  # fmt: skip

@@ -210,6 +210,17 @@ class Window:
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
         """
         C = options.logits_to_keep
+        hidden = self.hidden_states(causal_lm, input_ids, attention_mask, C, lockstep=lockstep)
+        return completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], options)
+
+    def hidden_states(self, causal_lm, input_ids, attention_mask, logits_to_keep: int, *, lockstep: bool = False):
+        """The LM head's input for the window's next micro-batch: (B, C, H) final hidden states (the backbone's
+        ``last_hidden_state``, final norm applied) at positions P − 1 … P + C − 2, which predict the C completion
+        tokens; C = ``logits_to_keep``, dtype the backbone's. Equals ``causal_lm.base_model(input_ids,
+        attention_mask).last_hidden_state[:, -C - 1 : -1]``, each prompt pass run once; its backward also
+        backpropagates every pass released in this micro-batch. ``run`` applies the head to it; ``lockstep`` as there.
+        """
+        C = logits_to_keep
         P = input_ids.shape[1] - C
         completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
         leaves = self.plan.leaves(self.current)
@@ -227,11 +238,9 @@ class Window:
             else:
                 hidden[0] = tie(hidden[0], [out])
         stand_ins = [p.states.last_hidden for p in self._passes.values() if not p.spec.nodes and not p.spec.kept]
-        hidden = tie(torch.cat(hidden, dim=1), stand_ins)
-        logps, entropy = completion_head(causal_lm, hidden, completion_ids, completion_mask, options)
-        logps = self._flush(logps)
+        hidden = self._flush(tie(torch.cat(hidden, dim=1), stand_ins))
         self._finish_micro_batch()
-        return logps, entropy
+        return hidden
 
     def _flush(self, anchor: torch.Tensor) -> torch.Tensor:
         """``anchor`` carrying every kept pass released in this micro-batch that nothing in it read."""

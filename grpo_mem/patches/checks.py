@@ -21,6 +21,14 @@ LOGPS_PARAMS = (
     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )  # fmt: skip
 PREPARE_PARAMS = ("self", "generation_batch")
+# TRL 1.10-1.13 with use_liger_kernel: compute_loss -> compute_liger_loss, which takes the policy's final hidden states
+# at the completion positions from this method and hands them to its fused linear GRPO loss. 1.14+ have no such path.
+LIGER_LOSS_METHOD = "compute_liger_loss"
+HIDDEN_METHOD = "_get_last_hidden_state"
+HIDDEN_PARAMS = (
+    "self", "unwrapped_model", "input_ids", "attention_mask", "logits_to_keep", "pixel_values", "image_grid_thw",
+    "pixel_attention_mask", "spatial_shapes", "image_sizes", "image_position_ids",
+)  # fmt: skip
 _MARK = "__grpo_mem_patch__"
 # TRL 1.14.x: _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kwargs)
 # only dispatches, to this method (or, with use_liger_kernel, to _chunked_logps, which takes the same arguments but
@@ -110,3 +118,23 @@ def check_trainer_attrs(owner) -> None:
     if missing:
         name = getattr(owner, "__name__", type(owner).__name__)
         raise TypeError(f"{name} lacks {missing}, which the grpo_mem patch reads (written against TRL 1.16)")
+
+
+def liger_support(owner) -> tuple[bool, str | None]:
+    """How the patch serves ``use_liger_kernel=True`` on ``owner`` (a trainer class or instance): (whether to replace
+    ``HIDDEN_METHOD``, why TRL's Liger loss cannot be served, or None).
+
+    Without ``LIGER_LOSS_METHOD`` (TRL 1.14+, RLOO) the flag only swaps Liger's layer kernels into the model, which the
+    prompt-once path calls as the stock forward does: nothing to replace. With it, the hidden-state method is replaced
+    when its signature is TRL 1.10-1.13's; otherwise the cause names the difference (the caller warns when it applies).
+    """
+    if not hasattr(owner, LIGER_LOSS_METHOD):
+        return False, None
+    try:
+        check_signature(owner, HIDDEN_METHOD, HIDDEN_PARAMS)
+    except TypeError as err:
+        return False, (
+            f"use_liger_kernel=True: TRL's Liger loss scores the policy through its own {HIDDEN_METHOD}, which grpo_mem "
+            f"does not replace here ({err})"
+        )
+    return True, None

@@ -1,7 +1,8 @@
 """The TRL patch: with ``grpo_mem.patches.verify``, the only code of grpo_mem that knows TRL.
 
-Two methods of ``GRPOTrainer``/``RLOOTrainer`` (written against TRL 1.16; 1.10-1.15 pass the parity tests too) are
-replaced by reference, on the class or on one trainer instance, and put back by ``PatchHandle.revert()``:
+Two methods of ``GRPOTrainer``/``RLOOTrainer`` (written against TRL 1.16; 1.10-1.15 pass the parity tests too), and
+on TRL 1.10-1.13 a third, are replaced by reference, on the class or on one trainer instance, and put back by
+``PatchHandle.revert()``:
 
 - ``_get_per_token_logps_and_entropies``: every caller (policy with gradients, old log-probs, separate reference
   model, PEFT reference with the adapter disabled) is scored chunk by chunk through the trainer's
@@ -15,6 +16,11 @@ replaced by reference, on the class or on one trainer instance, and put back by 
   random order within each group); the same rows reach training, each exactly once. It also opens the session's
   window (the micro-batches up to the end of the gradient-accumulation window), so a prompt spread over several of
   them is forwarded and backpropagated once.
+- ``_get_last_hidden_state`` (TRL 1.10-1.13, ``use_liger_kernel=True``): ``compute_liger_loss`` takes the policy's
+  (B, C, H) final hidden states from it for Liger's fused linear GRPO loss; they come from the same decision and
+  window (``SharingSession.run_hidden``), before the head. Where that method differs from 1.10-1.13's, it is left
+  alone and a trainer with the flag warns once (``checks.liger_support``). TRL 1.14+ keep the log-prob method under
+  the flag and only swap Liger's layer kernels into the model, which the prompt-once path calls like stock.
 
 The patch keeps its state on its ``PatchHandle`` (a session per trainer, the models it touched), never on the
 trainer; before touching anything it checks what it relies on (``grpo_mem.patches.checks``).
@@ -33,9 +39,10 @@ from ..model.distributed import unwrap_causal_lm
 from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
+from ..model.support import warn_fallback
 from .checks import (
-    _MARK, LOGPS_METHOD, LOGPS_PARAMS, PREPARE_METHOD, PREPARE_PARAMS, check_signature, check_trainer_attrs,
-    check_trl_version,
+    _MARK, HIDDEN_METHOD, HIDDEN_PARAMS, LOGPS_METHOD, LOGPS_PARAMS, PREPARE_METHOD, PREPARE_PARAMS, check_signature,
+    check_trainer_attrs, check_trl_version, liger_support,
 )  # fmt: skip
 
 METRIC_PREFIX = "grpo_mem/"
@@ -142,6 +149,33 @@ def patched_logps_method(original, handle: PatchHandle):
     return _get_per_token_logps_and_entropies
 
 
+def patched_hidden_method(original, handle: PatchHandle):
+    """The patched ``_get_last_hidden_state`` of TRL 1.10-1.13 (``compute_liger_loss``'s source of the policy's (B, C, H)
+    hidden states for Liger's fused GRPO loss) around TRL's ``original``, keeping its state on ``handle``: the same
+    decision, fallback and metrics as the log-prob method, with the window's hidden states instead of log-probs."""
+
+    def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        extras = dict(zip(HIDDEN_PARAMS[5:], args), **kwargs)
+        session = handle.session(self)
+        causal_lm = unwrap_causal_lm(unwrapped_model)
+        handle.models.add(causal_lm)
+        # the wrapped model tells whether ranks run in lockstep; TRL already runs this inside its forward
+        wrapped = getattr(self, "model_wrapped", None)
+        model = wrapped if wrapped is not None and unwrap_causal_lm(wrapped) is causal_lm else unwrapped_model
+        decision = session.decide(model, input_ids, attention_mask, logits_to_keep, temperature=self.temperature,
+                                  cause=_input_cause(extras, False), stock_available=True)  # fmt: skip
+        hidden = session.run_hidden(decision, unwrapped_model, input_ids, attention_mask, logits_to_keep,
+                                    stock=lambda: original(self, unwrapped_model, input_ids, attention_mask,
+                                                           logits_to_keep, **extras))  # fmt: skip
+        if torch.is_grad_enabled() and unwrapped_model.training and handle.log_metrics:
+            log_decision(self, decision)
+        return hidden
+
+    _get_last_hidden_state.__wrapped_original__ = original
+    setattr(_get_last_hidden_state, _MARK, True)
+    return _get_last_hidden_state
+
+
 def _window_prompts(trainer) -> tuple[list, list]:
     """Prompt ids and masks of the micro-batches from the current one to the end of its gradient-accumulation window
     (windows start where ``_step`` is a multiple of the accumulation steps), within the current generation buffer."""
@@ -174,6 +208,10 @@ def _make_prepare(original, handle: PatchHandle):
             inputs = original(self, generation_batch)
         finally:
             module.shuffle_sequence_dict = stock_shuffle
+        if getattr(self.args, "use_liger_kernel", False):
+            cause = handle.unserved_liger(self)
+            if cause is not None:
+                warn_fallback(cause)
         if self.model.training and self._buffered_inputs:
             session = handle.session(self)
             if self._step % self.current_gradient_accumulation_steps == 0 or not session.in_window:
@@ -208,6 +246,7 @@ class PatchHandle:
         self.group_shuffle = group_shuffle
         self.sharing = sharing
         self.log_metrics = log_metrics
+        self.liger_causes: dict = {}  # owner -> why its Liger loss path is not served (``checks.liger_support``)
         self.active = True
 
     def session(self, trainer) -> SharingSession:
@@ -216,6 +255,13 @@ class PatchHandle:
         if session is None:
             session = self.sessions[trainer] = SharingSession(self.sharing)
         return session
+
+    def unserved_liger(self, trainer) -> str | None:
+        """Why ``trainer``'s Liger loss path (``use_liger_kernel=True`` on TRL 1.10-1.13) is TRL's own, or None."""
+        for owner, cause in self.liger_causes.items():
+            if owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner)):
+                return cause
+        return None
 
     def revert(self) -> None:
         """Put every patched method back as it was and give the models this patch touched their own forward and
@@ -313,7 +359,13 @@ def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree")
 
     handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing)
     for owner in owners:
-        for name, make in ((LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)):
+        methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
+        serve_liger, cause = liger_support(owner)
+        if serve_liger:
+            methods.append((HIDDEN_METHOD, patched_hidden_method))
+        elif cause is not None:
+            handle.liger_causes[owner] = cause
+        for name, make in methods:
             if isinstance(owner, type):
                 previous = owner.__dict__.get(name, _MISSING)
                 original = getattr(owner, name)

@@ -7,7 +7,8 @@
 #
 # The venv is a fresh one (not --system-site-packages, which would see the TRL installed next to it): torch 2.13.0
 # (CPU wheel), triton, the pinned transformers, trl==TRL_VERSION and the test dependencies (requests too: TRL
-# 1.10-1.14 import it from trl.generation.vllm_client without declaring it), then this repository
+# 1.10-1.14 import it from trl.generation.vllm_client without declaring it; liger-kernel for tests/test_liger.py, as
+# TRL and transformers refuse use_liger_kernel without it), then this repository
 # installed editable without dependencies and without building the C++ extension (GRPO_MEM_SKIP_EXT=1: the parity
 # tests run the torch paths then). Runs the tests that exercise TRL (COMPAT_TESTS to override), with the "slow"
 # multi-process runs deselected. TRL 1.15's fused LM head runs a Triton kernel on every device (1.16 added a torch
@@ -21,7 +22,7 @@ set -uo pipefail
 TRL_VERSION=${1:?usage: tests/compat/run.sh TRL_VERSION}
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.23.0}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-TESTS=${COMPAT_TESTS:-tests/test_patch_trl.py tests/test_group_forward.py tests/test_tree.py tests/test_verify.py tests/test_flash_attention.py}
+TESTS=${COMPAT_TESTS:-tests/test_patch_trl.py tests/test_group_forward.py tests/test_tree.py tests/test_verify.py tests/test_flash_attention.py tests/test_liger.py}
 VENV=${COMPAT_VENV:-$(mktemp -d -t "grpo-mem-trl-$TRL_VERSION-XXXX")}
 LOG=$VENV/compat.log
 start=$(date +%s)
@@ -34,7 +35,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     {
         "$VENV/bin/pip" install -q torch==2.13.0 triton==3.9.0 &&
         "$VENV/bin/pip" install -q "transformers==$TRANSFORMERS_VERSION" "trl==$TRL_VERSION" accelerate==1.15.0 \
-            datasets pytest peft==0.21.2 requests &&
+            datasets pytest peft==0.21.2 requests liger-kernel==0.8.5 &&
         GRPO_MEM_SKIP_EXT=1 "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$REPO"
     } >"$LOG" 2>&1 || {
         tail -20 "$LOG"
