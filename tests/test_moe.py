@@ -4,7 +4,10 @@ through GRPOTrainer."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +28,8 @@ COMMON = dict(
 MOE = dict(num_experts_per_tok=2)
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, **MOE, **COMMON),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, **MOE, **COMMON),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, **MOE,
+                                                     **COMMON),
     "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, **MOE, **COMMON),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16,
                                                      shared_expert_intermediate_size=16, **MOE, **COMMON),
@@ -176,6 +180,25 @@ def test_unrecognised_router_loss_falls_back_by_name(monkeypatch):
     assert session.last_decision.path == "stock" and session.last_decision.cause == reason
     assert_close(aux.detach(), ref_aux.detach(), 0.0, "aux loss")
     assert "defines no load_balancing_loss_func" in router.router_loss_reason(helpers.tiny_model("llama"))
+
+
+def test_modules_whose_router_loss_is_recognised():
+    """Every transformers modeling module defining ``load_balancing_loss_func``, read from its source: the families
+    tested here have Mixtral's code (recognised); Doge's, NLLB-MoE's and Switch Transformers' own functions do not."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    reference = router.normalized_function(inspect.getsource(modeling_mixtral.load_balancing_loss_func))
+    recognised, other = set(), set()
+    for path in sorted((Path(transformers.__file__).parent / "models").glob("*/modeling_*.py")):
+        text = path.read_text()
+        if "\ndef load_balancing_loss_func(" not in text:
+            continue
+        fn = next(n for n in ast.parse(text).body if getattr(n, "name", None) == "load_balancing_loss_func")
+        same = router.normalized_function(ast.get_source_segment(text, fn)) == reference
+        (recognised if same else other).add(path.parent.name)
+    assert set(CONFIGS) <= recognised, sorted(other)
+    assert {"doge", "nllb_moe", "switch_transformers"} <= other, sorted(other)
+    print(f"recognised {len(recognised)}, other {sorted(other)}")
 
 
 def test_load_balancing_loss_rejects_mismatched_weights():

@@ -32,22 +32,38 @@ import torch
 
 from .support import _own_class
 
-__all__ = ["RouterTerm", "router_loss_reason", "router_loss_shape", "router_logits_of", "load_balancing_loss"]
+__all__ = [
+    "RouterLossShape", "RouterTerm", "load_balancing_loss", "reproduces_loss", "router_logits_of", "router_loss_reason",
+    "router_loss_shape",
+]  # fmt: skip
 
 
-@functools.lru_cache(maxsize=None)
-def _normalized_source(fn) -> str | None:
-    """``fn``'s source as an AST dump without its docstring (None when it cannot be read)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
+def normalized_function(source: str) -> str:
+    """The AST dump of the first function defined in ``source``, without its docstring (of the whole ``source`` when
+    it defines none): equal for two functions exactly when their code is."""
+    tree = ast.parse(textwrap.dedent(source))
     func = tree.body[0] if tree.body else None
-    if not isinstance(func, ast.FunctionDef):  # a lambda, a callable object: not a function whose source we know
+    if not isinstance(func, ast.FunctionDef):  # a lambda, an assignment: compared as a whole
         return ast.dump(tree)
     if func.body and isinstance(func.body[0], ast.Expr) and isinstance(func.body[0].value, ast.Constant):
         func.body = func.body[1:]
     return ast.dump(func)
+
+
+@functools.lru_cache(maxsize=None)
+def _normalized_source(fn) -> str | None:
+    """``normalized_function`` of ``fn``'s source (None when it cannot be read)."""
+    try:
+        return normalized_function(inspect.getsource(fn))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def reproduces_loss(fn) -> bool:
+    """Whether ``fn`` (a modeling module's ``load_balancing_loss_func``) is the loss ``load_balancing_loss``
+    reproduces: Mixtral's, or a function with its code."""
+    reference = _reference_loss()
+    return fn is reference or (_normalized_source(fn) or "") == _normalized_source(reference)
 
 
 def _reference_loss():
@@ -89,7 +105,7 @@ def router_loss_reason(causal_lm) -> str | None:
     fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
     if fn is None:
         return f"{cls.__module__} defines no load_balancing_loss_func (no MoE router loss grpo_mem recognises)"
-    if fn is not _reference_loss() and _normalized_source(fn) != _normalized_source(_reference_loss()):
+    if not reproduces_loss(fn):
         return f"{cls.__module__}.load_balancing_loss_func is not the router loss grpo_mem reproduces (Mixtral's)"
     try:
         router_loss_shape(causal_lm)

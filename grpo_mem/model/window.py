@@ -7,7 +7,8 @@ deeper pass attends to every ancestor's recorded K/V in place plus its own causa
 (``grpo_mem.ops.multi_region_attention``) and records its own. The completions then run as one pass at positions
 ``end … end + C − 2`` (``end``: where the row's prompt ends) attending to every node on their prompt's path plus their own
 tokens. Every query-key pair keeps the position difference of stock TRL's left-padded layout, so RoPE scores are the
-same up to the rounding of the rotation (exactly stock's positions in group mode).
+same up to the rounding of the rotation (exactly stock's positions in group mode). When the MoE router loss is asked
+for, every pass also records its router logits and the completion pass runs all C tokens (``Window._router_loss``).
 
 A kept pass (read by a later micro-batch) lives in the window's ``PromptStore`` until its release micro-batch; which
 states a reader gets is decided in one place, ``Window._read``. This module knows transformers, not TRL.
@@ -67,11 +68,14 @@ class Window:
         plan: the window's plan.
         current: the micro-batch scored next.
         store: kept passes, until their release.
+        record_router: whether the passes of the micro-batch being run record their router logits (the MoE router
+            loss is asked for).
     """
 
     plan: WindowPlan
     current: int = 0
     store: PromptStore = field(default_factory=PromptStore)
+    record_router: bool = False
     _passes: dict[int, _Pass] = field(default_factory=dict)
     _node_pass: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (pass id, row)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -132,11 +136,11 @@ class Window:
         positions = starts[:, None] + torch.arange(S)
         return ids.to(device), mask.to(device), positions.to(device), lengths
 
-    def _forward_pass(self, backbone, spec: PassSpec, views, device, record_router: bool = False) -> None:
-        """Forward one pass of the schedule; register its nodes (in the store if kept). ``record_router``: keep its
-        router logits too (the MoE router loss is asked for)."""
+    def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
+        """Forward one pass of the schedule; register its nodes (in the store if kept), with its router logits when
+        ``record_router``."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
-        extra = {"output_router_logits": True} if record_router else {}
+        extra = {"output_router_logits": True} if self.record_router else {}
         if spec.depth == 0 or not spec.nodes:
             capture = attn_hook.PromptCapture()
             out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False,
@@ -153,7 +157,7 @@ class Window:
             hidden = attn_hook.keep_alive(out.last_hidden_state, ctx)
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
-        router_logits = self._router_logits(out, ids.numel(), ctx) if record_router else ()
+        router_logits = self._router_logits(out, ids.numel(), ctx) if self.record_router else ()
         states = PromptStates(kv=[kv[i] for i in sorted(kv)], last_hidden=last, router_logits=router_logits)
         pass_id = next(self._ids)
         self._passes[pass_id] = _Pass(spec=spec, mask=mask, states=None if spec.kept else states)
@@ -185,8 +189,7 @@ class Window:
         logits = router.router_logits_of(out, tokens)
         return logits if ctx is None else tuple(attn_hook.keep_alive(z, ctx) for z in logits)
 
-    def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views,
-                         record_router: bool = False):  # fmt: skip
+    def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views):
         """(B, width, H) final hidden states of completion tokens ``0 … width − 1`` (they predict tokens
         1 … width) and their per-layer router logits (``()`` unless ``record_router``)."""
         device = completion_ids.device
@@ -197,10 +200,10 @@ class Window:
         )
         ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
         positions = ends[:, None] + torch.arange(width, device=device)
-        extra = {"output_router_logits": True} if record_router else {}
+        extra = {"output_router_logits": True} if self.record_router else {}
         out = backbone(input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,
                        grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
-        router_logits = self._router_logits(out, completion_ids[:, :width].numel(), ctx) if record_router else ()
+        router_logits = self._router_logits(out, completion_ids[:, :width].numel(), ctx) if self.record_router else ()
         return attn_hook.keep_alive(out.last_hidden_state, ctx), router_logits
 
     def _router_loss(self, causal_lm, leaves, views, completion_logits, completion_mask) -> torch.Tensor:
@@ -230,6 +233,7 @@ class Window:
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
         """
         C, aux = options.logits_to_keep, options.compute_aux_loss
+        self.record_router = aux
         P = input_ids.shape[1] - C
         completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
         leaves = self.plan.leaves(self.current)
@@ -237,13 +241,13 @@ class Window:
         attn_hook.take_over(causal_lm)
         views: dict[int, PromptStates] = {}  # kept passes released in this micro-batch
         for spec in self.plan.passes_at(self.current):
-            self._forward_pass(backbone, spec, views, input_ids.device, record_router=aux)
+            self._forward_pass(backbone, spec, views, input_ids.device)
         hidden = [self._leaf_hidden(leaves, views).unsqueeze(1)]
         # the last completion token predicts nothing, but stock's router loss counts its router logits
         width = C if aux else C - 1 if C > 1 or not lockstep else 1
         if width:
             out, completion_router = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width,
-                                                           views, record_router=aux)  # fmt: skip
+                                                           views)  # fmt: skip
             if C > 1:
                 hidden.append(out[:, : C - 1])
             else:
