@@ -30,14 +30,17 @@ class ScoreOptions:
     temperature: float = 1.0
     compute_entropy: bool = False
     cast_lm_head_to_fp32: bool = False
+    compute_aux_loss: bool = False
 
 
 @dataclass
 class LogprobsOutput(ModelOutput):
-    """log_probs, entropy: (B, C) fp32, zero where the completion mask is 0 (entropy None unless asked)."""
+    """log_probs, entropy: (B, C) fp32, zero where the completion mask is 0 (entropy None unless asked); aux_loss:
+    0-d fp32 MoE router load-balancing loss (None unless asked)."""
 
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> None:
@@ -120,8 +123,8 @@ def install_forward(causal_lm) -> None:
         with contextlib.ExitStack() as stack:
             for device, dtype, enabled, cache in autocasts:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
-            logps, entropy = compute(self, kwargs["input_ids"], kwargs["attention_mask"])
-        return LogprobsOutput(log_probs=logps, entropy=entropy)
+            logps, entropy, aux_loss = compute(self, kwargs["input_ids"], kwargs["attention_mask"])
+        return LogprobsOutput(log_probs=logps, entropy=entropy, aux_loss=aux_loss)
 
     causal_lm.forward = types.MethodType(forward, causal_lm)
     causal_lm.__dict__[_FORWARD_MARK] = previous
@@ -129,7 +132,7 @@ def install_forward(causal_lm) -> None:
 
 class _Call:
     """A computation run inside the model's forward: ``fn(causal_lm, input_ids, attention_mask)`` -> (log-probs,
-    entropies | None), with the inputs as the model's wrappers handed them on."""
+    entropies | None, aux loss | None), with the inputs as the model's wrappers handed them on."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -142,15 +145,15 @@ _CALLS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CALL_IDS = itertools.count()
 
 
-def run_in_forward(model, causal_lm, fn, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_in_forward(model, causal_lm, fn, input_ids, attention_mask):
     """Run ``fn(causal_lm, input_ids, attention_mask)`` inside one call of ``model`` (the wrapper around
-    ``causal_lm``, or ``causal_lm`` itself)."""
+    ``causal_lm``, or ``causal_lm`` itself); returns its (log-probs, entropies | None, aux loss | None)."""
     install_forward(causal_lm)
     call = _Call(fn)
     token = f"grpo_mem:call:{next(_CALL_IDS)}"
     _CALLS[token] = call
     out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=token)
-    return out.log_probs, out.entropy
+    return out.log_probs, out.entropy, out.aux_loss
 
 
 def installed(causal_lm) -> bool:

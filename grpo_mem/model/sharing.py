@@ -25,6 +25,7 @@ import torch
 from .distributed import agree, lockstep, unwrap_causal_lm
 from .forward import ScoreOptions, run_in_forward, validate_inputs
 from .plan import PromptGrouping, WindowPlan, check_sharing
+from .router import router_loss_reason
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
 from .window import Window
@@ -77,7 +78,7 @@ class SharingSession:
         self.mode = check_sharing(sharing)
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
-        self._pending: tuple[Decision, Window, bool] | None = None  # the decision, its window, lockstep
+        self._pending: tuple[Decision, Window, bool, bool] | None = None  # decision, window, lockstep, aux loss
         self.last_decision: Decision | None = None
 
     @property
@@ -146,11 +147,14 @@ class SharingSession:
         return self.window
 
     def decide(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
-               cause: str | None = None, stock_available: bool = False) -> Decision:  # fmt: skip
+               cause: str | None = None, stock_available: bool = False,
+               compute_aux_loss: bool = False) -> Decision:  # fmt: skip
         """Decide how the micro-batch ``input_ids``/``attention_mask`` is scored; ``run`` must follow.
 
         ``cause``: a reason of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
         take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it.
+        ``compute_aux_loss``: ``run`` will be asked for the MoE router loss too (a router loss the prompt-once path
+        does not reproduce is a cause, ``router_loss_reason``).
         Ranks in lockstep decide together: every rank must call ``decide`` once per micro-batch (one collective).
 
         Raises:
@@ -168,7 +172,10 @@ class SharingSession:
             j = None
         else:
             j = window.current
-        reason = cause or unsupported_reason(unwrap_causal_lm(model))
+        causal_lm = unwrap_causal_lm(model)
+        reason = cause or unsupported_reason(causal_lm)
+        if reason is None and compute_aux_loss:
+            reason = router_loss_reason(causal_lm)
         in_lockstep = lockstep(model)
         current = window.current
         if in_lockstep:
@@ -177,38 +184,45 @@ class SharingSession:
         elif reason is None and stock_available and not window.plan.shares(current):
             reason = UNSHARED
         width = logits_to_keep - 1 if logits_to_keep > 1 or not in_lockstep else 1
+        width = logits_to_keep if compute_aux_loss else width  # the router loss counts the last completion token
         stock_tokens = B * T
         tokens = stock_tokens if reason else window.plan.tokens_at(current, width)
         decision = Decision(path="stock" if reason else self.mode, cause=reason, micro_batch=j, rows=B,
                             backbone_tokens=tokens, stock_tokens=stock_tokens)  # fmt: skip
-        self._pending = (decision, window, in_lockstep)
+        self._pending = (decision, window, in_lockstep, compute_aux_loss)
         self.last_decision = decision
         return decision
 
     def run(self, decision: Decision, model, input_ids, attention_mask, logits_to_keep: int, *, temperature=1.0,
-            compute_entropy=False, cast_lm_head_to_fp32=False, stock=None):  # fmt: skip
+            compute_entropy=False, cast_lm_head_to_fp32=False, compute_aux_loss=False, stock=None):  # fmt: skip
         """Score the micro-batch ``decide`` just decided on. Returns (B, C) fp32 log-probs and entropies (or None),
-        zero where the completion mask is 0; in a window, each followed by its backward.
+        zero where the completion mask is 0; in a window, each followed by its backward. With ``compute_aux_loss``
+        (which ``decide`` must have been told), a third value: the 0-d fp32 MoE router load-balancing loss of the
+        micro-batch as the model computes it over its full rows (``grpo_mem.model.router``).
 
-        ``stock``: the caller's stock path, ``stock() -> (log_probs, entropies | None)``, run when the decision says
-        ``"stock"`` (default: the model's own full-sequence computation, ``full_sequence_logprobs``).
+        ``stock``: the caller's stock path, ``stock() -> (log_probs, entropies | None, aux_loss | None)``, run when
+        the decision says ``"stock"`` (default: the model's own full-sequence computation, ``full_sequence_logprobs``).
 
         Raises:
-            RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
+            RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already, or
+                ``compute_aux_loss`` differs from what ``decide`` was told.
         """
-        window, in_lockstep = self._take(decision)
-        options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
+        window, in_lockstep = self._take(decision, compute_aux_loss)
+        options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32),
+                               bool(compute_aux_loss))  # fmt: skip
         causal_lm = unwrap_causal_lm(model)
         if decision.path == "stock":
             warn_fallback(decision.cause)
             if stock is None:
-                logps, entropy = run_in_forward(model, causal_lm, lambda m, ids, mask: full_sequence_logprobs(
+                logps, entropy, aux_loss = run_in_forward(model, causal_lm, lambda m, ids, mask: full_sequence_logprobs(
                     m, ids, mask, options), input_ids, attention_mask)  # fmt: skip
             else:
-                logps, entropy = stock()
-            return self._end_sharing(decision, window, logps), entropy
-        return run_in_forward(model, causal_lm, lambda m, ids, mask: window.run(m, ids, mask, options,
-                              lockstep=in_lockstep), input_ids, attention_mask)  # fmt: skip
+                logps, entropy, aux_loss = stock()
+            logps = self._end_sharing(decision, window, logps)
+        else:
+            logps, entropy, aux_loss = run_in_forward(model, causal_lm, lambda m, ids, mask: window.run(
+                m, ids, mask, options, lockstep=in_lockstep), input_ids, attention_mask)  # fmt: skip
+        return (logps, entropy, aux_loss) if compute_aux_loss else (logps, entropy)
 
     def run_hidden(self, decision: Decision, model, input_ids, attention_mask, logits_to_keep: int, *, stock):
         """Like ``run``, but return the LM head's input instead of log-probs: (B, C, H) final hidden states (final norm
@@ -230,11 +244,14 @@ class SharingSession:
         return window.hidden_states(unwrap_causal_lm(model), input_ids, attention_mask, logits_to_keep,
                                     lockstep=in_lockstep)  # fmt: skip
 
-    def _take(self, decision: Decision) -> tuple[Window, bool]:
-        """The window and lockstep flag ``decide`` kept for ``decision``; the decision can be run once."""
+    def _take(self, decision: Decision, compute_aux_loss: bool = False) -> tuple[Window, bool]:
+        """The window and lockstep flag ``decide`` kept for ``decision``; the decision can be run once, asking for
+        the router loss as ``decide`` was told."""
         if self._pending is None or self._pending[0] is not decision:
             raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
-        _, window, in_lockstep = self._pending
+        _, window, in_lockstep, decided_aux = self._pending
+        if bool(compute_aux_loss) != decided_aux:
+            raise RuntimeError(f"run(compute_aux_loss={compute_aux_loss}) after decide(compute_aux_loss={decided_aux})")
         self._pending = None
         return window, in_lockstep
 
@@ -246,16 +263,20 @@ class SharingSession:
         return window.skip(anchor) if decision.cause == UNSHARED else window.abandon(anchor)
 
     def score(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
-              compute_entropy: bool = False, cast_lm_head_to_fp32: bool = False):  # fmt: skip
+              compute_entropy: bool = False, cast_lm_head_to_fp32: bool = False,
+              compute_aux_loss: bool = False):  # fmt: skip
         """``decide`` then ``run`` with the model's own computation as the stock path; same arguments and returns as
-        ``shared_prompt_logprobs``. Outside a window (or without gradients), the micro-batch is shared on its own.
+        ``shared_prompt_logprobs``, plus the MoE router loss as a third value with ``compute_aux_loss`` (``run``).
+        Outside a window (or without gradients), the micro-batch is shared on its own.
 
         Raises:
             ValueError: the micro-batch's prompts are not the ones planned for it by ``begin_window``.
         """
-        decision = self.decide(model, input_ids, attention_mask, logits_to_keep, temperature=temperature)
+        decision = self.decide(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
+                               compute_aux_loss=compute_aux_loss)  # fmt: skip
         return self.run(decision, model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-                        compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)  # fmt: skip
+                        compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+                        compute_aux_loss=compute_aux_loss)  # fmt: skip
 
 
 def shared_prompt_logprobs(

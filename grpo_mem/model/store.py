@@ -19,18 +19,22 @@ import torch
 @dataclass
 class PromptStates:
     """What readers need of a pass: per-layer post-RoPE K/V (n, kv_heads, S, head_dim) and, per row, the final hidden
-    state of its last real token (n, H), which predicts the next token (completion token 1 for a prompt's leaf)."""
+    state of its last real token (n, H), which predicts the next token (completion token 1 for a prompt's leaf);
+    when the MoE router loss is asked for, per MoE layer the router logits (n*S, E) of its tokens."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     last_hidden: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] = ()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in self.kv for t in pair] + [self.last_hidden]
+        return [t for pair in self.kv for t in pair] + list(self.router_logits) + [self.last_hidden]
 
-    @classmethod
-    def from_tensors(cls, tensors) -> PromptStates:
+    def like(self, tensors) -> PromptStates:
+        """States laid out as these, made of ``tensors`` (in the order of ``tensors()``)."""
         tensors = list(tensors)
-        return cls(kv=list(zip(tensors[:-1:2], tensors[1:-1:2])), last_hidden=tensors[-1])
+        n_kv, n_router = 2 * len(self.kv), len(self.router_logits)
+        kv = list(zip(tensors[:n_kv:2], tensors[1:n_kv:2]))
+        return PromptStates(kv=kv, last_hidden=tensors[-1], router_logits=tuple(tensors[n_kv : n_kv + n_router]))
 
 
 def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
@@ -78,7 +82,7 @@ class PromptStore:
 
     def keep(self, key: int, real: PromptStates, release: int) -> None:
         """Keep ``real`` until micro-batch ``release``; readers before then get detached leaves."""
-        leaves = PromptStates.from_tensors(t.detach().requires_grad_(t.requires_grad) for t in real.tensors())
+        leaves = real.like(t.detach().requires_grad_(t.requires_grad) for t in real.tensors())
         self._entries[key] = (real, leaves, release)
 
     def leaves(self, key: int) -> PromptStates:
@@ -93,7 +97,7 @@ class PromptStore:
         """The states for the release micro-batch: their backward adds the leaves' stored gradient. Removes the entry."""
         real, leaves, _ = self._entries.pop(key)
         tensors = real.tensors()
-        return PromptStates.from_tensors(_AddStoredGrad.apply(len(tensors), *tensors, *leaves.tensors()))
+        return real.like(_AddStoredGrad.apply(len(tensors), *tensors, *leaves.tensors()))
 
     def flush_into(self, anchor: torch.Tensor, upto: int | None = None) -> torch.Tensor:
         """``anchor`` unchanged in value, carrying in its backward every pass whose release is ``<= upto`` (every

@@ -296,7 +296,8 @@ def _forward_params(cls: type) -> frozenset:
 def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request):
     """The model's own computation: its class forward over the whole (B, P+C) sequence, logits of the C positions
     that predict the completion divided by the temperature, then log-probs (and entropies) as TRL 1.16 computes them
-    from logits. (B, C) fp32 each, zero where the completion mask is 0.
+    from logits. Returns (log-probs, entropies | None, aux loss | None): (B, C) fp32 each, zero where the completion
+    mask is 0, and with ``request.compute_aux_loss`` the model's own MoE router loss (its ``aux_loss`` output).
 
     The class forward is called directly (not the module): this runs inside the model's own forward call, whose
     wrappers' hooks have fired already; instance-level forward replacements (TRL's fused head, grpo_mem's) are not
@@ -309,6 +310,8 @@ def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request):
         kwargs["use_cache"] = False
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = C + 1
+    if request.compute_aux_loss:
+        kwargs["output_router_logits"] = True
     out = type(causal_lm).forward(causal_lm, **kwargs)
     logits = out.logits[:, -C - 1 : -1]
     targets = input_ids[:, -C:].to(logits.device)
@@ -317,7 +320,8 @@ def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request):
     logps, entropy = result if request.compute_entropy else (result, None)
     keep = attention_mask[:, -C:].bool().to(logps.device)
     logps = logps.masked_fill(~keep, 0.0)
-    return logps, (None if entropy is None else entropy.masked_fill(~keep, 0.0))
+    aux_loss = out.aux_loss if request.compute_aux_loss else None
+    return logps, (None if entropy is None else entropy.masked_fill(~keep, 0.0)), aux_loss
 
 
 @contextlib.contextmanager

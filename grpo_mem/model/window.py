@@ -7,7 +7,8 @@ deeper pass attends to every ancestor's recorded K/V in place plus its own causa
 (``grpo_mem.ops.multi_region_attention``) and records its own. The completions then run as one pass at positions
 ``end … end + C − 2`` (``end``: where the row's prompt ends) attending to every node on their prompt's path plus their own
 tokens. Every query-key pair keeps the position difference of stock TRL's left-padded layout, so RoPE scores are the
-same up to the rounding of the rotation (exactly stock's positions in group mode).
+same up to the rounding of the rotation (exactly stock's positions in group mode). When the MoE router loss is asked
+for, every pass also records its router logits and the completion pass runs all C tokens (``Window._router_loss``).
 
 A kept pass (read by a later micro-batch) lives in the window's ``PromptStore`` until its release micro-batch; which
 states a reader gets is decided in one place, ``Window._read``. This module knows transformers, not TRL.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention_hook as attn_hook
+from . import router
 from .head import completion_head
 from .plan import PassSpec, WindowPlan
 from .store import PromptStates, PromptStore
@@ -67,11 +69,14 @@ class Window:
         plan: the window's plan.
         current: the micro-batch scored next.
         store: kept passes, until their release.
+        record_router: whether the passes of the micro-batch being run record their router logits (the MoE router
+            loss is asked for).
     """
 
     plan: WindowPlan
     current: int = 0
     store: PromptStore = field(default_factory=PromptStore)
+    record_router: bool = False
     _passes: dict[int, _Pass] = field(default_factory=dict)
     _node_pass: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (pass id, row)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -139,13 +144,15 @@ class Window:
         return ids.to(device), mask.to(device), positions.to(device), lengths
 
     def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
-        """Forward one pass of the schedule; register its nodes (in the store if kept)."""
+        """Forward one pass of the schedule; register its nodes (in the store if kept), with its router logits when
+        ``record_router``."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
+        extra = {"output_router_logits": True} if self.record_router else {}
         if spec.depth == 0 or not spec.nodes:
             capture = attn_hook.PromptCapture()
             out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(capture))  # fmt: skip
-            hidden, kv = out.last_hidden_state, capture.kv
+                           grpo_mem_ctx=attn_hook.context_token(capture), **extra)  # fmt: skip
+            hidden, kv, ctx = out.last_hidden_state, capture.kv, None
         else:
             ancestors = [self.plan.trie.path(n)[:-1] for n in spec.nodes]
             regions = self._regions(ancestors, spec.release, views, device)
@@ -153,13 +160,14 @@ class Window:
             ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, positions=positions,
                                               span=self._span(ancestors, last), capture={})  # fmt: skip
             out = backbone(input_ids=ids, position_ids=positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
+                           grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
             # whatever reads this pass (its K/V, its last hidden state) holds its context, which the replay of its
             # checkpointed layers in backward looks up
             hidden = attn_hook.keep_alive(out.last_hidden_state, ctx)
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
-        states = PromptStates(kv=[kv[i] for i in sorted(kv)], last_hidden=last)
+        router_logits = self._router_logits(out, ids.numel(), ctx) if self.record_router else ()
+        states = PromptStates(kv=[kv[i] for i in sorted(kv)], last_hidden=last, router_logits=router_logits)
         pass_id = next(self._ids)
         self._passes[pass_id] = _Pass(spec=spec, mask=mask, positions=positions, states=None if spec.kept else states)
         if spec.kept:
@@ -184,8 +192,15 @@ class Window:
         inverse[order] = torch.arange(len(order))
         return hidden.index_select(0, inverse.to(hidden.device))
 
+    @staticmethod
+    def _router_logits(out, tokens: int, ctx) -> tuple[torch.Tensor, ...]:
+        """A pass's per-layer router logits, holding its completion context ``ctx`` (if any) like its other outputs."""
+        logits = router.router_logits_of(out, tokens)
+        return logits if ctx is None else tuple(attn_hook.keep_alive(z, ctx) for z in logits)
+
     def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views):
-        """(B, width, H) final hidden states of completion tokens ``0 … width − 1``, which predict tokens 1 … width."""
+        """(B, width, H) final hidden states of completion tokens ``0 … width − 1`` (they predict tokens
+        1 … width) and their per-layer router logits (``()`` unless ``record_router``)."""
         device = completion_ids.device
         trie = self.plan.trie
         ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
@@ -197,21 +212,42 @@ class Window:
             positions=positions,
             span=self._span(paths, max(trie.nodes[leaf].end for leaf in leaves) + width - 1),
         )
+        extra = {"output_router_logits": True} if self.record_router else {}
         out = backbone(input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,
-                       grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
-        return attn_hook.keep_alive(out.last_hidden_state, ctx)
+                       grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
+        router_logits = self._router_logits(out, completion_ids[:, :width].numel(), ctx) if self.record_router else ()
+        return attn_hook.keep_alive(out.last_hidden_state, ctx), router_logits
+
+    def _router_loss(self, causal_lm, leaves, views, completion_logits, completion_mask) -> torch.Tensor:
+        """The micro-batch's MoE router loss: each pass it reads, its tokens weighted by how many of its rows' prompts
+        pass through their node; the completion tokens (all C) by the completion mask (``grpo_mem.model.router``)."""
+        counts: dict[int, torch.Tensor] = {}
+        for leaf in leaves:
+            for node in self.plan.trie.path(leaf):
+                pass_id, row = self._node_pass[node]
+                counts.setdefault(pass_id, torch.zeros(self._passes[pass_id].mask.shape[0]))[row] += 1
+        terms = []
+        for pass_id, rows in counts.items():
+            states, mask = self._read(pass_id, self.current, views), self._passes[pass_id].mask
+            if not states.router_logits:
+                raise RuntimeError("the MoE router loss is asked for, but a prompt pass it reads was forwarded without")
+            terms.append(router.RouterTerm(states.router_logits, (mask * rows.to(mask.device)[:, None]).flatten()))
+        terms.append(router.RouterTerm(completion_logits, completion_mask.flatten()))
+        return router.load_balancing_loss(terms, router.router_loss_shape(causal_lm))
 
     def run(self, causal_lm, input_ids, attention_mask, options, *, lockstep: bool = False):
         """Score the window's next micro-batch (``input_ids``/``attention_mask`` (B, P + C), the rows planned for it)
-        on the unwrapped ``causal_lm``; ``options``: ``ScoreOptions``. Returns (B, C) fp32 log-probs and entropies
-        (or None), whose backward also backpropagates every pass released in this micro-batch.
+        on the unwrapped ``causal_lm``; ``options``: ``ScoreOptions``. Returns (B, C) fp32 log-probs, entropies (or
+        None) and, with ``options.compute_aux_loss``, the 0-d fp32 MoE router loss of the micro-batch's stock rows (else
+        None), whose backward also backpropagates every pass released in this micro-batch.
 
         ``lockstep``: make the module calls of ranks whose micro-batches differ (with C == 1 the completion pass still
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
         """
         C = options.logits_to_keep
-        hidden = self.hidden_states(causal_lm, input_ids, attention_mask, C, lockstep=lockstep)
-        return completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], options)
+        hidden, aux_loss = self._micro_batch(causal_lm, input_ids, attention_mask, C, lockstep, options.compute_aux_loss)
+        logps, entropy = completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], options)
+        return logps, entropy, aux_loss
 
     def hidden_states(self, causal_lm, input_ids, attention_mask, logits_to_keep: int, *, lockstep: bool = False):
         """The LM head's input for the window's next micro-batch: (B, C, H) final hidden states (the backbone's
@@ -220,7 +256,11 @@ class Window:
         attention_mask).last_hidden_state[:, -C - 1 : -1]``, each prompt pass run once; its backward also
         backpropagates every pass released in this micro-batch. ``run`` applies the head to it; ``lockstep`` as there.
         """
-        C = logits_to_keep
+        return self._micro_batch(causal_lm, input_ids, attention_mask, logits_to_keep, lockstep, False)[0]
+
+    def _micro_batch(self, causal_lm, input_ids, attention_mask, C: int, lockstep: bool, aux: bool):
+        """(``hidden_states``' result, the micro-batch's router loss when ``aux`` else None); advances the window."""
+        self.record_router = aux
         P = input_ids.shape[1] - C
         completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
         leaves = self.plan.leaves(self.current)
@@ -230,17 +270,20 @@ class Window:
         for spec in self.plan.passes_at(self.current):
             self._forward_pass(backbone, spec, views, input_ids.device)
         hidden = [self._leaf_hidden(leaves, views).unsqueeze(1)]
-        width = C - 1 if C > 1 or not lockstep else 1
+        # the last completion token predicts nothing, but stock's router loss counts its router logits
+        width = C if aux else C - 1 if C > 1 or not lockstep else 1
         if width:
-            out = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width, views)
+            out, completion_router = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width,
+                                                           views)  # fmt: skip
             if C > 1:
-                hidden.append(out)
+                hidden.append(out[:, : C - 1])
             else:
                 hidden[0] = tie(hidden[0], [out])
         stand_ins = [p.states.last_hidden for p in self._passes.values() if not p.spec.nodes and not p.spec.kept]
         hidden = self._flush(tie(torch.cat(hidden, dim=1), stand_ins))
+        aux_loss = self._router_loss(causal_lm, leaves, views, completion_router, completion_mask) if aux else None
         self._finish_micro_batch()
-        return hidden
+        return hidden, aux_loss
 
     def _flush(self, anchor: torch.Tensor) -> torch.Tensor:
         """``anchor`` carrying every kept pass released in this micro-batch that nothing in it read."""

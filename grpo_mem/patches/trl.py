@@ -8,7 +8,8 @@ on TRL 1.10-1.13 a third, are replaced by reference, on the class or on one trai
   model, PEFT reference with the adapter disabled) is scored chunk by chunk through the trainer's
   ``SharingSession``, which takes one decision per chunk (``SharingSession.decide``: prompt-once in tree or group
   mode, or TRL's own method with the cause, warned once per cause) and runs it. Inputs only TRL's own method takes
-  (vision inputs, ``token_type_ids``, the MoE aux loss) are a cause the patch names. For the policy's training
+  (vision inputs, ``token_type_ids``) are a cause the patch names; the MoE router aux loss is returned per chunk
+  as TRL computes it (``grpo_mem.model.router``). For the policy's training
   micro-batches, the decision's token counts and path go into TRL's logged metrics (``grpo_mem/...``).
 - ``_prepare_inputs``: TRL shuffles the generation batch row by row before splitting it into micro-batches, so a
   micro-batch rarely holds two completions of one prompt. During this method only (with ``group_shuffle``), the
@@ -80,13 +81,11 @@ def group_shuffle(seq_dict: dict, batch_size: int) -> dict:
     return {key: permute(value) for key, value in seq_dict.items()}
 
 
-def _input_cause(extras: dict, compute_aux_loss: bool) -> str | None:
+def _input_cause(extras: dict) -> str | None:
     """Why TRL's own method must score a call whatever the model: inputs the prompt-once path does not take."""
     used = sorted(k for k, v in extras.items() if v is not None)
     if used:
         return f"multimodal or token-type inputs {used}"
-    if compute_aux_loss:
-        return "the MoE load-balancing aux loss is requested"
     return None
 
 
@@ -111,7 +110,7 @@ def patched_logps_method(original, handle: PatchHandle):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **extras,
     ):  # fmt: skip
-        cause = _input_cause(extras, compute_aux_loss)
+        cause = _input_cause(extras)
         B = input_ids.size(0)
         # inputs that TRL's own method slices per chunk: the call is one decision, scored by TRL whole
         step = B if cause is not None else (batch_size or B)
@@ -120,7 +119,7 @@ def patched_logps_method(original, handle: PatchHandle):
         training = torch.is_grad_enabled() and model.training
         options = dict(temperature=self.temperature, compute_entropy=compute_entropy,
                        cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))  # fmt: skip
-        all_logps, all_entropies, aux = [], [], [None]
+        all_logps, all_entropies, all_aux = [], [], []
         for start in range(0, B, step):
             ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
             chunk_size = batch_size if cause is not None else ids.shape[0]
@@ -128,21 +127,25 @@ def patched_logps_method(original, handle: PatchHandle):
             def stock(ids=ids, mask=mask, chunk_size=chunk_size):
                 out = original(self, model, ids, mask, logits_to_keep, batch_size=chunk_size,
                                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extras)  # fmt: skip
-                aux[0] = out[2] if len(out) > 2 else None
-                return out[0], out[1]
+                return out[0], out[1], (out[2] if len(out) > 2 else None)
 
             decision = session.decide(model, ids, mask, logits_to_keep, temperature=self.temperature, cause=cause,
-                                      stock_available=True)  # fmt: skip
+                                      stock_available=True, compute_aux_loss=compute_aux_loss)  # fmt: skip
             autocast = self.accelerator.autocast() if decision.path != "stock" else contextlib.nullcontext()
             with autocast:
-                logps, entropies = session.run(decision, model, ids, mask, logits_to_keep, **options, stock=stock)
+                out = session.run(decision, model, ids, mask, logits_to_keep, **options,
+                                  compute_aux_loss=compute_aux_loss, stock=stock)  # fmt: skip
             if training and handle.log_metrics:
                 log_decision(self, decision)
-            all_logps.append(logps)
-            all_entropies.append(entropies)
+            all_logps.append(out[0])
+            all_entropies.append(out[1])
+            if compute_aux_loss:
+                all_aux.append(out[2])
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        return logps, entropies, aux[0]
+        # TRL's own method: the mean of the per-chunk losses (a stock call scored whole returned that mean already)
+        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
+        return logps, entropies, aux_loss
 
     _get_per_token_logps_and_entropies.__wrapped_original__ = original
     setattr(_get_per_token_logps_and_entropies, _MARK, True)

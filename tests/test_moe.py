@@ -1,0 +1,233 @@
+"""The MoE router (load-balancing) loss on the prompt-once path: against the model's own full-sequence forward for
+each family, in group and tree sharing, with groups split over the micro-batches of a window, and against stock TRL
+through GRPOTrainer."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import helpers
+from helpers import VOCAB, assert_close, assert_grads_close, make_batch, train_recorded
+from grpo_mem.model import router
+from grpo_mem.model.plan import WindowPlan
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import unsupported_reason
+
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0, pad_token_id=0, eos_token_id=3,
+    bos_token_id=1,
+)  # fmt: skip
+MOE = dict(num_experts_per_tok=2)
+CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, **MOE, **COMMON),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, **MOE,
+                                                     **COMMON),
+    "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, **MOE, **COMMON),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16,
+                                                     shared_expert_intermediate_size=16, **MOE, **COMMON),
+    # served by the stock path today (sliding windows and sinks; linear attention): router math checked alone
+    "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=4, head_dim=8, sliding_window=8, **MOE, **COMMON),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
+        num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"], **MOE, **COMMON),
+}  # fmt: skip
+PROMPT_ONCE = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
+SYSTEM = [5, 9, 17, 33, 41, 8, 12]
+
+
+def moe_model(family: str = "qwen3_moe", *, seed: int = 0):
+    """A random 2-layer, 4-expert, top-2 MoE causal LM of ``family``, fp32, in train mode."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).train()
+
+
+def full_forward(model, ids, mask, C):
+    """The model's own forward over the full rows: (B, C) log-probs (0 where masked) and its ``aux_loss``."""
+    out = type(model).forward(model, input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    logps = torch.log_softmax(out.logits[:, -C - 1 : -1].float(), -1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+    return logps.masked_fill(mask[:, -C:] == 0, 0.0), out.aux_loss
+
+
+def grads(model, loss=None, *, retain_graph=False):
+    """Backward of ``loss`` (if given); returns every parameter's gradient and zeroes them."""
+    if loss is not None:
+        loss.backward(retain_graph=retain_graph)
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def system_prompt_batch(G=2, C=5, seed=0):
+    """Three prompts sharing a 7-token system prompt (own parts of 2-4 tokens), G completions each, shuffled."""
+    prompts = [SYSTEM + [60, 61], SYSTEM + [70, 71, 72, 73], SYSTEM + [80, 81, 82]]
+    return make_batch(None, G, C, seed=seed, shuffle=True, prompts=prompts)
+
+
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+@pytest.mark.parametrize("family", PROMPT_ONCE)
+def test_router_loss_and_gradients_match_full_forward(family, sharing):
+    """Groups scattered over one micro-batch, left padding (prompts of 3, 5, 7 tokens): the prompt-once path's aux
+    loss, its gradient alone, and the log-probs equal the model's own full-sequence forward."""
+    model = moe_model(family)
+    ids, mask, C, _ = make_batch([5, 7, 3], G=3, C=6, shuffle=True)
+    ref_logps, ref_aux = full_forward(model, ids, mask, C)
+    ref_grads = grads(model, ref_aux)
+    session = SharingSession(sharing)
+    logps, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
+    assert session.last_decision.path == sharing, session.last_decision.cause
+    assert_close(aux.detach(), ref_aux.detach(), 1e-6, "aux loss")
+    assert_close(logps.detach(), ref_logps.detach(), 1e-5, "log-probs")
+    assert_grads_close(grads(model, aux), ref_grads, 1e-4)
+
+
+def test_tree_shared_system_prompt():
+    """A system prompt forwarded once for three prompts (a trie node of its own): aux loss and gradient of a
+    combined objective as the full forward's."""
+    model = moe_model("olmoe")
+    ids, mask, C, _ = system_prompt_batch(G=3)
+    P = ids.shape[1] - C
+    plan = WindowPlan.build("tree", [ids[:, :P]], [mask[:, :P]], min_shared_tokens=4)
+    assert any(len(node.tokens) == len(SYSTEM) and len(node.prompts) == 3 for node in plan.trie.nodes)
+    w = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(1))
+    ref_logps, ref_aux = full_forward(model, ids, mask, C)
+    ref_grads = grads(model, (ref_logps * w).sum() + 10 * ref_aux)
+    session = SharingSession("tree", min_shared_tokens=4)
+    logps, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
+    assert session.last_decision.path == "tree"
+    assert session.last_decision.backbone_tokens < session.last_decision.stock_tokens
+    assert_close(aux.detach(), ref_aux.detach(), 1e-6, "aux loss")
+    assert_grads_close(grads(model, (logps * w).sum() + 10 * aux), ref_grads, 1e-4)
+
+
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_groups_split_over_micro_batches(sharing):
+    """Groups spread over the three micro-batches of a window (prompt passes kept and read by later micro-batches):
+    every micro-batch's aux loss is its own rows' (as TRL computes it per micro-batch), and the window's summed
+    gradient equals the full forward's, micro-batch by micro-batch."""
+    model = moe_model("qwen3_moe")
+    ids, mask, C, _ = system_prompt_batch(G=3, C=4)
+    P = ids.shape[1] - C
+    parts = [slice(0, 3), slice(3, 6), slice(6, 9)]
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(3, C, generator=g) for _ in parts]
+    ref_aux = []
+    for rows, w in zip(parts, weights):
+        ref_logps, aux = full_forward(model, ids[rows], mask[rows], C)
+        ((ref_logps * w).sum() + 10 * aux).backward()
+        ref_aux.append(aux.detach())
+    ref_total = grads(model)
+    session = SharingSession(sharing, min_shared_tokens=4)
+    session.begin_window(model, [ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
+    for rows, w, expected in zip(parts, weights, ref_aux):
+        logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
+        assert session.last_decision.path == sharing, session.last_decision.cause
+        assert_close(aux.detach(), expected, 1e-6, "micro-batch aux loss")
+        ((logps * w).sum() + 10 * aux).backward()
+    assert session.pending == 0
+    session.close_window()
+    assert_grads_close(grads(model), ref_total, 1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5_moe"])
+def test_router_math_of_families_served_by_stock(family):
+    """gpt-oss (router bias; sliding windows and sinks) and Qwen3.5-MoE (linear attention) still take the stock path
+    for attention reasons: their router loss is recognised, and the weighted loss over each prompt once (weight: its
+    group size) and every completion equals the module's own loss on the full rows, value and gradient."""
+    model = moe_model(family)
+    assert router.router_loss_reason(model) is None
+    assert unsupported_reason(model, 64) is not None
+    ids, mask, C, owner = make_batch([5, 7, 3], G=3, C=6, shuffle=True)
+    B, T = ids.shape
+    P = T - C
+    out = model.model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    loss_func = sys.modules[type(model).__module__].load_balancing_loss_func
+    shape = router.router_loss_shape(model)
+    ref = loss_func(out.router_logits, shape.num_experts, shape.top_k, mask)
+    by_row = [z.view(B, T, -1) for z in out.router_logits]
+    first = [int((owner == i).nonzero()[0]) for i in range(3)]
+    sizes = torch.bincount(owner).float()
+    terms = [router.RouterTerm(tuple(z[r, :P] for z in by_row), mask[r, :P] * sizes[i]) for i, r in enumerate(first)]
+    terms.append(router.RouterTerm(tuple(z[:, P:].reshape(B * C, -1) for z in by_row), mask[:, P:].reshape(-1)))
+    ours = router.load_balancing_loss(terms, shape)
+    assert_close(ours.detach(), ref.detach(), 1e-6, "aux loss")
+    ref_grads = grads(model, ref, retain_graph=True)
+    assert_grads_close(grads(model, ours), ref_grads, 1e-4)
+
+
+def test_unrecognised_router_loss_falls_back_by_name(monkeypatch):
+    """A modeling module whose load_balancing_loss_func is not Mixtral's: a named cause, and the stock path returns
+    the model's own aux loss; a model without one is named too."""
+    model = moe_model("qwen3_moe")
+    module = sys.modules[type(model).__module__]
+    own = module.load_balancing_loss_func
+    monkeypatch.setattr(module, "load_balancing_loss_func", lambda *args: 2 * own(*args))
+    reason = router.router_loss_reason(model)
+    assert reason is not None and "modeling_qwen3_moe.load_balancing_loss_func" in reason
+    ids, mask, C, _ = make_batch([5, 7], G=2, C=4)
+    _, ref_aux = full_forward(model, ids, mask, C)
+    session = SharingSession("group")
+    with pytest.warns(UserWarning, match="not the router loss grpo_mem reproduces"):
+        _, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
+    assert session.last_decision.path == "stock" and session.last_decision.cause == reason
+    assert_close(aux.detach(), ref_aux.detach(), 0.0, "aux loss")
+    assert "defines no load_balancing_loss_func" in router.router_loss_reason(helpers.tiny_model("llama"))
+
+
+def test_modules_whose_router_loss_is_recognised():
+    """Every transformers modeling module defining ``load_balancing_loss_func``, read from its source: the families
+    tested here have Mixtral's code (recognised); Doge's, NLLB-MoE's and Switch Transformers' own functions do not."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    reference = router.normalized_function(inspect.getsource(modeling_mixtral.load_balancing_loss_func))
+    recognised, other = set(), set()
+    for path in sorted((Path(transformers.__file__).parent / "models").glob("*/modeling_*.py")):
+        text = path.read_text()
+        if "\ndef load_balancing_loss_func(" not in text:
+            continue
+        fn = next(n for n in ast.parse(text).body if getattr(n, "name", None) == "load_balancing_loss_func")
+        same = router.normalized_function(ast.get_source_segment(text, fn)) == reference
+        (recognised if same else other).add(path.parent.name)
+    assert set(CONFIGS) <= recognised, sorted(other)
+    assert {"doge", "nllb_moe", "switch_transformers"} <= other, sorted(other)
+    print(f"recognised {len(recognised)}, other {sorted(other)}")
+
+
+def test_load_balancing_loss_rejects_mismatched_weights():
+    z = (torch.randn(6, 4),)
+    shape = router.RouterLossShape(4, 2)
+    with pytest.raises(ValueError, match="weights of 5 tokens"):
+        router.load_balancing_loss([router.RouterTerm(z, torch.ones(5))], shape)
+    with pytest.raises(ValueError, match="at least one term"):
+        router.load_balancing_loss([], shape)
+
+
+def test_grpo_training_with_router_loss_matches_stock(tmp_path, monkeypatch):
+    """Qwen3-MoE through GRPOTrainer, 3 steps of 2 accumulated micro-batches of 2 rows (groups of 4 split over
+    them), router loss coefficient 1: gradients within 1e-4, weights within 1e-5 of stock TRL and the same logged
+    aux_loss, on the prompt-once path."""
+    monkeypatch.setattr(helpers, "tiny_model", lambda arch, seed=0: moe_model(arch, seed=seed))
+    args = dict(arch="qwen3_moe", max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                router_aux_loss_coef=1.0, optim="sgd", learning_rate=0.5)  # fmt: skip
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
+    ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, **args)
+    assert ours.aux_loss_enabled and ours.state.global_step == 3
+    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+        assert_grads_close(g_ours, g_stock, 1e-4)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in ours.model.named_parameters():
+        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
+    logged = [h for h in ours.state.log_history if "aux_loss" in h]
+    stock_logged = [h for h in stock.state.log_history if "aux_loss" in h]
+    assert len(logged) == len(stock_logged) == 3
+    for h, s in zip(logged, stock_logged):
+        assert h["aux_loss"] == pytest.approx(s["aux_loss"], rel=1e-6, abs=1e-7)
+        assert h["grpo_mem/path/stock"] == 0.0
