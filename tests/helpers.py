@@ -11,14 +11,17 @@ from contextlib import contextmanager, nullcontext
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, TrainerCallback,
+)  # fmt: skip
 
 VOCAB = 101
 EOS = 3
 
 
 def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=torch.float32, **overrides):
-    """A random 2-layer model: Llama with tied embeddings, or Qwen2 (untied, q/k/v bias)."""
+    """A random 2-layer model: Llama with tied embeddings, Qwen2 (untied, q/k/v bias), or Qwen3.5 text (hybrid: Gated
+    DeltaNet linear-attention layers, every third layer from the second one full attention)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
@@ -30,6 +33,12 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
+    elif arch == "qwen3_5":
+        kinds = ["full_attention" if i % 3 == 1 else "linear_attention" for i in range(common["num_hidden_layers"])]
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+            linear_value_head_dim=12, linear_conv_kernel_dim=4, layer_types=kinds, **common,
+        ))  # fmt: skip
     else:
         raise ValueError(arch)
     return model.to(dtype)

@@ -11,26 +11,37 @@ knows torch only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class PromptStates:
-    """What readers need of a pass: per-layer post-RoPE K/V (n, kv_heads, S, head_dim) and, per row, the final hidden
-    state of its last real token (n, H), which predicts the next token (completion token 1 for a prompt's leaf)."""
+    """What readers need of a pass, per row (node) of it.
 
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    Attributes:
+        kv: per attention layer index, post-RoPE ``(K, V)`` of shape (n, kv_heads, S, head_dim).
+        last_hidden: (n, H), the final hidden state of each row's last real token, which predicts the next token
+            (completion token 1 for a prompt's leaf).
+        linear: per linear-attention layer index, ``(conv, recurrent)`` at each row's last real token
+            (``grpo_mem.model.linear_attention``); empty for a model without such layers.
+    """
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     last_hidden: torch.Tensor
+    linear: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in self.kv for t in pair] + [self.last_hidden]
+        pairs = [self.kv[i] for i in sorted(self.kv)] + [self.linear[i] for i in sorted(self.linear)]
+        return [t for pair in pairs for t in pair] + [self.last_hidden]
 
-    @classmethod
-    def from_tensors(cls, tensors) -> PromptStates:
-        tensors = list(tensors)
-        return cls(kv=list(zip(tensors[:-1:2], tensors[1:-1:2])), last_hidden=tensors[-1])
+    def like(self, tensors) -> PromptStates:
+        """States of the same layers holding ``tensors`` (in the order of ``tensors()``)."""
+        it = iter(tensors)
+        kv = {i: (next(it), next(it)) for i in sorted(self.kv)}
+        linear = {i: (next(it), next(it)) for i in sorted(self.linear)}
+        return PromptStates(kv=kv, last_hidden=next(it), linear=linear)
 
 
 def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
@@ -78,7 +89,7 @@ class PromptStore:
 
     def keep(self, key: int, real: PromptStates, release: int) -> None:
         """Keep ``real`` until micro-batch ``release``; readers before then get detached leaves."""
-        leaves = PromptStates.from_tensors(t.detach().requires_grad_(t.requires_grad) for t in real.tensors())
+        leaves = real.like(t.detach().requires_grad_(t.requires_grad) for t in real.tensors())
         self._entries[key] = (real, leaves, release)
 
     def leaves(self, key: int) -> PromptStates:
@@ -93,7 +104,7 @@ class PromptStore:
         """The states for the release micro-batch: their backward adds the leaves' stored gradient. Removes the entry."""
         real, leaves, _ = self._entries.pop(key)
         tensors = real.tensors()
-        return PromptStates.from_tensors(_AddStoredGrad.apply(len(tensors), *tensors, *leaves.tensors()))
+        return real.like(_AddStoredGrad.apply(len(tensors), *tensors, *leaves.tensors()))
 
     def flush_into(self, anchor: torch.Tensor, upto: int | None = None) -> torch.Tensor:
         """``anchor`` unchanged in value, carrying in its backward every pass whose release is ``<= upto`` (every

@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops.logprobs import selective_log_softmax
 from . import attention_hook as attn_hook
+from .linear_attention import linear_layers
 
 # RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -152,12 +153,14 @@ def _layers_reason(base) -> str | None:
         return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
     if len(set(indices)) != len(indices):
         return "several attention modules share one layer_idx (a block shared between layers)"
+    handed = {id(m) for m in linear_layers(base)}  # Gated DeltaNet layers: their states are handed on
+    within = [n + "." for n, m in base.named_modules() if id(m) in handed]
     for name, module in base.named_modules():
-        if isinstance(module, _CONVOLUTIONS):
+        if isinstance(module, _CONVOLUTIONS) and not name.startswith(tuple(within)):
             return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)"
         if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a, _ in attention):
             for i, layer in enumerate(module):
-                if not any(_calls_attention_interface(type(m)) for m in layer.modules()):
+                if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
                 if not _passes_kwargs(type(layer)):
                     return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
@@ -224,6 +227,8 @@ def architecture_reason(causal_lm) -> str | None:
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
     layer_types = getattr(config, "layer_types", None) or []
+    if "linear_attention" in layer_types and linear_layers(base):  # each such layer checked in _layers_reason
+        layer_types = [t for t in layer_types if t != "linear_attention"]
     if any(t != "full_attention" for t in layer_types):
         return f"layer types {sorted(set(layer_types))} (sliding-window, chunked or linear-attention layers)"
     if getattr(config, "attn_logit_softcapping", None) is not None:

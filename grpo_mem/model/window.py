@@ -22,6 +22,7 @@ import torch
 
 from . import attention_hook as attn_hook
 from .head import completion_head
+from .linear_attention import LinearContext
 from .plan import PassSpec, WindowPlan
 from .store import PromptStates, PromptStore
 
@@ -111,7 +112,7 @@ class Window:
             index = torch.full((len(paths),), -1, dtype=torch.long)
             index[list(reads)] = torch.tensor(list(reads.values()), dtype=torch.long)
             states = self._read(pass_id, reader_release, views)
-            regions.append(attn_hook.Region(kv=dict(enumerate(states.kv)), index=index.to(device),
+            regions.append(attn_hook.Region(kv=states.kv, index=index.to(device),
                                             mask=self._passes[pass_id].mask))  # fmt: skip
         return regions
 
@@ -131,26 +132,49 @@ class Window:
         positions = starts[:, None] + torch.arange(S)
         return ids.to(device), mask.to(device), positions.to(device), lengths
 
+    def _sources(self, nodes: list[int | None], reader_release: int, views):
+        """Per pass holding some of ``nodes`` (one per reader row; None: nothing): (its states as these readers get
+        them, reader rows (k,) int64, its rows (k,) int64), index tensors on the CPU."""
+        by_pass: dict[int, list[tuple[int, int]]] = {}
+        for b, node in enumerate(nodes):
+            if node is not None:
+                pass_id, row = self._node_pass[node]
+                by_pass.setdefault(pass_id, []).append((b, row))
+        return [(self._read(pass_id, reader_release, views), torch.tensor([b for b, _ in items], dtype=torch.long),
+                 torch.tensor([r for _, r in items], dtype=torch.long)) for pass_id, items in by_pass.items()]  # fmt: skip
+
+    @staticmethod
+    def _linear(batch: int, lengths: list[int] | None, sources) -> LinearContext:
+        """The context of a pass's linear-attention layers: rows start from the ``sources`` nodes' states."""
+        return LinearContext(batch=batch, lengths=lengths, capture=None if lengths is None else {},
+                             sources=[(states.linear, readers, rows) for states, readers, rows in sources])  # fmt: skip
+
     def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
         """Forward one pass of the schedule; register its nodes (in the store if kept)."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
         if spec.depth == 0 or not spec.nodes:
-            capture = attn_hook.PromptCapture()
+            ctx = attn_hook.PromptCapture(linear=self._linear(len(lengths), lengths, []))
             out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(capture))  # fmt: skip
-            hidden, kv = out.last_hidden_state, capture.kv
+                           grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
+            kv = ctx.kv
         else:
+            parents = [self.plan.trie.path(n)[-2] for n in spec.nodes]
             ancestors = [self.plan.trie.path(n)[:-1] for n in spec.nodes]
             regions = self._regions(ancestors, spec.release, views, device)
-            ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, capture={})
+            sources = self._sources(parents, spec.release, views)
+            ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, capture={},
+                                              linear=self._linear(len(lengths), lengths, sources))  # fmt: skip
             out = backbone(input_ids=ids, position_ids=positions, use_cache=False,
                            grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
-            # whatever reads this pass (its K/V, its last hidden state) holds its context, which the replay of its
-            # checkpointed layers in backward looks up
-            hidden = attn_hook.keep_alive(out.last_hidden_state, ctx)
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
+        # whatever reads this pass (its K/V, its states, its last hidden state) holds its context, which the replay of
+        # its checkpointed layers in backward looks up (a root pass's attention needs none; its linear layers do)
+        hidden = out.last_hidden_state
+        if isinstance(ctx, attn_hook.CompletionContext) or ctx.linear.capture:
+            hidden = attn_hook.keep_alive(hidden, ctx)
+        linear = {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in ctx.linear.capture.items()}
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
-        states = PromptStates(kv=[kv[i] for i in sorted(kv)], last_hidden=last)
+        states = PromptStates(kv={i: kv[i] for i in sorted(kv)}, last_hidden=last, linear=linear)
         pass_id = next(self._ids)
         self._passes[pass_id] = _Pass(spec=spec, mask=mask, states=None if spec.kept else states)
         if spec.kept:
@@ -160,17 +184,10 @@ class Window:
 
     def _leaf_hidden(self, leaves: list[int], views) -> torch.Tensor:
         """(B, H) final hidden state of each row's last prompt token (its leaf node's last token)."""
-        by_pass: dict[int, list[tuple[int, int]]] = {}
-        for b, node in enumerate(leaves):
-            pass_id, row = self._node_pass[node]
-            by_pass.setdefault(pass_id, []).append((b, row))
-        parts, order = [], []
-        for pass_id, items in by_pass.items():
-            states = self._read(pass_id, self.current, views)
-            rows = torch.tensor([r for _, r in items], device=states.last_hidden.device)
-            parts.append(states.last_hidden.index_select(0, rows))
-            order += [b for b, _ in items]
+        sources = self._sources(leaves, self.current, views)
+        parts = [states.last_hidden.index_select(0, rows.to(states.last_hidden.device)) for states, _, rows in sources]
         hidden = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+        order = torch.cat([readers for _, readers, _ in sources])
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[order] = torch.arange(len(order))
         return hidden.index_select(0, inverse.to(hidden.device))
@@ -182,6 +199,7 @@ class Window:
         ctx = attn_hook.CompletionContext(
             regions=self._regions([trie.path(leaf) for leaf in leaves], self.current, views, device),
             key_mask=completion_mask[:, :width].bool(),
+            linear=self._linear(len(leaves), None, self._sources(leaves, self.current, views)),
         )
         ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
         positions = ends[:, None] + torch.arange(width, device=device)
