@@ -6,11 +6,13 @@ import warnings
 
 import pytest
 import torch
-from helpers import VOCAB, assert_close, grads_of, make_batch, stock_logps, tiny_model, train_recorded
+from helpers import (
+    VOCAB, CountPasses, assert_close, assert_weights_close, begin_window, grads_of, make_batch, stock_logps,
+    stock_window, tiny_model, train_recorded,
+)  # fmt: skip
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from grpo_mem.model import attention_hook as attn_hook
-from grpo_mem.model import window as window_module
 from grpo_mem.model.linear_attention import LinearContext, hands_off_state
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import unsupported_reason
@@ -64,20 +66,6 @@ def assert_grads_near(ours: dict, ref: dict, rel=1e-4):
         assert err <= rel * scale, f"{name}: max |diff| {err:.3e} > {rel} x {scale:.3e}"
 
 
-class _CountPasses:
-    """Records the token count of every node pass (one sorted list per pass)."""
-
-    def __init__(self, monkeypatch):
-        self.passes = []
-        original = window_module.Window._forward_pass
-
-        def spy(window, backbone, spec, views, device):
-            self.passes.append(sorted(len(window.plan.trie.nodes[n].tokens) for n in spec.nodes))
-            return original(window, backbone, spec, views, device)
-
-        monkeypatch.setattr(window_module.Window, "_forward_pass", spy)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # support and the recorded states
 # ----------------------------------------------------------------------------------------------------------------------
@@ -126,7 +114,7 @@ def _check(model, ids, mask, C, sharing, monkeypatch=None):
     """Stock TRL's numbers and ours (a one-micro-batch window; tree nodes from 2 shared tokens) agree."""
     ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
     ref_g = grads_of(model, ref, ref_e)
-    count = _CountPasses(monkeypatch) if monkeypatch is not None else None
+    count = CountPasses(monkeypatch) if monkeypatch is not None else None
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="grpo_mem: falling back")
         session = SharingSession(sharing, min_shared_tokens=2)
@@ -169,23 +157,17 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
     C = 5
     batches = [make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
                for i, p in enumerate(prompt_sets)]  # fmt: skip
-    P = [ids.shape[1] - C for ids, _ in batches]
-    ref, ref_grads = [], None
-    for ids, mask in batches:
-        logps, ent = stock_logps(model, ids, mask, C, compute_entropy=True)
-        g = grads_of(model, logps, ent, seed=ids.shape[1])
-        ref.append((logps, ent))
-        ref_grads = g if ref_grads is None else {k: v + g[k] for k, v in ref_grads.items()}
-    count = _CountPasses(monkeypatch)
+    ref, ref_grads = stock_window(model, batches, C)
+    count = CountPasses(monkeypatch)
     session = SharingSession(min_shared_tokens=2)
-    session.begin_window(model, [ids[:, :p] for (ids, _), p in zip(batches, P)],
-                         [mask[:, :p] for (_, mask), p in zip(batches, P)])  # fmt: skip
+    begin_window(session, model, batches, C)
     for (ids, mask), (r, re) in zip(batches, ref):
         logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
         assert_close(logps, r, 1e-5, "log-probs")
         assert_close(ent, re, 1e-5, "entropies")
         g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
-        ((logps * torch.randn(logps.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()).backward()
+        loss = (logps * torch.randn(logps.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()
+        loss.backward()
     ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     session.close_window()  # raises if a kept pass was never released
     assert sorted(t for p in count.passes for t in p) == sorted([40, 11, 2, 4, 1, 2, 6])
@@ -208,7 +190,7 @@ def test_patched_training_on_qwen3_5_matches_stock(tmp_path, monkeypatch):
     args = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=4, num_generations=4,
                 optim="sgd", arch="qwen3_5", prompts=[SYSTEM_TEXT + p for p in PROMPTS])  # fmt: skip
     stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
-    count = _CountPasses(monkeypatch)
+    count = CountPasses(monkeypatch)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="grpo_mem: falling back")
         ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, group_shuffle=True, **args)
@@ -216,6 +198,4 @@ def test_patched_training_on_qwen3_5_matches_stock(tmp_path, monkeypatch):
     assert sum(p.count(len(SYSTEM_TEXT)) for p in count.passes) == 3, count.passes
     for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
         assert_grads_near(g_ours, g_stock, 1e-4)
-    stock_params = dict(stock.model.named_parameters())
-    for name, p in ours.model.named_parameters():
-        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
+    assert_weights_close(ours.model, stock.model, 1e-5)

@@ -3,8 +3,8 @@
 A Gated DeltaNet layer keeps per value head a recurrent state S (dk, dv), updated token by token by the gated delta rule
 (Yang et al., "Gated Delta Networks", arXiv 2412.06464), and before it runs a causal depthwise convolution of kernel K
 over the projected q/k/v. A row that continues a prompt (a trie node below the root, or a completion) must start where
-the prompt ended: from S at the prompt's last token and the last K − 1 convolution inputs. transformers' layer reads and
-writes these two states through its ``cache_params`` (``get_conv_state`` / ``update_conv_state`` /
+the prompt ended: from S at the prompt's last token and the last K − 1 convolution inputs. transformers' layer reads
+and writes these two states through its ``cache_params`` (``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state``), so grpo_mem runs the layer's own forward with a cache of its own
 (``_HandOff``): its states are the parents' (gathered by row, differentiable, so gradient flows back into the prompt),
 and it records the states each node ends with.
@@ -45,24 +45,24 @@ _HAND_OFF_CALLS = (
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_source(cls: type) -> str:
+def _hands_off_class(cls: type) -> bool:
+    """Whether ``cls.forward``'s source makes every call of ``_HAND_OFF_CALLS`` (False when it cannot be read)."""
     try:
-        return inspect.getsource(cls.forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
-        return ""
+        return False
+    return all(call in source for call in _HAND_OFF_CALLS)
 
 
 def hands_off_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a Gated DeltaNet layer whose states grpo_mem can hand from a prompt to its continuations:
     an integer ``layer_idx``, a ``conv_kernel_size``, and a forward that reads and writes its convolution and recurrent
     states through ``cache_params`` and runs the chunked gated delta rule from the read state."""
-    cls = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
-    if not isinstance(getattr(module, "layer_idx", None), int) or not isinstance(
-        getattr(module, "conv_kernel_size", None), int
-    ):
+    if not isinstance(getattr(module, "layer_idx", None), int):
         return False
-    source = _forward_source(cls)
-    return all(call in source for call in _HAND_OFF_CALLS)
+    if not isinstance(getattr(module, "conv_kernel_size", None), int):
+        return False
+    return _hands_off_class(next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.")))
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -78,7 +78,8 @@ class _HandOff:
     """The cache protocol of transformers' linear-attention layers, for one layer call over ``n`` rows.
 
     ``conv`` (n, conv_dim, K − 1) and ``recurrent`` (n, Hv, dk, dv) are the rows' initial states, or both None (zero
-    states). After the call, ``final`` holds the states at the end of the call's tokens.
+    states). After the call, ``final_conv`` (n, conv_dim, K − 1) and ``final_recurrent`` (n, Hv, dk, dv, fp32 as the
+    delta rule computes it) hold the states after the call's last token.
     """
 
     def __init__(self, conv: torch.Tensor | None, recurrent: torch.Tensor | None):

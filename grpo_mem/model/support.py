@@ -207,11 +207,12 @@ def architecture_reason(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
-    ``layer_idx``, full causal attention with no sinks or score softcapping, RoPE (or no positions) from
+    ``layer_idx`` or is a Gated DeltaNet layer whose states grpo_mem hands on (``linear_attention.hands_off_state``:
+    Qwen3.5, Qwen3-Next), full causal attention with no sinks or score softcapping, RoPE (or no positions) from
     ``position_ids`` independent of the sequence length, and logits made by one linear layer on the last hidden state
     (plus the logit scale and softcap the completion head applies). Everything else is named: remote code,
-    encoder-decoder models, encoders run as decoders (``is_decoder``), recurrent/state-space/linear-attention and
-    convolution layers, sliding windows, sinks, absolute or ALiBi positions, other LM heads.
+    encoder-decoder models, encoders run as decoders (``is_decoder``), other recurrent/state-space/linear-attention
+    and convolution layers, sliding windows, sinks, absolute or ALiBi positions, other LM heads.
     """
     config = causal_lm.config
     cls = _own_class(causal_lm)

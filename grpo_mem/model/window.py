@@ -140,8 +140,11 @@ class Window:
             if node is not None:
                 pass_id, row = self._node_pass[node]
                 by_pass.setdefault(pass_id, []).append((b, row))
-        return [(self._read(pass_id, reader_release, views), torch.tensor([b for b, _ in items], dtype=torch.long),
-                 torch.tensor([r for _, r in items], dtype=torch.long)) for pass_id, items in by_pass.items()]  # fmt: skip
+        return [
+            (self._read(pass_id, reader_release, views), torch.tensor([b for b, _ in items]),
+             torch.tensor([r for _, r in items]))
+            for pass_id, items in by_pass.items()
+        ]  # fmt: skip
 
     @staticmethod
     def _linear(batch: int, lengths: list[int] | None, sources) -> LinearContext:
