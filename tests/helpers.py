@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, TrainerCallback)
+                          Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, TrainerCallback)
 
 VOCAB = 101
 EOS = 3
@@ -27,8 +27,9 @@ _TINY_EXTRA = {
 
 
 def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=torch.float32, **overrides):
-    """A random 2-layer model: Llama with tied embeddings, Qwen2 (untied, q/k/v bias), or any other model type of
-    transformers at the same sizes (``AutoConfig.for_model(arch)``, its own defaults otherwise)."""
+    """A random 2-layer model: Llama with tied embeddings, Qwen2 (untied, q/k/v bias), Qwen3.5 text (hybrid: Gated
+    DeltaNet linear-attention layers, every third layer from the second one full attention), or any other model type
+    of transformers at the same sizes (``AutoConfig.for_model(arch)``, its own defaults otherwise)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
@@ -40,6 +41,12 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
+    elif arch == "qwen3_5":
+        kinds = ["full_attention" if i % 3 == 1 else "linear_attention" for i in range(common["num_hidden_layers"])]
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+            linear_value_head_dim=12, linear_conv_kernel_dim=4, layer_types=kinds, **common,
+        ))  # fmt: skip
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**_TINY_EXTRA.get(arch, {}), **common}))
     return model.to(dtype)
@@ -58,6 +65,22 @@ def smollm2_shaped(layers=2, embed_scale=1.0):
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(embed_scale)
     return model.train()
+
+
+class CountPasses:
+    """Records the token count of every node pass of the prompt-once path (one sorted list per pass)."""
+
+    def __init__(self, monkeypatch):
+        from grpo_mem.model import window as window_module
+
+        self.passes = []
+        original = window_module.Window._forward_pass
+
+        def spy(window, backbone, spec, views, device):
+            self.passes.append(sorted(len(window.plan.trie.nodes[n].tokens) for n in spec.nodes))
+            return original(window, backbone, spec, views, device)
+
+        monkeypatch.setattr(window_module.Window, "_forward_pass", spy)
 
 
 def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False, prompts=None):
@@ -138,6 +161,24 @@ def stock_logps(model, input_ids, attention_mask, logits_to_keep, *, temperature
     return logps, ent
 
 
+def stock_window(model, batches, C):
+    """Stock TRL on each (input_ids, attention_mask) micro-batch of a window: per micro-batch (log-probs, entropies),
+    and the gradients of ``grads_of`` (seeded by the row width) summed over the micro-batches."""
+    ref, ref_grads = [], None
+    for ids, mask in batches:
+        logps, ent = stock_logps(model, ids, mask, C, compute_entropy=True)
+        g = grads_of(model, logps, ent, seed=ids.shape[1])
+        ref.append((logps, ent))
+        ref_grads = g if ref_grads is None else {k: v + g[k] for k, v in ref_grads.items()}
+    return ref, ref_grads
+
+
+def begin_window(session, model, batches, C):
+    """Plan ``session``'s window over ``batches`` ((input_ids, attention_mask) each; prompts: all but the last C
+    columns)."""
+    session.begin_window(model, [ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
+
+
 def grads_of(model, logps, entropies, seed=1):
     """Backward of a random weighting of log-probs and entropies; returns {name: grad clone} and zeroes grads."""
     g = torch.Generator().manual_seed(seed)
@@ -173,6 +214,13 @@ def assert_close(ours, ref, atol, what="values", mask=None):
     assert err.numel() == 0 or err.max() <= atol, (
         f"{what}: max |diff| {err.max():.3e} > {atol:.1e} at {idx}: ours {ours_d[idx]:.8g} ref {ref_d[idx]:.8g}"
     )
+
+
+def assert_weights_close(ours_model, stock_model, atol):
+    """Every parameter of ``ours_model`` within ``atol`` of the same-named one of ``stock_model``."""
+    stock_params = dict(stock_model.named_parameters())
+    for name, p in ours_model.named_parameters():
+        assert_close(p.detach(), stock_params[name].detach(), atol, name)
 
 
 def char_tokenizer():

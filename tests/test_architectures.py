@@ -216,11 +216,11 @@ def check_architecture(model_type: str) -> Row:
     return Row(model_type, status, reason or "", type(model).__name__)
 
 
-# every kind of outcome at least once: prompt-once (dense, MoE, logit scale/softcap, QK-norm, partial RoPE), and
-# each family of fallback causes
+# every kind of outcome at least once: prompt-once (dense, MoE, logit scale/softcap, QK-norm, partial RoPE, Gated
+# DeltaNet hybrid), and each family of fallback causes
 FAST = [
     "llama", "qwen3_moe", "cohere", "granite", "olmo2", "phi3", "gpt_neox",  # prompt-once
-    "gemma3_text", "qwen3_next", "recurrent_gemma", "mamba", "jamba",  # sliding window, linear attention, recurrence
+    "gemma3_text", "qwen3_next", "recurrent_gemma", "mamba", "jamba",  # sliding window, Gated DeltaNet, recurrence
     "gpt_oss", "gpt2", "opt", "bloom",  # sinks, absolute positions, ALiBi
     "bert", "electra", "modernbert-decoder", "inkling_text", "bart",  # BERT-style, heads, encoder-decoder
     "llama4_text",  # no backbone returning last_hidden_state

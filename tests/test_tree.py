@@ -5,11 +5,11 @@ import warnings
 import pytest
 import torch
 from helpers import (
-    VOCAB, assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model, train_recorded,
+    VOCAB, CountPasses, assert_close, assert_grads_close, assert_weights_close, begin_window, grads_of, make_batch,
+    stock_logps, stock_window, tiny_model, train_recorded,
 )  # fmt: skip
 
 import grpo_mem
-from grpo_mem.model import window as window_module
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.trie import PromptTrie
 
@@ -82,20 +82,6 @@ def test_trie_bad_input(prompts, kwargs, match):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class _CountPasses:
-    """Records the token count of every node pass (one list per pass)."""
-
-    def __init__(self, monkeypatch):
-        self.passes = []
-        original = window_module.Window._forward_pass
-
-        def spy(window, backbone, spec, views, device):
-            self.passes.append(sorted(len(window.plan.trie.nodes[n].tokens) for n in spec.nodes))
-            return original(window, backbone, spec, views, device)
-
-        monkeypatch.setattr(window_module.Window, "_forward_pass", spy)
-
-
 TREES = {
     # a shared 70-token system prompt, own parts of different lengths (left padding), one prompt equal to the system prompt
     "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(2, 12), SYSTEM],
@@ -123,7 +109,7 @@ def test_tree_matches_stock_trl(monkeypatch, arch, checkpointing, tree):
     ids, mask, C, _ = make_batch(None, 3, 6, prompts=TREES[tree], shuffle=True, junk_in_padding=True)
     ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
     ref_g = grads_of(model, ref, ref_e)
-    count = _CountPasses(monkeypatch)
+    count = CountPasses(monkeypatch)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="grpo_mem: falling back")
         ours, ours_e = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, temperature=0.7, compute_entropy=True)
@@ -137,7 +123,7 @@ def test_tree_matches_stock_trl(monkeypatch, arch, checkpointing, tree):
 def test_group_mode_forwards_each_prompt_whole(monkeypatch):
     model = tiny_model("llama")
     ids, mask, C, _ = make_batch(None, 2, 5, prompts=TREES["system"])
-    count = _CountPasses(monkeypatch)
+    count = CountPasses(monkeypatch)
     ref, _ = stock_logps(model, ids, mask, C)
     ours, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, sharing="group")
     assert count.passes == [[70, 72, 75, 79]]  # the trie with no shared node: one pass, every prompt whole
@@ -167,18 +153,11 @@ def test_window_forwards_each_node_once_and_sums_gradients(monkeypatch, checkpoi
     batches = _window(prompt_sets, 2, C)
     scored = batches[:3] if truncate else batches  # the optimizer steps early, after the third micro-batch
     P = [ids.shape[1] - C for ids, _ in batches]
+    ref, ref_grads = stock_window(model, scored, C)
 
-    ref, ref_grads = [], None
-    for ids, mask in scored:
-        logps, ent = stock_logps(model, ids, mask, C, compute_entropy=True)
-        g = grads_of(model, logps, ent, seed=ids.shape[1])
-        ref.append((logps, ent))
-        ref_grads = g if ref_grads is None else {k: v + g[k] for k, v in ref_grads.items()}
-
-    count = _CountPasses(monkeypatch)
+    count = CountPasses(monkeypatch)
     session = SharingSession(min_shared_tokens=32)
-    session.begin_window(model, [ids[:, :p] for (ids, _), p in zip(batches, P)],
-                         [mask[:, :p] for (_, mask), p in zip(batches, P)])  # fmt: skip
+    begin_window(session, model, batches, C)
     outputs = []
     for j, (ids, mask) in enumerate(scored):
         if truncate and j == 2:
@@ -213,13 +192,11 @@ def test_patched_training_with_a_system_prompt_matches_stock(tmp_path, monkeypat
     args = dict(max_steps=3, gradient_accumulation_steps=4, per_device_train_batch_size=2, num_generations=4,
                 optim="sgd", beta=0.04, prompts=prompts)  # fmt: skip
     stock, stock_rec = train_recorded(tmp_path / "stock", kind, patch=False, **args)
-    count = _CountPasses(monkeypatch)
+    count = CountPasses(monkeypatch)
     ours, ours_rec = train_recorded(tmp_path / "ours", kind, patch=True, group_shuffle=True, **args)
     assert ours.state.global_step == stock.state.global_step == 3
     # one optimizer step = one window: the system prompt once, each prompt's own part once
     assert sum(p.count(len(SYSTEM_TEXT)) for p in count.passes) == 3, count.passes
     for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
         assert_grads_close(g_ours, g_stock, 1e-4)
-    stock_params = dict(stock.model.named_parameters())
-    for name, p in ours.model.named_parameters():
-        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
+    assert_weights_close(ours.model, stock.model, 1e-5)

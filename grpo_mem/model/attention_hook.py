@@ -31,6 +31,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops.attention import multi_region_attention
+from . import linear_attention
+from .linear_attention import LinearContext
 
 PREFIX = "grpo_mem_"
 CTX_KWARG = "grpo_mem_ctx"
@@ -45,6 +47,7 @@ class PromptCapture:
     """
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    linear: LinearContext | None = None  # the pass's linear-attention layers (``linear_attention``)
 
 
 @dataclass
@@ -85,6 +88,7 @@ class CompletionContext:
     positions: torch.Tensor
     span: int
     capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    linear: LinearContext | None = None  # the pass's linear-attention layers (``linear_attention``)
 
 
 # token -> live context. Entries go away with their context: a prompt capture lives for its pass; a completion context
@@ -288,6 +292,7 @@ def take_over(model) -> str | None:
         return None
     name = ensure_registered(impl)
     _switch(model, name, flash=_is_flash(impl))
+    linear_attention.install(model, _lookup, CTX_KWARG)
     _USERS.setdefault(name, weakref.WeakSet()).add(model)
     return impl
 
@@ -296,6 +301,7 @@ def give_back(model, impl: str) -> None:
     """Restore the attention implementation ``impl`` that ``take_over`` returned; the hook is unregistered once no
     model runs it."""
     _switch(model, impl, flash=_is_flash(impl))
+    linear_attention.remove(model)
     name = hook_name(impl)
     users = _USERS.get(name)
     if users is not None:

@@ -11,30 +11,41 @@ knows torch only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class PromptStates:
-    """What readers need of a pass: per-layer post-RoPE K/V (n, kv_heads, S, head_dim) and, per row, the final hidden
-    state of its last real token (n, H), which predicts the next token (completion token 1 for a prompt's leaf);
-    when the MoE router loss is asked for, per MoE layer the router logits (n*S, E) of its tokens."""
+    """What readers need of a pass, per row (node) of it.
 
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    Attributes:
+        kv: per attention layer index, post-RoPE ``(K, V)`` of shape (n, kv_heads, S, head_dim).
+        last_hidden: (n, H), the final hidden state of each row's last real token, which predicts the next token
+            (completion token 1 for a prompt's leaf).
+        linear: per linear-attention layer index, ``(conv, recurrent)`` at each row's last real token
+            (``grpo_mem.model.linear_attention``); empty for a model without such layers.
+        router_logits: when the MoE router loss is asked for, per MoE layer the router logits (n*S, E) of the
+            pass's tokens (``grpo_mem.model.router``); else empty.
+    """
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     last_hidden: torch.Tensor
+    linear: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     router_logits: tuple[torch.Tensor, ...] = ()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in self.kv for t in pair] + list(self.router_logits) + [self.last_hidden]
+        pairs = [self.kv[i] for i in sorted(self.kv)] + [self.linear[i] for i in sorted(self.linear)]
+        return [t for pair in pairs for t in pair] + list(self.router_logits) + [self.last_hidden]
 
     def like(self, tensors) -> PromptStates:
-        """States laid out as these, made of ``tensors`` (in the order of ``tensors()``)."""
-        tensors = list(tensors)
-        n_kv, n_router = 2 * len(self.kv), len(self.router_logits)
-        kv = list(zip(tensors[:n_kv:2], tensors[1:n_kv:2]))
-        return PromptStates(kv=kv, last_hidden=tensors[-1], router_logits=tuple(tensors[n_kv : n_kv + n_router]))
+        """States of the same layers holding ``tensors`` (in the order of ``tensors()``)."""
+        it = iter(tensors)
+        kv = {i: (next(it), next(it)) for i in sorted(self.kv)}
+        linear = {i: (next(it), next(it)) for i in sorted(self.linear)}
+        router_logits = tuple(next(it) for _ in self.router_logits)
+        return PromptStates(kv=kv, last_hidden=next(it), linear=linear, router_logits=router_logits)
 
 
 def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops.logprobs import selective_log_softmax
 from . import attention_hook as attn_hook
+from .linear_attention import linear_layers
 
 # RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -151,12 +152,14 @@ def _layers_reason(base, features: dict[str, str]) -> str | None:
         return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
     if len(set(indices)) != len(indices):
         return "several attention modules share one layer_idx (a block shared between layers)"
+    handed = {id(m) for m in linear_layers(base)}  # Gated DeltaNet layers: their states are handed on
+    within = [n + "." for n, m in base.named_modules() if id(m) in handed]
     for name, module in base.named_modules():
-        if isinstance(module, _CONVOLUTIONS):
+        if isinstance(module, _CONVOLUTIONS) and not name.startswith(tuple(within)):
             return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)"
         if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a, _ in attention):
             for i, layer in enumerate(module):
-                if not any(_calls_attention_interface(type(m)) for m in layer.modules()):
+                if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
                 if not _passes_kwargs(type(layer)):
                     return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
@@ -183,15 +186,18 @@ def _layers_reason(base, features: dict[str, str]) -> str | None:
     return None
 
 
-def _attention_features(config) -> tuple[str | None, dict[str, str]]:
+def _attention_features(config, base) -> tuple[str | None, dict[str, str]]:
     """(why the config's attention is out of reach, or None; the features the attention modules must pass on).
 
     Sliding-window layers (per-layer ``layer_types`` or a global ``sliding_window``) and attention-logit softcapping
-    are served by the hook from what each module passes the attention interface; chunked, linear-attention and other
-    layer types are not.
+    are served by the hook from what each module passes the attention interface; ``linear_attention`` layers when
+    ``base`` has Gated DeltaNet layers whose states are handed on (each checked in ``_layers_reason``); chunked and
+    other layer types are not.
     """
     layer_types = set(getattr(config, "layer_types", None) or [])
     other = layer_types - {"full_attention", "sliding_attention"}
+    if "linear_attention" in other and linear_layers(base):
+        other.discard("linear_attention")
     if other:
         return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)", {}
     features = {}
@@ -227,12 +233,13 @@ def architecture_reason(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
-    ``layer_idx``, causal attention (full or sliding-window per layer, with or without sinks and score softcapping,
-    each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids`` independent of
-    the sequence length, and logits made by one linear layer on the last hidden state (plus the logit scale and
-    softcap the completion head applies). Everything else is named: remote code, encoder-decoder models, encoders run
-    as decoders (``is_decoder``), recurrent/state-space/linear-attention, chunked-attention and convolution layers,
-    absolute or ALiBi positions, other LM heads.
+    ``layer_idx`` or is a Gated DeltaNet layer whose states grpo_mem hands on (``linear_attention.hands_off_state``:
+    Qwen3.5, Qwen3-Next), causal attention (full or sliding-window per layer, with or without sinks and score
+    softcapping, each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids``
+    independent of the sequence length, and logits made by one linear layer on the last hidden state (plus the logit
+    scale and softcap the completion head applies). Everything else is named: remote code, encoder-decoder models,
+    encoders run as decoders (``is_decoder``), other recurrent/state-space/linear-attention, chunked-attention and
+    convolution layers, absolute or ALiBi positions, other LM heads.
     """
     config = causal_lm.config
     cls = attn_hook.own_class(causal_lm)
@@ -247,7 +254,7 @@ def architecture_reason(causal_lm) -> str | None:
     base = causal_lm.base_model
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
-    reason, features = _attention_features(config)
+    reason, features = _attention_features(config, base)
     return reason or _positions_reason(config, base) or _layers_reason(base, features) or _head_reason(causal_lm)
 
 

@@ -24,6 +24,7 @@ import torch
 from . import attention_hook as attn_hook
 from . import router
 from .head import completion_head
+from .linear_attention import LinearContext
 from .plan import PassSpec, WindowPlan
 from .store import PromptStates, PromptStore
 
@@ -118,7 +119,7 @@ class Window:
             index[list(reads)] = torch.tensor(list(reads.values()), dtype=torch.long)
             states = self._read(pass_id, reader_release, views)
             p = self._passes[pass_id]
-            regions.append(attn_hook.Region(kv=dict(enumerate(states.kv)), index=index.to(device), mask=p.mask,
+            regions.append(attn_hook.Region(kv=states.kv, index=index.to(device), mask=p.mask,
                                             positions=p.positions))  # fmt: skip
         return regions
 
@@ -143,31 +144,59 @@ class Window:
         positions = starts[:, None] + torch.arange(S)
         return ids.to(device), mask.to(device), positions.to(device), lengths
 
+    def _sources(self, nodes: list[int | None], reader_release: int, views):
+        """Per pass holding some of ``nodes`` (one per reader row; None: nothing): (its states as these readers get
+        them, reader rows (k,) int64, its rows (k,) int64), index tensors on the CPU."""
+        by_pass: dict[int, list[tuple[int, int]]] = {}
+        for b, node in enumerate(nodes):
+            if node is not None:
+                pass_id, row = self._node_pass[node]
+                by_pass.setdefault(pass_id, []).append((b, row))
+        return [
+            (self._read(pass_id, reader_release, views), torch.tensor([b for b, _ in items]),
+             torch.tensor([r for _, r in items]))
+            for pass_id, items in by_pass.items()
+        ]  # fmt: skip
+
+    @staticmethod
+    def _linear(batch: int, lengths: list[int] | None, sources) -> LinearContext:
+        """The context of a pass's linear-attention layers: rows start from the ``sources`` nodes' states."""
+        return LinearContext(batch=batch, lengths=lengths, capture=None if lengths is None else {},
+                             sources=[(states.linear, readers, rows) for states, readers, rows in sources])  # fmt: skip
+
     def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
         """Forward one pass of the schedule; register its nodes (in the store if kept), with its router logits when
         ``record_router``."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
         extra = {"output_router_logits": True} if self.record_router else {}
         if spec.depth == 0 or not spec.nodes:
-            capture = attn_hook.PromptCapture()
+            ctx = attn_hook.PromptCapture(linear=self._linear(len(lengths), lengths, []))
             out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(capture), **extra)  # fmt: skip
-            hidden, kv, ctx = out.last_hidden_state, capture.kv, None
+                           grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
+            kv = ctx.kv
         else:
+            parents = [self.plan.trie.path(n)[-2] for n in spec.nodes]
             ancestors = [self.plan.trie.path(n)[:-1] for n in spec.nodes]
             regions = self._regions(ancestors, spec.release, views, device)
+            sources = self._sources(parents, spec.release, views)
             last = max(self.plan.trie.nodes[n].start + length - 1 for n, length in zip(spec.nodes, lengths))
             ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, positions=positions,
-                                              span=self._span(ancestors, last), capture={})  # fmt: skip
+                                              span=self._span(ancestors, last), capture={},
+                                              linear=self._linear(len(lengths), lengths, sources))  # fmt: skip
             out = backbone(input_ids=ids, position_ids=positions, use_cache=False,
                            grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
-            # whatever reads this pass (its K/V, its last hidden state) holds its context, which the replay of its
-            # checkpointed layers in backward looks up
-            hidden = attn_hook.keep_alive(out.last_hidden_state, ctx)
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
+        # whatever reads this pass (its K/V, its states, its last hidden state) holds its context, which the replay of
+        # its checkpointed layers in backward looks up (a root pass's attention needs none; its linear layers do)
+        hidden = out.last_hidden_state
+        if isinstance(ctx, attn_hook.CompletionContext) or ctx.linear.capture:
+            hidden = attn_hook.keep_alive(hidden, ctx)
+        linear = {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in ctx.linear.capture.items()}
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
-        router_logits = self._router_logits(out, ids.numel(), ctx) if self.record_router else ()
-        states = PromptStates(kv=[kv[i] for i in sorted(kv)], last_hidden=last, router_logits=router_logits)
+        keeper = ctx if isinstance(ctx, attn_hook.CompletionContext) or ctx.linear.capture else None
+        router_logits = self._router_logits(out, ids.numel(), keeper) if self.record_router else ()
+        states = PromptStates(kv={i: kv[i] for i in sorted(kv)}, last_hidden=last, linear=linear,
+                              router_logits=router_logits)  # fmt: skip
         pass_id = next(self._ids)
         self._passes[pass_id] = _Pass(spec=spec, mask=mask, positions=positions, states=None if spec.kept else states)
         if spec.kept:
@@ -177,17 +206,10 @@ class Window:
 
     def _leaf_hidden(self, leaves: list[int], views) -> torch.Tensor:
         """(B, H) final hidden state of each row's last prompt token (its leaf node's last token)."""
-        by_pass: dict[int, list[tuple[int, int]]] = {}
-        for b, node in enumerate(leaves):
-            pass_id, row = self._node_pass[node]
-            by_pass.setdefault(pass_id, []).append((b, row))
-        parts, order = [], []
-        for pass_id, items in by_pass.items():
-            states = self._read(pass_id, self.current, views)
-            rows = torch.tensor([r for _, r in items], device=states.last_hidden.device)
-            parts.append(states.last_hidden.index_select(0, rows))
-            order += [b for b, _ in items]
+        sources = self._sources(leaves, self.current, views)
+        parts = [states.last_hidden.index_select(0, rows.to(states.last_hidden.device)) for states, _, rows in sources]
         hidden = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+        order = torch.cat([readers for _, readers, _ in sources])
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[order] = torch.arange(len(order))
         return hidden.index_select(0, inverse.to(hidden.device))
@@ -211,6 +233,7 @@ class Window:
             key_mask=completion_mask[:, :width].bool(),
             positions=positions,
             span=self._span(paths, max(trie.nodes[leaf].end for leaf in leaves) + width - 1),
+            linear=self._linear(len(leaves), None, self._sources(leaves, self.current, views)),
         )
         extra = {"output_router_logits": True} if self.record_router else {}
         out = backbone(input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,

@@ -1,0 +1,273 @@
+"""Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on the prompt-once path: each node's state at its end, handed on.
+
+A Gated DeltaNet layer keeps per value head a recurrent state S (dk, dv), updated token by token by the gated delta rule
+(Yang et al., "Gated Delta Networks", arXiv 2412.06464), and before it runs a causal depthwise convolution of kernel K
+over the projected q/k/v. A row that continues a prompt (a trie node below the root, or a completion) must start where
+the prompt ended: from S at the prompt's last token and the last K − 1 convolution inputs. transformers' layer reads
+and writes these two states through its ``cache_params`` (``get_conv_state`` / ``update_conv_state`` /
+``get_recurrent_state`` / ``update_recurrent_state``), so grpo_mem runs the layer's own forward with a cache of its own
+(``_HandOff``): its states are the parents' (gathered by row, differentiable, so gradient flows back into the prompt),
+and it records the states each node ends with.
+
+Padding. A pass holds right-padded spans, and a padding token would still move the state (its decay comes from the
+zeroed hidden state plus a bias). The rows of a node pass are therefore re-laid for these layers only: rows starting
+from a zero state (roots) go left-aligned into one call with their padding masked (zero inputs keep a zero state zero,
+exactly as stock TRL's left padding does), rows starting from a parent's state go in one call per length (no padding).
+The completion pass needs no final state: its right padding follows the real tokens and changes nothing they compute.
+
+Gradient checkpointing: a replayed layer finds its context through the same ``grpo_mem_ctx`` token, recomputes the same
+operations and records nothing new. This module knows torch and transformers' cache protocol, not grpo_mem's window.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+_ORIGINAL = "_grpo_mem_linear_forward"  # instance attribute: the forward the wrapper replaced (None: the class's)
+
+# what a layer's forward must do for the hand-off to be exact: read both states from its cache, write both back, and
+# run the chunked gated delta rule from the read recurrent state (transformers' Qwen3.5 / Qwen3-Next layers)
+_HAND_OFF_CALLS = (
+    "cache_params.get_conv_state(self.layer_idx",
+    "cache_params.get_recurrent_state(self.layer_idx",
+    "cache_params.update_conv_state(",
+    "cache_params.update_recurrent_state(",
+    "chunk_gated_delta_rule(",
+    "initial_state=recurrent_state",
+    "apply_mask_to_padding_states(hidden_states, attention_mask)",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _hands_off_class(cls: type) -> bool:
+    """Whether ``cls.forward``'s source makes every call of ``_HAND_OFF_CALLS`` (False when it cannot be read)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return all(call in source for call in _HAND_OFF_CALLS)
+
+
+def hands_off_state(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a Gated DeltaNet layer whose states grpo_mem can hand from a prompt to its continuations:
+    an integer ``layer_idx``, a ``conv_kernel_size``, and a forward that reads and writes its convolution and recurrent
+    states through ``cache_params`` and runs the chunked gated delta rule from the read state."""
+    if not isinstance(getattr(module, "layer_idx", None), int):
+        return False
+    if not isinstance(getattr(module, "conv_kernel_size", None), int):
+        return False
+    return _hands_off_class(next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.")))
+
+
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that ``hands_off_state`` recognises."""
+    return [m for m in model.modules() if hands_off_state(m)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the cache handed to a layer
+
+
+class _HandOff:
+    """The cache protocol of transformers' linear-attention layers, for one layer call over ``n`` rows.
+
+    ``conv`` (n, conv_dim, K − 1) and ``recurrent`` (n, Hv, dk, dv) are the rows' initial states, or both None (zero
+    states). After the call, ``final_conv`` (n, conv_dim, K − 1) and ``final_recurrent`` (n, Hv, dk, dv, fp32 as the
+    delta rule computes it) hold the states after the call's last token.
+    """
+
+    def __init__(self, conv: torch.Tensor | None, recurrent: torch.Tensor | None):
+        self.conv, self.recurrent = conv, recurrent
+        self.final_conv: torch.Tensor | None = None
+        self.final_recurrent: torch.Tensor | None = None
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx):
+        return True  # never the in-place single-token update: states here are graph nodes, not buffers
+
+    def update_conv_state(self, conv_inputs, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        """``conv_inputs`` (n, conv_dim, L) preceded by the initial state: what the causal convolution reads."""
+        full = conv_inputs if self.conv is None else torch.cat([self.conv.to(conv_inputs.dtype), conv_inputs], -1)
+        keep = conv_kernel_size - 1  # the inputs a continuation's first token convolves with, zeros before the start
+        padded = F.pad(full, (max(0, keep - full.shape[-1]), 0))
+        self.final_conv = padded[..., padded.shape[-1] - keep :]
+        return full
+
+    def update_recurrent_state(self, recurrent, layer_idx, state_idx=0, **kwargs):
+        self.final_recurrent = recurrent
+        return recurrent
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# a pass's context
+
+
+def _gather(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rows: torch.Tensor, batch: int):
+    """(len(rows), ...): each reader row's entry in the part that names it. ``parts``: (source (m, ...), reader rows
+    (k,), source rows (k,)), int64 index tensors on the CPU; every row of ``rows`` is named by exactly one part."""
+    part_of = torch.full((batch,), -1, dtype=torch.long)
+    entry_of = torch.full((batch,), -1, dtype=torch.long)
+    for i, (_, readers, entries) in enumerate(parts):
+        part_of[readers], entry_of[readers] = i, entries
+    part, entry = part_of[rows], entry_of[rows]
+    used = part.unique().tolist()
+    pieces = [parts[i][0].index_select(0, entry[part == i].to(parts[i][0].device)) for i in used]
+    if len(pieces) == 1:
+        return pieces[0]
+    order = torch.cat([(part == i).nonzero()[:, 0] for i in used])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    return torch.cat(pieces).index_select(0, inverse.to(pieces[0].device))
+
+
+@dataclass
+class LinearContext:
+    """What the linear-attention layers of one pass need (``attention_hook`` contexts carry it as ``.linear``).
+
+    Attributes:
+        batch: rows of the pass.
+        lengths: real tokens of each row (right padding after them), or None for the completion pass (no state is
+            recorded; rows may be right-padded freely).
+        sources: where rows start: (per layer ``(conv, recurrent)`` of a parent pass, reader rows (k,) int64, rows of
+            that pass (k,) int64); a row named by no source starts from zero states. The states of a source are those
+            of ``PromptStates.linear``: conv (m, conv_dim, K − 1), recurrent (m, Hv, dk, dv).
+        capture: per layer, ``(conv, recurrent)`` at each row's last real token, (batch, ...), once recorded; None: not
+            recorded.
+    """
+
+    batch: int
+    lengths: list[int] | None
+    sources: list[tuple[dict, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __post_init__(self):
+        for _, readers, _ in self.sources:
+            if len(readers) and (int(readers.min()) < 0 or int(readers.max()) >= self.batch):
+                raise ValueError(f"source reader rows must lie in [0, {self.batch}), got {readers.tolist()}")
+        if self.lengths is not None and len(self.lengths) != self.batch:
+            raise ValueError(f"lengths must name {self.batch} rows, got {len(self.lengths)}")
+        started = torch.zeros(self.batch, dtype=torch.bool)
+        for _, readers, _ in self.sources:
+            started[readers.cpu()] = True
+        self._started = started.tolist()
+
+    def _initial(self, layer: int, rows: torch.Tensor):
+        """(conv, recurrent) initial states of ``rows`` (all started, or all from zero: then (None, None))."""
+        if not self._started[int(rows[0])]:
+            return None, None
+        conv = _gather([(s[layer][0], r, e) for s, r, e in self.sources], rows, self.batch)
+        recurrent = _gather([(s[layer][1], r, e) for s, r, e in self.sources], rows, self.batch)
+        return conv, recurrent
+
+    def _groups(self) -> list[list[int]]:
+        """Rows called together: every row from zero states in one call, the others by length."""
+        zero = [b for b in range(self.batch) if not self._started[b]]
+        by_length: dict[int, list[int]] = {}
+        for b in range(self.batch):
+            if self._started[b]:
+                by_length.setdefault(self.lengths[b], []).append(b)
+        return ([zero] if zero else []) + list(by_length.values())
+
+    def run(self, layer_forward: Callable, layer: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The layer's output (batch, S, H) on the pass's right-padded hidden states ``hidden`` (batch, S, H), zero at
+        padding of node passes; records the final states when ``capture`` is not None. ``layer_forward``: the
+        layer's own forward."""
+        if self.lengths is None:  # completion pass: every row continues its prompt, no state recorded
+            cache = _HandOff(*self._initial(layer, torch.arange(self.batch)))
+            return layer_forward(hidden, cache_params=cache, attention_mask=None, **kwargs)
+        groups = self._groups()
+        outputs, finals = [], []
+        for group in groups:
+            y, cache = self._run_group(layer_forward, layer, hidden, group, kwargs)
+            outputs.append(y)
+            finals.append((cache.final_conv, cache.final_recurrent))
+        order = torch.tensor([b for group in groups for b in group])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(self.batch)
+        if self.capture is not None:
+            conv, recurrent = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*finals))
+            conv, recurrent = (t.index_select(0, inverse.to(t.device)) for t in (conv, recurrent))
+            self.capture.setdefault(layer, (conv, recurrent))
+        out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        return out.index_select(0, inverse.to(out.device))
+
+    def _run_group(self, layer_forward, layer, hidden, group, kwargs):
+        """One layer call over the rows ``group`` of the pass, left-aligned to their longest (padding masked, so a
+        zero state stays zero through it); returns their output right-padded to the pass's width and the cache."""
+        device, (S, H) = hidden.device, hidden.shape[1:]
+        rows = torch.tensor(group)
+        lengths = torch.tensor([self.lengths[b] for b in group])
+        width = int(lengths.max())
+        shift = (width - lengths)[:, None]  # position j of the call holds token j − shift of the row
+        real = torch.arange(width)[None, :] >= shift
+        x = hidden.index_select(0, rows.to(device))
+        if not bool(real.all()) or width != S:
+            source = (torch.arange(width)[None, :] - shift).clamp(min=0)
+            x = x.gather(1, source.to(device)[..., None].expand(-1, -1, H))
+        cache = _HandOff(*self._initial(layer, rows))
+        y = layer_forward(x, cache_params=cache, attention_mask=None if bool(real.all()) else real.to(device), **kwargs)
+        keep = torch.arange(S)[None, :] < lengths[:, None]
+        if not bool(keep.all()) or width != S:
+            back = (torch.arange(S)[None, :] + shift).clamp(max=width - 1)
+            y = y.gather(1, back.to(device)[..., None].expand(-1, -1, y.shape[2]))
+            y = y * keep.to(device=device, dtype=y.dtype)[..., None]
+        return y, cache
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the forward wrapper
+
+
+def _make_forward(module: torch.nn.Module, original: Callable, lookup: Callable, kwarg: str) -> Callable:
+    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        token = kwargs.pop(kwarg, None)
+        if token is None:
+            return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        ctx = lookup(token)
+        linear = getattr(ctx, "linear", None)
+        if not isinstance(linear, LinearContext):
+            raise RuntimeError(
+                f"grpo_mem: linear-attention layer {module.layer_idx} got context {token!r} without linear-attention "
+                "states (freed before its layer was replayed, or built without them)"
+            )
+        if cache_params is not None:
+            raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
+        return linear.run(original, module.layer_idx, hidden_states, kwargs)
+
+    return forward
+
+
+def install(model: torch.nn.Module, lookup: Callable, kwarg: str) -> int:
+    """Wrap the forward of every layer of ``model`` that ``hands_off_state`` recognises (idempotent): a call with a
+    context token as keyword argument ``kwarg`` runs ``lookup(token).linear`` (a ``LinearContext``); any other call
+    runs the layer's forward unchanged. Returns how many layers are wrapped."""
+    layers = linear_layers(model)
+    for module in layers:
+        if _ORIGINAL in module.__dict__:
+            continue
+        own = module.__dict__.get("forward")
+        module.__dict__[_ORIGINAL] = own
+        module.forward = _make_forward(module, own if own is not None else module.forward, lookup, kwarg)
+    return len(layers)
+
+
+def remove(model: torch.nn.Module) -> None:
+    """Undo ``install``: every wrapped layer gets back the forward it had."""
+    for module in model.modules():
+        if _ORIGINAL in module.__dict__:
+            own = module.__dict__.pop(_ORIGINAL)
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = own

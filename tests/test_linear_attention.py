@@ -1,0 +1,201 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next) layers on the prompt-once path: each node's recurrent and convolution state at
+its last real token, handed to the rows that continue it; log-probs, entropies and gradients against TRL 1.16's own
+computation, fp32."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import (
+    VOCAB, CountPasses, assert_close, assert_weights_close, begin_window, grads_of, make_batch, stock_logps,
+    stock_window, tiny_model, train_recorded,
+)  # fmt: skip
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+from grpo_mem.model import attention_hook as attn_hook
+from grpo_mem.model.linear_attention import LinearContext, hands_off_state
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import unsupported_reason
+
+
+def _tokens(n, seed):
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYSTEM, SHOTS_A, SHOTS_B = _tokens(40, 1), _tokens(11, 2), _tokens(2, 3)
+# own parts of 1 and 2 tokens are shorter than the convolution's K − 1 = 3: their continuations convolve with tokens of
+# the node above (and, after a 2-token block, of the system prompt), crossing two node boundaries
+TREES = {
+    "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(1, 12), SYSTEM],
+    "three_levels": [SYSTEM + SHOTS_A + _tokens(4, 20), SYSTEM + SHOTS_A + _tokens(1, 21),
+                     SYSTEM + SHOTS_B + _tokens(2, 22), SYSTEM + SHOTS_B + _tokens(6, 23)],  # fmt: skip
+}
+PASSES = {"system": [[40], [1, 5, 9]], "three_levels": [[40], [2, 11], [1, 2, 4, 6]]}
+
+
+def qwen3_next(seed=0):
+    """A tiny random Qwen3-Next: Gated DeltaNet, full attention, Gated DeltaNet; MoE MLPs."""
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, pad_token_id=0, eos_token_id=3, bos_token_id=1,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], max_position_embeddings=256,
+    )  # fmt: skip
+    return Qwen3NextForCausalLM(config).float()
+
+
+def _model(arch, checkpointing):
+    model = tiny_model("qwen3_5", layers=3) if arch == "qwen3_5" else qwen3_next()
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def assert_grads_near(ours: dict, ref: dict, rel=1e-4):
+    """Every parameter's gradient within ``rel`` of its own scale, that scale floored at 1e-3 of the largest gradient:
+    a decay parameter's gradient (``A_log``, ``dt_bias``) is a small sum of large cancelling terms, whose fp32 rounding
+    stock TRL's own computation shows against an fp64 truth (≈1e-4 of the sum)."""
+    assert ours.keys() == ref.keys(), sorted(set(ours) ^ set(ref))
+    top = max(float(r.abs().max()) for r in ref.values())
+    for name, r in ref.items():
+        scale = max(float(r.abs().max()), 1e-3 * top)
+        err = float((ours[name] - r).abs().max())
+        assert err <= rel * scale, f"{name}: max |diff| {err:.3e} > {rel} x {scale:.3e}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# support and the recorded states
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_gated_deltanet_models_are_supported_by_capability():
+    for model in (tiny_model("qwen3_5", layers=3), qwen3_next()):
+        assert unsupported_reason(model, 64) is None
+        linear = [m for m in model.modules() if hands_off_state(m)]
+        assert [m.layer_idx for m in linear] == [0, 2]
+
+
+def test_node_states_are_the_models_own_states_at_each_rows_last_token():
+    """A root pass over right-padded rows of 1 to 9 tokens records, per linear layer and row, the model's own cache
+    states after the row's last real token: padding neither decays the recurrent state nor enters the convolution's."""
+    model = tiny_model("qwen3_5", layers=3).eval()
+    rows = [_tokens(n, 40 + n) for n in (9, 1, 5, 2)]
+    S = max(map(len, rows))
+    ids = torch.tensor([r + [7] * (S - len(r)) for r in rows])  # junk padding
+    mask = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in rows])
+    impl = attn_hook.take_over(model)
+    try:
+        ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(rows), lengths=list(map(len, rows)), capture={}))
+        with torch.no_grad():
+            model.model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(S).expand(len(rows), -1),
+                        use_cache=False, grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
+    finally:
+        attn_hook.give_back(model, impl)
+    assert sorted(ctx.linear.capture) == [0, 2]
+    for b, row in enumerate(rows):
+        with torch.no_grad():
+            cache = model(input_ids=torch.tensor([row]), use_cache=True).past_key_values
+        for layer, (conv, recurrent) in ctx.linear.capture.items():
+            K = model.model.layers[layer].linear_attn.conv_kernel_size
+            own_conv = cache.layers[layer].conv_states[0][..., -(K - 1) :]  # the cache keeps the last K inputs
+            assert_close(conv[b : b + 1], own_conv, 1e-6, f"conv state, layer {layer}, row {b}")
+            assert_close(recurrent[b : b + 1], cache.layers[layer].recurrent_states[0], 1e-6, f"state {layer} {b}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# exactness against stock TRL
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _check(model, ids, mask, C, sharing, monkeypatch=None):
+    """Stock TRL's numbers and ours (a one-micro-batch window; tree nodes from 2 shared tokens) agree."""
+    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    ref_g = grads_of(model, ref, ref_e)
+    count = CountPasses(monkeypatch) if monkeypatch is not None else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        session = SharingSession(sharing, min_shared_tokens=2)
+        session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
+        ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    assert_close(ours, ref, 1e-5, "log-probs")
+    assert_close(ours_e, ref_e, 1e-5, "entropies")
+    assert_grads_near(grads_of(model, ours, ours_e), ref_g, 1e-4)
+    return count
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_group_sharing_matches_stock_trl(arch, checkpointing):
+    """Left-padded prompts of 2 to 9 tokens (junk in the padding), 3 completions each, shuffled: every completion
+    starts from its prompt's states, and the prompt's gradient comes back through them."""
+    model = _model(arch, checkpointing)
+    ids, mask, C, _ = make_batch([5, 9, 2, 7], 3, 6, shuffle=True, junk_in_padding=True)
+    _check(model, ids, mask, C, "group")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_tree_sharing_matches_stock_trl(monkeypatch, checkpointing, tree):
+    """A shared system prompt forwarded once; its states start every node below it, whose own states (nodes of
+    different lengths in one pass, some shorter than the convolution) start the nodes and completions below them."""
+    model = _model("qwen3_5", checkpointing)
+    ids, mask, C, _ = make_batch(None, 3, 6, prompts=TREES[tree], shuffle=True, junk_in_padding=True)
+    count = _check(model, ids, mask, C, "tree", monkeypatch)
+    assert count.passes == PASSES[tree]
+
+
+def test_window_carries_states_across_micro_batches(monkeypatch):
+    """Micro-batches of one optimizer step share the system prompt and split groups (gradient checkpointing on):
+    each node is forwarded once per window and its states are read by later micro-batches through the store; the
+    window's gradient equals stock TRL's summed over its micro-batches."""
+    fam = TREES["three_levels"]
+    prompt_sets = [[fam[0], fam[2]], [fam[0], fam[1]], [fam[3], fam[1]], [fam[2]]]
+    model = _model("qwen3_5", True)
+    C = 5
+    batches = [make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
+               for i, p in enumerate(prompt_sets)]  # fmt: skip
+    ref, ref_grads = stock_window(model, batches, C)
+    count = CountPasses(monkeypatch)
+    session = SharingSession(min_shared_tokens=2)
+    begin_window(session, model, batches, C)
+    for (ids, mask), (r, re) in zip(batches, ref):
+        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
+        assert_close(logps, r, 1e-5, "log-probs")
+        assert_close(ent, re, 1e-5, "entropies")
+        g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
+        loss = (logps * torch.randn(logps.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()
+        loss.backward()
+    ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    session.close_window()  # raises if a kept pass was never released
+    assert sorted(t for p in count.passes for t in p) == sorted([40, 11, 2, 4, 1, 2, 6])
+    assert_grads_near(ours_grads, ref_grads, 1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# training
+# ----------------------------------------------------------------------------------------------------------------------
+
+SYSTEM_TEXT = "Read the question twice, keep the answer short and plain, then stop: "  # a token a character, >= 64
+
+
+def test_patched_training_on_qwen3_5_matches_stock(tmp_path, monkeypatch):
+    """Three GRPO steps on a tiny Qwen3.5 (Gated DeltaNet, full attention), gradient accumulation 2, each step's 2
+    groups of 4 shuffled over its 2 micro-batches, a shared system prompt: the system prompt is forwarded once per
+    step (tree sharing), and the weights after training equal stock TRL's within 1e-5."""
+    from helpers import PROMPTS
+
+    args = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=4, num_generations=4,
+                optim="sgd", arch="qwen3_5", prompts=[SYSTEM_TEXT + p for p in PROMPTS])  # fmt: skip
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
+    count = CountPasses(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, group_shuffle=True, **args)
+    assert ours.state.global_step == stock.state.global_step == 3
+    assert sum(p.count(len(SYSTEM_TEXT)) for p in count.passes) == 3, count.passes
+    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+        assert_grads_near(g_ours, g_stock, 1e-4)
+    assert_weights_close(ours.model, stock.model, 1e-5)
