@@ -83,14 +83,20 @@ def _assert_same_training(ours, stock, steps=ARGS["max_steps"]):
         assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
 
 
+@pytest.fixture(scope="module")
+def stock_run(tmp_path_factory):
+    """Stock TRL's three steps with ``use_liger_kernel=True`` (layer kernels off), shared by both sharing modes."""
+    return _train(tmp_path_factory.mktemp("stock"), patch=False, liger_kernel_config=KERNELS_OFF)
+
+
 @needs_liger
 @pytest.mark.parametrize("sharing", ["group", "tree"])
-def test_liger_training_matches_stock_and_forwards_prompts_once(tmp_path, sharing):
+def test_liger_training_matches_stock_and_forwards_prompts_once(tmp_path, stock_run, sharing):
     """Three steps with ``use_liger_kernel=True`` (layer kernels off): on TRL 1.10-1.13 Liger's fused GRPO loss is fed
     the prompt-once hidden states; on 1.14+ the patched log-prob method scores. Losses, logged metrics and weights
     equal stock TRL's with the same flag; each step forwards every prompt (group) or the shared system prompt (tree)
     once, and the backbone runs the tokens the logged decision counts."""
-    stock, stock_steps = _train(tmp_path / "stock", patch=False, liger_kernel_config=KERNELS_OFF)
+    stock, stock_steps = stock_run
     support._warned.clear()
     with pytest.warns() as caught:
         ours, our_steps = _train(tmp_path / "ours", patch=True, sharing=sharing, liger_kernel_config=KERNELS_OFF)
