@@ -89,6 +89,19 @@ def test_router_loss_and_gradients_match_full_forward(family, sharing):
     assert_grads_close(grads(model, aux), ref_grads, 1e-4)
 
 
+def test_one_completion_token():
+    """C = 1: log-probs need no completion pass, but stock's router loss counts the completion token's router logits
+    (the completion pass runs for them)."""
+    model = moe_model("mixtral")
+    ids, mask, C, _ = make_batch([5, 7, 3], G=2, C=1, shuffle=True)
+    ref_logps, ref_aux = full_forward(model, ids, mask, C)
+    ref_grads = grads(model, ref_aux)
+    logps, _, aux = SharingSession("group").score(model, ids, mask, C, compute_aux_loss=True)
+    assert_close(aux.detach(), ref_aux.detach(), 1e-6, "aux loss")
+    assert_close(logps.detach(), ref_logps.detach(), 1e-5, "log-probs")
+    assert_grads_close(grads(model, aux), ref_grads, 1e-4)
+
+
 def test_tree_shared_system_prompt():
     """A system prompt forwarded once for three prompts (a trie node of its own): aux loss and gradient of a
     combined objective as the full forward's."""
