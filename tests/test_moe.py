@@ -150,6 +150,36 @@ def test_groups_split_over_micro_batches(sharing):
     assert_grads_close(grads(model), ref_total, 1e-4)
 
 
+@pytest.mark.parametrize("C", [1, 4])
+def test_lockstep_schedule_keeps_the_router_loss(monkeypatch, C):
+    """Ranks in lockstep (FSDP, DeepSpeed) run the completion pass even at C = 1 and align pass schedules: with the
+    decision's collective stood in for one rank, each micro-batch's aux loss and the window's gradient are the full
+    forward's."""
+    from grpo_mem.model import sharing
+
+    monkeypatch.setattr(sharing, "lockstep", lambda model: True)
+    monkeypatch.setattr(sharing, "agree", lambda reason, keys: (reason, set(keys)))
+    model = moe_model("olmoe")
+    ids, mask, C, _ = make_batch([5, 7], G=2, C=C, shuffle=True, seed=3)
+    P = ids.shape[1] - C
+    parts = [slice(0, 2), slice(2, 4)]
+    ref_aux = []
+    for rows in parts:
+        ref_logps, aux = full_forward(model, ids[rows], mask[rows], C)
+        (ref_logps.sum() + 10 * aux).backward()
+        ref_aux.append(aux.detach())
+    ref_total = grads(model)
+    session = SharingSession("group")
+    session.begin_window(model, [ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
+    for rows, expected in zip(parts, ref_aux):
+        logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
+        assert session.last_decision.path == "group", session.last_decision.cause
+        assert_close(aux.detach(), expected, 1e-6, "micro-batch aux loss")
+        (logps.sum() + 10 * aux).backward()
+    session.close_window()
+    assert_grads_close(grads(model), ref_total, 1e-4)
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5_moe"])
 def test_router_math_of_families_served_by_stock(family):
     """gpt-oss (router bias; sliding windows and sinks) and Qwen3.5-MoE (linear attention) still take the stock path
