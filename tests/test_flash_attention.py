@@ -32,7 +32,11 @@ def _flash_stand_in(module, query, key, value, attention_mask, dropout=0.0, scal
     rep = H // key.shape[1]
     k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     scores = query @ k.transpose(-1, -2) * (scaling if scaling is not None else D**-0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     visible = torch.ones(S, Sk, dtype=torch.bool).tril(Sk - S)  # bottom-right causal
+    if sliding_window is not None:  # flash-attn's window_size=(W - 1, W - 1), bottom-right aligned
+        visible = visible & torch.ones(S, Sk, dtype=torch.bool).triu(Sk - S - sliding_window + 1)
     visible = visible.expand(B, 1, S, Sk)
     if attention_mask is not None:
         visible = visible & attention_mask.bool()[:, None, None, :]
@@ -57,9 +61,14 @@ def _fa2_model(arch="llama", **kw):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# the flash path reads a layer's window and softcap from the keywords the module passes (the hook reads the same)
+FA2_MODELS = {"llama": {}, "qwen2": {}, "gemma2": dict(sliding_window=4, attn_logit_softcapping=2.0,
+                                                       layer_types=["sliding_attention", "full_attention"])}
+
+
+@pytest.mark.parametrize("arch", sorted(FA2_MODELS))
 def test_flash_attention_2_model_matches_stock(flash_stand_in, arch):
-    model = _fa2_model(arch).train()
+    model = _fa2_model(arch, **FA2_MODELS[arch]).train()
     model.gradient_checkpointing_enable({"use_reentrant": False})
     ids, mask, C, _ = make_batch([6, 9, 4], 3, 5, seed=4, shuffle=True)
     ref, ref_e = stock_logps(model, ids, mask, C, compute_entropy=True)

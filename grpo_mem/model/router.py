@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .support import _own_class
+from .attention_hook import own_class
 
 __all__ = [
     "RouterLossShape", "RouterTerm", "load_balancing_loss", "reproduces_loss", "router_logits_of", "router_loss_reason",
@@ -101,7 +101,7 @@ def router_loss_reason(causal_lm) -> str | None:
     the docstring), the text config gives integer ``num_experts`` and ``num_experts_per_tok``, and the backbone
     records ``router_logits`` when asked for ``output_router_logits``.
     """
-    cls = _own_class(causal_lm)
+    cls = own_class(causal_lm)
     fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
     if fn is None:
         return f"{cls.__module__} defines no load_balancing_loss_func (no MoE router loss grpo_mem recognises)"
@@ -111,7 +111,7 @@ def router_loss_reason(causal_lm) -> str | None:
         router_loss_shape(causal_lm)
     except ValueError as err:
         return f"the router loss of {cls.__name__} has no expert counts in its config ({err})"
-    recorded = getattr(_own_class(causal_lm.base_model), "_can_record_outputs", None)
+    recorded = getattr(own_class(causal_lm.base_model), "_can_record_outputs", None)
     if not isinstance(recorded, dict) or "router_logits" not in recorded:
         return f"{type(causal_lm.base_model).__name__} does not record router_logits"
     return None

@@ -173,7 +173,7 @@ class SharingSession:
         else:
             j = window.current
         causal_lm = unwrap_causal_lm(model)
-        reason = cause or unsupported_reason(causal_lm, T)
+        reason = cause or unsupported_reason(causal_lm)
         if reason is None and compute_aux_loss:
             reason = router_loss_reason(causal_lm)
         in_lockstep = lockstep(model)
