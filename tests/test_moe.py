@@ -32,8 +32,9 @@ CONFIGS = {
     "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, **MOE, **COMMON),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16,
                                                      shared_expert_intermediate_size=16, **MOE, **COMMON),
-    # served by the stock path today (sliding windows and sinks; linear attention): router math checked alone
+    # sliding windows (8 tokens, shorter than the rows), attention sinks, router bias
     "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=4, head_dim=8, sliding_window=8, **MOE, **COMMON),
+    # served by the stock path today (linear attention): router math checked alone
     "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
         num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -89,6 +90,19 @@ def test_router_loss_and_gradients_match_full_forward(family, sharing):
     assert_grads_close(grads(model, aux), ref_grads, 1e-4)
 
 
+def test_one_completion_token():
+    """C = 1: log-probs need no completion pass, but stock's router loss counts the completion token's router logits
+    (the completion pass runs for them)."""
+    model = moe_model("mixtral")
+    ids, mask, C, _ = make_batch([5, 7, 3], G=2, C=1, shuffle=True)
+    ref_logps, ref_aux = full_forward(model, ids, mask, C)
+    ref_grads = grads(model, ref_aux)
+    logps, _, aux = SharingSession("group").score(model, ids, mask, C, compute_aux_loss=True)
+    assert_close(aux.detach(), ref_aux.detach(), 1e-6, "aux loss")
+    assert_close(logps.detach(), ref_logps.detach(), 1e-5, "log-probs")
+    assert_grads_close(grads(model, aux), ref_grads, 1e-4)
+
+
 def test_tree_shared_system_prompt():
     """A system prompt forwarded once for three prompts (a trie node of its own): aux loss and gradient of a
     combined objective as the full forward's."""
@@ -133,6 +147,36 @@ def test_groups_split_over_micro_batches(sharing):
         assert_close(aux.detach(), expected, 1e-6, "micro-batch aux loss")
         ((logps * w).sum() + 10 * aux).backward()
     assert session.pending == 0
+    session.close_window()
+    assert_grads_close(grads(model), ref_total, 1e-4)
+
+
+@pytest.mark.parametrize("C", [1, 4])
+def test_lockstep_schedule_keeps_the_router_loss(monkeypatch, C):
+    """Ranks in lockstep (FSDP, DeepSpeed) run the completion pass even at C = 1 and align pass schedules: with the
+    decision's collective stood in for one rank, each micro-batch's aux loss and the window's gradient are the full
+    forward's."""
+    from grpo_mem.model import sharing
+
+    monkeypatch.setattr(sharing, "lockstep", lambda model: True)
+    monkeypatch.setattr(sharing, "agree", lambda reason, keys: (reason, set(keys)))
+    model = moe_model("olmoe")
+    ids, mask, C, _ = make_batch([5, 7], G=2, C=C, shuffle=True, seed=3)
+    P = ids.shape[1] - C
+    parts = [slice(0, 2), slice(2, 4)]
+    ref_aux = []
+    for rows in parts:
+        ref_logps, aux = full_forward(model, ids[rows], mask[rows], C)
+        (ref_logps.sum() + 10 * aux).backward()
+        ref_aux.append(aux.detach())
+    ref_total = grads(model)
+    session = SharingSession("group")
+    session.begin_window(model, [ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
+    for rows, expected in zip(parts, ref_aux):
+        logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
+        assert session.last_decision.path == "group", session.last_decision.cause
+        assert_close(aux.detach(), expected, 1e-6, "micro-batch aux loss")
+        (logps.sum() + 10 * aux).backward()
     session.close_window()
     assert_grads_close(grads(model), ref_total, 1e-4)
 

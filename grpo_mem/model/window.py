@@ -253,7 +253,10 @@ class Window:
         for pass_id, rows in counts.items():
             states, mask = self._read(pass_id, self.current, views), self._passes[pass_id].mask
             if not states.router_logits:
-                raise RuntimeError("the MoE router loss is asked for, but a prompt pass it reads was forwarded without")
+                raise RuntimeError(
+                    "the MoE router loss is asked for, but a prompt pass it reads was forwarded without router logits "
+                    "(compute_aux_loss must be the same for every micro-batch of a window)"
+                )
             terms.append(router.RouterTerm(states.router_logits, (mask * rows.to(mask.device)[:, None]).flatten()))
         terms.append(router.RouterTerm(completion_logits, completion_mask.flatten()))
         return router.load_balancing_loss(terms, router.router_loss_shape(causal_lm))
