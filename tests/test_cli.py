@@ -1,6 +1,7 @@
 """The ``grpo-mem train`` main job: answer extraction and reward, settings validation, few-shot prompts, flags
-generated from the settings, light package imports and the OpenMP policy, and a real 2-step ``--compare`` run on a
-tiny Llama (SmolLM2's tokenizer) through the command line: stock and patched, compared with each other."""
+generated from the settings, light package imports and the OpenMP policy, and real 2-step ``--compare`` runs through
+the command line on a tiny Llama (SmolLM2's tokenizer, chat prompts) and a tiny sliding-window Gemma 3 (the same
+tokenizer without chat template, plain-text prompts): stock and patched, compared with each other."""
 
 import json
 import math
@@ -193,13 +194,18 @@ def tiny_model_dir(tmp_path_factory):
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    return _bias_to_digits_and_save(LlamaForCausalLM(config), tok, tmp_path_factory.mktemp("tiny_llama"),
+                                    embed=4.0, digit=1.4, eos=1.2)
+
+
+def _bias_to_digits_and_save(model, tok, path, *, embed: float, digit: float, eos: float):
+    """Set embedding feature 0 of every token to ``embed`` and the head weights of the digit tokens and EOS on that
+    feature to ``digit`` and ``eos`` (see ``tiny_model_dir``); save model and tokenizer into ``path``, return it."""
     digits = tok.convert_tokens_to_ids([str(d) for d in range(10)])
     with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 4.0
-        model.lm_head.weight[digits, 0] = 1.4
-        model.lm_head.weight[tok.eos_token_id, 0] = 1.2
-    path = tmp_path_factory.mktemp("tiny_llama")
+        model.model.embed_tokens.weight[:, 0] = embed
+        model.lm_head.weight[digits, 0] = digit
+        model.lm_head.weight[tok.eos_token_id, 0] = eos
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -349,16 +355,9 @@ def tiny_gemma3_dir(tmp_path_factory):
         max_position_embeddings=256, tie_word_embeddings=False, attention_dropout=0.0,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
-    model = Gemma3ForCausalLM(config)
-    digits = tok.convert_tokens_to_ids([str(d) for d in range(10)])
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 4.0 / config.hidden_size**0.5  # Gemma scales embeddings by sqrt(H)
-        model.lm_head.weight[digits, 0] = 2.6
-        model.lm_head.weight[tok.eos_token_id, 0] = 2.4
-    path = tmp_path_factory.mktemp("tiny_gemma3")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    # Gemma multiplies embeddings by sqrt(hidden): feature 0 enters the layers as 4, as in tiny_model_dir.
+    return _bias_to_digits_and_save(Gemma3ForCausalLM(config), tok, tmp_path_factory.mktemp("tiny_gemma3"),
+                                    embed=4.0 / config.hidden_size**0.5, digit=2.6, eos=2.4)
 
 
 def test_train_compare_on_a_sliding_window_base_model_with_plain_prompts(tiny_gemma3_dir, tmp_path):
