@@ -11,14 +11,24 @@ from contextlib import contextmanager, nullcontext
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, TrainerCallback)
 
 VOCAB = 101
 EOS = 3
 
 
+# per model type, what the tiny model sets beyond the common sizes: head size from the hidden size, few experts
+_TINY_EXTRA = {
+    "gemma2": dict(head_dim=12, query_pre_attn_scalar=12),
+    "gemma3_text": dict(head_dim=12, query_pre_attn_scalar=12),
+    "gpt_oss": dict(head_dim=12, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
 def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=torch.float32, **overrides):
-    """A random 2-layer model: Llama with tied embeddings, or Qwen2 (untied, q/k/v bias)."""
+    """A random 2-layer model: Llama with tied embeddings, Qwen2 (untied, q/k/v bias), or any other model type of
+    transformers at the same sizes (``AutoConfig.for_model(arch)``, its own defaults otherwise)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
@@ -31,7 +41,7 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
     else:
-        raise ValueError(arch)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**_TINY_EXTRA.get(arch, {}), **common}))
     return model.to(dtype)
 
 
@@ -191,9 +201,9 @@ def length_reward(completions, **kwargs):
 
 
 def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="llama", output_dir, prompts=PROMPTS,
-                 sharing="tree", **args):  # fmt: skip
-    """A tiny GRPOTrainer/RLOOTrainer on CPU: random Llama (tied head) or Qwen2 (untied), character tokenizer,
-    string prompts (default: the 8 of ``PROMPTS``)."""
+                 sharing="tree", model_args=None, **args):  # fmt: skip
+    """A tiny GRPOTrainer/RLOOTrainer on CPU: a random ``tiny_model(arch, **model_args)`` (Llama with a tied head by
+    default), character tokenizer, string prompts (default: the 8 of ``PROMPTS``)."""
     from datasets import Dataset
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -201,7 +211,7 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="
     import grpo_mem
 
     set_seed(seed)
-    model = tiny_model(arch, seed=seed)
+    model = tiny_model(arch, seed=seed, **(model_args or {}))
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
     defaults = dict(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,

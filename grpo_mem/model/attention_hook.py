@@ -22,6 +22,7 @@ and equals any copy of itself, so nothing a wrapper does to kwargs can change wh
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -54,11 +55,13 @@ class Region:
         kv: per layer, post-RoPE ``(K, V)`` of shape (U, kv_heads, S, head_dim) (a capture's ``kv``).
         index: (B,) int64, the entry row b reads; -1: row b reads nothing of this region.
         mask: (U, S) bool, real (non-padding) key positions of each entry.
+        positions: (U, S) int64, the position of each key (what a sliding window is measured on).
     """
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     index: torch.Tensor
     mask: torch.Tensor
+    positions: torch.Tensor
 
 
 @dataclass
@@ -71,11 +74,16 @@ class CompletionContext:
     Attributes:
         regions: the K/V read in place, merged exactly with the pass's own causal K/V (log-sum-exp).
         key_mask: (B, T) bool, real positions of the pass's own tokens (right padding).
+        positions: (B, T) int64, the positions of the pass's own tokens (its ``position_ids``).
+        span: the largest query-key position difference in the pass (a sliding window wider than it hides nothing
+            and is dropped, so the fused kernels keep serving the pass).
         capture: per layer, the pass's own post-RoPE K/V (B, kv_heads, T, head_dim) once recorded; None: not kept.
     """
 
     regions: list[Region]
     key_mask: torch.Tensor
+    positions: torch.Tensor
+    span: int
     capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
@@ -155,12 +163,38 @@ class _ModuleView:
         return getattr(self._module, name)
 
 
+def layer_features(kwargs) -> dict:
+    """The attention features a layer hands the attention interface, as ``multi_region_attention`` keywords.
+
+    Modules pass them as keyword arguments, which is what transformers' flash-attention path reads too:
+    ``sliding_window`` (this layer's window W, None for a full-attention layer; a key is visible iff
+    ``0 <= i - j < W``, the test of transformers' sliding-window mask), ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's per-head learnable sink logits). The eager and SDPA paths
+    read the window from the mask instead, which the model builds from the same per-layer setting.
+    """
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    return {"sliding_window": None if window is None else int(window),
+            "softcap": None if softcap is None else float(softcap), "sinks": sinks}  # fmt: skip
+
+
+def own_class(module) -> type:
+    """``module``'s class as its library defined it: FSDP2's ``fully_shard`` swaps in a subclass defined by torch."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
+
+
+def module_eager(module):
+    """The eager attention function of ``module``'s modeling file (``eager_attention_forward``), which transformers'
+    ``get_interface`` hands the module for ``"eager"`` (eager is not in the registry: each model has its own, e.g.
+    gpt-oss's with sinks), or None."""
+    return getattr(sys.modules.get(own_class(module).__module__), "eager_attention_forward", None)
+
+
 def _make_hook(inner: str):
     flash = _is_flash(inner)
 
     def grpo_mem_attention(module, query, key, value, attention_mask, **kwargs):
         token = kwargs.pop(CTX_KWARG, None)
-        inner_fn = ALL_ATTENTION_FUNCTIONS[inner]
+        inner_fn = module_eager(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
         inner_module = _ModuleView(module, inner) if flash else module
         if token is None:
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
@@ -185,9 +219,14 @@ def _make_hook(inner: str):
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
-        regions = [(tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask) for i, r in enumerate(ctx.regions)]
+        regions = [(tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask, r.positions)
+                   for i, r in enumerate(ctx.regions)]  # fmt: skip
+        features = layer_features(kwargs)
+        if features["sliding_window"] is not None and features["sliding_window"] > ctx.span:
+            features["sliding_window"] = None
         with torch.autocast(device, enabled=False):
-            out = multi_region_attention(q, k, v, regions, ctx.key_mask, scale=scale)
+            out = multi_region_attention(q, k, v, regions, ctx.key_mask, scale=scale, q_positions=ctx.positions,
+                                         **features)  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"
@@ -208,12 +247,13 @@ def ensure_registered(inner: str) -> str:
     mapping only (a name missing there gets no mask at all). ``give_back`` removes both.
 
     Raises:
-        ValueError: ``inner`` is not a registered transformers attention implementation.
+        ValueError: ``inner`` is not a registered transformers attention implementation (nor ``"eager"``, which
+            each model defines in its own modeling file).
     """
     name = hook_name(inner)
     if name in ALL_ATTENTION_FUNCTIONS:
         return name
-    if inner not in ALL_ATTENTION_FUNCTIONS:
+    if inner != "eager" and inner not in ALL_ATTENTION_FUNCTIONS:
         raise ValueError(f"attention implementation {inner!r} is not registered in transformers' AttentionInterface")
     ALL_ATTENTION_FUNCTIONS[name] = _make_hook(inner)
     if inner in ALL_MASK_ATTENTION_FUNCTIONS:

@@ -168,7 +168,7 @@ class SharingSession:
             j = None
         else:
             j = window.current
-        reason = cause or unsupported_reason(unwrap_causal_lm(model), T)
+        reason = cause or unsupported_reason(unwrap_causal_lm(model))
         in_lockstep = lockstep(model)
         current = window.current
         if in_lockstep:

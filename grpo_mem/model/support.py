@@ -64,11 +64,6 @@ def _forward_source(cls: type) -> str:
         return ""
 
 
-def _own_class(module) -> type:
-    """``module``'s class as its library defined it: FSDP2's ``fully_shard`` swaps in a subclass defined by torch."""
-    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
-
-
 def _calls_attention_interface(cls: type) -> bool:
     """Whether ``cls.forward`` dispatches through transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``),
     where grpo_mem's hook sits."""
@@ -140,8 +135,12 @@ _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|p
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d)
 
 
-def _layers_reason(base) -> str | None:
-    """Why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", or None."""
+def _layers_reason(base, features: dict[str, str]) -> str | None:
+    """Why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", or None.
+
+    ``features``: keyword -> what the config asks of the attention (``sliding_window`` for a window, ``softcap`` for
+    score softcapping); each attention module must hand it to the attention interface, where the hook reads it.
+    """
     attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
     if not attention:
         names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
@@ -164,7 +163,7 @@ def _layers_reason(base) -> str | None:
     if not _passes_kwargs(type(base)):
         return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
     for name, module in attention:
-        cls = _own_class(module)
+        cls = attn_hook.own_class(module)
         if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
             return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
         if _forward_source(cls).count("attention_interface(") > 1:
@@ -175,9 +174,33 @@ def _layers_reason(base) -> str | None:
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"
+        needs = dict(features)
         if any(p.endswith("sinks") for p, _ in module.named_parameters()):
-            return "attention sinks"
+            needs["s_aux"] = "attention sinks"
+        for keyword, feature in needs.items():
+            if f"{keyword}=" not in _forward_source(cls):
+                return f"{feature} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
     return None
+
+
+def _attention_features(config) -> tuple[str | None, dict[str, str]]:
+    """(why the config's attention is out of reach, or None; the features the attention modules must pass on).
+
+    Sliding-window layers (per-layer ``layer_types`` or a global ``sliding_window``) and attention-logit softcapping
+    are served by the hook from what each module passes the attention interface; chunked, linear-attention and other
+    layer types are not.
+    """
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    other = layer_types - {"full_attention", "sliding_attention"}
+    if other:
+        return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)", {}
+    features = {}
+    global_window = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if "sliding_attention" in layer_types or global_window:
+        features["sliding_window"] = "a sliding window"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        features["softcap"] = "attention logit softcapping"
+    return None, features
 
 
 def _positions_reason(config, base) -> str | None:
@@ -204,14 +227,15 @@ def architecture_reason(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
-    ``layer_idx``, full causal attention with no sinks or score softcapping, RoPE (or no positions) from
-    ``position_ids`` independent of the sequence length, and logits made by one linear layer on the last hidden state
-    (plus the logit scale and softcap the completion head applies). Everything else is named: remote code,
-    encoder-decoder models, encoders run as decoders (``is_decoder``), recurrent/state-space/linear-attention and
-    convolution layers, sliding windows, sinks, absolute or ALiBi positions, other LM heads.
+    ``layer_idx``, causal attention (full or sliding-window per layer, with or without sinks and score softcapping,
+    each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids`` independent of
+    the sequence length, and logits made by one linear layer on the last hidden state (plus the logit scale and
+    softcap the completion head applies). Everything else is named: remote code, encoder-decoder models, encoders run
+    as decoders (``is_decoder``), recurrent/state-space/linear-attention, chunked-attention and convolution layers,
+    absolute or ALiBi positions, other LM heads.
     """
     config = causal_lm.config
-    cls = _own_class(causal_lm)
+    cls = attn_hook.own_class(causal_lm)
     if not cls.__module__.startswith("transformers."):
         return f"remote code ({cls.__module__}.{cls.__name__})"
     if config.get_text_config() is not config:
@@ -223,12 +247,8 @@ def architecture_reason(causal_lm) -> str | None:
     base = causal_lm.base_model
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return f"layer types {sorted(set(layer_types))} (sliding-window, chunked or linear-attention layers)"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping"
-    return _positions_reason(config, base) or _layers_reason(base) or _head_reason(causal_lm)
+    reason, features = _attention_features(config)
+    return reason or _positions_reason(config, base) or _layers_reason(base, features) or _head_reason(causal_lm)
 
 
 def _reentrant_checkpointing(model) -> bool:
@@ -243,19 +263,21 @@ def _reentrant_checkpointing(model) -> bool:
     return False
 
 
-def unsupported_reason(causal_lm, seq_len: int) -> str | None:
-    """Why the prompt-once path cannot be exact for ``causal_lm`` (an unwrapped transformers causal LM) on sequences
-    of ``seq_len`` tokens, or None: ``architecture_reason``, then what depends on the call (sequence length against a
-    sliding window, attention implementation, active dropout, reentrant checkpointing)."""
+def unsupported_reason(causal_lm) -> str | None:
+    """Why the prompt-once path cannot be exact for ``causal_lm`` (an unwrapped transformers causal LM), or None:
+    ``architecture_reason``, then what depends on its current state (attention implementation, active dropout,
+    reentrant checkpointing)."""
     reason = architecture_reason(causal_lm)
     if reason is not None:
         return reason
     config = causal_lm.config
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and seq_len > window:
-        return f"sliding window {window} shorter than the sequence ({seq_len} tokens)"
-    if attn_hook.inner_implementation(causal_lm) not in SUPPORTED_ATTENTION:
-        return f"attention implementation {attn_hook.inner_implementation(causal_lm)!r}"
+    inner = attn_hook.inner_implementation(causal_lm)
+    if inner not in SUPPORTED_ATTENTION:
+        return f"attention implementation {inner!r}"
+    if inner == "eager":
+        for module in causal_lm.modules():
+            if _calls_attention_interface(type(module)) and attn_hook.module_eager(module) is None:
+                return f"eager attention of {type(module).__name__} is not its modeling file's eager_attention_forward"
     if causal_lm.training and getattr(config, "attention_dropout", 0.0):
         return "attention dropout is active"
     if _reentrant_checkpointing(causal_lm):

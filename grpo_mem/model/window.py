@@ -50,11 +50,12 @@ def tie(x: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class _Pass:
-    """A pass forwarded in this window: its spec, key mask (n, S), and its states while it belongs to the current
-    micro-batch (a kept pass's states live in the store)."""
+    """A pass forwarded in this window: its spec, key mask and positions (n, S), and its states while it belongs to
+    the current micro-batch (a kept pass's states live in the store)."""
 
     spec: PassSpec
     mask: torch.Tensor
+    positions: torch.Tensor
     states: PromptStates | None = None
 
 
@@ -111,9 +112,15 @@ class Window:
             index = torch.full((len(paths),), -1, dtype=torch.long)
             index[list(reads)] = torch.tensor(list(reads.values()), dtype=torch.long)
             states = self._read(pass_id, reader_release, views)
-            regions.append(attn_hook.Region(kv=dict(enumerate(states.kv)), index=index.to(device),
-                                            mask=self._passes[pass_id].mask))  # fmt: skip
+            p = self._passes[pass_id]
+            regions.append(attn_hook.Region(kv=dict(enumerate(states.kv)), index=index.to(device), mask=p.mask,
+                                            positions=p.positions))  # fmt: skip
         return regions
+
+    def _span(self, paths: list[list[int]], last: int) -> int:
+        """The largest query-key position difference of a pass whose last query sits at ``last`` and whose rows
+        read the nodes ``paths`` (a path's root holds its smallest positions)."""
+        return last - min(self.plan.trie.nodes[path[0]].start for path in paths)
 
     def _layout(self, nodes: tuple[int, ...], device):
         """(ids, key mask, positions, lengths) of a pass over ``nodes``: right-padded spans at their positions."""
@@ -142,7 +149,9 @@ class Window:
         else:
             ancestors = [self.plan.trie.path(n)[:-1] for n in spec.nodes]
             regions = self._regions(ancestors, spec.release, views, device)
-            ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, capture={})
+            last = max(self.plan.trie.nodes[n].start + length - 1 for n, length in zip(spec.nodes, lengths))
+            ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, positions=positions,
+                                              span=self._span(ancestors, last), capture={})  # fmt: skip
             out = backbone(input_ids=ids, position_ids=positions, use_cache=False,
                            grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
             # whatever reads this pass (its K/V, its last hidden state) holds its context, which the replay of its
@@ -152,7 +161,7 @@ class Window:
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
         states = PromptStates(kv=[kv[i] for i in sorted(kv)], last_hidden=last)
         pass_id = next(self._ids)
-        self._passes[pass_id] = _Pass(spec=spec, mask=mask, states=None if spec.kept else states)
+        self._passes[pass_id] = _Pass(spec=spec, mask=mask, positions=positions, states=None if spec.kept else states)
         if spec.kept:
             self.store.keep(pass_id, states, spec.release)
         for row, n in enumerate(spec.nodes):
@@ -179,12 +188,15 @@ class Window:
         """(B, width, H) final hidden states of completion tokens ``0 … width − 1``, which predict tokens 1 … width."""
         device = completion_ids.device
         trie = self.plan.trie
-        ctx = attn_hook.CompletionContext(
-            regions=self._regions([trie.path(leaf) for leaf in leaves], self.current, views, device),
-            key_mask=completion_mask[:, :width].bool(),
-        )
         ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
         positions = ends[:, None] + torch.arange(width, device=device)
+        paths = [trie.path(leaf) for leaf in leaves]
+        ctx = attn_hook.CompletionContext(
+            regions=self._regions(paths, self.current, views, device),
+            key_mask=completion_mask[:, :width].bool(),
+            positions=positions,
+            span=self._span(paths, max(trie.nodes[leaf].end for leaf in leaves) + width - 1),
+        )
         out = backbone(input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,
                        grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
         return attn_hook.keep_alive(out.last_hidden_state, ctx)
