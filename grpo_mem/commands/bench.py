@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from grpo_mem.commands.smollm2 import force_offline
+    from grpo_mem.commands.gguf_models import force_offline
 
     force_offline()
     sys.exit(main())

