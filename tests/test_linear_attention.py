@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import (
     VOCAB, CountPasses, assert_close, assert_weights_close, begin_window, grads_of, make_batch, stock_logps,
-    stock_window, tiny_model, train_recorded,
+    stock_window, tiny_model, train_recorded, weighted_backward,
 )  # fmt: skip
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -180,9 +180,7 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
         logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
         assert_close(logps, r, 1e-5, "log-probs")
         assert_close(ent, re, 1e-5, "entropies")
-        g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
-        loss = (logps * torch.randn(logps.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()
-        loss.backward()
+        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
     ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     session.close_window()  # raises if a kept pass was never released
     assert sorted(t for p in count.passes for t in p) == sorted([40, 11, 2, 4, 1, 2, 6])
