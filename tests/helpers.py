@@ -179,14 +179,19 @@ def begin_window(session, model, batches, C):
     session.begin_window(model, [ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
 
 
-def grads_of(model, logps, entropies, seed=1):
-    """Backward of a random weighting of log-probs and entropies; returns {name: grad clone} and zeroes grads."""
+def weighted_backward(logps, entropies, seed=1):
+    """Backward of a random weighting (seeded by ``seed``) of log-probs and entropies; gradients accumulate."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(logps.shape, generator=g)
     loss = (logps * w).sum()
     if entropies is not None:
         loss = loss + (entropies * torch.randn(entropies.shape, generator=g)).sum()
     loss.backward()
+
+
+def grads_of(model, logps, entropies, seed=1):
+    """Backward of a random weighting of log-probs and entropies; returns {name: grad clone} and zeroes grads."""
+    weighted_backward(logps, entropies, seed)
     out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out

@@ -8,10 +8,11 @@ import pytest
 import torch
 from helpers import (
     VOCAB, CountPasses, assert_close, assert_weights_close, begin_window, grads_of, make_batch, stock_logps,
-    stock_window, tiny_model, train_recorded,
+    stock_window, tiny_model, train_recorded, weighted_backward,
 )  # fmt: skip
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+import grpo_mem
 from grpo_mem.model import attention_hook as attn_hook
 from grpo_mem.model.linear_attention import LinearContext, hands_off_state
 from grpo_mem.model.sharing import SharingSession
@@ -76,6 +77,20 @@ def test_gated_deltanet_models_are_supported_by_capability():
         assert unsupported_reason(model) is None
         linear = [m for m in model.modules() if hands_off_state(m)]
         assert [m.layer_idx for m in linear] == [0, 2]
+
+
+def test_layer_wrappers_are_removed_by_restore_and_contexts_are_checked():
+    model = tiny_model("qwen3_5", layers=3)
+    ids, mask, C, _ = make_batch([4, 6], 2, 3)
+    grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+    layers = [m for m in model.modules() if hands_off_state(m)]
+    assert all("forward" in m.__dict__ for m in layers)  # wrapped while taken over
+    grpo_mem.restore(model)
+    assert not any("forward" in m.__dict__ or "_grpo_mem_linear_forward" in m.__dict__ for m in layers)
+    with pytest.raises(ValueError, match=r"lengths must name 2 rows, got 3"):
+        LinearContext(batch=2, lengths=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"reader rows must lie in \[0, 2\), got \[0, 2\]"):
+        LinearContext(batch=2, lengths=None, sources=[({}, torch.tensor([0, 2]), torch.tensor([0, 1]))])
 
 
 def test_node_states_are_the_models_own_states_at_each_rows_last_token():
@@ -165,9 +180,7 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
         logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
         assert_close(logps, r, 1e-5, "log-probs")
         assert_close(ent, re, 1e-5, "entropies")
-        g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
-        loss = (logps * torch.randn(logps.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()
-        loss.backward()
+        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
     ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     session.close_window()  # raises if a kept pass was never released
     assert sorted(t for p in count.passes for t in p) == sorted([40, 11, 2, 4, 1, 2, 6])

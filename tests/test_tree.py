@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import (
     VOCAB, CountPasses, assert_close, assert_grads_close, assert_weights_close, begin_window, grads_of, make_batch,
-    stock_logps, stock_window, tiny_model, train_recorded,
+    stock_logps, stock_window, tiny_model, train_recorded, weighted_backward,
 )  # fmt: skip
 
 import grpo_mem
@@ -165,9 +165,7 @@ def test_window_forwards_each_node_once_and_sums_gradients(monkeypatch, checkpoi
         assert session.shares(ids[:, : P[j]], mask[:, : P[j]])
         logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
         outputs.append((logps.detach(), ent.detach()))
-        g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
-        loss = (logps * torch.randn(logps.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()
-        loss.backward()
+        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
     ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     session.close_window()  # raises if a kept pass was never released
 
