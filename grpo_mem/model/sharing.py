@@ -24,6 +24,7 @@ import torch
 
 from .distributed import agree, lockstep, unwrap_causal_lm
 from .forward import ScoreOptions, run_in_forward, validate_inputs
+from .multimodal import VisionInputs, warn_tree_to_group
 from .plan import PromptGrouping, WindowPlan, check_sharing
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
@@ -77,7 +78,7 @@ class SharingSession:
         self.mode = check_sharing(sharing)
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
-        self._pending: tuple[Decision, Window, bool] | None = None  # the decision, its window, lockstep
+        self._pending: tuple | None = None  # the decision, its window, lockstep, its image inputs
         self.last_decision: Decision | None = None
 
     @property
@@ -90,20 +91,34 @@ class SharingSession:
         """Whether a window is open with micro-batches left to score."""
         return self.window is not None and not self.window.done
 
-    def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor]) -> None:
+    def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor],
+                     row_keys: list[list[bytes]] | None = None) -> None:  # fmt: skip
         """Plan a window of ``len(prompt_ids)`` micro-batches; closes the previous window if one is open.
 
         Args:
             model: the model the window trains (unused; kept for callers that pass it).
             prompt_ids: per micro-batch, (B_i, P_i) int64 left-padded prompt ids, in the order they will be scored.
             prompt_masks: per micro-batch, (B_i, P_i) 0/1 prompt masks.
+            row_keys: per micro-batch, its rows' image keys (``VisionInputs.row_keys``), or None for text prompts;
+                with them the window is planned in group mode (``multimodal.TREE_TO_GROUP``).
 
         Raises:
             ValueError: no micro-batch, lists of different lengths, a prompt with no real token.
         """
         self.close_window()
-        plan = WindowPlan.build(self.mode, prompt_ids, prompt_masks, min_shared_tokens=self.min_shared_tokens)
+        groupings = None
+        if row_keys is not None:
+            groupings = [PromptGrouping.of(i, m, k) for i, m, k in zip(prompt_ids, prompt_masks, row_keys)]
+        plan = WindowPlan.build(self._mode(row_keys is not None), prompt_ids, prompt_masks, groupings=groupings,
+                                min_shared_tokens=self.min_shared_tokens)  # fmt: skip
         self.window = Window(plan)
+
+    def _mode(self, images: bool) -> str:
+        """The sharing mode of a plan: the session's, but group for image prompts (warned once)."""
+        if images and self.mode == "tree":
+            warn_tree_to_group()
+            return "group"
+        return self.mode
 
     def end_after_next(self) -> None:
         """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): what is
@@ -146,11 +161,13 @@ class SharingSession:
         return self.window
 
     def decide(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
-               cause: str | None = None, stock_available: bool = False) -> Decision:  # fmt: skip
+               cause: str | None = None, stock_available: bool = False, vision: VisionInputs | None = None,
+               ) -> Decision:  # fmt: skip
         """Decide how the micro-batch ``input_ids``/``attention_mask`` is scored; ``run`` must follow.
 
         ``cause``: a reason of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
         take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it.
+        ``vision``: the micro-batch's image inputs (rows group by prompt and images; group sharing), or None.
         Ranks in lockstep decide together: every rank must call ``decide`` once per micro-batch (one collective).
 
         Raises:
@@ -159,16 +176,21 @@ class SharingSession:
         validate_inputs(input_ids, attention_mask, logits_to_keep, temperature)
         B, T = input_ids.shape
         P = T - logits_to_keep
-        grouping = PromptGrouping.of(input_ids[:, :P], attention_mask[:, :P])
+        extra = None if vision is None else vision.row_keys(P)
+        grouping = PromptGrouping.of(input_ids[:, :P], attention_mask[:, :P], extra)
         window = self._window_for(grouping)
         if window is None:
-            plan = WindowPlan.build(self.mode, [input_ids[:, :P]], [attention_mask[:, :P]], groupings=[grouping],
-                                    min_shared_tokens=self.min_shared_tokens)  # fmt: skip
+            plan = WindowPlan.build(self._mode(vision is not None), [input_ids[:, :P]], [attention_mask[:, :P]],
+                                    groupings=[grouping], min_shared_tokens=self.min_shared_tokens)  # fmt: skip
             window = Window(plan)
             j = None
         else:
             j = window.current
         reason = cause or unsupported_reason(unwrap_causal_lm(model), T)
+        if reason is None and vision is not None:
+            reason = vision.completion_cause(P)
+            if reason is None and window.plan.mode != "group":
+                reason = "image inputs in a window planned for tree sharing (begin_window had no row_keys)"
         in_lockstep = lockstep(model)
         current = window.current
         if in_lockstep:
@@ -179,9 +201,9 @@ class SharingSession:
         width = logits_to_keep - 1 if logits_to_keep > 1 or not in_lockstep else 1
         stock_tokens = B * T
         tokens = stock_tokens if reason else window.plan.tokens_at(current, width)
-        decision = Decision(path="stock" if reason else self.mode, cause=reason, micro_batch=j, rows=B,
+        decision = Decision(path="stock" if reason else window.plan.mode, cause=reason, micro_batch=j, rows=B,
                             backbone_tokens=tokens, stock_tokens=stock_tokens)  # fmt: skip
-        self._pending = (decision, window, in_lockstep)
+        self._pending = (decision, window, in_lockstep, vision)
         self.last_decision = decision
         return decision
 
@@ -198,7 +220,7 @@ class SharingSession:
         """
         if self._pending is None or self._pending[0] is not decision:
             raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
-        _, window, in_lockstep = self._pending
+        _, window, in_lockstep, vision = self._pending
         self._pending = None
         options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
         causal_lm = unwrap_causal_lm(model)
@@ -212,8 +234,11 @@ class SharingSession:
             if decision.micro_batch is not None:  # sharing ends here: what is pending goes into this backward
                 logps = window.skip(logps) if decision.cause == UNSHARED else window.abandon(logps)
             return logps, entropy
-        return run_in_forward(model, causal_lm, lambda m, ids, mask: window.run(m, ids, mask, options,
-                              lockstep=in_lockstep), input_ids, attention_mask)  # fmt: skip
+        def compute(m, ids, mask):
+            inputs = None if vision is None else vision.bind(m, ids, mask, ids.shape[1] - logits_to_keep)
+            return window.run(m, ids, mask, options, lockstep=in_lockstep, inputs=inputs)
+
+        return run_in_forward(model, causal_lm, compute, input_ids, attention_mask)
 
     def score(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
               compute_entropy: bool = False, cast_lm_head_to_fp32: bool = False):  # fmt: skip

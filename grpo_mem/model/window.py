@@ -131,20 +131,30 @@ class Window:
         positions = starts[:, None] + torch.arange(S)
         return ids.to(device), mask.to(device), positions.to(device), lengths
 
-    def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
+    def _pass_inputs(self, inputs, spec: PassSpec, width: int) -> dict:
+        """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
+        features, the model's positions), asked for the first row of the micro-batch that ends at each node."""
+        if inputs is None or not spec.nodes:
+            return {}
+        leaves = self.plan.leaves(self.current)
+        return inputs.prompt_pass([leaves.index(n) for n in spec.nodes], width)
+
+    def _forward_pass(self, backbone, spec: PassSpec, views, device, inputs=None) -> None:
         """Forward one pass of the schedule; register its nodes (in the store if kept)."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
+        extra = self._pass_inputs(inputs, spec, ids.shape[1])
+        positions = extra.pop("position_ids", positions)
         if spec.depth == 0 or not spec.nodes:
             capture = attn_hook.PromptCapture()
             out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(capture))  # fmt: skip
+                           grpo_mem_ctx=attn_hook.context_token(capture), **extra)  # fmt: skip
             hidden, kv = out.last_hidden_state, capture.kv
         else:
             ancestors = [self.plan.trie.path(n)[:-1] for n in spec.nodes]
             regions = self._regions(ancestors, spec.release, views, device)
             ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, capture={})
             out = backbone(input_ids=ids, position_ids=positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
+                           grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
             # whatever reads this pass (its K/V, its last hidden state) holds its context, which the replay of its
             # checkpointed layers in backward looks up
             hidden = attn_hook.keep_alive(out.last_hidden_state, ctx)
@@ -175,24 +185,30 @@ class Window:
         inverse[order] = torch.arange(len(order))
         return hidden.index_select(0, inverse.to(hidden.device))
 
-    def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views):
-        """(B, width, H) final hidden states of completion tokens ``0 … width − 1``, which predict tokens 1 … width."""
+    def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views, inputs=None):
+        """(B, width, H) final hidden states of completion tokens ``0 … width − 1``, which predict tokens 1 … width;
+        at the positions ``inputs`` (the input provider) gives, if it gives any."""
         device = completion_ids.device
         trie = self.plan.trie
         ctx = attn_hook.CompletionContext(
             regions=self._regions([trie.path(leaf) for leaf in leaves], self.current, views, device),
             key_mask=completion_mask[:, :width].bool(),
         )
-        ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
-        positions = ends[:, None] + torch.arange(width, device=device)
+        positions = None if inputs is None else inputs.completion_positions(width)
+        if positions is None:
+            ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
+            positions = ends[:, None] + torch.arange(width, device=device)
         out = backbone(input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,
                        grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
         return attn_hook.keep_alive(out.last_hidden_state, ctx)
 
-    def run(self, causal_lm, input_ids, attention_mask, options, *, lockstep: bool = False):
+    def run(self, causal_lm, input_ids, attention_mask, options, *, lockstep: bool = False, inputs=None):
         """Score the window's next micro-batch (``input_ids``/``attention_mask`` (B, P + C), the rows planned for it)
         on the unwrapped ``causal_lm``; ``options``: ``ScoreOptions``. Returns (B, C) fp32 log-probs and entropies
         (or None), whose backward also backpropagates every pass released in this micro-batch.
+
+        ``inputs``: the micro-batch's input provider, or None: what its passes add to their backbone calls
+        (``multimodal.VisionPasses``: image features and the model's own positions; group-mode plans only).
 
         ``lockstep``: make the module calls of ranks whose micro-batches differ (with C == 1 the completion pass still
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
@@ -205,11 +221,11 @@ class Window:
         attn_hook.take_over(causal_lm)
         views: dict[int, PromptStates] = {}  # kept passes released in this micro-batch
         for spec in self.plan.passes_at(self.current):
-            self._forward_pass(backbone, spec, views, input_ids.device)
+            self._forward_pass(backbone, spec, views, input_ids.device, inputs)
         hidden = [self._leaf_hidden(leaves, views).unsqueeze(1)]
         width = C - 1 if C > 1 or not lockstep else 1
         if width:
-            out = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width, views)
+            out = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width, views, inputs)
             if C > 1:
                 hidden.append(out)
             else:
