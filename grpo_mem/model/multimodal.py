@@ -146,14 +146,7 @@ class VisionInputs:
         """What the passes of the micro-batch ``input_ids``/``attention_mask`` (B, T), whose prompts are the first
         ``prompt_width`` columns, add on ``causal_lm`` (its base model has ``compute_3d_position_ids`` and
         ``get_image_features``: ``support.vision_language_reason``)."""
-        base = causal_lm.base_model
-        positions = None
-        if self.mm_token_type_ids is not None:
-            positions = base.compute_3d_position_ids(
-                input_ids=input_ids, image_grid_thw=self.image_grid_thw, video_grid_thw=None, inputs_embeds=None,
-                attention_mask=attention_mask, past_key_values=None, mm_token_type_ids=self.mm_token_type_ids,
-            )  # fmt: skip
-        return VisionPasses(self, base, positions, attention_mask, prompt_width)
+        return VisionPasses(self, causal_lm.base_model, input_ids, attention_mask, prompt_width)
 
 
 @dataclass
@@ -163,37 +156,55 @@ class VisionPasses:
     Attributes:
         inputs: the micro-batch's ``VisionInputs``.
         base: the model's base model (vision tower, merge, language model).
-        positions: (3, B, T) int64 positions the model computes for the rows (prompt + completion), or None when the
-            model would use ``arange(T)`` (no token types given), which the passes' own positions already are.
-        attention_mask: (B, T) 0/1, the micro-batch's mask.
+        input_ids, attention_mask: (B, T) the micro-batch.
         prompt_width: P, the prompt columns of the micro-batch (left-padded prompts, then completions).
     """
 
     inputs: VisionInputs
     base: torch.nn.Module
-    positions: torch.Tensor | None
+    input_ids: torch.Tensor
     attention_mask: torch.Tensor
     prompt_width: int
+    _positions: tuple = ()
+
+    def positions(self) -> torch.Tensor | None:
+        """(3, B, T) int64 positions the model computes for the rows (prompt + completion), as its forward does, or
+        None when the model would use ``arange(T)`` (no token types given), which the passes' own positions are."""
+        if not self._positions:
+            types = self.inputs.mm_token_type_ids
+            self._positions = (None if types is None else self.base.compute_3d_position_ids(
+                input_ids=self.input_ids, image_grid_thw=self.inputs.image_grid_thw, video_grid_thw=None,
+                inputs_embeds=None, attention_mask=self.attention_mask, past_key_values=None, mm_token_type_ids=types,
+            ),)  # fmt: skip
+        return self._positions[0]
 
     def prompt_pass(self, rows: list[int], width: int) -> dict:
         """Extra keyword arguments of the backbone call of a prompt pass whose entry i is row ``rows[i]``'s whole
-        prompt, right-padded to ``width`` tokens: ``position_ids`` (3, n, width) and ``mm_encoder_outputs`` (the
-        prompts' image features, computed here once), each only where needed."""
+        prompt, right-padded to ``width`` tokens: ``mm_encoder_outputs`` (the prompts' image features, computed here
+        once) and ``position_ids`` (3, n, width), each only where needed.
+
+        Raises:
+            ValueError: the model's own (``get_placeholder_mask``), when the rows' image tokens do not match their
+                image features; checked before the positions, which assume they match.
+        """
         kwargs = {}
-        if self.positions is not None:
-            prompt_width = self.prompt_width
-            positions = self.positions.new_zeros(3, len(rows), width)
-            for i, b in enumerate(rows):
-                length = int(self.attention_mask[b, :prompt_width].sum())
-                positions[:, i, :length] = self.positions[:, b, prompt_width - length : prompt_width]
-            kwargs["position_ids"] = positions
         if self.inputs.pixel_values is not None and any(self.inputs.num_images[b] for b in rows):
             pixel_values, grid = self.inputs._images_of(rows)
-            kwargs["mm_encoder_outputs"] = {"image": self.base.get_image_features(pixel_values, grid, return_dict=True)}
+            features = self.base.get_image_features(pixel_values, grid, return_dict=True)
+            merged = torch.cat(features.pooler_output, dim=0)
+            self.base.get_placeholder_mask(self.input_ids[rows, : self.prompt_width], inputs_embeds=merged[:1],
+                                           image_features=merged)  # fmt: skip
+            kwargs["mm_encoder_outputs"] = {"image": features}
+        positions = self.positions()
+        if positions is not None:
+            P = self.prompt_width
+            kwargs["position_ids"] = positions.new_zeros(3, len(rows), width)
+            for i, b in enumerate(rows):
+                length = int(self.attention_mask[b, :P].sum())
+                kwargs["position_ids"][:, i, :length] = positions[:, b, P - length : P]
         return kwargs
 
     def completion_positions(self, width: int) -> torch.Tensor | None:
         """(3, B, width) positions of completion tokens 0 … width − 1, or None (the passes' own positions)."""
-        if self.positions is None:
-            return None
-        return self.positions[:, :, self.prompt_width : self.prompt_width + width]
+        positions = self.positions()
+        return None if positions is None else positions[:, :, self.prompt_width : self.prompt_width + width]

@@ -217,10 +217,15 @@ class SharingSession:
 
         Raises:
             RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
+            ValueError: a stock decision for a micro-batch with image inputs and no ``stock`` (the default does not
+                take images).
         """
         if self._pending is None or self._pending[0] is not decision:
             raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
         _, window, in_lockstep, vision = self._pending
+        if decision.path == "stock" and vision is not None and stock is None:
+            raise ValueError(f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no "
+                             "stock path taking them")  # fmt: skip
         self._pending = None
         options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32))
         causal_lm = unwrap_causal_lm(model)

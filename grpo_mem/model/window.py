@@ -74,6 +74,7 @@ class Window:
     _passes: dict[int, _Pass] = field(default_factory=dict)
     _node_pass: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (pass id, row)
     _ids: itertools.count = field(default_factory=itertools.count)
+    _inputs: object = None  # the current micro-batch's input provider (``run``'s ``inputs``)
 
     @property
     def done(self) -> bool:
@@ -131,18 +132,18 @@ class Window:
         positions = starts[:, None] + torch.arange(S)
         return ids.to(device), mask.to(device), positions.to(device), lengths
 
-    def _pass_inputs(self, inputs, spec: PassSpec, width: int) -> dict:
+    def _pass_inputs(self, spec: PassSpec, width: int) -> dict:
         """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
         features, the model's positions), asked for the first row of the micro-batch that ends at each node."""
-        if inputs is None or not spec.nodes:
+        if self._inputs is None or not spec.nodes:
             return {}
         leaves = self.plan.leaves(self.current)
-        return inputs.prompt_pass([leaves.index(n) for n in spec.nodes], width)
+        return self._inputs.prompt_pass([leaves.index(n) for n in spec.nodes], width)
 
-    def _forward_pass(self, backbone, spec: PassSpec, views, device, inputs=None) -> None:
+    def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
         """Forward one pass of the schedule; register its nodes (in the store if kept)."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
-        extra = self._pass_inputs(inputs, spec, ids.shape[1])
+        extra = self._pass_inputs(spec, ids.shape[1])
         positions = extra.pop("position_ids", positions)
         if spec.depth == 0 or not spec.nodes:
             capture = attn_hook.PromptCapture()
@@ -185,16 +186,16 @@ class Window:
         inverse[order] = torch.arange(len(order))
         return hidden.index_select(0, inverse.to(hidden.device))
 
-    def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views, inputs=None):
+    def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views):
         """(B, width, H) final hidden states of completion tokens ``0 … width − 1``, which predict tokens 1 … width;
-        at the positions ``inputs`` (the input provider) gives, if it gives any."""
+        at the positions the micro-batch's input provider gives, if it gives any."""
         device = completion_ids.device
         trie = self.plan.trie
         ctx = attn_hook.CompletionContext(
             regions=self._regions([trie.path(leaf) for leaf in leaves], self.current, views, device),
             key_mask=completion_mask[:, :width].bool(),
         )
-        positions = None if inputs is None else inputs.completion_positions(width)
+        positions = None if self._inputs is None else self._inputs.completion_positions(width)
         if positions is None:
             ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
             positions = ends[:, None] + torch.arange(width, device=device)
@@ -220,12 +221,13 @@ class Window:
         backbone = causal_lm.base_model
         attn_hook.take_over(causal_lm)
         views: dict[int, PromptStates] = {}  # kept passes released in this micro-batch
+        self._inputs = inputs
         for spec in self.plan.passes_at(self.current):
-            self._forward_pass(backbone, spec, views, input_ids.device, inputs)
+            self._forward_pass(backbone, spec, views, input_ids.device)
         hidden = [self._leaf_hidden(leaves, views).unsqueeze(1)]
         width = C - 1 if C > 1 or not lockstep else 1
         if width:
-            out = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width, views, inputs)
+            out = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width, views)
             if C > 1:
                 hidden.append(out)
             else:
@@ -247,6 +249,7 @@ class Window:
         for pass_id in released:
             del self._passes[pass_id]
         self._node_pass = {n: v for n, v in self._node_pass.items() if v[0] in self._passes}
+        self._inputs = None
         self.current += 1
 
     def skip(self, anchor: torch.Tensor) -> torch.Tensor:

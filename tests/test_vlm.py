@@ -1,0 +1,240 @@
+"""Image prompts on the prompt-once path: tiny random Qwen2.5-VL and Qwen2-VL built offline, against stock TRL 1.16.
+
+Batches are laid out by hand as Qwen's processor lays them out (``<|vision_start|>``, one ``<|image_pad|>`` per merged
+patch, ``<|vision_end|>``; ``mm_token_type_ids`` 1 on image tokens; patch rows of ``in_channels x patch_size^2``
+floats per grid cell): images of different sizes in one batch, a text-only prompt mixed in, two prompts with equal
+ids and different images, left padding, G completions of random lengths. The patched scoring method and TRL's own
+(``GRPOTrainer._get_per_token_logps_and_entropies``, given TRL's fused head) must agree: fp32 log-probs and entropies
+within 1e-5, every parameter gradient (vision tower included) within 1e-4 of its scale. The vision tower's inputs are
+counted with a forward hook: each unique prompt's images are encoded once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+from contextlib import nullcontext
+
+import pytest
+import torch
+from helpers import assert_close, assert_grads_close, grads_of
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from grpo_mem.model import multimodal
+from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import architecture_reason, recording_fallbacks
+from grpo_mem.patches.trl import PatchHandle, patched_logps_method
+
+IMAGE, VISION_START, VISION_END = 120, 118, 119
+TEMPERATURE = 0.7
+CHANNELS, PATCH = 3, 2
+_TEXT = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0, eos_token_id=3, pad_token_id=0,
+    bos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+)  # fmt: skip
+_VISION = {
+    "qwen2_5_vl": dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                       window_size=8, fullatt_block_indexes=[1]),
+    "qwen2_vl": dict(depth=2, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2),
+    "qwen3_vl": dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                     num_position_embeddings=64, deepstack_visual_indexes=[0]),
+}  # fmt: skip
+
+# (text before the image(s), image grids (t, h, w) in patches, text after): a 4x4 and a 4x8 image, a text-only
+# prompt, and the first prompt's ids again with another image
+PROMPTS = [([5, 6, 7], [(1, 4, 4)], [8, 9]), ([5, 6], [(1, 4, 8)], [10, 11, 12, 13]), ([20, 21, 22, 23], [], [24]),
+           ([5, 6, 7], [(1, 4, 4)], [8, 9])]  # fmt: skip
+
+
+def tiny_vlm(model_type: str = "qwen2_5_vl", seed: int = 0):
+    """A random 2-layer text / 2-block vision model of ``model_type``, fp32, train mode, SDPA."""
+    vision = dict(_VISION[model_type], patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1,
+                  in_channels=CHANNELS)  # fmt: skip
+    config = AutoConfig.for_model(model_type, text_config=dict(_TEXT), vision_config=vision, image_token_id=IMAGE,
+                                  video_token_id=121, vision_start_token_id=VISION_START,
+                                  vision_end_token_id=VISION_END, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
+
+
+def vlm_batch(prompts, G: int, C: int, *, seed: int = 0):
+    """``prompts`` (see ``PROMPTS``) each repeated G times, left-padded, with right-padded random completions; each
+    prompt's images random (patch rows of normal noise). Returns input_ids, attention_mask (B, P + C), C, and TRL's
+    multimodal keyword arguments (pixel_values, image_grid_thw, num_images, mm_token_type_ids)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, pixels, grids, counts = [], [], [], []
+    for before, image_grids, after in prompts:
+        tokens, types_ = list(before), [0] * len(before)
+        images = [torch.randn(t * h * w, CHANNELS * PATCH * PATCH, generator=g) for t, h, w in image_grids]
+        for t, h, w in image_grids:
+            n = t * h * w // 4
+            tokens += [VISION_START] + [IMAGE] * n + [VISION_END]
+            types_ += [0] + [1] * n + [0]
+        tokens += after
+        types_ += [0] * len(after)
+        for _ in range(G):
+            rows.append((tokens, types_))
+            pixels += images
+            grids += image_grids
+            counts.append(len(image_grids))
+    P = max(len(t) for t, _ in rows)
+    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
+    mask, mm_types = torch.zeros_like(ids), torch.zeros_like(ids)
+    for b, (tokens, types_) in enumerate(rows):
+        L = len(tokens)
+        ids[b, P - L : P], mask[b, P - L : P], mm_types[b, P - L : P] = torch.tensor(tokens), 1, torch.tensor(types_)
+        c = int(torch.randint(1, C + 1, (1,), generator=g))
+        ids[b, P : P + c], mask[b, P : P + c] = torch.randint(4, 110, (c,), generator=g), 1
+    extras = dict(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids), num_images=counts,
+                  mm_token_type_ids=mm_types)  # fmt: skip
+    return ids, mask, C, extras
+
+
+class _Trainer(types.SimpleNamespace):
+    """What the scoring method reads of a trainer."""
+
+    __hash__ = object.__hash__
+
+
+def _trainer():
+    return _Trainer(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=TEMPERATURE,
+                    args=types.SimpleNamespace(cast_lm_head_to_fp32=False), _metrics=None)  # fmt: skip
+
+
+def _stock_method():
+    from trl import GRPOTrainer
+
+    return inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
+
+
+def _score(method, model, ids, mask, C, extras, batch_size):
+    logps, ent, _ = method(_trainer(), model, ids, mask, C, batch_size=batch_size, compute_entropy=True, **extras)
+    keep = mask[:, -C:].bool()
+    return logps.masked_fill(~keep, 0.0), ent.masked_fill(~keep, 0.0)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def vlm(request):
+    """(model with TRL's fused head, list of images each vision-tower call encoded)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_vlm(request.param)
+    add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    encoded: list[int] = []
+    model.model.visual.register_forward_hook(lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]),
+                                             with_kwargs=True)  # fmt: skip
+    return model, encoded
+
+
+def _unique_images(extras, rows: range) -> int:
+    """Images of the distinct prompts (ids and images) among ``rows``: here one per prompt index with an image."""
+    G = len(extras["num_images"]) // len(PROMPTS)
+    return sum(len(PROMPTS[p][1]) for p in sorted({b // G for b in rows}))
+
+
+@pytest.mark.parametrize("batch_size", [12, 4])
+def test_logprobs_entropies_gradients_match_stock(vlm, batch_size):
+    """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
+    stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
+    model, encoded = vlm
+    ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=5)
+    encoded.clear()
+    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
+    ref_grads = grads_of(model, ref_logps, ref_ent)
+    assert sum(encoded) == sum(extras["num_images"])
+    encoded.clear()
+    handle = PatchHandle(("test_vlm",), group_shuffle=False, sharing="group")
+    with recording_fallbacks() as fallbacks:
+        logps, ent = _score(patched_logps_method(_stock_method(), handle), model, ids, mask, C, extras, batch_size)
+    grads = grads_of(model, logps, ent)
+    assert fallbacks == []
+    chunks = [range(s, min(s + batch_size, ids.shape[0])) for s in range(0, ids.shape[0], batch_size)]
+    assert sum(encoded) == sum(_unique_images(extras, rows) for rows in chunks)
+    assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
+    assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
+    assert any(name.startswith("model.visual.") for name in grads)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
+    """Two micro-batches of one optimizer step, each holding part of every group: each unique prompt (ids and
+    images) goes through the vision tower and the language model once in the window; gradients as stock's summed
+    over the micro-batches. A tree-mode session plans image prompts in group mode, warned once by name."""
+    model, encoded = vlm
+    ids, mask, C, extras = vlm_batch(PROMPTS, G=2, C=4, seed=1)
+    order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # rows 2i, 2i + 1 are prompt i's
+    ids, mask = ids[order], mask[order]
+    whole = VisionInputs.of_chunk(extras, 0, 8, 8)
+    extras = dict(pixel_values=torch.cat([whole._images_of([int(b)])[0] for b in order]),
+                  image_grid_thw=torch.cat([whole._images_of([int(b)])[1] for b in order]),
+                  num_images=[extras["num_images"][b] for b in order], mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
+    halves = [VisionInputs.of_chunk(extras, s, s + 4, 8) for s in (0, 4)]
+    P = ids.shape[1] - C
+    ref_logps = []
+    for s, half in zip((0, 4), halves):
+        logps, ent = _score(_stock_method(), model, ids[s : s + 4], mask[s : s + 4], C, half.as_kwargs(), 4)
+        ref_logps.append(logps)
+        (logps.sum() + ent.sum()).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    encoded.clear()
+    session = SharingSession("tree")
+    monkeypatch.setattr(multimodal, "_warned_tree", [False])  # warned once per process
+    with pytest.warns(UserWarning, match=TREE_TO_GROUP):
+        session.begin_window(model, [ids[:4, :P], ids[4:, :P]], [mask[:4, :P], mask[4:, :P]],
+                             row_keys=[h.row_keys(P) for h in halves])  # fmt: skip
+    for s, half in zip((0, 4), halves):
+        chunk_ids, chunk_mask = ids[s : s + 4], mask[s : s + 4]
+        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=half)
+        assert decision.path == "group"
+        logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
+                                 compute_entropy=True)  # fmt: skip
+        assert_close(logps, ref_logps[s // 4], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
+        (logps.sum() + ent.sum()).backward()
+    session.close_window()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert sum(encoded) == sum(len(p[1]) for p in PROMPTS)  # 3 images for 4 prompts of 2 rows
+    assert_grads_close(grads, ref_grads)
+
+
+def test_image_tokens_in_completion_are_a_named_cause(vlm):
+    """An image token type in a completion (images a tool returned): the decision is the stock path, with its cause."""
+    model, _ = vlm
+    ids, mask, C, extras = vlm_batch(PROMPTS[:2], G=2, C=4, seed=2)
+    extras["mm_token_type_ids"][0, -C] = 1
+    vision = VisionInputs.of_chunk(extras, 0, 4, 4)
+    decision = SharingSession("group").decide(model, ids, mask, C, vision=vision, stock_available=True)
+    assert (decision.path, decision.cause) == ("stock", "image or video tokens in a completion (images returned by a tool)")
+
+
+def test_bad_image_inputs_get_clear_errors(vlm):
+    """Image tokens that do not match the image features: the model's own error, as stock raises it; image counts
+    that the grids or the patch rows do not hold: a ValueError naming both numbers."""
+    model, _ = vlm
+    ids, mask, C, extras = vlm_batch(PROMPTS[:2], G=2, C=4, seed=3)
+    first_image = (ids == IMAGE).int().argmax(1)
+    ids[torch.arange(ids.shape[0]), first_image] = 9  # one image token of every row becomes text
+    extras["mm_token_type_ids"][torch.arange(ids.shape[0]), first_image] = 0
+    method = patched_logps_method(_stock_method(), PatchHandle(("test_vlm",), group_shuffle=False))
+    with pytest.raises(ValueError, match="Image features and image tokens do not match") as stock_error:
+        _score(_stock_method(), model, ids, mask, C, extras, 4)
+    with pytest.raises(ValueError, match="Image features and image tokens do not match") as our_error:
+        _score(method, model, ids, mask, C, extras, 4)
+    assert type(our_error.value) is type(stock_error.value)
+    ids, mask, C, extras = vlm_batch(PROMPTS[:2], G=2, C=4, seed=3)
+    with pytest.raises(ValueError, match="num_images counts 3 images but image_grid_thw has 4 grids"):
+        _score(method, model, ids, mask, C, dict(extras, num_images=[1, 1, 1, 0]), 4)
+    with pytest.raises(ValueError, match="image_grid_thw holds 96 patch rows but pixel_values has 95"):
+        _score(method, model, ids, mask, C, dict(extras, pixel_values=extras["pixel_values"][:-1]), 4)
+
+
+def test_unserved_vision_language_models_are_named():
+    """Qwen3-VL adds image features inside decoder layers (deepstack): a named cause; the served types have none."""
+    assert architecture_reason(tiny_vlm("qwen2_5_vl")) is None
+    reason = architecture_reason(tiny_vlm("qwen3_vl"))
+    assert reason == ("vision-language model handing its language model more than merged embeddings "
+                      "(deepstack_visual_embeds, visual_pos_masks)")  # fmt: skip
