@@ -238,3 +238,98 @@ def test_unserved_vision_language_models_are_named():
     reason = architecture_reason(tiny_vlm("qwen3_vl"))
     assert reason == ("vision-language model handing its language model more than merged embeddings "
                       "(deepstack_visual_embeds, visual_pos_masks)")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# a GRPOTrainer run: TRL's own image pipeline (processor, generation, shuffling, buffering) on a tiny Qwen2.5-VL
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _processor():
+    """Qwen2.5-VL's processor built in memory: the PIL image processor (patch 2, merge 2) and the character
+    tokenizer with Qwen's vision tokens; no video processor (it needs torchvision)."""
+    from helpers import char_tokenizer
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageOnlyProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template)
+
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=2, temporal_patch_size=1, min_pixels=16,
+                                      max_pixels=32 * 32)  # fmt: skip
+    return ImageOnlyProcessor(image_processor=images, tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE)
+
+
+def _char_sum_reward(completions, **kwargs):
+    return [float(sum(map(ord, str(c))) % 7) for c in completions]
+
+
+def _train(tmp_path, patch: bool):
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo_mem
+
+    set_seed(0)
+    processor = _processor()
+    vision_start, vision_end, image, video = processor.tokenizer.convert_tokens_to_ids(_SPECIAL)
+    eos, pad = processor.tokenizer.eos_token_id, processor.tokenizer.pad_token_id
+    config = AutoConfig.for_model(
+        "qwen2_5_vl", text_config=dict(_TEXT, vocab_size=96, eos_token_id=eos, pad_token_id=pad),
+        vision_config=dict(_VISION["qwen2_5_vl"], patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1,
+                           in_channels=CHANNELS),
+        image_token_id=image, video_token_id=video, vision_start_token_id=vision_start, vision_end_token_id=vision_end,
+        eos_token_id=eos, pad_token_id=pad,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in [(8, 8), (8, 16), (16, 8)]]
+    texts = ["what?", "count", "say a"]
+    prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t}]}] for t in texts]
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        max_steps=3, gradient_accumulation_steps=2, learning_rate=1e-2, optim="sgd", report_to="none", use_cpu=True,
+        seed=0, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, bf16=False, beta=0.0,
+        logging_steps=1,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=_char_sum_reward, args=args, processing_class=processor,
+                          train_dataset=Dataset.from_dict({"prompt": prompts, "image": images}))  # fmt: skip
+    handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing="group") if patch else None
+    try:
+        with recording_fallbacks() as fallbacks:
+            trainer.train()
+    finally:
+        if handle is not None:
+            handle.revert()
+    return trainer, fallbacks, initial
+
+
+def test_grpo_trainer_three_steps_match_stock(tmp_path):
+    """3 GRPOTrainer steps (gradient accumulation 2, rows shuffled row by row so groups straddle micro-batches) on a
+    tiny Qwen2.5-VL with images of three sizes: every training micro-batch takes the group path, and the weights,
+    vision tower included, end within 1e-5 of stock's (SGD, so a gradient difference shows as lr x difference)."""
+    stock, _, initial = _train(tmp_path / "stock", patch=False)
+    ours, fallbacks, _ = _train(tmp_path / "ours", patch=True)
+    assert fallbacks == []
+    paths = [log["grpo_mem/path/group"] for log in ours.state.log_history if "grpo_mem/path/group" in log]
+    assert paths == [1.0, 1.0, 1.0]
+    stock_weights = dict(stock.model.named_parameters())
+    for name, p in ours.model.named_parameters():
+        assert_close(p.detach(), stock_weights[name].detach(), 1e-5, name)
+    moved = {name: float((p.detach() - initial[name]).abs().max()) for name, p in stock_weights.items()}
+    assert max(v for n, v in moved.items() if n.startswith("model.visual.")) > 1e-4  # the vision tower trained
