@@ -168,8 +168,8 @@ def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
     order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # rows 2i, 2i + 1 are prompt i's
     ids, mask = ids[order], mask[order]
     whole = VisionInputs.of_chunk(extras, 0, 8, 8)
-    extras = dict(pixel_values=torch.cat([whole._images_of([int(b)])[0] for b in order]),
-                  image_grid_thw=torch.cat([whole._images_of([int(b)])[1] for b in order]),
+    extras = dict(pixel_values=torch.cat([whole.images_of([int(b)])[0] for b in order]),
+                  image_grid_thw=torch.cat([whole.images_of([int(b)])[1] for b in order]),
                   num_images=[extras["num_images"][b] for b in order], mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
     halves = [VisionInputs.of_chunk(extras, s, s + 4, 8) for s in (0, 4)]
     P = ids.shape[1] - C

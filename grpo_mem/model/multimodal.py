@@ -93,7 +93,8 @@ class VisionInputs:
         types = extras.get("mm_token_type_ids")
         if pixel_values is None and types is None:
             return None
-        counts = [int(n) for n in (extras.get("num_images") or [0] * rows)]
+        counts = extras.get("num_images")
+        counts = [0] * rows if counts is None else [int(n) for n in counts]
         if len(counts) != rows:
             raise ValueError(f"num_images must give one image count per row ({rows} rows), got {len(counts)} counts")
         first_image, last_image = sum(counts[:start]), sum(counts[:end])
@@ -116,8 +117,8 @@ class VisionInputs:
                 kwargs[name] = getattr(self, name)
         return kwargs
 
-    def _images_of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(patch rows, grids) of the images of ``rows``, in that order."""
+    def images_of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(patch rows (N', D), grids (I', 3)) of the images of ``rows`` (indices into the chunk), in that order."""
         firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
         patches = torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
         images = [i for b in rows for i in range(firsts[b], firsts[b + 1])]
@@ -132,7 +133,7 @@ class VisionInputs:
         for b in range(len(self.num_images)):
             parts = [] if self.mm_token_type_ids is None else [self.mm_token_type_ids[b, :prompt_width]]
             if self.pixel_values is not None and self.num_images[b]:
-                parts += list(self._images_of([b]))
+                parts += list(self.images_of([b]))
             keys.append(_digest(*parts) if parts else b"")
         return keys
 
@@ -189,7 +190,7 @@ class VisionPasses:
         """
         kwargs = {}
         if self.inputs.pixel_values is not None and any(self.inputs.num_images[b] for b in rows):
-            pixel_values, grid = self.inputs._images_of(rows)
+            pixel_values, grid = self.inputs.images_of(rows)
             features = self.base.get_image_features(pixel_values, grid, return_dict=True)
             merged = torch.cat(features.pooler_output, dim=0)
             self.base.get_placeholder_mask(self.input_ids[rows, : self.prompt_width], inputs_embeds=merged[:1],
