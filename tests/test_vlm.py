@@ -1,4 +1,5 @@
-"""Image prompts on the prompt-once path: tiny random Qwen2.5-VL and Qwen2-VL built offline, against stock TRL 1.16.
+"""Image prompts on the prompt-once path: tiny random Qwen2.5-VL, Qwen2-VL and Qwen3-VL (deepstack on) built offline,
+against stock TRL 1.16.
 
 Batches are laid out by hand as Qwen's processor lays them out (``<|vision_start|>``, one ``<|image_pad|>`` per merged
 patch, ``<|vision_end|>``; ``mm_token_type_ids`` 1 on image tokens; patch rows of ``in_channels x patch_size^2``
@@ -88,8 +89,8 @@ def vlm_batch(prompts, G: int, C: int, *, seed: int = 0):
         ids[b, P - L : P], mask[b, P - L : P], mm_types[b, P - L : P] = torch.tensor(tokens), 1, torch.tensor(types_)
         c = int(torch.randint(1, C + 1, (1,), generator=g))
         ids[b, P : P + c], mask[b, P : P + c] = torch.randint(4, 110, (c,), generator=g), 1
-    extras = dict(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids), num_images=counts,
-                  mm_token_type_ids=mm_types)  # fmt: skip
+    extras = dict(pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.tensor(grids) if grids
+                  else None, num_images=counts, mm_token_type_ids=mm_types)  # fmt: skip
     return ids, mask, C, extras
 
 
@@ -116,17 +117,28 @@ def _score(method, model, ids, mask, C, extras, batch_size):
     return logps.masked_fill(~keep, 0.0), ent.masked_fill(~keep, 0.0)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
-def vlm(request):
-    """(model with TRL's fused head, list of images each vision-tower call encoded)."""
+_MODELS: dict = {}
+
+
+def _vlm(model_type: str):
+    """(tiny ``model_type`` with TRL's fused head, list of images each vision-tower call encoded), built once."""
     from trl.trainer.utils import add_fused_lm_head
 
-    model = tiny_vlm(request.param)
-    add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
-    encoded: list[int] = []
-    model.model.visual.register_forward_hook(lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]),
-                                             with_kwargs=True)  # fmt: skip
-    return model, encoded
+    if model_type not in _MODELS:
+        model = tiny_vlm(model_type)
+        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+        encoded: list[int] = []
+        model.model.visual.register_forward_hook(
+            lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
+        )  # fmt: skip
+        _MODELS[model_type] = (model, encoded)
+    return _MODELS[model_type]
+
+
+@pytest.fixture
+def vlm():
+    """The tiny Qwen2.5-VL of ``_vlm`` (the other types run the parity test only, to keep the suite short)."""
+    return _vlm("qwen2_5_vl")
 
 
 def _unique_images(extras, rows: range) -> int:
@@ -135,11 +147,12 @@ def _unique_images(extras, rows: range) -> int:
     return sum(len(PROMPTS[p][1]) for p in sorted({b // G for b in rows}))
 
 
-@pytest.mark.parametrize("batch_size", [12, 4])
-def test_logprobs_entropies_gradients_match_stock(vlm, batch_size):
+@pytest.mark.parametrize("model_type, batch_size", [("qwen2_5_vl", 12), ("qwen2_5_vl", 4), ("qwen2_vl", 4),
+                                                   ("qwen3_vl", 4)])  # fmt: skip
+def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
-    model, encoded = vlm
+    model, encoded = _vlm(model_type)
     ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=5)
     encoded.clear()
     ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
@@ -156,7 +169,26 @@ def test_logprobs_entropies_gradients_match_stock(vlm, batch_size):
     assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
     assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     assert any(name.startswith("model.visual.") for name in grads)
+    if model.config.model_type == "qwen3_vl":  # deepstack features reach the loss
+        assert any(".deepstack_merger_list." in name for name in grads)
     assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_text_only_batch_on_a_served_model(vlm, sharing):
+    """No image input at all: the text path (positions as the model's ``arange``), stock's numbers, no vision call."""
+    model, encoded = vlm
+    ids, mask, C, _ = vlm_batch([PROMPTS[2], ([30, 31], [], [32, 33, 34, 35])], G=2, C=4, seed=4)
+    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, {}, 4)
+    ref_grads = grads_of(model, ref_logps, ref_ent)
+    encoded.clear()
+    with recording_fallbacks() as fallbacks:
+        method = patched_logps_method(_stock_method(), PatchHandle(("test_vlm",), group_shuffle=False, sharing=sharing))
+        logps, ent = _score(method, model, ids, mask, C, {}, 4)
+    assert fallbacks == [] and encoded == []
+    assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
+    assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
+    assert_grads_close(grads_of(model, logps, ent), ref_grads)
 
 
 def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
@@ -232,12 +264,18 @@ def test_bad_image_inputs_get_clear_errors(vlm):
         _score(method, model, ids, mask, C, dict(extras, pixel_values=extras["pixel_values"][:-1]), 4)
 
 
-def test_unserved_vision_language_models_are_named():
-    """Qwen3-VL adds image features inside decoder layers (deepstack): a named cause; the served types have none."""
-    assert architecture_reason(tiny_vlm("qwen2_5_vl")) is None
-    reason = architecture_reason(tiny_vlm("qwen3_vl"))
-    assert reason == ("vision-language model handing its language model more than merged embeddings "
-                      "(deepstack_visual_embeds, visual_pos_masks)")  # fmt: skip
+def test_unserved_vision_language_model_is_named():
+    """A LLaVA-style model (no multi-axis position index, TRL passes it ``image_sizes`` or plain ``pixel_values``):
+    a named cause."""
+    config = AutoConfig.for_model(
+        "llava", image_token_index=IMAGE,
+        text_config=dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=8, patch_size=4),
+    )  # fmt: skip
+    reason = architecture_reason(AutoModelForImageTextToText.from_config(config))
+    assert reason == "vision-language model without compute_3d_position_ids (the Qwen2-VL-style interface grpo_mem drives)"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -201,11 +201,13 @@ def _positions_reason(config, base) -> str | None:
 
 
 # what the base model of a vision-language model must offer (``grpo_mem.model.multimodal`` calls these), and what its
-# forward may hand its language model: embeddings with the image features merged in, positions, mask, nothing else
+# forward may hand its language model: embeddings with the image features merged in, positions, mask, and features
+# added to the hidden states of the image tokens themselves (Qwen3-VL's deepstack), which the forward computes from
+# the same call's image features: a prompt pass holds all of its prompts' image tokens
 _VISION_METHODS = ("get_image_features", "get_placeholder_mask", "compute_3d_position_ids")
 _VISION_FORWARD_PARAMS = frozenset({"input_ids", "position_ids", "attention_mask", "mm_encoder_outputs"})
 _LANGUAGE_MODEL_ARGS = frozenset({"input_ids", "position_ids", "attention_mask", "past_key_values", "inputs_embeds",
-                                  "use_cache"})  # fmt: skip
+                                  "use_cache", "visual_pos_masks", "deepstack_visual_embeds"})  # fmt: skip
 _LANGUAGE_MODEL_CALL = re.compile(r"self\.language_model\(([^)]*)\)")
 
 
@@ -215,9 +217,9 @@ def vision_language_reason(causal_lm) -> str | None:
 
     In: a base model with the image-feature, placeholder-merge and multi-axis position methods grpo_mem calls
     (``_VISION_METHODS``), whose forward takes precomputed image features (``mm_encoder_outputs``) and hands its
-    ``language_model`` only merged embeddings, positions and the mask (Qwen2-VL, Qwen2.5-VL). Out, named: models
-    without that interface (LLaVA-style, Gemma 3's token-type masks, ...), image features injected inside decoder
-    layers (Qwen3-VL's deepstack).
+    ``language_model`` only merged embeddings, positions, the mask and per-image-token additions
+    (``_LANGUAGE_MODEL_ARGS``; Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Out, named: models without that interface
+    (LLaVA-style, Gemma 3's token-type masks, ...) or handing the language model anything else.
     """
     base = causal_lm.base_model
     missing = [n for n in _VISION_METHODS if not callable(getattr(base, n, None))]
