@@ -11,7 +11,7 @@ Stock TRL repeats a prompt's images for each of its G rows, so the vision tower 
   gets the image features of its prompts (the model's own ``get_image_features``, once per unique prompt), which the
   model's own forward merges into the prompt's embeddings (``mm_encoder_outputs``: its ``get_placeholder_mask``
   checks the image-token count and raises its own error), and the multi-axis positions the model's own
-  ``compute_3d_position_ids`` gives the whole row (Qwen2-VL/2.5-VL M-RoPE over prompt + completion), of which each
+  ``compute_3d_position_ids`` gives the whole row (Qwen2-VL/2.5-VL/3-VL M-RoPE over prompt + completion), of which each
   pass takes its tokens' columns.
 
 Which models take this path is decided in ``support.vision_language_reason``. This module knows transformers, not TRL.
