@@ -202,7 +202,8 @@ def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
     whole = VisionInputs.of_chunk(extras, 0, 8, 8)
     extras = dict(pixel_values=torch.cat([whole.images_of([int(b)])[0] for b in order]),
                   image_grid_thw=torch.cat([whole.images_of([int(b)])[1] for b in order]),
-                  num_images=[extras["num_images"][b] for b in order], mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
+                  num_images=[extras["num_images"][b] for b in order],
+                  mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
     halves = [VisionInputs.of_chunk(extras, s, s + 4, 8) for s in (0, 4)]
     P = ids.shape[1] - C
     ref_logps = []
@@ -240,7 +241,8 @@ def test_image_tokens_in_completion_are_a_named_cause(vlm):
     extras["mm_token_type_ids"][0, -C] = 1
     vision = VisionInputs.of_chunk(extras, 0, 4, 4)
     decision = SharingSession("group").decide(model, ids, mask, C, vision=vision, stock_available=True)
-    assert (decision.path, decision.cause) == ("stock", "image or video tokens in a completion (images returned by a tool)")
+    cause = "image or video tokens in a completion (images returned by a tool)"
+    assert (decision.path, decision.cause) == ("stock", cause)
 
 
 def test_bad_image_inputs_get_clear_errors(vlm):
@@ -275,7 +277,8 @@ def test_unserved_vision_language_model_is_named():
                            num_attention_heads=2, image_size=8, patch_size=4),
     )  # fmt: skip
     reason = architecture_reason(AutoModelForImageTextToText.from_config(config))
-    assert reason == "vision-language model without compute_3d_position_ids (the Qwen2-VL-style interface grpo_mem drives)"
+    assert reason == ("vision-language model without compute_3d_position_ids (the Qwen2-VL-style interface "
+                      "grpo_mem drives)")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -130,10 +130,14 @@ class VisionInputs:
         """Per row, a digest of its images (patch rows and grids) and its prompt's token types (the first
         ``prompt_width`` columns): rows of one prompt have equal keys, rows with other images have other keys."""
         keys = []
+        firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
+        if self.pixel_values is not None:
+            patches = torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
         for b in range(len(self.num_images)):
             parts = [] if self.mm_token_type_ids is None else [self.mm_token_type_ids[b, :prompt_width]]
-            if self.pixel_values is not None and self.num_images[b]:
-                parts += list(self.images_of([b]))
+            if self.pixel_values is not None and self.num_images[b]:  # a row's images are contiguous
+                first, last = firsts[b], firsts[b + 1]
+                parts += [self.pixel_values[patches[first] : patches[last]], self.image_grid_thw[first:last]]
             keys.append(_digest(*parts) if parts else b"")
         return keys
 

@@ -48,7 +48,8 @@ class PromptGrouping:
     inverse: torch.Tensor
 
     @classmethod
-    def of(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, extra: list[bytes] | None = None) -> PromptGrouping:
+    def of(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+           extra: list[bytes] | None = None) -> PromptGrouping:  # fmt: skip
         """Group the rows of (B, P) left-padded ``prompt_ids`` under their (B, P) 0/1 ``prompt_mask``; ``extra``: B
         byte strings, more of each row's key (rows group only where these are equal too)."""
         key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
