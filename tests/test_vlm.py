@@ -235,7 +235,8 @@ def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
 
 
 def test_image_tokens_in_completion_are_a_named_cause(vlm):
-    """An image token type in a completion (images a tool returned): the decision is the stock path, with its cause."""
+    """An image token type in a completion (images a tool returned), image inputs given to a text model: the decision
+    is the stock path, with its cause."""
     model, _ = vlm
     ids, mask, C, extras = vlm_batch(PROMPTS[:2], G=2, C=4, seed=2)
     extras["mm_token_type_ids"][0, -C] = 1
@@ -243,6 +244,11 @@ def test_image_tokens_in_completion_are_a_named_cause(vlm):
     decision = SharingSession("group").decide(model, ids, mask, C, vision=vision, stock_available=True)
     cause = "image or video tokens in a completion (images returned by a tool)"
     assert (decision.path, decision.cause) == ("stock", cause)
+    from helpers import tiny_model
+
+    text_model = tiny_model("qwen2", vocab_size=128)  # image inputs given to a model without a vision tower
+    decision = SharingSession("group").decide(text_model, ids, mask, C, vision=vision, stock_available=True)
+    assert (decision.path, decision.cause) == ("stock", "image inputs given to a text-only model")
 
 
 def test_bad_image_inputs_get_clear_errors(vlm):

@@ -141,8 +141,11 @@ class VisionInputs:
             keys.append(_digest(*parts) if parts else b"")
         return keys
 
-    def completion_cause(self, prompt_width: int) -> str | None:
-        """Why the chunk cannot take the prompt-once path though the model can: image tokens in a completion."""
+    def cause(self, causal_lm, prompt_width: int) -> str | None:
+        """Why the chunk cannot take the prompt-once path on ``causal_lm``, a model ``support.unsupported_reason``
+        serves: image inputs given to a model without a vision tower, or image tokens in a completion."""
+        if causal_lm.config.get_text_config() is causal_lm.config:
+            return "image inputs given to a text-only model"
         if self.mm_token_type_ids is not None and bool(self.mm_token_type_ids[:, prompt_width:].any()):
             return "image or video tokens in a completion (images returned by a tool)"
         return None

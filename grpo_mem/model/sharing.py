@@ -188,7 +188,7 @@ class SharingSession:
             j = window.current
         reason = cause or unsupported_reason(unwrap_causal_lm(model), T)
         if reason is None and vision is not None:
-            reason = vision.completion_cause(P)
+            reason = vision.cause(unwrap_causal_lm(model), P)
             if reason is None and window.plan.mode != "group":
                 reason = "image inputs in a window planned for tree sharing (begin_window had no row_keys)"
         in_lockstep = lockstep(model)
