@@ -34,7 +34,8 @@ class PromptGrouping:
     """The rows of a micro-batch grouped by prompt, computed once and passed down.
 
     Two rows hold the same prompt when their masks and their ids at unmasked positions agree (ids in padding slots
-    are ignored); rows of one prompt need not be adjacent.
+    are ignored) and so do their extra keys, if given (e.g. a digest of their images); rows of one prompt need not be
+    adjacent.
 
     Attributes:
         keys: one hashable key per row, equal exactly for rows of one prompt.
@@ -47,10 +48,16 @@ class PromptGrouping:
     inverse: torch.Tensor
 
     @classmethod
-    def of(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PromptGrouping:
-        """Group the rows of (B, P) left-padded ``prompt_ids`` under their (B, P) 0/1 ``prompt_mask``."""
+    def of(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+           extra: list[bytes] | None = None) -> PromptGrouping:  # fmt: skip
+        """Group the rows of (B, P) left-padded ``prompt_ids`` under their (B, P) 0/1 ``prompt_mask``; ``extra``: B
+        byte strings, more of each row's key (rows group only where these are equal too)."""
         key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
         keys = tuple(row.tobytes() for row in key.to(torch.int64).cpu().numpy())
+        if extra is not None:
+            if len(extra) != len(keys):
+                raise ValueError(f"extra must hold one key per row ({len(keys)} rows), got {len(extra)}")
+            keys = tuple(k + e for k, e in zip(keys, extra))
         index: dict[bytes, int] = {}
         inverse = [index.setdefault(k, len(index)) for k in keys]
         first = [0] * len(index)

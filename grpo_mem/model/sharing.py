@@ -24,6 +24,7 @@ import torch
 
 from .distributed import agree, lockstep, unwrap_causal_lm
 from .forward import ScoreOptions, run_in_forward, validate_inputs
+from .multimodal import VisionInputs, warn_tree_to_group
 from .plan import PromptGrouping, WindowPlan, check_sharing
 from .router import router_loss_reason
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
@@ -78,7 +79,8 @@ class SharingSession:
         self.mode = check_sharing(sharing)
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
-        self._pending: tuple[Decision, Window, bool, bool] | None = None  # decision, window, lockstep, aux loss
+        # the decision, its window, lockstep, whether the router loss is asked for, the image inputs
+        self._pending: tuple[Decision, Window, bool, bool, VisionInputs | None] | None = None
         self.last_decision: Decision | None = None
 
     @property
@@ -91,20 +93,34 @@ class SharingSession:
         """Whether a window is open with micro-batches left to score."""
         return self.window is not None and not self.window.done
 
-    def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor]) -> None:
+    def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor],
+                     row_keys: list[list[bytes]] | None = None) -> None:  # fmt: skip
         """Plan a window of ``len(prompt_ids)`` micro-batches; closes the previous window if one is open.
 
         Args:
             model: the model the window trains (unused; kept for callers that pass it).
             prompt_ids: per micro-batch, (B_i, P_i) int64 left-padded prompt ids, in the order they will be scored.
             prompt_masks: per micro-batch, (B_i, P_i) 0/1 prompt masks.
+            row_keys: per micro-batch, its rows' image keys (``VisionInputs.row_keys``), or None for text prompts;
+                with them the window is planned in group mode (``multimodal.TREE_TO_GROUP``).
 
         Raises:
             ValueError: no micro-batch, lists of different lengths, a prompt with no real token.
         """
         self.close_window()
-        plan = WindowPlan.build(self.mode, prompt_ids, prompt_masks, min_shared_tokens=self.min_shared_tokens)
+        groupings = None
+        if row_keys is not None:
+            groupings = [PromptGrouping.of(i, m, k) for i, m, k in zip(prompt_ids, prompt_masks, row_keys)]
+        plan = WindowPlan.build(self._mode(row_keys is not None), prompt_ids, prompt_masks, groupings=groupings,
+                                min_shared_tokens=self.min_shared_tokens)  # fmt: skip
         self.window = Window(plan)
+
+    def _mode(self, images: bool) -> str:
+        """The sharing mode of a plan: the session's, but group for image prompts (warned once)."""
+        if images and self.mode == "tree":
+            warn_tree_to_group()
+            return "group"
+        return self.mode
 
     def end_after_next(self) -> None:
         """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): what is
@@ -147,14 +163,15 @@ class SharingSession:
         return self.window
 
     def decide(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
-               cause: str | None = None, stock_available: bool = False,
-               compute_aux_loss: bool = False) -> Decision:  # fmt: skip
+               cause: str | None = None, stock_available: bool = False, compute_aux_loss: bool = False,
+               vision: VisionInputs | None = None) -> Decision:  # fmt: skip
         """Decide how the micro-batch ``input_ids``/``attention_mask`` is scored; ``run`` must follow.
 
         ``cause``: a reason of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
         take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it.
         ``compute_aux_loss``: ``run`` will be asked for the MoE router loss too (a router loss the prompt-once path
-        does not reproduce is a cause, ``router_loss_reason``).
+        does not reproduce is a cause, ``router_loss_reason``). ``vision``: the micro-batch's image inputs (rows group
+        by prompt and images; group sharing), or None.
         Ranks in lockstep decide together: every rank must call ``decide`` once per micro-batch (one collective).
 
         Raises:
@@ -163,11 +180,12 @@ class SharingSession:
         validate_inputs(input_ids, attention_mask, logits_to_keep, temperature)
         B, T = input_ids.shape
         P = T - logits_to_keep
-        grouping = PromptGrouping.of(input_ids[:, :P], attention_mask[:, :P])
+        extra = None if vision is None else vision.row_keys(P)
+        grouping = PromptGrouping.of(input_ids[:, :P], attention_mask[:, :P], extra)
         window = self._window_for(grouping)
         if window is None:
-            plan = WindowPlan.build(self.mode, [input_ids[:, :P]], [attention_mask[:, :P]], groupings=[grouping],
-                                    min_shared_tokens=self.min_shared_tokens)  # fmt: skip
+            plan = WindowPlan.build(self._mode(vision is not None), [input_ids[:, :P]], [attention_mask[:, :P]],
+                                    groupings=[grouping], min_shared_tokens=self.min_shared_tokens)  # fmt: skip
             window = Window(plan)
             j = None
         else:
@@ -176,6 +194,10 @@ class SharingSession:
         reason = cause or unsupported_reason(causal_lm)
         if reason is None and compute_aux_loss:
             reason = router_loss_reason(causal_lm)
+        if reason is None and vision is not None:
+            reason = vision.cause(causal_lm, P)
+            if reason is None and window.plan.mode != "group":
+                reason = "image inputs in a window planned for tree sharing (begin_window had no row_keys)"
         in_lockstep = lockstep(model)
         current = window.current
         if in_lockstep:
@@ -187,9 +209,9 @@ class SharingSession:
         width = logits_to_keep if compute_aux_loss else width  # the router loss counts the last completion token
         stock_tokens = B * T
         tokens = stock_tokens if reason else window.plan.tokens_at(current, width)
-        decision = Decision(path="stock" if reason else self.mode, cause=reason, micro_batch=j, rows=B,
+        decision = Decision(path="stock" if reason else window.plan.mode, cause=reason, micro_batch=j, rows=B,
                             backbone_tokens=tokens, stock_tokens=stock_tokens)  # fmt: skip
-        self._pending = (decision, window, in_lockstep, compute_aux_loss)
+        self._pending = (decision, window, in_lockstep, compute_aux_loss, vision)
         self.last_decision = decision
         return decision
 
@@ -206,8 +228,13 @@ class SharingSession:
         Raises:
             RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already, or
                 ``compute_aux_loss`` differs from what ``decide`` was told.
+            ValueError: a stock decision for a micro-batch with image inputs and no ``stock`` (the default does not
+                take images).
         """
-        window, in_lockstep = self._take(decision, compute_aux_loss)
+        window, in_lockstep, vision = self._take(decision, compute_aux_loss)
+        if decision.path == "stock" and vision is not None and stock is None:
+            raise ValueError(f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no "
+                             "stock path taking them")  # fmt: skip
         options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32),
                                bool(compute_aux_loss))  # fmt: skip
         causal_lm = unwrap_causal_lm(model)
@@ -220,8 +247,12 @@ class SharingSession:
                 logps, entropy, aux_loss = stock()
             logps = self._end_sharing(decision, window, logps)
         else:
-            logps, entropy, aux_loss = run_in_forward(model, causal_lm, lambda m, ids, mask: window.run(
-                m, ids, mask, options, lockstep=in_lockstep), input_ids, attention_mask)  # fmt: skip
+
+            def compute(m, ids, mask):
+                inputs = None if vision is None else vision.bind(m, ids, mask, ids.shape[1] - logits_to_keep)
+                return window.run(m, ids, mask, options, lockstep=in_lockstep, inputs=inputs)
+
+            logps, entropy, aux_loss = run_in_forward(model, causal_lm, compute, input_ids, attention_mask)
         return (logps, entropy, aux_loss) if compute_aux_loss else (logps, entropy)
 
     def run_hidden(self, decision: Decision, model, input_ids, attention_mask, logits_to_keep: int, *, stock):
@@ -237,23 +268,25 @@ class SharingSession:
         Raises:
             RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
         """
-        window, in_lockstep = self._take(decision)
+        window, in_lockstep, vision = self._take(decision)
+        if vision is not None:
+            raise ValueError("run_hidden() does not take image inputs: decide() them with vision=None and a cause")
         if decision.path == "stock":
             warn_fallback(decision.cause)
             return self._end_sharing(decision, window, stock())
         return window.hidden_states(unwrap_causal_lm(model), input_ids, attention_mask, logits_to_keep,
                                     lockstep=in_lockstep)  # fmt: skip
 
-    def _take(self, decision: Decision, compute_aux_loss: bool = False) -> tuple[Window, bool]:
-        """The window and lockstep flag ``decide`` kept for ``decision``; the decision can be run once, asking for
-        the router loss as ``decide`` was told."""
+    def _take(self, decision: Decision, compute_aux_loss: bool = False):
+        """(window, lockstep flag, image inputs) ``decide`` kept for ``decision``; the decision can be run once,
+        asking for the router loss as ``decide`` was told."""
         if self._pending is None or self._pending[0] is not decision:
             raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
-        _, window, in_lockstep, decided_aux = self._pending
+        _, window, in_lockstep, decided_aux, vision = self._pending
         if bool(compute_aux_loss) != decided_aux:
             raise RuntimeError(f"run(compute_aux_loss={compute_aux_loss}) after decide(compute_aux_loss={decided_aux})")
         self._pending = None
-        return window, in_lockstep
+        return window, in_lockstep, vision
 
     @staticmethod
     def _end_sharing(decision: Decision, window: Window, anchor: torch.Tensor) -> torch.Tensor:

@@ -229,6 +229,45 @@ def _positions_reason(config, base) -> str | None:
     return None
 
 
+# what the base model of a vision-language model must offer (``grpo_mem.model.multimodal`` calls these), and what its
+# forward may hand its language model: embeddings with the image features merged in, positions, mask, and features
+# added to the hidden states of the image tokens themselves (Qwen3-VL's deepstack), which the forward computes from
+# the same call's image features: a prompt pass holds all of its prompts' image tokens
+_VISION_METHODS = ("get_image_features", "get_placeholder_mask", "compute_3d_position_ids")
+_VISION_FORWARD_PARAMS = frozenset({"input_ids", "position_ids", "attention_mask", "mm_encoder_outputs"})
+_LANGUAGE_MODEL_ARGS = frozenset({"input_ids", "position_ids", "attention_mask", "past_key_values", "inputs_embeds",
+                                  "use_cache", "visual_pos_masks", "deepstack_visual_embeds"})  # fmt: skip
+_LANGUAGE_MODEL_CALL = re.compile(r"self\.language_model\(([^)]*)\)")
+
+
+def vision_language_reason(causal_lm) -> str | None:
+    """Why the vision-language model ``causal_lm`` (a multi-config transformers model) cannot score image prompts on
+    the prompt-once path, or None; its language model is then checked as a text model (``architecture_reason``).
+
+    In: a base model with the image-feature, placeholder-merge and multi-axis position methods grpo_mem calls
+    (``_VISION_METHODS``), whose forward takes precomputed image features (``mm_encoder_outputs``) and hands its
+    ``language_model`` only merged embeddings, positions, the mask and per-image-token additions
+    (``_LANGUAGE_MODEL_ARGS``; Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Out, named: models without that interface
+    (LLaVA-style, Gemma 3's token-type masks, ...) or handing the language model anything else.
+    """
+    base = causal_lm.base_model
+    missing = [n for n in _VISION_METHODS if not callable(getattr(base, n, None))]
+    if not isinstance(getattr(base, "language_model", None), torch.nn.Module):
+        missing.append("language_model")
+    if missing:
+        return f"vision-language model without {', '.join(missing)} (the Qwen2-VL-style interface grpo_mem drives)"
+    cls = _own_class(base)
+    absent = sorted(_VISION_FORWARD_PARAMS - _forward_params(cls))
+    if absent:
+        return f"vision-language model whose forward takes no {', '.join(absent)}"
+    calls = _LANGUAGE_MODEL_CALL.findall(re.sub(r"\s+", " ", _forward_source(cls)))
+    args = {a.split("=")[0].strip() for call in calls for a in call.split(",") if "=" in a}
+    if len(calls) != 1 or not args <= _LANGUAGE_MODEL_ARGS:
+        extra = sorted(args - _LANGUAGE_MODEL_ARGS) or ["several language-model calls"]
+        return f"vision-language model handing its language model more than merged embeddings ({', '.join(extra)})"
+    return None
+
+
 def architecture_reason(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
@@ -245,13 +284,16 @@ def architecture_reason(causal_lm) -> str | None:
     cls = attn_hook.own_class(causal_lm)
     if not cls.__module__.startswith("transformers."):
         return f"remote code ({cls.__module__}.{cls.__name__})"
+    base = causal_lm.base_model
     if config.get_text_config() is not config:
-        return "vision-language (multi-config) model"
+        reason = vision_language_reason(causal_lm)
+        if reason is not None:
+            return reason
+        config, base = config.get_text_config(), base.language_model
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder model"
     if hasattr(config, "is_decoder"):
         return "an encoder run as a decoder (is_decoder, BERT-style)"
-    base = causal_lm.base_model
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
     reason, features = _attention_features(config, base)

@@ -81,6 +81,7 @@ class Window:
     _passes: dict[int, _Pass] = field(default_factory=dict)
     _node_pass: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (pass id, row)
     _ids: itertools.count = field(default_factory=itertools.count)
+    _inputs: object = None  # the current micro-batch's input provider (``run``'s ``inputs``)
 
     @property
     def done(self) -> bool:
@@ -164,14 +165,25 @@ class Window:
         return LinearContext(batch=batch, lengths=lengths, capture=None if lengths is None else {},
                              sources=[(states.linear, readers, rows) for states, readers, rows in sources])  # fmt: skip
 
+    def _pass_inputs(self, spec: PassSpec, width: int) -> dict:
+        """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
+        features, the model's positions), asked for the first row of the micro-batch that ends at each node."""
+        if self._inputs is None or not spec.nodes:
+            return {}
+        leaves = self.plan.leaves(self.current)
+        return self._inputs.prompt_pass([leaves.index(n) for n in spec.nodes], width)
+
     def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
         """Forward one pass of the schedule; register its nodes (in the store if kept), with its router logits when
         ``record_router``."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
-        extra = {"output_router_logits": True} if self.record_router else {}
+        extra = self._pass_inputs(spec, ids.shape[1])
+        rope_positions = extra.pop("position_ids", positions)  # the model's own (e.g. M-RoPE) positions, if given
+        if self.record_router:
+            extra["output_router_logits"] = True
         if spec.depth == 0 or not spec.nodes:
             ctx = attn_hook.PromptCapture(linear=self._linear(len(lengths), lengths, []))
-            out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False,
+            out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=rope_positions, use_cache=False,
                            grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
             kv = ctx.kv
         else:
@@ -183,7 +195,7 @@ class Window:
             ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, positions=positions,
                                               span=self._span(ancestors, last), capture={},
                                               linear=self._linear(len(lengths), lengths, sources))  # fmt: skip
-            out = backbone(input_ids=ids, position_ids=positions, use_cache=False,
+            out = backbone(input_ids=ids, position_ids=rope_positions, use_cache=False,
                            grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
         # whatever reads this pass (its K/V, its states, its last hidden state) holds its context, which the replay of
@@ -222,7 +234,8 @@ class Window:
 
     def _completion_pass(self, backbone, leaves, completion_ids, completion_mask, width: int, views):
         """(B, width, H) final hidden states of completion tokens ``0 … width − 1`` (they predict tokens
-        1 … width) and their per-layer router logits (``()`` unless ``record_router``)."""
+        1 … width) and their per-layer router logits (``()`` unless ``record_router``); at the positions the
+        micro-batch's input provider gives, if it gives any."""
         device = completion_ids.device
         trie = self.plan.trie
         ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
@@ -235,8 +248,11 @@ class Window:
             span=self._span(paths, max(trie.nodes[leaf].end for leaf in leaves) + width - 1),
             linear=self._linear(len(leaves), None, self._sources(leaves, self.current, views)),
         )
+        rope_positions = None if self._inputs is None else self._inputs.completion_positions(width)
+        if rope_positions is None:  # the model's own positions (M-RoPE) if the input provider gives them
+            rope_positions = positions
         extra = {"output_router_logits": True} if self.record_router else {}
-        out = backbone(input_ids=completion_ids[:, :width], position_ids=positions, use_cache=False,
+        out = backbone(input_ids=completion_ids[:, :width], position_ids=rope_positions, use_cache=False,
                        grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
         router_logits = self._router_logits(out, completion_ids[:, :width].numel(), ctx) if self.record_router else ()
         return attn_hook.keep_alive(out.last_hidden_state, ctx), router_logits
@@ -261,17 +277,21 @@ class Window:
         terms.append(router.RouterTerm(completion_logits, completion_mask.flatten()))
         return router.load_balancing_loss(terms, router.router_loss_shape(causal_lm))
 
-    def run(self, causal_lm, input_ids, attention_mask, options, *, lockstep: bool = False):
+    def run(self, causal_lm, input_ids, attention_mask, options, *, lockstep: bool = False, inputs=None):
         """Score the window's next micro-batch (``input_ids``/``attention_mask`` (B, P + C), the rows planned for it)
         on the unwrapped ``causal_lm``; ``options``: ``ScoreOptions``. Returns (B, C) fp32 log-probs, entropies (or
         None) and, with ``options.compute_aux_loss``, the 0-d fp32 MoE router loss of the micro-batch's stock rows (else
         None), whose backward also backpropagates every pass released in this micro-batch.
 
+        ``inputs``: the micro-batch's input provider, or None: what its passes add to their backbone calls
+        (``multimodal.VisionPasses``: image features and the model's own positions; group-mode plans only).
+
         ``lockstep``: make the module calls of ranks whose micro-batches differ (with C == 1 the completion pass still
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
         """
         C = options.logits_to_keep
-        hidden, aux_loss = self._micro_batch(causal_lm, input_ids, attention_mask, C, lockstep, options.compute_aux_loss)
+        hidden, aux_loss = self._micro_batch(causal_lm, input_ids, attention_mask, C, lockstep, options.compute_aux_loss,
+                                             inputs)  # fmt: skip
         logps, entropy = completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], options)
         return logps, entropy, aux_loss
 
@@ -284,8 +304,9 @@ class Window:
         """
         return self._micro_batch(causal_lm, input_ids, attention_mask, logits_to_keep, lockstep, False)[0]
 
-    def _micro_batch(self, causal_lm, input_ids, attention_mask, C: int, lockstep: bool, aux: bool):
-        """(``hidden_states``' result, the micro-batch's router loss when ``aux`` else None); advances the window."""
+    def _micro_batch(self, causal_lm, input_ids, attention_mask, C: int, lockstep: bool, aux: bool, inputs=None):
+        """(``hidden_states``' result, the micro-batch's router loss when ``aux`` else None), the passes taking what
+        the input provider ``inputs`` adds (``run``); advances the window."""
         self.record_router = aux
         P = input_ids.shape[1] - C
         completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
@@ -293,6 +314,7 @@ class Window:
         backbone = causal_lm.base_model
         attn_hook.take_over(causal_lm)
         views: dict[int, PromptStates] = {}  # kept passes released in this micro-batch
+        self._inputs = inputs
         for spec in self.plan.passes_at(self.current):
             self._forward_pass(backbone, spec, views, input_ids.device)
         hidden = [self._leaf_hidden(leaves, views).unsqueeze(1)]
@@ -321,6 +343,7 @@ class Window:
         for pass_id in released:
             del self._passes[pass_id]
         self._node_pass = {n: v for n, v in self._node_pass.items() if v[0] in self._passes}
+        self._inputs = None
         self.current += 1
 
     def skip(self, anchor: torch.Tensor) -> torch.Tensor:

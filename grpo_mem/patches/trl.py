@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from ..model.distributed import unwrap_causal_lm
+from ..model.multimodal import SERVED_INPUTS, VisionInputs, input_cause
 from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
@@ -47,6 +48,9 @@ from .checks import (
 )  # fmt: skip
 
 METRIC_PREFIX = "grpo_mem/"
+# the scoring method's other multimodal arguments (a buffered batch holding one is scored by TRL's own method)
+_OTHER_INPUTS = ("pixel_attention_mask", "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                 "image_position_ids")  # fmt: skip
 PATHS = ("tree", "group", "stock")
 
 
@@ -83,10 +87,7 @@ def group_shuffle(seq_dict: dict, batch_size: int) -> dict:
 
 def _input_cause(extras: dict) -> str | None:
     """Why TRL's own method must score a call whatever the model: inputs the prompt-once path does not take."""
-    used = sorted(k for k, v in extras.items() if v is not None)
-    if used:
-        return f"multimodal or token-type inputs {used}"
-    return None
+    return input_cause(extras)
 
 
 def log_decision(trainer, decision: Decision) -> None:
@@ -112,7 +113,7 @@ def patched_logps_method(original, handle: PatchHandle):
     ):  # fmt: skip
         cause = _input_cause(extras)
         B = input_ids.size(0)
-        # inputs that TRL's own method slices per chunk: the call is one decision, scored by TRL whole
+        # inputs the prompt-once path does not take: the call is one decision, scored by TRL whole (it slices them)
         step = B if cause is not None else (batch_size or B)
         session = handle.session(self)
         handle.models.add(unwrap_causal_lm(model))
@@ -123,14 +124,18 @@ def patched_logps_method(original, handle: PatchHandle):
         for start in range(0, B, step):
             ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
             chunk_size = batch_size if cause is not None else ids.shape[0]
+            vision = None if cause is not None else VisionInputs.of_chunk(extras, start, start + ids.shape[0], B)
+            chunk_extras = extras if vision is None else vision.as_kwargs()
 
-            def stock(ids=ids, mask=mask, chunk_size=chunk_size):
+            def stock(ids=ids, mask=mask, chunk_size=chunk_size, chunk_extras=chunk_extras):
                 out = original(self, model, ids, mask, logits_to_keep, batch_size=chunk_size,
-                               compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extras)  # fmt: skip
+                               compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                               **chunk_extras)  # fmt: skip
                 return out[0], out[1], (out[2] if len(out) > 2 else None)
 
             decision = session.decide(model, ids, mask, logits_to_keep, temperature=self.temperature, cause=cause,
-                                      stock_available=True, compute_aux_loss=compute_aux_loss)  # fmt: skip
+                                      stock_available=True, compute_aux_loss=compute_aux_loss,
+                                      vision=vision)  # fmt: skip
             autocast = self.accelerator.autocast() if decision.path != "stock" else contextlib.nullcontext()
             with autocast:
                 out = session.run(decision, model, ids, mask, logits_to_keep, **options,
@@ -165,8 +170,10 @@ def patched_hidden_method(original, handle: PatchHandle):
         # the wrapped model tells whether ranks run in lockstep; TRL already runs this inside its forward
         wrapped = getattr(self, "model_wrapped", None)
         model = wrapped if wrapped is not None and unwrap_causal_lm(wrapped) is causal_lm else unwrapped_model
+        used = sorted(k for k, v in extras.items() if v is not None)  # image prompts: not on this path yet
+        cause = f"multimodal inputs {used} on TRL's Liger hidden-state path" if used else None
         decision = session.decide(model, input_ids, attention_mask, logits_to_keep, temperature=self.temperature,
-                                  cause=_input_cause(extras, False), stock_available=True)  # fmt: skip
+                                  cause=cause, stock_available=True)  # fmt: skip
         hidden = session.run_hidden(decision, unwrapped_model, input_ids, attention_mask, logits_to_keep,
                                     stock=lambda: original(self, unwrapped_model, input_ids, attention_mask,
                                                            logits_to_keep, **extras))  # fmt: skip
@@ -179,25 +186,40 @@ def patched_hidden_method(original, handle: PatchHandle):
     return _get_last_hidden_state
 
 
-def _window_prompts(trainer) -> tuple[list, list]:
-    """Prompt ids and masks of the micro-batches from the current one to the end of its gradient-accumulation window
-    (windows start where ``_step`` is a multiple of the accumulation steps), within the current generation buffer."""
+def _image_keys(batch: dict, prompt_width: int) -> list[bytes] | None:
+    """Per row of a buffered micro-batch, the image key the patched method's decision will give it (``VisionInputs.
+    row_keys``), or None when its scoring calls take no image inputs on the prompt-once path."""
+    extras = {k: batch.get(k) for k in SERVED_INPUTS} | {k: batch.get(k) for k in _OTHER_INPUTS}
+    if input_cause(extras) is not None:
+        return None
+    rows = batch["prompt_ids"].shape[0]
+    vision = VisionInputs.of_chunk(extras, 0, rows, rows)
+    return None if vision is None else vision.row_keys(prompt_width)
+
+
+def _window_prompts(trainer) -> tuple[list, list, list | None]:
+    """Prompt ids, masks and image keys (None if no micro-batch has images) of the micro-batches from the current
+    one to the end of its gradient-accumulation window (windows start where ``_step`` is a multiple of the
+    accumulation steps), within the current generation buffer."""
     buffered = trainer._buffered_inputs
     spg = trainer.args.steps_per_generation
     generate_every = spg * trainer.num_iterations
     step = trainer._step
     window_end = step - step % trainer.current_gradient_accumulation_steps
     window_end += trainer.current_gradient_accumulation_steps
-    ids, masks = [], []
+    ids, masks, keys = [], [], []
     while True:
         batch = buffered[step % spg]
         P = batch["prompt_ids"].shape[1]
         ids.append(batch["prompt_ids"])
         masks.append(batch["prompt_mask"][:, :P])
+        keys.append(_image_keys(batch, P))
         step += 1
         # stop at the window's end, and where the buffer wraps or is regenerated
         if step >= window_end or step % spg == 0 or step % generate_every == 0:
-            return ids, masks
+            if all(k is None for k in keys):
+                return ids, masks, None
+            return ids, masks, [[b""] * len(i) if k is None else k for i, k in zip(ids, keys)]
 
 
 def _make_prepare(original, handle: PatchHandle):
