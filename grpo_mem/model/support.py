@@ -256,7 +256,7 @@ def vision_language_reason(causal_lm) -> str | None:
         missing.append("language_model")
     if missing:
         return f"vision-language model without {', '.join(missing)} (the Qwen2-VL-style interface grpo_mem drives)"
-    cls = _own_class(base)
+    cls = attn_hook.own_class(base)
     absent = sorted(_VISION_FORWARD_PARAMS - _forward_params(cls))
     if absent:
         return f"vision-language model whose forward takes no {', '.join(absent)}"
