@@ -700,9 +700,9 @@ BACKENDS = {
 }
 """Backend name -> ``(forward, backward)``. ``forward(q, k, v, regions, key_mask, params)`` returns ``(out in q's dtype,
 lse fp32 (B, Hq, C))`` (fp64 for the torch path's fp64 inputs); ``backward(dout, q, k, v, regions, key_mask, out, lse,
-params)`` returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])``. The torch pair also takes ``positions=``
-``(q_positions, region positions)`` for ``params.sliding_window`` (the cpu and triton backends fall back to it, see
-:func:`_backend`)."""
+params)`` returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])``. The torch and triton pairs also take
+``positions=`` ``(q_positions, region positions)`` for ``params.sliding_window`` (the cpu backend falls back to the
+torch pair for it, see :func:`_backend`)."""
 
 
 def _split(tensors, params):
@@ -721,13 +721,12 @@ def _split(tensors, params):
 
 def _backend(params, positions):
     """``(forward, backward)`` for ``params``, each taking the backend arguments and returning as ``BACKENDS``. The cpu
-    backend runs the torch backend's math when a window or soft-capping is asked for, the triton backend for a
-    window (its kernels soft-cap)."""
+    backend runs the torch backend's math when a window or soft-capping is asked for; the triton kernels do both."""
     name = params.backend
-    if params.sliding_window is not None or (params.softcap is not None and name == "cpu"):
+    if name == "cpu" and (params.sliding_window is not None or params.softcap is not None):
         name = "torch"
     fwd, bwd = BACKENDS[name]
-    if name != "torch":
+    if name == "cpu":
         return fwd, bwd
     return (lambda *a: fwd(*a, positions=positions)), (lambda *a: bwd(*a, positions=positions))
 
