@@ -793,6 +793,10 @@ _BLOCKS_FP32 = {
 # Soft-capped builds (SOFTCAP > 0) that need other tiles: (kernel, tier) -> tiles (16-bit inputs). bwd_dq at d=256
 # spilled 7 stores on sm_90 with 64×32 (tanh and its derivative on top of 250 registers); 64×16 holds 225, no spill.
 _BLOCKS_16BIT_SOFTCAP = {("bwd_dq", 2): (64, 16, 8, 2)}
+# Windowed builds (HAS_WINDOW) that need other tiles (16-bit inputs; with a soft-cap too, these win over the above).
+# At d=256 the window test and the skipped-tile branch took fwd to 5 and bwd_dq to 131 spill stores on sm_90 with
+# 64×32; fwd holds in 64×16 (254 registers), bwd_dq needed 32×32 with 4 warps (208; 64×16 still spilled 81).
+_BLOCKS_16BIT_WINDOW = {("fwd", 2): (64, 16, 8, 2), ("bwd_dq", 2): (32, 32, 4, 2)}
 _TIER = {64: 0, 128: 1, 256: 2}
 _TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
 # The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
@@ -803,9 +807,10 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _I32_MAX = 2**31 - 1
 
 
-def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False) -> dict:
+def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False,
+                 window: bool = False) -> dict:
     """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype`` (``softcap``: the
-    soft-capped build).
+    soft-capped build; ``window``: the sliding-window build).
 
     Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_80 and sm_90 builds have no
     register spills (checked by ``tests/test_attention_triton_aot.py``).
@@ -819,6 +824,8 @@ def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, 
     block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
     if softcap and dtype != torch.float32:
         block_m, block_n, warps, stages = _BLOCKS_16BIT_SOFTCAP.get((name, tier), (block_m, block_n, warps, stages))
+    if window and dtype != torch.float32:
+        block_m, block_n, warps, stages = _BLOCKS_16BIT_WINDOW.get((name, tier), (block_m, block_n, warps, stages))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -878,16 +885,16 @@ def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
     """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
     if 0 in grid:
         return
-    cfg = block_config(name, head_dim, dtype, constexprs.get("SOFTCAP", 0.0) > 0)
+    cfg = block_config(name, head_dim, dtype, constexprs.get("SOFTCAP", 0.0) > 0, constexprs.get("HAS_WINDOW", False))
     opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     with launch_device(args[0]):
         KERNELS[name][grid](*args, **constexprs, **opts)
 
 
-def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False) -> dict:
-    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels (``softcap``: of the
-    soft-capped build)."""
-    cfg = block_config(name, head_dim, dtype, softcap)
+def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False, window=False) -> dict:
+    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels (``softcap``,
+    ``window``: of the soft-capped, windowed build)."""
+    cfg = block_config(name, head_dim, dtype, softcap, window)
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
@@ -1034,7 +1041,7 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
     partial = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=q.device) if len(plan) > 1 \
         else out
     kmask = key_mask.contiguous() if key_mask is not None else args[0][4]  # unread when HAS_KMASK=False
-    meta = _tile_constexprs("fwd", d, q.dtype, interpret)
+    meta = _tile_constexprs("fwd", d, q.dtype, interpret, params.softcap is not None, has_window)
     grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
     for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
         dst = out if has_own else partial
@@ -1060,7 +1067,7 @@ def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, k_p
     c_pad = _padded(C)
     drk, drv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (region_k, region_v))
     rows, row_start = _region_rows(index, U)
-    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret)
+    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret, params.softcap is not None, has_window)
     grid = prefix_dkdv_grid(B, U, Hkv, rep, C, S, d, q.dtype, _sm_count(q.device))
     n_split, n_elems = grid[2], U * Hkv * S * d
     if n_split == 1:
@@ -1123,7 +1130,7 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     # regions are not written before the last launch: start from zeros
     partial = torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_() \
         if len(plan) > 1 else dq
-    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret, params.softcap is not None)
+    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret, params.softcap is not None, has_window)
     for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
         dst = dq if has_own else partial
         _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
@@ -1132,7 +1139,7 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
             c_pad, rk.shape[2], Hkv, window,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, HAS_REGION=has_region, HAS_OWN=has_own,
             HAS_PREV=has_prev, SOFTCAP=_softcap(params), HAS_WINDOW=has_window, **meta)  # fmt: skip
-    meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
+    meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret, params.softcap is not None, has_window)
     _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
         q, k, v, kmask, q_pos, dout, lse, delta, dk, dv,
         *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(params.scale), C, c_pad, Hkv, window,
