@@ -793,10 +793,15 @@ _BLOCKS_FP32 = {
 # Soft-capped builds (SOFTCAP > 0) that need other tiles: (kernel, tier) -> tiles (16-bit inputs). bwd_dq at d=256
 # spilled 7 stores on sm_90 with 64×32 (tanh and its derivative on top of 250 registers); 64×16 holds 225, no spill.
 _BLOCKS_16BIT_SOFTCAP = {("bwd_dq", 2): (64, 16, 8, 2)}
-# Windowed builds (HAS_WINDOW) that need other tiles (16-bit inputs; with a soft-cap too, these win over the above).
-# At d=256 the window test and the skipped-tile branch took fwd to 5 and bwd_dq to 131 spill stores on sm_90 with
-# 64×32; fwd holds in 64×16 (254 registers), bwd_dq needed 32×32 with 4 warps (208; 64×16 still spilled 81).
+# Windowed builds (HAS_WINDOW) that need other tiles (with a soft-cap too, these win over the above). 16-bit: at d=256
+# the window test and the skipped-tile branch took fwd to 5 and bwd_dq to 131 spill stores on sm_90 with 64×32; fwd
+# holds in 64×16 (254 registers), bwd_dq needed 32×32 with 4 warps (208; 64×16 still spilled 81). fp32: fwd at d=80
+# saved one predicate to local memory on sm_80 with 4 warps, and fwd/bwd_dq at d=256 4 stores; bwd_dkdv_prefix at
+# d=64 spilled 4 stores on sm_90: these hold with 8 warps; bwd_dkdv_prefix at d=256 spilled 5 with 8 warps, 0 with
+# 16. bwd_dkdv_prefix keeps its BLOCK_N (prefix_dkdv_grid sizes the grid from the windowless configuration).
 _BLOCKS_16BIT_WINDOW = {("fwd", 2): (64, 16, 8, 2), ("bwd_dq", 2): (32, 32, 4, 2)}
+_BLOCKS_FP32_WINDOW = {("fwd", 3): (16, 16, 8, 2), ("fwd", 2): (16, 16, 8, 1), ("bwd_dq", 2): (16, 16, 8, 1),
+                       ("bwd_dkdv_prefix", 0): (16, 32, 8, 2), ("bwd_dkdv_prefix", 2): (16, 32, 16, 1)}
 _TIER = {64: 0, 128: 1, 256: 2}
 _TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
 # The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
@@ -824,8 +829,9 @@ def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, 
     block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
     if softcap and dtype != torch.float32:
         block_m, block_n, warps, stages = _BLOCKS_16BIT_SOFTCAP.get((name, tier), (block_m, block_n, warps, stages))
-    if window and dtype != torch.float32:
-        block_m, block_n, warps, stages = _BLOCKS_16BIT_WINDOW.get((name, tier), (block_m, block_n, warps, stages))
+    if window:
+        table = _BLOCKS_FP32_WINDOW if dtype == torch.float32 else _BLOCKS_16BIT_WINDOW
+        block_m, block_n, warps, stages = table.get((name, tier), (block_m, block_n, warps, stages))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
