@@ -232,6 +232,27 @@ def _own_tile_reach(QP_BASE, n0, C, q_lo, q_hi, WINDOW, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _region_tile_windowed(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr,
+                          BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """_region_tile with the window test of the block's queries (positions ``q_pos`` in [q_lo, q_hi]) on the tile's
+    key positions ``k_pos`` (from _region_tile_reach)."""
+    k0, k1, v0, v1, visible = _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_DIM, BLOCK_N,
+                                           BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    return k0, k1, v0, v1, visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+
+
+@triton.jit
+def _own_tile_windowed(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+                       HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """_own_tile with the window test, as _region_tile_windowed."""
+    k0, k1, v0, v1, visible = _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DIM, BLOCK_N,
+                                        BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
+    return k0, k1, v0, v1, visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+
+
+@triton.jit
 def _tanh(x):
     """tanh in fp32 from one exp2 of −2|x| (no overflow; absolute error ~1e-7 near 0)."""
     e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # e^{-2|x|}
@@ -359,9 +380,9 @@ def _mra_fwd_kernel(
             if HAS_WINDOW:
                 k_pos, live = _region_tile_reach(RPOS + u * S, rm_base, n0, S, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
-                    k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S,
-                                                           HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-                    visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+                    k0, k1, v0, v1, visible = _region_tile_windowed(
+                        rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
                     m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
                                                      BLOCK_D1, EMULATE_BF16, SOFTCAP)
             else:
@@ -379,9 +400,9 @@ def _mra_fwd_kernel(
             if HAS_WINDOW:
                 k_pos, live = _own_tile_reach(QPOS + b * C, n0, C, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
-                    k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C,
-                                                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-                    visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+                    k0, k1, v0, v1, visible = _own_tile_windowed(
+                        k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
                     m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
                                                      BLOCK_D1, EMULATE_BF16, SOFTCAP)
             else:
@@ -487,9 +508,9 @@ def _mra_bwd_dq_kernel(
             if HAS_WINDOW:
                 k_pos, live = _region_tile_reach(RPOS + u * S, rm_base, n0, S, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
-                    k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S,
-                                                           HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-                    visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+                    k0, k1, v0, v1, visible = _region_tile_windowed(
+                        rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
                     dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
                                         BLOCK_D1, EMULATE_BF16, SOFTCAP)
             else:
@@ -507,9 +528,9 @@ def _mra_bwd_dq_kernel(
             if HAS_WINDOW:
                 k_pos, live = _own_tile_reach(QPOS + b * C, n0, C, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
-                    k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C,
-                                                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-                    visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+                    k0, k1, v0, v1, visible = _own_tile_windowed(
+                        k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
                     dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
                                         BLOCK_D1, EMULATE_BF16, SOFTCAP)
             else:
@@ -579,6 +600,28 @@ def _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, 
 
 
 @triton.jit
+def _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc, visible, LSE_ROW,
+                      DELTA_ROW, offs_m, m_ok, qk_scale, QP_ROW, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM: tl.constexpr,
+                      BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                      SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """_dkdv_block for one query block of both dK/dV kernels; with HAS_WINDOW the block is skipped when none of its
+    query positions (QP_ROW, the row's positions) can have a key of the block (positions ``k_pos`` in [k_lo, k_hi]) in
+    its window, and ``visible`` gains the window test otherwise."""
+    if HAS_WINDOW:
+        q_pos, q_lo, q_hi = _pos_range(QP_ROW, offs_m, m_ok)
+        if _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW):
+            visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, True)
+            dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc,
+                                             stride_doc, visible, LSE_ROW, DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM,
+                                             BLOCK_D0, BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
+    else:
+        dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc,
+                                         visible, LSE_ROW, DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM, BLOCK_D0,
+                                         BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
+    return dk0, dk1, dv0, dv1
+
+
+@triton.jit
 def _spa_bwd_dkdv_completion_kernel(
     Q, K, V, KMASK, QPOS, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qc,
@@ -610,9 +653,11 @@ def _spa_bwd_dkdv_completion_kernel(
     dk0, dk1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
     dv0, dv1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
 
+    qp_base = QPOS + b * C
     if HAS_WINDOW:  # (query blocks none of whose positions has this key block in its window are skipped)
-        qp_base = QPOS + b * C
         k_pos, k_lo, k_hi = _pos_range(qp_base, offs_n, key_ok)
+    else:  # unread
+        k_pos, k_lo, k_hi = offs_n, 0, 0
     # queries at positions >= the block's first key, for every query head of this kv head
     for r in range(REP):
         head = h * REP + r
@@ -623,19 +668,10 @@ def _spa_bwd_dkdv_completion_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
             visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
-            if HAS_WINDOW:
-                q_pos, q_lo, q_hi = _pos_range(qp_base, offs_m, m_ok)
-                if _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW):
-                    visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, True)
-                    dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
-                                                     stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m,
-                                                     m_ok, qk_scale, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16,
-                                                     SOFTCAP)  # fmt: skip
-            else:
-                dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
-                                                 stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
-                                                 qk_scale, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16,
-                                                 SOFTCAP)  # fmt: skip
+            dk0, dk1, dv0, dv1 = _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
+                                                   stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
+                                                   qk_scale, qp_base, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM, BLOCK_D0,
+                                                   BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -690,6 +726,8 @@ def _mra_bwd_dkdv_region_kernel(
         key_ok = n_ok & (tl.load(RMASK + u * S + offs_n, mask=n_ok, other=0) != 0)
         if HAS_WINDOW:
             k_pos, k_lo, k_hi = _pos_range(RPOS + u * S, offs_n, key_ok)
+        else:  # unread
+            k_pos, k_lo, k_hi = offs_n, 0, 0
         g0 = tl.load(ROW_START + u)
         g1 = tl.load(ROW_START + u + 1)
         n_mb = tl.cdiv(C, BLOCK_M)
@@ -706,19 +744,10 @@ def _mra_bwd_dkdv_region_kernel(
             do_base = DO + b * stride_dob + head * stride_doh
             row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
             visible = key_ok[:, None] & m_ok[None, :]
-            if HAS_WINDOW:
-                q_pos, q_lo, q_hi = _pos_range(QPOS + b * C, offs_m, m_ok)
-                if _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW):
-                    visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, True)
-                    dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
-                                                     stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m,
-                                                     m_ok, qk_scale, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16,
-                                                     SOFTCAP)  # fmt: skip
-            else:
-                dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
-                                                 stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
-                                                 qk_scale, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16,
-                                                 SOFTCAP)  # fmt: skip
+            dk0, dk1, dv0, dv1 = _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
+                                                   stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
+                                                   qk_scale, QPOS + b * C, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM, BLOCK_D0,
+                                                   BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
