@@ -151,17 +151,20 @@ def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
     _check_build(name, "bf16", arch, head_dim, softcap=50.0)
 
 
-# the sliding-window builds (HAS_WINDOW: Gemma 2/3, gpt-oss, Mistral layers) of the kernels that compute scores, bf16,
-# at Gemma's head dim 256 (the register-heaviest; its fwd and bwd_dq take other tiles, see _BLOCKS_16BIT_WINDOW), alone
-# (Gemma 3) and soft-capped (Gemma 2) for the two kernels whose tiles depend on both
-WINDOW_CASES = [(n, a, sc) for n in ("fwd", "bwd_dq") for a in (80, 90) for sc in (0.0, 50.0)]
-WINDOW_CASES += [(n, a, 0.0) for n in ("bwd_dkdv_completion", "bwd_dkdv_prefix") for a in (80, 90)]
+# the sliding-window builds (HAS_WINDOW: Gemma 2/3, gpt-oss, Mistral layers) of the kernels that compute scores, at the
+# head dims whose tiers have windowed tiles of their own (_BLOCKS_16BIT_WINDOW, _BLOCKS_FP32_WINDOW: 96 stands for the
+# two-tile tier with 80, 256 is Gemma's), soft-capped too (Gemma 2) for the kernels whose 16-bit d=256 tiles depend on
+# both. The other head dims (64, 80, 128) build without spills with the windowless tiles (checked once by a sweep).
+_SCORE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")
+WINDOW_CASES = [(n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS for a in (80, 90)]
+WINDOW_CASES += [("bwd_dkdv_prefix", "fp32", a, 64, 0.0) for a in (80, 90)]
+WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in (80, 90)]
 
 
-@pytest.mark.parametrize("name, arch, softcap", WINDOW_CASES,
-                         ids=[f"{n}-sm{a}{'-softcap' if sc else ''}" for n, a, sc in WINDOW_CASES])
-def test_aot_window_compiles_without_spills(name, arch, softcap):
-    _check_build(name, "bf16", arch, 256, softcap=softcap, window=True)
+@pytest.mark.parametrize("name, dtype, arch, head_dim, softcap", WINDOW_CASES,
+                         ids=[f"{n}-{t}-sm{a}-d{d}{'-softcap' if sc else ''}" for n, t, a, d, sc in WINDOW_CASES])
+def test_aot_window_compiles_without_spills(name, dtype, arch, head_dim, softcap):
+    _check_build(name, dtype, arch, head_dim, softcap=softcap, window=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

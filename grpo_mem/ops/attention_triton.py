@@ -822,15 +822,16 @@ _BLOCKS_FP32 = {
 # Soft-capped builds (SOFTCAP > 0) that need other tiles: (kernel, tier) -> tiles (16-bit inputs). bwd_dq at d=256
 # spilled 7 stores on sm_90 with 64×32 (tanh and its derivative on top of 250 registers); 64×16 holds 225, no spill.
 _BLOCKS_16BIT_SOFTCAP = {("bwd_dq", 2): (64, 16, 8, 2)}
-# Windowed builds (HAS_WINDOW) that need other tiles (with a soft-cap too, these win over the above). 16-bit: at d=256
-# the window test and the skipped-tile branch took fwd to 5 and bwd_dq to 131 spill stores on sm_90 with 64×32; fwd
-# holds in 64×16 (254 registers), bwd_dq needed 32×32 with 4 warps (208; 64×16 still spilled 81). fp32: fwd at d=80
-# saved one predicate to local memory on sm_80 with 4 warps, and fwd/bwd_dq at d=256 4 stores; bwd_dkdv_prefix at
-# d=64 spilled 4 stores on sm_90: these hold with 8 warps; bwd_dkdv_prefix at d=256 spilled 5 with 8 warps, 0 with
-# 16. bwd_dkdv_prefix keeps its BLOCK_N (prefix_dkdv_grid sizes the grid from the windowless configuration).
-_BLOCKS_16BIT_WINDOW = {("fwd", 2): (64, 16, 8, 2), ("bwd_dq", 2): (32, 32, 4, 2)}
+# Windowed builds (HAS_WINDOW) that need other tiles (with a soft-cap too, these win over the above); each spilled on
+# sm_80 or sm_90 with the windowless tile (16-bit: fwd 5 and bwd_dq 131 spill stores at d=256, at d=96 fwd 10,
+# bwd_dkdv_completion 12, bwd_dkdv_prefix 2; fp32: fwd one predicate at d=80 and 4 stores at d=256, bwd_dq 1 at d=96
+# and 4 at d=256, bwd_dkdv_prefix 4 at d=64 and 5 at d=256) and holds with the one here. bwd_dkdv_prefix keeps its
+# BLOCK_N (prefix_dkdv_grid sizes the grid from the windowless configuration).
+_BLOCKS_16BIT_WINDOW = {("fwd", 2): (64, 16, 8, 2), ("bwd_dq", 2): (32, 32, 4, 2), ("fwd", 3): (64, 32, 8, 3),
+                        ("bwd_dkdv_completion", 3): (16, 64, 8, 2), ("bwd_dkdv_prefix", 3): (16, 64, 8, 2)}
 _BLOCKS_FP32_WINDOW = {("fwd", 3): (16, 16, 8, 2), ("fwd", 2): (16, 16, 8, 1), ("bwd_dq", 2): (16, 16, 8, 1),
-                       ("bwd_dkdv_prefix", 0): (16, 32, 8, 2), ("bwd_dkdv_prefix", 2): (16, 32, 16, 1)}
+                       ("bwd_dq", 3): (16, 16, 4, 2), ("bwd_dkdv_prefix", 0): (16, 32, 8, 2),
+                       ("bwd_dkdv_prefix", 2): (16, 32, 16, 1)}
 _TIER = {64: 0, 128: 1, 256: 2}
 _TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
 # The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
