@@ -115,7 +115,8 @@ def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0,
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     r, cfg = report(name, dtype, arch, head_dim, variant, softcap, window)
-    print(f"\n| {name} | {variant}{' softcap' if softcap else ''}{' window' if window else ''} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
+    features = (" softcap" if softcap else "") + (" window" if window else "")
+    print(f"\n| {name} | {variant}{features} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
           f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
           f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B "
           f"| shared {r['shared']} B |")
@@ -156,7 +157,8 @@ def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
 # two-tile tier with 80, 256 is Gemma's), soft-capped too (Gemma 2) for the kernels whose 16-bit d=256 tiles depend on
 # both. The other head dims (64, 80, 128) build without spills with the windowless tiles (checked once by a sweep).
 _SCORE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")
-WINDOW_CASES = [(n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS for a in (80, 90)]
+WINDOW_CASES = [(n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS
+                for a in (80, 90)]
 WINDOW_CASES += [("bwd_dkdv_prefix", "fp32", a, 64, 0.0) for a in (80, 90)]
 WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in (80, 90)]
 

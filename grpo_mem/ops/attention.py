@@ -870,8 +870,8 @@ def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="a
             tile of the entry), on the cpu backend through ATen's fused kernel given, per entry, only the keys in
             reach of its rows (the span of keys some query sees) with a per-query mask (3.4x less CPU time than the
             torch math for forward + backward of a Gemma-3-like layer, P=2048, W=512; see the README), on the torch
-            backend as masked chunked matmuls. ``sinks`` run on every backend, merged into the backend's output and LSE by one elementwise
-            pass, their gradient from the merged LSE.
+            backend as masked chunked matmuls. ``sinks`` run on every backend, merged into the backend's output and
+            LSE by one elementwise pass, their gradient from the merged LSE.
         sliding_window: W (int >= 1) or None: key j is visible to query i only if ``0 <= pos_i - pos_j < W`` (the
             test of transformers' sliding-window mask, on absolute positions), besides the masks above. A region
             entry none of whose real keys lies in any reader's window is not read at all.

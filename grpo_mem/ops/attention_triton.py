@@ -746,8 +746,8 @@ def _mra_bwd_dkdv_region_kernel(
             visible = key_ok[:, None] & m_ok[None, :]
             dk0, dk1, dv0, dv1 = _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
                                                    stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
-                                                   qk_scale, QPOS + b * C, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM, BLOCK_D0,
-                                                   BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
+                                                   qk_scale, QPOS + b * C, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM,
+                                                   BLOCK_D0, BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -1043,9 +1043,9 @@ def _launch_plan(regions):
 def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=None):
     """Launch the forward kernel, once per region (see ``_launch_plan``). Shapes as
     :func:`grpo_mem.ops.attention.multi_region_attention` (validated there); ``params.scale`` is the softmax scale
-    (``params`` a ``MultiRegionAttentionParams``; ``params.softcap``, if set, soft-caps the scaled scores in the kernels;
-    ``params.sliding_window``, if set, applies the window to ``positions = (q_positions (B, C) int64, (U_r, S_r) int64
-    key positions per region)`` in the kernels, skipping key tiles no query of a block can reach).
+    (``params`` a ``MultiRegionAttentionParams``; ``params.softcap``, if set, soft-caps the scaled scores in the
+    kernels; ``params.sliding_window``, if set, applies the window to ``positions = (q_positions (B, C) int64,
+    (U_r, S_r) int64 key positions per region)`` in the kernels, skipping key tiles no query of a block can reach).
 
     Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
     value is read back to the host. With two regions or more, the partial result between launches is a normalised
