@@ -22,10 +22,11 @@ def positions_of(meta, B, C):
     return (start + torch.arange(C)).expand(B, C).contiguous(), pos
 
 
-def run(fn, tensors, meta, key_mask, grad_out, features, dtype=None, **kw):
+def run(fn, tensors, meta, key_mask, grad_out, features, dtype=None, positions=None, **kw):
     """Output and gradients ({"out", "dq", "dk", "dv", "drk0", "drv0", ..., "dsinks"}) of
     ``fn(q, k, v, regions, key_mask, **features, **kw)``, with ``features`` a dict of the new keyword arguments
-    (sinks given as a leaf tensor in q's dtype), inputs cast to ``dtype`` if given; regions carry positions with a window."""
+    (sinks given as a leaf tensor in q's dtype), inputs cast to ``dtype`` if given; regions carry positions with a
+    window (``positions`` = (q_positions, [region positions]), or those of :func:`positions_of`)."""
     leaves = {n: x.detach().to(dtype or x.dtype).requires_grad_(True) for n, x in tensors.items()}
     feats = dict(features)
     if feats.get("sinks") is not None:
@@ -33,7 +34,7 @@ def run(fn, tensors, meta, key_mask, grad_out, features, dtype=None, **kw):
         feats["sinks"] = leaves["sinks"]
     regions = [(leaves[f"rk{i}"], leaves[f"rv{i}"], idx, mask) for i, (idx, mask) in enumerate(meta)]
     if feats.get("sliding_window") is not None:
-        q_pos, k_pos = positions_of(meta, *leaves["q"].shape[::2])
+        q_pos, k_pos = positions or positions_of(meta, *leaves["q"].shape[::2])
         feats["q_positions"] = q_pos
         regions = [r + (p,) for r, p in zip(regions, k_pos)]
     out = fn(leaves["q"], leaves["k"], leaves["v"], regions, key_mask, **feats, **kw)
@@ -117,7 +118,7 @@ def test_features_change_the_result():
         assert_close(wide[n], plain[n], 1e-12, n)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=needs_interpreter)])
 def test_bf16_sinks_and_softcap_within_twice_naive(backend):
     """bf16 error against an fp32 truth ≤ 2 × the naive bf16 reference's error (torch and cpu backends). The (Hq,) sink
     gradient, a sum over every query row rounded once to bf16, may also be off by one bf16 ulp of its largest value
@@ -158,11 +159,12 @@ def _skipped_region_inputs():
     return t, meta, km, go
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])  # (the cpu backend runs the torch math with a soft-cap)
 @pytest.mark.parametrize("backend", ["torch", "torch_chunk300", "cpu",
                                      pytest.param("triton", marks=needs_interpreter)])
-def test_region_outside_every_window_is_not_read(backend):
+def test_region_outside_every_window_is_not_read(backend, softcap):
     t, meta, km, go = _skipped_region_inputs()
-    feats = {"sliding_window": 4, "softcap": 2.0}
+    feats = {"sliding_window": 4, "softcap": softcap}
     finite = run(multi_region_attention_ref, t, meta, km, go, feats, dtype=torch.float64, scale=0.2)
     t["rk0"] = torch.full_like(t["rk0"], float("nan"))
     t["rv0"] = torch.full_like(t["rv0"], float("nan"))
@@ -232,6 +234,54 @@ def test_triton_matches_fp64_reference(shape, feature):
     feats = FEATURES[feature]
     truth = run(multi_region_attention_ref, t, meta, km, go, feats, dtype=torch.float64, scale=scale)
     check_fp32(run(backend_fn("triton"), t, meta, km, go, feats, scale=scale), truth)
+
+
+@needs_interpreter
+def test_triton_window_runs_in_the_kernels(monkeypatch):
+    """A window on the triton backend never reaches the torch backend's math (it used to fall back to it)."""
+    from grpo_mem.ops import attention
+
+    def refuse(*a, **kw):
+        raise AssertionError("the torch backend ran")
+
+    monkeypatch.setitem(attention.BACKENDS, "torch", (refuse, refuse))
+    t, meta, km, go, scale = _case("r2_tree")
+    truth = run(multi_region_attention_ref, t, meta, km, go, FEATURES["all"], dtype=torch.float64, scale=scale)
+    check_fp32(run(backend_fn("triton"), t, meta, km, go, FEATURES["all"], scale=scale), truth)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=needs_interpreter)])
+def test_window_skips_keys_out_of_reach(backend):
+    """A 200-key prompt, window 10, completions at positions 200 … 206: no query reaches keys below 191, so the
+    Triton forward, dQ and dK/dV kernels skip every key tile below 128 (64 = the largest BLOCK_N), and the cpu backend
+    hands ATen only the keys in reach. Those keys are NaN: loaded and masked, they would poison the results (0 · NaN);
+    skipped, the results equal the finite reference and their gradients are exactly 0."""
+    t, meta, km, go = attention_inputs(3, 4, 2, 7, 32, [(2, 200, [0, 1, 0], ("left", [200, 150]))], [7, 5, 6])
+    feats = {"sliding_window": 10, "sinks": torch.tensor([0.2, -0.4, 1.0, 0.0], dtype=torch.float64)}
+    finite = run(multi_region_attention_ref, t, meta, km, go, feats, dtype=torch.float64, scale=0.3)
+    t["rk0"][:, :, :128] = float("nan")
+    t["rv0"][:, :, :128] = float("nan")
+    res = run(backend_fn(backend), t, meta, km, go, feats, scale=0.3)
+    assert (res["drk0"][:, :, :128] == 0).all() and (res["drv0"][:, :, :128] == 0).all()
+    check_fp32(res, finite)
+
+
+@pytest.mark.parametrize("window", [1, 5, 40])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=needs_interpreter)])
+def test_window_on_large_unordered_positions(backend, window):
+    """Positions past 2**33 (int64 throughout; the kernels compare them in int32 relative to a block's first query)
+    and in no particular order along the keys (a shuffled region, completions whose positions step back): the window
+    test is the reference's on every pair."""
+    t, meta, km, go, scale = _case("r2_tree")
+    g = torch.Generator().manual_seed(5)
+    base = 2**33 + 7
+    q_pos = base + 20 + torch.randint(0, 12, (4, 5), generator=g)
+    k_pos = [base + torch.randperm(2 * 11, generator=g)[:11].expand(2, 11).contiguous(),
+             base + 3 + torch.randint(0, 25, (3, 9), generator=g)]
+    feats = {"sliding_window": window, "softcap": 1.1 if backend == "triton" else None}
+    truth = run(multi_region_attention_ref, t, meta, km, go, feats, dtype=torch.float64, positions=(q_pos, k_pos),
+                scale=scale)
+    check_fp32(run(backend_fn(backend), t, meta, km, go, feats, positions=(q_pos, k_pos), scale=scale), truth)
 
 
 def test_triton_kernels_under_interpreter():

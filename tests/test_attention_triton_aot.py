@@ -48,7 +48,7 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
             types[arg] = "*fp32" if name == "bwd_dkdv_prefix" else f"*{dtype}"
         elif arg in ("LSE", "DELTA", "PART_K", "PART_V", "PREV"):
             types[arg] = "*fp32"
-        elif arg == "RIDX":
+        elif arg in ("RIDX", "QPOS", "RPOS"):
             types[arg] = "*i64"
         elif arg in ("RSPAN", "ROWS", "ROW_START"):
             types[arg] = "*i32"
@@ -56,20 +56,21 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
             types[arg] = "*i1"
         elif arg == "SCALE":
             types[arg] = "fp32"
-        elif arg.startswith("stride_") or arg in ("C", "C_PAD", "S", "HKV", "HQ", "N", "N_SPLIT"):
+        elif arg.startswith("stride_") or arg in ("C", "C_PAD", "S", "HKV", "HQ", "N", "N_SPLIT", "WINDOW"):
             types[arg] = "i32"
     return types
 
 
 def kernel_constexprs(name: str, fn, dtype: str, head_dim: int, variant: str = "one_region",
-                      softcap: float = 0.0) -> dict:
-    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0)
+                      softcap: float = 0.0, window: bool = False) -> dict:
+    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
     has_region, has_own, has_prev = VARIANTS[variant]
     # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
-    every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0),
+    every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0,
+                                      window=window),
                  REP=REP,
                  BLOCK=cfg["BLOCK_M"], HAS_KMASK=True,  # the register-heavier variant
-                 HAS_REGION=has_region, HAS_OWN=has_own, HAS_PREV=has_prev, SOFTCAP=softcap)
+                 HAS_REGION=has_region, HAS_OWN=has_own, HAS_PREV=has_prev, SOFTCAP=softcap, HAS_WINDOW=window)
     return {n: v for n, v in every.items() if n in fn.arg_names}
 
 
@@ -81,16 +82,16 @@ def divisibility_attrs(fn, sig: dict) -> dict:
             if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE_INTS}
 
 
-def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0):
+def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, window=False):
     fn = spa.KERNELS[name]
-    cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap)
+    cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap, window)
     sig = aot.signature_for(fn, kernel_types(name, fn, dtype, variant), cons)
     return fn, sig, cons, divisibility_attrs(fn, sig)
 
 
-def report(name, dtype, arch, head_dim, variant="one_region", softcap=0.0):
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap)
-    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0)
+def report(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, window=False):
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap, window)
+    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
     r = aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs)
     return r, cfg
 
@@ -107,14 +108,15 @@ CASES = [(n, t, a, d) for t in ("bf16", "fp32") for a in (80, 90) for d in HEAD_
          if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)]
 
 
-def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0):
+def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, window=False):
     _compiled_kernels_or_skip()
     try:
         aot.cuobjdump_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    r, cfg = report(name, dtype, arch, head_dim, variant, softcap)
-    print(f"\n| {name} | {variant}{' softcap' if softcap else ''} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
+    r, cfg = report(name, dtype, arch, head_dim, variant, softcap, window)
+    features = (" softcap" if softcap else "") + (" window" if window else "")
+    print(f"\n| {name} | {variant}{features} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
           f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
           f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B "
           f"| shared {r['shared']} B |")
@@ -150,6 +152,23 @@ def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
     _check_build(name, "bf16", arch, head_dim, softcap=50.0)
 
 
+# the sliding-window builds (HAS_WINDOW: Gemma 2/3, gpt-oss, Mistral layers) of the kernels that compute scores, at the
+# head dims whose tiers have windowed tiles of their own (_BLOCKS_16BIT_WINDOW, _BLOCKS_FP32_WINDOW: 96 stands for the
+# two-tile tier with 80, 256 is Gemma's), soft-capped too (Gemma 2) for the kernels whose 16-bit d=256 tiles depend on
+# both. The other head dims (64, 80, 128) build without spills with the windowless tiles (checked once by a sweep).
+_SCORE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")
+WINDOW_CASES = [(n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS
+                for a in (80, 90)]
+WINDOW_CASES += [("bwd_dkdv_prefix", "fp32", a, 64, 0.0) for a in (80, 90)]
+WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in (80, 90)]
+
+
+@pytest.mark.parametrize("name, dtype, arch, head_dim, softcap", WINDOW_CASES,
+                         ids=[f"{n}-{t}-sm{a}-d{d}{'-softcap' if sc else ''}" for n, t, a, d, sc in WINDOW_CASES])
+def test_aot_window_compiles_without_spills(name, dtype, arch, head_dim, softcap):
+    _check_build(name, dtype, arch, head_dim, softcap=softcap, window=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # int64 pointer offsets, read from the TTIR
 # ----------------------------------------------------------------------------------------------------------------------
@@ -159,7 +178,7 @@ _OPERAND = re.compile(r"%[\w.-]+(?:#\d+)?")
 
 
 def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90, inline: bool = False,
-         variant: str = "one_region", **overrides) -> str:
+         variant: str = "one_region", window: bool = False, **overrides) -> str:
     """The TTIR text of one kernel, built as ``triton.compile`` builds it (same signature, constexprs and attrs).
 
     ``inline=True`` also runs the backend's TTIR passes (the inliner among them), so the @triton.jit helpers' bodies
@@ -168,7 +187,7 @@ def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90, in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant)
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, window=window)
     unknown = sorted(set(overrides) - set(cons))
     if unknown:
         raise ValueError(f"{name} has no constexprs {unknown}")
@@ -239,14 +258,17 @@ def test_ttir_checker_finds_an_int32_batch_offset():
     assert i32_scalar_products_in_offsets(text) == ["%off = arith.muli %b, %stride_qb : i32"]
 
 
-OFFSET_CASES = [(n, "one_region") for n in spa.KERNELS]
-OFFSET_CASES += [(n, v) for n in ("fwd", "bwd_dq") for v in ("last", "partial")]
+OFFSET_CASES = [(n, "one_region", False) for n in spa.KERNELS]
+OFFSET_CASES += [(n, v, False) for n in ("fwd", "bwd_dq") for v in ("last", "partial")]
+# windowed builds: the position pointers QPOS + b·C and RPOS + u·S take int64 row offsets too
+OFFSET_CASES += [(n, "one_region", True) for n in ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")]
 
 
-@pytest.mark.parametrize("name, variant", OFFSET_CASES, ids=[f"{n}-{v}" for n, v in OFFSET_CASES])
-def test_pointer_offsets_are_int64(name, variant):
+@pytest.mark.parametrize("name, variant, window", OFFSET_CASES,
+                         ids=[f"{n}-{v}{'-window' if w else ''}" for n, v, w in OFFSET_CASES])
+def test_pointer_offsets_are_int64(name, variant, window):
     _compiled_kernels_or_skip()
-    text = ttir(name, variant=variant)
+    text = ttir(name, variant=variant, window=window)
     assert "tt.addptr" in text
     bad = i32_scalar_products_in_offsets(text)
     assert bad == [], f"{name}: int32 scalar products in pointer offsets:\n" + "\n".join(bad)

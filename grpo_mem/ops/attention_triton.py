@@ -176,6 +176,82 @@ def _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_
     return k0, k1, v0, v1, real[None, :]
 
 
+# Sliding window (HAS_WINDOW): key j is visible to query i iff 0 <= pos_i - pos_j < WINDOW on the int64 positions
+# the caller gives (QPOS (B, C) for queries and own keys, RPOS (U, S) per region entry). A key tile whose positions
+# cannot meet any query position of the block inside the window is skipped before its K/V are loaded; the element
+# test runs in int32 on positions taken relative to the block's first query position (see _window_visible).
+_NO_POS = tl.constexpr(4611686018427387904)  # 2**62: the min of no position (and −2**62 the max); no int64 overflow
+
+
+@triton.jit
+def _pos_range(POS, offs, ok):
+    """Positions ``POS[offs]`` (int64, 0 outside ``ok``) and their min and max over ``ok`` (2**62 and −2**62 for
+    none)."""
+    p = tl.load(POS + offs, mask=ok, other=0)
+    return p, tl.min(tl.where(ok, p, _NO_POS), 0), tl.max(tl.where(ok, p, -_NO_POS), 0)
+
+
+@triton.jit
+def _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW):
+    """Whether a query position in [q_lo, q_hi] and a key position in [k_lo, k_hi] can satisfy
+    ``0 <= q − k < WINDOW`` (False when either range is empty)."""
+    return (q_hi >= k_lo) & (q_lo - k_hi < WINDOW)
+
+
+@triton.jit
+def _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, KEYS_FIRST: tl.constexpr):
+    """Bool ``0 <= q_pos[i] − k_pos[j] < WINDOW``: (queries, keys), or (keys, queries) when KEYS_FIRST, for queries
+    whose positions lie in [q_lo, q_hi] (others: any value). Exact in int32: the query positions are taken relative to
+    q_lo, the key positions too, clamped to [−WINDOW, q_hi − q_lo + 1] (a clamped key is invisible either way)."""
+    q_rel = (q_pos - q_lo).to(tl.int32)
+    k_rel = tl.minimum(tl.maximum(k_pos - q_lo, -WINDOW), q_hi - q_lo + 1).to(tl.int32)
+    if KEYS_FIRST:
+        diff = q_rel[None, :] - k_rel[:, None]
+    else:
+        diff = q_rel[:, None] - k_rel[None, :]
+    return (diff >= 0) & (diff < WINDOW)
+
+
+@triton.jit
+def _region_tile_reach(RP_BASE, RM_BASE, n0, S, q_lo, q_hi, WINDOW, BLOCK_N: tl.constexpr):
+    """Positions of a region entry's key tile from ``n0`` (RP_BASE/RM_BASE: the entry's positions and mask) and
+    whether any real key of it can be in the window of a query position in [q_lo, q_hi]."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < S
+    real = n_ok & (tl.load(RM_BASE + offs_n, mask=n_ok, other=0) != 0)
+    k_pos, k_lo, k_hi = _pos_range(RP_BASE, offs_n, real)
+    return k_pos, _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW)
+
+
+@triton.jit
+def _own_tile_reach(QP_BASE, n0, C, q_lo, q_hi, WINDOW, BLOCK_N: tl.constexpr):
+    """As _region_tile_reach for a tile of the row's own keys (QP_BASE: the row's positions)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k_pos, k_lo, k_hi = _pos_range(QP_BASE, offs_n, offs_n < C)
+    return k_pos, _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW)
+
+
+@triton.jit
+def _region_tile_windowed(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr,
+                          BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """_region_tile with the window test of the block's queries (positions ``q_pos`` in [q_lo, q_hi]) on the tile's
+    key positions ``k_pos`` (from _region_tile_reach)."""
+    k0, k1, v0, v1, visible = _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_DIM, BLOCK_N,
+                                           BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    return k0, k1, v0, v1, visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+
+
+@triton.jit
+def _own_tile_windowed(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+                       HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """_own_tile with the window test, as _region_tile_windowed."""
+    k0, k1, v0, v1, visible = _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DIM, BLOCK_N,
+                                        BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
+    return k0, k1, v0, v1, visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
+
+
 @triton.jit
 def _tanh(x):
     """tanh in fp32 from one exp2 of −2|x| (no overflow; absolute error ~1e-7 near 0)."""
@@ -238,23 +314,25 @@ def _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, q
 
 @triton.jit
 def _mra_fwd_kernel(
-    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, OUT, LSE, PREV,
+    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, QPOS, RPOS, OUT, LSE, PREV,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
     stride_vb, stride_vh, stride_vc,
     stride_rku, stride_rkh, stride_rks,
     stride_rvu, stride_rvh, stride_rvs,
     stride_ob, stride_oh, stride_oc,
-    SCALE, C, C_PAD, S, HKV,
+    SCALE, C, C_PAD, S, HKV, WINDOW,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
     HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # Offsets: the batch / head / entry parts are int64 scalars (b·stride_qb alone passes 2^31 elements at
     # B=16, Hq=40, C=32k, d=128); the in-tile parts stay int32 (the launcher checks they fit).
     # One launch covers one shared region (HAS_REGION) and/or the own region (HAS_OWN), continuing from the normalised
     # partial result of earlier launches (HAS_PREV: PREV fp32 with OUT's strides, its LSE in LSE) and writing the
-    # normalised result to OUT (fp32 partial, or the output in q's dtype) and its LSE to LSE.
+    # normalised result to OUT (fp32 partial, or the output in q's dtype) and its LSE to LSE. HAS_WINDOW: the sliding
+    # window on QPOS/RPOS (see _pos_range); key tiles out of every query's reach in this block are skipped.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -287,6 +365,8 @@ def _mra_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0, acc1 = _zeros_head(BLOCK_M, BLOCK_D0, BLOCK_D1)
 
+    if HAS_WINDOW:
+        q_pos, q_lo, q_hi = _pos_range(QPOS + b * C, pos, row_ok)
     if HAS_REGION:  # the row's entry, read in place; tiles wholly outside its span of real keys are skipped
         u = tl.load(RIDX + b)  # int64; -1: row b reads nothing of this region
         reads = u >= 0
@@ -297,10 +377,19 @@ def _mra_fwd_kernel(
         rv_base = RV + u * stride_rvu + h * stride_rvh
         rm_base = RMASK + u * S
         for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-            k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
-                                                   BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                             BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            if HAS_WINDOW:
+                k_pos, live = _region_tile_reach(RPOS + u * S, rm_base, n0, S, q_lo, q_hi, WINDOW, BLOCK_N)
+                if live:
+                    k0, k1, v0, v1, visible = _region_tile_windowed(
+                        rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+                    m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
+                                                     BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            else:
+                k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S,
+                                                       HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+                m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
+                                                 BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     if HAS_OWN:  # the row's own keys, causal (up to the largest query position in this block)
         k_base = K + b * stride_kb + h * stride_kh
@@ -308,10 +397,19 @@ def _mra_fwd_kernel(
         km_base = KMASK + b * C
         hi_own = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
         for n0 in range(0, hi_own, BLOCK_N):
-            k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, HEAD_DIM,
-                                                BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-            m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                             BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            if HAS_WINDOW:
+                k_pos, live = _own_tile_reach(QPOS + b * C, n0, C, q_lo, q_hi, WINDOW, BLOCK_N)
+                if live:
+                    k0, k1, v0, v1, visible = _own_tile_windowed(
+                        k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
+                    m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
+                                                     BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            else:
+                k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C,
+                                                    HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
+                m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
+                                                 BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
     denom = tl.where(empty, 1.0, l_i)[:, None]
@@ -355,7 +453,7 @@ def _spa_bwd_delta_kernel(
 
 @triton.jit
 def _mra_bwd_dq_kernel(
-    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, DO, LSE, DELTA, DQ, PREV,
+    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, QPOS, RPOS, DO, LSE, DELTA, DQ, PREV,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
     stride_vb, stride_vh, stride_vc,
@@ -363,14 +461,15 @@ def _mra_bwd_dq_kernel(
     stride_rvu, stride_rvh, stride_rvs,
     stride_dob, stride_doh, stride_doc,
     stride_dqb, stride_dqh, stride_dqc,
-    SCALE, C, C_PAD, S, HKV,
+    SCALE, C, C_PAD, S, HKV, WINDOW,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
     HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # dQ over one shared region (HAS_REGION) and/or the own region (HAS_OWN), plus the fp32 partial dQ of earlier
     # launches (HAS_PREV: PREV with DQ's strides); writes DQ (an fp32 partial, or dQ in q's dtype). LSE/DELTA are the
-    # merged attention's.
+    # merged attention's. HAS_WINDOW: the sliding window, tiles skipped as in the forward.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -397,6 +496,8 @@ def _mra_bwd_dq_kernel(
     delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
     dq0, dq1 = _zeros_head(BLOCK_M, BLOCK_D0, BLOCK_D1)
 
+    if HAS_WINDOW:
+        q_pos, q_lo, q_hi = _pos_range(QPOS + b * C, pos, row_ok)
     if HAS_REGION:
         lo = tl.load(RSPAN + 2 * u)
         hi = tl.where(reads, tl.load(RSPAN + 2 * u + 1), 0)
@@ -404,10 +505,19 @@ def _mra_bwd_dq_kernel(
         rv_base = RV + u * stride_rvu + h * stride_rvh
         rm_base = RMASK + u * S
         for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-            k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, HEAD_DIM,
-                                                   BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            if HAS_WINDOW:
+                k_pos, live = _region_tile_reach(RPOS + u * S, rm_base, n0, S, q_lo, q_hi, WINDOW, BLOCK_N)
+                if live:
+                    k0, k1, v0, v1, visible = _region_tile_windowed(
+                        rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+                    dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
+                                        BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            else:
+                k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S,
+                                                       HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+                dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
+                                    BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     if HAS_OWN:
         k_base = K + b * stride_kb + h * stride_kh
@@ -415,10 +525,19 @@ def _mra_bwd_dq_kernel(
         km_base = KMASK + b * C
         hi_own = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, C)
         for n0 in range(0, hi_own, BLOCK_N):
-            k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, HEAD_DIM,
-                                                BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-            dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            if HAS_WINDOW:
+                k_pos, live = _own_tile_reach(QPOS + b * C, n0, C, q_lo, q_hi, WINDOW, BLOCK_N)
+                if live:
+                    k0, k1, v0, v1, visible = _own_tile_windowed(
+                        k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
+                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
+                    dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
+                                        BLOCK_D1, EMULATE_BF16, SOFTCAP)
+            else:
+                k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C,
+                                                    HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
+                dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
+                                    BLOCK_D1, EMULATE_BF16, SOFTCAP)
 
     dq0 = dq0 * SCALE
     dq1 = dq1 * SCALE
@@ -469,18 +588,52 @@ def _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LS
 
 
 @triton.jit
+def _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc, visible, LSE_ROW,
+                DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
+                BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Load the queries and output gradients at ``offs_m`` of one (row, query head) (Q_BASE/DO_BASE) and add their
+    share to the key block's dK/dV (_dkdv_step)."""
+    q0, q1 = _load_head(Q_BASE, offs_m * stride_qc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    do0, do1 = _load_head(DO_BASE, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    return _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LSE_ROW, DELTA_ROW, offs_m,
+                      m_ok, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP)
+
+
+@triton.jit
+def _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc, visible, LSE_ROW,
+                      DELTA_ROW, offs_m, m_ok, qk_scale, QP_ROW, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM: tl.constexpr,
+                      BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                      SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """_dkdv_block for one query block of both dK/dV kernels; with HAS_WINDOW the block is skipped when none of its
+    query positions (QP_ROW, the row's positions) can have a key of the block (positions ``k_pos`` in [k_lo, k_hi]) in
+    its window, and ``visible`` gains the window test otherwise."""
+    if HAS_WINDOW:
+        q_pos, q_lo, q_hi = _pos_range(QP_ROW, offs_m, m_ok)
+        if _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW):
+            visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, True)
+            dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc,
+                                             stride_doc, visible, LSE_ROW, DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM,
+                                             BLOCK_D0, BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
+    else:
+        dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc,
+                                         visible, LSE_ROW, DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM, BLOCK_D0,
+                                         BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
+    return dk0, dk1, dv0, dv1
+
+
+@triton.jit
 def _spa_bwd_dkdv_completion_kernel(
-    Q, K, V, KMASK, DO, LSE, DELTA, DK, DV,
+    Q, K, V, KMASK, QPOS, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qc,
     stride_kb, stride_kh, stride_kc,
     stride_vb, stride_vh, stride_vc,
     stride_dob, stride_doh, stride_doc,
     stride_dkb, stride_dkh, stride_dkc,
     stride_dvb, stride_dvh, stride_dvc,
-    SCALE, C, C_PAD, HKV,
+    SCALE, C, C_PAD, HKV, WINDOW,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -500,6 +653,11 @@ def _spa_bwd_dkdv_completion_kernel(
     dk0, dk1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
     dv0, dv1 = _zeros_head(BLOCK_N, BLOCK_D0, BLOCK_D1)
 
+    qp_base = QPOS + b * C
+    if HAS_WINDOW:  # (query blocks none of whose positions has this key block in its window are skipped)
+        k_pos, k_lo, k_hi = _pos_range(qp_base, offs_n, key_ok)
+    else:  # unread
+        k_pos, k_lo, k_hi = offs_n, 0, 0
     # queries at positions >= the block's first key, for every query head of this kv head
     for r in range(REP):
         head = h * REP + r
@@ -509,12 +667,11 @@ def _spa_bwd_dkdv_completion_kernel(
         for m0 in range(((pid_n * BLOCK_N) // BLOCK_M) * BLOCK_M, C, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
-            q0, q1 = _load_head(q_base, offs_m * stride_qc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-            do0, do1 = _load_head(do_base, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
             visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
-            dk0, dk1, dv0, dv1 = _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible,
-                                            LSE + row_base, DELTA + row_base, offs_m, m_ok, qk_scale, BLOCK_D1,
-                                            EMULATE_BF16, SOFTCAP)  # fmt: skip
+            dk0, dk1, dv0, dv1 = _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
+                                                   stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
+                                                   qk_scale, qp_base, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM, BLOCK_D0,
+                                                   BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -529,21 +686,24 @@ def _spa_bwd_dkdv_completion_kernel(
 
 @triton.jit
 def _mra_bwd_dkdv_region_kernel(
-    Q, RK, RV, ROWS, ROW_START, RSPAN, RMASK, DO, LSE, DELTA, DRK, DRV,
+    Q, RK, RV, ROWS, ROW_START, RSPAN, RMASK, QPOS, RPOS, DO, LSE, DELTA, DRK, DRV,
     stride_qb, stride_qh, stride_qc,
     stride_rku, stride_rkh, stride_rks,
     stride_rvu, stride_rvh, stride_rvs,
     stride_dob, stride_doh, stride_doc,
-    SCALE, C, C_PAD, S, HKV, N_SPLIT, stride_split,
+    SCALE, C, C_PAD, S, HKV, N_SPLIT, stride_split, WINDOW,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # dK/dV of one shared region (a prompt, or any region of multi-region attention). ROWS lists the rows reading
     # each entry (ascending within an entry; rows reading none are not listed); ROW_START[u]..ROW_START[u+1] are entry
     # u's. The work of one (key block, entry, kv head) — every (row, query head, query block) of the group, in that
     # order — is cut into N_SPLIT contiguous ranges, one per program_id(2). Program s writes its fp32 sum to slice s of
     # DRK/DRV (contiguous (N_SPLIT, U, HKV, S, HEAD_DIM), slices stride_split apart), dK already scaled; the slices are
-    # summed in order by _spa_bwd_prefix_reduce_kernel. With N_SPLIT == 1 DRK/DRV are the gradients.
+    # summed in order by _spa_bwd_prefix_reduce_kernel. With N_SPLIT == 1 DRK/DRV are the gradients. HAS_WINDOW: work
+    # items (row, query head, query block) whose query positions cannot reach this key block are skipped, so a block
+    # out of every reader's window is never read and gets 0.
     pid_n = tl.program_id(0)
     pid_uh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -564,6 +724,10 @@ def _mra_bwd_dkdv_region_kernel(
         v0, v1 = _load_head(RV + u * stride_rvu + h * stride_rvh, offs_n * stride_rvs, n_ok, HEAD_DIM, BLOCK_D0,
                             BLOCK_D1, EMULATE_BF16)
         key_ok = n_ok & (tl.load(RMASK + u * S + offs_n, mask=n_ok, other=0) != 0)
+        if HAS_WINDOW:
+            k_pos, k_lo, k_hi = _pos_range(RPOS + u * S, offs_n, key_ok)
+        else:  # unread
+            k_pos, k_lo, k_hi = offs_n, 0, 0
         g0 = tl.load(ROW_START + u)
         g1 = tl.load(ROW_START + u + 1)
         n_mb = tl.cdiv(C, BLOCK_M)
@@ -576,14 +740,14 @@ def _mra_bwd_dkdv_region_kernel(
             head = h * REP + (t // n_mb) % REP
             offs_m = (t % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
-            q0, q1 = _load_head(Q + b * stride_qb + head * stride_qh, offs_m * stride_qc, m_ok, HEAD_DIM, BLOCK_D0,
-                                BLOCK_D1, EMULATE_BF16)
-            do0, do1 = _load_head(DO + b * stride_dob + head * stride_doh, offs_m * stride_doc, m_ok, HEAD_DIM,
-                                  BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+            q_base = Q + b * stride_qb + head * stride_qh
+            do_base = DO + b * stride_dob + head * stride_doh
             row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
-            dk0, dk1, dv0, dv1 = _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1,
-                                            key_ok[:, None] & m_ok[None, :], LSE + row_base, DELTA + row_base,
-                                            offs_m, m_ok, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
+            visible = key_ok[:, None] & m_ok[None, :]
+            dk0, dk1, dv0, dv1 = _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
+                                                   stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
+                                                   qk_scale, QPOS + b * C, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM,
+                                                   BLOCK_D0, BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -658,6 +822,16 @@ _BLOCKS_FP32 = {
 # Soft-capped builds (SOFTCAP > 0) that need other tiles: (kernel, tier) -> tiles (16-bit inputs). bwd_dq at d=256
 # spilled 7 stores on sm_90 with 64×32 (tanh and its derivative on top of 250 registers); 64×16 holds 225, no spill.
 _BLOCKS_16BIT_SOFTCAP = {("bwd_dq", 2): (64, 16, 8, 2)}
+# Windowed builds (HAS_WINDOW) that need other tiles (with a soft-cap too, these win over the above); each spilled on
+# sm_80 or sm_90 with the windowless tile (16-bit: fwd 5 and bwd_dq 131 spill stores at d=256, at d=96 fwd 10,
+# bwd_dkdv_completion 12, bwd_dkdv_prefix 2; fp32: fwd one predicate at d=80 and 4 stores at d=256, bwd_dq 1 at d=96
+# and 4 at d=256, bwd_dkdv_prefix 4 at d=64 and 5 at d=256) and holds with the one here. bwd_dkdv_prefix keeps its
+# BLOCK_N (prefix_dkdv_grid sizes the grid from the windowless configuration).
+_BLOCKS_16BIT_WINDOW = {("fwd", 2): (64, 16, 8, 2), ("bwd_dq", 2): (32, 32, 4, 2), ("fwd", 3): (64, 32, 8, 3),
+                        ("bwd_dkdv_completion", 3): (16, 64, 8, 2), ("bwd_dkdv_prefix", 3): (16, 64, 8, 2)}
+_BLOCKS_FP32_WINDOW = {("fwd", 3): (16, 16, 8, 2), ("fwd", 2): (16, 16, 8, 1), ("bwd_dq", 2): (16, 16, 8, 1),
+                       ("bwd_dq", 3): (16, 16, 4, 2), ("bwd_dkdv_prefix", 0): (16, 32, 8, 2),
+                       ("bwd_dkdv_prefix", 2): (16, 32, 16, 1)}
 _TIER = {64: 0, 128: 1, 256: 2}
 _TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
 # The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
@@ -668,9 +842,10 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _I32_MAX = 2**31 - 1
 
 
-def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False) -> dict:
+def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False,
+                 window: bool = False) -> dict:
     """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype`` (``softcap``: the
-    soft-capped build).
+    soft-capped build; ``window``: the sliding-window build).
 
     Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_80 and sm_90 builds have no
     register spills (checked by ``tests/test_attention_triton_aot.py``).
@@ -684,6 +859,9 @@ def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, 
     block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
     if softcap and dtype != torch.float32:
         block_m, block_n, warps, stages = _BLOCKS_16BIT_SOFTCAP.get((name, tier), (block_m, block_n, warps, stages))
+    if window:
+        table = _BLOCKS_FP32_WINDOW if dtype == torch.float32 else _BLOCKS_16BIT_WINDOW
+        block_m, block_n, warps, stages = table.get((name, tier), (block_m, block_n, warps, stages))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -743,16 +921,16 @@ def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
     """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
     if 0 in grid:
         return
-    cfg = block_config(name, head_dim, dtype, constexprs.get("SOFTCAP", 0.0) > 0)
+    cfg = block_config(name, head_dim, dtype, constexprs.get("SOFTCAP", 0.0) > 0, constexprs.get("HAS_WINDOW", False))
     opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     with launch_device(args[0]):
         KERNELS[name][grid](*args, **constexprs, **opts)
 
 
-def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False) -> dict:
-    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels (``softcap``: of the
-    soft-capped build)."""
-    cfg = block_config(name, head_dim, dtype, softcap)
+def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False, window=False) -> dict:
+    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels (``softcap``,
+    ``window``: of the soft-capped, windowed build)."""
+    cfg = block_config(name, head_dim, dtype, softcap, window)
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
@@ -822,14 +1000,25 @@ def _region_rows(index, U):
     return rows.to(torch.int32), row_start
 
 
-def _region_args(regions, q):
-    """Per launch, the region tensors ``(region_k, region_v, index, span, mask)`` with ``region_k``/``region_v`` as the
-    kernels read them; with no region, one launch with placeholders (unread: HAS_REGION=False)."""
+def _region_args(regions, q, positions=None):
+    """Per launch, the region tensors ``(region_k, region_v, index, span, mask, key positions)`` with
+    ``region_k``/``region_v`` as the kernels read them; with no region, one launch with placeholders (unread:
+    HAS_REGION=False). ``positions``: ``(q_positions, region positions)`` with a window, else None (the key positions
+    are then the index tensor, unread: HAS_WINDOW=False)."""
     if not regions:
         i64, i32 = (torch.zeros(2, dtype=t, device=q.device) for t in (torch.int64, torch.int32))
-        return [(q, q, i64, i32, torch.zeros(1, 1, dtype=torch.bool, device=q.device))]
-    return [(_kernel_view(rk), _kernel_view(rv), index, _region_span(mask), mask.contiguous())
-            for rk, rv, index, mask in regions]
+        return [(q, q, i64, i32, torch.zeros(1, 1, dtype=torch.bool, device=q.device), i64)]
+    k_pos = [None] * len(regions) if positions is None else positions[1]
+    return [(_kernel_view(rk), _kernel_view(rv), index, _region_span(mask), mask.contiguous(),
+             index if pos is None else pos.contiguous()) for (rk, rv, index, mask), pos in zip(regions, k_pos)]
+
+
+def _window_args(positions, params, q):
+    """``(q_positions as the kernels read them, WINDOW, HAS_WINDOW)``: the (B, C) int64 positions (contiguous), the
+    window and True with ``params.sliding_window``; a placeholder, 0 and False without."""
+    if params.sliding_window is None:
+        return torch.zeros(2, dtype=torch.int64, device=q.device), 0, False
+    return positions[0].contiguous(), int(params.sliding_window), True
 
 
 def _named_regions(regions, args):
@@ -851,11 +1040,12 @@ def _launch_plan(regions):
     return [(True, i == R - 1, i > 0) for i in range(R)]
 
 
-def multi_region_attention_fwd(q, k, v, regions, key_mask, params):
+def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=None):
     """Launch the forward kernel, once per region (see ``_launch_plan``). Shapes as
     :func:`grpo_mem.ops.attention.multi_region_attention` (validated there); ``params.scale`` is the softmax scale
-    (``params`` a ``MultiRegionAttentionParams``; ``params.softcap``, if set, soft-caps the scaled scores in the kernels;
-    the caller runs the torch math instead for a sliding window).
+    (``params`` a ``MultiRegionAttentionParams``; ``params.softcap``, if set, soft-caps the scaled scores in the
+    kernels; ``params.sliding_window``, if set, applies the window to ``positions = (q_positions (B, C) int64,
+    (U_r, S_r) int64 key positions per region)`` in the kernels, skipping key tiles no query of a block can reach).
 
     Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
     value is read back to the host. With two regions or more, the partial result between launches is a normalised
@@ -880,36 +1070,40 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params):
         lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C]
     if B == 0 or C == 0:
         return out, lse
-    args = _region_args(regions, q)
+    args = _region_args(regions, q, positions)
+    q_pos, window, has_window = _window_args(positions, params, q)
     _check_offsets(q=q, k=k, v=v, out=out, **_named_regions(regions, args))
     # the running output, fp32 with out's strides (the kernel reads PREV with OUT's strides)
     partial = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=q.device) if len(plan) > 1 \
         else out
     kmask = key_mask.contiguous() if key_mask is not None else args[0][4]  # unread when HAS_KMASK=False
-    meta = _tile_constexprs("fwd", d, q.dtype, interpret)
+    meta = _tile_constexprs("fwd", d, q.dtype, interpret, params.softcap is not None, has_window)
     grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
-    for (rk, rv, index, span, mask), (has_region, has_own, has_prev) in zip(args, plan):
+    for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
         dst = out if has_own else partial
         _launch("fwd", grid, (
-            q, k, v, rk, rv, index, span, mask, kmask, dst, lse, partial,
+            q, k, v, rk, rv, index, span, mask, kmask, q_pos, k_pos, dst, lse, partial,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
-            *dst.stride()[:3], float(params.scale), C, c_pad, rk.shape[2], Hkv,
+            *dst.stride()[:3], float(params.scale), C, c_pad, rk.shape[2], Hkv, window,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, HAS_REGION=has_region, HAS_OWN=has_own,
-            HAS_PREV=has_prev, SOFTCAP=_softcap(params), **meta)  # fmt: skip
+            HAS_PREV=has_prev, SOFTCAP=_softcap(params), HAS_WINDOW=has_window, **meta)  # fmt: skip
     return out, lse
 
 
-def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, params, interpret):
+def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, k_pos, window_args, params,
+                 interpret):
     """dK/dV of one shared region: the region kernel over each entry's rows, its work split for a full GPU (see
     ``prefix_dkdv_grid``) and the fp32 partial sums reduced in a fixed order. Returns ``(dregion_k, dregion_v)``
-    contiguous, in the region's dtype; entries no row reads get 0."""
+    contiguous, in the region's dtype; entries no row reads get 0. ``k_pos`` and ``window_args`` (see ``_window_args``):
+    the sliding window's key positions and query positions, window, flag."""
+    q_pos, window, has_window = window_args
     B, Hq, C, d = q.shape
     U, Hkv, S, _ = region_k.shape
     rep = Hq // Hkv
     c_pad = _padded(C)
     drk, drv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (region_k, region_v))
     rows, row_start = _region_rows(index, U)
-    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret)
+    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret, params.softcap is not None, has_window)
     grid = prefix_dkdv_grid(B, U, Hkv, rep, C, S, d, q.dtype, _sm_count(q.device))
     n_split, n_elems = grid[2], U * Hkv * S * d
     if n_split == 1:
@@ -917,10 +1111,10 @@ def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, par
     else:
         part_k, part_v = (torch.empty((n_split, U, Hkv, S, d), dtype=torch.float32, device=q.device) for _ in "kv")
     _launch("bwd_dkdv_prefix", grid, (
-        q, region_k, region_v, rows, row_start, span, mask, dout, lse, delta, part_k, part_v,
+        q, region_k, region_v, rows, row_start, span, mask, q_pos, k_pos, dout, lse, delta, part_k, part_v,
         *q.stride()[:3], *region_k.stride()[:3], *region_v.stride()[:3], *dout.stride()[:3], float(params.scale), C,
-        c_pad, S, Hkv, n_split, n_elems,
-    ), d, q.dtype, interpret, REP=rep, SOFTCAP=_softcap(params), **meta)
+        c_pad, S, Hkv, n_split, n_elems, window,
+    ), d, q.dtype, interpret, REP=rep, SOFTCAP=_softcap(params), HAS_WINDOW=has_window, **meta)
     if n_split > 1:
         block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
         _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, drk, drv, n_elems, n_split),
@@ -928,8 +1122,9 @@ def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, par
     return drk, drv
 
 
-def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params):
-    """Launch the backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d).
+def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params, positions=None):
+    """Launch the backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d); ``positions``
+    as :func:`multi_region_attention_fwd`.
 
     Returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])`` in the dtypes of q, k, v and each region's K/V (fp32
     accumulation); dq/dk/dv have the strides of q/k/v when those are dense, the region gradients are contiguous.
@@ -945,7 +1140,9 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     rep = Hq // Hkv
     interpret = q.device.type == "cpu"
     dq, dk, dv = (_kernel_view(torch.empty_like(x)) for x in (q, k, v))
-    args = _region_args(regions, q)
+    args = _region_args(regions, q, positions)
+    window_args = _window_args(positions, params, q)
+    q_pos, window, has_window = window_args
     if B == 0 or C == 0:
         dregions = [(torch.zeros(rk.shape, dtype=rk.dtype, device=rk.device),
                      torch.zeros(rv.shape, dtype=rv.dtype, device=rv.device)) for rk, rv, _, _ in regions]
@@ -969,20 +1166,21 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     # regions are not written before the last launch: start from zeros
     partial = torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_() \
         if len(plan) > 1 else dq
-    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret, params.softcap is not None)
-    for (rk, rv, index, span, mask), (has_region, has_own, has_prev) in zip(args, plan):
+    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret, params.softcap is not None, has_window)
+    for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
         dst = dq if has_own else partial
         _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
-            q, k, v, rk, rv, index, span, mask, kmask, dout, lse, delta, dst, partial,
+            q, k, v, rk, rv, index, span, mask, kmask, q_pos, k_pos, dout, lse, delta, dst, partial,
             *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(params.scale), C,
-            c_pad, rk.shape[2], Hkv,
+            c_pad, rk.shape[2], Hkv, window,
         ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, HAS_REGION=has_region, HAS_OWN=has_own,
-            HAS_PREV=has_prev, SOFTCAP=_softcap(params), **meta)  # fmt: skip
-    meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret)
+            HAS_PREV=has_prev, SOFTCAP=_softcap(params), HAS_WINDOW=has_window, **meta)  # fmt: skip
+    meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret, params.softcap is not None, has_window)
     _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
-        q, k, v, kmask, dout, lse, delta, dk, dv,
-        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(params.scale), C, c_pad, Hkv,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, SOFTCAP=_softcap(params), **meta)
-    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, params, interpret)
-                for rk, rv, index, span, mask in (args if regions else [])]
+        q, k, v, kmask, q_pos, dout, lse, delta, dk, dv,
+        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(params.scale), C, c_pad, Hkv, window,
+    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, SOFTCAP=_softcap(params), HAS_WINDOW=has_window,
+        **meta)  # fmt: skip
+    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, k_pos, window_args, params, interpret)
+                for rk, rv, index, span, mask, k_pos in (args if regions else [])]
     return dq, dk, dv, dregions
