@@ -249,3 +249,21 @@ def test_grpo_training_with_router_loss_matches_stock(tmp_path, monkeypatch):
     for h, s in zip(logged, stock_logged):
         assert h["aux_loss"] == pytest.approx(s["aux_loss"], rel=1e-6, abs=1e-7)
         assert h["grpo_mem/path/stock"] == 0.0
+
+
+def test_verify_compares_the_router_loss_gradient(tmp_path, monkeypatch):
+    """``grpo_mem.verify`` on a MoE trainer that asks for the router loss: the loss joins the compared gradients, so
+    the prompt-once path passes, and a router loss off by 1 % fails on the gradient."""
+    import grpo_mem
+    from helpers import make_trainer
+
+    monkeypatch.setattr(helpers, "tiny_model", lambda arch, seed=0: moe_model(arch, seed=seed))
+    trainer, _ = make_trainer(arch="qwen3_moe", output_dir=tmp_path, per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2, router_aux_loss_coef=1.0)  # fmt: skip
+    assert trainer.aux_loss_enabled
+    report = grpo_mem.verify(trainer, print_report=False)
+    assert report.passed and all(m.path == "prompt-once" for m in report.micro_batches), str(report)
+    loss = router.load_balancing_loss
+    monkeypatch.setattr(router, "load_balancing_loss", lambda terms, shape: 1.01 * loss(terms, shape))
+    report = grpo_mem.verify(trainer, print_report=False)
+    assert not report.passed and report.max_logp_diff <= 1e-5, str(report)

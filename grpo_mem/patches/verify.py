@@ -450,14 +450,17 @@ def _score(fn, setup: _Setup, entropy_coef, before_call=None, after_call=None) -
         # < 1.15's method enters no autocast itself; 1.15+ enters the same one again inside); backward outside any
         # autocast, as in training, also when verify is called inside one
         with self_obj.accelerator.autocast():
-            logps, ent, _ = fn(self_obj, model, ids[lo:hi], mask[lo:hi], C, batch_size=hi - lo, compute_entropy=True,
-                               compute_aux_loss=setup.aux, **setup.extras)  # fmt: skip
+            logps, ent, aux = fn(self_obj, model, ids[lo:hi], mask[lo:hi], C, batch_size=hi - lo,
+                                 compute_entropy=True, compute_aux_loss=setup.aux_coef != 0.0,
+                                 **setup.extras)  # fmt: skip
         if after_call is not None:
             after_call()
         m, (a, n_tok) = loss_mask[lo:hi].float(), setup.weights
         if entropy_coef is None:
             entropy_coef = ENTROPY_COEF if ent.requires_grad else 0.0
         loss = -(a[lo:hi, None] * m * logps.float()).sum() / n_tok - entropy_coef * (m * ent.float()).sum() / n_tok
+        if aux is not None:  # the MoE router loss, weighted as the trainer weights it: its gradient is compared too
+            loss = loss + setup.aux_coef * aux.float()
         with torch.autocast(logps.device.type, enabled=False):
             loss.backward()
         all_logps.append(logps.detach().float())
@@ -485,7 +488,7 @@ class _Setup:
     slices: list
     weights: tuple
     extras: dict
-    aux: bool
+    aux_coef: float  # the trainer's router_aux_loss_coef when it asks for the MoE router loss, else 0
     window: int
 
 
@@ -499,13 +502,14 @@ def _setup(trainer_or_model, batch, micro_batch_size, temperature, seed) -> _Set
         T = float(trainer_or_model.temperature)
         mb = micro_batch_size or trainer_or_model.args.per_device_train_batch_size
         ga = trainer_or_model.args.gradient_accumulation_steps
-        aux = bool(getattr(trainer_or_model, "aux_loss_enabled", False))
+        enabled = bool(getattr(trainer_or_model, "aux_loss_enabled", False))
+        aux = float(trainer_or_model.router_aux_loss_coef) if enabled else 0.0
     else:
         import trl
 
         T = 1.0 if temperature is None else float(temperature)
         self_obj, stock_fn = _Scorer(model, T), _stock_method(trl.GRPOTrainer)
-        mb, ga, aux = micro_batch_size, None, False
+        mb, ga, aux = micro_batch_size, None, 0.0
         causal_lm = unwrap_causal_lm(model)
         if not _has_fused_head(causal_lm):
             with contextlib.suppress(ImportError):  # TRL releases without a fused head score logits themselves
@@ -665,7 +669,8 @@ def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, mic
         trainer_or_model: a ``GRPOTrainer``/``RLOOTrainer`` (patched or not), or a transformers causal LM (possibly
             PEFT-wrapped), which then needs ``batch``. Run it before training starts (the model unwrapped, one
             process); a trainer's ``per_device_train_batch_size``, ``gradient_accumulation_steps``, temperature,
-            ``cast_lm_head_to_fp32`` and mixed precision apply.
+            ``cast_lm_head_to_fp32`` and mixed precision apply, and, when it asks for the MoE router loss, that loss
+            joins the compared gradients with the trainer's ``router_aux_loss_coef``.
         batch: None (trainer only: the first generation batch of its training dataloader, generated and scored by
             the trainer's ``_generate_and_score_completions``), or a dict as TRL lays it out: ``prompt_ids``,
             ``prompt_mask`` (rows, P) left-padded, ``completion_ids``, ``completion_mask`` (rows, C) right-padded,
