@@ -121,7 +121,6 @@ def worker(args: dict) -> dict:
     """One provider in a fresh process (target of ``harness.run_isolated``): build, measure once, return the
     measurement dict plus ``log_probs`` (G, C) as lists, ``grad_norm``, ``vision_patch_rows`` (patch rows the vision
     tower encoded in the measured call), ``fallbacks`` (grpo_mem's recorded fallbacks) and ``version``."""
-    import torch
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
@@ -153,7 +152,8 @@ def worker(args: dict) -> dict:
 
     with recording_fallbacks() as fallbacks:
         m = harness.measure_once(op, setup=lambda: model.zero_grad(set_to_none=True))
-    return dict(m.to_dict(), vision_patch_rows=sum(encoded), fallbacks=[str(f) for f in fallbacks], log_probs=last["lp"].tolist(), grad_norm=grad_norm(model),
+    return dict(m.to_dict(), vision_patch_rows=sum(encoded), fallbacks=[str(f) for f in fallbacks],
+                log_probs=last["lp"].tolist(), grad_norm=grad_norm(model),
                 n_params=sum(p.numel() for p in model.parameters()), version=harness.versions())
 
 
