@@ -200,12 +200,10 @@ class Window:
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
         # whatever reads this pass (its K/V, its states, its last hidden state) holds its context, which the replay of
         # its checkpointed layers in backward looks up (a root pass's attention needs none; its linear layers do)
-        hidden = out.last_hidden_state
-        if isinstance(ctx, attn_hook.CompletionContext) or ctx.linear.capture:
-            hidden = attn_hook.keep_alive(hidden, ctx)
+        keeper = ctx if isinstance(ctx, attn_hook.CompletionContext) or ctx.linear.capture else None
+        hidden = out.last_hidden_state if keeper is None else attn_hook.keep_alive(out.last_hidden_state, keeper)
         linear = {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in ctx.linear.capture.items()}
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
-        keeper = ctx if isinstance(ctx, attn_hook.CompletionContext) or ctx.linear.capture else None
         router_logits = self._router_logits(out, ids.numel(), keeper) if self.record_router else ()
         states = PromptStates(kv={i: kv[i] for i in sorted(kv)}, last_hidden=last, linear=linear,
                               router_logits=router_logits)  # fmt: skip

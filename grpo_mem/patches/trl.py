@@ -85,11 +85,6 @@ def group_shuffle(seq_dict: dict, batch_size: int) -> dict:
     return {key: permute(value) for key, value in seq_dict.items()}
 
 
-def _input_cause(extras: dict) -> str | None:
-    """Why TRL's own method must score a call whatever the model: inputs the prompt-once path does not take."""
-    return input_cause(extras)
-
-
 def log_decision(trainer, decision: Decision) -> None:
     """Add a training micro-batch's decision to TRL's metrics (averaged over the step when TRL logs): tokens the
     backbone ran, tokens stock TRL would have run, their ratio, and one 0/1 entry per path."""
@@ -111,7 +106,7 @@ def patched_logps_method(original, handle: PatchHandle):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **extras,
     ):  # fmt: skip
-        cause = _input_cause(extras)
+        cause = input_cause(extras)  # inputs the prompt-once path does not take: TRL's own method scores them
         B = input_ids.size(0)
         # inputs the prompt-once path does not take: the call is one decision, scored by TRL whole (it slices them)
         step = B if cause is not None else (batch_size or B)
