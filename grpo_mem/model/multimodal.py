@@ -64,6 +64,12 @@ def _digest(*tensors: torch.Tensor) -> bytes:
     return h.digest()
 
 
+def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
+    """Per row b, a key of its image tensors ``parts[b]`` (patch rows, grids, token types, in a fixed order): rows
+    whose tensors are equal get equal keys, rows with other tensors other keys; a row without tensors gets ``b""``."""
+    return [_digest(*row) if row else b"" for row in parts]
+
+
 @dataclass(frozen=True)
 class VisionInputs:
     """The image inputs of one chunk of B rows, as TRL 1.16 gives them to the model.
@@ -129,17 +135,17 @@ class VisionInputs:
     def row_keys(self, prompt_width: int) -> list[bytes]:
         """Per row, a digest of its images (patch rows and grids) and its prompt's token types (the first
         ``prompt_width`` columns): rows of one prompt have equal keys, rows with other images have other keys."""
-        keys = []
+        parts = []
         firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
         if self.pixel_values is not None:
             patches = torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
         for b in range(len(self.num_images)):
-            parts = [] if self.mm_token_type_ids is None else [self.mm_token_type_ids[b, :prompt_width]]
+            row = [] if self.mm_token_type_ids is None else [self.mm_token_type_ids[b, :prompt_width]]
             if self.pixel_values is not None and self.num_images[b]:  # a row's images are contiguous
                 first, last = firsts[b], firsts[b + 1]
-                parts += [self.pixel_values[patches[first] : patches[last]], self.image_grid_thw[first:last]]
-            keys.append(_digest(*parts) if parts else b"")
-        return keys
+                row += [self.pixel_values[patches[first] : patches[last]], self.image_grid_thw[first:last]]
+            parts.append(row)
+        return image_keys(parts)
 
     def cause(self, causal_lm, prompt_width: int) -> str | None:
         """Why the chunk cannot take the prompt-once path on ``causal_lm``, a model ``support.unsupported_reason``
