@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from grpo_mem.model import multimodal
 from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.support import architecture_reason, recording_fallbacks
+from grpo_mem.model.support import recording_fallbacks
 from grpo_mem.patches.trl import PatchHandle, patched_logps_method
 
 IMAGE, VISION_START, VISION_END = 120, 118, 119
@@ -270,21 +270,6 @@ def test_bad_image_inputs_get_clear_errors(vlm):
         _score(method, model, ids, mask, C, dict(extras, num_images=[1, 1, 1, 0]), 4)
     with pytest.raises(ValueError, match="image_grid_thw holds 96 patch rows but pixel_values has 95"):
         _score(method, model, ids, mask, C, dict(extras, pixel_values=extras["pixel_values"][:-1]), 4)
-
-
-def test_unserved_vision_language_model_is_named():
-    """A LLaVA-style model (no multi-axis position index, TRL passes it ``image_sizes`` or plain ``pixel_values``):
-    a named cause."""
-    config = AutoConfig.for_model(
-        "llava", image_token_index=IMAGE,
-        text_config=dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=8, patch_size=4),
-    )  # fmt: skip
-    reason = architecture_reason(AutoModelForImageTextToText.from_config(config))
-    assert reason == ("vision-language model without compute_3d_position_ids (the Qwen2-VL-style interface "
-                      "grpo_mem drives)")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------------

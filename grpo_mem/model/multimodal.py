@@ -20,6 +20,7 @@ Which models take this path is decided in ``support.vision_language_reason``. Th
 from __future__ import annotations
 
 import hashlib
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -27,8 +28,12 @@ import torch
 
 __all__ = ["SERVED_INPUTS", "VisionInputs", "VisionPasses", "input_cause", "warn_tree_to_group"]
 
-# the scoring method's multimodal arguments this path takes; any other one is a named cause for the stock path
-SERVED_INPUTS = frozenset({"pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids"})
+# the scoring method's multimodal arguments this path takes, in every layout TRL 1.16 slices (patch rows with a grid per
+# image; one entry per image; per tile; per row; token types per row); any other one is a named cause for the stock path
+SERVED_INPUTS = frozenset({"pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids", "image_sizes",
+                           "pixel_attention_mask", "token_type_ids", "num_tiles", "spatial_shapes"})  # fmt: skip
+# (B, T) inputs with one entry per token of prompt + completion, 0 for text
+TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
 TREE_TO_GROUP = "tree sharing of image prompts is not implemented: their micro-batches use group sharing"
 
 _warned_tree = [False]
@@ -43,14 +48,13 @@ def warn_tree_to_group() -> None:
 
 def input_cause(extras: dict) -> str | None:
     """Why the scoring method's multimodal arguments ``extras`` (name -> value, None when not given) cannot take the
-    prompt-once path, or None (no image input at all, or only ``SERVED_INPUTS`` with a patch grid per image)."""
+    prompt-once path, or None (no image input at all, or only ``SERVED_INPUTS``, images counted by ``num_images``)."""
     used = sorted(k for k, v in extras.items() if v is not None)
     other = [k for k in used if k not in SERVED_INPUTS]
     if other:
         return f"multimodal or token-type inputs {other}"
-    if extras.get("pixel_values") is not None and (extras.get("image_grid_thw") is None or
-                                                   extras.get("num_images") is None):  # fmt: skip
-        return "pixel_values without image_grid_thw and num_images (images not laid out as patch grids)"
+    if extras.get("pixel_values") is not None and extras.get("num_images") is None:
+        return "pixel_values without num_images (images not counted per row)"
     return None
 
 
@@ -70,21 +74,85 @@ def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
     return [_digest(*row) if row else b"" for row in parts]
 
 
+def _layout(extras: dict, images: list[int], tiles: list[int] | None, rows: int) -> dict[str, list[int]]:
+    """Per image tensor TRL 1.16's scoring method hands the model, its dim-0 entries of each of the ``rows`` rows, in
+    the order of TRL's own slicing rules (``images``/``tiles``: ``num_images``/``num_tiles``)."""
+    pixel_values, grid = extras.get("pixel_values"), extras.get("image_grid_thw")
+    spans: dict[str, list[int]] = {}
+    if pixel_values is not None:
+        if grid is not None:  # patch rows, a (t, h, w) grid per image (Qwen)
+            if grid.shape[0] != sum(images):
+                raise ValueError(f"num_images counts {sum(images)} images but image_grid_thw has {grid.shape[0]} grids")
+            cells = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
+            firsts = [0, *itertools.accumulate(images)]
+            spans["pixel_values"] = [cells[firsts[b + 1]] - cells[firsts[b]] for b in range(rows)]
+            spans["image_grid_thw"] = images
+        elif extras.get("spatial_shapes") is not None:  # tiles with their own masks and shapes (LFM2-VL)
+            spans.update(dict.fromkeys(("pixel_values", "pixel_attention_mask", "spatial_shapes"), tiles))
+        elif tiles is not None:  # tiles (InternVL)
+            spans["pixel_values"] = tiles
+        elif pixel_values.shape[0] == sum(images):  # one entry per image (LLaVA, Gemma 3, LLaVA-NeXT)
+            spans["pixel_values"] = images
+        else:  # one entry per row, padded with empty images (Idefics3, SmolVLM)
+            spans["pixel_values"] = [1] * rows
+    if extras.get("pixel_attention_mask") is not None and "pixel_attention_mask" not in spans:
+        spans["pixel_attention_mask"] = [1] * rows
+    if extras.get("image_sizes") is not None:
+        spans["image_sizes"] = images
+    for name, counts in spans.items():
+        held = extras[name].shape[0]
+        if held != sum(counts):
+            source = ("image_grid_thw holds {} patch rows" if name == "pixel_values" and grid is not None else
+                      "num_images counts {} images" if counts is images else "num_tiles counts {} tiles"
+                      if counts is tiles else f"num_images counts {sum(images)} images and the batch has {{}} rows")
+            raise ValueError(f"{source.format(sum(counts))} but {name} has {held}")  # fmt: skip
+    return spans
+
+
+def prompt_columns(t: torch.Tensor, rows: list[int], width: int, attention_mask: torch.Tensor,
+                   prompt_width: int) -> torch.Tensor:  # fmt: skip
+    """``t`` (..., B, T)'s prompt columns of ``rows`` right-padded to ``width`` with zeros, (..., len(rows), width):
+    entry i holds row ``rows[i]``'s real prompt tokens (``attention_mask`` (B, T) left-pads the first
+    ``prompt_width`` columns)."""
+    out = t.new_zeros(*t.shape[:-2], len(rows), width)
+    for i, b in enumerate(rows):
+        length = int(attention_mask[b, :prompt_width].sum())
+        out[..., i, :length] = t[..., b, prompt_width - length : prompt_width]
+    return out
+
+
 @dataclass(frozen=True)
 class VisionInputs:
     """The image inputs of one chunk of B rows, as TRL 1.16 gives them to the model.
 
     Attributes:
-        pixel_values: (N, D) float, the patch rows of every image of the chunk, image after image in row order.
-        image_grid_thw: (I, 3) int64, the (t, h, w) patch grid of each image; image i has ``t * h * w`` rows.
+        tensors: the image tensors TRL hands the model, by keyword (``pixel_values``, ``image_grid_thw``,
+            ``image_sizes``, ``pixel_attention_mask``, ``spatial_shapes``), each with dim 0 running over the chunk's
+            patch rows, images, tiles or rows in row order.
+        spans: per name of ``tensors``, B ints: the dim-0 entries of each row.
         num_images: B ints, the images of each row (0 for a text-only row).
-        mm_token_type_ids: (B, T) int, 0 text / 1 image per token of prompt + completion, or None.
+        num_tiles: B ints, the tiles of each row, or None (no tiled layout).
+        token_types: (B, T) int per token of prompt + completion (``token_type_ids``, ``mm_token_type_ids``: 0 text,
+            other values image or video), by keyword.
     """
 
-    pixel_values: torch.Tensor | None
-    image_grid_thw: torch.Tensor | None
+    tensors: dict
+    spans: dict
     num_images: tuple[int, ...]
-    mm_token_type_ids: torch.Tensor | None
+    num_tiles: tuple[int, ...] | None
+    token_types: dict
+
+    @property
+    def pixel_values(self) -> torch.Tensor | None:
+        return self.tensors.get("pixel_values")
+
+    @property
+    def image_grid_thw(self) -> torch.Tensor | None:
+        return self.tensors.get("image_grid_thw")
+
+    @property
+    def mm_token_type_ids(self) -> torch.Tensor | None:
+        return self.token_types.get("mm_token_type_ids")
 
     @classmethod
     def of_chunk(cls, extras: dict, start: int, end: int, rows: int) -> VisionInputs | None:
@@ -92,74 +160,90 @@ class VisionInputs:
         None for them), sliced as TRL's own method slices them per chunk; None when no row has an image input.
 
         Raises:
-            ValueError: ``num_images`` not one count per row, or counts that ``image_grid_thw`` / ``pixel_values``
-                do not hold (naming both numbers).
+            ValueError: ``num_images``/``num_tiles`` not one count per row, or counts that the image tensors do not
+                hold (naming both numbers).
         """
-        pixel_values, grid = extras.get("pixel_values"), extras.get("image_grid_thw")
-        types = extras.get("mm_token_type_ids")
-        if pixel_values is None and types is None:
+        types = {k: extras[k][start:end] for k in TOKEN_TYPE_INPUTS if extras.get(k) is not None}
+        if extras.get("pixel_values") is None and not types:
             return None
-        counts = extras.get("num_images")
-        counts = [0] * rows if counts is None else [int(n) for n in counts]
-        if len(counts) != rows:
-            raise ValueError(f"num_images must give one image count per row ({rows} rows), got {len(counts)} counts")
-        first_image, last_image = sum(counts[:start]), sum(counts[:end])
-        if pixel_values is not None:
-            if grid.shape[0] != sum(counts):
-                raise ValueError(f"num_images counts {sum(counts)} images but image_grid_thw has {grid.shape[0]} grids")
-            patches = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
-            if patches[-1] != pixel_values.shape[0]:
-                raise ValueError(f"image_grid_thw holds {patches[-1]} patch rows but pixel_values has "
-                                 f"{pixel_values.shape[0]}")  # fmt: skip
-            pixel_values = pixel_values[patches[first_image] : patches[last_image]]
-            grid = grid[first_image:last_image]
-        return cls(pixel_values, grid, tuple(counts[start:end]), None if types is None else types[start:end])
+        counts = {}
+        for name in ("num_images", "num_tiles"):
+            given = extras.get(name)
+            counts[name] = None if given is None else [int(n) for n in given]
+            if given is not None and len(counts[name]) != rows:
+                raise ValueError(f"{name} must give one count per row ({rows} rows), got {len(counts[name])} counts")
+        images = counts["num_images"] or [0] * rows
+        spans = _layout(extras, images, counts["num_tiles"], rows)
+        tensors = {}
+        for name, per_row in spans.items():
+            firsts = [0, *itertools.accumulate(per_row)]
+            tensors[name] = extras[name][firsts[start] : firsts[end]]
+        tiles = counts["num_tiles"]
+        return cls(tensors, {k: tuple(v[start:end]) for k, v in spans.items()}, tuple(images[start:end]),
+                   None if tiles is None else tuple(tiles[start:end]), types)  # fmt: skip
 
     def as_kwargs(self) -> dict:
         """The chunk as keyword arguments of TRL's scoring method (its stock path)."""
-        kwargs = {"num_images": list(self.num_images)} if self.pixel_values is not None else {}
-        for name in ("pixel_values", "image_grid_thw", "mm_token_type_ids"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
+        kwargs = dict(self.tensors, **self.token_types)
+        if self.tensors:
+            kwargs["num_images"] = list(self.num_images)
+        if self.num_tiles is not None:
+            kwargs["num_tiles"] = list(self.num_tiles)
         return kwargs
+
+    def _entries(self, name: str, rows: list[int]) -> list[int]:
+        """The dim-0 indices of ``tensors[name]`` that belong to ``rows`` (indices into the chunk), in that order."""
+        firsts = [0, *itertools.accumulate(self.spans[name])]
+        return [i for b in rows for i in range(firsts[b], firsts[b + 1])]
+
+    def of_rows(self, rows: list[int]) -> dict:
+        """The image tensors of ``rows`` (indices into the chunk), in that order, by keyword: what the model's forward
+        takes for a batch of those rows."""
+        out = {}
+        for name, t in self.tensors.items():
+            index = torch.tensor(self._entries(name, rows), dtype=torch.long, device=t.device)
+            out[name] = t.index_select(0, index)
+        return out
 
     def images_of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(patch rows (N', D), grids (I', 3)) of the images of ``rows`` (indices into the chunk), in that order."""
-        firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
-        patches = torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
-        images = [i for b in rows for i in range(firsts[b], firsts[b + 1])]
-        index = torch.tensor([p for i in images for p in range(patches[i], patches[i + 1])], dtype=torch.long)
-        return (self.pixel_values.index_select(0, index.to(self.pixel_values.device)),
-                self.image_grid_thw[torch.tensor(images, dtype=torch.long).to(self.image_grid_thw.device)])  # fmt: skip
+        images = self.of_rows(rows)
+        return images["pixel_values"], images["image_grid_thw"]
 
     def row_keys(self, prompt_width: int) -> list[bytes]:
-        """Per row, a digest of its images (patch rows and grids) and its prompt's token types (the first
-        ``prompt_width`` columns): rows of one prompt have equal keys, rows with other images have other keys."""
+        """Per row, a digest of its image tensors and its prompt's token types (the first ``prompt_width`` columns):
+        rows of one prompt have equal keys, rows with other images have other keys."""
         parts = []
-        firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
-        if self.pixel_values is not None:
-            patches = torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
         for b in range(len(self.num_images)):
-            row = [] if self.mm_token_type_ids is None else [self.mm_token_type_ids[b, :prompt_width]]
-            if self.pixel_values is not None and self.num_images[b]:  # a row's images are contiguous
-                first, last = firsts[b], firsts[b + 1]
-                row += [self.pixel_values[patches[first] : patches[last]], self.image_grid_thw[first:last]]
+            row = [t[b, :prompt_width] for t in self.token_types.values()]
+            for name, t in self.tensors.items():
+                entries = self._entries(name, [b])
+                if entries:  # a row's entries are contiguous
+                    row.append(t[entries[0] : entries[-1] + 1])
             parts.append(row)
         return image_keys(parts)
+
+    def prompt_inputs(self, rows: list[int], width: int, attention_mask: torch.Tensor, prompt_width: int) -> dict:
+        """The image inputs of a batch whose entry i is row ``rows[i]``'s prompt (the last ``prompt_width`` columns
+        of ``attention_mask`` (B, P + C) left-pad it) right-padded to ``width``: the rows' image tensors (none when
+        none of them has an image) and their prompt token types (0 on the padding)."""
+        kwargs = self.of_rows(rows) if any(self.num_images[b] for b in rows) else {}
+        for name, types in self.token_types.items():
+            kwargs[name] = prompt_columns(types, rows, width, attention_mask, prompt_width)
+        return kwargs
 
     def cause(self, causal_lm, prompt_width: int) -> str | None:
         """Why the chunk cannot take the prompt-once path on ``causal_lm``, a model ``support.unsupported_reason``
         serves: image inputs given to a model without a vision tower, or image tokens in a completion."""
         if causal_lm.config.get_text_config() is causal_lm.config:
             return "image inputs given to a text-only model"
-        if self.mm_token_type_ids is not None and bool(self.mm_token_type_ids[:, prompt_width:].any()):
+        if any(bool(t[:, prompt_width:].any()) for t in self.token_types.values()):
             return "image or video tokens in a completion (images returned by a tool)"
         return None
 
     def bind(self, causal_lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> VisionPasses:
         """What the passes of the micro-batch ``input_ids``/``attention_mask`` (B, T), whose prompts are the first
-        ``prompt_width`` columns, add on ``causal_lm`` (its base model has ``compute_3d_position_ids`` and
-        ``get_image_features``: ``support.vision_language_reason``)."""
+        ``prompt_width`` columns, add on ``causal_lm`` (a model ``support.vision_language_reason`` admits)."""
         return VisionPasses(self, causal_lm.base_model, input_ids, attention_mask, prompt_width)
 
 
@@ -181,11 +265,17 @@ class VisionPasses:
     prompt_width: int
     _positions: tuple = ()
 
+    @property
+    def multi_axis(self) -> bool:
+        """Whether the model computes multi-axis positions of its own (``compute_3d_position_ids``: M-RoPE)."""
+        return callable(getattr(self.base, "compute_3d_position_ids", None))
+
     def positions(self) -> torch.Tensor | None:
         """(3, B, T) int64 positions the model computes for the rows (prompt + completion), as its forward does, or
-        None when the model would use ``arange(T)`` (no token types given), which the passes' own positions are."""
+        None when the model would use ``arange(T)`` (no token types given, or a model with 1D positions), which the
+        passes' own positions are."""
         if not self._positions:
-            types = self.inputs.mm_token_type_ids
+            types = self.inputs.mm_token_type_ids if self.multi_axis else None
             self._positions = (None if types is None else self.base.compute_3d_position_ids(
                 input_ids=self.input_ids, image_grid_thw=self.inputs.image_grid_thw, video_grid_thw=None,
                 inputs_embeds=None, attention_mask=self.attention_mask, past_key_values=None, mm_token_type_ids=types,
@@ -194,13 +284,18 @@ class VisionPasses:
 
     def prompt_pass(self, rows: list[int], width: int) -> dict:
         """Extra keyword arguments of the backbone call of a prompt pass whose entry i is row ``rows[i]``'s whole
-        prompt, right-padded to ``width`` tokens: ``mm_encoder_outputs`` (the prompts' image features, computed here
-        once) and ``position_ids`` (3, n, width), each only where needed.
+        prompt, right-padded to ``width`` tokens. A model with multi-axis positions (``compute_3d_position_ids``)
+        gets ``mm_encoder_outputs`` (the prompts' image features, computed here once) and ``position_ids`` (3, n,
+        width), each only where needed; any other model the rows' own image inputs and prompt token types
+        (``VisionInputs.prompt_inputs``): its forward encodes the images once per pass, merges them and builds its
+        own mask from the token types (Gemma 3's bidirectional image blocks), at the pass's own positions.
 
         Raises:
             ValueError: the model's own (``get_placeholder_mask``), when the rows' image tokens do not match their
-                image features; checked before the positions, which assume they match.
+                image features; with multi-axis positions checked before them, as they assume a match.
         """
+        if not self.multi_axis:
+            return self.inputs.prompt_inputs(rows, width, self.attention_mask, self.prompt_width)
         kwargs = {}
         if self.inputs.pixel_values is not None and any(self.inputs.num_images[b] for b in rows):
             pixel_values, grid = self.inputs.images_of(rows)
@@ -211,11 +306,7 @@ class VisionPasses:
             kwargs["mm_encoder_outputs"] = {"image": features}
         positions = self.positions()
         if positions is not None:
-            P = self.prompt_width
-            kwargs["position_ids"] = positions.new_zeros(3, len(rows), width)
-            for i, b in enumerate(rows):
-                length = int(self.attention_mask[b, :P].sum())
-                kwargs["position_ids"][:, i, :length] = positions[:, b, P - length : P]
+            kwargs["position_ids"] = prompt_columns(positions, rows, width, self.attention_mask, self.prompt_width)
         return kwargs
 
     def completion_positions(self, width: int) -> torch.Tensor | None:

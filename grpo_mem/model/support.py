@@ -230,37 +230,59 @@ def _positions_reason(config, base) -> str | None:
 
 
 # what the base model of a vision-language model must offer (``grpo_mem.model.multimodal`` calls these), and what its
-# forward may hand its language model: embeddings with the image features merged in, positions, mask, and features
-# added to the hidden states of the image tokens themselves (Qwen3-VL's deepstack), which the forward computes from
-# the same call's image features: a prompt pass holds all of its prompts' image tokens
-_VISION_METHODS = ("get_image_features", "get_placeholder_mask", "compute_3d_position_ids")
+# forward may hand its language model: embeddings with the image features merged in, positions, the mask (or the
+# per-layer-type masks its forward built from the token types), and features added to the hidden states of the image
+# tokens themselves (Qwen3-VL's deepstack), which the forward computes from the same call's image features: a prompt
+# pass holds all of its prompts' image tokens
+_VISION_METHODS = ("get_image_features",)
+_MULTI_AXIS_METHODS = ("get_placeholder_mask", "compute_3d_position_ids")  # called by grpo_mem for M-RoPE models
+_LANGUAGE_MODEL_NAMES = ("language_model", "text_model")
 _VISION_FORWARD_PARAMS = frozenset({"input_ids", "position_ids", "attention_mask", "mm_encoder_outputs"})
 _LANGUAGE_MODEL_ARGS = frozenset({"input_ids", "position_ids", "attention_mask", "past_key_values", "inputs_embeds",
-                                  "use_cache", "visual_pos_masks", "deepstack_visual_embeds"})  # fmt: skip
-_LANGUAGE_MODEL_CALL = re.compile(r"self\.language_model\(([^)]*)\)")
+                                  "use_cache", "return_dict", "visual_pos_masks", "deepstack_visual_embeds"})  # fmt: skip
+_OWN_POSITIONS = re.compile(r"^\s*position_ids(\[[^\]]*\])? = ", re.MULTILINE)  # an assignment, not a keyword
+
+
+def language_model_of(base) -> tuple[str, torch.nn.Module | None]:
+    """(attribute name, module) of the language model (text decoder) of a vision-language base model; ("", None)
+    when it has none."""
+    for name in _LANGUAGE_MODEL_NAMES:
+        if isinstance(getattr(base, name, None), torch.nn.Module):
+            return name, getattr(base, name)
+    return "", None
 
 
 def vision_language_reason(causal_lm) -> str | None:
     """Why the vision-language model ``causal_lm`` (a multi-config transformers model) cannot score image prompts on
     the prompt-once path, or None; its language model is then checked as a text model (``architecture_reason``).
 
-    In: a base model with the image-feature, placeholder-merge and multi-axis position methods grpo_mem calls
-    (``_VISION_METHODS``), whose forward takes precomputed image features (``mm_encoder_outputs``) and hands its
-    ``language_model`` only merged embeddings, positions, the mask and per-image-token additions
-    (``_LANGUAGE_MODEL_ARGS``; Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Out, named: models without that interface
-    (LLaVA-style, Gemma 3's token-type masks, ...) or handing the language model anything else.
+    In: a base model with ``get_image_features`` and a language model (``language_model``/``text_model``), whose
+    forward takes ``input_ids``, ``position_ids``, ``attention_mask`` and precomputed image features
+    (``mm_encoder_outputs``: it merges features into the embeddings), and hands its language model only merged
+    embeddings, positions, the mask and per-image-token additions (``_LANGUAGE_MODEL_ARGS``). Positions are either
+    multi-axis, from the model's own ``compute_3d_position_ids`` (with ``get_placeholder_mask``: Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL), or the ``position_ids`` given, which the forward never computes itself (LLaVA, LLaVA-NeXT, Gemma 3,
+    Idefics3, ...). Out, named: models without that interface, computing their own 1D positions (PaliGemma's
+    1-based positions), or handing the language model anything else.
     """
     base = causal_lm.base_model
     missing = [n for n in _VISION_METHODS if not callable(getattr(base, n, None))]
-    if not isinstance(getattr(base, "language_model", None), torch.nn.Module):
+    name, language_model = language_model_of(base)
+    if language_model is None:
         missing.append("language_model")
+    multi_axis = callable(getattr(base, "compute_3d_position_ids", None))
+    if multi_axis:
+        missing += [n for n in _MULTI_AXIS_METHODS if not callable(getattr(base, n, None))]
     if missing:
-        return f"vision-language model without {', '.join(missing)} (the Qwen2-VL-style interface grpo_mem drives)"
+        return f"vision-language model without {', '.join(missing)} (the interface grpo_mem drives)"
     cls = attn_hook.own_class(base)
     absent = sorted(_VISION_FORWARD_PARAMS - _forward_params(cls))
     if absent:
         return f"vision-language model whose forward takes no {', '.join(absent)}"
-    calls = _LANGUAGE_MODEL_CALL.findall(re.sub(r"\s+", " ", _forward_source(cls)))
+    source = _forward_source(cls)
+    if not multi_axis and _OWN_POSITIONS.search(source):
+        return "vision-language model computing its own positions in its forward"
+    calls = re.findall(rf"self\.{name}\(([^)]*)\)", re.sub(r"\s+", " ", source))
     args = {a.split("=")[0].strip() for call in calls for a in call.split(",") if "=" in a}
     if len(calls) != 1 or not args <= _LANGUAGE_MODEL_ARGS:
         extra = sorted(args - _LANGUAGE_MODEL_ARGS) or ["several language-model calls"]
@@ -289,7 +311,7 @@ def architecture_reason(causal_lm) -> str | None:
         reason = vision_language_reason(causal_lm)
         if reason is not None:
             return reason
-        config, base = config.get_text_config(), base.language_model
+        config, base = config.get_text_config(), language_model_of(base)[1]
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder model"
     if hasattr(config, "is_decoder"):
