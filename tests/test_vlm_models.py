@@ -19,6 +19,7 @@ import torch
 from helpers import assert_close, assert_grads_close, grads_of
 from test_vlm import TEMPERATURE, _score, _stock_method
 from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 from grpo_mem.model.multimodal import VisionInputs, input_cause
 from grpo_mem.model.support import architecture_reason, recording_fallbacks
@@ -69,6 +70,8 @@ FAMILIES = {
                      "siglip_vision_model", lambda size: 4, token_types=True),
     "idefics3": Family(dict(scale_factor=2), "llama", "idefics3_vision", lambda size: 4, layout="row",
                        any_size=True, tower="vision_model"),
+    "llava_next": Family(dict(image_grid_pinpoints=[[8, 8], [8, 16], [16, 8]]), "llama", "clip_vision_model",
+                         lambda size: _anyres_tokens(size), layout="anyres", any_size=True),
 }  # fmt: skip
 _TEXT_EXTRA = {"gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                    query_pre_attn_scalar=8)}  # fmt: skip
@@ -86,11 +89,25 @@ def tiny_vlm(model_type: str, seed: int = 0):
 
 
 def _image(size, family: Family, g) -> torch.Tensor:
-    """(3, 8, 8) pixels: an h x w image of noise in the top-left corner (the rest padding) or a full 8x8 image."""
+    """(3, 8, 8) pixels: an h x w image of noise in the top-left corner (the rest padding) or a full 8x8 image;
+    LLaVA-NeXT: (tiles, 3, 8, 8), the resized image then its 8x8 tiles at the best of the grid pinpoints."""
+    if family.layout == "anyres":
+        tiles = image_size_to_num_patches(size, family.config["image_grid_pinpoints"], _VISION["image_size"])
+        return torch.randn(tiles, 3, 8, 8, generator=g)
     h, w = size if family.any_size else (8, 8)
     pixels = torch.zeros(3, 8, 8)
     pixels[:, :h, :w] = torch.randn(3, h, w, generator=g)
     return pixels
+
+
+def _anyres_tokens(size) -> int:
+    """LLaVA-NeXT's placeholder tokens for an image of ``size`` (h, w): its base features, then the tiles' features
+    unpadded to the image's aspect ratio with a newline per row, as the model packs them (the processor's count)."""
+    model, _ = _vlm("llava_next")
+    tiles = image_size_to_num_patches(size, FAMILIES["llava_next"].config["image_grid_pinpoints"], 8)
+    with torch.no_grad():
+        out = model.model.get_image_features(torch.zeros(1, tiles, 3, 8, 8), torch.tensor([size]))
+    return out.pooler_output[0].shape[0]
 
 
 def vlm_batch(model_type: str, prompts=PROMPTS, *, seed: int = 0):
@@ -122,6 +139,12 @@ def vlm_batch(model_type: str, prompts=PROMPTS, *, seed: int = 0):
             if pixels:
                 extras["pixel_values"][b, : len(pixels)] = torch.stack(pixels)
         extras["pixel_attention_mask"] = (extras["pixel_values"] != 0).any(2).long()
+    elif family.layout == "anyres":  # (images, most tiles, 3, H, W), zero tiles as padding; (h, w) per image
+        flat = [p for pixels in images for p in pixels]
+        extras["pixel_values"] = torch.zeros(len(flat), max(p.shape[0] for p in flat), 3, 8, 8)
+        for i, p in enumerate(flat):
+            extras["pixel_values"][i, : p.shape[0]] = p
+        extras["image_sizes"] = torch.tensor([s for (_, sizes, _) in prompts for _ in range(G) for s in sizes])
     else:
         extras["pixel_values"] = torch.stack([p for pixels in images for p in pixels])
     if family.token_types:
@@ -147,9 +170,14 @@ def _vlm(model_type: str):
     return _MODELS[model_type]
 
 
-def _unique_images(rows: range) -> int:
-    """Images of the distinct prompts (ids and images) among ``rows`` (rows b of prompt b // G)."""
-    return sum(len(PROMPTS[p][1]) for p in sorted({b // G for b in rows}))
+def _encoded(model_type: str, prompts: list[int]) -> int:
+    """What the vision tower encodes for the images of ``prompts`` (indices into ``PROMPTS``): one entry per image,
+    LLaVA-NeXT one per tile."""
+    family = FAMILIES[model_type]
+    if family.layout != "anyres":
+        return sum(len(PROMPTS[p][1]) for p in prompts)
+    pinpoints = family.config["image_grid_pinpoints"]
+    return sum(image_size_to_num_patches(size, pinpoints, 8) for p in prompts for size in PROMPTS[p][1])
 
 
 def _patched():
@@ -157,7 +185,8 @@ def _patched():
                                                              sharing="group"))  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type, batch_size", [("llava", 15), ("llava", 4), ("gemma3", 4), ("idefics3", 4)])
+@pytest.mark.parametrize("model_type, batch_size", [("llava", 15), ("llava", 4), ("gemma3", 4), ("idefics3", 4),
+                                                   ("llava_next", 4)])  # fmt: skip
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
@@ -167,14 +196,14 @@ def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     encoded.clear()
     ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
     ref_grads = grads_of(model, ref_logps, ref_ent)
-    assert sum(encoded) == sum(extras["num_images"])
+    assert sum(encoded) == _encoded(model_type, [b // G for b in range(ids.shape[0])])
     encoded.clear()
     with recording_fallbacks() as fallbacks:
         logps, ent = _score(_patched(), model, ids, mask, C, extras, batch_size)
     grads = grads_of(model, logps, ent)
     assert fallbacks == []
     chunks = [range(s, min(s + batch_size, ids.shape[0])) for s in range(0, ids.shape[0], batch_size)]
-    assert sum(encoded) == sum(_unique_images(rows) for rows in chunks)
+    assert sum(encoded) == sum(_encoded(model_type, sorted({b // G for b in rows})) for rows in chunks)
     assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
     assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     tower = f"model.{FAMILIES[model_type].tower}."
