@@ -26,6 +26,7 @@ from grpo_mem.model.support import architecture_reason, recording_fallbacks
 from grpo_mem.patches.trl import PatchHandle, patched_logps_method
 
 IMAGE, BOI, EOI = 120, 118, 119
+_PINPOINTS = [[8, 8], [8, 16], [16, 8]]
 G, C = 3, 5
 _TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512, attention_dropout=0.0, pad_token_id=0,
@@ -62,6 +63,11 @@ class Family:
     any_size: bool = False
     token_types: bool = False
     tower: str = "vision_tower"
+    entries: object = None
+
+    def tiles(self, size) -> int:
+        """The vision tower's inputs for an image of ``size`` (h, w): 1, or its tiles (``entries``)."""
+        return 1 if self.entries is None else self.entries(size)
 
 
 FAMILIES = {
@@ -70,9 +76,17 @@ FAMILIES = {
                      "siglip_vision_model", lambda size: 4, token_types=True),
     "idefics3": Family(dict(scale_factor=2), "llama", "idefics3_vision", lambda size: 4, layout="row",
                        any_size=True, tower="vision_model"),
-    "llava_next": Family(dict(image_grid_pinpoints=[[8, 8], [8, 16], [16, 8]]), "llama", "clip_vision_model",
-                         lambda size: _anyres_tokens(size), layout="anyres", any_size=True),
+    "llava_next": Family(dict(image_grid_pinpoints=_PINPOINTS), "llama", "clip_vision_model",
+                         lambda size: _anyres_tokens(size), layout="anyres", any_size=True,
+                         entries=lambda size: image_size_to_num_patches(size, _PINPOINTS, 8)),
+    "internvl": Family(dict(downsample_ratio=0.5), "qwen2", "internvl_vision", lambda size: 4 * _tiles(size),
+                       layout="tiles", any_size=True, entries=lambda size: _tiles(size)),
 }  # fmt: skip
+
+
+def _tiles(size) -> int:
+    """InternVL's 8x8 tiles of an image of ``size`` (h, w) in this test: one for a square image, else two."""
+    return 1 if size[0] == size[1] else 2
 _TEXT_EXTRA = {"gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                    query_pre_attn_scalar=8)}  # fmt: skip
 
@@ -91,9 +105,8 @@ def tiny_vlm(model_type: str, seed: int = 0):
 def _image(size, family: Family, g) -> torch.Tensor:
     """(3, 8, 8) pixels: an h x w image of noise in the top-left corner (the rest padding) or a full 8x8 image;
     LLaVA-NeXT: (tiles, 3, 8, 8), the resized image then its 8x8 tiles at the best of the grid pinpoints."""
-    if family.layout == "anyres":
-        tiles = image_size_to_num_patches(size, family.config["image_grid_pinpoints"], _VISION["image_size"])
-        return torch.randn(tiles, 3, 8, 8, generator=g)
+    if family.layout in ("anyres", "tiles"):
+        return torch.randn(family.tiles(size), 3, 8, 8, generator=g)
     h, w = size if family.any_size else (8, 8)
     pixels = torch.zeros(3, 8, 8)
     pixels[:, :h, :w] = torch.randn(3, h, w, generator=g)
@@ -104,7 +117,7 @@ def _anyres_tokens(size) -> int:
     """LLaVA-NeXT's placeholder tokens for an image of ``size`` (h, w): its base features, then the tiles' features
     unpadded to the image's aspect ratio with a newline per row, as the model packs them (the processor's count)."""
     model, _ = _vlm("llava_next")
-    tiles = image_size_to_num_patches(size, FAMILIES["llava_next"].config["image_grid_pinpoints"], 8)
+    tiles = FAMILIES["llava_next"].tiles(size)
     with torch.no_grad():
         out = model.model.get_image_features(torch.zeros(1, tiles, 3, 8, 8), torch.tensor([size]))
     return out.pooler_output[0].shape[0]
@@ -145,6 +158,9 @@ def vlm_batch(model_type: str, prompts=PROMPTS, *, seed: int = 0):
         for i, p in enumerate(flat):
             extras["pixel_values"][i, : p.shape[0]] = p
         extras["image_sizes"] = torch.tensor([s for (_, sizes, _) in prompts for _ in range(G) for s in sizes])
+    elif family.layout == "tiles":  # (tiles, 3, H, W), each image's tiles; tiles per row
+        extras["pixel_values"] = torch.cat([p for pixels in images for p in pixels])
+        extras["num_tiles"] = [sum(p.shape[0] for p in pixels) for pixels in images]
     else:
         extras["pixel_values"] = torch.stack([p for pixels in images for p in pixels])
     if family.token_types:
@@ -172,12 +188,8 @@ def _vlm(model_type: str):
 
 def _encoded(model_type: str, prompts: list[int]) -> int:
     """What the vision tower encodes for the images of ``prompts`` (indices into ``PROMPTS``): one entry per image,
-    LLaVA-NeXT one per tile."""
-    family = FAMILIES[model_type]
-    if family.layout != "anyres":
-        return sum(len(PROMPTS[p][1]) for p in prompts)
-    pinpoints = family.config["image_grid_pinpoints"]
-    return sum(image_size_to_num_patches(size, pinpoints, 8) for p in prompts for size in PROMPTS[p][1])
+    LLaVA-NeXT and InternVL one per tile."""
+    return sum(FAMILIES[model_type].tiles(size) for p in prompts for size in PROMPTS[p][1])
 
 
 def _patched():
@@ -186,7 +198,7 @@ def _patched():
 
 
 @pytest.mark.parametrize("model_type, batch_size", [("llava", 15), ("llava", 4), ("gemma3", 4), ("idefics3", 4),
-                                                   ("llava_next", 4)])  # fmt: skip
+                                                   ("llava_next", 4), ("internvl", 4)])  # fmt: skip
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
@@ -208,15 +220,15 @@ def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     tower = f"model.{FAMILIES[model_type].tower}."
     assert any(name.startswith(tower) for name in grads)
-    assert_grads_close(*_without_key_biases(grads, ref_grads))
+    assert_grads_close(*_without_key_biases(grads, ref_grads, tower))
 
 
-def _without_key_biases(grads: dict, ref: dict) -> tuple[dict, dict]:
-    """The gradients but those of key-projection biases, which are zero in exact arithmetic (a softmax row does not
-    change when q . b_k is added to each of its scores) and rounding noise here: checked to be that, at most 1e-6 of
-    the largest gradient, in both."""
+def _without_key_biases(grads: dict, ref: dict, tower: str) -> tuple[dict, dict]:
+    """The gradients but those of the vision tower's key-projection biases, which are zero in exact arithmetic (no
+    rotary positions there: a softmax row does not change when q . b_k is added to each of its scores) and rounding
+    noise here: checked to be that, at most 1e-6 of the largest gradient, in both."""
     largest = max(float(g.abs().max()) for g in ref.values())
-    noise = [n for n in ref if n.endswith("k_proj.bias")]
+    noise = [n for n in ref if n.startswith(tower) and n.endswith("k_proj.bias")]
     for name in noise:
         assert max(float(grads[name].abs().max()), float(ref[name].abs().max())) <= 1e-6 * largest, name
     return ({n: g for n, g in grads.items() if n not in noise}, {n: g for n, g in ref.items() if n not in noise})
