@@ -2,7 +2,9 @@
 LLaVA (``pixel_values`` one entry per image), Gemma 3 (the same, plus ``token_type_ids``: bidirectional attention
 inside each image block, sliding-window layers with a window shorter than the prompts), Idefics3 (``pixel_values`` and
 ``pixel_attention_mask`` one entry per row, padded with empty images), LLaVA-NeXT (``image_sizes`` per image, any
-resolution). Tiny random models built offline, batches laid out by hand as each processor lays them out.
+resolution tiles), InternVL (``pixel_values`` per tile, ``num_tiles`` per row), LFM2-VL (patch rows,
+``pixel_attention_mask`` and ``spatial_shapes`` per tile). Tiny random models built offline, batches laid out by
+hand as each processor lays them out.
 
 The patched scoring method and TRL's own must agree: fp32 log-probs and entropies within 1e-5, every parameter
 gradient (vision tower included) within 1e-4 of its scale, with a text-only prompt mixed in, two prompts with equal
@@ -49,7 +51,8 @@ class Family:
         config: keyword arguments of ``AutoConfig.for_model`` beyond text/vision configs and token ids.
         text_type, vision_type: model types of the sub-configs.
         tokens: image size (h, w) -> the image's placeholder tokens (the processor's count).
-        layout: ``"image"`` (an entry per image), ``"row"`` (an entry per row, padded) or ``"anyres"`` (LLaVA-NeXT).
+        layout: ``"image"`` (an entry per image), ``"row"`` (an entry per row, padded), ``"anyres"`` (LLaVA-NeXT),
+            ``"tiles"`` (InternVL) or ``"naflex"`` (LFM2-VL: patch rows, their mask and grid per tile).
         any_size: the model takes images of other sizes than ``image_size`` (else every image is 8x8).
         token_types: the processor gives ``token_type_ids`` (1 on image tokens).
         tower: the vision tower's attribute on the base model.
@@ -79,6 +82,8 @@ FAMILIES = {
     "llava_next": Family(dict(image_grid_pinpoints=_PINPOINTS), "llama", "clip_vision_model",
                          lambda size: _anyres_tokens(size), layout="anyres", any_size=True,
                          entries=lambda size: image_size_to_num_patches(size, _PINPOINTS, 8)),
+    "lfm2_vl": Family(dict(downsample_factor=2), "lfm2", "siglip2_vision_model", lambda size: size[0] * size[1] // 16,
+                      layout="naflex", any_size=True),
     "internvl": Family(dict(downsample_ratio=0.5), "qwen2", "internvl_vision", lambda size: 4 * _tiles(size),
                        layout="tiles", any_size=True, entries=lambda size: _tiles(size)),
 }  # fmt: skip
@@ -105,6 +110,10 @@ def tiny_vlm(model_type: str, seed: int = 0):
 def _image(size, family: Family, g) -> torch.Tensor:
     """(3, 8, 8) pixels: an h x w image of noise in the top-left corner (the rest padding) or a full 8x8 image;
     LLaVA-NeXT: (tiles, 3, 8, 8), the resized image then its 8x8 tiles at the best of the grid pinpoints."""
+    if family.layout == "naflex":  # 16 patch rows of 2x2 pixels, the first (h / 2) * (w / 2) real
+        pixels = torch.zeros(16, 3 * 2 * 2)
+        pixels[: size[0] * size[1] // 4] = torch.randn(size[0] * size[1] // 4, 3 * 2 * 2, generator=g)
+        return pixels
     if family.layout in ("anyres", "tiles"):
         return torch.randn(family.tiles(size), 3, 8, 8, generator=g)
     h, w = size if family.any_size else (8, 8)
@@ -158,6 +167,12 @@ def vlm_batch(model_type: str, prompts=PROMPTS, *, seed: int = 0):
         for i, p in enumerate(flat):
             extras["pixel_values"][i, : p.shape[0]] = p
         extras["image_sizes"] = torch.tensor([s for (_, sizes, _) in prompts for _ in range(G) for s in sizes])
+    elif family.layout == "naflex":  # an image is one tile: patch rows, their mask and (h, w) in patches
+        sizes = [size for (_, shapes, _) in prompts for _ in range(G) for size in shapes]
+        extras["pixel_values"] = torch.stack([p for pixels in images for p in pixels])
+        extras["spatial_shapes"] = torch.tensor(sizes) // 2
+        extras["pixel_attention_mask"] = (torch.arange(16) < extras["spatial_shapes"].prod(-1)[:, None]).long()
+        extras["num_tiles"] = counts
     elif family.layout == "tiles":  # (tiles, 3, H, W), each image's tiles; tiles per row
         extras["pixel_values"] = torch.cat([p for pixels in images for p in pixels])
         extras["num_tiles"] = [sum(p.shape[0] for p in pixels) for pixels in images]
@@ -198,7 +213,7 @@ def _patched():
 
 
 @pytest.mark.parametrize("model_type, batch_size", [("llava", 15), ("llava", 4), ("gemma3", 4), ("idefics3", 4),
-                                                   ("llava_next", 4), ("internvl", 4)])  # fmt: skip
+                                                   ("llava_next", 4), ("internvl", 4), ("lfm2_vl", 4)])  # fmt: skip
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
