@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 from grpo_mem.model.multimodal import VisionInputs, input_cause
+from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import architecture_reason, recording_fallbacks
 from grpo_mem.patches.trl import PatchHandle, patched_logps_method
 
@@ -247,6 +248,46 @@ def _without_key_biases(grads: dict, ref: dict, tower: str) -> tuple[dict, dict]
     for name in noise:
         assert max(float(grads[name].abs().max()), float(ref[name].abs().max())) <= 1e-6 * largest, name
     return ({n: g for n, g in grads.items() if n not in noise}, {n: g for n, g in ref.items() if n not in noise})
+
+
+def test_window_forwards_each_image_prompt_once():
+    """Gemma 3, three micro-batches of one optimizer step, each holding one row of every group: each unique prompt
+    (ids, images, token types) goes through the vision tower once in the window; log-probs as stock's per
+    micro-batch, gradients as stock's summed over them."""
+    model, encoded = _vlm("gemma3")
+    ids, mask, extras = vlm_batch("gemma3")
+    B, P = ids.shape[0], ids.shape[1] - C
+    order = sorted(range(B), key=lambda b: (b % G, b))  # micro-batch i: row i of every group
+    whole = VisionInputs.of_chunk(extras, 0, B, B)
+    ids, mask = ids[order], mask[order]
+    extras = dict(whole.of_rows(order), num_images=[whole.num_images[b] for b in order],
+                  token_type_ids=extras["token_type_ids"][order])  # fmt: skip
+    size = B // G
+    chunks = [VisionInputs.of_chunk(extras, s, s + size, B) for s in range(0, B, size)]
+    ref_logps = []
+    for s, chunk in zip(range(0, B, size), chunks):
+        logps, ent = _score(_stock_method(), model, ids[s : s + size], mask[s : s + size], C, chunk.as_kwargs(), size)
+        ref_logps.append(logps)
+        (logps.sum() + ent.sum()).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    encoded.clear()
+    session = SharingSession("group")
+    session.begin_window(model, [ids[s : s + size, :P] for s in range(0, B, size)],
+                         [mask[s : s + size, :P] for s in range(0, B, size)], row_keys=[c.row_keys(P) for c in chunks])
+    for s, chunk in zip(range(0, B, size), chunks):
+        chunk_ids, chunk_mask = ids[s : s + size], mask[s : s + size]
+        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=chunk)
+        assert decision.path == "group"
+        logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
+                                 compute_entropy=True)  # fmt: skip
+        assert_close(logps, ref_logps[s // size], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
+        (logps.sum() + ent.sum()).backward()
+    session.close_window()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert sum(encoded) == _encoded("gemma3", list(range(len(PROMPTS))))
+    assert_grads_close(*_without_key_biases(grads, ref_grads, "model.vision_tower."))
 
 
 def test_gemma3_image_blocks_attend_bidirectionally():
