@@ -14,6 +14,7 @@ forward hook (each unique prompt's images encoded once per chunk); bad image inp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -184,22 +185,20 @@ def vlm_batch(model_type: str, prompts=PROMPTS, *, seed: int = 0):
     return ids, mask, extras
 
 
-_MODELS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _vlm(model_type: str):
-    """(tiny ``model_type`` with TRL's fused head, list of the image counts each vision-tower call encoded)."""
+    """(tiny ``model_type`` with TRL's fused head, list of the entries each vision-tower call encoded), built once."""
     from trl.trainer.utils import add_fused_lm_head
 
-    if model_type not in _MODELS:
-        model = tiny_vlm(model_type)
-        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
-        encoded: list[int] = []
-        tower = getattr(model.model, FAMILIES[model_type].tower)
-        tower.register_forward_hook(lambda m, args, kwargs, out: encoded.append(
-            (args[0] if args else kwargs["pixel_values"]).shape[0]), with_kwargs=True)  # fmt: skip
-        _MODELS[model_type] = (model, encoded)
-    return _MODELS[model_type]
+    model = tiny_vlm(model_type)
+    add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    encoded: list[int] = []
+
+    def count(module, args, kwargs, out):
+        encoded.append((args[0] if args else kwargs["pixel_values"]).shape[0])
+
+    getattr(model.model, FAMILIES[model_type].tower).register_forward_hook(count, with_kwargs=True)
+    return model, encoded
 
 
 def _encoded(model_type: str, prompts: list[int]) -> int:
