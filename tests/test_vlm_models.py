@@ -327,7 +327,7 @@ def test_layouts_slice_as_trl_and_key_rows_by_their_images():
     assert torch.equal(chunk.tensors["pixel_values"], extras["pixel_values"][5:9])  # rows 4-7: images 5-8
     keys = VisionInputs.of_chunk(extras, 0, ids.shape[0], ids.shape[0]).row_keys(ids.shape[1] - C)
     assert keys[0] == keys[2] != keys[9] and keys[6] == b"" and keys[3] != keys[0]
-    with pytest.raises(ValueError, match="num_images counts 19 images and the batch has 15 rows but pixel_values has 18"):
+    with pytest.raises(ValueError, match="counts 19 images and the batch has 15 rows but pixel_values has 18"):
         VisionInputs.of_chunk(dict(extras, num_images=[2] + extras["num_images"][1:]), 0, 15, 15)
     assert input_cause(dict(extras, image_position_ids=torch.zeros(1))) == (
         "multimodal or token-type inputs ['image_position_ids']")

@@ -239,8 +239,9 @@ _MULTI_AXIS_METHODS = ("get_placeholder_mask", "compute_3d_position_ids")  # cal
 _LANGUAGE_MODEL_NAMES = ("language_model", "text_model")
 _VISION_FORWARD_PARAMS = frozenset({"input_ids", "position_ids", "attention_mask", "mm_encoder_outputs"})
 _LANGUAGE_MODEL_ARGS = frozenset({"input_ids", "position_ids", "attention_mask", "past_key_values", "inputs_embeds",
-                                  "use_cache", "return_dict", "visual_pos_masks", "deepstack_visual_embeds"})  # fmt: skip
-_OWN_POSITIONS = re.compile(r"^\s*position_ids(\[[^\]]*\])? = ", re.MULTILINE)  # an assignment, not a keyword
+                                  "use_cache", "return_dict", "visual_pos_masks",
+                                  "deepstack_visual_embeds"})  # fmt: skip
+_OWN_POSITIONS = re.compile(r"^\s*position_ids(\[[^\]]*\])? = ", re.MULTILINE)  # assigned, not a keyword
 
 
 def language_model_of(base) -> tuple[str, torch.nn.Module | None]:

@@ -8,8 +8,8 @@ on TRL 1.10-1.13 a third, are replaced by reference, on the class or on one trai
   model, PEFT reference with the adapter disabled) is scored chunk by chunk through the trainer's
   ``SharingSession``, which takes one decision per chunk (``SharingSession.decide``: prompt-once in tree or group
   mode, or TRL's own method with the cause, warned once per cause) and runs it. Inputs only TRL's own method takes
-  (vision inputs, ``token_type_ids``) are a cause the patch names; the MoE router aux loss is returned per chunk
-  as TRL computes it (``grpo_mem.model.router``). For the policy's training
+  (image inputs outside ``multimodal.SERVED_INPUTS``) are a cause the patch names; the MoE router aux loss is
+  returned per chunk as TRL computes it (``grpo_mem.model.router``). For the policy's training
   micro-batches, the decision's token counts and path go into TRL's logged metrics (``grpo_mem/...``).
 - ``_prepare_inputs``: TRL shuffles the generation batch row by row before splitting it into micro-batches, so a
   micro-batch rarely holds two completions of one prompt. During this method only (with ``group_shuffle``), the
