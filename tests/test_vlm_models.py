@@ -1,8 +1,8 @@
 """Image prompts on the prompt-once path for vision-language models with 1D positions, one per TRL 1.16 input layout:
 LLaVA (``pixel_values`` one entry per image), Gemma 3 (the same, plus ``token_type_ids``: bidirectional attention
 inside each image block, sliding-window layers with a window shorter than the prompts), Idefics3 (``pixel_values`` and
-``pixel_attention_mask`` one entry per row, padded with empty images), LLaVA-NeXT (``image_sizes`` per image, any
-resolution tiles), InternVL (``pixel_values`` per tile, ``num_tiles`` per row), LFM2-VL (patch rows,
+``pixel_attention_mask`` one entry per row, padded with empty images; SmolVLM likewise), LLaVA-NeXT
+(``image_sizes`` per image, any resolution tiles), Mistral 3 (``image_sizes`` per image, images padded to the largest), InternVL (``pixel_values`` per tile, ``num_tiles`` per row), LFM2-VL (patch rows,
 ``pixel_attention_mask`` and ``spatial_shapes`` per tile). Tiny random models built offline, batches laid out by
 hand as each processor lays them out.
 
@@ -57,6 +57,7 @@ class Family:
             ``"tiles"`` (InternVL) or ``"naflex"`` (LFM2-VL: patch rows, their mask and grid per tile).
         any_size: the model takes images of other sizes than ``image_size`` (else every image is 8x8).
         token_types: the processor gives ``token_type_ids`` (1 on image tokens).
+        image_sizes: the processor gives ``image_sizes``, each image's (h, w).
         tower: the vision tower's attribute on the base model.
     """
 
@@ -67,6 +68,7 @@ class Family:
     layout: str = "image"
     any_size: bool = False
     token_types: bool = False
+    image_sizes: bool = False
     tower: str = "vision_tower"
     entries: object = None
 
@@ -82,10 +84,14 @@ FAMILIES = {
     "idefics3": Family(dict(scale_factor=2), "llama", "idefics3_vision", lambda size: 4, layout="row",
                        any_size=True, tower="vision_model"),
     "llava_next": Family(dict(image_grid_pinpoints=_PINPOINTS), "llama", "clip_vision_model",
-                         lambda size: _anyres_tokens(size), layout="anyres", any_size=True,
+                         lambda size: _anyres_tokens(size), layout="anyres", any_size=True, image_sizes=True,
                          entries=lambda size: image_size_to_num_patches(size, _PINPOINTS, 8)),
     "lfm2_vl": Family(dict(downsample_factor=2), "lfm2", "siglip2_vision_model", lambda size: size[0] * size[1] // 16,
                       layout="naflex", any_size=True),
+    "smolvlm": Family(dict(scale_factor=2), "llama", "smolvlm_vision", lambda size: 4, layout="row", any_size=True,
+                      tower="vision_model"),
+    "mistral3": Family(dict(spatial_merge_size=2), "mistral", "pixtral", lambda size: size[0] * size[1] // 16,
+                       any_size=True, image_sizes=True),
     "internvl": Family(dict(downsample_ratio=0.5), "qwen2", "internvl_vision", lambda size: 4 * _tiles(size),
                        layout="tiles", any_size=True, entries=lambda size: _tiles(size)),
 }  # fmt: skip
@@ -168,7 +174,6 @@ def vlm_batch(model_type: str, prompts=PROMPTS, *, seed: int = 0):
         extras["pixel_values"] = torch.zeros(len(flat), max(p.shape[0] for p in flat), 3, 8, 8)
         for i, p in enumerate(flat):
             extras["pixel_values"][i, : p.shape[0]] = p
-        extras["image_sizes"] = torch.tensor([s for (_, sizes, _) in prompts for _ in range(G) for s in sizes])
     elif family.layout == "naflex":  # an image is one tile: patch rows, their mask and (h, w) in patches
         sizes = [size for (_, shapes, _) in prompts for _ in range(G) for size in shapes]
         extras["pixel_values"] = torch.stack([p for pixels in images for p in pixels])
@@ -182,6 +187,8 @@ def vlm_batch(model_type: str, prompts=PROMPTS, *, seed: int = 0):
         extras["pixel_values"] = torch.stack([p for pixels in images for p in pixels])
     if family.token_types:
         extras["token_type_ids"] = (ids == IMAGE).long()
+    if family.image_sizes:
+        extras["image_sizes"] = torch.tensor([s for (_, sizes, _) in prompts for _ in range(G) for s in sizes])
     return ids, mask, extras
 
 
@@ -213,7 +220,8 @@ def _patched():
 
 
 @pytest.mark.parametrize("model_type, batch_size", [("llava", 15), ("llava", 4), ("gemma3", 4), ("idefics3", 4),
-                                                   ("llava_next", 4), ("internvl", 4), ("lfm2_vl", 4)])  # fmt: skip
+                                                   ("llava_next", 4), ("internvl", 4), ("lfm2_vl", 4), ("smolvlm", 4),
+                                                   ("mistral3", 4)])  # fmt: skip
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
