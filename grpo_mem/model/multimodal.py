@@ -1,18 +1,24 @@
 """Image prompts on the prompt-once path: a micro-batch's images, which rows share them, and what each pass adds.
 
-TRL 1.16 hands the scoring method a generation batch's images as one ``pixel_values`` tensor of patch rows (all
-images of all rows, in row order), ``image_grid_thw`` (one (t, h, w) patch grid per image), ``num_images`` (images per
-row) and ``mm_token_type_ids`` (0 text, 1 image, per token of prompt + completion), and slices them per chunk of rows.
-Stock TRL repeats a prompt's images for each of its G rows, so the vision tower runs G times per prompt. Here:
+TRL 1.16 hands the scoring method a generation batch's images with ``num_images`` (images per row) in one of several
+layouts, and slices them per chunk of rows: ``pixel_values`` as patch rows with ``image_grid_thw`` (a (t, h, w) grid
+per image: Qwen2-VL/2.5-VL/3-VL), one entry per image (LLaVA, Gemma 3, Mistral 3; ``image_sizes`` per image:
+LLaVA-NeXT), per tile (``num_tiles`` per row: InternVL; with ``pixel_attention_mask`` and ``spatial_shapes`` per tile:
+LFM2-VL) or per row (with ``pixel_attention_mask`` per row: Idefics3, SmolVLM); token types per token of prompt +
+completion (``mm_token_type_ids`` for Qwen, ``token_type_ids`` for Gemma 3; 0 text). Stock TRL repeats a prompt's
+images for each of its G rows, so the vision tower runs G times per prompt. Here:
 
-- ``VisionInputs`` holds one chunk's image inputs (``VisionInputs.of_chunk`` slices TRL's arguments as TRL does) and
-  keys each row by its images, so that rows group by (prompt ids, images) (``PromptGrouping.of(..., extra=...)``).
-- ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``VisionPasses``): a prompt pass
-  gets the image features of its prompts (the model's own ``get_image_features``, once per unique prompt), which the
-  model's own forward merges into the prompt's embeddings (``mm_encoder_outputs``: its ``get_placeholder_mask``
-  checks the image-token count and raises its own error), and the multi-axis positions the model's own
-  ``compute_3d_position_ids`` gives the whole row (Qwen2-VL/2.5-VL/3-VL M-RoPE over prompt + completion), of which each
-  pass takes its tokens' columns.
+- ``VisionInputs`` holds one chunk's image inputs (``VisionInputs.of_chunk`` slices TRL's arguments as TRL does: each
+  image tensor's dim-0 entries per row) and keys each row by its images, so that rows group by (prompt ids, images)
+  (``PromptGrouping.of(..., extra=...)``).
+- ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``VisionPasses``). On a model with
+  multi-axis positions a prompt pass gets the image features of its prompts (the model's own ``get_image_features``,
+  once per unique prompt), which the model's own forward merges into the prompt's embeddings
+  (``mm_encoder_outputs``: its ``get_placeholder_mask`` checks the image-token count and raises its own error), and
+  the positions the model's own ``compute_3d_position_ids`` gives the whole row (M-RoPE over prompt + completion), of
+  which each pass takes its tokens' columns. On a model with 1D positions a prompt pass gets its rows' own image
+  inputs and prompt token types, and the model's forward encodes, merges and masks (Gemma 3's bidirectional image
+  blocks) as it does for stock, at the pass's own positions.
 
 Which models take this path is decided in ``support.vision_language_reason``. This module knows transformers, not TRL.
 """
@@ -48,13 +54,16 @@ def warn_tree_to_group() -> None:
 
 def input_cause(extras: dict) -> str | None:
     """Why the scoring method's multimodal arguments ``extras`` (name -> value, None when not given) cannot take the
-    prompt-once path, or None (no image input at all, or only ``SERVED_INPUTS``, images counted by ``num_images``)."""
+    prompt-once path, or None (no image input at all, or only ``SERVED_INPUTS``, images counted by ``num_images``,
+    tiles with spatial shapes by ``num_tiles``)."""
     used = sorted(k for k, v in extras.items() if v is not None)
     other = [k for k in used if k not in SERVED_INPUTS]
     if other:
         return f"multimodal or token-type inputs {other}"
     if extras.get("pixel_values") is not None and extras.get("num_images") is None:
         return "pixel_values without num_images (images not counted per row)"
+    if extras.get("spatial_shapes") is not None and extras.get("num_tiles") is None:
+        return "spatial_shapes without num_tiles (tiles not counted per row)"
     return None
 
 
