@@ -130,7 +130,7 @@ def prompt_columns(t: torch.Tensor, rows: list[int], width: int, attention_mask:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity (it holds dicts of tensors)
 class VisionInputs:
     """The image inputs of one chunk of B rows, as TRL 1.16 gives them to the model.
 
@@ -233,9 +233,9 @@ class VisionInputs:
         return image_keys(parts)
 
     def prompt_inputs(self, rows: list[int], width: int, attention_mask: torch.Tensor, prompt_width: int) -> dict:
-        """The image inputs of a batch whose entry i is row ``rows[i]``'s prompt (the last ``prompt_width`` columns
-        of ``attention_mask`` (B, P + C) left-pad it) right-padded to ``width``: the rows' image tensors (none when
-        none of them has an image) and their prompt token types (0 on the padding)."""
+        """The image inputs of a batch whose entry i is row ``rows[i]``'s prompt (left-padded in the first
+        ``prompt_width`` columns of ``attention_mask`` (B, P + C)) right-padded to ``width``: the rows' image tensors
+        (none when none of them has an image) and their prompt token types (0 on the padding)."""
         kwargs = self.of_rows(rows) if any(self.num_images[b] for b in rows) else {}
         for name, types in self.token_types.items():
             kwargs[name] = prompt_columns(types, rows, width, attention_mask, prompt_width)
