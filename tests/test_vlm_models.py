@@ -2,7 +2,8 @@
 LLaVA (``pixel_values`` one entry per image), Gemma 3 (the same, plus ``token_type_ids``: bidirectional attention
 inside each image block, sliding-window layers with a window shorter than the prompts), Idefics3 (``pixel_values`` and
 ``pixel_attention_mask`` one entry per row, padded with empty images; SmolVLM likewise), LLaVA-NeXT
-(``image_sizes`` per image, any resolution tiles), Mistral 3 (``image_sizes`` per image, images padded to the largest), InternVL (``pixel_values`` per tile, ``num_tiles`` per row), LFM2-VL (patch rows,
+(``image_sizes`` per image, any resolution tiles), Mistral 3 (``image_sizes`` per image, images padded to the largest),
+Aya Vision (one entry per image, Cohere 2 text layers), InternVL (``pixel_values`` per tile, ``num_tiles`` per row), LFM2-VL (patch rows,
 ``pixel_attention_mask`` and ``spatial_shapes`` per tile). Tiny random models built offline, batches laid out by
 hand as each processor lays them out.
 
@@ -92,6 +93,7 @@ FAMILIES = {
                       tower="vision_model"),
     "mistral3": Family(dict(spatial_merge_size=2), "mistral", "pixtral", lambda size: size[0] * size[1] // 16,
                        any_size=True, image_sizes=True),
+    "aya_vision": Family(dict(downsample_factor=2), "cohere2", "siglip_vision_model", lambda size: 4),
     "internvl": Family(dict(downsample_ratio=0.5), "qwen2", "internvl_vision", lambda size: 4 * _tiles(size),
                        layout="tiles", any_size=True, entries=lambda size: _tiles(size)),
 }  # fmt: skip
@@ -221,7 +223,7 @@ def _patched():
 
 @pytest.mark.parametrize("model_type, batch_size", [("llava", 15), ("llava", 4), ("gemma3", 4), ("idefics3", 4),
                                                    ("llava_next", 4), ("internvl", 4), ("lfm2_vl", 4), ("smolvlm", 4),
-                                                   ("mistral3", 4)])  # fmt: skip
+                                                   ("mistral3", 4), ("aya_vision", 4)])  # fmt: skip
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
