@@ -22,8 +22,7 @@ import torch
 from helpers import assert_close, assert_grads_close, grads_of
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from grpo_mem.model import multimodal
-from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
+from grpo_mem.model.multimodal import VisionInputs
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import architecture_reason, recording_fallbacks
 from grpo_mem.patches.trl import PatchHandle, patched_logps_method
@@ -61,15 +60,19 @@ def tiny_vlm(model_type: str = "qwen2_5_vl", seed: int = 0):
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
 
 
-def vlm_batch(prompts, G: int, C: int, *, seed: int = 0):
+def vlm_batch(prompts, G: int, C: int, *, seed: int = 0, image_seeds=None):
     """``prompts`` (see ``PROMPTS``) each repeated G times, left-padded, with right-padded random completions; each
-    prompt's images random (patch rows of normal noise). Returns input_ids, attention_mask (B, P + C), C, and TRL's
+    prompt's images random (patch rows of normal noise; ``image_seeds[i][k]``, if given, seeds prompt i's image k
+    alone: equal seeds and grids, equal images). Returns input_ids, attention_mask (B, P + C), C, and TRL's
     multimodal keyword arguments (pixel_values, image_grid_thw, num_images, mm_token_type_ids)."""
     g = torch.Generator().manual_seed(seed)
     rows, pixels, grids, counts = [], [], [], []
-    for before, image_grids, after in prompts:
+    for i, (before, image_grids, after) in enumerate(prompts):
         tokens, types_ = list(before), [0] * len(before)
-        images = [torch.randn(t * h * w, CHANNELS * PATCH * PATCH, generator=g) for t, h, w in image_grids]
+        gens = [g] * len(image_grids) if image_seeds is None else [torch.Generator().manual_seed(s)
+                                                                   for s in image_seeds[i]]  # fmt: skip
+        images = [torch.randn(t * h * w, CHANNELS * PATCH * PATCH, generator=gen)
+                  for (t, h, w), gen in zip(image_grids, gens)]  # fmt: skip
         for t, h, w in image_grids:
             n = t * h * w // 4
             tokens += [VISION_START] + [IMAGE] * n + [VISION_END]
@@ -191,10 +194,12 @@ def test_text_only_batch_on_a_served_model(vlm, sharing):
     assert_grads_close(grads_of(model, logps, ent), ref_grads)
 
 
-def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_window_forwards_each_image_prompt_once(vlm, sharing):
     """Two micro-batches of one optimizer step, each holding part of every group: each unique prompt (ids and
     images) goes through the vision tower and the language model once in the window; gradients as stock's summed
-    over the micro-batches. A tree-mode session plans image prompts in group mode, warned once by name."""
+    over the micro-batches. A tree-mode session plans image prompts in tree mode (here every prompt is a root of its
+    own: no common prefix reaches the default ``min_shared_tokens``), without a warning."""
     model, encoded = vlm
     ids, mask, C, extras = vlm_batch(PROMPTS, G=2, C=4, seed=1)
     order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # rows 2i, 2i + 1 are prompt i's
@@ -214,15 +219,15 @@ def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     encoded.clear()
-    session = SharingSession("tree")
-    monkeypatch.setattr(multimodal, "_warned_tree", [False])  # warned once per process
-    with pytest.warns(UserWarning, match=TREE_TO_GROUP):
+    session = SharingSession(sharing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         session.begin_window(model, [ids[:4, :P], ids[4:, :P]], [mask[:4, :P], mask[4:, :P]],
                              row_keys=[h.row_keys(P) for h in halves])  # fmt: skip
     for s, half in zip((0, 4), halves):
         chunk_ids, chunk_mask = ids[s : s + 4], mask[s : s + 4]
         decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=half)
-        assert decision.path == "group"
+        assert decision.path == sharing
         logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
                                  compute_entropy=True)  # fmt: skip
         assert_close(logps, ref_logps[s // 4], 1e-5, "log-probs", mask=chunk_mask[:, -C:])

@@ -6,13 +6,17 @@ row) and ``mm_token_type_ids`` (0 text, 1 image, per token of prompt + completio
 Stock TRL repeats a prompt's images for each of its G rows, so the vision tower runs G times per prompt. Here:
 
 - ``VisionInputs`` holds one chunk's image inputs (``VisionInputs.of_chunk`` slices TRL's arguments as TRL does) and
-  keys each row by its images, so that rows group by (prompt ids, images) (``PromptGrouping.of(..., extra=...)``).
-- ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``VisionPasses``): a prompt pass
-  gets the image features of its prompts (the model's own ``get_image_features``, once per unique prompt), which the
-  model's own forward merges into the prompt's embeddings (``mm_encoder_outputs``: its ``get_placeholder_mask``
-  checks the image-token count and raises its own error), and the multi-axis positions the model's own
-  ``compute_3d_position_ids`` gives the whole row (Qwen2-VL/2.5-VL/3-VL M-RoPE over prompt + completion), of which each
-  pass takes its tokens' columns.
+  keys each row by its images (``RowImages``), so that rows group by (prompt ids, images)
+  (``PromptGrouping.of(..., extra=...)``) and, in tree sharing, the trie tells images apart (``trie_keys``: an image
+  token is keyed by its image, so prompts share a span while their images are equal and part at the first image
+  token where they differ; a shared text prefix before the images, e.g. a system prompt, is a node like any other).
+- ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``VisionPasses``): a pass gets the
+  image features of the images whose tokens it holds (the model's own ``get_image_features``, once per pass entry: a
+  unique prompt in group sharing, a trie node in tree sharing), which the model's own forward merges into the
+  embeddings (``mm_encoder_outputs``: its ``get_placeholder_mask`` checks the image-token count and raises its own
+  error), and the multi-axis positions the model's own ``compute_3d_position_ids`` gives the whole row
+  (Qwen2-VL/2.5-VL/3-VL M-RoPE over prompt + completion), of which each pass takes its tokens' columns (a node's
+  columns are equal on every row through it: they depend on the prefix only).
 
 Which models take this path is decided in ``support.vision_language_reason``. This module knows transformers, not TRL.
 """
@@ -25,20 +29,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SERVED_INPUTS", "VisionInputs", "VisionPasses", "input_cause", "warn_tree_to_group"]
+__all__ = ["SERVED_INPUTS", "RowImages", "VisionInputs", "VisionPasses", "input_cause", "trie_keys",
+           "warn_tree_to_group"]  # fmt: skip
 
 # the scoring method's multimodal arguments this path takes; any other one is a named cause for the stock path
 SERVED_INPUTS = frozenset({"pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids"})
-TREE_TO_GROUP = "tree sharing of image prompts is not implemented: their micro-batches use group sharing"
+TREE_TO_GROUP = "these image prompts cannot be split into trie nodes: their micro-batches use group sharing"
 
 _warned_tree = [False]
 
 
-def warn_tree_to_group() -> None:
-    """Warn once per process that image prompts take group sharing although tree sharing was asked for."""
+def warn_tree_to_group(cause: str) -> None:
+    """Warn once per process that image prompts take group sharing although tree sharing was asked for, because of
+    ``cause`` (``VisionInputs.tree_cause``)."""
     if not _warned_tree[0]:
         _warned_tree[0] = True
-        warnings.warn(f"grpo_mem: {TREE_TO_GROUP}", stacklevel=3)
+        warnings.warn(f"grpo_mem: {TREE_TO_GROUP} ({cause})", stacklevel=3)
 
 
 def input_cause(extras: dict) -> str | None:
@@ -68,6 +74,45 @@ def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
     """Per row b, a key of its image tensors ``parts[b]`` (patch rows, grids, token types, in a fixed order): rows
     whose tensors are equal get equal keys, rows with other tensors other keys; a row without tensors gets ``b""``."""
     return [_digest(*row) if row else b"" for row in parts]
+
+
+@dataclass(frozen=True)
+class RowImages:
+    """A row's image inputs as a prompt key (``VisionInputs.row_keys``): equal exactly for rows whose prompt token types
+    and image tensors are equal, and telling where each image's tokens sit in the prompt.
+
+    Attributes:
+        types: ``image_keys`` digest of the row's prompt token types (``b""`` without token types).
+        images: per image of the row, in order, its ``image_keys`` digest (patch rows and grid).
+        spans: per image, (tokens from its first token to the prompt's end, its token count), or ``()`` when the
+            token types that locate them are not given.
+        tree_cause: why the row's images cannot sit below a trie root (``VisionInputs.tree_cause``), or None.
+    """
+
+    types: bytes
+    images: tuple[bytes, ...]
+    spans: tuple[tuple[int, int], ...]
+    tree_cause: str | None
+
+
+def trie_keys(ids: list[int], row) -> tuple:
+    """What the prompt trie compares for a prompt of real (unpadded) token ids ``ids`` whose row key is ``row``
+    (``RowImages``, or anything else for a text prompt): the ids, with each image token keyed by (id, image digest,
+    image token count, index in the image) instead.
+
+    So two prompts share a span while their ids and images agree, and part at the first token of the first image that
+    differs. An image is never split between trie nodes: the keys of two images' runs agree at their first token only
+    when both are the same image in runs of the same length, and then on every token of the run; a node holding an
+    image's first token holds all of it, and gets its features (``VisionPasses.prompt_pass``).
+    """
+    if not isinstance(row, RowImages) or not row.spans:
+        return tuple(ids)
+    keys = list(ids)
+    for (back, count), image in zip(row.spans, row.images):
+        first = len(ids) - back
+        for i in range(first, first + count):
+            keys[i] = (ids[i], image, count, i - first)
+    return tuple(keys)
 
 
 @dataclass(frozen=True)
@@ -123,29 +168,79 @@ class VisionInputs:
                 kwargs[name] = getattr(self, name)
         return kwargs
 
+    def first_images(self) -> list[int]:
+        """The chunk's index of each row's first image, then the image count (B + 1 ints)."""
+        return torch.tensor([0, *self.num_images]).cumsum(0).tolist()
+
+    def _first_patches(self) -> list[int]:
+        """The first patch row of each image, then the patch-row count (I + 1 ints)."""
+        return torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
+
     def images_of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(patch rows (N', D), grids (I', 3)) of the images of ``rows`` (indices into the chunk), in that order."""
-        firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
-        patches = torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
-        images = [i for b in rows for i in range(firsts[b], firsts[b + 1])]
+        firsts = self.first_images()
+        return self.images_at([i for b in rows for i in range(firsts[b], firsts[b + 1])])
+
+    def images_at(self, images: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(patch rows (N', D), grids (I', 3)) of ``images`` (indices into the chunk's images), in that order."""
+        patches = self._first_patches()
         index = torch.tensor([p for i in images for p in range(patches[i], patches[i + 1])], dtype=torch.long)
         return (self.pixel_values.index_select(0, index.to(self.pixel_values.device)),
                 self.image_grid_thw[torch.tensor(images, dtype=torch.long).to(self.image_grid_thw.device)])  # fmt: skip
 
-    def row_keys(self, prompt_width: int) -> list[bytes]:
-        """Per row, a digest of its images (patch rows and grids) and its prompt's token types (the first
-        ``prompt_width`` columns): rows of one prompt have equal keys, rows with other images have other keys."""
-        parts = []
-        firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
+    def image_runs(self, prompt_width: int) -> list[list[tuple[int, int]]]:
+        """Per row, the prompt columns ``(first, end)`` of each of its images' tokens: the maximal runs of image token
+        type (1) in the first ``prompt_width`` columns, one per image in order, as the model's own
+        ``compute_3d_position_ids`` takes them; ``[]`` for every row without images or token types.
+
+        Raises:
+            ValueError: a row with image inputs whose prompt holds another number of runs than it has images.
+        """
+        if self.mm_token_type_ids is None or self.pixel_values is None:
+            return [[] for _ in self.num_images]
+        image = (self.mm_token_type_ids[:, :prompt_width] == 1).to(torch.int8).cpu()
+        edge = torch.zeros(image.shape[0], 1, dtype=torch.int8)
+        steps = torch.diff(image, dim=1, prepend=edge, append=edge)  # +1 at a run's first column, -1 after its last
+        runs = []
+        for b, count in enumerate(self.num_images):
+            starts, ends = (steps[b] == 1).nonzero().flatten().tolist(), (steps[b] == -1).nonzero().flatten().tolist()
+            if len(starts) != count:
+                raise ValueError(f"row {b} has {count} images (num_images) but its prompt holds {len(starts)} runs of "
+                                 "image tokens (mm_token_type_ids == 1)")  # fmt: skip
+            runs.append(list(zip(starts, ends)))
+        return runs
+
+    def row_keys(self, prompt_width: int) -> list:
+        """Per row, its ``RowImages`` (its prompt's token types, the first ``prompt_width`` columns; its images' digests
+        and where their tokens sit), or ``b""`` for a row with neither token types nor images: rows of one prompt
+        have equal keys, rows with other images or types other keys.
+
+        Raises:
+            ValueError: as ``image_runs``.
+        """
+        B = len(self.num_images)
+        types = [b""] * B
+        if self.mm_token_type_ids is not None:
+            types = image_keys([[self.mm_token_type_ids[b, :prompt_width]] for b in range(B)])
+        images = []
         if self.pixel_values is not None:
-            patches = torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
-        for b in range(len(self.num_images)):
-            row = [] if self.mm_token_type_ids is None else [self.mm_token_type_ids[b, :prompt_width]]
-            if self.pixel_values is not None and self.num_images[b]:  # a row's images are contiguous
-                first, last = firsts[b], firsts[b + 1]
-                row += [self.pixel_values[patches[first] : patches[last]], self.image_grid_thw[first:last]]
-            parts.append(row)
-        return image_keys(parts)
+            patches = self._first_patches()
+            images = image_keys([[self.pixel_values[patches[i] : patches[i + 1]], self.image_grid_thw[i : i + 1]]
+                                 for i in range(len(patches) - 1)])  # fmt: skip
+        runs, firsts, cause = self.image_runs(prompt_width), self.first_images(), self.tree_cause()
+        keys = []
+        for b in range(B):
+            own = tuple(images[firsts[b] : firsts[b + 1]])
+            spans = tuple((prompt_width - first, end - first) for first, end in runs[b])
+            keys.append(RowImages(types[b], own, spans, cause if own else None) if types[b] or own else b"")
+        return keys
+
+    def tree_cause(self) -> str | None:
+        """Why the chunk's image prompts cannot be split into trie nodes (tree sharing), or None: each image's tokens
+        must be located in the prompt (``mm_token_type_ids``) and attend causally, as the Qwen layout's do."""
+        if self.pixel_values is not None and self.mm_token_type_ids is None:
+            return "image inputs without mm_token_type_ids (the image tokens are not located)"
+        return None
 
     def cause(self, causal_lm, prompt_width: int) -> str | None:
         """Why the chunk cannot take the prompt-once path on ``causal_lm``, a model ``support.unsupported_reason``
@@ -180,6 +275,7 @@ class VisionPasses:
     attention_mask: torch.Tensor
     prompt_width: int
     _positions: tuple = ()
+    _runs: tuple = ()
 
     def positions(self) -> torch.Tensor | None:
         """(3, B, T) int64 positions the model computes for the rows (prompt + completion), as its forward does, or
@@ -192,31 +288,45 @@ class VisionPasses:
             ),)  # fmt: skip
         return self._positions[0]
 
-    def prompt_pass(self, rows: list[int], width: int) -> dict:
-        """Extra keyword arguments of the backbone call of a prompt pass whose entry i is row ``rows[i]``'s whole
-        prompt, right-padded to ``width`` tokens: ``mm_encoder_outputs`` (the prompts' image features, computed here
-        once) and ``position_ids`` (3, n, width), each only where needed.
+    def prompt_pass(self, spans: list[tuple[int, int, int]], width: int) -> dict:
+        """Extra keyword arguments of the backbone call of a prompt pass whose entry i holds tokens ``first … end-1``
+        of row b's unpadded prompt, ``(b, first, end) = spans[i]`` (a whole prompt in group sharing, a trie node in
+        tree sharing), right-padded to ``width`` tokens: ``mm_encoder_outputs`` (the features of the images whose first
+        token the entries hold, computed here once) and ``position_ids`` (3, n, width), each only where needed.
 
         Raises:
-            ValueError: the model's own (``get_placeholder_mask``), when the rows' image tokens do not match their
+            ValueError: the model's own (``get_placeholder_mask``), when the entries' image tokens do not match their
                 image features; checked before the positions, which assume they match.
         """
-        kwargs = {}
-        if self.inputs.pixel_values is not None and any(self.inputs.num_images[b] for b in rows):
-            pixel_values, grid = self.inputs.images_of(rows)
+        kwargs, P = {}, self.prompt_width
+        starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
+        images = [i for (b, first, end), s in zip(spans, starts) for i in self._images_in(b, s + first, s + end)]
+        if images:
+            pixel_values, grid = self.inputs.images_at(images)
             features = self.base.get_image_features(pixel_values, grid, return_dict=True)
             merged = torch.cat(features.pooler_output, dim=0)
-            self.base.get_placeholder_mask(self.input_ids[rows, : self.prompt_width], inputs_embeds=merged[:1],
-                                           image_features=merged)  # fmt: skip
+            ids = torch.cat([self.input_ids[b, s + first : s + end] for (b, first, end), s in zip(spans, starts)])
+            self.base.get_placeholder_mask(ids[None], inputs_embeds=merged[:1], image_features=merged)
             kwargs["mm_encoder_outputs"] = {"image": features}
         positions = self.positions()
         if positions is not None:
-            P = self.prompt_width
-            kwargs["position_ids"] = positions.new_zeros(3, len(rows), width)
-            for i, b in enumerate(rows):
-                length = int(self.attention_mask[b, :P].sum())
-                kwargs["position_ids"][:, i, :length] = positions[:, b, P - length : P]
+            kwargs["position_ids"] = positions.new_zeros(3, len(spans), width)
+            for i, ((b, first, end), s) in enumerate(zip(spans, starts)):
+                kwargs["position_ids"][:, i, : end - first] = positions[:, b, s + first : s + end]
         return kwargs
+
+    def _images_in(self, b: int, first: int, end: int) -> list[int]:
+        """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end-1``; all of
+        the row's images when their tokens are not located (``VisionInputs.tree_cause``: then a span is a whole
+        prompt)."""
+        if self.inputs.pixel_values is None:
+            return []
+        if not self._runs:
+            self._runs = (self.inputs.image_runs(self.prompt_width),)
+        runs, row_first = self._runs[0][b], self.inputs.first_images()[b]
+        if self.inputs.mm_token_type_ids is None:
+            return list(range(row_first, row_first + self.inputs.num_images[b]))
+        return [row_first + k for k, (start, _) in enumerate(runs) if first <= start < end]
 
     def completion_positions(self, width: int) -> torch.Tensor | None:
         """(3, B, width) positions of completion tokens 0 … width − 1, or None (the passes' own positions)."""

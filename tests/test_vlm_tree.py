@@ -1,0 +1,121 @@
+"""Tree sharing of image prompts: a text prefix shared before different images and before equal ones, against TRL
+1.16's own method on tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL and Qwen3.5 (Gated DeltaNet) built offline.
+
+The trie keys each image token by its image (``multimodal.trie_keys``), so rows share a node while their ids and
+images agree and part at the first image token where they differ; a node pass gets the features of the images whose
+tokens it holds, once. Every prompt here starts with the same 8-token system prompt (a node at ``min_shared_tokens=4``)
+and the batch holds, after it: image X then text (twice, with two endings: they share the X node), image Y, text only,
+and two images X, Y / X, Z (the rows part between the images). Numbers are checked against stock's: fp32 log-probs and
+entropies within 1e-5, every gradient (vision tower included) within 1e-4 of its scale; the vision tower's calls are
+counted with a forward hook (each image once per unique prefix that holds it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+
+import pytest
+import torch
+from helpers import assert_close, assert_grads_close, grads_of
+from test_vlm import _TEXT, CHANNELS, IMAGE, PATCH, TEMPERATURE, VISION_END, VISION_START, _score
+from test_vlm import _stock_method, _trainer, _vlm, vlm_batch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import recording_fallbacks
+from grpo_mem.patches.trl import METRIC_PREFIX, PatchHandle, patched_logps_method
+
+SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47]
+X, Y, Z = (1, 4, 4), (1, 4, 8), (1, 4, 4)  # 4, 8 and 4 image tokens after the 2x2 merge
+# (text before the images, their grids, text after) and the seed of each image (equal seed and grid: equal image)
+TREE_PROMPTS = [(SYSTEM, [X], [8, 9]), (SYSTEM, [Y], [10, 11, 12]), (SYSTEM, [X], [13, 14]),
+                (SYSTEM + [20, 21, 22], [], []), (SYSTEM, [X, Y], [9]), (SYSTEM, [X, Z], [9])]  # fmt: skip
+IMAGE_SEEDS = [[100], [101], [100], [], [100, 101], [100, 102]]
+# the vision tower's images: X once (its node holds it for prompts 0, 2, 4, 5), Y once after the system prompt
+# (prompt 1) and once after X (prompt 4), Z once; stock encodes every row's
+UNIQUE_IMAGE_PREFIXES = 4
+MIN_SHARED = 4
+
+
+def _passes_tokens(rows: int, C: int) -> int:
+    """The backbone tokens of ``TREE_PROMPTS`` in one micro-batch of ``rows`` rows, by the trie's passes (rows x the
+    widest node of each depth) and the completion pass (rows x (C - 1))."""
+    system = 8  # depth 0: the system prompt, once
+    depth1 = 3 * 13  # VS X VE (6, shared by prompts 0, 2, 4, 5); VS Y VE 10 11 12 (13); 20 21 22 (3)
+    depth2 = 4 * 11  # 8 9 (2); 13 14 (2); VS Y VE 9 (11); VS Z VE 9 (7): the prompts part after the X node
+    return system + depth1 + depth2 + rows * (C - 1)
+
+
+def _qwen3_5_vlm(seed: int = 0):
+    """A random Qwen3.5 image-text model: Gated DeltaNet, full attention (M-RoPE) text layers, 2 vision blocks."""
+    text = dict(_TEXT, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 2], mrope_interleaved=True)
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  num_position_embeddings=64, patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1,
+                  in_channels=CHANNELS)  # fmt: skip
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                  video_token_id=121, vision_start_token_id=VISION_START,
+                                  vision_end_token_id=VISION_END, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
+
+
+_QWEN3_5: dict = {}
+
+
+def _model(model_type: str):
+    """(model with TRL's fused head, list of the image counts of each vision-tower call), built once per type."""
+    if model_type != "qwen3_5":
+        return _vlm(model_type)
+    if not _QWEN3_5:
+        from trl.trainer.utils import add_fused_lm_head
+
+        model = _qwen3_5_vlm()
+        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+        encoded: list[int] = []
+        model.model.visual.register_forward_hook(
+            lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
+        )  # fmt: skip
+        _QWEN3_5["model"] = (model, encoded)
+    return _QWEN3_5["model"]
+
+
+def _patched(session: SharingSession):
+    """TRL's scoring method patched, scoring with ``session``; returns (method, the trainer's metrics)."""
+    handle = PatchHandle(("test_vlm_tree",), group_shuffle=False, sharing=session.mode)
+    trainer = _trainer()
+    trainer._metrics = {"train": defaultdict(list)}
+    handle.sessions[trainer] = session
+    method = patched_logps_method(_stock_method(), handle)
+    return (lambda _self, *args, **kwargs: method(trainer, *args, **kwargs)), trainer._metrics["train"]
+
+
+@pytest.mark.parametrize("model_type, batch_size", [("qwen2_5_vl", 12), ("qwen2_5_vl", 5), ("qwen2_vl", 12),
+                                                   ("qwen3_vl", 12), ("qwen3_5", 12)])  # fmt: skip
+def test_tree_of_image_prompts_matches_stock(model_type, batch_size):
+    """The whole batch in one chunk, and chunks of 5 rows (groups of 2 split over chunks, each chunk its own trie):
+    log-probs, entropies and gradients as stock's; every chunk on the tree path. In one chunk: each image encoded once
+    per unique prefix holding it, and the backbone tokens are the trie's (the system prompt counted once)."""
+    model, encoded = _model(model_type)
+    ids, mask, C, extras = vlm_batch(TREE_PROMPTS, G=2, C=4, seed=5, image_seeds=IMAGE_SEEDS)
+    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
+    ref_grads = grads_of(model, ref_logps, ref_ent)
+    encoded.clear()
+    method, metrics = _patched(SharingSession("tree", min_shared_tokens=MIN_SHARED))
+    with recording_fallbacks() as fallbacks, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tree-to-group warning
+        logps, ent = _score(method, model, ids, mask, C, extras, batch_size)
+    grads = grads_of(model, logps, ent)
+    assert fallbacks == []
+    chunks = -(-ids.shape[0] // batch_size)
+    assert metrics[METRIC_PREFIX + "path/tree"] == [1.0] * chunks
+    if chunks == 1:
+        assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
+        assert metrics[METRIC_PREFIX + "backbone_tokens"] == [float(_passes_tokens(ids.shape[0], C))]
+        assert metrics[METRIC_PREFIX + "stock_tokens"] == [float(ids.numel())]
+    assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
+    assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
+    assert any(name.startswith("model.visual.") for name in grads)
+    assert_grads_close(grads, ref_grads)
