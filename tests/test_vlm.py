@@ -97,6 +97,15 @@ def vlm_batch(prompts, G: int, C: int, *, seed: int = 0, image_seeds=None):
     return ids, mask, C, extras
 
 
+def reorder(extras: dict, order: torch.Tensor) -> dict:
+    """TRL's multimodal keyword arguments of a batch for its rows taken in ``order``."""
+    whole = VisionInputs.of_chunk(extras, 0, len(order), len(order))
+    images = [whole.images_of([int(b)]) for b in order]
+    return dict(pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.cat([g for _, g in images]),
+                num_images=[extras["num_images"][b] for b in order],
+                mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
+
+
 class _Trainer(types.SimpleNamespace):
     """What the scoring method reads of a trainer."""
 
@@ -204,11 +213,7 @@ def test_window_forwards_each_image_prompt_once(vlm, sharing):
     ids, mask, C, extras = vlm_batch(PROMPTS, G=2, C=4, seed=1)
     order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # rows 2i, 2i + 1 are prompt i's
     ids, mask = ids[order], mask[order]
-    whole = VisionInputs.of_chunk(extras, 0, 8, 8)
-    extras = dict(pixel_values=torch.cat([whole.images_of([int(b)])[0] for b in order]),
-                  image_grid_thw=torch.cat([whole.images_of([int(b)])[1] for b in order]),
-                  num_images=[extras["num_images"][b] for b in order],
-                  mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
+    extras = reorder(extras, order)
     halves = [VisionInputs.of_chunk(extras, s, s + 4, 8) for s in (0, 4)]
     P = ids.shape[1] - C
     ref_logps = []
