@@ -331,7 +331,7 @@ def _char_sum_reward(completions, **kwargs):
     return [float(sum(map(ord, str(c))) % 7) for c in completions]
 
 
-def _train(tmp_path, patch: bool):
+def _train(tmp_path, patch: bool, sharing: str = "group"):
     import numpy as np
     from datasets import Dataset
     from PIL import Image
@@ -366,7 +366,7 @@ def _train(tmp_path, patch: bool):
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=_char_sum_reward, args=args, processing_class=processor,
                           train_dataset=Dataset.from_dict({"prompt": prompts, "image": images}))  # fmt: skip
-    handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing="group") if patch else None
+    handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing=sharing) if patch else None
     try:
         with recording_fallbacks() as fallbacks:
             trainer.train()
@@ -376,14 +376,22 @@ def _train(tmp_path, patch: bool):
     return trainer, fallbacks, initial
 
 
-def test_grpo_trainer_three_steps_match_stock(tmp_path):
+_STOCK_RUN: dict = {}
+
+
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_grpo_trainer_three_steps_match_stock(tmp_path, sharing):
     """3 GRPOTrainer steps (gradient accumulation 2, rows shuffled row by row so groups straddle micro-batches) on a
-    tiny Qwen2.5-VL with images of three sizes: every training micro-batch takes the group path, and the weights,
-    vision tower included, end within 1e-5 of stock's (SGD, so a gradient difference shows as lr x difference)."""
-    stock, _, initial = _train(tmp_path / "stock", patch=False)
-    ours, fallbacks, _ = _train(tmp_path / "ours", patch=True)
+    tiny Qwen2.5-VL with images of three sizes: every training micro-batch takes the path of the patch's sharing mode
+    (tree: the window planned from the buffered batches' image keys), and the weights, vision tower included, end
+    within 1e-5 of stock's (SGD, so a gradient difference shows as lr x difference)."""
+    if not _STOCK_RUN:  # one stock run serves both modes
+        _STOCK_RUN["run"] = _train(tmp_path / "stock", patch=False)
+    stock, _, initial = _STOCK_RUN["run"]
+    ours, fallbacks, _ = _train(tmp_path / "ours", patch=True, sharing=sharing)
     assert fallbacks == []
-    paths = [log["grpo_mem/path/group"] for log in ours.state.log_history if "grpo_mem/path/group" in log]
+    metric = f"grpo_mem/path/{sharing}"
+    paths = [log[metric] for log in ours.state.log_history if metric in log]
     assert paths == [1.0, 1.0, 1.0]
     stock_weights = dict(stock.model.named_parameters())
     for name, p in ours.model.named_parameters():

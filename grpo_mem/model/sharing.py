@@ -124,8 +124,9 @@ class SharingSession:
         if cause is not None and mode == "tree":
             warn_tree_to_group(cause)
             mode = "group"
-        return WindowPlan.build(mode, prompt_ids, prompt_masks, groupings=groupings, trie_keys=trie_keys if extras
-                                else None, min_shared_tokens=self.min_shared_tokens)  # fmt: skip
+        keyed = trie_keys if extras and mode == "tree" else None
+        return WindowPlan.build(mode, prompt_ids, prompt_masks, groupings=groupings, trie_keys=keyed,
+                                min_shared_tokens=self.min_shared_tokens)  # fmt: skip
 
     def end_after_next(self) -> None:
         """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): what is
