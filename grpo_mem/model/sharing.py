@@ -94,7 +94,7 @@ class SharingSession:
         return self.window is not None and not self.window.done
 
     def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor],
-                     row_keys: list[list[bytes]] | None = None) -> None:  # fmt: skip
+                     row_keys: list[list] | None = None) -> None:  # fmt: skip
         """Plan a window of ``len(prompt_ids)`` micro-batches; closes the previous window if one is open.
 
         Args:
