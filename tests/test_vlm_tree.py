@@ -95,26 +95,31 @@ def _patched(session: SharingSession):
     return (lambda _self, *args, **kwargs: method(trainer, *args, **kwargs)), trainer._metrics["train"]
 
 
-@pytest.mark.parametrize("model_type, batch_size", [("qwen2_5_vl", 12), ("qwen2_5_vl", 5), ("qwen2_vl", 12),
-                                                   ("qwen3_vl", 12), ("qwen3_5", 12)])  # fmt: skip
-def test_tree_of_image_prompts_matches_stock(model_type, batch_size):
+@pytest.mark.parametrize("model_type, batch_size, sharing", [
+    ("qwen2_5_vl", 12, "tree"), ("qwen2_5_vl", 5, "tree"), ("qwen2_vl", 12, "tree"), ("qwen3_vl", 12, "tree"),
+    ("qwen3_5", 12, "tree"), ("qwen3_5", 12, "group"),
+])  # fmt: skip
+def test_tree_of_image_prompts_matches_stock(model_type, batch_size, sharing):
     """The whole batch in one chunk, and chunks of 5 rows (groups of 2 split over chunks, each chunk its own trie):
     log-probs, entropies and gradients as stock's; every chunk on the tree path. In one chunk: each image encoded once
-    per unique prefix holding it, and the backbone tokens are the trie's (the system prompt counted once)."""
+    per unique prefix holding it, and the backbone tokens are the trie's (the system prompt counted once). Qwen3.5
+    with images in group sharing too (each unique prompt's images once: 7)."""
     model, encoded = _model(model_type)
     ids, mask, C, extras = vlm_batch(TREE_PROMPTS, G=2, C=4, seed=5, image_seeds=IMAGE_SEEDS)
     ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
     ref_grads = grads_of(model, ref_logps, ref_ent)
     encoded.clear()
-    method, metrics = _patched(SharingSession("tree", min_shared_tokens=MIN_SHARED))
+    method, metrics = _patched(SharingSession(sharing, min_shared_tokens=MIN_SHARED))
     with recording_fallbacks() as fallbacks, warnings.catch_warnings():
         warnings.simplefilter("error")  # no tree-to-group warning
         logps, ent = _score(method, model, ids, mask, C, extras, batch_size)
     grads = grads_of(model, logps, ent)
     assert fallbacks == []
     chunks = -(-ids.shape[0] // batch_size)
-    assert metrics[METRIC_PREFIX + "path/tree"] == [1.0] * chunks
-    if chunks == 1:
+    assert metrics[METRIC_PREFIX + f"path/{sharing}"] == [1.0] * chunks
+    if sharing == "group":
+        assert sum(encoded) == sum(len(grids) for _, grids, _ in TREE_PROMPTS)
+    elif chunks == 1:
         assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
         assert metrics[METRIC_PREFIX + "backbone_tokens"] == [float(_passes_tokens(ids.shape[0], C))]
         assert metrics[METRIC_PREFIX + "stock_tokens"] == [float(ids.numel())]
