@@ -22,8 +22,7 @@ import torch
 from helpers import assert_close, assert_grads_close, grads_of
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from grpo_mem.model import multimodal
-from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
+from grpo_mem.model.multimodal import VisionInputs
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import recording_fallbacks
 from grpo_mem.patches.trl import PatchHandle, patched_logps_method
@@ -61,15 +60,19 @@ def tiny_vlm(model_type: str = "qwen2_5_vl", seed: int = 0):
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
 
 
-def vlm_batch(prompts, G: int, C: int, *, seed: int = 0):
+def vlm_batch(prompts, G: int, C: int, *, seed: int = 0, image_seeds=None):
     """``prompts`` (see ``PROMPTS``) each repeated G times, left-padded, with right-padded random completions; each
-    prompt's images random (patch rows of normal noise). Returns input_ids, attention_mask (B, P + C), C, and TRL's
+    prompt's images random (patch rows of normal noise; ``image_seeds[i][k]``, if given, seeds prompt i's image k
+    alone: equal seeds and grids, equal images). Returns input_ids, attention_mask (B, P + C), C, and TRL's
     multimodal keyword arguments (pixel_values, image_grid_thw, num_images, mm_token_type_ids)."""
     g = torch.Generator().manual_seed(seed)
     rows, pixels, grids, counts = [], [], [], []
-    for before, image_grids, after in prompts:
+    for i, (before, image_grids, after) in enumerate(prompts):
         tokens, types_ = list(before), [0] * len(before)
-        images = [torch.randn(t * h * w, CHANNELS * PATCH * PATCH, generator=g) for t, h, w in image_grids]
+        gens = [g] * len(image_grids) if image_seeds is None else [torch.Generator().manual_seed(s)
+                                                                   for s in image_seeds[i]]  # fmt: skip
+        images = [torch.randn(t * h * w, CHANNELS * PATCH * PATCH, generator=gen)
+                  for (t, h, w), gen in zip(image_grids, gens)]  # fmt: skip
         for t, h, w in image_grids:
             n = t * h * w // 4
             tokens += [VISION_START] + [IMAGE] * n + [VISION_END]
@@ -92,6 +95,16 @@ def vlm_batch(prompts, G: int, C: int, *, seed: int = 0):
     extras = dict(pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.tensor(grids) if grids
                   else None, num_images=counts, mm_token_type_ids=mm_types)  # fmt: skip
     return ids, mask, C, extras
+
+
+def reorder(extras: dict, order: torch.Tensor) -> dict:
+    """TRL's multimodal keyword arguments of a batch for its rows taken in ``order``."""
+    whole = VisionInputs.of_chunk(extras, 0, len(order), len(order))
+    images = [whole.of_rows([int(b)]) for b in order]
+    return dict(pixel_values=torch.cat([i["pixel_values"] for i in images]),
+                image_grid_thw=torch.cat([i["image_grid_thw"] for i in images]),
+                num_images=[extras["num_images"][b] for b in order],
+                mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
 
 
 class _Trainer(types.SimpleNamespace):
@@ -191,19 +204,17 @@ def test_text_only_batch_on_a_served_model(vlm, sharing):
     assert_grads_close(grads_of(model, logps, ent), ref_grads)
 
 
-def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_window_forwards_each_image_prompt_once(vlm, sharing):
     """Two micro-batches of one optimizer step, each holding part of every group: each unique prompt (ids and
     images) goes through the vision tower and the language model once in the window; gradients as stock's summed
-    over the micro-batches. A tree-mode session plans image prompts in group mode, warned once by name."""
+    over the micro-batches. A tree-mode session plans image prompts in tree mode (here every prompt is a root of its
+    own: no common prefix reaches the default ``min_shared_tokens``), without a warning."""
     model, encoded = vlm
     ids, mask, C, extras = vlm_batch(PROMPTS, G=2, C=4, seed=1)
     order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # rows 2i, 2i + 1 are prompt i's
     ids, mask = ids[order], mask[order]
-    whole = VisionInputs.of_chunk(extras, 0, 8, 8)
-    extras = dict(pixel_values=torch.cat([whole.images_of([int(b)])[0] for b in order]),
-                  image_grid_thw=torch.cat([whole.images_of([int(b)])[1] for b in order]),
-                  num_images=[extras["num_images"][b] for b in order],
-                  mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
+    extras = reorder(extras, order)
     halves = [VisionInputs.of_chunk(extras, s, s + 4, 8) for s in (0, 4)]
     P = ids.shape[1] - C
     ref_logps = []
@@ -214,15 +225,15 @@ def test_window_forwards_each_image_prompt_once(vlm, monkeypatch):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     encoded.clear()
-    session = SharingSession("tree")
-    monkeypatch.setattr(multimodal, "_warned_tree", [False])  # warned once per process
-    with pytest.warns(UserWarning, match=TREE_TO_GROUP):
+    session = SharingSession(sharing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         session.begin_window(model, [ids[:4, :P], ids[4:, :P]], [mask[:4, :P], mask[4:, :P]],
                              row_keys=[h.row_keys(P) for h in halves])  # fmt: skip
     for s, half in zip((0, 4), halves):
         chunk_ids, chunk_mask = ids[s : s + 4], mask[s : s + 4]
         decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=half)
-        assert decision.path == "group"
+        assert decision.path == sharing
         logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
                                  compute_entropy=True)  # fmt: skip
         assert_close(logps, ref_logps[s // 4], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
@@ -306,7 +317,7 @@ def _char_sum_reward(completions, **kwargs):
     return [float(sum(map(ord, str(c))) % 7) for c in completions]
 
 
-def _train(tmp_path, patch: bool):
+def _train(tmp_path, patch: bool, sharing: str = "group"):
     import numpy as np
     from datasets import Dataset
     from PIL import Image
@@ -341,7 +352,7 @@ def _train(tmp_path, patch: bool):
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=_char_sum_reward, args=args, processing_class=processor,
                           train_dataset=Dataset.from_dict({"prompt": prompts, "image": images}))  # fmt: skip
-    handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing="group") if patch else None
+    handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing=sharing) if patch else None
     try:
         with recording_fallbacks() as fallbacks:
             trainer.train()
@@ -351,14 +362,22 @@ def _train(tmp_path, patch: bool):
     return trainer, fallbacks, initial
 
 
-def test_grpo_trainer_three_steps_match_stock(tmp_path):
+_STOCK_RUN: dict = {}
+
+
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_grpo_trainer_three_steps_match_stock(tmp_path, sharing):
     """3 GRPOTrainer steps (gradient accumulation 2, rows shuffled row by row so groups straddle micro-batches) on a
-    tiny Qwen2.5-VL with images of three sizes: every training micro-batch takes the group path, and the weights,
-    vision tower included, end within 1e-5 of stock's (SGD, so a gradient difference shows as lr x difference)."""
-    stock, _, initial = _train(tmp_path / "stock", patch=False)
-    ours, fallbacks, _ = _train(tmp_path / "ours", patch=True)
+    tiny Qwen2.5-VL with images of three sizes: every training micro-batch takes the path of the patch's sharing mode
+    (tree: the window planned from the buffered batches' image keys), and the weights, vision tower included, end
+    within 1e-5 of stock's (SGD, so a gradient difference shows as lr x difference)."""
+    if not _STOCK_RUN:  # one stock run serves both modes
+        _STOCK_RUN["run"] = _train(tmp_path / "stock", patch=False)
+    stock, _, initial = _STOCK_RUN["run"]
+    ours, fallbacks, _ = _train(tmp_path / "ours", patch=True, sharing=sharing)
     assert fallbacks == []
-    paths = [log["grpo_mem/path/group"] for log in ours.state.log_history if "grpo_mem/path/group" in log]
+    metric = f"grpo_mem/path/{sharing}"
+    paths = [log[metric] for log in ours.state.log_history if metric in log]
     assert paths == [1.0, 1.0, 1.0]
     stock_weights = dict(stock.model.named_parameters())
     for name, p in ours.model.named_parameters():

@@ -9,16 +9,21 @@ completion (``mm_token_type_ids`` for Qwen, ``token_type_ids`` for Gemma 3; 0 te
 images for each of its G rows, so the vision tower runs G times per prompt. Here:
 
 - ``VisionInputs`` holds one chunk's image inputs (``VisionInputs.of_chunk`` slices TRL's arguments as TRL does: each
-  image tensor's dim-0 entries per row) and keys each row by its images, so that rows group by (prompt ids, images)
-  (``PromptGrouping.of(..., extra=...)``).
+  image tensor's dim-0 entries per row) and keys each row by its images (``RowImages``), so that rows group by
+  (prompt ids, images) (``PromptGrouping.of(..., extra=...)``) and, in tree sharing, the trie tells images apart
+  (``trie_keys``: an image token is keyed by its image, so prompts share a span while their images are equal and part
+  at the first image token where they differ; a shared text prefix before the images, e.g. a system prompt, is a
+  node like any other). Tree sharing needs each image's tokens located and attending causally: the patch-row layout
+  with ``mm_token_type_ids`` (Qwen); other image prompts take group sharing (``VisionInputs.tree_cause``).
 - ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``VisionPasses``). On a model with
-  multi-axis positions a prompt pass gets the image features of its prompts (the model's own ``get_image_features``,
-  once per unique prompt), which the model's own forward merges into the prompt's embeddings
-  (``mm_encoder_outputs``: its ``get_placeholder_mask`` checks the image-token count and raises its own error), and
-  the positions the model's own ``compute_3d_position_ids`` gives the whole row (M-RoPE over prompt + completion), of
-  which each pass takes its tokens' columns. On a model with 1D positions a prompt pass gets its rows' own image
-  inputs and prompt token types, and the model's forward encodes, merges and masks (Gemma 3's bidirectional image
-  blocks) as it does for stock, at the pass's own positions.
+  multi-axis positions a pass gets the image features of the images whose tokens it holds (the model's own
+  ``get_image_features``, once per pass entry: a unique prompt in group sharing, a trie node in tree sharing), which
+  the model's own forward merges into the embeddings (``mm_encoder_outputs``: its ``get_placeholder_mask`` checks the
+  image-token count and raises its own error), and the positions the model's own ``compute_3d_position_ids`` gives
+  the whole row (M-RoPE over prompt + completion), of which each pass takes its tokens' columns (a node's columns are
+  equal on every row through it: they depend on the prefix only). On a model with 1D positions a prompt pass gets
+  its rows' own image inputs and prompt token types, and the model's forward encodes, merges and masks (Gemma 3's
+  bidirectional image blocks) as it does for stock, at the pass's own positions.
 
 Which models take this path is decided in ``support.vision_language_reason``. This module knows transformers, not TRL.
 """
@@ -32,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SERVED_INPUTS", "VisionInputs", "VisionPasses", "input_cause", "warn_tree_to_group"]
+__all__ = ["SERVED_INPUTS", "RowImages", "VisionInputs", "VisionPasses", "input_cause", "trie_keys",
+           "warn_tree_to_group"]  # fmt: skip
 
 # the scoring method's multimodal arguments this path takes, in every layout TRL 1.16 slices (patch rows with a grid per
 # image; one entry per image; per tile; per row; token types per row); any other one is a named cause for the stock path
@@ -40,16 +46,17 @@ SERVED_INPUTS = frozenset({"pixel_values", "image_grid_thw", "num_images", "mm_t
                            "pixel_attention_mask", "token_type_ids", "num_tiles", "spatial_shapes"})  # fmt: skip
 # (B, T) inputs with one entry per token of prompt + completion, 0 for text
 TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
-TREE_TO_GROUP = "tree sharing of image prompts is not implemented: their micro-batches use group sharing"
+TREE_TO_GROUP = "these image prompts cannot be split into trie nodes: their micro-batches use group sharing"
 
 _warned_tree = [False]
 
 
-def warn_tree_to_group() -> None:
-    """Warn once per process that image prompts take group sharing although tree sharing was asked for."""
+def warn_tree_to_group(cause: str) -> None:
+    """Warn once per process that image prompts take group sharing although tree sharing was asked for, because of
+    ``cause`` (``VisionInputs.tree_cause``)."""
     if not _warned_tree[0]:
         _warned_tree[0] = True
-        warnings.warn(f"grpo_mem: {TREE_TO_GROUP}", stacklevel=3)
+        warnings.warn(f"grpo_mem: {TREE_TO_GROUP} ({cause})", stacklevel=3)
 
 
 def input_cause(extras: dict) -> str | None:
@@ -118,16 +125,55 @@ def _layout(extras: dict, images: list[int], tiles: list[int] | None, rows: int)
     return spans
 
 
-def prompt_columns(t: torch.Tensor, rows: list[int], width: int, attention_mask: torch.Tensor,
+def prompt_columns(t: torch.Tensor, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor,
                    prompt_width: int) -> torch.Tensor:  # fmt: skip
-    """``t`` (..., B, T)'s prompt columns of ``rows`` right-padded to ``width`` with zeros, (..., len(rows), width):
-    entry i holds row ``rows[i]``'s real prompt tokens (``attention_mask`` (B, T) left-pads the first
-    ``prompt_width`` columns)."""
-    out = t.new_zeros(*t.shape[:-2], len(rows), width)
-    for i, b in enumerate(rows):
-        length = int(attention_mask[b, :prompt_width].sum())
-        out[..., i, :length] = t[..., b, prompt_width - length : prompt_width]
+    """``t`` (..., B, T)'s prompt columns of ``spans`` right-padded to ``width`` with zeros, (..., len(spans),
+    width): entry i holds tokens ``first … end − 1`` of row b's unpadded prompt, ``(b, first, end) = spans[i]``
+    (``attention_mask`` (B, T) left-pads the first ``prompt_width`` columns)."""
+    out = t.new_zeros(*t.shape[:-2], len(spans), width)
+    for i, (b, first, end) in enumerate(spans):
+        start = prompt_width - int(attention_mask[b, :prompt_width].sum())
+        out[..., i, : end - first] = t[..., b, start + first : start + end]
     return out
+
+
+@dataclass(frozen=True)
+class RowImages:
+    """A row's image inputs as a prompt key (``VisionInputs.row_keys``): equal exactly for rows whose prompt token types
+    and image tensors are equal, and telling where each image's tokens sit in the prompt.
+
+    Attributes:
+        types: ``image_keys`` digest of the row's prompt token types (``b""`` without token types).
+        images: per image of the row, in order, its ``image_keys`` digest (patch rows and grid).
+        spans: per image, (tokens from its first token to the prompt's end, its token count), or ``()`` when the
+            token types that locate them are not given.
+        tree_cause: why the row's images cannot sit below a trie root (``VisionInputs.tree_cause``), or None.
+    """
+
+    types: bytes
+    images: tuple[bytes, ...]
+    spans: tuple[tuple[int, int], ...]
+    tree_cause: str | None
+
+
+def trie_keys(ids: list[int], row) -> tuple:
+    """What the prompt trie compares for a prompt of real (unpadded) token ids ``ids`` whose row key is ``row``
+    (``RowImages``, or anything else for a text prompt): the ids, with each image token keyed by (id, image digest,
+    image token count, index in the image) instead.
+
+    So two prompts share a span while their ids and images agree, and part at the first token of the first image that
+    differs. An image is never split between trie nodes: the keys of two images' runs agree at their first token only
+    when both are the same image in runs of the same length, and then on every token of the run; a node holding an
+    image's first token holds all of it, and gets its features (``VisionPasses.prompt_pass``).
+    """
+    if not isinstance(row, RowImages) or not row.spans:
+        return tuple(ids)
+    keys = list(ids)
+    for (back, count), image in zip(row.spans, row.images):
+        first = len(ids) - back
+        for i in range(first, first + count):
+            keys[i] = (ids[i], image, count, i - first)
+    return tuple(keys)
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity (it holds dicts of tensors)
@@ -214,31 +260,119 @@ class VisionInputs:
             out[name] = t.index_select(0, index)
         return out
 
-    def images_of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(patch rows (N', D), grids (I', 3)) of the images of ``rows`` (indices into the chunk), in that order."""
-        images = self.of_rows(rows)
-        return images["pixel_values"], images["image_grid_thw"]
+    def first_images(self) -> list[int]:
+        """The chunk's index of each row's first image, then the image count (B + 1 ints)."""
+        return [0, *itertools.accumulate(self.num_images)]
 
-    def row_keys(self, prompt_width: int) -> list[bytes]:
-        """Per row, a digest of its image tensors and its prompt's token types (the first ``prompt_width`` columns):
-        rows of one prompt have equal keys, rows with other images have other keys."""
+    def _first_patches(self) -> list[int]:
+        """The first patch row of each image, then the patch-row count (I + 1 ints; the patch-row layout)."""
+        return torch.cat([self.image_grid_thw.new_zeros(1), self.image_grid_thw.prod(-1).cumsum(0)]).tolist()
+
+    def images_at(self, images: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(patch rows (N', D), grids (I', 3)) of ``images`` (indices into the chunk's images), in that order (the
+        patch-row layout)."""
+        patches = self._first_patches()
+        index = torch.tensor([p for i in images for p in range(patches[i], patches[i + 1])], dtype=torch.long)
+        return (self.pixel_values.index_select(0, index.to(self.pixel_values.device)),
+                self.image_grid_thw[torch.tensor(images, dtype=torch.long).to(self.image_grid_thw.device)])  # fmt: skip
+
+    def image_runs(self, prompt_width: int) -> list[list[tuple[int, int]]]:
+        """Per row, the prompt columns ``(first, end)`` of each of its images' tokens: the maximal runs of image token
+        type (1) in the first ``prompt_width`` columns, one per image in order, as the model's own
+        ``compute_3d_position_ids`` takes them; ``[]`` for every row when the images are not patch rows located by
+        ``mm_token_type_ids``.
+
+        Raises:
+            ValueError: a row with image inputs whose prompt holds another number of runs than it has images.
+        """
+        if self.tree_cause() is not None or self.pixel_values is None:
+            return [[] for _ in self.num_images]
+        image = (self.mm_token_type_ids[:, :prompt_width] == 1).to(torch.int8).cpu()
+        edge = torch.zeros(image.shape[0], 1, dtype=torch.int8)
+        steps = torch.diff(image, dim=1, prepend=edge, append=edge)  # +1 at a run's first column, -1 after its last
+        runs = []
+        for b, count in enumerate(self.num_images):
+            starts, ends = (steps[b] == 1).nonzero().flatten().tolist(), (steps[b] == -1).nonzero().flatten().tolist()
+            if len(starts) != count:
+                raise ValueError(f"row {b} has {count} images (num_images) but its prompt holds {len(starts)} runs of "
+                                 "image tokens (mm_token_type_ids == 1)")  # fmt: skip
+            runs.append(list(zip(starts, ends)))
+        return runs
+
+    def _image_digests(self) -> list[tuple[bytes, ...]]:
+        """Per row, the ``image_keys`` keys of its images: one per image in the patch-row layout (so the trie can part
+        rows between two images), else one for all of the row's image entries (``()`` for a row without any)."""
+        B = len(self.num_images)
+        if not self.tensors:
+            return [()] * B
+        if "image_grid_thw" in self.tensors:
+            patches = self._first_patches()
+            keys = image_keys([[self.pixel_values[patches[i] : patches[i + 1]], self.image_grid_thw[i : i + 1]]
+                               for i in range(len(patches) - 1)])  # fmt: skip
+            firsts = self.first_images()
+            return [tuple(keys[firsts[b] : firsts[b + 1]]) for b in range(B)]
         parts = []
-        for b in range(len(self.num_images)):
-            row = [t[b, :prompt_width] for t in self.token_types.values()]
+        for b in range(B):
+            row = []
             for name, t in self.tensors.items():
                 entries = self._entries(name, [b])
                 if entries:  # a row's entries are contiguous
                     row.append(t[entries[0] : entries[-1] + 1])
             parts.append(row)
-        return image_keys(parts)
+        return [(k,) if k else () for k in image_keys(parts)]
 
-    def prompt_inputs(self, rows: list[int], width: int, attention_mask: torch.Tensor, prompt_width: int) -> dict:
-        """The image inputs of a batch whose entry i is row ``rows[i]``'s prompt (left-padded in the first
-        ``prompt_width`` columns of ``attention_mask`` (B, P + C)) right-padded to ``width``: the rows' image tensors
-        (none when none of them has an image) and their prompt token types (0 on the padding)."""
-        kwargs = self.of_rows(rows) if any(self.num_images[b] for b in rows) else {}
+    def row_keys(self, prompt_width: int) -> list:
+        """Per row, its ``RowImages`` (its prompt's token types, the first ``prompt_width`` columns; its images' keys
+        and, in the patch-row layout, where their tokens sit), or ``b""`` for a row with neither token types nor
+        images: rows of one prompt have equal keys, rows with other images or types other keys.
+
+        Raises:
+            ValueError: as ``image_runs``.
+        """
+        B = len(self.num_images)
+        types = image_keys([[t[b, :prompt_width] for t in self.token_types.values()] for b in range(B)])
+        runs, cause = self.image_runs(prompt_width), self.tree_cause()
+        keys = []
+        for b, own in enumerate(self._image_digests()):
+            spans = tuple((prompt_width - first, end - first) for first, end in runs[b])
+            keys.append(RowImages(types[b], own, spans, cause if own else None) if types[b] or own else b"")
+        return keys
+
+    def tree_cause(self) -> str | None:
+        """Why the chunk's image prompts cannot be split into trie nodes (tree sharing), or None: each image's tokens
+        must be located in the prompt and attend causally, as in the patch-row layout with ``mm_token_type_ids``
+        (Qwen2-VL/2.5-VL/3-VL). Gemma 3's ``token_type_ids`` make image blocks attend bidirectionally, and the other
+        layouts are handed to the model's forward whole per row."""
+        if not self.tensors:
+            return None
+        if "token_type_ids" in self.token_types:
+            return "token_type_ids (image blocks attend bidirectionally)"
+        if "image_grid_thw" not in self.tensors:
+            return f"images given as {sorted(self.tensors)} per image, tile or row (the model's forward takes them whole)"
+        if self.mm_token_type_ids is None:
+            return "image inputs without mm_token_type_ids (the image tokens are not located)"
+        return None
+
+    def prompt_inputs(self, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor,
+                      prompt_width: int) -> dict:  # fmt: skip
+        """The image inputs of a batch whose entry i holds tokens ``first … end − 1`` of row b's unpadded prompt,
+        ``(b, first, end) = spans[i]`` (left-padded in the first ``prompt_width`` columns of ``attention_mask``
+        (B, P + C)), right-padded to ``width``: the rows' image tensors (none when none of them has an image) and the
+        spans' token types (0 on the padding).
+
+        Raises:
+            ValueError: a span that is not a whole prompt holds images (``tree_cause`` keeps such plans in group mode).
+        """
+        rows = [b for b, _, _ in spans]
+        kwargs = {}
+        if any(self.num_images[b] for b in rows):
+            partial = [(b, first, end) for b, first, end in spans
+                       if first or end != int(attention_mask[b, :prompt_width].sum())]  # fmt: skip
+            if partial:
+                raise ValueError(f"image inputs handed whole per row cannot be split into trie nodes: spans {partial}")
+            kwargs = self.of_rows(rows)
         for name, types in self.token_types.items():
-            kwargs[name] = prompt_columns(types, rows, width, attention_mask, prompt_width)
+            kwargs[name] = prompt_columns(types, spans, width, attention_mask, prompt_width)
         return kwargs
 
     def cause(self, causal_lm, prompt_width: int) -> str | None:
@@ -273,6 +407,7 @@ class VisionPasses:
     attention_mask: torch.Tensor
     prompt_width: int
     _positions: tuple = ()
+    _runs: tuple = ()
 
     @property
     def multi_axis(self) -> bool:
@@ -291,32 +426,49 @@ class VisionPasses:
             ),)  # fmt: skip
         return self._positions[0]
 
-    def prompt_pass(self, rows: list[int], width: int) -> dict:
-        """Extra keyword arguments of the backbone call of a prompt pass whose entry i is row ``rows[i]``'s whole
-        prompt, right-padded to ``width`` tokens. A model with multi-axis positions (``compute_3d_position_ids``)
-        gets ``mm_encoder_outputs`` (the prompts' image features, computed here once) and ``position_ids`` (3, n,
-        width), each only where needed; any other model the rows' own image inputs and prompt token types
-        (``VisionInputs.prompt_inputs``): its forward encodes the images once per pass, merges them and builds its
-        own mask from the token types (Gemma 3's bidirectional image blocks), at the pass's own positions.
+    def prompt_pass(self, spans: list[tuple[int, int, int]], width: int) -> dict:
+        """Extra keyword arguments of the backbone call of a prompt pass whose entry i holds tokens ``first … end-1``
+        of row b's unpadded prompt, ``(b, first, end) = spans[i]`` (a whole prompt in group sharing, a trie node in
+        tree sharing), right-padded to ``width`` tokens. A model with multi-axis positions (``compute_3d_position_ids``)
+        gets ``mm_encoder_outputs`` (the features of the images whose first token the entries hold, computed here
+        once) and ``position_ids`` (3, n, width), each only where needed; any other model the rows' own image inputs
+        and the spans' token types (``VisionInputs.prompt_inputs``): its forward encodes the images once per pass,
+        merges them and builds its own mask from the token types (Gemma 3's bidirectional image blocks), at the pass's
+        own positions.
 
         Raises:
-            ValueError: the model's own (``get_placeholder_mask``), when the rows' image tokens do not match their
+            ValueError: the model's own (``get_placeholder_mask``), when the entries' image tokens do not match their
                 image features; with multi-axis positions checked before them, as they assume a match.
         """
         if not self.multi_axis:
-            return self.inputs.prompt_inputs(rows, width, self.attention_mask, self.prompt_width)
-        kwargs = {}
-        if self.inputs.pixel_values is not None and any(self.inputs.num_images[b] for b in rows):
-            pixel_values, grid = self.inputs.images_of(rows)
+            return self.inputs.prompt_inputs(spans, width, self.attention_mask, self.prompt_width)
+        kwargs, P = {}, self.prompt_width
+        starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
+        images = [i for (b, first, end), s in zip(spans, starts) for i in self._images_in(b, s + first, s + end)]
+        if images:
+            pixel_values, grid = self.inputs.images_at(images)
             features = self.base.get_image_features(pixel_values, grid, return_dict=True)
             merged = torch.cat(features.pooler_output, dim=0)
-            self.base.get_placeholder_mask(self.input_ids[rows, : self.prompt_width], inputs_embeds=merged[:1],
-                                           image_features=merged)  # fmt: skip
+            ids = torch.cat([self.input_ids[b, s + first : s + end] for (b, first, end), s in zip(spans, starts)])
+            self.base.get_placeholder_mask(ids[None], inputs_embeds=merged[:1], image_features=merged)
             kwargs["mm_encoder_outputs"] = {"image": features}
         positions = self.positions()
         if positions is not None:
-            kwargs["position_ids"] = prompt_columns(positions, rows, width, self.attention_mask, self.prompt_width)
+            kwargs["position_ids"] = prompt_columns(positions, spans, width, self.attention_mask, P)
         return kwargs
+
+    def _images_in(self, b: int, first: int, end: int) -> list[int]:
+        """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end-1``; all of
+        the row's images when their tokens are not located (``VisionInputs.tree_cause``: then a span is a whole
+        prompt)."""
+        if self.inputs.pixel_values is None:
+            return []
+        if not self._runs:
+            self._runs = (self.inputs.image_runs(self.prompt_width),)
+        runs, row_first = self._runs[0][b], self.inputs.first_images()[b]
+        if self.inputs.tree_cause() is not None:
+            return list(range(row_first, row_first + self.inputs.num_images[b]))
+        return [row_first + k for k, (start, _) in enumerate(runs) if first <= start < end]
 
     def completion_positions(self, width: int) -> torch.Tensor | None:
         """(3, B, width) positions of completion tokens 0 … width − 1, or None (the passes' own positions)."""

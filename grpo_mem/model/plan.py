@@ -34,36 +34,39 @@ class PromptGrouping:
     """The rows of a micro-batch grouped by prompt, computed once and passed down.
 
     Two rows hold the same prompt when their masks and their ids at unmasked positions agree (ids in padding slots
-    are ignored) and so do their extra keys, if given (e.g. a digest of their images); rows of one prompt need not be
-    adjacent.
+    are ignored) and so do their extra keys, if given (e.g. their images: ``multimodal.RowImages``); rows of one
+    prompt need not be adjacent.
 
     Attributes:
         keys: one hashable key per row, equal exactly for rows of one prompt.
         first: (U,) int64 CPU tensor, the first row of each unique prompt, in order of first appearance.
         inverse: (B,) int64 CPU tensor in [0, U), row b's unique prompt.
+        extra: the rows' extra keys as given (None if none were).
     """
 
-    keys: tuple[bytes, ...]
+    keys: tuple
     first: torch.Tensor
     inverse: torch.Tensor
+    extra: tuple | None = None
 
     @classmethod
-    def of(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-           extra: list[bytes] | None = None) -> PromptGrouping:  # fmt: skip
+    def of(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, extra: list | None = None) -> PromptGrouping:
         """Group the rows of (B, P) left-padded ``prompt_ids`` under their (B, P) 0/1 ``prompt_mask``; ``extra``: B
-        byte strings, more of each row's key (rows group only where these are equal too)."""
+        hashable keys, more of each row's key (rows group only where these are equal too; an empty one adds
+        nothing)."""
         key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
         keys = tuple(row.tobytes() for row in key.to(torch.int64).cpu().numpy())
         if extra is not None:
             if len(extra) != len(keys):
                 raise ValueError(f"extra must hold one key per row ({len(keys)} rows), got {len(extra)}")
-            keys = tuple(k + e for k, e in zip(keys, extra))
+            extra = tuple(extra)
+            keys = tuple((k, e) if e else k for k, e in zip(keys, extra))
         index: dict[bytes, int] = {}
         inverse = [index.setdefault(k, len(index)) for k in keys]
         first = [0] * len(index)
         for row in reversed(range(len(keys))):
             first[inverse[row]] = row
-        return cls(keys, torch.tensor(first, dtype=torch.long), torch.tensor(inverse, dtype=torch.long))
+        return cls(keys, torch.tensor(first, dtype=torch.long), torch.tensor(inverse, dtype=torch.long), extra)
 
     @property
     def repeats(self) -> bool:
@@ -120,18 +123,21 @@ class WindowPlan:
 
     mode: str
     trie: PromptTrie
-    prompt_of: dict[bytes, int]
-    keys: list[tuple[bytes, ...]]
+    prompt_of: dict
+    keys: list[tuple]
     uses: list[set[int]]
     passes: list[PassSpec] = field(default_factory=list)
     last: int = 0
 
     @classmethod
     def build(cls, mode: str, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor], *,
-              groupings: list[PromptGrouping] | None = None,
-              min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS) -> WindowPlan:  # fmt: skip
+              groupings: list[PromptGrouping] | None = None, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
+              trie_keys=None) -> WindowPlan:  # fmt: skip
         """The plan of the micro-batches whose prompts are ``prompt_ids[i]`` (B_i, P_i) left-padded under
         ``prompt_masks[i]``, in the order they will be scored; ``groupings[i]``: their grouping if already known.
+        ``trie_keys(ids, extra) -> tuple``: tree mode, what the trie compares for a prompt of real ids ``ids`` (a
+        list) whose row has the extra key ``extra`` (``PromptGrouping.extra``, None without), one key per token
+        (``PromptTrie``'s ``keys``); None: the ids.
 
         Raises:
             ValueError: unknown mode, no micro-batch, lists of different lengths, a prompt with no real token,
@@ -145,8 +151,8 @@ class WindowPlan:
             )
         if groupings is None:
             groupings = [PromptGrouping.of(ids, mask) for ids, mask in zip(prompt_ids, prompt_masks)]
-        prompt_of: dict[bytes, int] = {}
-        tokens, starts = [], []
+        prompt_of: dict = {}
+        tokens, starts, keys = [], [], []
         for ids, mask, grouping in zip(prompt_ids, prompt_masks, groupings):
             for row in grouping.first.tolist():
                 key = grouping.keys[row]
@@ -155,8 +161,10 @@ class WindowPlan:
                     real = mask[row].bool()
                     tokens.append(ids[row][real].tolist())
                     starts.append(int(real.numel() - real.sum()))
+                    if trie_keys is not None:
+                        keys.append(trie_keys(tokens[-1], None if grouping.extra is None else grouping.extra[row]))
         if mode == "tree":
-            trie = PromptTrie(tokens, min_shared_tokens=min_shared_tokens)
+            trie = PromptTrie(tokens, min_shared_tokens=min_shared_tokens, keys=keys if trie_keys else None)
         else:
             trie = PromptTrie.flat(tokens, starts)
         uses: list[set[int]] = [set() for _ in trie.nodes]

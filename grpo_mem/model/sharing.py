@@ -24,7 +24,7 @@ import torch
 
 from .distributed import agree, lockstep, unwrap_causal_lm
 from .forward import ScoreOptions, run_in_forward, validate_inputs
-from .multimodal import VisionInputs, warn_tree_to_group
+from .multimodal import RowImages, VisionInputs, trie_keys, warn_tree_to_group
 from .plan import PromptGrouping, WindowPlan, check_sharing
 from .router import router_loss_reason
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
@@ -94,15 +94,17 @@ class SharingSession:
         return self.window is not None and not self.window.done
 
     def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor],
-                     row_keys: list[list[bytes]] | None = None) -> None:  # fmt: skip
+                     row_keys: list[list] | None = None) -> None:  # fmt: skip
         """Plan a window of ``len(prompt_ids)`` micro-batches; closes the previous window if one is open.
 
         Args:
             model: the model the window trains (unused; kept for callers that pass it).
             prompt_ids: per micro-batch, (B_i, P_i) int64 left-padded prompt ids, in the order they will be scored.
             prompt_masks: per micro-batch, (B_i, P_i) 0/1 prompt masks.
-            row_keys: per micro-batch, its rows' image keys (``VisionInputs.row_keys``), or None for text prompts;
-                with them the window is planned in group mode (``multimodal.TREE_TO_GROUP``).
+            row_keys: per micro-batch, its rows' image keys (``VisionInputs.row_keys``; ``b""`` for a row without
+                image inputs), or None for text prompts. In tree mode the trie keys image tokens by their images;
+                image prompts that cannot be split into nodes (``VisionInputs.tree_cause``) plan the window in group
+                mode (warned once, ``multimodal.TREE_TO_GROUP``).
 
         Raises:
             ValueError: no micro-batch, lists of different lengths, a prompt with no real token.
@@ -111,16 +113,20 @@ class SharingSession:
         groupings = None
         if row_keys is not None:
             groupings = [PromptGrouping.of(i, m, k) for i, m, k in zip(prompt_ids, prompt_masks, row_keys)]
-        plan = WindowPlan.build(self._mode(row_keys is not None), prompt_ids, prompt_masks, groupings=groupings,
-                                min_shared_tokens=self.min_shared_tokens)  # fmt: skip
-        self.window = Window(plan)
+        self.window = Window(self._plan(prompt_ids, prompt_masks, groupings))
 
-    def _mode(self, images: bool) -> str:
-        """The sharing mode of a plan: the session's, but group for image prompts (warned once)."""
-        if images and self.mode == "tree":
-            warn_tree_to_group()
-            return "group"
-        return self.mode
+    def _plan(self, prompt_ids, prompt_masks, groupings: list[PromptGrouping] | None) -> WindowPlan:
+        """The plan of these micro-batches in the session's mode; with image keys (``PromptGrouping.extra``), the
+        trie keys image tokens by their images, and image prompts with a tree cause take group mode (warned once)."""
+        extras = [k for g in groupings or () if g.extra is not None for k in g.extra]
+        mode = self.mode
+        cause = next((k.tree_cause for k in extras if isinstance(k, RowImages) and k.tree_cause), None)
+        if cause is not None and mode == "tree":
+            warn_tree_to_group(cause)
+            mode = "group"
+        keyed = trie_keys if extras and mode == "tree" else None
+        return WindowPlan.build(mode, prompt_ids, prompt_masks, groupings=groupings, trie_keys=keyed,
+                                min_shared_tokens=self.min_shared_tokens)  # fmt: skip
 
     def end_after_next(self) -> None:
         """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): what is
@@ -171,7 +177,7 @@ class SharingSession:
         take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it.
         ``compute_aux_loss``: ``run`` will be asked for the MoE router loss too (a router loss the prompt-once path
         does not reproduce is a cause, ``router_loss_reason``). ``vision``: the micro-batch's image inputs (rows group
-        by prompt and images; group sharing), or None.
+        by prompt and images; in tree sharing the trie keys image tokens by their images), or None.
         Ranks in lockstep decide together: every rank must call ``decide`` once per micro-batch (one collective).
 
         Raises:
@@ -184,9 +190,7 @@ class SharingSession:
         grouping = PromptGrouping.of(input_ids[:, :P], attention_mask[:, :P], extra)
         window = self._window_for(grouping)
         if window is None:
-            plan = WindowPlan.build(self._mode(vision is not None), [input_ids[:, :P]], [attention_mask[:, :P]],
-                                    groupings=[grouping], min_shared_tokens=self.min_shared_tokens)  # fmt: skip
-            window = Window(plan)
+            window = Window(self._plan([input_ids[:, :P]], [attention_mask[:, :P]], [grouping]))
             j = None
         else:
             j = window.current
@@ -196,8 +200,6 @@ class SharingSession:
             reason = router_loss_reason(causal_lm)
         if reason is None and vision is not None:
             reason = vision.cause(causal_lm, P)
-            if reason is None and window.plan.mode != "group":
-                reason = "image inputs in a window planned for tree sharing (begin_window had no row_keys)"
         in_lockstep = lockstep(model)
         current = window.current
         if in_lockstep:

@@ -54,22 +54,34 @@ class PromptTrie:
         prompts: unpadded token sequences (lists, tuples or 1-D int tensors); duplicates are allowed and end at the
             same node.
         min_shared_tokens: the shortest span that becomes a node shared by several prompts (>= 1).
+        keys: per prompt, what the trie compares instead of its token ids, one hashable per token (same lengths as
+            ``prompts``), or None (the ids). Prompts share a span where their keys agree; nodes hold the ids of the
+            first prompt through them, so equal keys must imply equal ids (e.g. image tokens keyed by their image:
+            ``multimodal.trie_keys``).
 
     Attributes:
         nodes: the nodes, parents before children, siblings in order of first appearance.
         leaf: per prompt, the node it ends at (its last token is that node's last token).
 
     Raises:
-        ValueError: an empty prompt, or ``min_shared_tokens < 1``.
+        ValueError: an empty prompt, ``min_shared_tokens < 1``, or keys of another length than their prompt.
     """
 
-    def __init__(self, prompts, *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS):
+    def __init__(self, prompts, *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS, keys=None):
         if isinstance(min_shared_tokens, bool) or not isinstance(min_shared_tokens, int) or min_shared_tokens < 1:
             raise ValueError(f"min_shared_tokens must be an int >= 1, got {min_shared_tokens!r}")
         seqs = [tuple(p.tolist()) if isinstance(p, torch.Tensor) else tuple(p) for p in prompts]
         for i, s in enumerate(seqs):
             if not s:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one real token")
+        self._ids = seqs
+        if keys is not None:
+            keys = [tuple(k) for k in keys]
+            lengths = [(len(k), len(s)) for k, s in zip(keys, seqs) if len(k) != len(s)]
+            if len(keys) != len(seqs) or lengths:
+                raise ValueError(f"keys must give one key per token of each of the {len(seqs)} prompts, got "
+                                 f"{len(keys)} key sequences (lengths vs prompt lengths: {lengths[:3]})")  # fmt: skip
+            seqs = keys
         self.min_shared_tokens = min_shared_tokens
         self.nodes: list[TrieNode] = []
         self.leaf: list[int] = [-1] * len(seqs)
@@ -88,7 +100,7 @@ class PromptTrie:
         if len(starts) != len(prompts):
             raise ValueError(f"one start per prompt, got {len(starts)} starts for {len(prompts)} prompts")
         trie = cls([], min_shared_tokens=1)
-        trie._seqs = [tuple(p.tolist()) if isinstance(p, torch.Tensor) else tuple(p) for p in prompts]
+        trie._seqs = trie._ids = [tuple(p.tolist()) if isinstance(p, torch.Tensor) else tuple(p) for p in prompts]
         for i, (seq, start) in enumerate(zip(trie._seqs, starts)):
             if not seq:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one real token")
@@ -128,7 +140,7 @@ class PromptTrie:
         return parts
 
     def _add(self, members: list[int], start: int, end: int, parent: int | None, depth: int) -> int:
-        seq = self._seqs[members[0]]
+        seq = self._ids[members[0]]
         self.nodes.append(TrieNode(tokens=seq[start:end], start=start, parent=parent, depth=depth,
                                    prompts=list(members)))  # fmt: skip
         index = len(self.nodes) - 1

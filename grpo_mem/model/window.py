@@ -167,11 +167,19 @@ class Window:
 
     def _pass_inputs(self, spec: PassSpec, width: int) -> dict:
         """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
-        features, the model's positions), asked for the first row of the micro-batch that ends at each node."""
+        features, the model's positions), asked for each node's span of the first row of the micro-batch through it
+        (a node's tokens, images and positions are the same on every row through it: they depend on the prefix)."""
         if self._inputs is None or not spec.nodes:
             return {}
-        leaves = self.plan.leaves(self.current)
-        return self._inputs.prompt_pass([leaves.index(n) for n in spec.nodes], width)
+        trie, reader = self.plan.trie, {}
+        for b, leaf in enumerate(self.plan.leaves(self.current)):
+            for n in trie.path(leaf):
+                reader.setdefault(n, b)
+        spans = []
+        for n in spec.nodes:  # its span in its prompt: its start less its root's (0 in tree, the padding in group)
+            offset = trie.nodes[n].start - trie.nodes[trie.path(n)[0]].start
+            spans.append((reader[n], offset, offset + len(trie.nodes[n].tokens)))
+        return self._inputs.prompt_pass(spans, width)
 
     def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
         """Forward one pass of the schedule; register its nodes (in the store if kept), with its router logits when
@@ -282,7 +290,7 @@ class Window:
         None), whose backward also backpropagates every pass released in this micro-batch.
 
         ``inputs``: the micro-batch's input provider, or None: what its passes add to their backbone calls
-        (``multimodal.VisionPasses``: image features and the model's own positions; group-mode plans only).
+        (``multimodal.VisionPasses``: image features and the model's own positions, per node span).
 
         ``lockstep``: make the module calls of ranks whose micro-batches differ (with C == 1 the completion pass still
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).

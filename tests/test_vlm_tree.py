@@ -1,0 +1,232 @@
+"""Tree sharing of image prompts: a text prefix shared before different images and before equal ones, against TRL
+1.16's own method on tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL and Qwen3.5 (Gated DeltaNet) built offline.
+
+The trie keys each image token by its image (``multimodal.trie_keys``), so rows share a node while their ids and
+images agree and part at the first image token where they differ; a node pass gets the features of the images whose
+tokens it holds, once. Every prompt here starts with the same 8-token system prompt (a node at ``min_shared_tokens=4``)
+and the batch holds, after it: image X then text (twice, with two endings: they share the X node), image Y, text only,
+and two images X, Y / X, Z (the rows part between the images). Numbers are checked against stock's: fp32 log-probs and
+entropies within 1e-5, every gradient (vision tower included) within 1e-4 of its scale; the vision tower's calls are
+counted with a forward hook (each image once per unique prefix that holds it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+
+import pytest
+import torch
+from helpers import assert_close, assert_grads_close, grads_of
+from test_vlm import _TEXT, CHANNELS, IMAGE, PATCH, TEMPERATURE, VISION_END, VISION_START, _score
+from test_vlm import _stock_method, _trainer, _vlm, reorder, vlm_batch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from grpo_mem.model import multimodal
+from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import recording_fallbacks
+from grpo_mem.model.trie import PromptTrie
+from grpo_mem.patches.trl import METRIC_PREFIX, PatchHandle, patched_logps_method
+
+SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47]
+X, Y, Z = (1, 4, 4), (1, 4, 8), (1, 4, 4)  # 4, 8 and 4 image tokens after the 2x2 merge
+# (text before the images, their grids, text after) and the seed of each image (equal seed and grid: equal image)
+TREE_PROMPTS = [(SYSTEM, [X], [8, 9]), (SYSTEM, [Y], [10, 11, 12]), (SYSTEM, [X], [13, 14]),
+                (SYSTEM + [20, 21, 22], [], []), (SYSTEM, [X, Y], [9]), (SYSTEM, [X, Z], [9])]  # fmt: skip
+IMAGE_SEEDS = [[100], [101], [100], [], [100, 101], [100, 102]]
+# the vision tower's images: X once (its node holds it for prompts 0, 2, 4, 5), Y once after the system prompt
+# (prompt 1) and once after X (prompt 4), Z once; stock encodes every row's
+UNIQUE_IMAGE_PREFIXES = 4
+MIN_SHARED = 4
+
+
+def _passes_tokens(rows: int, C: int) -> int:
+    """The backbone tokens of ``TREE_PROMPTS`` in one micro-batch of ``rows`` rows, by the trie's passes (rows x the
+    widest node of each depth) and the completion pass (rows x (C - 1))."""
+    system = 8  # depth 0: the system prompt, once
+    depth1 = 3 * 13  # VS X VE (6, shared by prompts 0, 2, 4, 5); VS Y VE 10 11 12 (13); 20 21 22 (3)
+    depth2 = 4 * 11  # 8 9 (2); 13 14 (2); VS Y VE 9 (11); VS Z VE 9 (7): the prompts part after the X node
+    return system + depth1 + depth2 + rows * (C - 1)
+
+
+def _qwen3_5_vlm(seed: int = 0):
+    """A random Qwen3.5 image-text model: Gated DeltaNet, full attention (M-RoPE) text layers, 2 vision blocks."""
+    text = dict(_TEXT, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 2], mrope_interleaved=True)
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  num_position_embeddings=64, patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1,
+                  in_channels=CHANNELS)  # fmt: skip
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                  video_token_id=121, vision_start_token_id=VISION_START,
+                                  vision_end_token_id=VISION_END, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
+
+
+_QWEN3_5: dict = {}
+
+
+def _model(model_type: str):
+    """(model with TRL's fused head, list of the image counts of each vision-tower call), built once per type."""
+    if model_type != "qwen3_5":
+        return _vlm(model_type)
+    if not _QWEN3_5:
+        from trl.trainer.utils import add_fused_lm_head
+
+        model = _qwen3_5_vlm()
+        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+        encoded: list[int] = []
+        model.model.visual.register_forward_hook(
+            lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
+        )  # fmt: skip
+        _QWEN3_5["model"] = (model, encoded)
+    return _QWEN3_5["model"]
+
+
+def _patched(session: SharingSession):
+    """TRL's scoring method patched, scoring with ``session``; returns (method, the trainer's metrics)."""
+    handle = PatchHandle(("test_vlm_tree",), group_shuffle=False, sharing=session.mode)
+    trainer = _trainer()
+    trainer._metrics = {"train": defaultdict(list)}
+    handle.sessions[trainer] = session
+    method = patched_logps_method(_stock_method(), handle)
+    return (lambda _self, *args, **kwargs: method(trainer, *args, **kwargs)), trainer._metrics["train"]
+
+
+@pytest.mark.parametrize("model_type, batch_size, sharing", [
+    ("qwen2_5_vl", 12, "tree"), ("qwen2_5_vl", 5, "tree"), ("qwen2_vl", 12, "tree"), ("qwen3_vl", 12, "tree"),
+    ("qwen3_5", 12, "tree"), ("qwen3_5", 12, "group"),
+])  # fmt: skip
+def test_tree_of_image_prompts_matches_stock(model_type, batch_size, sharing):
+    """The whole batch in one chunk, and chunks of 5 rows (groups of 2 split over chunks, each chunk its own trie):
+    log-probs, entropies and gradients as stock's; every chunk on the tree path. In one chunk: each image encoded once
+    per unique prefix holding it, and the backbone tokens are the trie's (the system prompt counted once). Qwen3.5
+    with images in group sharing too (each unique prompt's images once: 7)."""
+    model, encoded = _model(model_type)
+    ids, mask, C, extras = vlm_batch(TREE_PROMPTS, G=2, C=4, seed=5, image_seeds=IMAGE_SEEDS)
+    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
+    ref_grads = grads_of(model, ref_logps, ref_ent)
+    encoded.clear()
+    method, metrics = _patched(SharingSession(sharing, min_shared_tokens=MIN_SHARED))
+    with recording_fallbacks() as fallbacks, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tree-to-group warning
+        logps, ent = _score(method, model, ids, mask, C, extras, batch_size)
+    grads = grads_of(model, logps, ent)
+    assert fallbacks == []
+    chunks = -(-ids.shape[0] // batch_size)
+    assert metrics[METRIC_PREFIX + f"path/{sharing}"] == [1.0] * chunks
+    if sharing == "group":
+        assert sum(encoded) == sum(len(grids) for _, grids, _ in TREE_PROMPTS)
+    elif chunks == 1:
+        assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
+        assert metrics[METRIC_PREFIX + "backbone_tokens"] == [float(_passes_tokens(ids.shape[0], C))]
+        assert metrics[METRIC_PREFIX + "stock_tokens"] == [float(ids.numel())]
+    assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
+    assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
+    assert any(name.startswith("model.visual.") for name in grads)
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("in_lockstep", [False, True])
+def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypatch, in_lockstep):
+    """Every group split over the two micro-batches of one optimizer step (``begin_window`` with the rows' image keys):
+    each node is forwarded once in the window, each image once per unique prefix, and the gradients are stock's summed
+    over the micro-batches. In lockstep (the decision's collective stood in: another rank has a depth-3 pass where
+    this one has none), a stand-in pass runs too and the numbers do not change."""
+    from grpo_mem.model import sharing
+
+    model, encoded = vlm_tree_model
+    ids, mask, C, extras = vlm_batch(TREE_PROMPTS, G=2, C=4, seed=6, image_seeds=IMAGE_SEEDS)
+    order = torch.cat([torch.arange(0, 12, 2), torch.arange(1, 12, 2)])  # rows 2i, 2i + 1 are prompt i's
+    ids, mask, extras = ids[order], mask[order], reorder(extras, order)
+    halves = [VisionInputs.of_chunk(extras, s, s + 6, 12) for s in (0, 6)]
+    P = ids.shape[1] - C
+    ref_logps = []
+    for s, half in zip((0, 6), halves):
+        logps, ent = _score(_stock_method(), model, ids[s : s + 6], mask[s : s + 6], C, half.as_kwargs(), 6)
+        ref_logps.append((logps, ent))
+        (logps.sum() + ent.sum()).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    if in_lockstep:
+        monkeypatch.setattr(sharing, "lockstep", lambda model: True)
+        monkeypatch.setattr(sharing, "agree", lambda reason, keys: (reason, set(keys) | {(0, 3, 1)}))
+    encoded.clear()
+    session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
+    session.begin_window(model, [ids[:6, :P], ids[6:, :P]], [mask[:6, :P], mask[6:, :P]],
+                         row_keys=[h.row_keys(P) for h in halves])  # fmt: skip
+    tokens = 0
+    for s, half, (ref, ref_ent) in zip((0, 6), halves, ref_logps):
+        chunk_ids, chunk_mask = ids[s : s + 6], mask[s : s + 6]
+        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=half)
+        assert decision.path == "tree", decision.cause
+        tokens += decision.backbone_tokens
+        logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
+                                 compute_entropy=True)  # fmt: skip
+        assert_close(logps, ref, 1e-5, "log-probs", mask=chunk_mask[:, -C:])
+        assert_close(ent, ref_ent, 1e-5, "entropies", mask=chunk_mask[:, -C:])
+        (logps.sum() + ent.sum()).backward()
+    session.close_window()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
+    assert tokens == _passes_tokens(12, C) + in_lockstep  # every node in micro-batch 0; a stand-in is one token
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.fixture
+def vlm_tree_model():
+    return _model("qwen2_5_vl")
+
+
+@pytest.mark.parametrize("cause", ["patched", "no token types"])
+def test_tree_cause_plans_group_sharing_warned_once(vlm_tree_model, monkeypatch, cause):
+    """Image prompts that cannot be split into trie nodes (``VisionInputs.tree_cause``: e.g. non-causal image
+    attention, or image tokens not located for lack of ``mm_token_type_ids``) take group sharing in a tree-mode
+    session, warned once by name, with stock's numbers."""
+    model, _ = vlm_tree_model
+    ids, mask, C, extras = vlm_batch(TREE_PROMPTS[:3], G=2, C=4, seed=7, image_seeds=IMAGE_SEEDS[:3])
+    if cause == "patched":
+        monkeypatch.setattr(VisionInputs, "tree_cause", lambda self: "image blocks attend bidirectionally")
+        expected = "image blocks attend bidirectionally"
+    else:
+        extras = dict(extras, mm_token_type_ids=None)
+        expected = "image inputs without mm_token_type_ids"
+    ref_logps, _ = _score(_stock_method(), model, ids, mask, C, extras, 6)
+    monkeypatch.setattr(multimodal, "_warned_tree", [False])  # warned once per process
+    method, metrics = _patched(SharingSession("tree", min_shared_tokens=MIN_SHARED))
+    with pytest.warns(UserWarning, match=f"{TREE_TO_GROUP} \\({expected}"):
+        logps, _ = _score(method, model, ids, mask, C, extras, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _score(method, model, ids, mask, C, extras, 6)
+    assert metrics[METRIC_PREFIX + "path/group"] == [1.0, 1.0]
+    assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
+
+
+def test_trie_parts_rows_at_the_first_image_that_differs():
+    """Row keys and trie keys: prompts with equal ids and a first image in common share the trie up to the second
+    image's first token; an image is one key per token (id, image, run length, index); run counts that do not match
+    num_images are a ValueError."""
+    prompts = [(SYSTEM, [X, Y], [9]), (SYSTEM, [X, Z], [9]), (SYSTEM, [X, Y], [9])]
+    ids, mask, C, extras = vlm_batch(prompts, G=1, C=2, image_seeds=[[1, 2], [1, 3], [4, 2]])
+    P = ids.shape[1] - C
+    vision = VisionInputs.of_chunk(extras, 0, 3, 3)
+    keys = vision.row_keys(P)
+    assert keys[0].images[0] == keys[1].images[0] != keys[2].images[0]  # X, X, then another image of X's grid
+    # (tokens from the image's first token to the prompt's end, image tokens): 8 system tokens, then VS X VE VS Y VE 9
+    assert keys[0].spans == ((16, 4), (10, 8)) and keys[1].spans == ((12, 4), (6, 4))
+    real = [ids[b, P - int(mask[b, :P].sum()) : P].tolist() for b in range(3)]
+    trie = PromptTrie(real, min_shared_tokens=1, keys=[multimodal.trie_keys(r, k) for r, k in zip(real, keys)])
+    shared = trie.nodes[trie.path(trie.leaf[0])[0]]
+    assert shared.prompts == [0, 1, 2] and len(shared.tokens) == 9  # the system prompt and X's vision-start token
+    first_images = {trie.nodes[trie.path(trie.leaf[b])[1]].tokens[:2] for b in range(3)}
+    assert first_images == {(IMAGE, IMAGE)}  # ids are the real ones
+    assert trie.path(trie.leaf[0])[1] == trie.path(trie.leaf[1])[1] != trie.path(trie.leaf[2])[1]
+    bad = dict(extras, num_images=[3, 2, 1], image_grid_thw=extras["image_grid_thw"])
+    with pytest.raises(ValueError, match="row 0 has 3 images \\(num_images\\) but its prompt holds 2 runs"):
+        VisionInputs.of_chunk(bad, 0, 3, 3).row_keys(P)
+    with pytest.raises(ValueError, match="keys must give one key per token"):
+        PromptTrie(real, keys=[k[:-1] for k in real])
