@@ -54,20 +54,65 @@ def input_cause(extras: dict) -> str | None:
     return None
 
 
-def _digest(*tensors: torch.Tensor) -> bytes:
-    """A digest of the tensors' shapes, dtypes and bytes (equal tensors, equal digests)."""
-    h = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        t = t.detach().contiguous().cpu()
-        h.update(repr((tuple(t.shape), t.dtype)).encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    return h.digest()
+def _signed(x: int) -> int:
+    """The 64-bit pattern ``x`` as a signed int64 (torch takes no Python int above 2**63 - 1)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+# SplitMix64's constants (Steele, Lea, Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014)
+_GAMMA, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat integer tensor on its device (one word per element; bytes for other widths): equal
+    words exactly when the bytes are equal."""
+    flat = t.detach().contiguous().view(-1)
+    return flat.view(_WORDS.get(flat.element_size(), torch.uint8))
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """0-d int64 on ``t``'s device: Σ_i word_i · m(i) mod 2**64 with m(i) odd, SplitMix64-mixed from the position i.
+    Equal tensors give equal values; different ones may collide (``image_keys`` then tells them apart exactly)."""
+    words = _words(t).to(torch.int64)
+    z = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device) * _GAMMA
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1  # logical shifts: arithmetic ones masked
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
+    return (words * (z | 1)).sum()
 
 
 def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
     """Per row b, a key of its image tensors ``parts[b]`` (patch rows, grids, token types, in a fixed order): rows
-    whose tensors are equal get equal keys, rows with other tensors other keys; a row without tensors gets ``b""``."""
-    return [_digest(*row) if row else b"" for row in parts]
+    whose tensors are equal (shapes, dtypes and bytes) get equal keys, rows with other tensors other keys, exactly;
+    a row without tensors gets ``b""``.
+
+    Rows are bucketed by an on-device fingerprint of each tensor (``_fingerprint``; shapes and dtypes too), then
+    compared bytewise on device (``torch.equal`` of their words) with the first row of each distinct content in their
+    bucket, so no fingerprint collision merges two images. Host traffic: the fingerprints (one int64 per tensor, one
+    transfer) and one boolean per comparison; the tensors stay where they are. A key depends only on the row's
+    tensors unless two different contents of one call share a fingerprint (then the later one's key also holds its
+    rank in that bucket).
+    """
+    tensors = [t for row in parts for t in row]
+    if not tensors:
+        return [b""] * len(parts)
+    device = tensors[0].device
+    values = iter(torch.stack([_fingerprint(t).to(device) for t in tensors]).tolist())
+    buckets: dict[tuple, list[int]] = {}  # (shapes, dtypes, fingerprints) -> first row of each distinct content
+    keys = []
+    for b, row in enumerate(parts):
+        if not row:
+            keys.append(b"")
+            continue
+        head = tuple((tuple(t.shape), str(t.dtype), next(values)) for t in row)
+        firsts = buckets.setdefault(head, [])
+        rank = next((j for j, r in enumerate(firsts)
+                     if all(torch.equal(_words(x), _words(y)) for x, y in zip(parts[r], row))), None)  # fmt: skip
+        if rank is None:
+            rank = len(firsts)
+            firsts.append(b)
+        keys.append(hashlib.blake2b(repr((head, rank)).encode(), digest_size=16).digest())
+    return keys
 
 
 @dataclass(frozen=True)
@@ -133,8 +178,8 @@ class VisionInputs:
                 self.image_grid_thw[torch.tensor(images, dtype=torch.long).to(self.image_grid_thw.device)])  # fmt: skip
 
     def row_keys(self, prompt_width: int) -> list[bytes]:
-        """Per row, a digest of its images (patch rows and grids) and its prompt's token types (the first
-        ``prompt_width`` columns): rows of one prompt have equal keys, rows with other images have other keys."""
+        """Per row, the ``image_keys`` key of its images (patch rows and grids) and its prompt's token types (the
+        first ``prompt_width`` columns): rows of one prompt have equal keys, rows with other images have other keys."""
         parts = []
         firsts = torch.tensor([0, *self.num_images]).cumsum(0).tolist()
         if self.pixel_values is not None:
