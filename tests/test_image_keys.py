@@ -55,7 +55,8 @@ def test_equal_images_share_a_key_and_different_ones_do_not():
 
 
 def test_forced_fingerprint_collisions_still_separate_different_images(monkeypatch):
-    monkeypatch.setattr(multimodal, "_fingerprint", lambda t: torch.zeros((), dtype=torch.int64, device=t.device))
+    monkeypatch.setattr(multimodal, "_fingerprint", lambda t, cache: torch.zeros((), dtype=torch.int64,
+                                                                                      device=t.device))
     _check(image_keys(_rows()))
 
 

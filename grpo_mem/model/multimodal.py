@@ -54,31 +54,33 @@ def input_cause(extras: dict) -> str | None:
     return None
 
 
-def _signed(x: int) -> int:
-    """The 64-bit pattern ``x`` as a signed int64 (torch takes no Python int above 2**63 - 1)."""
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-# SplitMix64's constants (Steele, Lea, Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014)
-_GAMMA, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GOLDEN = 0x9E3779B9 - (1 << 32)  # 2**32 / golden ratio (Knuth's multiplicative hashing) as a signed int32
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat integer tensor on its device (one word per element; bytes for other widths): equal
-    words exactly when the bytes are equal."""
+    """``t``'s bytes as a flat integer tensor on its device, no copy for a contiguous ``t`` (int32 words for
+    elements of 4 bytes or more, int16 or uint8 otherwise): equal words exactly when the bytes are equal."""
     flat = t.detach().contiguous().view(-1)
-    return flat.view(_WORDS.get(flat.element_size(), torch.uint8))
+    size = flat.element_size()
+    return flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8)
 
 
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """0-d int64 on ``t``'s device: Σ_i word_i · m(i) mod 2**64 with m(i) odd, SplitMix64-mixed from the position i.
-    Equal tensors give equal values; different ones may collide (``image_keys`` then tells them apart exactly)."""
-    words = _words(t).to(torch.int64)
-    z = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device) * _GAMMA
-    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1  # logical shifts: arithmetic ones masked
-    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
-    return (words * (z | 1)).sum()
+def _weights(n: int, device: torch.device, cache: dict) -> torch.Tensor:
+    """(n,) odd int32 position weights on ``device`` (z xor z >> 16 | 1, z = i·φ mod 2**32, i = 1 … n), computed
+    once per call of ``image_keys`` (``cache``) for its longest tensor."""
+    have = cache.get(device)
+    if have is None or have.numel() < n:
+        z = torch.arange(1, n + 1, dtype=torch.int32, device=device) * _GOLDEN
+        cache[device] = have = (z ^ (z >> 16)) | 1
+    return have[:n]
+
+
+def _fingerprint(t: torch.Tensor, cache: dict) -> torch.Tensor:
+    """0-d int64 on ``t``'s device: Σ_i word_i · w_i, products wrapping in int32 (``_weights``). Equal tensors give
+    equal values; different ones may collide (``image_keys`` then tells them apart exactly)."""
+    words = _words(t)
+    words = words if words.dtype == torch.int32 else words.to(torch.int32)
+    return (words * _weights(words.numel(), words.device, cache)).sum(dtype=torch.int64)
 
 
 def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
@@ -96,8 +98,8 @@ def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
     tensors = [t for row in parts for t in row]
     if not tensors:
         return [b""] * len(parts)
-    device = tensors[0].device
-    values = iter(torch.stack([_fingerprint(t).to(device) for t in tensors]).tolist())
+    device, cache = tensors[0].device, {}
+    values = iter(torch.stack([_fingerprint(t, cache).to(device) for t in tensors]).tolist())
     buckets: dict[tuple, list[int]] = {}  # (shapes, dtypes, fingerprints) -> first row of each distinct content
     keys = []
     for b, row in enumerate(parts):
