@@ -254,8 +254,9 @@ def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
     assert (out / "bench.png").stat().st_size > 0
 
 
-TINY_VL = dict(model_type="qwen2_5_vl", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=True,
+TINY_VL = dict(model_type="qwen2_5_vl", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
+               tie_word_embeddings=True,
                rope_scaling=dict(type="mrope", mrope_section=[1, 1, 2]), image_token_id=290, video_token_id=291,
                vision_start_token_id=292, vision_end_token_id=293, bos_token_id=1, eos_token_id=2,
                vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,

@@ -2,9 +2,9 @@
 torch.distributed.run.
 
 Usage: vlm_dist_worker.py PATCH OUT_JSON. PATCH: patch | stock. Trains ``test_vlm._train``'s 3 GRPOTrainer steps
-(tiny Qwen2.5-VL, images of three sizes, gradient accumulation 2, 2 rows per micro-batch) with DDP over gloo; rank 0 writes the world size,
-the distributed type, global_step, the grad norms, grpo_mem's logged path per step, the fallbacks every rank
-recorded, and the final weights.
+(tiny Qwen2.5-VL, images of three sizes, gradient accumulation 2, 2 rows per micro-batch) with DDP over gloo; rank 0
+writes the world size, the distributed type, global_step, the grad norms, grpo_mem's logged path per step, the
+fallbacks every rank recorded, and the final weights.
 """
 
 import json

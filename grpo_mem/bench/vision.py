@@ -117,8 +117,9 @@ def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras:
     """``fn(input_ids, attention_mask) -> (log_probs (B, C) fp32, entropies (B, C) fp32)``, with gradients, called
     once per micro-batch of ``micro`` rows, in order, over and over: TRL's scoring method (``provider`` ``"trl"``) or
     the patched one (``"grpo_mem"``), given the micro-batch's slice of ``extras`` (TRL's multimodal arguments of all
-    rows, moved to the model's device, patch rows cast to its dtype). For ``grpo_mem`` the micro-batches of each pass over the rows form one sharing window, planned from
-    ``prompt_ids``/``prompt_mask`` (rows, P) and the rows' image keys, as the TRL patch plans it.
+    rows, moved to the model's device, patch rows cast to its dtype). For ``grpo_mem`` the micro-batches of each
+    pass over the rows form one sharing window, planned from ``prompt_ids``/``prompt_mask`` (rows, P) and the rows'
+    image keys, as the TRL patch plans it.
     ``fn.vision_patch_rows``: patch rows the vision tower encoded in the last complete pass over the rows (a forward
     hook on it).
 

@@ -5,9 +5,11 @@ weights are random, nothing is downloaded) and a batch shape (G completions of C
 provider scores the completions and backpropagates once, in its own fresh process (the benchmark library's sweep,
 :mod:`grpo_mem.bench.sweep`; the op and providers of :mod:`grpo_mem.bench.group`): stock TRL 1.16 (``trl``), then
 grpo_mem in each sharing mode the installed grpo_mem offers (``grpo_mem``: each group's prompt once;
-``grpo_mem_tree`` when ``shared_prompt_logprobs`` takes ``sharing="tree"``). Printed: wall time, CPU time, peak memory above the process's
-base, their ratios to stock TRL, and the largest log-prob difference from stock TRL. Written: ``bench.csv`` (the
-harness's long format) and ``bench.png`` in ``--output``.
+``grpo_mem_tree`` when ``shared_prompt_logprobs`` takes ``sharing="tree"``). With ``--image-tokens N`` (a
+vision-language model such as the ``qwen2.5-vl-3b`` preset) every prompt holds one image of N tokens and the providers
+are TRL's own scoring method and the patched one (:mod:`grpo_mem.bench.vision`). Printed: wall time, CPU time,
+peak memory above the process's base, their ratios to stock TRL, and the largest log-prob difference from stock TRL.
+Written: ``bench.csv`` (the harness's long format) and ``bench.png`` in ``--output``.
 
 Before running, the stock path's peak memory is estimated (:mod:`grpo_mem.bench.estimate`) and compared with the memory
 this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory): a shape that would not
@@ -210,8 +212,9 @@ class BenchConfig:
     def worker_args(self, provider: str) -> dict:
         return dict(model_config=self.model.config, provider=provider, G=self.G, P=self.P, C=self.C,
                     groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
-                    image_tokens=self.image_tokens, dtype=DTYPES[self.dtype], device=self.device, repeats=self.repeats, min_repeats=self.repeats,
-                    time_budget_s=None, single_call=self.repeats == 1, plain_forward_check=False)
+                    image_tokens=self.image_tokens, dtype=DTYPES[self.dtype], device=self.device,
+                    repeats=self.repeats, min_repeats=self.repeats, time_budget_s=None,
+                    single_call=self.repeats == 1, plain_forward_check=False)
 
     def token_counts(self) -> dict:
         """Tokens through the vision tower and the language model, stock vs grpo_mem, and their ideal ratio
@@ -247,8 +250,8 @@ def validate(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--prompt-length + --completion-length = {P + C} exceeds the model's "
                          f"max_position_embeddings {shape.max_positions}")
     return BenchConfig(model=spec, shape=shape, P=P, C=C, G=G, groups=groups, micro=micro,
-                       shared_prefix=args.shared_prefix_length, image_tokens=args.image_tokens, dtype=args.dtype, device=args.device,
-                       threads=args.threads, repeats=args.repeats, output=args.output)
+                       shared_prefix=args.shared_prefix_length, image_tokens=args.image_tokens, dtype=args.dtype,
+                       device=args.device, threads=args.threads, repeats=args.repeats, output=args.output)
 
 
 def _check_image_tokens(args: argparse.Namespace, spec: ModelSpec, shape: ModelShape, shortest: int) -> None:
