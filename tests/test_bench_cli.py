@@ -6,9 +6,10 @@ import json
 import math
 
 import pytest
+import torch
 
 from grpo_mem import cli
-from grpo_mem.bench import estimate, group, harness
+from grpo_mem.bench import estimate, group, harness, vision
 from grpo_mem.bench.presets import PRESETS
 from grpo_mem.commands import bench
 
@@ -53,6 +54,7 @@ def test_subcommand_parses_every_flag(monkeypatch):
     (["--shared-prefix-length", "-1"], "expected an integer >= 0, got -1"),
     (["--dtype", "fp16"], "invalid choice: 'fp16'"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--image-tokens", "-3"], "expected an integer >= 0, got -3"),
 ])
 def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -67,6 +69,11 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     (["--prompt-length", "64", "--shared-prefix-length", "57"], "--shared-prefix-length 57 is longer than the "
      "shortest prompt (56 tokens"),
     (["--prompt-length", "250", "--completion-length", "7"], "257 exceeds the model's max_position_embeddings 256"),
+    (["--image-tokens", "4"], "--image-tokens 4 needs a vision-language model; --model "),
+    (["--model", "qwen2.5-1.5b", "--image-tokens", "1"], "--image-tokens 1 needs a vision-language model; --model "
+     "qwen2.5-1.5b (qwen2.5-1.5b) is text-only"),
+    (["--model", "qwen2.5-vl-3b", "--prompt-length", "64", "--image-tokens", "50", "--shared-prefix-length", "5"],
+     "--image-tokens 50 + 2 vision markers + --shared-prefix-length 5 do not fit the shortest prompt (56 tokens"),
 ])
 def test_invalid_combinations_return_2_with_the_reason(argv, message, tmp_path, capsys):
     model = [] if "--model" in argv else ["--model", str(_tiny_dir(tmp_path))]
@@ -116,6 +123,54 @@ def test_every_preset_builds_and_names_its_source():
     assert round(estimate.model_shape(PRESETS["qwen2.5-0.5b"].config).n_params / 1e9, 2) == 0.49
     assert round(estimate.model_shape(PRESETS["llama-3.2-1b"].config).n_params / 1e9, 2) == 1.24
     assert round(estimate.model_shape(PRESETS["qwen2.5-7b"].config).n_params / 1e9, 1) == 7.6
+    # Qwen2.5-VL-3B: 3.75 B with its 0.67 B vision tower
+    assert round(estimate.model_shape(PRESETS["qwen2.5-vl-3b"].config).n_params / 1e9, 2) == 3.75
+
+
+def test_qwen25_vl_preset_agrees_with_transformers_defaults_where_the_3b_keeps_them():
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig, Qwen2_5_VLVisionConfig
+
+    preset = PRESETS["qwen2.5-vl-3b"].config
+    vision, defaults = preset["vision_config"], Qwen2_5_VLVisionConfig()
+    for key in ("depth", "intermediate_size", "num_heads", "patch_size", "spatial_merge_size", "temporal_patch_size",
+                "window_size", "hidden_act"):
+        assert vision[key] == getattr(defaults, key), key
+    assert vision["fullatt_block_indexes"] == list(defaults.fullatt_block_indexes)
+    top = Qwen2_5_VLConfig()
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        assert preset[key] == getattr(top, key), key
+    built = group.model_config(preset)
+    text = built.get_text_config()
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads,
+            text.intermediate_size, text.vocab_size) == (2048, 36, 16, 2, 11008, 151936)
+    assert built.tie_word_embeddings and text.rope_parameters["mrope_section"] == [16, 24, 24]
+    assert (built.vision_config.hidden_size, built.vision_config.out_hidden_size) == (1280, 2048)
+    shape = estimate.model_shape(preset)
+    assert (shape.vision_layers, shape.vision_hidden, shape.vision_intermediate, shape.rows_per_token) == (
+        32, 1280, 3420, 4)
+
+
+def test_image_tokens_are_counted_in_the_vision_tower_and_the_prompt():
+    args = bench.build_parser().parse_args(["--model", "qwen2.5-vl-3b", "--image-tokens", "256", "--prompt-length",
+                                            "512", "--completion-length", "64", "-G", "8", "--groups", "2"])
+    cfg = bench.validate(args)
+    counts = cfg.token_counts()
+    # 256 tokens after the 2 x 2 merge: 1024 patch rows per image; stock repeats each image and prompt per row
+    assert counts == dict(patch_rows=1024, trl_vision=2 * 8 * 1024, trl_lm=2 * 8 * (512 + 64), grpo_mem_vision=2 * 1024,
+                          grpo_mem_lm=2 * (512 + 8 * 64), ideal_ratio=(2048 + 2048) / (16384 + 9216))
+    assert cfg.csv_config()["ideal_ratio"] == round(4096 / 25600, 4) and cfg.csv_config()["trl_vision"] == 16384
+    assert bench.providers_to_run(256) == ["trl", "grpo_mem"]
+    assert vision.image_grid(256) == (1, 32, 32) and vision.image_grid(6) == (1, 4, 6) and vision.image_grid(7) == (
+        1, 2, 14)
+    # Without an image the counts are the text bench's
+    assert vision.token_counts(8, 512, 64)["ideal_ratio"] == group.ideal_ratio(8, 512, 64)
+    # The estimate adds the vision tower's activations of every row's image copy, nothing to the text part
+    est = estimate.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64, image_tokens=256)
+    text = estimate.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64)
+    assert est.patch_rows == 8 * 1024 and est.vision == 8 * 1024 * 32 * (18 * 1280 + 5 * 3420) * 4
+    assert est.total - est.vision == text.total and "vision tower activations" in est.describe()
+    with pytest.raises(ValueError, match="image_tokens must be >= 0, and 0 for a text-only model, got 4"):
+        estimate.estimate_stock_memory(estimate.model_shape(TINY), micro=1, P=10, C=2, image_tokens=4)
 
 
 # --------------------------------------------------------------------------------------------------- memory guard
@@ -197,3 +252,56 @@ def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
             assert 1 <= cfg["prompt_passes_per_call"] <= 2, cfg
         assert f"| {prov} |" in printed
     assert (out / "bench.png").stat().st_size > 0
+
+
+TINY_VL = dict(model_type="qwen2_5_vl", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
+               tie_word_embeddings=True,
+               rope_scaling=dict(type="mrope", mrope_section=[1, 1, 2]), image_token_id=290, video_token_id=291,
+               vision_start_token_id=292, vision_end_token_id=293, bos_token_id=1, eos_token_id=2,
+               vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                  patch_size=2, spatial_merge_size=2, temporal_patch_size=1, window_size=8,
+                                  fullatt_block_indexes=[1], in_channels=3))  # fmt: skip
+
+
+def test_tiny_image_run_encodes_each_prompt_image_once(tmp_path, capsys):
+    d = tmp_path / "tiny-vl"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY_VL))
+    out = tmp_path / "out"
+    argv = ["--model", str(d), "--prompt-length", "24", "--completion-length", "8", "-G", "2", "--groups", "2",
+            "--micro-batch", "2", "--image-tokens", "6", "--threads", "1", "--output", str(out)]
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "6 image tokens per prompt (24 patch rows); vision tower patch rows 96 stock vs 48 grpo_mem" in captured.err
+    rows = harness.read_csv(str(out / "bench.csv"))
+    cfg = {r["provider"]: r["config"] for r in rows if r["metric"] == "wall_time"}
+    assert set(cfg) == {"trl", "grpo_mem"}
+    assert cfg["trl"]["vision_patch_rows"] == 2 * 2 * 24  # every row's copy of its image
+    # Each prompt's image once, although each group's rows are shuffled over both micro-batches
+    assert cfg["grpo_mem"]["vision_patch_rows"] == 2 * 24
+    assert cfg["grpo_mem"]["logp_max_abs_diff_vs_trl"] <= 1e-5 and cfg["grpo_mem"]["grad_norm_rel_diff_vs_trl"] <= 1e-4
+    assert "fallback" not in cfg["grpo_mem"] and cfg["grpo_mem"]["image_tokens"] == 6
+
+
+def test_image_inputs_hold_one_image_per_prompt_at_its_tokens():
+    from transformers import AutoConfig
+
+    config = group.model_config(TINY_VL)
+    assert isinstance(config, type(AutoConfig.for_model("qwen2_5_vl")))
+    text, mask, _ = group.make_inputs(G=3, P=20, C=4, groups=2, vocab=300, seed=0, shared_prefix=3)
+    ids, extras = vision.add_images(config, text, mask, 20, 2, shared_prefix=3)
+    starts = (mask[:, :20] == 0).sum(1) + 3
+    for r, s in enumerate(starts.tolist()):
+        assert ids[r, s:s + 4].tolist() == [292, 290, 290, 293]
+        assert int(torch.isin(ids[r], torch.tensor([290, 291, 292, 293])).sum()) == 4  # no other special id
+    assert extras["mm_token_type_ids"].sum(1).tolist() == [2] * 6 and extras["num_images"] == [1] * 6
+    assert extras["image_grid_thw"].tolist() == [[1, 2, 4]] * 6 and extras["pixel_values"].shape == (6 * 8, 12)
+    # Rows of one prompt carry equal images, the two prompts other images
+    per_row = extras["pixel_values"].view(6, 8, 12)
+    same = {(a, b) for a in range(6) for b in range(6) if torch.equal(per_row[a], per_row[b])}
+    prompt = [tuple(ids[r, :20].tolist()) for r in range(6)]
+    assert same == {(a, b) for a in range(6) for b in range(6) if prompt[a] == prompt[b]}
+    with pytest.raises(ValueError, match="image_tokens 14 \\+ 2 vision markers \\+ shared_prefix 0 do not fit the "
+                       "shortest prompt \\(15 tokens\\)"):
+        vision.add_images(config, text, mask, 20, 14)

@@ -151,3 +151,26 @@ def test_fsdp2_prompt_once_matches_unsharded(tmp_path):
             assert c["logps"] <= 1e-5 and c["split_logps"] <= 1e-5, where
             assert c["grads_rel"] <= 1e-4 and c["split_grads_rel"] <= 1e-4, where
             assert c["store_left"] == 0, where
+
+
+@pytest.mark.slow
+def test_ddp_image_prompts_train_like_stock(tmp_path):
+    """2 processes (DDP over gloo), 3 GRPOTrainer steps on the tiny Qwen2.5-VL of ``tests/test_vlm.py`` with images
+    of three sizes: every rank's training micro-batches take the group path with no fallback, and the final weights,
+    vision tower included, are stock's within 1e-5."""
+    runs = {}
+    for patch in ("stock", "patch"):
+        out = tmp_path / f"vlm-{patch}.json"
+        _launch("vlm_dist_worker.py", patch, out)
+        runs[patch] = json.loads(out.read_text())
+    stock, ours = runs["stock"], runs["patch"]
+    assert stock["world_size"] == ours["world_size"] == 2
+    assert ours["distributed_type"] == stock["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert ours["global_step"] == stock["global_step"] == 3
+    assert ours["fallbacks"] == [[], []] and ours["group_path"] == [1.0, 1.0, 1.0] and stock["group_path"] == []
+    for a, b in zip(ours["grad_norms"], stock["grad_norms"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (ours["grad_norms"], stock["grad_norms"])
+    assert any(name.startswith("model.visual.") for name in stock["weights"])
+    for name, ref in stock["weights"].items():
+        err = max(abs(a - b) for a, b in zip(ours["weights"][name], ref, strict=True))
+        assert err <= 1e-5, f"{name}: max |diff| {err:.3e}"

@@ -97,3 +97,58 @@ def test_prepared_model_direct_call_runs_in_the_models_precision():
         grpo_mem.restore(model)
     assert stock_seen == (True, torch.bfloat16)
     assert seen and all(s == stock_seen for s in seen), seen
+
+
+def _image_run(model, method, ids, mask, C, extras, w, autocast):
+    """Log-probs, entropies (fp64, 0 where masked) and gradients of TRL's scoring method (or the patched one) on the
+    image batch, under bf16 autocast or not, one chunk of 4 rows at a time (groups of 3 split over chunks)."""
+    from test_vlm import _score
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        logps, ent = _score(method, model, ids, mask, C, extras, 4)
+    ((logps.double() * w).sum() + ent.double().sum() * 0.1).backward()
+    grads = {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logps.double().detach(), ent.double().detach(), grads
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
+def test_bf16_image_prompts_error_within_stock_error(mode):
+    """The criterion above (initial logits) on image prompts: the tiny Qwen2.5-VL of ``tests/test_vlm.py`` (vision
+    tower included), TRL's own scoring method in fp64 as the truth, and in the precision under test as stock."""
+    from test_vlm import PROMPTS, TEMPERATURE, _stock_method, tiny_vlm, vlm_batch
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_mem.model.support import recording_fallbacks
+    from grpo_mem.patches.trl import PatchHandle, patched_logps_method
+
+    ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=5, seed=2)
+    w = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    truth_model = tiny_vlm().double()
+    model = tiny_vlm() if mode == "autocast" else tiny_vlm().to(torch.bfloat16)
+    for m in (truth_model, model):
+        add_fused_lm_head(m, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    truth = _image_run(truth_model, _stock_method(), ids, mask, C, extras, w, autocast=False)
+    stock = _image_run(model, _stock_method(), ids, mask, C, extras, w, autocast=mode == "autocast")
+    patched = patched_logps_method(_stock_method(), PatchHandle(("test_precision",), group_shuffle=False,
+                                                                sharing="group"))
+    with recording_fallbacks() as fallbacks:
+        ours = _image_run(model, patched, ids, mask, C, extras, w, autocast=mode == "autocast")
+    assert fallbacks == []
+    for i, what in ((0, "log-probs"), (1, "entropies")):
+        err_stock, err_ours = (stock[i] - truth[i]).abs(), (ours[i] - truth[i]).abs()
+        assert err_stock.max() > 0, f"{what}: stock bf16 equals the fp64 truth, the precision was not applied"
+        excess = err_ours - err_stock
+        j = int(excess.argmax())
+        assert excess.max() <= TOL, (
+            f"{what}: |ours - truth| exceeds |stock - truth| + {TOL} at flat index {j}: ours "
+            f"{ours[i].flatten()[j]:.5f}, stock {stock[i].flatten()[j]:.5f}, truth {truth[i].flatten()[j]:.5f}"
+        )
+    assert ours[2].keys() == truth[2].keys() == stock[2].keys()
+    assert any(name.startswith("model.visual.") for name in ours[2])
+    per_ours, per_stock = grad_errors(ours[2], truth[2])[3], grad_errors(stock[2], truth[2])[3]
+    ok, name, excess = grad_within_stock_error(per_ours, per_stock)
+    assert ok, (
+        f"{name}: relative gradient error {per_ours[name]:.4f} vs stock {per_stock[name]:.4f} (+{BF16_GRAD_TOL})"
+    )

@@ -317,7 +317,10 @@ def _char_sum_reward(completions, **kwargs):
     return [float(sum(map(ord, str(c))) % 7) for c in completions]
 
 
-def _train(tmp_path, patch: bool, sharing: str = "group"):
+def _train(tmp_path, patch: bool, sharing: str = "group", **trainer_args):
+    """3 GRPOTrainer steps on the tiny Qwen2.5-VL with the in-memory processor, patched in the ``sharing`` mode or
+    stock (``trainer_args``: more GRPOConfig arguments, e.g. a DDP backend); returns (trainer, recorded fallbacks,
+    initial weights)."""
     import numpy as np
     from datasets import Dataset
     from PIL import Image
@@ -344,12 +347,12 @@ def _train(tmp_path, patch: bool, sharing: str = "group"):
     images = [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in [(8, 8), (8, 16), (16, 8)]]
     texts = ["what?", "count", "say a"]
     prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t}]}] for t in texts]
-    args = GRPOConfig(
+    args = GRPOConfig(**dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
         max_steps=3, gradient_accumulation_steps=2, learning_rate=1e-2, optim="sgd", report_to="none", use_cpu=True,
         seed=0, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, bf16=False, beta=0.0,
         logging_steps=1,
-    )  # fmt: skip
+    ) | trainer_args)  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=_char_sum_reward, args=args, processing_class=processor,
                           train_dataset=Dataset.from_dict({"prompt": prompts, "image": images}))  # fmt: skip
     handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing=sharing) if patch else None

@@ -30,23 +30,30 @@ class ModelShape:
     intermediate: int
     vocab: int
     max_positions: int | None
+    vision_layers: int = 0
+    vision_hidden: int = 0
+    vision_intermediate: int = 0
+    rows_per_token: int = 0
+    """The vision tower of a vision-language model (0 for a text-only one): blocks, hidden and MLP sizes, and patch
+    rows per image token (``spatial_merge_size`` ** 2)."""
 
 
 def model_shape(config: dict[str, Any]) -> ModelShape:
-    """Sizes of the causal LM of ``config``; parameters counted on a model built on the meta device (no memory).
+    """Sizes of the causal LM (and vision tower, for a config with a ``vision_config``) of ``config``; parameters
+    counted on a model built on the meta device (no memory).
 
     Raises:
         ValueError: transformers cannot build a causal LM from ``config`` (the message says why).
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from grpo_mem.bench.group import model_config
+    from grpo_mem.bench.group import model_class, model_config
+    from grpo_mem.bench.vision import rows_per_token
 
     try:
         cfg = model_config(config)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = model_class(cfg).from_config(cfg)
     except Exception as exc:  # transformers raises several types for unsupported configs
         first = (str(exc).splitlines() or [""])[0]  # transformers appends the list of every supported config
         raise ValueError(f"cannot build a causal LM from this config: {type(exc).__name__}: {first}") from None
@@ -54,6 +61,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    vision = getattr(cfg, "vision_config", None)
     return ModelShape(
         n_params=sum(p.numel() for p in model.parameters()),
         layers=text.num_hidden_layers,
@@ -63,6 +71,10 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
         vocab=text.vocab_size,
         max_positions=getattr(text, "max_position_embeddings", None),
+        vision_layers=getattr(vision, "depth", 0),
+        vision_hidden=getattr(vision, "hidden_size", 0),
+        vision_intermediate=getattr(vision, "intermediate_size", 0) or 4 * getattr(vision, "hidden_size", 0),
+        rows_per_token=rows_per_token(cfg),
     )
 
 
@@ -76,19 +88,23 @@ class MemoryEstimate:
     head: float
     process: float
     tokens: int
+    vision: float = 0.0
+    patch_rows: int = 0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.activations + self.head + self.process
+        return self.weights + self.gradients + self.activations + self.vision + self.head + self.process
 
     def describe(self) -> str:
         return (f"{self.total / GB:.1f} GB (weights {self.weights / GB:.1f}, gradients {self.gradients / GB:.1f}, "
                 f"saved activations {self.activations / GB:.1f} for {self.tokens} tokens per micro-batch, "
-                f"LM head {self.head / GB:.1f}, process {self.process / GB:.1f})")
+                + (f"vision tower activations {self.vision / GB:.1f} for {self.patch_rows} patch rows, "
+                   if self.patch_rows else "")
+                + f"LM head {self.head / GB:.1f}, process {self.process / GB:.1f})")
 
 
 def estimate_stock_memory(shape: ModelShape, *, micro: int, P: int, C: int, dtype: str = "fp32",
-                          device: str = "cpu") -> MemoryEstimate:
+                          device: str = "cpu", image_tokens: int = 0) -> MemoryEstimate:
     """Peak memory of stock TRL's forward + backward of ``micro`` rows of P + C tokens, in bytes (an estimate).
 
     - weights and gradients: ``n_params`` each, in ``dtype``;
@@ -96,18 +112,26 @@ def estimate_stock_memory(shape: ModelShape, *, micro: int, P: int, C: int, dtyp
       ``dtype`` (norm inputs and outputs, q/k/v before and after RoPE, attention output and its log-sum-exp, the MLP's
       gate, up, activation and product). Fitted to peaks measured with ``benchmarks/bench_group.py`` on CPU (fp32,
       SDPA, which stores no P×P attention matrix): it over-estimates those by 0-20 %;
+    - vision tower (``image_tokens`` > 0: each row's copy of its prompt's image, ``rows_per_token`` patch rows per
+      image token): the same per-token formula with the block's sizes (q and kv widths = its hidden size), per patch
+      row and block (not fitted to a measurement);
     - LM head: TRL's fused head scores every position on CPU (the completion positions only on CUDA) in tiles of
       4096 positions; about 5 fp32 (tile, vocab) buffers are alive in its backward (≈ 4.7 measured);
     - process: ``PROCESS_BASE_BYTES`` on CPU (the worker's interpreter and libraries), 0 on CUDA.
 
-    Raises ValueError for an unknown ``dtype``.
+    Raises ValueError for an unknown ``dtype``, a negative ``image_tokens``, or image tokens for a text-only shape.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if image_tokens < 0 or (image_tokens and not shape.rows_per_token):
+        raise ValueError(f"image_tokens must be >= 0, and 0 for a text-only model, got {image_tokens} "
+                         f"({'no ' if not shape.rows_per_token else ''}vision tower)")
     width = 4 if dtype == "fp32" else 2
     tokens = micro * (P + C)
     per_token_layer = 8 * shape.hidden + 4 * shape.q_dim + 6 * shape.kv_dim + 5 * shape.intermediate
     head_rows = min(tokens if device == "cpu" else micro * C, TRL_HEAD_TILE)
+    patch_rows = micro * image_tokens * shape.rows_per_token
+    per_row_block = 18 * shape.vision_hidden + 5 * shape.vision_intermediate
     return MemoryEstimate(
         weights=shape.n_params * width,
         gradients=shape.n_params * width,
@@ -115,6 +139,8 @@ def estimate_stock_memory(shape: ModelShape, *, micro: int, P: int, C: int, dtyp
         head=5 * head_rows * shape.vocab * 4,
         process=PROCESS_BASE_BYTES if device == "cpu" else 0.0,
         tokens=tokens,
+        vision=patch_rows * shape.vision_layers * per_row_block * width,
+        patch_rows=patch_rows,
     )
 
 

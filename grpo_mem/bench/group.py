@@ -90,22 +90,28 @@ def model_config(spec: dict[str, Any]):
     return cls.from_dict(dict(spec))
 
 
+def model_class(config):
+    """The transformers auto class building ``config``: ``AutoModelForImageTextToText`` when it has a
+    ``vision_config`` (a vision-language model), else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
 def build_model(spec: dict[str, Any], *, seed: int = 0, dtype: str = "float32"):
-    """A randomly initialised causal LM of the config ``spec`` (see :func:`model_config`): weights from
-    ``torch.manual_seed(seed)``, ``dtype`` ("float32" or "bfloat16"), SDPA attention (eager for a class without SDPA
-    support, such as gpt-oss with its sinks), train mode, dropout 0 if the config has ``attention_dropout``. Nothing
-    is downloaded."""
+    """A randomly initialised causal LM (or vision-language model, :func:`model_class`) of the config ``spec`` (see
+    :func:`model_config`): weights from ``torch.manual_seed(seed)``, ``dtype`` ("float32" or "bfloat16"), SDPA
+    attention (eager for a class without SDPA support, such as gpt-oss with its sinks), train mode, dropout 0 if the
+    config has ``attention_dropout``. Nothing is downloaded."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = model_config(spec)
     if hasattr(config, "attention_dropout"):
         config.attention_dropout = 0.0
     torch.manual_seed(seed)
-    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "_supports_sdpa", True)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager",
-                                             dtype=getattr(torch, dtype))
+    auto = model_class(config)
+    sdpa = getattr(auto._model_mapping.get(type(config), None), "_supports_sdpa", True)
+    model = auto.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=getattr(torch, dtype))
     return model.train()
 
 
@@ -296,8 +302,8 @@ def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_m
 
     device = input_ids.device
     w = WARMUP_SHAPE
-    tiny_ids, tiny_mask, tiny_cmask = (x.to(device) for x in make_inputs(w["G"], w["P"], w["C"], 1,
-                                                                         model.config.vocab_size, seed=123))
+    tiny_ids, tiny_mask, tiny_cmask = (x.to(device) for x in make_inputs(
+        w["G"], w["P"], w["C"], 1, model.config.get_text_config().vocab_size, seed=123))
     small_fn = make_logprob_fn(args["provider"], model, w["C"])
     lp, _ = small_fn(tiny_ids, tiny_mask)
     (lp * tiny_cmask).sum().backward()
@@ -354,13 +360,16 @@ def worker(args: dict) -> dict:
     ``harness.run_isolated``).
 
     ``args``: ``model_config`` (a config.json's content, see :func:`build_model`), provider, G, P, C, and optionally
-    groups (1), micro (rows per micro-batch, a divisor of groups·G; default all rows), shared_prefix (0), dtype
+    groups (1), micro (rows per micro-batch, a divisor of groups·G; default all rows), shared_prefix (0),
+    image_tokens (0; N > 0: one image of N tokens per prompt, :mod:`grpo_mem.bench.vision`, providers ``trl`` and
+    ``grpo_mem``, no plain-forward check), dtype
     ("float32"), device ("cpu"), seed (0), plain_forward_check (True), warmup, repeats, min_repeats, time_budget_s,
     single_call (see :func:`measure_group`).
 
     Returns the measurement dict plus ``log_probs``/``entropies`` of the last call (lists, masked entries 0),
     ``grad_norm`` (L2 over all parameter gradients), ``fallback_warnings`` (grpo_mem's fallback messages),
-    ``n_params``, ``prompt_passes_per_call`` (grpo_mem over several micro-batches, else None) and ``version``
+    ``n_params``, ``prompt_passes_per_call`` (grpo_mem over several micro-batches, else None),
+    ``vision_patch_rows`` (image runs: patch rows the vision tower encoded in the last call, else None) and ``version``
     (``harness.versions()`` as this process saw the code).
 
     Raises:
@@ -376,13 +385,24 @@ def worker(args: dict) -> dict:
         raise ValueError(f"micro must divide the {B} rows (groups={groups} x G={G}), got {micro}")
     prov = _provider(args["provider"])
     model = build_model(args["model_config"], seed=seed, dtype=args.get("dtype", "float32")).to(device)
-    input_ids, attention_mask, completion_mask = (x.to(device) for x in make_inputs(
-        G, P, C, groups, model.config.vocab_size, seed=seed + 1, shared_prefix=args.get("shared_prefix", 0)))
-    if prov.sharing is not None and micro < B:
+    shared_prefix, image_tokens = args.get("shared_prefix", 0), args.get("image_tokens", 0)
+    input_ids, attention_mask, completion_mask = make_inputs(
+        G, P, C, groups, model.config.get_text_config().vocab_size, seed=seed + 1, shared_prefix=shared_prefix)
+    extras = None
+    if image_tokens:
+        from grpo_mem.bench.vision import add_images, make_image_fn
+
+        input_ids, extras = add_images(model.config, input_ids, attention_mask, P, image_tokens,
+                                       shared_prefix=shared_prefix, seed=seed + 7)
+    input_ids, attention_mask, completion_mask = (x.to(device) for x in (input_ids, attention_mask, completion_mask))
+    if extras is not None:
+        fn = make_image_fn(prov.name, model, C, input_ids[:, :P], attention_mask[:, :P], extras, micro)
+    elif prov.sharing is not None and micro < B:
         fn = make_window_fn(prov.name, model, C, [input_ids[s:s + micro, :P] for s in range(0, B, micro)],
                             [attention_mask[s:s + micro, :P] for s in range(0, B, micro)])
     else:
         fn = make_logprob_fn(prov.name, model, C)
     res = measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro,
-                        plain_forward_check=args.get("plain_forward_check", True))
-    return dict(res, version=version, prompt_passes_per_call=getattr(fn, "prompt_passes_per_call", None))
+                        plain_forward_check=args.get("plain_forward_check", True) and extras is None)
+    return dict(res, version=version, prompt_passes_per_call=getattr(fn, "prompt_passes_per_call", None),
+                vision_patch_rows=getattr(fn, "vision_patch_rows", None))

@@ -58,9 +58,23 @@ PRESETS: dict[str, Preset] = {
                                                            high_freq_factor=4.0,
                                                            original_max_position_embeddings=8192),
                     rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072)),
+        Preset("qwen2.5-vl-3b", "config.json of Qwen/Qwen2.5-VL-3B-Instruct on the Hugging Face Hub",
+               dict(model_type="qwen2_5_vl", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                    num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                    rope_scaling=dict(type="mrope", mrope_section=[16, 24, 24]), rms_norm_eps=1e-6,
+                    tie_word_embeddings=True, max_position_embeddings=128000, use_sliding_window=False,
+                    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                    vision_end_token_id=151653,
+                    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                       out_hidden_size=2048, patch_size=14, spatial_merge_size=2,
+                                       temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                                       in_chans=3, tokens_per_second=2, hidden_act="silu"))),
     )
 }
-"""Model shapes for ``--model``. The Qwen2.5 base and instruct checkpoints share these shapes."""
+"""Model shapes for ``--model``. The Qwen2.5 base and instruct checkpoints share these shapes. ``qwen2.5-vl-3b`` is a
+vision-language model (``--image-tokens``): its language model as Qwen2.5-3B with multi-axis RoPE, and a 32-block
+vision tower (hidden 1280, windows of 112 pixels, full attention in blocks 7, 15, 23, 31, 14-pixel patches over 2
+frames, 2 x 2 merge into tokens of the language model's width 2048)."""
 
 
 _TRUNK: dict[str, Any] = dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1408, num_attention_heads=8,

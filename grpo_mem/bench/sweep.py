@@ -25,7 +25,7 @@ REFERENCE = "trl"
 """The provider every other one is compared with (``*_vs_trl`` keys of the config)."""
 
 RESULT_KEYS = ("grad_norm", "n_params", "logp_max_abs_diff_vs_plain_forward", "trunk_tokens", "prompt_passes_per_call",
-               "cuda_peak_allocated_mb")
+               "cuda_peak_allocated_mb", "vision_patch_rows")
 """Figures copied from a worker's result into the cell's CSV config when present and not None."""
 
 

@@ -5,9 +5,11 @@ weights are random, nothing is downloaded) and a batch shape (G completions of C
 provider scores the completions and backpropagates once, in its own fresh process (the benchmark library's sweep,
 :mod:`grpo_mem.bench.sweep`; the op and providers of :mod:`grpo_mem.bench.group`): stock TRL 1.16 (``trl``), then
 grpo_mem in each sharing mode the installed grpo_mem offers (``grpo_mem``: each group's prompt once;
-``grpo_mem_tree`` when ``shared_prompt_logprobs`` takes ``sharing="tree"``). Printed: wall time, CPU time, peak memory above the process's
-base, their ratios to stock TRL, and the largest log-prob difference from stock TRL. Written: ``bench.csv`` (the
-harness's long format) and ``bench.png`` in ``--output``.
+``grpo_mem_tree`` when ``shared_prompt_logprobs`` takes ``sharing="tree"``). With ``--image-tokens N`` (a
+vision-language model such as the ``qwen2.5-vl-3b`` preset) every prompt holds one image of N tokens and the providers
+are TRL's own scoring method and the patched one (:mod:`grpo_mem.bench.vision`). Printed: wall time, CPU time,
+peak memory above the process's base, their ratios to stock TRL, and the largest log-prob difference from stock TRL.
+Written: ``bench.csv`` (the harness's long format) and ``bench.png`` in ``--output``.
 
 Before running, the stock path's peak memory is estimated (:mod:`grpo_mem.bench.estimate`) and compared with the memory
 this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory): a shape that would not
@@ -71,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the micro-batches, grpo_mem shares prompts across them as its TRL patch does")
     parser.add_argument("--shared-prefix-length", type=non_negative_int, default=0,
                         help="tokens at the start of every prompt that all prompts share (for the tree sharing mode)")
+    parser.add_argument("--image-tokens", type=non_negative_int, default=0,
+                        help="image tokens in each prompt (counted in --prompt-length), one image per prompt, for a "
+                        "vision-language model (qwen2.5-vl-3b); 0: text only")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     parser.add_argument("--threads", type=positive_int, default=_cpu_count(),
@@ -90,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -------------------------------------------------------------------------------------------------------- running
-def providers_to_run() -> list[str]:
-    """Stock TRL first, then every grpo_mem sharing mode this installation offers."""
+def providers_to_run(image_tokens: int = 0) -> list[str]:
+    """Stock TRL first, then every grpo_mem sharing mode this installation offers (only ``grpo_mem`` with images:
+    image prompts take group sharing)."""
     from grpo_mem.bench.group import PROVIDERS, available_providers
+    from grpo_mem.bench.vision import IMAGE_PROVIDERS
 
+    if image_tokens:
+        return list(IMAGE_PROVIDERS)
     return ["trl"] + [p for p in available_providers() if PROVIDERS[p].sharing is not None]
 
 
@@ -193,6 +202,7 @@ class BenchConfig:
     groups: int
     micro: int
     shared_prefix: int
+    image_tokens: int
     dtype: str
     device: str
     threads: int
@@ -202,16 +212,24 @@ class BenchConfig:
     def worker_args(self, provider: str) -> dict:
         return dict(model_config=self.model.config, provider=provider, G=self.G, P=self.P, C=self.C,
                     groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
-                    dtype=DTYPES[self.dtype], device=self.device, repeats=self.repeats, min_repeats=self.repeats,
-                    time_budget_s=None, single_call=self.repeats == 1, plain_forward_check=False)
+                    image_tokens=self.image_tokens, dtype=DTYPES[self.dtype], device=self.device,
+                    repeats=self.repeats, min_repeats=self.repeats, time_budget_s=None,
+                    single_call=self.repeats == 1, plain_forward_check=False)
+
+    def token_counts(self) -> dict:
+        """Tokens through the vision tower and the language model, stock vs grpo_mem, and their ideal ratio
+        (``grpo_mem.bench.vision.token_counts``)."""
+        from grpo_mem.bench.vision import token_counts
+
+        return token_counts(self.G, self.P, self.C, self.groups, self.image_tokens, self.shape.rows_per_token)
 
     def csv_config(self) -> dict:
-        from grpo_mem.bench.group import ideal_ratio
-
+        counts = self.token_counts()
+        images = {k: v for k, v in counts.items() if k != "ideal_ratio"} if self.image_tokens else {}
         return dict(model=self.model.name, model_source=self.model.source, n_params=self.shape.n_params, G=self.G,
                     P=self.P, C=self.C, groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
                     dtype=self.dtype, threads=self.threads, repeats=self.repeats,
-                    ideal_ratio=round(ideal_ratio(self.G, self.P, self.C), 4))
+                    ideal_ratio=round(counts["ideal_ratio"], 4), **({"image_tokens": self.image_tokens} | images))
 
 
 def validate(args: argparse.Namespace) -> BenchConfig:
@@ -227,12 +245,28 @@ def validate(args: argparse.Namespace) -> BenchConfig:
     if args.shared_prefix_length > shortest:
         raise ValueError(f"--shared-prefix-length {args.shared_prefix_length} is longer than the shortest prompt "
                          f"({shortest} tokens: prompts are left-padded by P/8, or P/4 beyond the first group)")
+    _check_image_tokens(args, spec, shape, shortest)
     if shape.max_positions is not None and P + C > shape.max_positions:
         raise ValueError(f"--prompt-length + --completion-length = {P + C} exceeds the model's "
                          f"max_position_embeddings {shape.max_positions}")
     return BenchConfig(model=spec, shape=shape, P=P, C=C, G=G, groups=groups, micro=micro,
-                       shared_prefix=args.shared_prefix_length, dtype=args.dtype, device=args.device,
-                       threads=args.threads, repeats=args.repeats, output=args.output)
+                       shared_prefix=args.shared_prefix_length, image_tokens=args.image_tokens, dtype=args.dtype,
+                       device=args.device, threads=args.threads, repeats=args.repeats, output=args.output)
+
+
+def _check_image_tokens(args: argparse.Namespace, spec: ModelSpec, shape: ModelShape, shortest: int) -> None:
+    """Raises ValueError naming ``--image-tokens`` when it is negative, given for a text-only model, or does not fit
+    the shortest prompt with its two vision markers and the shared prefix."""
+    n = args.image_tokens
+    if n < 0:
+        raise ValueError(f"--image-tokens must be >= 0, got {n}")
+    if n and not shape.rows_per_token:
+        raise ValueError(f"--image-tokens {n} needs a vision-language model; --model {args.model} ({spec.name}) is "
+                         f"text-only")
+    if n and n + 2 + args.shared_prefix_length > shortest:
+        raise ValueError(f"--image-tokens {n} + 2 vision markers + --shared-prefix-length {args.shared_prefix_length}"
+                         f" do not fit the shortest prompt ({shortest} tokens: prompts are left-padded by P/8, or P/4 "
+                         f"beyond the first group)")
 
 
 def _fail(message: str) -> int:
@@ -243,7 +277,8 @@ def _fail(message: str) -> int:
 def _memory_guard(cfg: BenchConfig) -> tuple[MemoryEstimate, float, str, float]:
     """Stock TRL's estimated peak, the memory available for it (bytes) and where that figure comes from, and the
     host memory available (the children's RSS budget). Raises ValueError with the refusal when it does not fit."""
-    estimate = estimate_stock_memory(cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device)
+    estimate = estimate_stock_memory(cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device,
+                                     image_tokens=cfg.image_tokens)
     try:
         available, where = available_memory_bytes(cfg.device)
         host_available = available if cfg.device == "cpu" else available_memory_bytes("cpu")[0]
@@ -263,7 +298,8 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
     from grpo_mem.bench.sweep import Cell, Sweep, isolated
 
     config = dict(cfg.csv_config(), estimated_stock_peak_gb=round(estimate.total / GB, 2))
-    cells = [Cell(prov, cfg.P, config, cfg.worker_args(prov), name="grpo-mem bench") for prov in providers_to_run()]
+    cells = [Cell(prov, cfg.P, config, cfg.worker_args(prov), name="grpo-mem bench")
+             for prov in providers_to_run(cfg.image_tokens)]
     device = None
     if cfg.device == "cuda":
         from grpo_mem.bench.harness_cuda import cuda_device_name
@@ -301,12 +337,20 @@ def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
     return summary
 
 
+def _ideal_line(cfg: BenchConfig) -> str:
+    """The token counts and ideal ratio, as printed before the runs."""
+    c = cfg.token_counts()
+    if not cfg.image_tokens:
+        return f"ideal token ratio (P+G·C)/(G·(P+C)) = {c['ideal_ratio']:.3f}"
+    return (f"{cfg.image_tokens} image tokens per prompt ({c['patch_rows']} patch rows); vision tower patch rows "
+            f"{c['trl_vision']} stock vs {c['grpo_mem_vision']} grpo_mem, language-model tokens {c['trl_lm']} vs "
+            f"{c['grpo_mem_lm']}; ideal ratio (Nv+P+G·C)/(G·(Nv+P+C)) = {c['ideal_ratio']:.3f}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``grpo-mem bench`` for parsed flags; returns the exit status: 0 when every provider ran, 1 when one was
     skipped (failed, over the time limit or the RSS budget; the table says why), 2 for invalid flags or a refused
     shape (nothing run)."""
-    from grpo_mem.bench.group import ideal_ratio
-
     try:
         cfg = validate(args)
         if cfg.device == "cuda":
@@ -320,8 +364,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"grpo-mem bench: {cfg.model.name} ({cfg.shape.n_params / 1e6:.0f}M parameters, random weights, "
           f"{cfg.dtype}, {cfg.device}, {cfg.threads} threads); {cfg.groups} prompt(s) x G={cfg.G} completions, "
           f"P={cfg.P}, C={cfg.C}, {cfg.G * cfg.groups // cfg.micro} micro-batch(es) of {cfg.micro} rows"
-          + (f", shared prefix {cfg.shared_prefix}" if cfg.shared_prefix else "")
-          + f"; ideal token ratio (P+G·C)/(G·(P+C)) = {ideal_ratio(cfg.G, cfg.P, cfg.C):.3f}", file=sys.stderr)
+          + (f", shared prefix {cfg.shared_prefix}" if cfg.shared_prefix else "") + "; " + _ideal_line(cfg),
+          file=sys.stderr)
     print(f"grpo-mem bench: stock TRL estimated at {estimate.describe()}; {available / GB:.1f} GB available "
           f"({where})", file=sys.stderr)
     summary = _write_and_print(cfg, _measure(cfg, estimate, host_available))
