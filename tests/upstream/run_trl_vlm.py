@@ -1,0 +1,170 @@
+"""Run TRL's own vision-language GRPO tests offline, stock and with ``grpo_mem.patch_trl()``, and compare.
+
+    python tests/upstream/run_trl_vlm.py --trl-tests /work/.mirror/huggingface+trl/repo@main
+    python tests/upstream/run_trl_vlm.py --trl-tests ~/src/trl/tests --patched -k "Qwen2_5"
+
+``--trl-tests`` is TRL's ``tests`` directory, or a TRL git directory (bare or not) with an optional ``@REV`` (default
+``HEAD``), whose ``tests/`` is extracted to the cache with ``git archive``: TRL's test file is executed from there,
+never copied into this repository. The hub assets those tests load are replaced by the tiny stand-ins of
+``offline_assets`` (built once into ``--cache``), resolved by ``trl_offline_plugin`` with ``HF_HUB_OFFLINE=1``.
+
+Selected: the class ``TestGRPOTrainerVLM`` of ``tests/test_grpo_trainer.py``, minus ``DESELECTED`` (each with its
+reason, printed). Each mode runs in its own pytest process. Prints one row per test: the stock outcome, the patched
+outcome, the scoring path the patched run logged (mean of TRL's logged ``grpo_mem/path/<name>`` fractions over the
+test's steps) and grpo_mem's fallback causes, then one summary line. Exit status 0 when every test that passes stock
+passes patched, 1 otherwise, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+TEST_FILE = "tests/test_grpo_trainer.py"
+SELECT = "TestGRPOTrainerVLM"
+
+DESELECTED = {
+    "test_train_vlm_and_vllm": "needs vLLM and a vLLM server (not installed; TRL itself marks it skip)",
+    "test_train_with_tools_multimodal_response": "hub-only: hard-codes token ids of the hub Qwen3.5 tokenizer "
+    "(248058, ...) in a fake generate and loads the hub reward model tiny-Qwen2ForSequenceClassification-2.5",
+    "test_train_vlm_and_liger": "needs a GPU: Liger's Triton kernels have no CPU driver here",
+    "Gemma4ForConditionalGeneration": "no offline stand-in for Gemma 4 yet (its processor adds audio and video "
+    "sub-processors)",
+}
+"""Substring of a test id -> why it is not run here (it fails stock for that reason too)."""
+
+
+def trl_tests_root(spec: str, cache: Path) -> Path:
+    """The directory holding TRL's ``tests/`` package for ``spec`` (see the module docstring). Raises ValueError when
+    ``spec`` is neither a tests directory nor a git directory holding ``tests/test_grpo_trainer.py`` at that rev."""
+    path, _, rev = spec.partition("@")
+    path = Path(path).expanduser()
+    if (path / "test_grpo_trainer.py").is_file():
+        return path.resolve().parent
+    if (path / TEST_FILE).is_file() and not rev:
+        return path.resolve()
+    rev = rev or "HEAD"
+    git = ["git", f"--git-dir={path / '.git' if (path / '.git').exists() else path}"]
+    found = subprocess.run([*git, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise ValueError(f"--trl-tests {spec!r}: not a tests directory, nor a git directory with revision {rev!r}")
+    commit = found.stdout.strip()
+    root = cache / "trl-tests" / commit
+    if not (root / TEST_FILE).is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run([*git, "archive", commit, "tests"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    if not (root / TEST_FILE).is_file():
+        raise ValueError(f"--trl-tests {spec!r}: {TEST_FILE} is not in revision {commit}")
+    return root
+
+
+def build_assets(cache: Path) -> None:
+    """Build every stand-in of ``offline_assets`` into ``cache`` unless it is already there."""
+    sys.path[:0] = [str(HERE), str(REPO / "tests")]
+    import offline_assets
+
+    for name in offline_assets.MODELS:
+        snapshot = offline_assets.snapshot_dir(cache, f"{offline_assets.ORG}/{name}")
+        if not (snapshot / "offline_processor.json").is_file():
+            print(f"building the stand-in of {offline_assets.ORG}/{name}", flush=True)
+            offline_assets.build_model(cache, name)
+    if not (cache / "datasets" / "zen-multi-image").is_dir():
+        offline_assets.build_datasets(cache)
+
+
+def run_mode(mode: str, root: Path, cache: Path, keyword: str | None) -> tuple[dict, str, float]:
+    """Run the selected tests in one pytest process with ``mode`` ("stock" or "patched"); returns the plugin's
+    per-test records, pytest's summary line, and the wall time in seconds."""
+    report = cache / f"report-{mode}.json"
+    report.unlink(missing_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_HUB_CACHE=str(cache / "hub"), HF_HOME=str(cache / "hf_home"), GRPO_MEM_UPSTREAM_MODE=mode,
+               GRPO_MEM_UPSTREAM_CACHE=str(cache), GRPO_MEM_UPSTREAM_REPORT=str(report),
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(HERE)]))  # fmt: skip
+    ini = cache / "pytest.ini"
+    ini.write_text("[pytest]\n")
+    deselect = " and ".join(f"not {key}" for key in DESELECTED)
+    expr = f"{SELECT} and {deselect}" + (f" and ({keyword})" if keyword else "")
+    cmd = [sys.executable, "-m", "pytest", "-p", "trl_offline_plugin", "-p", "no:cacheprovider", "-c", str(ini),
+           "--rootdir", str(root), "-q", "-rA", "--tb=short", "-W", "ignore::DeprecationWarning", TEST_FILE, "-k",
+           expr]  # fmt: skip
+    start = time.time()
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    wall = time.time() - start
+    (cache / f"pytest-{mode}.log").write_text(done.stdout + done.stderr)
+    lines = [line.strip("= ") for line in done.stdout.splitlines() if " in " in line and ("passed" in line
+             or "failed" in line or "error" in line or "deselected" in line)]  # fmt: skip
+    if not report.is_file():
+        raise RuntimeError(f"the {mode} run wrote no report; its output is in {cache / f'pytest-{mode}.log'}")
+    return json.loads(report.read_text()), (lines[-1] if lines else "no pytest summary"), wall
+
+
+def _path_text(record: dict) -> str:
+    paths = record.get("paths") or {}
+    return ", ".join(f"{name} {share:.2f}" for name, share in paths.items() if share > 0) or "-"
+
+
+def print_table(stock: dict, patched: dict) -> bool:
+    """Print one row per test; returns whether every test that passed stock passed patched."""
+    ids = sorted(set(stock) | set(patched))
+    short = {i: i.split("::", 1)[-1] for i in ids}
+    width = max([len(s) for s in short.values()] + [4])
+    print(f"{'test':<{width}}  {'stock':<8} {'patched':<8} {'patched path':<22} grpo_mem fallback causes")
+    ok = True
+    for i in ids:
+        s, p = stock.get(i, {}), patched.get(i, {})
+        ok &= s.get("outcome") != "passed" or p.get("outcome") == "passed"
+        causes = "; ".join(p.get("fallbacks") or []) or "-"
+        print(f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<22} {causes}")
+        for label, record in (("stock", s), ("patched", p)):
+            if record.get("error") and record.get("outcome") != "passed":
+                print(f"{'':<{width}}  {label}: {record['error']}")
+    return ok
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--trl-tests", required=True, help="TRL's tests directory, or a TRL git directory[@REV]")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--stock", action="store_true", help="run stock TRL only")
+    modes.add_argument("--patched", action="store_true", help="run with grpo_mem.patch_trl() only")
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "grpo_mem_trl_vlm"),
+                        help="where the stand-ins, the extracted tests and the logs go (default: %(default)s)")
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the stand-ins")
+    parser.add_argument("-k", dest="keyword", help="a further pytest -k expression")
+    args = parser.parse_args(argv)
+    cache = Path(args.cache).resolve()
+    if args.rebuild and cache.exists():
+        shutil.rmtree(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        root = trl_tests_root(args.trl_tests, cache)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    build_assets(cache)
+    print("deselected (they fail stock here too):")
+    for key, reason in DESELECTED.items():
+        print(f"  {key}: {reason}")
+    results, summaries = {}, []
+    for mode in [m for m in ("stock", "patched") if not (args.stock and m == "patched" or args.patched and m == "stock")]:
+        results[mode], summary, wall = run_mode(mode, root, cache, args.keyword)
+        summaries.append(f"{mode}: {summary} ({wall:.0f} s wall)")
+    ok = print_table(results.get("stock", {}), results.get("patched", {}))
+    print("; ".join(summaries) + f"; TRL tests from {root}; logs in {cache}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
