@@ -91,12 +91,29 @@ MODELS = {
             text_config=dict(_TEXT, head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
                              layer_types=["sliding_attention", "full_attention"]),
             vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               image_size=16, patch_size=4),
+                               image_size=16, patch_size=4, vision_use_head=False),
             mm_tokens_per_image=4),
         {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"},
         {"boi_token_index": "boi_token", "eoi_token_index": "eoi_token", "image_token_index": "image_token"},
         "Gemma3Processor", ("Gemma3ImageProcessorPil", dict(size={"height": 16, "width": 16})), "<start_of_image>",
         dict(image_seq_length=4)),
+    "tiny-Gemma4ForConditionalGeneration": TinyVLM(
+        "gemma4", dict(
+            text_config=dict(_TEXT, head_dim=8, global_head_dim=8, sliding_window=16, hidden_size_per_layer_input=8,
+                             vocab_size_per_layer_input=128,
+                             layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3,
+                               position_embedding_size=64),
+            audio_config=None),
+        {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>",
+         "video_token": "<|video|>", "audio_token": "<audio_soft_token>", "boa_token": "<start_of_audio>",
+         "eoa_token": "<end_of_audio>"},
+        {"boi_token_id": "boi_token", "eoi_token_id": "eoi_token", "image_token_id": "image_token",
+         "video_token_id": "video_token", "audio_token_id": "audio_token", "boa_token_id": "boa_token",
+         "eoa_token_index": "eoa_token"},
+        "Gemma4Processor", ("Gemma4ImageProcessorPil", dict(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)),
+        "<image_soft_token>", dict(image_seq_length=70)),
     "tiny-LlavaNextForConditionalGeneration": TinyVLM(
         "llava_next", dict(
             text_config=dict(_TEXT, model_type="llama"),
@@ -165,10 +182,18 @@ def build_model(cache: Path, name: str) -> Path:
     getattr(transformers, image_cls)(**image_kwargs).save_pretrained(dest)
     recipe = {"processor_class": spec.processor, "chat_template": tokenizer.chat_template, **spec.processor_kwargs}
     (dest / "offline_processor.json").write_text(json.dumps(recipe, indent=1))
+    (dest / "stand_in.txt").write_text(repr(spec))
     refs = dest.parent.parent / "refs"
     refs.mkdir(exist_ok=True)
     (refs / "main").write_text(REVISION)
     return dest
+
+
+def built_spec(snapshot: Path) -> str | None:
+    """The ``repr`` of the ``TinyVLM`` the stand-in in ``snapshot`` was built from (None when there is none), so a
+    caller can rebuild stand-ins whose recipe changed."""
+    path = Path(snapshot) / "stand_in.txt"
+    return path.read_text() if path.is_file() else None
 
 
 _QUESTIONS = ["What color is the sky?", "What is in the image?", "Describe the picture.", "How many shapes?",
@@ -207,14 +232,24 @@ def build_datasets(cache: Path) -> Path:
 
 def image_only(cls: type) -> type:
     """``cls`` (a transformers processor class) without its video/audio sub-processors, so it can be built from an
-    image processor and a tokenizer alone; ``cls`` itself when it has no other sub-processor."""
-    if set(cls.get_attributes()) <= {"image_processor", "tokenizer"}:
+    image processor and a tokenizer alone; ``cls`` itself when it has no other sub-processor. The others are given
+    to ``cls.__init__`` as None and dropped before ``ProcessorMixin.__init__``, which would look their classes up."""
+    from transformers import ProcessorMixin
+
+    others = [name for name in cls.get_attributes() if name not in ("image_processor", "tokenizer")]
+    if not others:
         return cls
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs)
+    class _DropMissing(ProcessorMixin):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{k: v for k, v in kwargs.items() if not (k in others and v is None)})
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__, "__doc__": cls.__doc__})
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        missing = {name: None for name in others}
+        cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+                     **missing, **kwargs)  # fmt: skip
+
+    return type(cls.__name__, (cls, _DropMissing), {"__init__": __init__, "__module__": __name__, "__doc__": cls.__doc__})
 
 
 def load_processor(snapshot: Path, **kwargs):

@@ -166,7 +166,7 @@ def pytest_runtest_logreport(report):
         record["outcome"] = outcome
         if report.failed:
             lines = [line for line in str(report.longrepr).splitlines() if line.startswith("E ")]
-            record["error"] = (lines[-1][1:].strip() if lines else str(report.longrepr).splitlines()[-1])[:300]
+            record["error"] = (lines[0][1:].strip() if lines else str(report.longrepr).splitlines()[-1])[:300]
         elif report.skipped and isinstance(report.longrepr, tuple):
             record["error"] = str(report.longrepr[2])[:300]
 
