@@ -11,7 +11,8 @@ never copied into this repository. The hub assets those tests load are replaced 
 Selected: the class ``TestGRPOTrainerVLM`` of ``tests/test_grpo_trainer.py``, minus ``DESELECTED`` (each with its
 reason, printed). Each mode runs in its own pytest process. Prints one row per test: the stock outcome, the patched
 outcome, the scoring path the patched run logged (mean of TRL's logged ``grpo_mem/path/<name>`` fractions over the
-test's steps) and grpo_mem's fallback causes, then one summary line. Exit status 0 when every test that passes stock
+test's steps), the largest relative difference between the two runs' first logged metrics (same seed: equal to
+rounding until a sampled token differs) and grpo_mem's fallback causes, then one summary line. Exit status 0 when every test that passes stock
 passes patched, 1 otherwise, 2 on a usage error.
 """
 
@@ -119,18 +120,31 @@ def _path_text(record: dict) -> str:
     return ", ".join(f"{name} {share:.2f}" for name, share in paths.items() if share > 0) or "-"
 
 
+def _logged_difference(stock: dict, patched: dict) -> str:
+    """The largest relative difference between the two runs' first logged values (the plugin's ``COMPARED``:
+    grad norm, loss, entropy, reward, completion length, all means over the logged steps) and the step they were
+    logged at, e.g. ``"3e-07 @10"``; ``"-"`` when either run logged none."""
+    a, b = stock.get("first_log") or {}, patched.get("first_log") or {}
+    keys = [k for k in a if k in b and k != "step"]
+    if not keys or a.get("step") != b.get("step"):
+        return "-"
+    worst = max(abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1e-12) for k in keys)
+    return f"{worst:.0e} @{a['step']}"
+
+
 def print_table(stock: dict, patched: dict) -> bool:
     """Print one row per test; returns whether every test that passed stock passed patched."""
     ids = sorted(set(stock) | set(patched))
     short = {i: i.split("::")[-1].replace("trl-internal-testing/tiny-", "") for i in ids}
     width = max([len(s) for s in short.values()] + [4])
-    print(f"{'test':<{width}}  {'stock':<8} {'patched':<8} {'patched path':<22} grpo_mem fallback causes")
+    print(f"{'test':<{width}}  {'stock':<8} {'patched':<8} {'patched path':<14} {'logged diff':<12} grpo_mem fallback causes")
     ok = True
     for i in ids:
         s, p = stock.get(i, {}), patched.get(i, {})
         ok &= s.get("outcome") != "passed" or p.get("outcome") == "passed"
         causes = "; ".join(p.get("fallbacks") or []) or "-"
-        print(f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<22} {causes}")
+        print(f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<14} "
+              f"{_logged_difference(s, p):<12} {causes}")
         for label, record in (("stock", s), ("patched", p)):
             if record.get("error") and record.get("outcome") != "passed":
                 print(f"{'':<{width}}  {label}: {record['error']}")

@@ -12,7 +12,8 @@ Read from the environment the runner sets:
   for the whole session and reverts it at the end.
 - ``GRPO_MEM_UPSTREAM_REPORT``: a JSON file written at the end: per test its outcome, a one-line error, and (patched)
   the mean of each logged ``grpo_mem/path/<name>`` fraction over the test's logged steps plus every fallback cause
-  grpo_mem gave (``support.recording_fallbacks``), so one can tell which tests took the prompt-once path.
+  grpo_mem gave (``support.recording_fallbacks``), so one can tell which tests took the prompt-once path; and the
+  ``COMPARED`` values of the first trainer's first logged step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import pytest
 
 ORG = "trl-internal-testing/"
 PATH_PREFIX = "grpo_mem/path/"
+COMPARED = ("grad_norm", "loss", "entropy", "reward", "completions/mean_length")
+"""Values of the first logged step kept per test, to set the stock and patched runs side by side."""
 
 _records: dict[str, dict] = {}
 _trainers: list = []
@@ -156,6 +159,9 @@ def pytest_runtest_call(item):
     record["paths"] = _paths(_trainers)
     record["fallbacks"] = sorted(set(causes))
     record["steps"] = sum(t.state.global_step for t in _trainers)
+    logged = [logs for t in _trainers[:1] for logs in t.state.log_history if "grad_norm" in logs]
+    if logged:
+        record["first_log"] = {k: v for k, v in logged[0].items() if k in COMPARED or k == "step"}
     _trainers.clear()
 
 
