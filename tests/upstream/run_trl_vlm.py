@@ -11,8 +11,10 @@ never copied into this repository. The hub assets those tests load are replaced 
 Selected: the class ``TestGRPOTrainerVLM`` of ``tests/test_grpo_trainer.py``, minus ``DESELECTED`` (each with its
 reason, printed). Each mode runs in its own pytest process. Prints one row per test: the stock outcome, the patched
 outcome, the scoring path the patched run logged (mean of TRL's logged ``grpo_mem/path/<name>`` fractions over the
-test's steps), the largest relative difference between the two runs' first logged metrics (same seed: equal to
-rounding until a sampled token differs) and grpo_mem's fallback causes, then one summary line. Exit status 0 when every test that passes stock
+test's steps), how far the patched run's gradients are from stock's at the first optimizer step with a non-zero
+gradient (largest difference of per-parameter gradient norms over the largest norm, and the step; same seed, so the
+same generations until then, and only rounding should differ)
+and grpo_mem's fallback causes, then one summary line. Exit status 0 when every test that passes stock
 passes patched, 1 otherwise, 2 on a usage error.
 """
 
@@ -83,7 +85,8 @@ def build_assets(cache: Path) -> None:
         offline_assets.build_datasets(cache)
 
 
-def run_mode(mode: str, root: Path, cache: Path, keyword: str | None, deselect: bool = True) -> tuple[dict, str, str]:
+def run_mode(mode: str, root: Path, cache: Path, keyword: str | None, deselect: bool = True,
+             group_shuffle: bool = False) -> tuple[dict, str, str]:  # fmt: skip
     """Run the selected tests in one pytest process with ``mode`` ("stock" or "patched"), ``DESELECTED`` left out
     when ``deselect``; returns the plugin's per-test records, pytest's summary line, and the process's wall and CPU
     time ("123 s wall, 200 s CPU")."""
@@ -92,6 +95,7 @@ def run_mode(mode: str, root: Path, cache: Path, keyword: str | None, deselect: 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_CACHE=str(cache / "hub"), HF_HOME=str(cache / "hf_home"), GRPO_MEM_UPSTREAM_MODE=mode,
                GRPO_MEM_UPSTREAM_CACHE=str(cache), GRPO_MEM_UPSTREAM_REPORT=str(report),
+               GRPO_MEM_UPSTREAM_GROUP_SHUFFLE=str(int(group_shuffle)),
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(HERE)]))  # fmt: skip
     ini = cache / "pytest.ini"
     ini.write_text("[pytest]\n")
@@ -120,16 +124,17 @@ def _path_text(record: dict) -> str:
     return ", ".join(f"{name} {share:.2f}" for name, share in paths.items() if share > 0) or "-"
 
 
-def _logged_difference(stock: dict, patched: dict) -> str:
-    """The largest relative difference between the two runs' first logged values (the plugin's ``COMPARED``:
-    grad norm, loss, entropy, reward, completion length, all means over the logged steps) and the step they were
-    logged at, e.g. ``"3e-07 @10"``; ``"-"`` when either run logged none."""
-    a, b = stock.get("first_log") or {}, patched.get("first_log") or {}
-    keys = [k for k in a if k in b and k != "step"]
-    if not keys or a.get("step") != b.get("step"):
+def _gradient_difference(stock: dict, patched: dict) -> str:
+    """Largest difference between the two runs' per-parameter gradient norms at the first optimizer step with a
+    gradient, relative to the largest of them, and that step (``"3e-07 @2"``); ``"-"`` when either run has none,
+    ``"steps differ"`` / ``"names differ"`` when the runs' steps or parameters do."""
+    a, b = stock.get("first_step_grad_norms"), patched.get("first_step_grad_norms")
+    if not a or not b:
         return "-"
-    worst = max(abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1e-12) for k in keys)
-    return f"{worst:.0e} @{a['step']}"
+    if stock.get("first_step") != patched.get("first_step") or set(a) != set(b):
+        return "steps differ" if set(a) == set(b) else "names differ"
+    worst = max(abs(a[n] - b[n]) for n in a) / max(a.values())
+    return f"{worst:.0e} @{stock['first_step']}"
 
 
 def print_table(stock: dict, patched: dict) -> bool:
@@ -137,14 +142,14 @@ def print_table(stock: dict, patched: dict) -> bool:
     ids = sorted(set(stock) | set(patched))
     short = {i: i.split("::")[-1].replace("trl-internal-testing/tiny-", "") for i in ids}
     width = max([len(s) for s in short.values()] + [4])
-    print(f"{'test':<{width}}  {'stock':<8} {'patched':<8} {'patched path':<14} {'logged diff':<12} grpo_mem fallback causes")
+    print(f"{'test':<{width}}  {'stock':<8} {'patched':<8} {'patched path':<14} {'1st grads':<13} grpo_mem fallback causes")
     ok = True
     for i in ids:
         s, p = stock.get(i, {}), patched.get(i, {})
         ok &= s.get("outcome") != "passed" or p.get("outcome") == "passed"
         causes = "; ".join(p.get("fallbacks") or []) or "-"
         print(f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<14} "
-              f"{_logged_difference(s, p):<12} {causes}")
+              f"{_gradient_difference(s, p):<13} {causes}")
         for label, record in (("stock", s), ("patched", p)):
             if record.get("error") and record.get("outcome") != "passed":
                 print(f"{'':<{width}}  {label}: {record['error']}")
@@ -163,6 +168,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the stand-ins")
     parser.add_argument("-k", dest="keyword", help="a further pytest -k expression")
     parser.add_argument("--no-deselect", action="store_true", help="run the DESELECTED tests too (to see them fail)")
+    parser.add_argument("--group-shuffle", action="store_true",
+                        help="patch with group_shuffle=True (micro-batches then differ from stock's)")
     args = parser.parse_args(argv)
     cache = Path(args.cache).resolve()
     if args.rebuild and cache.exists():
@@ -179,7 +186,8 @@ def main(argv=None) -> int:
         print(f"  {key}: {reason}")
     results, summaries = {}, []
     for mode in [m for m in ("stock", "patched") if not (args.stock and m == "patched" or args.patched and m == "stock")]:
-        results[mode], summary, times = run_mode(mode, root, cache, args.keyword, deselect=not args.no_deselect)
+        results[mode], summary, times = run_mode(mode, root, cache, args.keyword, deselect=not args.no_deselect,
+                                                 group_shuffle=args.group_shuffle)
         summaries.append(f"{mode}: {summary} ({times})")
     ok = print_table(results.get("stock", {}), results.get("patched", {}))
     print("; ".join(summaries) + f"; TRL tests from {root}; logs in {cache}")

@@ -13,7 +13,11 @@ Read from the environment the runner sets:
 - ``GRPO_MEM_UPSTREAM_REPORT``: a JSON file written at the end: per test its outcome, a one-line error, and (patched)
   the mean of each logged ``grpo_mem/path/<name>`` fraction over the test's logged steps plus every fallback cause
   grpo_mem gave (``support.recording_fallbacks``), so one can tell which tests took the prompt-once path; and the
-  ``COMPARED`` values of the first trainer's first logged step.
+  norm of each parameter's gradient at the first trainer's first optimizer step that has a gradient, to set
+  the two runs side by side (TRL's tests only check that parameters moved).
+- ``GRPO_MEM_UPSTREAM_GROUP_SHUFFLE``: ``1`` keeps ``patch_trl``'s group-aware shuffle; by default the patched run
+  uses ``group_shuffle=False``, so both runs put the same rows in the same micro-batches and their first steps'
+  gradients are comparable (grpo_mem still forwards a split group's prompt once per step).
 """
 
 from __future__ import annotations
@@ -27,8 +31,6 @@ import pytest
 
 ORG = "trl-internal-testing/"
 PATH_PREFIX = "grpo_mem/path/"
-COMPARED = ("grad_norm", "loss", "entropy", "reward", "completions/mean_length")
-"""Values of the first logged step kept per test, to set the stock and patched runs side by side."""
 
 _records: dict[str, dict] = {}
 _trainers: list = []
@@ -78,14 +80,37 @@ def _install_resolvers() -> None:
     _patch(datasets, "load_dataset", load_dataset)
 
 
+def _first_step_gradients():
+    """A ``TrainerCallback`` keeping, as ``.norms``, each parameter's gradient norm (fp64) at the first optimizer step
+    with a non-zero gradient (before it, GRPO's advantages were all zero and nothing moved), after TRL's clipping
+    (which scales every gradient of a step by one factor), and that step's number as ``.step``."""
+    from transformers import TrainerCallback
+
+    class FirstStepGradients(TrainerCallback):
+        norms: dict | None = None
+        step: int | None = None
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if self.norms is None:
+                norms = {n: float(p.grad.detach().double().norm()) for n, p in model.named_parameters()
+                         if p.grad is not None}  # fmt: skip
+                if any(norms.values()):
+                    self.norms, self.step = norms, state.global_step + 1
+
+    return FirstStepGradients()
+
+
 def _install_trainer_log() -> None:
-    """Remember every GRPOTrainer a test trains, to read its ``log_history`` after the test."""
+    """Remember every GRPOTrainer a test trains (with a ``_first_step_gradients`` callback added), to read its
+    ``log_history`` and first gradients after the test."""
     import trl
 
     original = trl.GRPOTrainer.train
 
     def train(self, *args, **kwargs):
-        _trainers.append(self)
+        callback = _first_step_gradients()
+        self.add_callback(callback)
+        _trainers.append((self, callback))
         return original(self, *args, **kwargs)
 
     _patch(trl.GRPOTrainer, "train", train)
@@ -121,7 +146,8 @@ def pytest_configure(config):
     if mode == "patched":
         import grpo_mem
 
-        config._grpo_mem_handle = grpo_mem.patch_trl()
+        shuffle = os.environ.get("GRPO_MEM_UPSTREAM_GROUP_SHUFFLE") == "1"
+        config._grpo_mem_handle = grpo_mem.patch_trl(group_shuffle=shuffle)
 
 
 def pytest_unconfigure(config):
@@ -139,7 +165,7 @@ def pytest_unconfigure(config):
 def _paths(trainers) -> dict[str, float]:
     """Mean over the trainers' logged steps of each ``grpo_mem/path/<name>`` fraction."""
     sums, counts = defaultdict(float), defaultdict(int)
-    for trainer in trainers:
+    for trainer, _ in trainers:
         for logs in trainer.state.log_history:
             for key, value in logs.items():
                 if key.startswith(PATH_PREFIX):
@@ -158,10 +184,9 @@ def pytest_runtest_call(item):
     record = _records.setdefault(item.nodeid, {})
     record["paths"] = _paths(_trainers)
     record["fallbacks"] = sorted(set(causes))
-    record["steps"] = sum(t.state.global_step for t in _trainers)
-    logged = [logs for t in _trainers[:1] for logs in t.state.log_history if "grad_norm" in logs]
-    if logged:
-        record["first_log"] = {k: v for k, v in logged[0].items() if k in COMPARED or k == "step"}
+    record["steps"] = sum(t.state.global_step for t, _ in _trainers)
+    record["first_step_grad_norms"] = _trainers[0][1].norms if _trainers else None
+    record["first_step"] = _trainers[0][1].step if _trainers else None
     _trainers.clear()
 
 
