@@ -86,7 +86,7 @@ def build_assets(cache: Path) -> None:
 
 
 def run_mode(mode: str, root: Path, cache: Path, keyword: str | None, deselect: bool = True,
-             group_shuffle: bool = False) -> tuple[dict, str, str]:  # fmt: skip
+             group_shuffle: bool = False, fp32: bool = False) -> tuple[dict, str, str]:  # fmt: skip
     """Run the selected tests in one pytest process with ``mode`` ("stock" or "patched"), ``DESELECTED`` left out
     when ``deselect``; returns the plugin's per-test records, pytest's summary line, and the process's wall and CPU
     time ("123 s wall, 200 s CPU")."""
@@ -95,7 +95,7 @@ def run_mode(mode: str, root: Path, cache: Path, keyword: str | None, deselect: 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_CACHE=str(cache / "hub"), HF_HOME=str(cache / "hf_home"), GRPO_MEM_UPSTREAM_MODE=mode,
                GRPO_MEM_UPSTREAM_CACHE=str(cache), GRPO_MEM_UPSTREAM_REPORT=str(report),
-               GRPO_MEM_UPSTREAM_GROUP_SHUFFLE=str(int(group_shuffle)),
+               GRPO_MEM_UPSTREAM_GROUP_SHUFFLE=str(int(group_shuffle)), GRPO_MEM_UPSTREAM_FP32=str(int(fp32)),
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(HERE)]))  # fmt: skip
     ini = cache / "pytest.ini"
     ini.write_text("[pytest]\n")
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-deselect", action="store_true", help="run the DESELECTED tests too (to see them fail)")
     parser.add_argument("--group-shuffle", action="store_true",
                         help="patch with group_shuffle=True (micro-batches then differ from stock's)")
+    parser.add_argument("--fp32", action="store_true", help="train in fp32 (TRL's GRPOConfig defaults to bf16)")
     args = parser.parse_args(argv)
     cache = Path(args.cache).resolve()
     if args.rebuild and cache.exists():
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     results, summaries = {}, []
     for mode in [m for m in ("stock", "patched") if not (args.stock and m == "patched" or args.patched and m == "stock")]:
         results[mode], summary, times = run_mode(mode, root, cache, args.keyword, deselect=not args.no_deselect,
-                                                 group_shuffle=args.group_shuffle)
+                                                 group_shuffle=args.group_shuffle, fp32=args.fp32)
         summaries.append(f"{mode}: {summary} ({times})")
     ok = print_table(results.get("stock", {}), results.get("patched", {}))
     print("; ".join(summaries) + f"; TRL tests from {root}; logs in {cache}")

@@ -15,6 +15,8 @@ Read from the environment the runner sets:
   grpo_mem gave (``support.recording_fallbacks``), so one can tell which tests took the prompt-once path; and the
   norm of each parameter's gradient at the first trainer's first optimizer step that has a gradient, to set
   the two runs side by side (TRL's tests only check that parameters moved).
+- ``GRPO_MEM_UPSTREAM_FP32``: ``1`` trains in fp32 (``bf16=False`` for every ``GRPOConfig``, whose default is bf16
+  autocast), so the two runs' gradients can be compared at fp32 rounding.
 - ``GRPO_MEM_UPSTREAM_GROUP_SHUFFLE``: ``1`` keeps ``patch_trl``'s group-aware shuffle; by default the patched run
   uses ``group_shuffle=False``, so both runs put the same rows in the same micro-batches and their first steps'
   gradients are comparable (grpo_mem still forwards a split group's prompt once per step).
@@ -134,6 +136,20 @@ def _install_availability_checks() -> None:
     _patch(module, "__getattr__", availability)
 
 
+def _install_fp32() -> None:
+    """Every ``GRPOConfig`` built without an explicit ``bf16`` trains in fp32 (TRL's default is ``bf16=True``)."""
+    import trl
+
+    original = trl.GRPOConfig.__post_init__
+
+    def post_init(self):
+        if self.bf16 is None:
+            self.bf16 = False
+        original(self)
+
+    _patch(trl.GRPOConfig, "__post_init__", post_init)
+
+
 def pytest_configure(config):
     mode = os.environ.get("GRPO_MEM_UPSTREAM_MODE", "stock")
     if mode not in ("stock", "patched"):
@@ -143,6 +159,8 @@ def pytest_configure(config):
     _install_resolvers()
     _install_availability_checks()
     _install_trainer_log()
+    if os.environ.get("GRPO_MEM_UPSTREAM_FP32") == "1":
+        _install_fp32()
     if mode == "patched":
         import grpo_mem
 
