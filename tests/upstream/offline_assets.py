@@ -45,7 +45,8 @@ _QWEN_IDS = {"vision_start_token_id": "vision_start_token", "vision_end_token_id
 _QWEN_IMAGES = ("Qwen2VLImageProcessorPil", dict(patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=64,
                                                  max_pixels=32 * 32))  # fmt: skip
 _QWEN35_TEXT = dict(_TEXT, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                    linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "full_attention"],
                     rope_parameters=dict(_MROPE, partial_rotary_factor=1.0))  # fmt: skip
 _QWEN3_VISION = dict(_QWEN_VISION, depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                      num_position_embeddings=64, deepstack_visual_indexes=[])  # fmt: skip
@@ -142,8 +143,10 @@ def _tokenizer(spec: TinyVLM):
     from transformers import PreTrainedTokenizerFast
 
     chars = char_tokenizer()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=chars.backend_tokenizer, padding_side="left",
-                                        extra_special_tokens=dict(spec.tokens), **chars.special_tokens_map)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=chars.backend_tokenizer, padding_side="left", extra_special_tokens=dict(spec.tokens),
+        **chars.special_tokens_map,
+    )  # fmt: skip
     tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE", spec.image_markup)
     return tokenizer
 
@@ -249,13 +252,14 @@ def image_only(cls: type) -> type:
         cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
                      **missing, **kwargs)  # fmt: skip
 
-    return type(cls.__name__, (cls, _DropMissing), {"__init__": __init__, "__module__": __name__, "__doc__": cls.__doc__})
+    namespace = {"__init__": __init__, "__module__": __name__, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls, _DropMissing), namespace)
 
 
 def load_processor(snapshot: Path, **kwargs):
     """The processor of a stand-in written by ``build_model``: its tokenizer and image processor loaded from
     ``snapshot``, put together in the class ``offline_processor.json`` names (``image_only``). ``kwargs`` (TRL passes
-    ``padding_side``, ``truncation_side``, ``revision``, ...) go to the tokenizer as ``AutoProcessor`` would pass them."""
+    ``padding_side``, ``truncation_side``, ``revision``, ...): the tokenizer takes its padding and truncation sides."""
     import transformers
     from transformers import AutoImageProcessor, AutoTokenizer
 

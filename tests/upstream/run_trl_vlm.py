@@ -142,13 +142,14 @@ def print_table(stock: dict, patched: dict) -> bool:
     ids = sorted(set(stock) | set(patched))
     short = {i: i.split("::")[-1].replace("trl-internal-testing/tiny-", "") for i in ids}
     width = max([len(s) for s in short.values()] + [4])
-    print(f"{'test':<{width}}  {'stock':<8} {'patched':<8} {'patched path':<14} {'1st grads':<13} grpo_mem fallback causes")
+    head = f"{'stock':<8} {'patched':<8} {'patched path':<22} {'1st grads':<13} grpo_mem fallback causes"
+    print(f"{'test':<{width}}  {head}")
     ok = True
     for i in ids:
         s, p = stock.get(i, {}), patched.get(i, {})
         ok &= s.get("outcome") != "passed" or p.get("outcome") == "passed"
         causes = "; ".join(p.get("fallbacks") or []) or "-"
-        print(f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<14} "
+        print(f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<22} "
               f"{_gradient_difference(s, p):<13} {causes}")
         for label, record in (("stock", s), ("patched", p)):
             if record.get("error") and record.get("outcome") != "passed":
@@ -186,7 +187,8 @@ def main(argv=None) -> int:
     for key, reason in DESELECTED.items():
         print(f"  {key}: {reason}")
     results, summaries = {}, []
-    for mode in [m for m in ("stock", "patched") if not (args.stock and m == "patched" or args.patched and m == "stock")]:
+    modes = ["stock"] * (not args.patched) + ["patched"] * (not args.stock)
+    for mode in modes:
         results[mode], summary, times = run_mode(mode, root, cache, args.keyword, deselect=not args.no_deselect,
                                                  group_shuffle=args.group_shuffle, fp32=args.fp32)
         summaries.append(f"{mode}: {summary} ({times})")
