@@ -8,8 +8,8 @@ Read from the environment the runner sets:
   ``AutoProcessor.from_pretrained("trl-internal-testing/<name>")`` builds the stand-in's processor image-only and
   ``datasets.load_dataset("trl-internal-testing/<name>", config, split=...)`` loads the saved stand-in. A
   ``trl-internal-testing`` name without a stand-in raises ``OSError`` naming it (nothing is downloaded).
-- ``GRPO_MEM_UPSTREAM_MODE``: ``stock`` or ``patched``; ``patched`` applies ``grpo_mem.patch_trl()`` at session start
-  for the whole session and reverts it at the end.
+- ``GRPO_MEM_UPSTREAM_MODE``: ``stock`` or ``patched``; ``patched`` applies ``grpo_mem.patch_trl`` (TRL's classes,
+  default sharing) at session start for the whole session and reverts it at the end.
 - ``GRPO_MEM_UPSTREAM_REPORT``: a JSON file written at the end: per test its outcome, a one-line error, and (patched)
   the mean of each logged ``grpo_mem/path/<name>`` fraction over the test's logged steps plus every fallback cause
   grpo_mem gave (``support.recording_fallbacks``), so one can tell which tests took the prompt-once path; and the
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from grpo_mem.commands.report import PATH_PREFIX
+
 ORG = "trl-internal-testing/"
-PATH_PREFIX = "grpo_mem/path/"
 
 _records: dict[str, dict] = {}
 _trainers: list = []
