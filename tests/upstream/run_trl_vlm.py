@@ -43,7 +43,7 @@ DESELECTED = {
     "test_train_vlm_and_liger": "the installed liger-kernel cannot patch Qwen2.5-VL under transformers 5.23 "
     "(ImportError: LigerQwen2_5_VLCausalLMOutputWithPast), and its RMSNorm/SwiGLU Triton kernels need a GPU",
 }
-"""Substring of a test id -> why it is not run here (it fails stock for that reason too)."""
+"""Substring of a test id -> why it is not run here (it cannot pass stock here either)."""
 
 
 def trl_tests_root(spec: str, cache: Path) -> Path:
@@ -183,7 +183,8 @@ def main(argv=None) -> int:
         print(err, file=sys.stderr)
         return 2
     build_assets(cache)
-    print("deselected (they fail stock here too):" if not args.no_deselect else "deselection off; usually left out:")
+    print("deselected (they cannot pass stock here either):" if not args.no_deselect else "deselection off; usually "
+          "left out:")  # fmt: skip
     for key, reason in DESELECTED.items():
         print(f"  {key}: {reason}")
     results, summaries = {}, []
