@@ -3,8 +3,8 @@ LLaVA (``pixel_values`` one entry per image), Gemma 3 (the same, plus ``token_ty
 inside each image block, sliding-window layers with a window shorter than the prompts), Idefics3 (``pixel_values`` and
 ``pixel_attention_mask`` one entry per row, padded with empty images; SmolVLM likewise), LLaVA-NeXT
 (``image_sizes`` per image, any resolution tiles), Mistral 3 (``image_sizes`` per image, images padded to the largest),
-Aya Vision (one entry per image, Cohere 2 text layers), InternVL (``pixel_values`` per tile, ``num_tiles`` per row), LFM2-VL (patch rows,
-``pixel_attention_mask`` and ``spatial_shapes`` per tile). Tiny random models built offline, batches laid out by
+Aya Vision (one entry per image, Cohere 2 text layers), InternVL (``pixel_values`` per tile, ``num_tiles`` per row),
+LFM2-VL (patch rows, ``pixel_attention_mask`` and ``spatial_shapes`` per tile). Tiny random models built offline, batches laid out by
 hand as each processor lays them out.
 
 The patched scoring method and TRL's own must agree: fp32 log-probs and entropies within 1e-5, every parameter

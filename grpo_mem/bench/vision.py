@@ -22,7 +22,7 @@ from contextlib import nullcontext
 from grpo_mem.bench.presets import PAD_ID
 
 IMAGE_PROVIDERS = ("trl", "grpo_mem")
-"""The providers of an image run (tree sharing plans image prompts in group mode: ``multimodal.TREE_TO_GROUP``)."""
+"""The providers of an image run (each prompt is its own image and text: a tree would share no more than groups)."""
 
 
 def rows_per_token(config) -> int:

@@ -435,7 +435,8 @@ class VisionInputs:
         if "token_type_ids" in self.token_types:
             return "token_type_ids (image blocks attend bidirectionally)"
         if "image_grid_thw" not in self.tensors:
-            return f"images given as {sorted(self.tensors)} per image, tile or row (the model's forward takes them whole)"
+            names = sorted(self.tensors)
+            return f"images given as {names} per image, tile or row (the model's forward takes them whole)"
         if self.mm_token_type_ids is None:
             return "image inputs without mm_token_type_ids (the image tokens are not located)"
         return None
