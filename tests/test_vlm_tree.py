@@ -95,6 +95,20 @@ def _patched(session: SharingSession):
     return (lambda _self, *args, **kwargs: method(trainer, *args, **kwargs)), trainer._metrics["train"]
 
 
+def stock_and_shared(model, encoded: list, ids, mask, C: int, extras: dict, batch_size: int, sharing: str):
+    """(log-probs, entropies, gradients) of stock TRL's method, then of the patched one scoring with a ``sharing``
+    session (no fallback, no tree-to-group warning; ``encoded`` cleared before it), and the patched run's metrics."""
+    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
+    ref = (ref_logps, ref_ent, grads_of(model, ref_logps, ref_ent))
+    encoded.clear()
+    method, metrics = _patched(SharingSession(sharing, min_shared_tokens=MIN_SHARED))
+    with recording_fallbacks() as fallbacks, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tree-to-group warning
+        logps, ent = _score(method, model, ids, mask, C, extras, batch_size)
+    assert fallbacks == []
+    return ref, (logps, ent, grads_of(model, logps, ent)), metrics
+
+
 @pytest.mark.parametrize("model_type, batch_size, sharing", [
     ("qwen2_5_vl", 12, "tree"), ("qwen2_5_vl", 5, "tree"), ("qwen2_vl", 12, "tree"), ("qwen3_vl", 12, "tree"),
     ("qwen3_5", 12, "tree"), ("qwen3_5", 12, "group"),
@@ -106,15 +120,8 @@ def test_tree_of_image_prompts_matches_stock(model_type, batch_size, sharing):
     with images in group sharing too (each unique prompt's images once: 7)."""
     model, encoded = _model(model_type)
     ids, mask, C, extras = vlm_batch(TREE_PROMPTS, G=2, C=4, seed=5, image_seeds=IMAGE_SEEDS)
-    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
-    ref_grads = grads_of(model, ref_logps, ref_ent)
-    encoded.clear()
-    method, metrics = _patched(SharingSession(sharing, min_shared_tokens=MIN_SHARED))
-    with recording_fallbacks() as fallbacks, warnings.catch_warnings():
-        warnings.simplefilter("error")  # no tree-to-group warning
-        logps, ent = _score(method, model, ids, mask, C, extras, batch_size)
-    grads = grads_of(model, logps, ent)
-    assert fallbacks == []
+    ref, ours, metrics = stock_and_shared(model, encoded, ids, mask, C, extras, batch_size, sharing)
+    (ref_logps, ref_ent, ref_grads), (logps, ent, grads) = ref, ours
     chunks = -(-ids.shape[0] // batch_size)
     assert metrics[METRIC_PREFIX + f"path/{sharing}"] == [1.0] * chunks
     if sharing == "group":

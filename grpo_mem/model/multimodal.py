@@ -14,7 +14,9 @@ images for each of its G rows, so the vision tower runs G times per prompt. Here
   (``trie_keys``: an image token is keyed by its image, so prompts share a span while their images are equal and part
   at the first image token where they differ; a shared text prefix before the images, e.g. a system prompt, is a
   node like any other). Tree sharing needs each image's tokens located and attending causally: the patch-row layout
-  with ``mm_token_type_ids`` (Qwen); other image prompts take group sharing (``VisionInputs.tree_cause``).
+  with ``mm_token_type_ids`` (Qwen), and one entry per image located as one run of the model's image token id per
+  image (LLaVA, LLaVA-NeXT, Mistral 3, Aya Vision); other image prompts take group sharing
+  (``VisionInputs.tree_cause``).
 - ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``VisionPasses``). On a model with
   multi-axis positions a pass gets the image features of the images whose tokens it holds (the model's own
   ``get_image_features``, once per pass entry: a unique prompt in group sharing, a trie node in tree sharing), which
@@ -22,8 +24,9 @@ images for each of its G rows, so the vision tower runs G times per prompt. Here
   image-token count and raises its own error), and the positions the model's own ``compute_3d_position_ids`` gives
   the whole row (M-RoPE over prompt + completion), of which each pass takes its tokens' columns (a node's columns are
   equal on every row through it: they depend on the prefix only). On a model with 1D positions a prompt pass gets
-  its rows' own image inputs and prompt token types, and the model's forward encodes, merges and masks (Gemma 3's
-  bidirectional image blocks) as it does for stock, at the pass's own positions.
+  its rows' own image inputs (a trie node: the entries of the images whose first token it holds) and prompt token
+  types, and the model's forward encodes, merges and masks (Gemma 3's bidirectional image blocks) as it does for
+  stock, at the pass's own positions (1D RoPE: a node's positions continue its prefix's, as the row's do).
 
 Which models take this path is decided in ``support.vision_language_reason``. This module knows transformers, not TRL.
 """
@@ -37,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SERVED_INPUTS", "RowImages", "VisionInputs", "VisionPasses", "input_cause", "trie_keys",
-           "warn_tree_to_group"]  # fmt: skip
+__all__ = ["SERVED_INPUTS", "RowImages", "VisionInputs", "VisionPasses", "image_token_id", "input_cause",
+           "trie_keys", "warn_tree_to_group"]  # fmt: skip
 
 # the scoring method's multimodal arguments this path takes, in every layout TRL 1.16 slices (patch rows with a grid per
 # image; one entry per image; per tile; per row; token types per row); any other one is a named cause for the stock path
@@ -212,6 +215,28 @@ def _layout(extras: dict, images: list[int], tiles: list[int] | None, rows: int)
     return spans
 
 
+def image_token_id(causal_lm) -> int | None:
+    """The token id ``causal_lm``'s processor places once per image feature (``config.image_token_id``, which LLaVA's
+    family maps to ``image_token_index``), or None."""
+    found = getattr(causal_lm.config, "image_token_id", None)
+    return found if isinstance(found, int) else None
+
+
+def _runs(image: torch.Tensor, counts) -> tuple[list[list[tuple[int, int]]], str | None]:
+    """Per row of ``image`` (B, P) bool, the columns ``(first, end)`` of its maximal runs of True, and why they do not
+    give one run per image of the B ``counts`` (naming the first such row), or None."""
+    image = image.to(torch.int8).cpu()
+    edge = torch.zeros(image.shape[0], 1, dtype=torch.int8)
+    steps = torch.diff(image, dim=1, prepend=edge, append=edge)  # +1 at a run's first column, -1 after its last
+    runs, bad = [], None
+    for b, count in enumerate(counts):
+        starts, ends = (steps[b] == 1).nonzero().flatten().tolist(), (steps[b] == -1).nonzero().flatten().tolist()
+        if len(starts) != count and bad is None:
+            bad = f"row {b} has {count} images (num_images) but its prompt holds {len(starts)} runs of image tokens"
+        runs.append(list(zip(starts, ends)))
+    return runs, bad
+
+
 def prompt_columns(t: torch.Tensor, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor,
                    prompt_width: int) -> torch.Tensor:  # fmt: skip
     """``t`` (..., B, T)'s prompt columns of ``spans`` right-padded to ``width`` with zeros, (..., len(spans),
@@ -231,9 +256,10 @@ class RowImages:
 
     Attributes:
         types: ``image_keys`` digest of the row's prompt token types (``b""`` without token types).
-        images: per image of the row, in order, its ``image_keys`` digest (patch rows and grid).
-        spans: per image, (tokens from its first token to the prompt's end, its token count), or ``()`` when the
-            token types that locate them are not given.
+        images: per image of the row, in order, its ``image_keys`` digest (patch rows and grid; or its entries, when
+            ``VisionInputs.located``), else one digest of all of the row's image entries.
+        spans: per image, (tokens from its first token to the prompt's end, its token count), or ``()`` when its
+            tokens are not located (``VisionInputs.image_runs``).
         tree_cause: why the row's images cannot sit below a trie root (``VisionInputs.tree_cause``), or None.
     """
 
@@ -276,6 +302,10 @@ class VisionInputs:
         num_tiles: B ints, the tiles of each row, or None (no tiled layout).
         token_types: (B, T) int per token of prompt + completion (``token_type_ids``, ``mm_token_type_ids``: 0 text,
             other values image or video), by keyword.
+        located: in the layout of one entry per image without token types, when the model's image token id was
+            given: per row, the prompt columns ``(first, end)`` of each run of that id (one per image, in order, when
+            ``located_cause`` is None); else None.
+        located_cause: why those runs are not one per image (e.g. adjacent images without a separator), or None.
     """
 
     tensors: dict
@@ -283,6 +313,8 @@ class VisionInputs:
     num_images: tuple[int, ...]
     num_tiles: tuple[int, ...] | None
     token_types: dict
+    located: tuple | None = None
+    located_cause: str | None = None
 
     @property
     def pixel_values(self) -> torch.Tensor | None:
@@ -297,9 +329,12 @@ class VisionInputs:
         return self.token_types.get("mm_token_type_ids")
 
     @classmethod
-    def of_chunk(cls, extras: dict, start: int, end: int, rows: int) -> VisionInputs | None:
+    def of_chunk(cls, extras: dict, start: int, end: int, rows: int, prompt_ids: torch.Tensor | None = None,
+                 image_token: int | None = None) -> VisionInputs | None:  # fmt: skip
         """Rows ``start … end − 1`` of the inputs ``extras`` that TRL passes for ``rows`` rows (``input_cause`` is
         None for them), sliced as TRL's own method slices them per chunk; None when no row has an image input.
+        ``prompt_ids`` (rows, P) left-padded prompts and ``image_token`` (``image_token_id``): in the layout of one
+        entry per image without token types, each image's tokens are located as the runs of that id (``located``).
 
         Raises:
             ValueError: ``num_images``/``num_tiles`` not one count per row, or counts that the image tensors do not
@@ -321,8 +356,14 @@ class VisionInputs:
             firsts = [0, *itertools.accumulate(per_row)]
             tensors[name] = extras[name][firsts[start] : firsts[end]]
         tiles = counts["num_tiles"]
+        located, located_cause = None, None
+        per_image = spans.get("pixel_values") is images and set(spans) <= {"pixel_values", "image_sizes"}
+        if per_image and not types and prompt_ids is not None and image_token is not None:
+            found, located_cause = _runs(prompt_ids[start:end] == image_token, images[start:end])
+            located = tuple(tuple(r) for r in found)
+            located_cause = located_cause and f"{located_cause} (id {image_token}: one run per image is needed)"
         return cls(tensors, {k: tuple(v[start:end]) for k, v in spans.items()}, tuple(images[start:end]),
-                   None if tiles is None else tuple(tiles[start:end]), types)  # fmt: skip
+                   None if tiles is None else tuple(tiles[start:end]), types, located, located_cause)  # fmt: skip
 
     def as_kwargs(self) -> dict:
         """The chunk as keyword arguments of TRL's scoring method (its stock path)."""
@@ -341,10 +382,13 @@ class VisionInputs:
     def of_rows(self, rows: list[int]) -> dict:
         """The image tensors of ``rows`` (indices into the chunk), in that order, by keyword: what the model's forward
         takes for a batch of those rows."""
+        return self._select({name: self._entries(name, rows) for name in self.tensors})
+
+    def _select(self, entries: dict[str, list[int]]) -> dict:
+        """Per name of ``tensors``, its dim-0 ``entries[name]`` in that order."""
         out = {}
         for name, t in self.tensors.items():
-            index = torch.tensor(self._entries(name, rows), dtype=torch.long, device=t.device)
-            out[name] = t.index_select(0, index)
+            out[name] = t.index_select(0, torch.tensor(entries[name], dtype=torch.long, device=t.device))
         return out
 
     def first_images(self) -> list[int]:
@@ -364,27 +408,32 @@ class VisionInputs:
                 self.image_grid_thw[torch.tensor(images, dtype=torch.long).to(self.image_grid_thw.device)])  # fmt: skip
 
     def image_runs(self, prompt_width: int) -> list[list[tuple[int, int]]]:
-        """Per row, the prompt columns ``(first, end)`` of each of its images' tokens: the maximal runs of image token
-        type (1) in the first ``prompt_width`` columns, one per image in order, as the model's own
-        ``compute_3d_position_ids`` takes them; ``[]`` for every row when the images are not patch rows located by
-        ``mm_token_type_ids``.
+        """Per row, the prompt columns ``(first, end)`` of each of its images' tokens, one run per image in order: the
+        maximal runs of image token type (1) in the first ``prompt_width`` columns, as the model's own
+        ``compute_3d_position_ids`` takes them, or the runs of the model's image token id (``located``); ``[]`` for
+        every row when the images' tokens are not located (``tree_cause``).
 
         Raises:
-            ValueError: a row with image inputs whose prompt holds another number of runs than it has images.
+            ValueError: a row with image inputs whose prompt holds another number of runs of image token type than it
+                has images (located runs that do not match are a ``tree_cause`` instead).
         """
         if self.tree_cause() is not None or self.pixel_values is None:
             return [[] for _ in self.num_images]
-        image = (self.mm_token_type_ids[:, :prompt_width] == 1).to(torch.int8).cpu()
-        edge = torch.zeros(image.shape[0], 1, dtype=torch.int8)
-        steps = torch.diff(image, dim=1, prepend=edge, append=edge)  # +1 at a run's first column, -1 after its last
-        runs = []
-        for b, count in enumerate(self.num_images):
-            starts, ends = (steps[b] == 1).nonzero().flatten().tolist(), (steps[b] == -1).nonzero().flatten().tolist()
-            if len(starts) != count:
-                raise ValueError(f"row {b} has {count} images (num_images) but its prompt holds {len(starts)} runs of "
-                                 "image tokens (mm_token_type_ids == 1)")  # fmt: skip
-            runs.append(list(zip(starts, ends)))
+        if self.located is not None:
+            return [list(r) for r in self.located]
+        runs, bad = _runs(self.mm_token_type_ids[:, :prompt_width] == 1, self.num_images)
+        if bad is not None:
+            raise ValueError(f"{bad} (mm_token_type_ids == 1)")
         return runs
+
+    def images_in(self, runs: list, b: int, first: int, end: int) -> list[int]:
+        """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end − 1``
+        (``runs``: ``image_runs``); all of the row's images when their tokens are not located (``tree_cause``: then
+        a span is a whole prompt)."""
+        row_first = self.first_images()[b]
+        if self.tree_cause() is not None:
+            return list(range(row_first, row_first + self.num_images[b]))
+        return [row_first + k for k, (start, _) in enumerate(runs[b]) if first <= start < end]
 
     def _image_digests(self) -> list[tuple[bytes, ...]]:
         """Per row, the ``image_keys`` keys of its images: one per image in the patch-row layout (so the trie can part
@@ -392,10 +441,13 @@ class VisionInputs:
         B = len(self.num_images)
         if not self.tensors:
             return [()] * B
-        if "image_grid_thw" in self.tensors:
-            patches = self._first_patches()
-            keys = image_keys([[self.pixel_values[patches[i] : patches[i + 1]], self.image_grid_thw[i : i + 1]]
-                               for i in range(len(patches) - 1)])  # fmt: skip
+        if "image_grid_thw" in self.tensors or self.located is not None:
+            if self.located is not None:  # one entry per image
+                keys = image_keys([[t[i : i + 1] for t in self.tensors.values()] for i in range(sum(self.num_images))])
+            else:
+                patches = self._first_patches()
+                keys = image_keys([[self.pixel_values[patches[i] : patches[i + 1]], self.image_grid_thw[i : i + 1]]
+                                   for i in range(len(patches) - 1)])  # fmt: skip
             firsts = self.first_images()
             return [tuple(keys[firsts[b] : firsts[b + 1]]) for b in range(B)]
         parts = []
@@ -410,7 +462,7 @@ class VisionInputs:
 
     def row_keys(self, prompt_width: int) -> list:
         """Per row, its ``RowImages`` (its prompt's token types, the first ``prompt_width`` columns; its images' keys
-        and, in the patch-row layout, where their tokens sit), or ``b""`` for a row with neither token types nor
+        and, where located (``image_runs``), where their tokens sit), or ``b""`` for a row with neither token types nor
         images: rows of one prompt have equal keys, rows with other images or types other keys.
 
         Raises:
@@ -428,12 +480,15 @@ class VisionInputs:
     def tree_cause(self) -> str | None:
         """Why the chunk's image prompts cannot be split into trie nodes (tree sharing), or None: each image's tokens
         must be located in the prompt and attend causally, as in the patch-row layout with ``mm_token_type_ids``
-        (Qwen2-VL/2.5-VL/3-VL). Gemma 3's ``token_type_ids`` make image blocks attend bidirectionally, and the other
-        layouts are handed to the model's forward whole per row."""
+        (Qwen2-VL/2.5-VL/3-VL) and in the layout of one entry per image located by the model's image token id, one
+        run per image (``located``: LLaVA, LLaVA-NeXT, Mistral 3, Aya Vision). Gemma 3's ``token_type_ids`` make image
+        blocks attend bidirectionally, and the other layouts are handed to the model's forward whole per row."""
         if not self.tensors:
             return None
         if "token_type_ids" in self.token_types:
             return "token_type_ids (image blocks attend bidirectionally)"
+        if self.located is not None:
+            return self.located_cause
         if "image_grid_thw" not in self.tensors:
             names = sorted(self.tensors)
             return f"images given as {names} per image, tile or row (the model's forward takes them whole)"
@@ -445,15 +500,24 @@ class VisionInputs:
                       prompt_width: int) -> dict:  # fmt: skip
         """The image inputs of a batch whose entry i holds tokens ``first … end − 1`` of row b's unpadded prompt,
         ``(b, first, end) = spans[i]`` (left-padded in the first ``prompt_width`` columns of ``attention_mask``
-        (B, P + C)), right-padded to ``width``: the rows' image tensors (none when none of them has an image) and the
+        (B, P + C)), right-padded to ``width``: the image tensors of the images whose first token the spans hold when
+        the images are ``located`` (a trie node's), else the rows' (none when none of them has an image), and the
         spans' token types (0 on the padding).
 
         Raises:
-            ValueError: a span that is not a whole prompt holds images (``tree_cause`` keeps such plans in group mode).
+            ValueError: a span that is not a whole prompt holds images not located (``tree_cause`` keeps such plans in
+                group mode).
         """
         rows = [b for b, _, _ in spans]
         kwargs = {}
-        if any(self.num_images[b] for b in rows):
+        if self.tree_cause() is None and self.located is not None:
+            runs = self.image_runs(prompt_width)
+            starts = [prompt_width - int(attention_mask[b, :prompt_width].sum()) for b in rows]
+            images = [i for (b, first, end), s in zip(spans, starts)
+                      for i in self.images_in(runs, b, s + first, s + end)]  # fmt: skip
+            if images:
+                kwargs = self._select(dict.fromkeys(self.tensors, images))
+        elif any(self.num_images[b] for b in rows):
             partial = [(b, first, end) for b, first, end in spans
                        if first or end != int(attention_mask[b, :prompt_width].sum())]  # fmt: skip
             if partial:
@@ -546,17 +610,13 @@ class VisionPasses:
         return kwargs
 
     def _images_in(self, b: int, first: int, end: int) -> list[int]:
-        """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end-1``; all of
-        the row's images when their tokens are not located (``VisionInputs.tree_cause``: then a span is a whole
-        prompt)."""
+        """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end-1``
+        (``VisionInputs.images_in``, the runs computed once per micro-batch)."""
         if self.inputs.pixel_values is None:
             return []
         if not self._runs:
             self._runs = (self.inputs.image_runs(self.prompt_width),)
-        runs, row_first = self._runs[0][b], self.inputs.first_images()[b]
-        if self.inputs.tree_cause() is not None:
-            return list(range(row_first, row_first + self.inputs.num_images[b]))
-        return [row_first + k for k, (start, _) in enumerate(runs) if first <= start < end]
+        return self.inputs.images_in(self._runs[0], b, first, end)
 
     def completion_positions(self, width: int) -> torch.Tensor | None:
         """(3, B, width) positions of completion tokens 0 … width − 1, or None (the passes' own positions)."""

@@ -37,7 +37,7 @@ import weakref
 import torch
 
 from ..model.distributed import unwrap_causal_lm
-from ..model.multimodal import SERVED_INPUTS, VisionInputs, input_cause
+from ..model.multimodal import SERVED_INPUTS, VisionInputs, image_token_id, input_cause
 from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
@@ -116,10 +116,13 @@ def patched_logps_method(original, handle: PatchHandle):
         options = dict(temperature=self.temperature, compute_entropy=compute_entropy,
                        cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))  # fmt: skip
         all_logps, all_entropies, all_aux = [], [], []
+        prompts = dict(prompt_ids=input_ids[:, : input_ids.shape[1] - logits_to_keep],
+                       image_token=image_token_id(unwrap_causal_lm(model)))  # locate images by their token id
         for start in range(0, B, step):
             ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
             chunk_size = batch_size if cause is not None else ids.shape[0]
-            vision = None if cause is not None else VisionInputs.of_chunk(extras, start, start + ids.shape[0], B)
+            vision = None if cause is not None else VisionInputs.of_chunk(extras, start, start + ids.shape[0], B,
+                                                                          **prompts)  # fmt: skip
             chunk_extras = extras if vision is None else vision.as_kwargs()
 
             def stock(ids=ids, mask=mask, chunk_size=chunk_size, chunk_extras=chunk_extras):
@@ -181,14 +184,15 @@ def patched_hidden_method(original, handle: PatchHandle):
     return _get_last_hidden_state
 
 
-def _image_keys(batch: dict, prompt_width: int) -> list[bytes] | None:
+def _image_keys(batch: dict, prompt_width: int, image_token: int | None) -> list[bytes] | None:
     """Per row of a buffered micro-batch, the image key the patched method's decision will give it (``VisionInputs.
-    row_keys``), or None when its scoring calls take no image inputs on the prompt-once path."""
+    row_keys``; ``image_token``: the model's image token id), or None when its scoring calls take no image inputs on
+    the prompt-once path."""
     extras = {k: batch.get(k) for k in SERVED_INPUTS} | {k: batch.get(k) for k in _OTHER_INPUTS}
     if input_cause(extras) is not None:
         return None
     rows = batch["prompt_ids"].shape[0]
-    vision = VisionInputs.of_chunk(extras, 0, rows, rows)
+    vision = VisionInputs.of_chunk(extras, 0, rows, rows, batch["prompt_ids"], image_token)
     return None if vision is None else vision.row_keys(prompt_width)
 
 
@@ -203,12 +207,13 @@ def _window_prompts(trainer) -> tuple[list, list, list | None]:
     window_end = step - step % trainer.current_gradient_accumulation_steps
     window_end += trainer.current_gradient_accumulation_steps
     ids, masks, keys = [], [], []
+    image_token = image_token_id(unwrap_causal_lm(trainer.model))
     while True:
         batch = buffered[step % spg]
         P = batch["prompt_ids"].shape[1]
         ids.append(batch["prompt_ids"])
         masks.append(batch["prompt_mask"][:, :P])
-        keys.append(_image_keys(batch, P))
+        keys.append(_image_keys(batch, P, image_token))
         step += 1
         # stop at the window's end, and where the buffer wraps or is regenerated
         if step >= window_end or step % spg == 0 or step % generate_every == 0:
