@@ -150,13 +150,7 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
     ids, mask, extras = ids[order], mask[order], reorder(extras, order)
     halves = [VisionInputs.of_chunk(extras, s, s + 6, 12) for s in (0, 6)]
     P = ids.shape[1] - C
-    ref_logps = []
-    for s, half in zip((0, 6), halves):
-        logps, ent = _score(_stock_method(), model, ids[s : s + 6], mask[s : s + 6], C, half.as_kwargs(), 6)
-        ref_logps.append((logps, ent))
-        (logps.sum() + ent.sum()).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    ref_logps, ref_grads = stock_window(model, ids, mask, C, halves)
     if in_lockstep:
         monkeypatch.setattr(sharing, "lockstep", lambda model: True)
         monkeypatch.setattr(sharing, "agree", lambda reason, keys: (reason, set(keys) | {(0, 3, 1)}))
@@ -164,10 +158,36 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
     session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
     session.begin_window(model, [ids[:6, :P], ids[6:, :P]], [mask[:6, :P], mask[6:, :P]],
                          row_keys=[h.row_keys(P) for h in halves])  # fmt: skip
-    tokens = 0
-    for s, half, (ref, ref_ent) in zip((0, 6), halves, ref_logps):
-        chunk_ids, chunk_mask = ids[s : s + 6], mask[s : s + 6]
-        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=half)
+    tokens, grads = tree_window(session, model, ids, mask, C, halves, ref_logps)
+    assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
+    assert tokens == _passes_tokens(12, C) + in_lockstep  # every node in micro-batch 0; a stand-in is one token
+    assert_grads_close(grads, ref_grads)
+
+
+def stock_window(model, ids, mask, C: int, chunks: list) -> tuple[list, dict]:
+    """Stock TRL's (log-probs, entropies) of each micro-batch of ``ids``/``mask`` (consecutive, one per ``chunks``
+    entry: its ``VisionInputs``), and its gradients summed over them (the model's zeroed after)."""
+    refs, start = [], 0
+    for chunk in chunks:
+        rows = len(chunk.num_images)
+        logps, ent = _score(_stock_method(), model, ids[start : start + rows], mask[start : start + rows], C,
+                            chunk.as_kwargs(), rows)  # fmt: skip
+        refs.append((logps, ent))
+        (logps.sum() + ent.sum()).backward()
+        start += rows
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return refs, grads
+
+
+def tree_window(session: SharingSession, model, ids, mask, C: int, chunks: list, refs: list) -> tuple[int, dict]:
+    """The micro-batches of ``stock_window`` scored in ``session``'s open window: each on the tree path, with stock's
+    log-probs and entropies ``refs``; returns their backbone tokens and gradients summed (the model's zeroed after)."""
+    tokens, start = 0, 0
+    for chunk, (ref, ref_ent) in zip(chunks, refs):
+        chunk_ids, chunk_mask = ids[start : start + len(chunk.num_images)], mask[start : start + len(chunk.num_images)]
+        start += len(chunk.num_images)
+        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=chunk)
         assert decision.path == "tree", decision.cause
         tokens += decision.backbone_tokens
         logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
@@ -178,9 +198,7 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
     session.close_window()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
-    assert tokens == _passes_tokens(12, C) + in_lockstep  # every node in micro-batch 0; a stand-in is one token
-    assert_grads_close(grads, ref_grads)
+    return tokens, grads
 
 
 @pytest.fixture

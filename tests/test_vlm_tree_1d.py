@@ -17,7 +17,7 @@ import torch
 from helpers import assert_close, assert_grads_close
 from test_vlm import _score, _stock_method
 from test_vlm_models import BOI, EOI, FAMILIES, IMAGE, C, G, _vlm, _without_key_biases, vlm_batch
-from test_vlm_tree import MIN_SHARED, _patched, stock_and_shared
+from test_vlm_tree import MIN_SHARED, _patched, stock_and_shared, stock_window, tree_window
 
 from grpo_mem.model import multimodal
 from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
@@ -126,3 +126,26 @@ def test_runs_key_each_image_and_locate_its_tokens():
     assert keys[4 * G].spans == ((16 + 2 + 16 + 2, 16), (16 + 2, 16))  # A EOI BOI C EOI 9; C EOI 9
     whole = VisionInputs.of_chunk(extras, 0, B, B)
     assert whole.located is None and "per image, tile or row" in whole.tree_cause()
+
+
+def test_window_of_three_micro_batches_shares_image_nodes():
+    """LLaVA, three micro-batches of one optimizer step each holding one row of every group (``begin_window`` with
+    the rows' located image keys): every node forwarded once in the window, each image once per unique prefix;
+    log-probs as stock's per micro-batch, gradients as stock's summed over them."""
+    model, encoded = _vlm("llava")
+    ids, mask, extras = tree_batch("llava")
+    B, P, size = ids.shape[0], ids.shape[1] - C, ids.shape[0] // G
+    order = [b * G + i for i in range(G) for b in range(size)]  # micro-batch i: row i of every group
+    ids, mask = ids[order], mask[order]
+    rows = VisionInputs.of_chunk(extras, 0, B, B)
+    extras = dict(rows.of_rows(order), num_images=[rows.num_images[b] for b in order])
+    chunks = [VisionInputs.of_chunk(extras, s, s + size, B, ids[:, :P], IMAGE) for s in range(0, B, size)]
+    refs, ref_grads = stock_window(model, ids, mask, C, chunks)
+    encoded.clear()
+    session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
+    session.begin_window(model, [ids[s : s + size, :P] for s in range(0, B, size)],
+                         [mask[s : s + size, :P] for s in range(0, B, size)], row_keys=[c.row_keys(P) for c in chunks])
+    tokens, grads = tree_window(session, model, ids, mask, C, chunks, refs)
+    assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
+    assert tokens == _tree_tokens(int((ids[0] == IMAGE).sum()), B)  # every node in micro-batch 0
+    assert_grads_close(*_without_key_biases(grads, ref_grads, "model.vision_tower."))
