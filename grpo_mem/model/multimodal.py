@@ -357,6 +357,7 @@ class VisionInputs:
             tensors[name] = extras[name][firsts[start] : firsts[end]]
         tiles = counts["num_tiles"]
         located, located_cause = None, None
+        # one entry per image: ``_layout`` gives pixel_values the image counts themselves
         per_image = spans.get("pixel_values") is images and set(spans) <= {"pixel_values", "image_sizes"}
         if per_image and not types and prompt_ids is not None and image_token is not None:
             found, located_cause = _runs(prompt_ids[start:end] == image_token, images[start:end])
@@ -436,8 +437,9 @@ class VisionInputs:
         return [row_first + k for k, (start, _) in enumerate(runs[b]) if first <= start < end]
 
     def _image_digests(self) -> list[tuple[bytes, ...]]:
-        """Per row, the ``image_keys`` keys of its images: one per image in the patch-row layout (so the trie can part
-        rows between two images), else one for all of the row's image entries (``()`` for a row without any)."""
+        """Per row, the ``image_keys`` keys of its images: one per image in the patch-row layout and when ``located``
+        (so the trie can part rows between two images), else one for all of the row's image entries (``()`` for a row
+        without any)."""
         B = len(self.num_images)
         if not self.tensors:
             return [()] * B
