@@ -58,3 +58,26 @@ def agree(reason: str | None, pass_keys: list) -> tuple[str | None, set]:
     if reason is None and any(r is not None for r, _ in gathered):
         reason = "another rank falls back, and sharded ranks must run the same module calls"
     return reason, {tuple(k) for _, keys in gathered for k in keys}
+
+
+def clear_zero3_grads_before_first_backward(model: torch.nn.Module) -> None:
+    """Zero a ZeRO-3 optimizer's accumulated gradient partitions when ``model`` (the DeepSpeed engine) has run no
+    backward yet in the current accumulation cycle; a no-op on any other model, and once a backward has run.
+
+    ZeRO-3 starts each cycle by overwriting a parameter's gradient partition with its first gradient of the cycle's
+    first backward (``micro_step_id == 0``) and adds every later one, without clearing the partitions in
+    ``zero_grad``. A parameter that receives no gradient in that first backward but does in a later one would have
+    it added to the previous optimizer step's. Stock TRL reaches every parameter in every micro-batch; a window does
+    not: a kept image prompt pass is backpropagated in its release micro-batch, so the vision tower's first gradient
+    of the cycle arrives in a later backward. Call it after the engine's forward of the micro-batch (which advances
+    ``micro_step_id`` past a finished backward)."""
+    if "deepspeed" not in sys.modules:
+        return
+    from deepspeed import DeepSpeedEngine
+
+    if not isinstance(model, DeepSpeedEngine) or model.zero_optimization_stage() != 3:
+        return
+    optimizer = getattr(model, "optimizer", None)
+    buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None and getattr(optimizer, "micro_step_id", None) == 0 and torch.is_grad_enabled():
+        buffer.zero_()
