@@ -1,9 +1,11 @@
 """One rank of the 2-process (gloo, CPU) image-prompt runs, launched by test_distributed.py through
 torch.distributed.run.
 
-Usage: vlm_dist_worker.py STACK SHARING PATCH OUT_JSON. STACK: ddp | fsdp2 | zero3 (set up as ``dist_worker``'s
-``stack_args`` does). SHARING: group | tree. PATCH: patch | stock. Trains ``test_vlm._train``'s 3 GRPOTrainer steps
-(tiny Qwen2.5-VL, images of three sizes, gradient accumulation 2, 2 rows per micro-batch); rank 0 writes the world
+Usage: vlm_dist_worker.py STACK SHARING PATCH OUT_JSON [ROWS]. STACK: ddp | fsdp2 | zero3 (set up as
+``dist_worker``'s ``stack_args`` does). SHARING: group | tree. PATCH: patch | stock. Trains ``test_vlm._train``'s 3
+GRPOTrainer steps (tiny Qwen2.5-VL, images of three sizes, gradient accumulation 2, ROWS rows per micro-batch, default
+2: each rank's window holds one group; 3: a group and half of another, so the ranks plan different passes); rank 0
+writes the world
 size, the distributed type, global_step, the grad norms, grpo_mem's logged path per step in the SHARING mode, the
 fallbacks every rank recorded, whether every parameter was sharded, and the final weights (gathered from shards).
 """
@@ -15,13 +17,13 @@ from pathlib import Path
 import torch
 
 
-def main(stack: str, sharing: str, patch: str, out: str) -> None:
+def main(stack: str, sharing: str, patch: str, out: str, rows: str = "2") -> None:
     from dist_worker import _is_sharded, gathered_weights, stack_args
     from test_vlm import _train
 
     # 2 rows per rank's micro-batch: the generation batch is the single-process test's 8 rows (2 prompts x 4)
     trainer, fallbacks, _ = _train(Path(out + ".run"), patch == "patch", sharing=sharing,
-                                   per_device_train_batch_size=2, **stack_args(stack))  # fmt: skip
+                                   per_device_train_batch_size=int(rows), **stack_args(stack))  # fmt: skip
     weights = gathered_weights(trainer)
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, [str(f) for f in fallbacks])

@@ -47,17 +47,29 @@ def lockstep(model: torch.nn.Module) -> bool:
     )
 
 
-def agree(reason: str | None, pass_keys: list) -> tuple[str | None, set]:
+# the sharded ranks' pass structures differ (stand-in passes) while image inputs are present: image features are
+# computed inside a pass, so a rank's stand-in for another's image pass would skip the vision tower's collectives
+IMAGE_PASSES_DIFFER = ("sharded ranks plan different prompt passes for a micro-batch with image inputs, and a stand-in "
+                       "pass does not run the vision tower")  # fmt: skip
+
+
+def agree(reason: str | None, pass_keys: list, images: bool = False) -> tuple[str | None, set]:
     """What every rank in lockstep decides for a micro-batch, from one ``all_gather_object`` (every rank calls it once
-    per micro-batch): the fallback reason (this rank's, one naming another rank when only another rank falls back, or
-    None when no rank does) and the union of the ranks' pass keys (``PassSpec.key``) for the micro-batch."""
+    per micro-batch): the fallback reason (this rank's, one naming another rank when only another rank falls back,
+    ``IMAGE_PASSES_DIFFER`` when the ranks' pass keys differ and some rank's micro-batch has image inputs
+    (``images``), or None when no rank falls back) and the union of the ranks' pass keys (``PassSpec.key``) for the
+    micro-batch."""
     import torch.distributed as dist
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (reason, list(pass_keys)))
-    if reason is None and any(r is not None for r, _ in gathered):
+    dist.all_gather_object(gathered, (reason, list(pass_keys), bool(images)))
+    union = {tuple(k) for _, keys, _ in gathered for k in keys}
+    if reason is None and any(r is not None for r, _, _ in gathered):
         reason = "another rank falls back, and sharded ranks must run the same module calls"
-    return reason, {tuple(k) for _, keys in gathered for k in keys}
+    if reason is None and any(i for _, _, i in gathered) and any({tuple(k) for k in keys} != union
+                                                                 for _, keys, _ in gathered):  # fmt: skip
+        reason = IMAGE_PASSES_DIFFER
+    return reason, union
 
 
 def clear_zero3_grads_before_first_backward(model: torch.nn.Module) -> None:
