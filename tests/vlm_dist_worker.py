@@ -1,10 +1,13 @@
-"""One rank of the 2-process (gloo, CPU, DDP) image-prompt run, launched by test_distributed.py through
+"""One rank of the 2-process (gloo, CPU) image-prompt runs, launched by test_distributed.py through
 torch.distributed.run.
 
-Usage: vlm_dist_worker.py PATCH OUT_JSON. PATCH: patch | stock. Trains ``test_vlm._train``'s 3 GRPOTrainer steps
-(tiny Qwen2.5-VL, images of three sizes, gradient accumulation 2, 2 rows per micro-batch) with DDP over gloo; rank 0
-writes the world size, the distributed type, global_step, the grad norms, grpo_mem's logged path per step, the
-fallbacks every rank recorded, and the final weights.
+Usage: vlm_dist_worker.py STACK SHARING PATCH OUT_JSON [ROWS]. STACK: ddp | fsdp2 | zero3 (set up as
+``dist_worker``'s ``stack_args`` does). SHARING: group | tree. PATCH: patch | stock. Trains ``test_vlm._train``'s 3
+GRPOTrainer steps (tiny Qwen2.5-VL, images of three sizes, gradient accumulation 2, ROWS rows per micro-batch, default
+2: each rank's window holds one group; 3: a group and half of another, so the ranks plan different passes); rank 0
+writes the world
+size, the distributed type, global_step, the grad norms, grpo_mem's logged path per step in the SHARING mode, the
+fallbacks every rank recorded, whether every parameter was sharded, and the final weights (gathered from shards).
 """
 
 import json
@@ -14,25 +17,28 @@ from pathlib import Path
 import torch
 
 
-def main(patch: str, out: str) -> None:
+def main(stack: str, sharing: str, patch: str, out: str, rows: str = "2") -> None:
+    from dist_worker import _is_sharded, gathered_weights, stack_args
     from test_vlm import _train
 
     # 2 rows per rank's micro-batch: the generation batch is the single-process test's 8 rows (2 prompts x 4)
-    trainer, fallbacks, _ = _train(Path(out + ".run"), patch == "patch", ddp_backend="gloo",
-                                   per_device_train_batch_size=2)
+    trainer, fallbacks, _ = _train(Path(out + ".run"), patch == "patch", sharing=sharing,
+                                   per_device_train_batch_size=int(rows), **stack_args(stack))  # fmt: skip
+    weights = gathered_weights(trainer)
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, [str(f) for f in fallbacks])
     if trainer.accelerator.is_main_process:
-        model = trainer.accelerator.unwrap_model(trainer.model)
         logs = trainer.state.log_history
+        metric = f"grpo_mem/path/{sharing}"
         result = {
             "world_size": trainer.accelerator.num_processes,
             "distributed_type": str(trainer.accelerator.distributed_type),
             "global_step": trainer.state.global_step,
             "grad_norms": [h["grad_norm"] for h in logs if "grad_norm" in h],
-            "group_path": [h["grpo_mem/path/group"] for h in logs if "grpo_mem/path/group" in h],
+            "path": [h[metric] for h in logs if metric in h],
             "fallbacks": gathered,
-            "weights": {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()},
+            "sharded": _is_sharded(trainer),
+            "weights": weights,
         }
         with open(out, "w") as f:
             json.dump(result, f)

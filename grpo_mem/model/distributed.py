@@ -47,14 +47,49 @@ def lockstep(model: torch.nn.Module) -> bool:
     )
 
 
-def agree(reason: str | None, pass_keys: list) -> tuple[str | None, set]:
+# the sharded ranks' pass structures differ (stand-in passes) while image inputs are present: image features are
+# computed inside a pass, so a rank's stand-in for another's image pass would skip the vision tower's collectives
+IMAGE_PASSES_DIFFER = ("sharded ranks plan different prompt passes for a micro-batch with image inputs, and a stand-in "
+                       "pass does not run the vision tower")  # fmt: skip
+
+
+def agree(reason: str | None, pass_keys: list, images: bool = False) -> tuple[str | None, set]:
     """What every rank in lockstep decides for a micro-batch, from one ``all_gather_object`` (every rank calls it once
-    per micro-batch): the fallback reason (this rank's, one naming another rank when only another rank falls back, or
-    None when no rank does) and the union of the ranks' pass keys (``PassSpec.key``) for the micro-batch."""
+    per micro-batch): the fallback reason (this rank's, one naming another rank when only another rank falls back,
+    ``IMAGE_PASSES_DIFFER`` when the ranks' pass keys differ and some rank's micro-batch has image inputs
+    (``images``), or None when no rank falls back) and the union of the ranks' pass keys (``PassSpec.key``) for the
+    micro-batch."""
     import torch.distributed as dist
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (reason, list(pass_keys)))
-    if reason is None and any(r is not None for r, _ in gathered):
+    dist.all_gather_object(gathered, (reason, list(pass_keys), bool(images)))
+    union = {tuple(k) for _, keys, _ in gathered for k in keys}
+    if reason is None and any(r is not None for r, _, _ in gathered):
         reason = "another rank falls back, and sharded ranks must run the same module calls"
-    return reason, {tuple(k) for _, keys in gathered for k in keys}
+    if reason is None and any(i for _, _, i in gathered) and any({tuple(k) for k in keys} != union
+                                                                 for _, keys, _ in gathered):  # fmt: skip
+        reason = IMAGE_PASSES_DIFFER
+    return reason, union
+
+
+def clear_zero3_grads_before_first_backward(model: torch.nn.Module) -> None:
+    """Zero a ZeRO-3 optimizer's accumulated gradient partitions when ``model`` (the DeepSpeed engine) has run no
+    backward yet in the current accumulation cycle; a no-op on any other model, and once a backward has run.
+
+    ZeRO-3 starts each cycle by overwriting a parameter's gradient partition with its first gradient of the cycle's
+    first backward (``micro_step_id == 0``) and adds every later one, without clearing the partitions in
+    ``zero_grad``. A parameter that receives no gradient in that first backward but does in a later one would have
+    it added to the previous optimizer step's. Stock TRL reaches every parameter in every micro-batch; a window does
+    not: a kept image prompt pass is backpropagated in its release micro-batch, so the vision tower's first gradient
+    of the cycle arrives in a later backward. Call it after the engine's forward of the micro-batch (which advances
+    ``micro_step_id`` past a finished backward)."""
+    if "deepspeed" not in sys.modules:
+        return
+    from deepspeed import DeepSpeedEngine
+
+    if not isinstance(model, DeepSpeedEngine) or model.zero_optimization_stage() != 3:
+        return
+    optimizer = getattr(model, "optimizer", None)
+    buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None and getattr(optimizer, "micro_step_id", None) == 0 and torch.is_grad_enabled():
+        buffer.zero_()

@@ -20,6 +20,7 @@ import torch
 from transformers.modeling_outputs import ModelOutput
 
 from . import attention_hook as attn_hook
+from .distributed import clear_zero3_grads_before_first_backward
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ def run_in_forward(model, causal_lm, fn, input_ids, attention_mask):
     token = f"grpo_mem:call:{next(_CALL_IDS)}"
     _CALLS[token] = call
     out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=token)
+    clear_zero3_grads_before_first_backward(model)  # a window's later backward may reach parameters this one does not
     return out.log_probs, out.entropy, out.aux_loss
 
 

@@ -203,7 +203,7 @@ class SharingSession:
         in_lockstep = lockstep(model)
         current = window.current
         if in_lockstep:
-            reason, keys = agree(reason, [p.key for p in window.plan.passes_at(current)])
+            reason, keys = agree(reason, [p.key for p in window.plan.passes_at(current)], vision is not None)
             window.plan.align({k for k in keys if k[0] == current})
         elif reason is None and stock_available and not window.plan.shares(current):
             reason = UNSHARED
