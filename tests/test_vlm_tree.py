@@ -151,9 +151,15 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
     halves = [VisionInputs.of_chunk(extras, s, s + 6, 12) for s in (0, 6)]
     P = ids.shape[1] - C
     ref_logps, ref_grads = stock_window(model, ids, mask, C, halves)
+    asked = []  # per decision: (its pass keys, the keys of those that run the vision tower)
+
+    def agree(reason, keys, image_passes):
+        asked.append((set(keys), set(image_passes)))
+        return reason, set(keys) | {(0, 3, 1)}
+
     if in_lockstep:
         monkeypatch.setattr(sharing, "lockstep", lambda model: True)
-        monkeypatch.setattr(sharing, "agree", lambda reason, keys: (reason, set(keys) | {(0, 3, 1)}))
+        monkeypatch.setattr(sharing, "agree", agree)
     encoded.clear()
     session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
     session.begin_window(model, [ids[:6, :P], ids[6:, :P]], [mask[:6, :P], mask[6:, :P]],
@@ -162,6 +168,30 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
     assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
     assert tokens == _passes_tokens(12, C) + in_lockstep  # every node in micro-batch 0; a stand-in is one token
     assert_grads_close(grads, ref_grads)
+    if in_lockstep:  # micro-batch 0 runs every pass: the system prompt's root pass holds no image, deeper ones do
+        (keys0, images0), (keys1, images1) = asked
+        assert images0 and images0 < keys0 and min(k[1] for k in keys0 - images0) == 0 and images1 == set()
+
+
+def test_ranks_running_the_vision_tower_in_other_passes_fall_back(monkeypatch):
+    """``agree`` with two ranks (the collective stood in): equal pass keys and equal image passes share; one rank's
+    pass with images where the other's has none, or other pass keys with images on a rank, fall back on both."""
+    import torch.distributed as dist
+
+    from grpo_mem.model.distributed import IMAGE_PASSES_DIFFER, agree
+
+    def run(mine, other):
+        monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+        monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj, other]))
+        return agree(None, *mine)[0]
+
+    keys = [(0, 0, 0), (0, 1, 0)]
+    assert run((keys, [(0, 1, 0)]), (None, keys, [(0, 1, 0)])) is None
+    assert run((keys, None), (None, keys, None)) is None  # text prompts on both ranks
+    assert run((keys, [(0, 1, 0)]), (None, keys, [])) == IMAGE_PASSES_DIFFER  # a text-only pass on the other rank
+    assert run((keys, [(0, 1, 0)]), (None, keys, None)) == IMAGE_PASSES_DIFFER  # no image input on the other rank
+    assert run((keys, [(0, 1, 0)]), (None, keys[:1], [])) == IMAGE_PASSES_DIFFER  # a stand-in on this rank
+    assert run((keys, None), (None, keys[:1], None)) is None  # text: stand-ins serve
 
 
 def stock_window(model, ids, mask, C: int, chunks: list) -> tuple[list, dict]:

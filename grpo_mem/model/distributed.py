@@ -47,28 +47,29 @@ def lockstep(model: torch.nn.Module) -> bool:
     )
 
 
-# the sharded ranks' pass structures differ (stand-in passes) while image inputs are present: image features are
-# computed inside a pass, so a rank's stand-in for another's image pass would skip the vision tower's collectives
-IMAGE_PASSES_DIFFER = ("sharded ranks plan different prompt passes for a micro-batch with image inputs, and a stand-in "
-                       "pass does not run the vision tower")  # fmt: skip
+# image features are computed inside a prompt pass, so every rank must run the vision tower in the same passes
+IMAGE_PASSES_DIFFER = ("sharded ranks would run the vision tower in different prompt passes of a micro-batch with "
+                       "image inputs (other passes, or a pass with images on one rank only)")  # fmt: skip
 
 
-def agree(reason: str | None, pass_keys: list, images: bool = False) -> tuple[str | None, set]:
+def agree(reason: str | None, pass_keys: list, image_passes: list | None = None) -> tuple[str | None, set]:
     """What every rank in lockstep decides for a micro-batch, from one ``all_gather_object`` (every rank calls it once
-    per micro-batch): the fallback reason (this rank's, one naming another rank when only another rank falls back,
-    ``IMAGE_PASSES_DIFFER`` when the ranks' pass keys differ and some rank's micro-batch has image inputs
-    (``images``), or None when no rank falls back) and the union of the ranks' pass keys (``PassSpec.key``) for the
-    micro-batch."""
+    per micro-batch): the fallback reason and the union of the ranks' pass keys (``PassSpec.key``) for the micro-batch.
+
+    The reason is this rank's, one naming another rank when only another rank falls back, ``IMAGE_PASSES_DIFFER``
+    when some rank has image inputs (``image_passes``: the keys of its passes that run the vision tower, None without
+    image inputs) and the ranks' pass keys or image-pass keys differ, or None when no rank falls back."""
     import torch.distributed as dist
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (reason, list(pass_keys), bool(images)))
+    dist.all_gather_object(gathered, (reason, list(pass_keys), image_passes))
     union = {tuple(k) for _, keys, _ in gathered for k in keys}
     if reason is None and any(r is not None for r, _, _ in gathered):
         reason = "another rank falls back, and sharded ranks must run the same module calls"
-    if reason is None and any(i for _, _, i in gathered) and any({tuple(k) for k in keys} != union
-                                                                 for _, keys, _ in gathered):  # fmt: skip
-        reason = IMAGE_PASSES_DIFFER
+    if reason is None and any(images is not None for _, _, images in gathered):
+        plans = {(frozenset(map(tuple, keys)), frozenset(map(tuple, images or ()))) for _, keys, images in gathered}
+        if len(plans) > 1:
+            reason = IMAGE_PASSES_DIFFER
     return reason, union
 
 

@@ -598,7 +598,7 @@ class VisionPasses:
             return self.inputs.prompt_inputs(spans, width, self.attention_mask, self.prompt_width)
         kwargs, P = {}, self.prompt_width
         starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
-        images = [i for (b, first, end), s in zip(spans, starts) for i in self._images_in(b, s + first, s + end)]
+        images = self.images_of(spans)
         if images:
             pixel_values, grid = self.inputs.images_at(images)
             features = self.base.get_image_features(pixel_values, grid, return_dict=True)
@@ -610,6 +610,13 @@ class VisionPasses:
         if positions is not None:
             kwargs["position_ids"] = prompt_columns(positions, spans, width, self.attention_mask, P)
         return kwargs
+
+    def images_of(self, spans: list[tuple[int, int, int]]) -> list[int]:
+        """The chunk's indices of the images whose first token the prompt-pass entries ``spans`` (as ``prompt_pass``)
+        hold: the images the pass encodes (none: the pass does not run the vision tower)."""
+        P = self.prompt_width
+        starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
+        return [i for (b, first, end), s in zip(spans, starts) for i in self._images_in(b, s + first, s + end)]
 
     def _images_in(self, b: int, first: int, end: int) -> list[int]:
         """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end-1``

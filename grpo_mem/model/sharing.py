@@ -203,7 +203,12 @@ class SharingSession:
         in_lockstep = lockstep(model)
         current = window.current
         if in_lockstep:
-            reason, keys = agree(reason, [p.key for p in window.plan.passes_at(current)], vision is not None)
+            passes = window.plan.passes_at(current)
+            image_passes = None
+            if vision is not None:  # the passes that will run the vision tower
+                reader = vision.bind(causal_lm, input_ids, attention_mask, P)
+                image_passes = [p.key for p in passes if p.nodes and reader.images_of(window.spans(p))]
+            reason, keys = agree(reason, [p.key for p in passes], image_passes)
             window.plan.align({k for k in keys if k[0] == current})
         elif reason is None and stock_available and not window.plan.shares(current):
             reason = UNSHARED

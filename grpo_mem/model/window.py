@@ -167,10 +167,15 @@ class Window:
 
     def _pass_inputs(self, spec: PassSpec, width: int) -> dict:
         """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
-        features, the model's positions), asked for each node's span of the first row of the micro-batch through it
-        (a node's tokens, images and positions are the same on every row through it: they depend on the prefix)."""
+        features, the model's positions), asked for each node's span (``spans``)."""
         if self._inputs is None or not spec.nodes:
             return {}
+        return self._inputs.prompt_pass(self.spans(spec), width)
+
+    def spans(self, spec: PassSpec) -> list[tuple[int, int, int]]:
+        """Per node of ``spec``, ``(b, first, end)``: its tokens are tokens ``first … end − 1`` of the unpadded
+        prompt of row b, the first row of the current micro-batch through it (a node's tokens, images and positions
+        are the same on every row through it: they depend on the prefix)."""
         trie, reader = self.plan.trie, {}
         for b, leaf in enumerate(self.plan.leaves(self.current)):
             for n in trie.path(leaf):
@@ -179,7 +184,7 @@ class Window:
         for n in spec.nodes:  # its span in its prompt: its start less its root's (0 in tree, the padding in group)
             offset = trie.nodes[n].start - trie.nodes[trie.path(n)[0]].start
             spans.append((reader[n], offset, offset + len(trie.nodes[n].tokens)))
-        return self._inputs.prompt_pass(spans, width)
+        return spans
 
     def _forward_pass(self, backbone, spec: PassSpec, views, device) -> None:
         """Forward one pass of the schedule; register its nodes (in the store if kept), with its router logits when
