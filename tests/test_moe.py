@@ -159,7 +159,7 @@ def test_lockstep_schedule_keeps_the_router_loss(monkeypatch, C):
     from grpo_mem.model import sharing
 
     monkeypatch.setattr(sharing, "lockstep", lambda model: True)
-    monkeypatch.setattr(sharing, "agree", lambda reason, keys: (reason, set(keys)))
+    monkeypatch.setattr(sharing, "agree", lambda reason, keys, image_passes: (reason, set(keys)))
     model = moe_model("olmoe")
     ids, mask, C, _ = make_batch([5, 7], G=2, C=C, shuffle=True, seed=3)
     P = ids.shape[1] - C
