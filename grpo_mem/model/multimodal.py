@@ -498,33 +498,27 @@ class VisionInputs:
             return "image inputs without mm_token_type_ids (the image tokens are not located)"
         return None
 
-    def prompt_inputs(self, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor,
-                      prompt_width: int) -> dict:  # fmt: skip
+    def prompt_inputs(self, spans: list[tuple[int, int, int]], images: list[int], width: int,
+                      attention_mask: torch.Tensor, prompt_width: int) -> dict:  # fmt: skip
         """The image inputs of a batch whose entry i holds tokens ``first … end − 1`` of row b's unpadded prompt,
         ``(b, first, end) = spans[i]`` (left-padded in the first ``prompt_width`` columns of ``attention_mask``
-        (B, P + C)), right-padded to ``width``: the image tensors of the images whose first token the spans hold when
-        the images are ``located`` (a trie node's), else the rows' (none when none of them has an image), and the
-        spans' token types (0 on the padding).
+        (B, P + C)), right-padded to ``width``, which encodes the chunk's ``images`` (``VisionPasses.images_of``): the
+        tensors of exactly those images when the images are ``located`` (a trie node's), else the spans' rows' (none
+        when ``images`` is empty), and the spans' token types (0 on the padding).
 
         Raises:
             ValueError: a span that is not a whole prompt holds images not located (``tree_cause`` keeps such plans in
                 group mode).
         """
-        rows = [b for b, _, _ in spans]
         kwargs = {}
-        if self.tree_cause() is None and self.located is not None:
-            runs = self.image_runs(prompt_width)
-            starts = [prompt_width - int(attention_mask[b, :prompt_width].sum()) for b in rows]
-            images = [i for (b, first, end), s in zip(spans, starts)
-                      for i in self.images_in(runs, b, s + first, s + end)]  # fmt: skip
-            if images:
-                kwargs = self._select(dict.fromkeys(self.tensors, images))
-        elif any(self.num_images[b] for b in rows):
+        if images and self.tree_cause() is None and self.located is not None:
+            kwargs = self._select(dict.fromkeys(self.tensors, images))
+        elif images:
             partial = [(b, first, end) for b, first, end in spans
                        if first or end != int(attention_mask[b, :prompt_width].sum())]  # fmt: skip
             if partial:
                 raise ValueError(f"image inputs handed whole per row cannot be split into trie nodes: spans {partial}")
-            kwargs = self.of_rows(rows)
+            kwargs = self.of_rows([b for b, _, _ in spans])
         for name, types in self.token_types.items():
             kwargs[name] = prompt_columns(types, spans, width, attention_mask, prompt_width)
         return kwargs
@@ -594,12 +588,12 @@ class VisionPasses:
             ValueError: the model's own (``get_placeholder_mask``), when the entries' image tokens do not match their
                 image features; with multi-axis positions checked before them, as they assume a match.
         """
-        if not self.multi_axis:
-            return self.inputs.prompt_inputs(spans, width, self.attention_mask, self.prompt_width)
-        kwargs, P = {}, self.prompt_width
-        starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
         images = self.images_of(spans)
+        if not self.multi_axis:
+            return self.inputs.prompt_inputs(spans, images, width, self.attention_mask, self.prompt_width)
+        kwargs, P = {}, self.prompt_width
         if images:
+            starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
             pixel_values, grid = self.inputs.images_at(images)
             features = self.base.get_image_features(pixel_values, grid, return_dict=True)
             merged = torch.cat(features.pooler_output, dim=0)
