@@ -252,9 +252,17 @@ def test_image_tokens_in_completion_are_a_named_cause(vlm):
     ids, mask, C, extras = vlm_batch(PROMPTS[:2], G=2, C=4, seed=2)
     extras["mm_token_type_ids"][0, -C] = 1
     vision = VisionInputs.of_chunk(extras, 0, 4, 4)
-    decision = SharingSession("group").decide(model, ids, mask, C, vision=vision, stock_available=True)
+    session = SharingSession("group")
+    decision = session.decide(model, ids, mask, C, vision=vision, stock_available=True)
     cause = "image or video tokens in a completion (images returned by a tool)"
     assert (decision.path, decision.cause) == ("stock", cause)
+    # the default stock path takes no images: refused, and the decision is still there to run with one that does
+    with pytest.raises(ValueError, match="no stock path taking them"):
+        session.run(decision, model, ids, mask, C)
+    with pytest.raises(ValueError, match="run_hidden.. does not take image inputs"):
+        session.run_hidden(decision, model, ids, mask, C, stock=lambda: None)
+    sentinel = torch.zeros(4, C)
+    assert session.run(decision, model, ids, mask, C, stock=lambda: (sentinel, None, None))[0] is sentinel
     from helpers import tiny_model
 
     text_model = tiny_model("qwen2", vocab_size=128)  # image inputs given to a model without a vision tower

@@ -238,10 +238,10 @@ class SharingSession:
             ValueError: a stock decision for a micro-batch with image inputs and no ``stock`` (the default does not
                 take images).
         """
-        window, in_lockstep, vision = self._take(decision, compute_aux_loss)
-        if decision.path == "stock" and vision is not None and stock is None:
-            raise ValueError(f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no "
-                             "stock path taking them")  # fmt: skip
+        refused = None if decision.path != "stock" or stock is not None else (
+            f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no stock path taking "
+            "them")  # fmt: skip
+        window, in_lockstep, vision = self._take(decision, compute_aux_loss, refused)
         options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32),
                                bool(compute_aux_loss))  # fmt: skip
         causal_lm = unwrap_causal_lm(model)
@@ -275,23 +275,25 @@ class SharingSession:
         Raises:
             RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
         """
-        window, in_lockstep, vision = self._take(decision)
-        if vision is not None:
-            raise ValueError("run_hidden() does not take image inputs: decide() them with vision=None and a cause")
+        window, in_lockstep, _ = self._take(decision, refused="run_hidden() does not take image inputs: decide() "
+                                                              "them with vision=None and a cause")  # fmt: skip
         if decision.path == "stock":
             warn_fallback(decision.cause)
             return self._end_sharing(decision, window, stock())
         return window.hidden_states(unwrap_causal_lm(model), input_ids, attention_mask, logits_to_keep,
                                     lockstep=in_lockstep)  # fmt: skip
 
-    def _take(self, decision: Decision, compute_aux_loss: bool = False):
+    def _take(self, decision: Decision, compute_aux_loss: bool = False, refused: str | None = None):
         """(window, lockstep flag, image inputs) ``decide`` kept for ``decision``; the decision can be run once,
-        asking for the router loss as ``decide`` was told."""
+        asking for the router loss as ``decide`` was told. ``refused``: the ValueError's message if the decision has
+        image inputs; raised before the decision is taken, so the caller can still run it."""
         if self._pending is None or self._pending[0] is not decision:
             raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
         _, window, in_lockstep, decided_aux, vision = self._pending
         if bool(compute_aux_loss) != decided_aux:
             raise RuntimeError(f"run(compute_aux_loss={compute_aux_loss}) after decide(compute_aux_loss={decided_aux})")
+        if vision is not None and refused is not None:
+            raise ValueError(refused)
         self._pending = None
         return window, in_lockstep, vision
 
