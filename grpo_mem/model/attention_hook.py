@@ -200,7 +200,7 @@ def _make_hook(inner: str):
         token = kwargs.pop(CTX_KWARG, None)
         inner_fn = module_eager(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
         inner_module = _ModuleView(module, inner) if flash else module
-        if token is None:
+        if token is None or module not in _SERVED:  # no context, or a vision tower's attention the kwargs reached
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
         layer = module.layer_idx
         ctx = _lookup(token)
@@ -276,6 +276,20 @@ def _unregister(name: str) -> None:
 
 # hook name -> models running it; the hook is unregistered when the last one gives it back
 _USERS: dict[str, weakref.WeakSet] = {}
+# the modules of the language models taken over: only their attention calls take a context. A vision-language model's
+# forward may hand its keyword arguments (the context token among them) to its vision tower too (transformers 5.24's
+# LLaVA does), whose attention runs through the same interface and must compute what it computed before.
+_SERVED: weakref.WeakSet = weakref.WeakSet()
+_LANGUAGE_MODEL_NAMES = ("language_model", "text_model")
+
+
+def language_model_of(base) -> tuple[str, torch.nn.Module | None]:
+    """(attribute name, module) of the language model (text decoder) of a vision-language base model; ("", None)
+    when it has none."""
+    for name in _LANGUAGE_MODEL_NAMES:
+        if isinstance(getattr(base, name, None), torch.nn.Module):
+            return name, getattr(base, name)
+    return "", None
 
 
 def inner_implementation(model) -> str:
@@ -292,6 +306,7 @@ def take_over(model) -> str | None:
         return None
     name = ensure_registered(impl)
     _switch(model, name, flash=_is_flash(impl))
+    _SERVED.update((language_model_of(model.base_model)[1] or model).modules())
     linear_attention.install(model, _lookup, CTX_KWARG)
     _USERS.setdefault(name, weakref.WeakSet()).add(model)
     return impl
@@ -301,6 +316,8 @@ def give_back(model, impl: str) -> None:
     """Restore the attention implementation ``impl`` that ``take_over`` returned; the hook is unregistered once no
     model runs it."""
     _switch(model, impl, flash=_is_flash(impl))
+    for module in model.modules():
+        _SERVED.discard(module)
     linear_attention.remove(model)
     name = hook_name(impl)
     users = _USERS.get(name)

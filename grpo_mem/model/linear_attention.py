@@ -4,7 +4,8 @@ A Gated DeltaNet layer keeps per value head a recurrent state S (dk, dv), update
 (Yang et al., "Gated Delta Networks", arXiv 2412.06464), and before it runs a causal depthwise convolution of kernel K
 over the projected q/k/v. A row that continues a prompt (a trie node below the root, or a completion) must start where
 the prompt ended: from S at the prompt's last token and the last K − 1 convolution inputs. transformers' layer reads
-and writes these two states through its ``cache_params`` (``get_conv_state`` / ``update_conv_state`` /
+and writes these two states through its cache argument (``cache``; ``cache_params`` before transformers 5.24:
+``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state``), so grpo_mem runs the layer's own forward with a cache of its own
 (``_HandOff``): its states are the parents' (gathered by row, differentiable, so gradient flows back into the prompt),
 and it records the states each node ends with.
@@ -32,37 +33,58 @@ import torch.nn.functional as F
 _ORIGINAL = "_grpo_mem_linear_forward"  # instance attribute: the forward the wrapper replaced (None: the class's)
 
 # what a layer's forward must do for the hand-off to be exact: read both states from its cache, write both back, and
-# run the chunked gated delta rule from the read recurrent state (transformers' Qwen3.5 / Qwen3-Next layers)
+# run the chunked gated delta rule from the read recurrent state (transformers' Qwen3.5 / Qwen3-Next layers); ``{cache}``
+# stands for the name of the layer's cache parameter, read from its signature
 _HAND_OFF_CALLS = (
-    "cache_params.get_conv_state(self.layer_idx",
-    "cache_params.get_recurrent_state(self.layer_idx",
-    "cache_params.update_conv_state(",
-    "cache_params.update_recurrent_state(",
+    "{cache}.get_conv_state(self.layer_idx",
+    "{cache}.get_recurrent_state(self.layer_idx",
+    "{cache}.update_conv_state(",
+    "{cache}.update_recurrent_state(",
     "chunk_gated_delta_rule(",
     "initial_state=recurrent_state",
     "apply_mask_to_padding_states(hidden_states, attention_mask)",
 )
+# the cache parameter of a linear-attention layer's forward: transformers 5.24 renamed ``cache_params`` to ``cache``
+_CACHE_PARAMETERS = ("cache", "cache_params")
+
+
+def _own_class(module: torch.nn.Module) -> type:
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
+
+
+@functools.lru_cache(maxsize=None)
+def cache_parameter(cls: type) -> str | None:
+    """The name under which ``cls.forward`` takes its cache (``cache`` or ``cache_params``), from its signature (which
+    transformers' ``deprecate_kwarg`` wrapper keeps through ``__wrapped__``); None when it takes neither."""
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in _CACHE_PARAMETERS if name in params), None)
 
 
 @functools.lru_cache(maxsize=None)
 def _hands_off_class(cls: type) -> bool:
-    """Whether ``cls.forward``'s source makes every call of ``_HAND_OFF_CALLS`` (False when it cannot be read)."""
+    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``_HAND_OFF_CALLS`` on it
+    (False when it cannot be read). The source is read because the calls are the contract; the parameter's name is
+    taken from the signature, so a rename of it does not turn the check into a silent fallback."""
+    name = cache_parameter(cls)
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    return all(call in source for call in _HAND_OFF_CALLS)
+    return name is not None and all(call.format(cache=name) in source for call in _HAND_OFF_CALLS)
 
 
 def hands_off_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a Gated DeltaNet layer whose states grpo_mem can hand from a prompt to its continuations:
     an integer ``layer_idx``, a ``conv_kernel_size``, and a forward that reads and writes its convolution and recurrent
-    states through ``cache_params`` and runs the chunked gated delta rule from the read state."""
+    states through its cache parameter and runs the chunked gated delta rule from the read state."""
     if not isinstance(getattr(module, "layer_idx", None), int):
         return False
     if not isinstance(getattr(module, "conv_kernel_size", None), int):
         return False
-    return _hands_off_class(next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.")))
+    return _hands_off_class(_own_class(module))
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -179,17 +201,17 @@ class LinearContext:
                 by_length.setdefault(self.lengths[b], []).append(b)
         return ([zero] if zero else []) + list(by_length.values())
 
-    def run(self, layer_forward: Callable, layer: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def run(self, layer_call: Callable, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's output (batch, S, H) on the pass's right-padded hidden states ``hidden`` (batch, S, H), zero at
-        padding of node passes; records the final states when ``capture`` is not None. ``layer_forward``: the
-        layer's own forward."""
+        padding of node passes; records the final states when ``capture`` is not None. ``layer_call(x, cache,
+        attention_mask)``: the layer's own forward with its other keyword arguments bound."""
         if self.lengths is None:  # completion pass: every row continues its prompt, no state recorded
             cache = _HandOff(*self._initial(layer, torch.arange(self.batch)))
-            return layer_forward(hidden, cache_params=cache, attention_mask=None, **kwargs)
+            return layer_call(hidden, cache, None)
         groups = self._groups()
         outputs, finals = [], []
         for group in groups:
-            y, cache = self._run_group(layer_forward, layer, hidden, group, kwargs)
+            y, cache = self._run_group(layer_call, layer, hidden, group)
             outputs.append(y)
             finals.append((cache.final_conv, cache.final_recurrent))
         order = torch.tensor([b for group in groups for b in group])
@@ -202,7 +224,7 @@ class LinearContext:
         out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return out.index_select(0, inverse.to(out.device))
 
-    def _run_group(self, layer_forward, layer, hidden, group, kwargs):
+    def _run_group(self, layer_call, layer, hidden, group):
         """One layer call over the rows ``group`` of the pass, left-aligned to their longest (padding masked, so a
         zero state stays zero through it); returns their output right-padded to the pass's width and the cache."""
         device, (S, H) = hidden.device, hidden.shape[1:]
@@ -216,7 +238,7 @@ class LinearContext:
             source = (torch.arange(width)[None, :] - shift).clamp(min=0)
             x = x.gather(1, source.to(device)[..., None].expand(-1, -1, H))
         cache = _HandOff(*self._initial(layer, rows))
-        y = layer_forward(x, cache_params=cache, attention_mask=None if bool(real.all()) else real.to(device), **kwargs)
+        y = layer_call(x, cache, None if bool(real.all()) else real.to(device))
         keep = torch.arange(S)[None, :] < lengths[:, None]
         if not bool(keep.all()) or width != S:
             back = (torch.arange(S)[None, :] + shift).clamp(max=width - 1)
@@ -230,10 +252,12 @@ class LinearContext:
 
 
 def _make_forward(module: torch.nn.Module, original: Callable, lookup: Callable, kwarg: str) -> Callable:
-    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    cache_name = cache_parameter(_own_class(module))
+
+    def forward(hidden_states, *args, **kwargs):
         token = kwargs.pop(kwarg, None)
         if token is None:
-            return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            return original(hidden_states, *args, **kwargs)
         ctx = lookup(token)
         linear = getattr(ctx, "linear", None)
         if not isinstance(linear, LinearContext):
@@ -241,9 +265,15 @@ def _make_forward(module: torch.nn.Module, original: Callable, lookup: Callable,
                 f"grpo_mem: linear-attention layer {module.layer_idx} got context {token!r} without linear-attention "
                 "states (freed before its layer was replayed, or built without them)"
             )
-        if cache_params is not None:
+        if args or any(kwargs.get(name) is not None for name in _CACHE_PARAMETERS):
             raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
-        return linear.run(original, module.layer_idx, hidden_states, kwargs)
+        for name in (*_CACHE_PARAMETERS, "attention_mask"):
+            kwargs.pop(name, None)
+
+        def layer_call(x, cache, attention_mask):
+            return original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
+
+        return linear.run(layer_call, module.layer_idx, hidden_states)
 
     return forward
 

@@ -33,7 +33,9 @@ Which models take this path is decided in ``support.vision_language_reason``. Th
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -213,6 +215,15 @@ def _layout(extras: dict, images: list[int], tiles: list[int] | None, rows: int)
                       if counts is tiles else f"num_images counts {sum(images)} images and the batch has {{}} rows")
             raise ValueError(f"{source.format(sum(counts))} but {name} has {held}")  # fmt: skip
     return spans
+
+
+@functools.lru_cache(maxsize=None)
+def _no_cache(method) -> dict:
+    """The keyword that tells ``method`` (a model class's method) it has no cache: ``cache=None`` from transformers 5.24
+    on (where some models' ``compute_3d_position_ids`` require it), ``past_key_values=None`` before; read from its
+    signature."""
+    params = inspect.signature(method).parameters
+    return {name: None for name in ("cache", "past_key_values") if name in params}
 
 
 def image_token_id(causal_lm) -> int | None:
@@ -570,7 +581,8 @@ class VisionPasses:
             types = self.inputs.mm_token_type_ids if self.multi_axis else None
             self._positions = (None if types is None else self.base.compute_3d_position_ids(
                 input_ids=self.input_ids, image_grid_thw=self.inputs.image_grid_thw, video_grid_thw=None,
-                inputs_embeds=None, attention_mask=self.attention_mask, past_key_values=None, mm_token_type_ids=types,
+                inputs_embeds=None, attention_mask=self.attention_mask, mm_token_type_ids=types,
+                **_no_cache(type(self.base).compute_3d_position_ids),
             ),)  # fmt: skip
         return self._positions[0]
 

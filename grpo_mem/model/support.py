@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops.logprobs import selective_log_softmax
 from . import attention_hook as attn_hook
+from .attention_hook import language_model_of
 from .linear_attention import linear_layers
 
 # RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
@@ -236,21 +237,13 @@ def _positions_reason(config, base) -> str | None:
 # pass holds all of its prompts' image tokens
 _VISION_METHODS = ("get_image_features",)
 _MULTI_AXIS_METHODS = ("get_placeholder_mask", "compute_3d_position_ids")  # called by grpo_mem for M-RoPE models
-_LANGUAGE_MODEL_NAMES = ("language_model", "text_model")
 _VISION_FORWARD_PARAMS = frozenset({"input_ids", "position_ids", "attention_mask", "mm_encoder_outputs"})
-_LANGUAGE_MODEL_ARGS = frozenset({"input_ids", "position_ids", "attention_mask", "past_key_values", "inputs_embeds",
-                                  "use_cache", "return_dict", "visual_pos_masks",
+# (the cache is ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24: both spellings are accepted, as
+# this list is matched against the forward's source text, the one place where no signature says what is handed on)
+_LANGUAGE_MODEL_ARGS = frozenset({"input_ids", "position_ids", "attention_mask", "past_key_values", "cache",
+                                  "inputs_embeds", "use_cache", "return_dict", "visual_pos_masks",
                                   "deepstack_visual_embeds"})  # fmt: skip
 _OWN_POSITIONS = re.compile(r"^\s*position_ids(\[[^\]]*\])? = ", re.MULTILINE)  # assigned, not a keyword
-
-
-def language_model_of(base) -> tuple[str, torch.nn.Module | None]:
-    """(attribute name, module) of the language model (text decoder) of a vision-language base model; ("", None)
-    when it has none."""
-    for name in _LANGUAGE_MODEL_NAMES:
-        if isinstance(getattr(base, name, None), torch.nn.Module):
-            return name, getattr(base, name)
-    return "", None
 
 
 def vision_language_reason(causal_lm) -> str | None:

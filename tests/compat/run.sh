@@ -4,6 +4,12 @@
 #   bash tests/compat/run.sh 1.15.0            # TRL 1.15.0 with transformers 5.23.0 (the version CI uses)
 #   TRANSFORMERS_VERSION=5.10.0 bash tests/compat/run.sh 1.13.0
 #   KEEP_VENV=1 bash tests/compat/run.sh 1.13.0   # keep the venv (printed) for a rerun; COMPAT_VENV=DIR reuses one
+#   COMPAT_TESTS=all TRANSFORMERS_VERSION=5.23.0 bash tests/compat/run.sh 1.16.0   # the whole suite on that release
+#
+# COMPAT_TESTS=all runs the whole suite (the README's test command, slow runs included) in a venv built over this
+# machine's own packages (--system-site-packages: the project installed as the README says, its extension built, the
+# test and cli extras present), with only transformers and trl pinned inside the venv, so that the release under test
+# is the one difference from the machine's own environment. Otherwise:
 #
 # The venv is a fresh one (not --system-site-packages, which would see the TRL installed next to it): torch 2.13.0
 # (CPU wheel), triton, the pinned transformers, trl==TRL_VERSION and the test dependencies (requests too: TRL
@@ -22,6 +28,8 @@ set -uo pipefail
 TRL_VERSION=${1:?usage: tests/compat/run.sh TRL_VERSION}
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.23.0}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+FULL=
+[ "${COMPAT_TESTS:-}" = all ] && FULL=1
 TESTS=${COMPAT_TESTS:-tests/test_patch_trl.py tests/test_group_forward.py tests/test_tree.py tests/test_verify.py tests/test_flash_attention.py tests/test_liger.py}
 VENV=${COMPAT_VENV:-$(mktemp -d -t "grpo-mem-trl-$TRL_VERSION-XXXX")}
 LOG=$VENV/compat.log
@@ -30,7 +38,14 @@ start=$(date +%s)
 cleanup() { [ -n "${KEEP_VENV:-}" ] || [ -n "${COMPAT_VENV:-}" ] || rm -rf "$VENV"; }
 trap cleanup EXIT
 
-if [ ! -x "$VENV/bin/python" ]; then
+if [ ! -x "$VENV/bin/python" ] && [ -n "$FULL" ]; then
+    python3 -m venv --system-site-packages "$VENV" || { echo "compat trl=$TRL_VERSION: could not create a venv"; exit 3; }
+    "$VENV/bin/pip" install -q "transformers==$TRANSFORMERS_VERSION" "trl==$TRL_VERSION" >"$LOG" 2>&1 || {
+        tail -20 "$LOG"
+        echo "compat trl=$TRL_VERSION transformers=$TRANSFORMERS_VERSION: environment could not be built (log above)"
+        exit 3
+    }
+elif [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV" || { echo "compat trl=$TRL_VERSION: could not create a venv"; exit 3; }
     {
         "$VENV/bin/pip" install -q torch==2.13.0 triton==3.9.0 &&
@@ -56,7 +71,11 @@ fi
 
 cd "$REPO" || exit 3
 # -p no:cacheprovider: leave no .pytest_cache behind; the grpo_mem imported is this repository's (editable install)
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" $TESTS 2>&1 | tee "$VENV/pytest.log"
+if [ -n "$FULL" ]; then
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider 2>&1 | tee "$VENV/pytest.log"
+else
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" $TESTS 2>&1 | tee "$VENV/pytest.log"
+fi
 status=${PIPESTATUS[0]}
 summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$VENV/pytest.log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
 echo "compat trl=$TRL_VERSION transformers=$TRANSFORMERS_VERSION${TRITON_INTERPRET:+ TRITON_INTERPRET=1}: ${summary:-no pytest summary} ($(( $(date +%s) - start )) s wall, exit $status)${KEEP_VENV:+ venv $VENV}"
