@@ -79,7 +79,7 @@ OP = "group_logprobs"
 OP_SPLIT = "group_logprobs_split"
 PROVIDERS = ("trl", "full_seq", "grpo_mem")
 ARCH_MODELS = ("gemma3", "gpt-oss", "qwen3.5")
-"""Architecture rows (issue 15): the llama trunk with sliding windows, sinks and experts, or linear attention."""
+"""Architecture rows: the llama trunk with sliding windows, sinks and experts, or linear attention."""
 WORKER = "grpo_mem.bench.group:worker"
 RESULTS = os.path.join(_HERE, "results")
 CSV_PATH = os.path.join(RESULTS, "group.csv")
@@ -94,7 +94,7 @@ last micro-batch's backward), then the same group in one micro-batch for the tim
 
 # --------------------------------------------------------------------------------------------------- parent side
 def sweep_configs(quick: bool = False, full_grid: bool = False) -> list[dict]:
-    """The sweep's configurations (C=64), the issue's target rows (G=16, P ∈ {512, 1024}) first.
+    """The sweep's configurations (C=64), the target rows (G=16, P ∈ {512, 1024}) first.
 
     Default: the G ∈ {4, 8, 16} × P ∈ {256, 512, 1024} grid on ``llama``, the target rows on ``qwen2``, one 2-group
     batch (llama, G=8, P=512), one ``smollm2`` row (G=8, P=256) and the architecture rows (:data:`ARCH_MODELS` at
@@ -208,7 +208,7 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
 
 def split_summary(path: str = CSV_PATH) -> str:
     """grpo_mem on one group split over micro-batches against the same group in one micro-batch: wall and CPU time
-    ratios, and prompt passes per group (issue 4's target: one pass, time ≤ 1.15×)."""
+    ratios, and prompt passes per group (target: one pass, time ≤ 1.15×)."""
     got = {}
     for r in harness.read_csv(path):
         if r["op"] == OP_SPLIT and r["provider"] == "grpo_mem" and r["metric"] in ("wall_time", "cpu_time"):
@@ -225,9 +225,9 @@ def split_summary(path: str = CSV_PATH) -> str:
 
 
 def targets(path: str = CSV_PATH) -> str:
-    """The issue's targets at P ∈ {512, 1024}, C=64, G=16 on the trunk-heavy models (and the architecture rows at
+    """The targets at P ∈ {512, 1024}, C=64, G=16 on the trunk-heavy models (and the architecture rows at
     P=512), as measured: grpo_mem/full_seq
-    over the ideal ratio for time (target ≤ 1.2) and for memory above base (≤ 2 in issue 2, ≤ 1.3 in issue 4)."""
+    over the ideal ratio for time (target ≤ 1.2) and for memory above base (≤ 2×, and ≤ 1.3× for the shared K/V)."""
     idx = _index([r for r in harness.read_csv(path) if r["op"] == OP])
     lines = []
     for (model, G, P, C, groups), d in sorted(idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][2])):
@@ -247,8 +247,8 @@ def targets(path: str = CSV_PATH) -> str:
         lines.append(f"- {model} P={P} G={G} C={C}: ideal ρ={rho:.3f}; wall-time ratio {rt:.3f} = {rt / rho:.2f}× "
                      f"ideal ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2×; CPU-time ratio {rc / rho:.2f}× "
                      f"ideal); memory ratio {rm:.3f} = {rm / rho:.2f}× ideal "
-                     f"({'meets' if rm / rho <= 2 else 'MISSES'} issue 2's ≤ 2×, "
-                     f"{'meets' if rm / rho <= 1.3 else 'misses'} issue 4's ≤ 1.3×)")
+                     f"({'meets' if rm / rho <= 2 else 'MISSES'} ≤ 2×, "
+                     f"{'meets' if rm / rho <= 1.3 else 'misses'} ≤ 1.3×)")
     return "\n".join(lines)
 
 

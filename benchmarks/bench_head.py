@@ -60,7 +60,7 @@ NS = (1024, 4096, 16384)
 HS = (576, 1024)
 VS = (32000, 49152, 151936)
 TARGET = dict(N=4096, H=576, V=49152)
-QWEN7B = dict(N=32768, H=3584, V=152064)  # Qwen2.5-7B's head (issue 8 item 5's shape)
+QWEN7B = dict(N=32768, H=3584, V=152064)  # Qwen2.5-7B's head, the shape of the HBM-traffic estimate
 RSS_BUDGET_MB = 16000.0
 
 

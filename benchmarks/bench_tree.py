@@ -117,7 +117,7 @@ def worker(args: dict) -> dict:
 
 
 def sweep_configs() -> list[dict]:
-    """The issue's configurations: S ∈ {512, 2048}, own parts 32–96 tokens, G=8, C=64, 4 groups per micro-batch,
+    """The tree configurations: S ∈ {512, 2048}, own parts 32–96 tokens, G=8, C=64, 4 groups per micro-batch,
     4 micro-batches per window, on the 8-layer Llama-shaped model (``grpo_mem.bench.presets.BENCH_MODELS["llama"]``)."""
     return [dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=4)
             for S in (512, 2048)]

@@ -1,4 +1,4 @@
-"""One image-prompt group through a Qwen2.5-VL-shaped model: stock TRL 1.16 vs grpo_mem (issue 16, item 5).
+"""One image-prompt group through a Qwen2.5-VL-shaped model: stock TRL 1.16 vs grpo_mem.
 
 The configuration: one prompt of 1 image + 64 text tokens (``<|vision_start|>`` and ``<|vision_end|>`` among them),
 G = 8 completions of C = 64 tokens each (all real, no padding). The image is a 64 x 64 grid of 14 x 14 patches

@@ -390,7 +390,7 @@ def test_triton_kernels_under_interpreter():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# GPU-path defects caught without a GPU (issue 8): launches stubbed out, so these run in the main process
+# GPU-path defects caught without a GPU: launches stubbed out, so these run in the main process
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -432,7 +432,7 @@ def test_every_kernel_launch_enters_the_tensor_device(monkeypatch):
 
 # (name, B, U, Hq, Hkv, C, P, d): one group of G completions per prompt unless U > 1
 REALISTIC = [
-    ("qwen2.5-1.5b", 8, 1, 12, 2, 2048, 512, 128),  # the issue's example: 16 programs before the split
+    ("qwen2.5-1.5b", 8, 1, 12, 2, 2048, 512, 128),  # 16 programs before the split
     ("qwen2.5-1.5b-4prompts", 16, 4, 12, 2, 1024, 256, 128),
     ("llama-3-8b-long-prompt", 16, 1, 32, 8, 256, 5000, 128),
     ("gemma-2-2b", 8, 1, 8, 4, 1024, 512, 256),

@@ -25,7 +25,7 @@ def _tiny_dir(tmp_path, **overrides):
 
 
 # ------------------------------------------------------------------------------------------------------------ flags
-def test_defaults_are_the_issue_shape():
+def test_defaults_are_the_reference_shape():
     a = bench.build_parser().parse_args([])
     assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.groups) == ("smollm2-135m", 512, 64,
                                                                                              8, 1)

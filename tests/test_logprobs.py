@@ -264,7 +264,7 @@ def _masked_linear_case(backend, vocab=700, masked=300):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_masked_vocab_selective_log_softmax(backend, dtype, with_entropy):
     """-inf logits (leading chunks, scattered, trailing, nearly all): finite log-probs, entropies and gradients equal to
-    the reference (issue 8 item 6: -inf - (-inf) and 0 * (-inf) gave NaN)."""
+    the reference (-inf - (-inf) and 0 * (-inf) once gave NaN)."""
     _masked_sls_case(backend, dtype, with_entropy)
 
 
@@ -481,7 +481,7 @@ def test_triton_interpreter_deterministic():
 
 def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
     """device_map over several GPUs: Triton launches on the current device, so every launch of a head kernel must run
-    inside launch_device(<its tensors>) (issue 8 item 2). The kernels are replaced by recorders of the device entered
+    inside launch_device(<its tensors>). The kernels are replaced by recorders of the device entered
     at launch time (no kernel runs), launch_device by one that records what it is entered with."""
     pytest.importorskip("triton")
     from grpo_mem.ops import logprobs_triton as tri

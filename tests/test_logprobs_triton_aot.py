@@ -140,7 +140,7 @@ def test_aot_compiles_without_spills(name, dtype, arch):
 
 @pytest.mark.parametrize("name", list(tri.KERNELS))
 def test_no_i32_pointer_offsets(name):
-    """No scalar 32-bit product reaches a pointer offset in any head kernel's TTIR (issue 8 item 3: such an offset,
+    """No scalar 32-bit product reaches a pointer offset in any head kernel's TTIR (such an offset,
     e.g. ``split * V_PER_SPLIT`` or ``pid * BLOCK_V`` before a widening, wraps past 2**31 elements on the GPU)."""
     b = runtime_build(name, "bf16")
     bad = aot.i32_pointer_offsets(aot.ttir(b["fn"], b["signature"], b["constexprs"], attrs=b["attrs"]))
@@ -168,7 +168,7 @@ BWD_KERNELS = [n for n in tri.KERNELS if n.startswith("linear_logprobs_bwd")]
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", BWD_KERNELS)
 def test_backward_stores_each_output_once(name, dtype):
-    """Issue 8 item 5: no backward kernel round-trips an output (an fp32 d_hidden / d_weight slab) through HBM per
+    """No backward kernel round-trips an output (an fp32 d_hidden / d_weight slab) through HBM per
     tile: every tt.store is outside the kernel's loops (the output tile is reduced in registers and stored once), and
     no atomics (deterministic)."""
     b = runtime_build(name, dtype)
@@ -287,8 +287,8 @@ def test_slab_reuse_is_ordered_by_a_barrier(name, dtype, arch):
     """Memory a backward kernel both loads and stores (the old fused kernels' per-tile fp32 slabs; now the fp32
     d_hidden accumulator, loaded as DH_ACC and stored as DH_OUT, the same tensor between chunks): when the build loads
     it in one layout and stores it in another, an element may be stored by another thread than the one that loaded
-    it, so the store must wait for the CTA's loads: the barrier (ttg.barrier in the TTGIR, from tl.debug_barrier)
-    that issue 8 item 10 asks for."""
+    it, so the store must wait for the CTA's loads: a barrier (ttg.barrier in the TTGIR, from tl.debug_barrier)
+    between them."""
     from triton.backends.compiler import GPUTarget
 
     b = runtime_build(name, dtype)

@@ -23,7 +23,7 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
   fuses these GEMMs into the d_logits kernel with atomic adds instead; this keeps the exact, deterministic default.
 - ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
 
-HBM traffic of the backward (issue 8 item 5; estimate, not measured; README "Triton head kernels"), N=32768, H=3584,
+HBM traffic of the backward (estimate, not measured; README "Triton head kernels"), N=32768, H=3584,
 V=152064, bf16, H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s: NVIDIA datasheet); one GEMM pass 2*N*V*H = 35.7 TFLOP
 = 36 ms. Before (fused kernels with per-tile fp32 slabs): the d_hidden slab moved N*H*8 B * V/128 = 1.12 TB (333 ms),
 the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms), against 4 GEMM passes (144 ms). Now (10 chunks of 15232):
