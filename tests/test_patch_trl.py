@@ -3,6 +3,7 @@ shuffling, and the patch mechanics. Log-probs are compared where the completion 
 non-zero values at masked positions, grpo_mem and TRL 1.15+ zeros; the loss never reads them)."""
 
 import inspect
+import re
 import warnings
 
 import pytest
@@ -340,3 +341,50 @@ def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_devi
     assert logged["grpo_mem/path/tree"] == 1.0 and logged["grpo_mem/path/stock"] == 0.0
     assert_grads_close(record.grads[0], stock_rec.grads[0], 1e-4)
 
+
+def _lora(p):
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=p, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           init_lora_weights=False)  # fmt: skip
+
+
+# (model and trainer arguments, the dropout the fallback names or None: the prompt-once path serves it)
+DROPOUT = {
+    "lora-dropout": (dict(peft_config=lambda: _lora(0.1)), r"lora_dropout\.default: Dropout\(p=0\.1\)"),
+    "phi3-resid-pdrop": (dict(arch="phi3", model_args=dict(resid_pdrop=0.1)), r"resid_attn_dropout: Dropout\(p=0\.1\)"),
+    # functional dropout with a probability the module keeps: TRL's disable_dropout leaves it, stock still drops
+    "starcoder2-residual-dropout-disabled": (
+        dict(arch="starcoder2", model_args=dict(residual_dropout=0.1), disable_dropout=True),
+        r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1"),
+    "lora-dropout-disabled": (dict(peft_config=lambda: _lora(0.1), disable_dropout=True), None),
+    "phi3-resid-pdrop-disabled": (dict(arch="phi3", model_args=dict(resid_pdrop=0.1), disable_dropout=True), None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DROPOUT)
+def test_active_dropout_falls_back_by_name_with_stock_numbers(tmp_path, case):
+    """Dropout with p > 0 in training (LoRA's lora_dropout, Phi-3's residual nn.Dropout, Starcoder2's functional
+    residual dropout): every micro-batch falls back naming it, and training equals stock TRL under the same seed
+    bit for bit (the same dropout draws). With TRL's disable_dropout=True (nn.Dropout p set to 0) the prompt-once
+    path is taken and matches stock."""
+    from grpo_mem.model.support import recording_fallbacks
+
+    options, cause = DROPOUT[case]
+    args = dict(max_steps=1, gradient_accumulation_steps=2, optim="sgd")
+    args.update({k: v() if callable(v) else v for k, v in options.items()})
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
+    with recording_fallbacks() as causes:
+        ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, **args)
+    paths = [h["grpo_mem/path/stock"] for h in ours.state.log_history if "grpo_mem/path/stock" in h]
+    assert _losses(ours) == pytest.approx(_losses(stock), abs=0 if cause else 1e-6)
+    if cause is not None:
+        assert causes and all(re.search(cause, c) for c in causes), causes
+        assert paths == [1.0]
+        for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+            assert all(torch.equal(g_ours[n], g) for n, g in g_stock.items())
+        assert_weights_close(ours.model, stock.model, 0.0)
+    else:
+        assert not causes and paths == [0.0]
+        for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+            assert_grads_close(g_ours, g_stock, 1e-4)
+        assert_weights_close(ours.model, stock.model, 1e-5)
