@@ -254,9 +254,10 @@ def length_reward(completions, **kwargs):
 
 
 def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="llama", output_dir, prompts=PROMPTS,
-                 sharing="tree", model_args=None, **args):  # fmt: skip
+                 sharing="tree", model_args=None, peft_config=None, **args):  # fmt: skip
     """A tiny GRPOTrainer/RLOOTrainer on CPU: a random ``tiny_model(arch, **model_args)`` (Llama with a tied head by
-    default), character tokenizer, string prompts (default: the 8 of ``PROMPTS``)."""
+    default), character tokenizer, string prompts (default: the 8 of ``PROMPTS``), the trainer's PEFT adapter from
+    ``peft_config`` if given. ``group_shuffle=None`` patches with ``patch_trl``'s default."""
     from datasets import Dataset
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -285,8 +286,10 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="
     trainer = trainer_cls(
         model=model_dir, reward_funcs=length_reward, args=config_cls(**defaults),
         train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=char_tokenizer(),
+        **({} if peft_config is None else {"peft_config": peft_config}),
     )  # fmt: skip
-    handle = grpo_mem.patch_trl(trainer, group_shuffle=group_shuffle, sharing=sharing) if patch else None
+    options = dict(sharing=sharing) if group_shuffle is None else dict(sharing=sharing, group_shuffle=group_shuffle)
+    handle = grpo_mem.patch_trl(trainer, **options) if patch else None
     return trainer, handle
 
 
@@ -303,9 +306,9 @@ class GradientRecorder(TrainerCallback):
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
-def train_recorded(tmp_path, kind, patch, group_shuffle=False, **args):
-    """Train a ``make_trainer`` trainer (patched if ``patch``; reverted afterwards); returns it and its
-    ``GradientRecorder``."""
+def train_recorded(tmp_path, kind, patch, group_shuffle=None, **args):
+    """Train a ``make_trainer`` trainer (patched if ``patch``, ``group_shuffle=None``: with ``patch_trl``'s default;
+    reverted afterwards); returns it and its ``GradientRecorder``."""
     trainer, handle = make_trainer(kind, patch=patch, group_shuffle=group_shuffle, output_dir=tmp_path, **args)
     record = GradientRecorder()
     trainer.add_callback(record)

@@ -1,5 +1,6 @@
 """grpo_mem.shared_prompt_logprobs against TRL 1.16's own _get_per_token_logps_and_entropies, fp32."""
 
+import re
 import warnings
 
 import pytest
@@ -255,3 +256,32 @@ def test_restore_unregisters_the_hook_once_unused(monkeypatch):
     assert "grpo_mem_test_impl" not in ALL_ATTENTION_FUNCTIONS
     assert "grpo_mem_test_impl" not in ALL_MASK_ATTENTION_FUNCTIONS
     assert all(m.config._attn_implementation == "test_impl" for m in models)
+
+
+@pytest.mark.parametrize("arch, overrides, lora, named", [
+    ("llama", {}, 0.1, r"lora_dropout\.default: Dropout\(p=0\.1\)"),
+    ("phi3", dict(resid_pdrop=0.1), 0.0, r"resid_attn_dropout: Dropout\(p=0\.1\)"),
+    ("starcoder2", dict(residual_dropout=0.1), 0.0,
+     r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1"),
+], ids=["lora", "phi3", "starcoder2-functional"])  # fmt: skip
+def test_active_dropout_is_named(arch, overrides, lora, named):
+    """Dropout with p > 0 in a module in training mode is a named fallback cause: a dropout module (PEFT's
+    lora_dropout, Phi-3's residual nn.Dropout) until TRL's disable_dropout_in_model sets its p to 0; a probability
+    the forward reads for functional dropout (Starcoder2's residual dropout) also after it. Not in eval mode."""
+    from trl.trainer.utils import disable_dropout_in_model
+
+    from grpo_mem.model.support import unsupported_reason
+
+    model = tiny_model(arch, **overrides)
+    if lora:
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(r=4, lora_dropout=lora, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(model, config).get_base_model()
+    model.train()
+    assert unsupported_reason(model) is not None and re.search(named, unsupported_reason(model))
+    model.eval()
+    assert unsupported_reason(model) is None
+    model.train()
+    disable_dropout_in_model(model)
+    reason = unsupported_reason(model)
+    assert reason is None if "forward reads" not in named else re.search(named, reason)

@@ -3,11 +3,13 @@ shuffling, and the patch mechanics. Log-probs are compared where the completion 
 non-zero values at masked positions, grpo_mem and TRL 1.15+ zeros; the loss never reads them)."""
 
 import inspect
+import re
 import warnings
 
 import pytest
 import torch
-from helpers import GradientRecorder, assert_close, assert_grads_close, make_batch, make_trainer, train_recorded
+from helpers import (GradientRecorder, assert_close, assert_grads_close, assert_weights_close, make_batch, make_trainer,
+                     train_recorded)
 
 import grpo_mem
 from grpo_mem.patches.checks import LOGPS_METHOD, PREPARE_METHOD
@@ -32,11 +34,17 @@ def _loss_and_grads(trainer, inputs):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_compute_loss_matches_stock(tmp_path, loss_type, beta):
+# every loss type of TRL 1.16 at its own importance-sampling level (GSPO: grpo at the sequence level); the four
+# classic ones with and without a reference model, the others with one
+LOSSES = [(t, "token", beta) for t in ("grpo", "dapo", "dr_grpo", "bnpo") for beta in (0.0, 0.04)] + [
+    ("cispo", "token", 0.04), ("sapo", "token", 0.04), ("vespo", "token", 0.04), ("luspo", "sequence", 0.04),
+    ("grpo", "sequence", 0.04)]  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_type,level,beta", LOSSES, ids=[f"{t}-{lv}-{b}" for t, lv, b in LOSSES])
+def test_compute_loss_matches_stock(tmp_path, loss_type, level, beta):
     trainer, _ = make_trainer(output_dir=tmp_path, loss_type=loss_type, beta=beta, per_device_train_batch_size=8,
-                              steps_per_generation=1, num_iterations=2)  # fmt: skip
+                              steps_per_generation=1, num_iterations=2, importance_sampling_level=level)  # fmt: skip
     inputs = trainer._prepare_inputs(_generation_batch(trainer))  # stock inputs: old and reference log-probs
     assert inputs["old_per_token_logps"] is not None and (beta == 0) == (inputs.get("ref_per_token_logps") is None)
     stock_loss, stock_grads = _loss_and_grads(trainer, inputs)
@@ -106,9 +114,45 @@ def test_two_step_training_matches_stock(tmp_path, kind):
         assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
 
 
+# objectives that depend on which rows share a micro-batch or an optimizer step, groups of 4 split over micro-batches
+# (completions of up to 24 tokens end at different lengths, so per-micro-batch token counts differ)
+ORDER_SENSITIVE = {
+    "bnpo-micro-batches-of-3": dict(loss_type="bnpo", per_device_train_batch_size=3, gradient_accumulation_steps=4,
+                                    max_completion_length=24),
+    "entropy-mask": dict(top_entropy_quantile=0.5, per_device_train_batch_size=2, gradient_accumulation_steps=4),
+    "entropy-bonus": dict(entropy_coef=0.1, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                          max_completion_length=24),
+    "steps-per-generation-2": dict(steps_per_generation=2, gradient_accumulation_steps=1, max_steps=2),
+}  # fmt: skip
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("case", ORDER_SENSITIVE)
+def test_default_order_trains_like_stock(tmp_path, case):
+    """``patch_trl``'s defaults keep stock TRL's row order: BNPO's per-micro-batch token normalisation, the
+    per-micro-batch entropy quantile (``top_entropy_quantile``), the entropy bonus and rows split over optimizer steps
+    (``steps_per_generation`` > accumulation) give stock's losses, gradients and weights, prompts still forwarded once
+    per optimizer step. ``group_shuffle=True`` changes the entropy-masked objective."""
+    args = {"max_steps": 1, "optim": "sgd", **ORDER_SENSITIVE[case]}
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
+    ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, **args)
+    assert _losses(ours) == pytest.approx(_losses(stock), abs=1e-6) and len(_losses(stock)) == args["max_steps"]
+    assert all(h["grpo_mem/path/stock"] < 1 for h in ours.state.log_history if "grpo_mem/path/stock" in h)
+    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+        assert_grads_close(g_ours, g_stock, 1e-4)
+    assert_weights_close(ours.model, stock.model, 1e-5)
+    if case == "entropy-mask":
+        grouped, _ = train_recorded(tmp_path / "grouped", "grpo", patch=True, group_shuffle=True, **args)
+        assert abs(_losses(grouped)[0] - _losses(stock)[0]) > 1e-2
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
 def test_group_shuffle_keeps_rows_and_step_gradient(tmp_path, loss_type):
-    """Whole groups per micro-batch; the optimizer step's gradient equals stock's row-shuffled one."""
+    """``group_shuffle=True``: whole groups per micro-batch; for these losses (normalised per sequence, by a constant
+    or by the whole window's tokens) the optimizer step's gradient equals stock's row-shuffled one."""
     args = dict(max_steps=1, gradient_accumulation_steps=2, loss_type=loss_type)
     seen = []
     stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
@@ -296,3 +340,51 @@ def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_devi
     assert logged["grpo_mem/stock_tokens"] == pytest.approx(per_device * (P + C))
     assert logged["grpo_mem/path/tree"] == 1.0 and logged["grpo_mem/path/stock"] == 0.0
     assert_grads_close(record.grads[0], stock_rec.grads[0], 1e-4)
+
+
+def _lora(p):
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=p, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           init_lora_weights=False)  # fmt: skip
+
+
+# (model and trainer arguments, the dropout the fallback names or None: the prompt-once path serves it)
+DROPOUT = {
+    "lora-dropout": (dict(peft_config=lambda: _lora(0.1)), r"lora_dropout\.default: Dropout\(p=0\.1\)"),
+    "phi3-resid-pdrop": (dict(arch="phi3", model_args=dict(resid_pdrop=0.1)), r"resid_attn_dropout: Dropout\(p=0\.1\)"),
+    # functional dropout with a probability the module keeps: TRL's disable_dropout leaves it, stock still drops
+    "starcoder2-residual-dropout-disabled": (
+        dict(arch="starcoder2", model_args=dict(residual_dropout=0.1), disable_dropout=True),
+        r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1"),
+    "lora-dropout-disabled": (dict(peft_config=lambda: _lora(0.1), disable_dropout=True), None),
+    "phi3-resid-pdrop-disabled": (dict(arch="phi3", model_args=dict(resid_pdrop=0.1), disable_dropout=True), None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DROPOUT)
+def test_active_dropout_falls_back_by_name_with_stock_numbers(tmp_path, case):
+    """Dropout with p > 0 in training (LoRA's lora_dropout, Phi-3's residual nn.Dropout, Starcoder2's functional
+    residual dropout): every micro-batch falls back naming it, and training equals stock TRL under the same seed
+    bit for bit (the same dropout draws). With TRL's disable_dropout=True (nn.Dropout p set to 0) the prompt-once
+    path is taken and matches stock."""
+    from grpo_mem.model.support import recording_fallbacks
+
+    options, cause = DROPOUT[case]
+    args = dict(max_steps=1, gradient_accumulation_steps=2, optim="sgd")
+    args.update({k: v() if callable(v) else v for k, v in options.items()})
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
+    with recording_fallbacks() as causes:
+        ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, **args)
+    paths = [h["grpo_mem/path/stock"] for h in ours.state.log_history if "grpo_mem/path/stock" in h]
+    assert _losses(ours) == pytest.approx(_losses(stock), abs=0 if cause else 1e-6)
+    if cause is not None:
+        assert causes and all(re.search(cause, c) for c in causes), causes
+        assert paths == [1.0]
+        for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+            assert all(torch.equal(g_ours[n], g) for n, g in g_stock.items())
+        assert_weights_close(ours.model, stock.model, 0.0)
+    else:
+        assert not causes and paths == [0.0]
+        for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+            assert_grads_close(g_ours, g_stock, 1e-4)
+        assert_weights_close(ours.model, stock.model, 1e-5)

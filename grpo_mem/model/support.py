@@ -328,10 +328,60 @@ def _reentrant_checkpointing(model) -> bool:
     return False
 
 
+# dropout modules (TRL's ``disable_dropout=True`` sets the ``p`` of every ``nn.Dropout`` to 0, PEFT's ``lora_dropout``
+# included), and probabilities a forward reads from its module or config for functional dropout, attention dropout
+# or layer drop (``nn.functional.dropout(x, p=self.resid_pdrop, training=self.training)``; TRL leaves those alone)
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                    torch.nn.FeatureAlphaDropout)  # fmt: skip
+_DROP_READ = re.compile(r"\bself\.(config\.)?(\w*drop\w*)")
+
+
+@functools.lru_cache(maxsize=None)
+def _drop_reads(cls: type) -> tuple[tuple[str, str], ...]:
+    """The (``"config."`` or "", name) of every ``self.<name>`` / ``self.config.<name>`` whose name holds "drop"
+    that ``cls.forward`` reads."""
+    return tuple(sorted(set(_DROP_READ.findall(_forward_source(cls)))))
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def dropout_reason(causal_lm) -> str | None:
+    """Why dropout makes the prompt-once path differ from stock for ``causal_lm`` in its current mode, or None.
+
+    Stock forwards every row's prompt and draws a dropout mask per row; a prompt forwarded once for its group draws
+    one mask that every completion of the group shares: the same expectation over masks, other draws, other numbers.
+    So any dropout active in a module in training mode falls back: a dropout module with ``p > 0`` (``nn.Dropout``
+    and its variants, any ``*Dropout`` class with a ``p``; PEFT's ``lora_dropout``), or a positive probability a
+    module's forward reads as ``self.<name>`` or ``self.config.<name>`` with "drop" in the name (functional residual
+    or hidden dropout, attention dropout, layer drop). The cause names the module and the value.
+    """
+    for name, module in causal_lm.named_modules():
+        if not module.training:
+            continue
+        cls = type(module)
+        if isinstance(module, _DROPOUT_MODULES) or cls.__name__.endswith("Dropout"):
+            p = getattr(module, "p", None)
+            if _positive(p):
+                return (f"dropout is active in training ({name}: {cls.__name__}(p={p:g})); stock draws a mask per "
+                        f"row, a prompt forwarded once would share one across its group (TRL's disable_dropout=True "
+                        f"sets nn.Dropout p to 0)")  # fmt: skip
+            continue
+        for config, attr in _drop_reads(cls):
+            owner = getattr(module, "config", None) if config else module
+            value = getattr(owner, attr, None)
+            if _positive(value):
+                return (f"dropout is active in training ({name or cls.__name__}: {cls.__name__}.forward reads "
+                        f"self.{config}{attr} = {value:g}); stock draws a mask per row, a prompt forwarded once would "
+                        f"share one across its group (TRL's disable_dropout leaves it)")  # fmt: skip
+    return None
+
+
 def unsupported_reason(causal_lm) -> str | None:
     """Why the prompt-once path cannot be exact for ``causal_lm`` (an unwrapped transformers causal LM), or None:
-    ``architecture_reason``, then what depends on its current state (attention implementation, active dropout,
-    reentrant checkpointing)."""
+    ``architecture_reason``, then what depends on its current state (attention implementation, active dropout:
+    ``dropout_reason``, reentrant checkpointing)."""
     reason = architecture_reason(causal_lm)
     if reason is not None:
         return reason
@@ -345,6 +395,9 @@ def unsupported_reason(causal_lm) -> str | None:
                 return f"eager attention of {type(module).__name__} is not its modeling file's eager_attention_forward"
     if causal_lm.training and getattr(config, "attention_dropout", 0.0):
         return "attention dropout is active"
+    reason = dropout_reason(causal_lm)
+    if reason is not None:
+        return reason
     if _reentrant_checkpointing(causal_lm):
         return "reentrant gradient checkpointing drops gradients of tensors passed as kwargs"
     return None

@@ -12,9 +12,10 @@ on TRL 1.10-1.13 a third, are replaced by reference, on the class or on one trai
   returned per chunk as TRL computes it (``grpo_mem.model.router``). For the policy's training
   micro-batches, the decision's token counts and path go into TRL's logged metrics (``grpo_mem/...``).
 - ``_prepare_inputs``: TRL shuffles the generation batch row by row before splitting it into micro-batches, so a
-  micro-batch rarely holds two completions of one prompt. During this method only (with ``group_shuffle``), the
-  module's ``shuffle_sequence_dict`` is replaced by a group-aware shuffle (whole groups in random order, rows in
-  random order within each group); the same rows reach training, each exactly once. It also opens the session's
+  micro-batch rarely holds two completions of one prompt. Only with ``group_shuffle=True`` (not the default: it
+  changes objectives that depend on which rows share a micro-batch), during this method only, the module's
+  ``shuffle_sequence_dict`` is replaced by a group-aware shuffle (whole groups in random order, rows in random order
+  within each group); the same rows reach training, each exactly once. It also opens the session's
   window (the micro-batches up to the end of the gradient-accumulation window), so a prompt spread over several of
   them is forwarded and backpropagated once.
 - ``_get_last_hidden_state`` (TRL 1.10-1.13, ``use_liger_kernel=True``): ``compute_liger_loss`` takes the policy's
@@ -342,15 +343,20 @@ def _default_targets():
     return [trl.GRPOTrainer, trl.RLOOTrainer]
 
 
-def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree") -> PatchHandle:
+def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree") -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
     Args:
         target: None patches the classes ``trl.GRPOTrainer`` and ``trl.RLOOTrainer``; a trainer class patches that
             class; a trainer instance patches only that instance.
-        group_shuffle: make the generation-batch shuffle group-aware, so micro-batches hold whole groups. Either
-            way, a prompt whose completions are spread over the micro-batches of one optimizer step is forwarded
-            once (``SharingSession``).
+        group_shuffle: False (default): TRL's own row shuffle, so every micro-batch and optimizer step holds the
+            rows stock TRL gives it; a prompt whose completions are spread over the micro-batches of one optimizer
+            step is still forwarded once (``SharingSession``). True: shuffle the generation batch by whole groups,
+            so micro-batches hold whole groups. The same rows train, each once, but which rows share a micro-batch or
+            an optimizer step changes, and with it every objective that depends on that: BNPO's per-micro-batch
+            token normalisation, ``top_entropy_quantile``'s per-micro-batch quantile, the entropy bonus's
+            per-micro-batch mean, and rows split over optimizer steps (``steps_per_generation`` > gradient
+            accumulation).
         sharing: ``"tree"``: a span shared by several prompts of an optimizer step (system prompt, few-shot block)
             is forwarded once per step and each prompt's own part once, at positions that keep stock TRL's position
             differences; ``"group"``: each unique prompt is forwarded whole, once per step. Sharded ranks in lockstep

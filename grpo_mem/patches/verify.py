@@ -324,8 +324,8 @@ def _check_batch(batch) -> dict:
 
 def _trainer_batch(trainer) -> dict:
     """The first generation batch of the trainer's training dataloader, generated and scored by the trainer's own
-    ``_generate_and_score_completions``, rows ordered as ``patch_trl`` orders them (whole groups, unless the
-    trainer's active patch was made with ``group_shuffle=False``: then TRL's own row shuffle)."""
+    ``_generate_and_score_completions``, rows ordered as ``patch_trl`` orders them (TRL's own row shuffle, or whole
+    groups when the trainer's active patch was made with ``group_shuffle=True``)."""
     accelerator = trainer.accelerator
     n_loaders = len(getattr(accelerator, "_dataloaders", []))
     saved = {}
@@ -342,7 +342,7 @@ def _trainer_batch(trainer) -> dict:
         if hasattr(accelerator, "_dataloaders"):
             del accelerator._dataloaders[n_loaders:]
     handle = active_handle(trainer)
-    if handle is None or handle.group_shuffle:
+    if handle is not None and handle.group_shuffle:
         return group_shuffle(batch, trainer.args.per_device_train_batch_size)
     module = sys.modules[type(trainer).__module__]
     return module.shuffle_sequence_dict(batch) if hasattr(module, "shuffle_sequence_dict") else batch
