@@ -263,11 +263,14 @@ def test_restore_unregisters_the_hook_once_unused(monkeypatch):
     ("phi3", dict(resid_pdrop=0.1), 0.0, r"resid_attn_dropout: Dropout\(p=0\.1\)"),
     ("starcoder2", dict(residual_dropout=0.1), 0.0,
      r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1"),
-], ids=["lora", "phi3", "starcoder2-functional"])  # fmt: skip
+    ("mixtral", dict(router_jitter_noise=0.1, num_local_experts=2, num_experts_per_tok=1), 0.0,
+     r"MixtralSparseMoeBlock\.forward reads self\.jitter_noise = 0\.1"),
+], ids=["lora", "phi3", "starcoder2-functional", "mixtral-router-jitter"])  # fmt: skip
 def test_active_dropout_is_named(arch, overrides, lora, named):
     """Dropout with p > 0 in a module in training mode is a named fallback cause: a dropout module (PEFT's
     lora_dropout, Phi-3's residual nn.Dropout) until TRL's disable_dropout_in_model sets its p to 0; a probability
-    the forward reads for functional dropout (Starcoder2's residual dropout) also after it. Not in eval mode."""
+    the forward reads for functional dropout (Starcoder2's residual dropout) or noise (Mixtral's router jitter) also
+    after it. Not in eval mode."""
     from trl.trainer.utils import disable_dropout_in_model
 
     from grpo_mem.model.support import unsupported_reason

@@ -330,16 +330,17 @@ def _reentrant_checkpointing(model) -> bool:
 
 # dropout modules (TRL's ``disable_dropout=True`` sets the ``p`` of every ``nn.Dropout`` to 0, PEFT's ``lora_dropout``
 # included), and probabilities a forward reads from its module or config for functional dropout, attention dropout
-# or layer drop (``nn.functional.dropout(x, p=self.resid_pdrop, training=self.training)``; TRL leaves those alone)
+# or layer drop (``nn.functional.dropout(x, p=self.resid_pdrop, training=self.training)``; TRL leaves those alone), and
+# MoE router jitter (Mixtral's ``self.jitter_noise``: a random factor per token in training, drawn per row by stock)
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
                     torch.nn.FeatureAlphaDropout)  # fmt: skip
-_DROP_READ = re.compile(r"\bself\.(config\.)?(\w*drop\w*)")
+_DROP_READ = re.compile(r"\bself\.(config\.)?(\w*(?:drop|jitter)\w*)")
 
 
 @functools.lru_cache(maxsize=None)
 def _drop_reads(cls: type) -> tuple[tuple[str, str], ...]:
-    """The (``"config."`` or "", name) of every ``self.<name>`` / ``self.config.<name>`` whose name holds "drop"
-    that ``cls.forward`` reads."""
+    """The (``"config."`` or "", name) of every ``self.<name>`` / ``self.config.<name>`` whose name holds "drop" or
+    "jitter" that ``cls.forward`` reads."""
     return tuple(sorted(set(_DROP_READ.findall(_forward_source(cls)))))
 
 
@@ -355,7 +356,7 @@ def dropout_reason(causal_lm) -> str | None:
     So any dropout active in a module in training mode falls back: a dropout module with ``p > 0`` (``nn.Dropout``
     and its variants, any ``*Dropout`` class with a ``p``; PEFT's ``lora_dropout``), or a positive probability a
     module's forward reads as ``self.<name>`` or ``self.config.<name>`` with "drop" in the name (functional residual
-    or hidden dropout, attention dropout, layer drop). The cause names the module and the value.
+    or hidden dropout, attention dropout, layer drop, MoE router jitter). The cause names the module and the value.
     """
     for name, module in causal_lm.named_modules():
         if not module.training:
@@ -372,9 +373,9 @@ def dropout_reason(causal_lm) -> str | None:
             owner = getattr(module, "config", None) if config else module
             value = getattr(owner, attr, None)
             if _positive(value):
-                return (f"dropout is active in training ({name or cls.__name__}: {cls.__name__}.forward reads "
-                        f"self.{config}{attr} = {value:g}); stock draws a mask per row, a prompt forwarded once would "
-                        f"share one across its group (TRL's disable_dropout leaves it)")  # fmt: skip
+                return (f"dropout or noise is active in training ({name or cls.__name__}: {cls.__name__}.forward "
+                        f"reads self.{config}{attr} = {value:g}); stock draws it per row, a prompt forwarded once "
+                        f"would share one draw across its group (TRL's disable_dropout leaves it)")  # fmt: skip
     return None
 
 
