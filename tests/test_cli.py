@@ -118,7 +118,8 @@ def test_make_task_rejects_bad_input():
     "kwargs, match",
     [
         ({"num_generations": 3}, "16 must be a multiple of num_generations = 3"),
-        ({"num_generations": 1}, "num_generations must be >= 2"),
+        ({"num_generations": 1}, "num_generations must be an int >= 2 .*, got 1"),
+        ({"num_generations": 0}, "num_generations must be an int >= 2 .*, got 0"),
         ({"steps": 0}, "steps must be an int >= 1, got 0"),
         ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
         ({"learning_rate": -1e-5}, "learning_rate must be > 0"),
@@ -445,6 +446,17 @@ def test_flags_come_from_the_settings_dataclass(capsys):
         (["--num-generations", "3"], "16 must be a multiple of num_generations = 3"),
         (["--temperature", "0"], "temperature must be > 0, got 0.0"),
         (["--steps", "1", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--num-generations", "0"], "argument --num-generations: expected an integer >= 2, got 0"),
+        (["--num-generations", "1"], "argument --num-generations: expected an integer >= 2, got 1"),
+        # TRL's GRPOConfig built from the flags, before anything is loaded (the model directory does not exist)
+        (["--model", "/nonexistent", "--extra", '{"nope": 1}'], "error: --extra: 'nope' is not a GRPOConfig option\n"),
+        (["--extra", '{"temprature": 1, "zz": 2}'],
+         "--extra: 'temprature', 'zz' are not GRPOConfig options ('temprature': did you mean 'temperature'?)"),
+        (["--model", "/nonexistent", "--loss-type", "nonsense"],
+         "error: loss_type must be one of TRL's grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'nonsense'"),
+        (["--extra", '{"loss_type": "nonsense"}'], "got 'nonsense'"),
+        (["--compare", "--extra", '{"num_generations": 1}'],
+         "GRPOConfig rejects these options: GRPO requires at least 2 generations per prompt"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
@@ -455,6 +467,8 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: grpo-mem train") and message in err, err
+    error = err[err.index("grpo-mem train: error: "):]
+    assert error.count("\n") == 1 and error.endswith("\n"), err  # one line after the usage, no traceback
 
 
 def test_cli_commands(capsys):

@@ -197,6 +197,46 @@ def test_patch_is_idempotent_and_reverts_exactly():
     assert GRPOTrainer.__dict__[LOGPS_METHOD] is before[GRPOTrainer][LOGPS_METHOD]
 
 
+def test_patching_again_with_other_options_repatches(tmp_path):
+    """patch_trl again on the same trainer with other options re-patches it (the same handle, the new options, a
+    session in the new mode: the next micro-batch takes the group path, its log-probs still stock TRL's)."""
+    trainer, handle = make_trainer(patch=True, output_dir=tmp_path, sharing="tree", group_shuffle=True)
+    ids, mask, C, _ = make_batch([4, 6], 2, 3)
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        assert handle.sessions[trainer].last_decision.path == "tree"
+        assert grpo_mem.patch_trl(trainer, sharing="group", group_shuffle=False) is handle
+        assert (handle.sharing, handle.group_shuffle, handle.active) == ("group", False, True)
+        assert trainer not in handle.sessions  # the tree session is gone
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        assert handle.sessions[trainer].mode == "group" and handle.sessions[trainer].last_decision.path == "group"
+        handle.revert()
+        stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    assert_close(ours * mask[:, -C:], stock * mask[:, -C:], 1e-5)
+
+
+def test_other_options_are_refused_where_they_cannot_apply():
+    """Mid-step (a sharing window open) and on an instance of a patched class, other options raise ValueError
+    naming both values; the same options return the active handle."""
+    from trl import GRPOTrainer
+
+    ids, mask, _, _ = make_batch([4, 6], 2, 3)
+    with grpo_mem.patch_trl(GRPOTrainer, sharing="tree", group_shuffle=True) as handle:
+        instance = object.__new__(GRPOTrainer)  # no __init__: patch_trl only reads the class's methods here
+        assert grpo_mem.patch_trl(instance, sharing="tree", group_shuffle=True) is handle
+        match = r"covered by the patch of GRPOTrainer.*sharing='tree', got sharing='group'"
+        with pytest.raises(ValueError, match=match):
+            grpo_mem.patch_trl(instance, sharing="group", group_shuffle=True)
+        session = handle.session(instance)
+        session.begin_window(None, [ids[:, :6]], [mask[:, :6]])
+        with pytest.raises(ValueError, match=r"group_shuffle=True, got group_shuffle=False.*window is open"):
+            grpo_mem.patch_trl(GRPOTrainer, sharing="tree", group_shuffle=False)
+        assert (handle.sharing, handle.group_shuffle) == ("tree", True) and handle.sessions[instance] is session
+        session.close_window()
+        assert grpo_mem.patch_trl(GRPOTrainer, sharing="group", group_shuffle=True) is handle
+        assert handle.sharing == "group" and not handle.sessions
+
+
 def test_instance_patch_touches_only_the_instance(tmp_path):
     """Patching one trainer leaves the class alone; after the model was scored through grpo_mem (its forward and
     attention implementation taken over), revert gives the model both back."""

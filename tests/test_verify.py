@@ -11,6 +11,7 @@ from grpo_mem.model import support
 from grpo_mem.model import window as window_module
 from grpo_mem.model.sharing import UNSHARED
 from grpo_mem.patches.checks import LOGPS_METHOD
+from grpo_mem.patches import verify as verify_module
 from grpo_mem.patches.verify import VerificationError, _stock_method
 
 
@@ -85,29 +86,91 @@ def test_already_patched_trainer_compares_against_true_stock(tmp_path):
         assert grpo_mem.patch_trl(GRPOTrainer) is handle
 
 
-def test_broken_path_fails_loudly(monkeypatch):
-    """One log-prob of grpo_mem's head perturbed by 1e-3: the report fails, and raise_on_mismatch raises with the
-    numbers; the model is restored either way."""
-    model = tiny_model()
-    batch = _batch()
+def _perturb_head(monkeypatch, bump_of):
+    """grpo_mem's completion head (the prompt-once path) returns ``bump_of(logps)`` added to its log-probs."""
     head = window_module.completion_head
 
     def perturbed(*args, **kwargs):
         logps, entropy = head(*args, **kwargs)
-        bump = torch.zeros_like(logps)
-        bump[0, 0] = 1e-3  # completion token 1 of row 0: always unmasked
-        return logps + bump, entropy
+        return logps + bump_of(logps), entropy
 
-    monkeypatch.setattr(window_module, "completion_head", perturbed)  # the prompt-once path's head
+    monkeypatch.setattr(window_module, "completion_head", perturbed)
+
+
+def _noise(logps, seed, size):
+    """+-size at every position, signs drawn from ``seed``: a stand-in for fp32 rounding of that size."""
+    signs = torch.randint(0, 2, logps.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return size * signs.to(logps.dtype)
+
+
+def test_broken_path_fails_loudly(monkeypatch):
+    """One log-prob of grpo_mem's head perturbed by 1e-3: beyond the direct bound, and against the fp64 truth far
+    beyond stock's own error, so the report fails and raise_on_mismatch raises with the numbers; the model is
+    restored either way."""
+    model = tiny_model()
+    batch = _batch()
+
+    def bump(logps):
+        out = torch.zeros_like(logps)
+        out[0, 0] = 1e-3  # completion token 1 of row 0: always unmasked
+        return out
+
+    _perturb_head(monkeypatch, bump)
     _seed_state(model)
     before = _state(model)
     report = grpo_mem.verify(model, batch, print_report=False)
     assert not report.passed and abs(report.max_logp_diff - 1e-3) < 1e-5
-    assert any(f.startswith("log-prob:") for f in report.failures), report.failures
-    with pytest.raises(VerificationError, match=r"FAILED(.|\n)*log-prob: (9\.99\d|1\.00\d)e-0[34] > 1e-05") as info:
+    assert report.truth == "fp64" and report.exceeded == ["log-prob"], str(report)
+    stats = report.logp_vs_truth
+    assert stats["stock"]["max"] < 1e-6 and abs(stats["grpo_mem"]["max"] - 1e-3) < 1e-5, str(report)
+    assert report.grad_vs_truth is None  # gradients within their direct bound: the truth ran forward only
+    assert [f.split(":")[0] for f in report.failures] == ["log-prob vs fp64"], report.failures
+    with pytest.raises(VerificationError, match=r"FAILED(.|\n)*ours 1\.000e-03(.|\n)*log-prob vs fp64: rms error 0\.00017"):
         grpo_mem.verify(model, batch, raise_on_mismatch=True, print_report=False)
-    assert isinstance(info.value, AssertionError) and info.value.report.failures
     _assert_restored(model, before)
+    assert next(model.parameters()).dtype == torch.float32  # cast back after the fp64 run
+
+
+def test_fp32_is_judged_against_stocks_own_error(monkeypatch):
+    """Both fp32 paths off the fp64 truth by +-3e-5 (independent signs, like a real model's rounding, SmolLM2-135M:
+    3e-5): |grpo_mem - stock| reaches 6e-5, beyond the direct 1e-5, yet grpo_mem is as exact as stock and passes.
+    The same 3e-5 on grpo_mem alone, where stock is exact to 1e-6, fails."""
+    model = tiny_model()
+    batch = _batch()
+    stock_method = verify_module._stock_method
+
+    def noisy_stock(owner):
+        fn = stock_method(owner)
+
+        def method(self, *args, **kwargs):
+            logps, entropies, aux = fn(self, *args, **kwargs)
+            if logps.dtype == torch.float32:  # the fp64 truth stays exact
+                logps = logps + _noise(logps, 1, 3e-5)
+            return logps, entropies, aux
+
+        return method
+
+    _perturb_head(monkeypatch, lambda logps: _noise(logps, 2, 3e-5))
+    alone = grpo_mem.verify(model, batch, print_report=False)
+    monkeypatch.setattr(verify_module, "_stock_method", noisy_stock)
+    both = grpo_mem.verify(model, batch, print_report=False)
+    assert 5.9e-5 < both.max_logp_diff < 6.1e-5 and both.exceeded == ["log-prob"], str(both)
+    assert both.passed and both.truth == "fp64", str(both)
+    assert 2.9e-5 < both.logp_vs_truth["stock"]["max"] < 3.1e-5
+    assert 2.9e-5 < alone.max_logp_diff < 3.1e-5 and alone.logp_vs_truth["stock"]["max"] < 1e-6, str(alone)
+    assert not alone.passed and [f.split(":")[0] for f in alone.failures] == ["log-prob vs fp64"], str(alone)
+
+
+def test_gradient_beyond_its_bound_is_judged_with_fp64_gradients(monkeypatch):
+    """grpo_mem's log-prob gradients scaled by 1.01 (values unchanged): the direct gradient bound is exceeded, the
+    fp64 truth runs with gradients, and grpo_mem's relative gradient error (1e-2) fails against stock's (< 1e-6)."""
+    model = tiny_model()
+    _perturb_head(monkeypatch, lambda logps: 0.01 * (logps - logps.detach()))
+    report = grpo_mem.verify(model, _batch(), print_report=False)
+    assert report.max_logp_diff < 1e-5 and report.exceeded == ["gradient"], str(report)
+    assert report.truth == "fp64" and report.grad_vs_truth["stock"] < 1e-6, str(report)
+    assert 5e-3 < report.grad_vs_truth["grpo_mem"] < 2e-2, str(report)
+    assert not report.passed and [f.split(":")[0] for f in report.failures] == ["gradient vs fp64"], str(report)
 
 
 def test_fallback_is_reported_with_its_cause():
@@ -149,6 +212,7 @@ def test_smollm2_shape_bf16_autocast():
     batch = _batch((12, 20), G=2, C=8, seed=3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         report = grpo_mem.verify(model, batch, print_report=False)
-    assert report.precision == "bfloat16 autocast" and report.grad_vs_fp32["stock"] > 0, str(report)
+    assert report.precision == "bfloat16 autocast" and report.truth == "fp32", str(report)
+    assert report.grad_vs_truth["stock"] > 0 and report.exceeded == [], str(report)
     assert report.passed, str(report)
     assert next(model.parameters()).dtype == torch.float32  # cast back after the fp32 run

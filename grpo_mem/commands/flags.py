@@ -6,7 +6,7 @@ A field ``steps: int = 16`` with ``metadata={"help": "..."}`` becomes ``--steps 
 - keeps one spelling per flag, the hyphenated one (``--max-completion-length``; HfArgumentParser also adds
   ``--max_completion_length``), so ``--help`` and error messages name each flag once;
 - lets ``metadata["type"]`` choose the conversion (HfArgumentParser always uses the annotation), so a flag can check
-  its value while parsing: :func:`positive_int`, :func:`non_negative_int`, :func:`json_dict`;
+  its value while parsing: :func:`int_at_least`, :func:`positive_int`, :func:`non_negative_int`, :func:`json_dict`;
 - turns the settings back into a command line (:func:`to_argv`) for running the same settings in a child process.
 
 Importing this module loads only the standard library; :func:`settings_parser` imports ``transformers`` (not torch),
@@ -23,7 +23,9 @@ import typing
 from typing import Any
 
 
-def _int_at_least(lo: int):
+def int_at_least(lo: int):
+    """argparse type: an integer >= ``lo`` (the error names the bound and the value)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -36,9 +38,9 @@ def _int_at_least(lo: int):
     return parse
 
 
-positive_int = _int_at_least(1)
+positive_int = int_at_least(1)
 """argparse type: an integer >= 1."""
-non_negative_int = _int_at_least(0)
+non_negative_int = int_at_least(0)
 """argparse type: an integer >= 0."""
 
 

@@ -10,6 +10,8 @@ prints a summary and writes ``summary.json`` and ``summary.png`` into the output
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import math
 import platform
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_mem.commands.flags import json_dict, non_negative_int, positive_int, settings_parser
+from grpo_mem.commands.flags import int_at_least, json_dict, non_negative_int, positive_int, settings_parser
 from grpo_mem.commands.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
 from grpo_mem.commands.report import (format_summary, plot_summary, saving_text, step_rows, token_ratio_mean,
                                       token_saving)
@@ -69,7 +71,7 @@ class TrainSettings:
                          type=non_negative_int, metavar="K")
     steps: int = _opt(16, "optimizer steps", type=positive_int, metavar="N")
     num_generations: int = _opt(8, "completions per prompt, G (>= 2: GRPO compares completions of a prompt)",
-                                type=positive_int, metavar="G")
+                                type=int_at_least(2), metavar="G")
     per_device_train_batch_size: int = _opt(
         16, "completions per micro-batch; prompts per step = this x accumulation / G (TRL requires this x "
         "accumulation to be a multiple of G)", type=positive_int, metavar="N")
@@ -97,14 +99,13 @@ class TrainSettings:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value."""
-        for name in ("steps", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-                     "max_completion_length"):
+        for name in ("steps", "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations must be >= 2 (GRPO compares completions of a prompt), got "
-                             f"{self.num_generations}")
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise ValueError(f"num_generations must be an int >= 2 (GRPO compares completions of a prompt), got "
+                             f"{self.num_generations!r}")
         completions = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if completions % self.num_generations:
             raise ValueError(
@@ -278,15 +279,29 @@ def _setup(settings: TrainSettings, verbose: bool) -> _Setup:
     return _Setup(model_dir, conversion_time, tokenizer, task, prompt_tokens, system_tokens, max_positions)
 
 
-def _make_trainer(settings: TrainSettings, setup: _Setup, out: Path):
-    """TRL's ``GRPOTrainer`` on CPU in fp32 with the settings' options, logging every step."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+def _loss_types(config_cls) -> list[str] | None:
+    """The loss types TRL's config lists in its ``loss_type`` help ("Supported values are 'grpo', ..."; TRL itself
+    checks the value only when the first loss is computed), or None where it lists none."""
+    import re
 
-    model = AutoModelForCausalLM.from_pretrained(str(setup.model_dir), dtype=torch.float32)
+    help_text = next((f.metadata.get("help", "") for f in dataclasses.fields(config_cls) if f.name == "loss_type"), "")
+    listed = re.search(r"Supported values are ([^.]*)\.", help_text)
+    return re.findall(r"'(\w+)'", listed.group(1)) if listed else None
+
+
+def make_grpo_config(settings: TrainSettings, output_dir: str | Path):
+    """TRL's ``GRPOConfig`` for ``settings`` (CPU, fp32, logging every step, ``settings.extra`` applied last), writing
+    into ``output_dir``. Imports TRL, loads no model and creates no directory, so a run checks its options with it
+    before anything is loaded.
+
+    Raises:
+        ValueError, naming the bad value on one line: a key of ``settings.extra`` that is no ``GRPOConfig`` field, a
+            ``loss_type`` TRL does not list, or a value ``GRPOConfig`` rejects (TRL's own message).
+    """
+    from trl import GRPOConfig
+
     config_kwargs = dict(
-        output_dir=str(out),
+        output_dir=str(output_dir),
         max_steps=settings.steps,
         per_device_train_batch_size=settings.per_device_train_batch_size,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
@@ -309,8 +324,32 @@ def _make_trainer(settings: TrainSettings, setup: _Setup, out: Path):
     )
     if settings.loss_type is not None:
         config_kwargs["loss_type"] = settings.loss_type
+    fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+    unknown = sorted(set(settings.extra) - fields)
+    if unknown:
+        close = {k: difflib.get_close_matches(k, fields, n=1) for k in unknown}
+        hints = "".join(f" ({k!r}: did you mean {c[0]!r}?)" for k, c in close.items() if c)
+        what = "is not a GRPOConfig option" if len(unknown) == 1 else "are not GRPOConfig options"
+        raise ValueError(f"--extra: {', '.join(map(repr, unknown))} {what}{hints}")
     config_kwargs.update(settings.extra)
-    return GRPOTrainer(model=model, reward_funcs=setup.task.reward_func(), args=GRPOConfig(**config_kwargs),
+    loss_types = _loss_types(GRPOConfig)
+    loss_type = config_kwargs.get("loss_type")
+    if loss_type is not None and loss_types is not None and loss_type not in loss_types:
+        raise ValueError(f"loss_type must be one of TRL's {', '.join(loss_types)}; got {loss_type!r}")
+    try:
+        return GRPOConfig(**config_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"GRPOConfig rejects these options: {' '.join(str(exc).split())}") from None
+
+
+def _make_trainer(settings: TrainSettings, setup: _Setup, config):
+    """TRL's ``GRPOTrainer`` with the settings' model, task and ``config`` (:func:`make_grpo_config`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(setup.model_dir), dtype=torch.float32)
+    return GRPOTrainer(model=model, reward_funcs=setup.task.reward_func(), args=config,
                        train_dataset=setup.task.hf_dataset(), processing_class=setup.tokenizer)
 
 
@@ -392,9 +431,10 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     out = Path(settings.output_dir)
+    config = make_grpo_config(settings, out)  # TRL's checks of the options, before anything is loaded
     out.mkdir(parents=True, exist_ok=True)
     setup = _setup(settings, verbose)
-    trainer = _make_trainer(settings, setup, out)
+    trainer = _make_trainer(settings, setup, config)
     trained = _train(trainer, settings.patch)
     rows = step_rows(trained.pop("records"), trainer.state.log_history)
     summary = {
@@ -450,12 +490,20 @@ def build_parser(prog: str = "grpo-mem train"):
 def main(argv: list[str] | None = None) -> int:
     """``grpo-mem train``: parse ``argv`` (default ``sys.argv[1:]``), train, return the exit status.
 
-    A bad flag or setting exits with status 2 (argparse's usage message); an error found while setting up the run
-    (unknown task, a model directory without config.json, ...) prints ``grpo-mem train: error: ...`` and returns 2.
+    A bad flag or setting exits with status 2 (argparse's usage message), before any model is loaded: the
+    settings' own checks (:meth:`TrainSettings.validate`), then TRL's ``GRPOConfig`` built from them
+    (:func:`make_grpo_config`: ``--extra`` keys, ``--loss-type``, TRL's own checks). An error found while setting up
+    the run (unknown task, a model directory without config.json, ...) prints ``grpo-mem train: error: ...`` and
+    returns 2.
     """
     import sys
 
-    settings = build_parser().parse_settings(argv)
+    parser = build_parser()
+    settings = parser.parse_settings(argv)
+    try:
+        make_grpo_config(settings, settings.output_dir)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         if settings.compare:
             from grpo_mem.commands.compare import run_compare

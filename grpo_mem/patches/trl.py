@@ -337,6 +337,27 @@ def active_handle(trainer) -> PatchHandle | None:
     return None
 
 
+def _differences(handle: PatchHandle, group_shuffle: bool, sharing: str) -> str:
+    """"" if ``handle`` has these options, else what differs: ``"sharing='tree', got sharing='group'"``."""
+    differ = [(name, getattr(handle, name), value) for name, value in (("sharing", sharing),
+              ("group_shuffle", group_shuffle)) if getattr(handle, name) != value]  # fmt: skip
+    return "; ".join(f"{name}={old!r}, got {name}={new!r}" for name, old, new in differ)
+
+
+def _repatch(handle: PatchHandle, group_shuffle: bool, sharing: str) -> PatchHandle:
+    """``handle`` with these options: unchanged if they agree; else, if no sharing window is open, the new options
+    and no sessions (each trainer's next window starts a session in the new mode); else ValueError."""
+    differ = _differences(handle, group_shuffle, sharing)
+    if not differ:
+        return handle
+    if any(session.in_window or session.pending for session in handle.sessions.values()):
+        raise ValueError(f"the patch of {', '.join(handle.targets)} has {differ}, and a sharing window is open "
+                         "(mid-step): call patch_trl again between optimizer steps, or revert the handle first")
+    handle.group_shuffle, handle.sharing = group_shuffle, sharing
+    handle.sessions.clear()
+    return handle
+
+
 def _default_targets():
     import trl
 
@@ -364,11 +385,15 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
-        ``patch_trl`` again on a patched target returns the same active handle.
+        ``patch_trl`` again on a patched target returns the same active handle, re-patched with the new
+        ``group_shuffle`` and ``sharing`` if they differ (its sharing sessions start again in the new mode); an
+        instance of a patched class gets its class's handle when the options agree.
 
     Raises:
         RuntimeError: the installed TRL is older than 1.10 or a release refused by name (``KNOWN_BAD_TRL``).
-        ValueError: unknown ``sharing``.
+        ValueError: unknown ``sharing``; or options that differ from the active patch's (naming both values) where
+            they cannot be changed: a sharing window is open (mid-step: prompt passes planned or pending), or the
+            target is an instance of a patched class (the class's patch would change for every instance).
         TypeError: a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
             from TRL 1.16's (nothing is changed then).
     """
@@ -377,7 +402,7 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
     owners = _default_targets() if target is None else [target]
     key = tuple(id(o) for o in owners)
     if key in _ACTIVE:
-        return _ACTIVE[key]
+        return _repatch(_ACTIVE[key], group_shuffle, sharing)
     for owner in owners:
         check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
         check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
@@ -385,6 +410,12 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
             # already routed through grpo_mem, e.g. an instance of a patched class: the covering handle stands
             covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
             if covering:
+                differ = _differences(covering[0], group_shuffle, sharing)
+                if differ:
+                    raise ValueError(
+                        f"this {type(owner).__name__} is covered by the patch of {', '.join(covering[0].targets)}, "
+                        f"which has {differ}: revert that handle first, or patch the class with the options you want"
+                    )
                 return covering[0]
         check_trainer_attrs(owner)
 
