@@ -260,10 +260,12 @@ class PatchHandle:
         group_shuffle: whether ``_prepare_inputs`` shuffles by whole groups.
         sharing: the sessions' sharing mode, ``"tree"`` or ``"group"``.
         log_metrics: whether training micro-batches' decisions go into the trainer's logged metrics.
+        confirm: whether the sessions confirm each admitted model on a tiny copy first (``grpo_mem.model.confirm``).
         active: False once reverted.
     """
 
-    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True):
+    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True,
+                 confirm: bool = True):  # fmt: skip
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -271,6 +273,7 @@ class PatchHandle:
         self.group_shuffle = group_shuffle
         self.sharing = sharing
         self.log_metrics = log_metrics
+        self.confirm = confirm
         self.liger_causes: dict = {}  # owner -> why its Liger loss path is not served (``checks.liger_support``)
         self.active = True
 
@@ -278,7 +281,7 @@ class PatchHandle:
         """The trainer's ``SharingSession`` (created on first use, in the handle's sharing mode)."""
         session = self.sessions.get(trainer)
         if session is None:
-            session = self.sessions[trainer] = SharingSession(self.sharing)
+            session = self.sessions[trainer] = SharingSession(self.sharing, confirm=self.confirm)
         return session
 
     def unserved_liger(self, trainer) -> str | None:
@@ -342,7 +345,7 @@ def _default_targets():
     return [trl.GRPOTrainer, trl.RLOOTrainer]
 
 
-def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree") -> PatchHandle:
+def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree", confirm: bool = True) -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
     Args:
@@ -355,6 +358,11 @@ def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree")
             is forwarded once per step and each prompt's own part once, at positions that keep stock TRL's position
             differences; ``"group"``: each unique prompt is forwarded whole, once per step. Sharded ranks in lockstep
             (FSDP, DeepSpeed) align their schedules in either mode.
+        confirm: the first time a model class (with its architecture-relevant config) is scored in the process,
+            confirm on a tiny random copy built from its config that the prompt-once path matches the model's own
+            forward (log-probs, entropies, every parameter's gradient, the router loss; about a second of CPU, no
+            collective, the user's parameters and random streams untouched); a difference falls back with its
+            cause (``grpo_mem.model.confirm``). False: the capability rule alone decides.
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
@@ -382,7 +390,7 @@ def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree")
                 return covering[0]
         check_trainer_attrs(owner)
 
-    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing)
+    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing, confirm=confirm)
     for owner in owners:
         methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
         serve_liger, cause = liger_support(owner)
