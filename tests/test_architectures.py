@@ -5,7 +5,11 @@ checkpointing where supported) scores left-padded prompts with a shared prefix, 
 and the tree path. Where ``unsupported_reason`` is None, both must take the prompt-once path and match stock TRL 1.16
 (``_get_per_token_logps_and_entropies``); otherwise both must fall back with that cause and match the model's own
 forward (``model(input_ids, attention_mask).logits``). Log-probs and entropies within 1e-5, every parameter gradient
-within 1e-4 of its scale. Types that cannot be built tiny offline are reported with the reason.
+within 1e-4 of its scale (elementwise, and as a vector with a floor at 1e-3 of the global norm). Where the rule
+admits a type, the runtime's confirmation (``grpo_mem.model.confirm``, on a copy built from the config with its
+weights perturbed) must agree. The tiny configs are the runtime's (``confirm.shrink``), so a type the sweep cannot
+build is one the runtime cannot confirm and refuses. Types that cannot be built tiny offline are reported with the
+reason.
 
 The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The README's support table is
 this sweep's output: ``python tests/test_architectures.py`` writes ``benchmarks/results/architectures.csv`` and prints
@@ -27,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import grpo_mem
-from grpo_mem.model.confirm import shrink
+from grpo_mem.model.confirm import confirmation, grad_difference, shrink
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import recording_fallbacks, unsupported_reason
 
@@ -105,9 +109,13 @@ def _assert_close(what, ours, ref, keep, atol=1e-5):
 
 
 def _assert_grads_close(what, ours, ref, rel=1e-4):
-    """Every parameter's gradient within ``rel`` of its own scale; a parameter whose exact gradient is zero (e.g. a
-    key bias, which softmax ignores) is measured against 1e-3 of the largest gradient instead of its rounding noise."""
+    """Every parameter's gradient within ``rel`` of its own scale, elementwise (max |diff| against its max) and as a
+    vector (``confirm.grad_difference``: norm of the difference against its norm, floored at 1e-3 of the global
+    norm); a parameter whose exact gradient is zero (e.g. a key bias, which softmax ignores) is measured against
+    1e-3 of the largest gradient instead of its rounding noise."""
     assert ours.keys() == ref.keys(), f"{what}: gradients of different parameters {sorted(set(ours) ^ set(ref))[:4]}"
+    difference = grad_difference(ours, ref, rel)
+    assert difference is None, f"{what}: {difference}"
     top = max(float(r.abs().max()) for r in ref.values())
     for name, r in ref.items():
         scale = max(float(r.abs().max()), 1e-3 * top, 1e-30)
@@ -142,6 +150,8 @@ def check_architecture(model_type: str) -> Row:
         own, own_e = _own_logps(model, ids, mask, C)
         reason = _reason(model)
         if reason is None:  # stock TRL is the reference (and agrees with the model's own forward)
+            verdict = confirmation(model)  # and the runtime's confirmation, on a copy built from the config, agrees
+            assert verdict.cause is None, f"{model_type}: {verdict.cause}"
             ref, ref_e = stock_logps(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
             _assert_close(f"{model_type} stock TRL vs own forward", ref.detach(), own.detach(), keep)
         else:

@@ -16,16 +16,21 @@ from a private ``torch.Generator``), run collectives (the copy is unwrapped, uns
 ``zero.Init`` is kept out of its construction). Being deterministic on its fixed seed, it reaches the same verdict
 on every rank of a sharded run without communicating.
 
-Where it cannot confirm: a copy that cannot be built from the config at tiny sizes is a fallback cause
-(``UNBUILT``); flash-attention models are confirmed with SDPA (the copy runs on CPU in fp32, which flash kernels do
-not take); a vision-language model is confirmed on text prompts (its image path is checked by
-``multimodal``). This module knows torch and transformers, not TRL.
+Covered alike: MoE models (the router loss too), Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) and vision-language
+models (the class built from its whole tiny config, vision tower included, scored on text prompts; their image path
+is not confirmed here). Not confirmed: a copy that cannot be built from the config at tiny sizes, or that raises, or
+that the capability rule itself refuses, is a fallback cause (``UNBUILT``, named); flash-attention models are
+confirmed with SDPA (the copy runs on CPU in fp32, which flash kernels do not take). Cost: about 0.1-0.6 s of CPU
+per (class, architecture) on one thread (``Verdict.cpu_s``). Off: ``confirm=False`` (``patch_trl``,
+``SharingSession``, ``shared_prompt_logprobs``) or ``GRPO_MEM_CONFIRM=0``. This module knows torch and
+transformers, not TRL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,9 +39,13 @@ import torch
 
 from . import attention_hook as attn_hook
 from . import support
-from .forward import ScoreOptions
+from .forward import ScoreOptions, restore
 
-__all__ = ["Verdict", "confirm_reason", "confirmation", "forget", "tiny_config", "verdicts"]
+__all__ = ["ENV", "Verdict", "confirm_reason", "confirmation", "enabled", "forget", "grad_difference", "tiny_config",
+           "verdicts"]
+
+ENV = "GRPO_MEM_CONFIRM"
+"""Environment variable: ``0`` turns the confirmation off where no ``confirm=`` option is given."""
 
 SEED = 1234
 LOGP_ATOL = 1e-5  # log-probs and entropies (fp32, vocabulary 128: |log p| < 10, so ~100 fp32 ulps)
@@ -61,10 +70,11 @@ TINY_SIZES = dict(
     n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
     qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=3,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2,
 )  # fmt: skip
 """The sizes of a tiny config (``tiny_config``): every key present in the config with an integer value gets these."""
 # sizes a config may leave None (derived from others); the tiny config sets them to a consistent value
-_DERIVED = dict(head_dim=16, num_key_value_heads=4)
+_DERIVED = dict(head_dim=16, num_key_value_heads=4, num_experts_per_tok=2)
 
 
 def _tiny_layers(d: dict, full: int | None) -> tuple[int, list[str]]:
@@ -111,6 +121,12 @@ def shrink(d: dict) -> dict:
             out[k] = v
     if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention rotates head_dim channels
         out["head_dim"] = out["qk_rope_head_dim"]
+    if "kv_lora_rank" in out and "num_key_value_heads" in out:  # latent attention: a key and value per query head
+        out["num_key_value_heads"] = out.get("num_attention_heads")
+    if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out:  # stored, not derived
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if isinstance(out.get("n_group"), int):  # expert groups of group-limited routing: one group of the tiny experts
+        out.update(n_group=1, topk_group=1)
     rope = out.get("rope_parameters")
     if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and key is not None:
         out["rope_parameters"] = dict(rope, mrope_section=_split(rope["mrope_section"], _rotary_half(out)))
@@ -285,8 +301,11 @@ def _scores(model, ids, mask, C, weights, *, sharing: str | None, aux: bool):
     return logps.detach(), entropy.detach(), grads, aux_loss, aux_grads, list(causes)
 
 
-def _grad_difference(ours: dict, ref: dict) -> str | None:
-    """The worst parameter whose gradient differs beyond tolerance, described, or None."""
+def grad_difference(ours: dict, ref: dict, rtol: float = GRAD_RTOL) -> str | None:
+    """Which parameter's gradient differs most beyond ``rtol`` (described), or None: every parameter's gradient
+    ``ours[name]`` within ``rtol`` of the larger of ``ref[name]``'s norm and ``GRAD_FLOOR`` x the global norm of
+    ``ref`` (a parameter whose exact gradient is ~0, e.g. a key bias, is measured against the floor, not its noise).
+    ``ours``/``ref``: parameter name -> gradient tensor."""
     missing = sorted(set(ref) ^ set(ours))
     if missing:
         return f"{missing[0]} has a gradient on one path only"
@@ -297,7 +316,7 @@ def _grad_difference(ours: dict, ref: dict) -> str | None:
         rel = float((ours[name].double() - r.double()).norm()) / scale
         if rel > worst:
             worst, worst_name = rel, name
-    if worst > GRAD_RTOL:
+    if worst > rtol:
         return f"the gradient of {worst_name} differs by {worst:.1e} of its norm"
     return None
 
@@ -315,13 +334,13 @@ def _compare(cls_name: str, model, ids, mask, C, generator, aux: bool) -> tuple[
             err = float(((ours[i] - ref[i]).abs() * keep).max())
             if not err <= LOGP_ATOL:
                 return f"{where} differs from its own forward: {what} by {err:.1e}", None
-        difference = _grad_difference(ours[2], ref[2])
+        difference = grad_difference(ours[2], ref[2])
         if difference is not None:
             return f"{where} differs from its own forward: {difference}", None
         if aux:
             err = abs(float(ours[3]) - float(ref[3]))
             difference = f"the router loss by {err:.1e}" if not err <= LOGP_ATOL * max(1.0, abs(float(ref[3]))) else (
-                _grad_difference(ours[4], ref[4]))
+                grad_difference(ours[4], ref[4]))
             if difference is not None:
                 return None, f"{where} differs from its own forward in the router loss: {difference}"
     return None, None
@@ -373,6 +392,8 @@ def confirmation(causal_lm) -> Verdict:
                     cause, router_cause = _compare(cls.__name__, model, ids, mask, C, generator, aux)
                 except Exception as e:  # the tiny model's own forward or the path fails: nothing confirmed
                     cause = f"not confirmed: scoring a tiny {cls.__name__} raised {type(e).__name__}: {e}"[:300]
+                finally:
+                    restore(model)  # the attention hook is registered only while models run it
     verdict = Verdict(cause, router_cause, time.process_time() - cpu, time.perf_counter() - wall)
     _VERDICTS[key] = verdict
     return verdict
@@ -403,6 +424,11 @@ def _no_autocast():
             if torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
+
+def enabled(option: bool | None) -> bool:
+    """Whether to confirm: ``option`` when given, else on unless the environment sets ``GRPO_MEM_CONFIRM=0``."""
+    return bool(option) if option is not None else os.environ.get(ENV, "1").strip() != "0"
 
 
 def confirm_reason(causal_lm, *, compute_aux_loss: bool = False) -> str | None:

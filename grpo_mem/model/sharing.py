@@ -27,6 +27,7 @@ from .forward import ScoreOptions, run_in_forward, validate_inputs
 from .multimodal import RowImages, VisionInputs, trie_keys, warn_tree_to_group
 from .plan import PromptGrouping, WindowPlan, check_sharing
 from .confirm import confirm_reason
+from .confirm import enabled as confirm_enabled
 from .router import router_loss_reason
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
@@ -68,7 +69,8 @@ class SharingSession:
             their schedules, in either mode.
         min_shared_tokens: tree mode: the shortest span forwarded as a node of its own (``PromptTrie``).
         confirm: confirm what the capability rule admits on a tiny copy of the model, once per class and
-            architecture and process (``grpo_mem.model.confirm``); a difference is a fallback cause.
+            architecture and process (``grpo_mem.model.confirm``); a difference is a fallback cause. None: on
+            unless the environment sets ``GRPO_MEM_CONFIRM=0``.
 
     Attributes:
         window: the open window's ``Window`` (its plan and cursor), or None.
@@ -79,7 +81,7 @@ class SharingSession:
     """
 
     def __init__(self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
-                 confirm: bool = True):  # fmt: skip
+                 confirm: bool | None = None):  # fmt: skip
         self.mode = check_sharing(sharing)
         self.confirm = confirm
         self.min_shared_tokens = min_shared_tokens
@@ -203,7 +205,7 @@ class SharingSession:
         reason = cause or unsupported_reason(causal_lm)
         if reason is None and compute_aux_loss:
             reason = router_loss_reason(causal_lm)
-        if reason is None and self.confirm:  # the same verdict on every rank: no collective
+        if reason is None and confirm_enabled(self.confirm):  # the same verdict on every rank: no collective
             reason = confirm_reason(causal_lm, compute_aux_loss=compute_aux_loss)
         if reason is None and vision is not None:
             reason = vision.cause(causal_lm, P)
@@ -338,7 +340,7 @@ def shared_prompt_logprobs(
     compute_entropy: bool = False,
     cast_lm_head_to_fp32: bool = False,
     sharing: str = "tree",
-    confirm: bool = True,
+    confirm: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
 
@@ -369,7 +371,7 @@ def shared_prompt_logprobs(
         sharing: ``"tree"`` or ``"group"``, see above.
         confirm: the first time a model class (and architecture) is scored in the process, confirm the capability
             rule's decision on a tiny copy of it (``grpo_mem.model.confirm``; about a second of CPU); a difference
-            falls back with its cause.
+            falls back with its cause. None: on unless the environment sets ``GRPO_MEM_CONFIRM=0``.
 
     Returns:
         log_probs: (B, C) fp32, zero where the completion mask is 0.

@@ -260,12 +260,13 @@ class PatchHandle:
         group_shuffle: whether ``_prepare_inputs`` shuffles by whole groups.
         sharing: the sessions' sharing mode, ``"tree"`` or ``"group"``.
         log_metrics: whether training micro-batches' decisions go into the trainer's logged metrics.
-        confirm: whether the sessions confirm each admitted model on a tiny copy first (``grpo_mem.model.confirm``).
+        confirm: whether the sessions confirm each admitted model on a tiny copy first (``grpo_mem.model.confirm``;
+            None: unless ``GRPO_MEM_CONFIRM=0``).
         active: False once reverted.
     """
 
     def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True,
-                 confirm: bool = True):  # fmt: skip
+                 confirm: bool | None = None):  # fmt: skip
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -345,7 +346,8 @@ def _default_targets():
     return [trl.GRPOTrainer, trl.RLOOTrainer]
 
 
-def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree", confirm: bool = True) -> PatchHandle:
+def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree",
+              confirm: bool | None = None) -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
     Args:
@@ -362,7 +364,8 @@ def patch_trl(target=None, *, group_shuffle: bool = True, sharing: str = "tree",
             confirm on a tiny random copy built from its config that the prompt-once path matches the model's own
             forward (log-probs, entropies, every parameter's gradient, the router loss; about a second of CPU, no
             collective, the user's parameters and random streams untouched); a difference falls back with its
-            cause (``grpo_mem.model.confirm``). False: the capability rule alone decides.
+            cause (``grpo_mem.model.confirm``). False: the capability rule alone decides. None: on unless the
+            environment sets ``GRPO_MEM_CONFIRM=0``.
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
