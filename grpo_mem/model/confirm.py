@@ -52,6 +52,7 @@ LOGP_ATOL = 1e-5  # log-probs and entropies (fp32, vocabulary 128: |log p| < 10,
 GRAD_RTOL = 1e-4  # per parameter, relative to the larger of its gradient's norm and GRAD_FLOOR x the global norm
 GRAD_FLOOR = 1e-3
 TEMPERATURE = 0.7
+MAX_PARAMS = 16_000_000  # a tiny copy larger than this is not built (a config with sizes ``shrink`` does not know)
 UNBUILT = "not confirmed: a tiny {cls} could not be built from the model's config ({error})"
 
 # three prompts of 5-7 tokens sharing a 4-token prefix (a trie node of its own in tree sharing), 2 completions each
@@ -70,7 +71,7 @@ TINY_SIZES = dict(
     n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
     qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=3,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2,
+    ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_experts_per_token=2,
 )  # fmt: skip
 """The sizes of a tiny config (``tiny_config``): every key present in the config with an integer value gets these."""
 # sizes a config may leave None (derived from others); the tiny config sets them to a consistent value
@@ -125,8 +126,9 @@ def shrink(d: dict) -> dict:
         out["num_key_value_heads"] = out.get("num_attention_heads")
     if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out:  # stored, not derived
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
-    if isinstance(out.get("n_group"), int):  # expert groups of group-limited routing: one group of the tiny experts
-        out.update(n_group=1, topk_group=1)
+    for groups in ("n_group", "num_expert_group"):  # group-limited routing: one group of the tiny experts
+        if isinstance(out.get(groups), int):
+            out.update({groups: 1, "topk_group": 1})
     rope = out.get("rope_parameters")
     if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and key is not None:
         out["rope_parameters"] = dict(rope, mrope_section=_split(rope["mrope_section"], _rotary_half(out)))
@@ -235,6 +237,10 @@ def _checkpointed(causal_lm) -> bool:
 def _build(cls, config, impl: str, checkpointed: bool, generator: torch.Generator):
     """The tiny model: ``cls`` from ``config`` on CPU in fp32, train mode, weights perturbed from ``generator`` (so
     that norm weights and scales initialised to constants differ per channel)."""
+    with _outside_zero3(), torch.device("meta"):
+        n = sum(p.numel() for p in cls(config).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{n / 1e6:.0f} M parameters at the tiny sizes (sizes the generic rule does not know)")
     with torch.random.fork_rng(devices=[]), _outside_zero3(), torch.device("cpu"):
         torch.default_generator.manual_seed(SEED)
         model = cls(config).float()
