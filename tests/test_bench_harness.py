@@ -236,5 +236,6 @@ def test_sweep_compares_gradients_per_parameter_by_sketch():
     worst, where = grad_param_difference(sketched({}), ref)
     total = sum(v[0] ** 2 for v in ref.values()) ** 0.5
     assert where == "0.bias" and worst == pytest.approx(float(grads["0.bias"].norm()) / (1e-3 * total), rel=1e-6)
-    c = compare_with_reference({"grad_sketches": sketched({})}, {"grad_sketches": sketched({"0.weight": 0.1 * torch.randn(64, 64, generator=g)})})
+    changed = sketched({"0.weight": 0.1 * torch.randn(64, 64, generator=g)})
+    c = compare_with_reference({"grad_sketches": sketched({})}, {"grad_sketches": changed})
     assert c["grad_param_worst_vs_trl"] == "0.weight" and c["grad_param_max_rel_diff_vs_trl"] > 1e-3

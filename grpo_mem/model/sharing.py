@@ -382,5 +382,6 @@ def shared_prompt_logprobs(
             unknown ``sharing``.
         TypeError: non-integer ids or ``logits_to_keep``.
     """
-    return SharingSession(sharing, confirm=confirm).score(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-                                         compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    session = SharingSession(sharing, confirm=confirm)
+    return session.score(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
+                         compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
