@@ -12,9 +12,9 @@ verdict is kept per process, keyed by (class, attention implementation, checkpoi
 
 What the confirmation never does: touch the user's parameters (the copy is built from the config), change the
 user's random streams (the copy is built inside ``torch.random.fork_rng`` from a fixed seed, its weights are drawn
-from a private ``torch.Generator``), run collectives (the copy is unwrapped, unsharded, on CPU; DeepSpeed ZeRO-3's
-``zero.Init`` is kept out of its construction). Being deterministic on its fixed seed, it reaches the same verdict
-on every rank of a sharded run without communicating.
+from a private ``torch.Generator``), run collectives (the copy is unwrapped, unsharded, on CPU, built by its class's
+constructor, which DeepSpeed ZeRO-3's ``zero.Init`` does not wrap). Being deterministic on its fixed seed, it
+reaches the same verdict on every rank of a sharded run without communicating.
 
 Covered alike: MoE models (the router loss too), Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) and vision-language
 models (the class built from its whole tiny config, vision tower included, scored on text prompts; their image path
@@ -194,22 +194,6 @@ def forget() -> None:
 
 
 @contextlib.contextmanager
-def _outside_zero3():
-    """Build models without DeepSpeed ZeRO-3's ``zero.Init`` (which partitions them across ranks, a collective)."""
-    try:
-        from transformers.integrations import deepspeed as hf_deepspeed
-    except ImportError:  # pragma: no cover - transformers without the integration
-        yield
-        return
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-@contextlib.contextmanager
 def _isolated_fallbacks():
     """Within the block, ``warn_fallback`` neither warns nor reaches the caller's ``recording_fallbacks`` blocks; it
     records into the list yielded."""
@@ -237,11 +221,13 @@ def _checkpointed(causal_lm) -> bool:
 def _build(cls, config, impl: str, checkpointed: bool, generator: torch.Generator):
     """The tiny model: ``cls`` from ``config`` on CPU in fp32, train mode, weights perturbed from ``generator`` (so
     that norm weights and scales initialised to constants differ per channel)."""
-    with _outside_zero3(), torch.device("meta"):
+    # the class's own constructor, not ``from_config``: transformers wraps only the latter (and ``from_pretrained``) in
+    # DeepSpeed ZeRO-3's ``zero.Init``, which would partition the copy across ranks (a collective)
+    with torch.device("meta"):
         n = sum(p.numel() for p in cls(config).parameters())
     if n > MAX_PARAMS:
         raise ValueError(f"{n / 1e6:.0f} M parameters at the tiny sizes (sizes the generic rule does not know)")
-    with torch.random.fork_rng(devices=[]), _outside_zero3(), torch.device("cpu"):
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.default_generator.manual_seed(SEED)
         model = cls(config).float()
     model.set_attn_implementation(impl)
