@@ -5,7 +5,11 @@ checkpointing where supported) scores left-padded prompts with a shared prefix, 
 and the tree path. Where ``unsupported_reason`` is None, both must take the prompt-once path and match stock TRL 1.16
 (``_get_per_token_logps_and_entropies``); otherwise both must fall back with that cause and match the model's own
 forward (``model(input_ids, attention_mask).logits``). Log-probs and entropies within 1e-5, every parameter gradient
-within 1e-4 of its scale. Types that cannot be built tiny offline are reported with the reason.
+within 1e-4 of its scale (elementwise, and as a vector with a floor at 1e-3 of the global norm). Where the rule
+admits a type, the runtime's confirmation (``grpo_mem.model.confirm``, on a copy built from the config with its
+weights perturbed) must agree. The tiny configs are the runtime's (``confirm.shrink``), so a type the sweep cannot
+build is one the runtime cannot confirm and refuses. Types that cannot be built tiny offline are reported with the
+reason.
 
 The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The README's support table is
 this sweep's output: ``python tests/test_architectures.py`` writes ``benchmarks/results/architectures.csv`` and prints
@@ -27,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import grpo_mem
+from grpo_mem.model.confirm import confirmation, grad_difference, shrink
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import recording_fallbacks, unsupported_reason
 
@@ -37,60 +42,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 20], [5, 6, 7, 8, 30, 31, 32]]
 MIN_SHARED_TOKENS = 3
 MAX_PARAMS = 16_000_000
 
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
-_TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
-_SIZES = dict(
-    vocab_size=128, hidden_size=64, n_embd=64, d_model=64, intermediate_size=128, ffn_dim=128, n_inner=128,
-    num_attention_heads=4, n_head=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_positions=64,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-    qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=3,
-)  # fmt: skip
-
 
 class NotBuilt(Exception):
     """The type cannot be built and run tiny here (the message says why)."""
-
-
-def _tiny_layers(d: dict, full: int | None) -> tuple[int, list[str]]:
-    """How many layers the tiny model keeps (2, or enough to hold every kind of layer a per-layer list names, at most
-    8) and which keys of ``d`` are per-layer lists."""
-    per_layer = [k for k, v in d.items() if full and isinstance(v, list) and len(v) == full]
-    n = 2
-    for k in per_layer:
-        seen: list[str] = []
-        for i, v in enumerate(d[k]):
-            if repr(v) not in seen:
-                seen.append(repr(v))
-                n = max(n, i + 1)
-    return min(n, 8), per_layer
-
-
-def _shrink(d: dict) -> dict:
-    """A config dict (nested sub-configs included) at the tiny sizes, with dropout off."""
-    key = next((k for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
-    n, per_layer = _tiny_layers(d, d.get(key) if key else None)
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and "model_type" in v:
-            out[k] = _shrink(v)
-        elif k in per_layer:
-            out[k] = v[:n]
-        elif k == key:
-            out[k] = n
-        elif k in _LAYER_KEYS and isinstance(v, int):
-            out[k] = min(v, 2)
-        elif isinstance(v, dict) and k.startswith("per_layer") and all(str(i).isdigit() for i in v):
-            out[k] = {i: c for i, c in v.items() if int(i) < n}
-        elif k in _SIZES and isinstance(v, int) and not isinstance(v, bool) or k in _TOKEN_KEYS:
-            out[k] = _SIZES[k]
-        elif isinstance(v, float) and ("dropout" in k or "pdrop" in k):
-            out[k] = 0.0
-        else:
-            out[k] = v
-    if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention rotates head_dim channels
-        out["head_dim"] = out["qk_rope_head_dim"]
-    return out
 
 
 def build_tiny(model_type: str):
@@ -101,7 +55,7 @@ def build_tiny(model_type: str):
     """
     try:
         base = AutoConfig.for_model(model_type)
-        config = type(base).from_dict(_shrink(base.to_dict()))
+        config = type(base).from_dict(shrink(base.to_dict()))
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if n > MAX_PARAMS:
@@ -155,9 +109,13 @@ def _assert_close(what, ours, ref, keep, atol=1e-5):
 
 
 def _assert_grads_close(what, ours, ref, rel=1e-4):
-    """Every parameter's gradient within ``rel`` of its own scale; a parameter whose exact gradient is zero (e.g. a
-    key bias, which softmax ignores) is measured against 1e-3 of the largest gradient instead of its rounding noise."""
+    """Every parameter's gradient within ``rel`` of its own scale, elementwise (max |diff| against its max) and as a
+    vector (``confirm.grad_difference``: norm of the difference against its norm, floored at 1e-3 of the global
+    norm); a parameter whose exact gradient is zero (e.g. a key bias, which softmax ignores) is measured against
+    1e-3 of the largest gradient instead of its rounding noise."""
     assert ours.keys() == ref.keys(), f"{what}: gradients of different parameters {sorted(set(ours) ^ set(ref))[:4]}"
+    difference = grad_difference(ours, ref, rel)
+    assert difference is None, f"{what}: {difference}"
     top = max(float(r.abs().max()) for r in ref.values())
     for name, r in ref.items():
         scale = max(float(r.abs().max()), 1e-3 * top, 1e-30)
@@ -192,6 +150,8 @@ def check_architecture(model_type: str) -> Row:
         own, own_e = _own_logps(model, ids, mask, C)
         reason = _reason(model)
         if reason is None:  # stock TRL is the reference (and agrees with the model's own forward)
+            verdict = confirmation(model)  # and the runtime's confirmation, on a copy built from the config, agrees
+            assert verdict.cause is None, f"{model_type}: {verdict.cause}"
             ref, ref_e = stock_logps(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
             _assert_close(f"{model_type} stock TRL vs own forward", ref.detach(), own.detach(), keep)
         else:

@@ -247,6 +247,7 @@ def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
         if prov != "trl":
             assert cfg["logp_max_abs_diff_vs_trl"] <= 1e-5, (prov, cfg)
             assert cfg["grad_norm_rel_diff_vs_trl"] <= 1e-4, (prov, cfg)
+            assert cfg["grad_param_max_rel_diff_vs_trl"] <= 1e-4, (prov, cfg)  # every parameter's gradient
             assert "fallback" not in cfg, cfg
             # Each of the two prompts is forwarded once for both micro-batches (one embedding call may hold both)
             assert 1 <= cfg["prompt_passes_per_call"] <= 2, cfg

@@ -204,3 +204,38 @@ def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
     assert len(back) == 16 and sorted({r["provider"] for r in back}) == ["grpo_mem", "late", "trl"]
     merge_csv(out[1].rows[:1], path, key)  # re-measured: one row replaced, not duplicated
     assert len(harness.read_csv(path)) == 16
+
+
+def test_sweep_compares_gradients_per_parameter_by_sketch():
+    """Gradients of providers run in separate processes are compared per parameter through their sketches: equal
+    gradients give ~0, one parameter off by 8 % of its norm is found at that parameter (the global norm hardly
+    moves), a tiny parameter is measured against 1e-3 of the global norm, a missing gradient by its whole norm."""
+    from grpo_mem.bench.group import grad_sketches
+    from grpo_mem.bench.sweep import compare_with_reference, grad_param_difference
+
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    grads = {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+    grads["1.bias"] *= 1e-6  # ~0: measured against the floor
+
+    def sketched(changes):
+        for n, p in model.named_parameters():
+            p.grad = grads[n] + changes.get(n, 0)
+        return grad_sketches(model)
+
+    ref = sketched({})
+    assert grad_param_difference(sketched({}), ref) == (0.0, "")
+    off = 0.08 * grads["1.weight"].norm() * torch.randn(8, 64, generator=g) / 8 ** 0.5 / 8
+    worst, where = grad_param_difference(sketched({"1.weight": off}), ref)
+    assert where == "1.weight" and 0.04 < worst < 0.16, worst  # the sketch's spread: about 25 % of the true 0.08
+    worst, where = grad_param_difference(sketched({"1.bias": 1e-6 * torch.ones(8)}), ref)
+    total = sum(float(v.norm()) ** 2 for v in grads.values()) ** 0.5
+    true = 8 ** 0.5 * 1e-6 / (1e-3 * total)  # |change| over the floor, not over the bias gradient's own 3e-6
+    assert where == "1.bias" and true / 3 < worst < 3 * true and true < 1e-4, (worst, true)
+    del ref["0.bias"]  # a gradient in one result only: its whole norm over the floor of the reference's global norm
+    worst, where = grad_param_difference(sketched({}), ref)
+    total = sum(v[0] ** 2 for v in ref.values()) ** 0.5
+    assert where == "0.bias" and worst == pytest.approx(float(grads["0.bias"].norm()) / (1e-3 * total), rel=1e-6)
+    changed = sketched({"0.weight": 0.1 * torch.randn(64, 64, generator=g)})
+    c = compare_with_reference({"grad_sketches": sketched({})}, {"grad_sketches": changed})
+    assert c["grad_param_worst_vs_trl"] == "0.weight" and c["grad_param_max_rel_diff_vs_trl"] > 1e-3

@@ -286,6 +286,39 @@ def grad_norm(model) -> float:
     return math.sqrt(sq)
 
 
+SKETCH_WIDTH = 32
+_SKETCH_CHUNK = 1 << 22
+
+
+def grad_sketches(model, width: int = SKETCH_WIDTH) -> dict[str, list[float]]:
+    """Per parameter with a gradient (by name): ``[its gradient's L2 norm, then a count sketch of it]``, floats.
+
+    The sketch adds each entry, with a random sign, into one of ``width`` random buckets; signs and buckets are drawn
+    from a generator seeded by the parameter's name, so two processes sketch a parameter alike. It is linear: the
+    sketch of two gradients' difference is the difference of their sketches, whose squared norm estimates the
+    difference's (unbiased, relative spread about sqrt(2 / width)); ``sweep.compare_with_reference`` compares
+    providers run in separate processes per parameter that way. Costs two random draws per entry (after measuring).
+    """
+    import zlib
+
+    import torch
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach().flatten()
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        sketch = torch.zeros(width, dtype=torch.float64, device=g.device)
+        for start in range(0, g.numel(), _SKETCH_CHUNK):
+            part = g[start : start + _SKETCH_CHUNK].double()
+            buckets = torch.randint(width, (part.numel(),), generator=generator).to(g.device)
+            signs = torch.randint(2, (part.numel(),), generator=generator).to(g.device, torch.float64) * 2 - 1
+            sketch.index_add_(0, buckets, part * signs)
+        out[name] = [float(g.double().norm())] + sketch.tolist()
+    return out
+
+
 def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_mask, *, micro: int | None = None,
                   plain_forward_check: bool = True) -> dict:
     """Warm ``fn`` up on a tiny group, then measure the op on the real inputs in micro-batches of ``micro`` rows
@@ -350,6 +383,7 @@ def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_m
     res["log_probs"] = (last["lp"] * cmask).tolist()
     res["entropies"] = (last["ent"] * cmask).tolist()
     res["grad_norm"] = grad_norm(model)
+    res["grad_sketches"] = grad_sketches(model)
     res["n_params"] = sum(p.numel() for p in model.parameters())
     res["fallback_warnings"] = sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)})
     return res
@@ -367,7 +401,8 @@ def worker(args: dict) -> dict:
     single_call (see :func:`measure_group`).
 
     Returns the measurement dict plus ``log_probs``/``entropies`` of the last call (lists, masked entries 0),
-    ``grad_norm`` (L2 over all parameter gradients), ``fallback_warnings`` (grpo_mem's fallback messages),
+    ``grad_norm`` (L2 over all parameter gradients), ``grad_sketches`` (per parameter, :func:`grad_sketches`),
+    ``fallback_warnings`` (grpo_mem's fallback messages),
     ``n_params``, ``prompt_passes_per_call`` (grpo_mem over several micro-batches, else None),
     ``vision_patch_rows`` (image runs: patch rows the vision tower encoded in the last call, else None) and ``version``
     (``harness.versions()`` as this process saw the code).

@@ -5,7 +5,8 @@ compares every provider with stock TRL's cell of the same configuration, prints 
 the results into the harness's long-format CSV rows.
 
 A worker's result is a :class:`grpo_mem.bench.harness.Measurement` dict, optionally with ``log_probs``,
-``entropies`` (lists, masked entries 0), ``grad_norm``, ``fallback_warnings`` and the figures in
+``entropies`` (lists, masked entries 0), ``grad_norm``, ``grad_sketches`` (per-parameter gradient sketches, compared
+per parameter), ``fallback_warnings`` and the figures in
 :data:`RESULT_KEYS`; or ``{"ranks": [result, ...]}`` for a multi-process launch (one set of rows per rank); or
 ``{"skipped": reason}``.
 """
@@ -67,10 +68,35 @@ def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> 
     return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
 
 
+GRAD_FLOOR = 1e-3
+"""A parameter's gradient difference is measured against the larger of its norm and this fraction of the global
+norm (a parameter whose exact gradient is ~0, e.g. a key bias, is not measured against its rounding noise)."""
+
+
+def grad_param_difference(sketches: dict[str, list], reference: dict[str, list]) -> tuple[float, str]:
+    """(largest relative difference, the parameter it is at) between two results' per-parameter gradient sketches
+    (``group.grad_sketches``: name -> [norm, sketch...]): per parameter, the norm of the sketches' difference (which
+    estimates the gradients' difference) over the larger of the reference gradient's norm and ``GRAD_FLOOR`` x the
+    reference's global norm; a parameter with a gradient in one result only differs by its whole norm."""
+    total = sum(v[0] ** 2 for v in reference.values()) ** 0.5
+    worst, where = 0.0, ""
+    for name in sorted(set(sketches) | set(reference)):
+        ours, ref = sketches.get(name), reference.get(name)
+        scale = max(ref[0] if ref else 0.0, GRAD_FLOOR * total, 1e-30)
+        if ours is None or ref is None:
+            diff = (ours or ref)[0]
+        else:
+            diff = sum((a - b) ** 2 for a, b in zip(ours[1:], ref[1:])) ** 0.5
+        if diff / scale > worst:
+            worst, where = diff / scale, name
+    return worst, where
+
+
 def compare_with_reference(result: dict, reference: dict) -> dict[str, float]:
-    """``logp_max_abs_diff_vs_trl``, ``entropy_max_abs_diff_vs_trl`` and ``grad_norm_rel_diff_vs_trl`` of
-    ``result`` against ``reference`` (a result of the reference provider, or a dict holding only its ``grad_norm``):
-    each key only where both results hold what it needs."""
+    """``logp_max_abs_diff_vs_trl``, ``entropy_max_abs_diff_vs_trl``, ``grad_norm_rel_diff_vs_trl`` and, per
+    parameter, ``grad_param_max_rel_diff_vs_trl`` (with ``grad_param_worst_vs_trl``, the parameter it is at;
+    ``grad_param_difference``) of ``result`` against ``reference`` (a result of the reference provider, or a dict
+    holding only its ``grad_norm``): each key only where both results hold what it needs."""
     out = {}
     if "log_probs" in result and "log_probs" in reference:
         out["logp_max_abs_diff_vs_trl"] = max_abs_diff(result["log_probs"], reference["log_probs"])
@@ -78,6 +104,9 @@ def compare_with_reference(result: dict, reference: dict) -> dict[str, float]:
         out["entropy_max_abs_diff_vs_trl"] = max_abs_diff(result["entropies"], reference["entropies"])
     if result.get("grad_norm") is not None and reference.get("grad_norm"):
         out["grad_norm_rel_diff_vs_trl"] = abs(result["grad_norm"] - reference["grad_norm"]) / reference["grad_norm"]
+    if result.get("grad_sketches") and reference.get("grad_sketches"):
+        worst, where = grad_param_difference(result["grad_sketches"], reference["grad_sketches"])
+        out["grad_param_max_rel_diff_vs_trl"], out["grad_param_worst_vs_trl"] = worst, where
     return out
 
 
@@ -100,7 +129,8 @@ def describe(outcome: Outcome, op: str) -> str:
     for key, label, spec in (("trunk_tokens", "trunk tokens", "d"),
                              ("logp_max_abs_diff_vs_plain_forward", "|dlogp| vs plain forward", ".1e"),
                              ("logp_max_abs_diff_vs_trl", "|dlogp| vs trl", ".1e"),
-                             ("grad_norm_rel_diff_vs_trl", "grad-norm rel diff vs trl", ".1e")):
+                             ("grad_norm_rel_diff_vs_trl", "grad-norm rel diff vs trl", ".1e"),
+                             ("grad_param_max_rel_diff_vs_trl", "worst parameter's grad rel diff vs trl", ".1e")):
         if c.get(key) is not None:
             parts.append(f"{label} {format(c[key], spec)}")
     if c.get("fallback"):

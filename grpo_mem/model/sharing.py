@@ -26,6 +26,8 @@ from .distributed import agree, lockstep, unwrap_causal_lm
 from .forward import ScoreOptions, run_in_forward, validate_inputs
 from .multimodal import RowImages, VisionInputs, trie_keys, warn_tree_to_group
 from .plan import PromptGrouping, WindowPlan, check_sharing
+from .confirm import confirm_reason
+from .confirm import enabled as confirm_enabled
 from .router import router_loss_reason
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
@@ -66,6 +68,9 @@ class SharingSession:
             is forwarded whole, at stock TRL's positions, once per window. Ranks in lockstep (FSDP, DeepSpeed) align
             their schedules, in either mode.
         min_shared_tokens: tree mode: the shortest span forwarded as a node of its own (``PromptTrie``).
+        confirm: confirm what the capability rule admits on a tiny copy of the model, once per class and
+            architecture and process (``grpo_mem.model.confirm``); a difference is a fallback cause. None: on
+            unless the environment sets ``GRPO_MEM_CONFIRM=0``.
 
     Attributes:
         window: the open window's ``Window`` (its plan and cursor), or None.
@@ -75,8 +80,10 @@ class SharingSession:
         ValueError: unknown ``sharing``.
     """
 
-    def __init__(self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS):
+    def __init__(self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
+                 confirm: bool | None = None):  # fmt: skip
         self.mode = check_sharing(sharing)
+        self.confirm = confirm
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
         # the decision, its window, lockstep, whether the router loss is asked for, the image inputs
@@ -198,6 +205,8 @@ class SharingSession:
         reason = cause or unsupported_reason(causal_lm)
         if reason is None and compute_aux_loss:
             reason = router_loss_reason(causal_lm)
+        if reason is None and confirm_enabled(self.confirm):  # the same verdict on every rank: no collective
+            reason = confirm_reason(causal_lm, compute_aux_loss=compute_aux_loss)
         if reason is None and vision is not None:
             reason = vision.cause(causal_lm, P)
         in_lockstep = lockstep(model)
@@ -331,6 +340,7 @@ def shared_prompt_logprobs(
     compute_entropy: bool = False,
     cast_lm_head_to_fp32: bool = False,
     sharing: str = "tree",
+    confirm: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
 
@@ -359,6 +369,9 @@ def shared_prompt_logprobs(
         compute_entropy: also return the entropy of each next-token distribution.
         cast_lm_head_to_fp32: run the LM head in fp32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
         sharing: ``"tree"`` or ``"group"``, see above.
+        confirm: the first time a model class (and architecture) is scored in the process, confirm the capability
+            rule's decision on a tiny copy of it (``grpo_mem.model.confirm``; about a second of CPU); a difference
+            falls back with its cause. None: on unless the environment sets ``GRPO_MEM_CONFIRM=0``.
 
     Returns:
         log_probs: (B, C) fp32, zero where the completion mask is 0.
@@ -369,5 +382,6 @@ def shared_prompt_logprobs(
             unknown ``sharing``.
         TypeError: non-integer ids or ``logits_to_keep``.
     """
-    return SharingSession(sharing).score(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-                                         compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    session = SharingSession(sharing, confirm=confirm)
+    return session.score(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
+                         compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)

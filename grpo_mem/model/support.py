@@ -9,11 +9,13 @@ knows transformers, not TRL.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
 import re
 import sys
+import textwrap
 import warnings
 
 import torch
@@ -112,6 +114,10 @@ def _head_reason(causal_lm) -> str | None:
     base, head = causal_lm.base_model, causal_lm.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return f"the output embeddings are a {type(head).__name__}, not one linear layer"
+    own_params = sorted(n for n, _ in head.named_parameters())
+    if type(head).forward is not torch.nn.Linear.forward or not set(own_params) <= {"weight", "bias"}:
+        extra = ", ".join(n for n in own_params if n not in ("weight", "bias")) or "its own forward"
+        return f"the output embeddings are a {type(head).__name__}, a linear layer with more ({extra})"
     own = {id(p) for p in base.parameters()} | {id(p) for p in head.parameters()}
     extra = [n for n, p in causal_lm.named_parameters() if id(p) not in own]
     if extra:
@@ -131,6 +137,55 @@ def _head_reason(causal_lm) -> str | None:
     if calls != 1:
         return f"the causal LM's forward does not compute its logits as `self.{names[0]}(hidden_states)` once"
     return None
+
+
+_ROPE_CALL = re.compile(r"=.*\b\w*(rotary|rope)\w*\(")  # the line applying RoPE to the queries and keys
+_QK_ASSIGNMENT = re.compile(r"^\(?(q|k|query|key)\w*(, \w+)*\)? (\*|/)?= ")
+_SELF_ATTRIBUTE = re.compile(r"\bself\.(\w+)")
+
+
+def _after_rope_reason(module) -> str | None:
+    """Why the attention ``module`` transforms its queries or keys after RoPE with learned parameters, or None.
+
+    The prompt-once passes may place a prompt at other positions than stock TRL (tree mode keeps position
+    differences, which is all RoPE scores depend on); a per-channel weight applied to the rotated queries or keys (a
+    norm with a weight, a learned scale) does not commute with the rotation, so its scores, and always its gradient,
+    depend on the absolute positions. Parameter-free norms of the rotated vectors (their length is unchanged) are
+    fine.
+    """
+    lines = [re.sub(r"\s+", " ", line.split("#")[0].strip()) for line in _forward_source(type(module)).splitlines()]
+    starts = [i for i, line in enumerate(lines) if _ROPE_CALL.search(line)]
+    ends = [i for i, line in enumerate(lines) if "attention_interface(" in line]
+    if not starts or not ends:
+        return None
+    for line in lines[starts[0] + 1 : max(ends)]:
+        if not _QK_ASSIGNMENT.match(line):
+            continue
+        for name in _SELF_ATTRIBUTE.findall(line.split("=", 1)[1]):
+            value = getattr(module, name, None)
+            learned = isinstance(value, torch.nn.Parameter) or (
+                isinstance(value, torch.nn.Module) and any(True for _ in value.parameters())
+            )
+            if learned:
+                return (f"{type(module).__name__} transforms queries or keys after RoPE with learned parameters "
+                        f"(`{line}`): not invariant to the positions the prompt-once passes use")  # fmt: skip
+    return None
+
+
+def _reruns_layers(base, layer_lists: list[str]) -> bool:
+    """Whether the backbone's forward runs its layers (the ModuleLists named ``layer_lists``) inside an outer loop:
+    a layer called several times per forward (recurrent loops) records one K/V per layer in a prompt pass."""
+    try:
+        tree = ast.parse(textwrap.dedent(_forward_source(attn_hook.own_class(base))))
+    except SyntaxError:
+        return False
+    for outer in ast.walk(tree):
+        if not isinstance(outer, (ast.For, ast.While)):
+            continue
+        for inner in ast.walk(ast.Module(body=outer.body, type_ignores=[])):
+            if isinstance(inner, ast.For) and any(f"self.{n}" in ast.unparse(inner.iter) for n in layer_lists):
+                return True
+    return False
 
 
 _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|pos_emb\w*|positional_embedding\w*)$")
@@ -166,6 +221,9 @@ def _layers_reason(base, features: dict[str, str]) -> str | None:
                     return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
     if not _passes_kwargs(type(base)):
         return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
+    lists = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]
+    if _reruns_layers(base, lists):
+        return f"{type(base).__name__} runs its layers several times per forward (recurrent loops over layers)"
     for name, module in attention:
         cls = attn_hook.own_class(module)
         if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
@@ -178,6 +236,9 @@ def _layers_reason(base, features: dict[str, str]) -> str | None:
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"
+        reason = _after_rope_reason(module)
+        if reason is not None:
+            return reason
         needs = dict(features)
         if any(p.endswith("sinks") for p, _ in module.named_parameters()):
             needs["s_aux"] = "attention sinks"

@@ -261,10 +261,13 @@ class PatchHandle:
         group_shuffle: whether ``_prepare_inputs`` shuffles by whole groups.
         sharing: the sessions' sharing mode, ``"tree"`` or ``"group"``.
         log_metrics: whether training micro-batches' decisions go into the trainer's logged metrics.
+        confirm: whether the sessions confirm each admitted model on a tiny copy first (``grpo_mem.model.confirm``;
+            None: unless ``GRPO_MEM_CONFIRM=0``).
         active: False once reverted.
     """
 
-    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True):
+    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True,
+                 confirm: bool | None = None):  # fmt: skip
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -272,6 +275,7 @@ class PatchHandle:
         self.group_shuffle = group_shuffle
         self.sharing = sharing
         self.log_metrics = log_metrics
+        self.confirm = confirm
         self.liger_causes: dict = {}  # owner -> why its Liger loss path is not served (``checks.liger_support``)
         self.active = True
 
@@ -279,7 +283,7 @@ class PatchHandle:
         """The trainer's ``SharingSession`` (created on first use, in the handle's sharing mode)."""
         session = self.sessions.get(trainer)
         if session is None:
-            session = self.sessions[trainer] = SharingSession(self.sharing)
+            session = self.sessions[trainer] = SharingSession(self.sharing, confirm=self.confirm)
         return session
 
     def unserved_liger(self, trainer) -> str | None:
@@ -337,23 +341,23 @@ def active_handle(trainer) -> PatchHandle | None:
     return None
 
 
-def _differences(handle: PatchHandle, group_shuffle: bool, sharing: str) -> str:
+def _differences(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None) -> str:
     """"" if ``handle`` has these options, else what differs: ``"sharing='tree', got sharing='group'"``."""
     differ = [(name, getattr(handle, name), value) for name, value in (("sharing", sharing),
-              ("group_shuffle", group_shuffle)) if getattr(handle, name) != value]  # fmt: skip
+              ("group_shuffle", group_shuffle), ("confirm", confirm)) if getattr(handle, name) != value]  # fmt: skip
     return "; ".join(f"{name}={old!r}, got {name}={new!r}" for name, old, new in differ)
 
 
-def _repatch(handle: PatchHandle, group_shuffle: bool, sharing: str) -> PatchHandle:
+def _repatch(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None) -> PatchHandle:
     """``handle`` with these options: unchanged if they agree; else, if no sharing window is open, the new options
     and no sessions (each trainer's next window starts a session in the new mode); else ValueError."""
-    differ = _differences(handle, group_shuffle, sharing)
+    differ = _differences(handle, group_shuffle, sharing, confirm)
     if not differ:
         return handle
     if any(session.in_window or session.pending for session in handle.sessions.values()):
         raise ValueError(f"the patch of {', '.join(handle.targets)} has {differ}, and a sharing window is open "
                          "(mid-step): call patch_trl again between optimizer steps, or revert the handle first")
-    handle.group_shuffle, handle.sharing = group_shuffle, sharing
+    handle.group_shuffle, handle.sharing, handle.confirm = group_shuffle, sharing, confirm
     handle.sessions.clear()
     return handle
 
@@ -364,7 +368,8 @@ def _default_targets():
     return [trl.GRPOTrainer, trl.RLOOTrainer]
 
 
-def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree") -> PatchHandle:
+def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree",
+              confirm: bool | None = None) -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
     Args:
@@ -382,11 +387,17 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
             is forwarded once per step and each prompt's own part once, at positions that keep stock TRL's position
             differences; ``"group"``: each unique prompt is forwarded whole, once per step. Sharded ranks in lockstep
             (FSDP, DeepSpeed) align their schedules in either mode.
+        confirm: the first time a model class (with its architecture-relevant config) is scored in the process,
+            confirm on a tiny random copy built from its config that the prompt-once path matches the model's own
+            forward (log-probs, entropies, every parameter's gradient, the router loss; about a second of CPU, no
+            collective, the user's parameters and random streams untouched); a difference falls back with its
+            cause (``grpo_mem.model.confirm``). False: the capability rule alone decides. None: on unless the
+            environment sets ``GRPO_MEM_CONFIRM=0``.
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
         ``patch_trl`` again on a patched target returns the same active handle, re-patched with the new
-        ``group_shuffle`` and ``sharing`` if they differ (its sharing sessions start again in the new mode); an
+        ``group_shuffle``, ``sharing`` and ``confirm`` if they differ (its sharing sessions start again in the new mode); an
         instance of a patched class gets its class's handle when the options agree.
 
     Raises:
@@ -402,7 +413,7 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
     owners = _default_targets() if target is None else [target]
     key = tuple(id(o) for o in owners)
     if key in _ACTIVE:
-        return _repatch(_ACTIVE[key], group_shuffle, sharing)
+        return _repatch(_ACTIVE[key], group_shuffle, sharing, confirm)
     for owner in owners:
         check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
         check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
@@ -410,7 +421,7 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
             # already routed through grpo_mem, e.g. an instance of a patched class: the covering handle stands
             covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
             if covering:
-                differ = _differences(covering[0], group_shuffle, sharing)
+                differ = _differences(covering[0], group_shuffle, sharing, confirm)
                 if differ:
                     raise ValueError(
                         f"this {type(owner).__name__} is covered by the patch of {', '.join(covering[0].targets)}, "
@@ -419,7 +430,7 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
                 return covering[0]
         check_trainer_attrs(owner)
 
-    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing)
+    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing, confirm=confirm)
     for owner in owners:
         methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
         serve_liger, cause = liger_support(owner)

@@ -1,0 +1,431 @@
+"""Numerical confirmation of what the capability rule admits: admitted means confirmed.
+
+``support.unsupported_reason`` decides from the model's code and config whether the prompt-once path is exact. The
+first time a model class is scored with a given architecture (its config's architecture-relevant fields), this
+module confirms that decision on numbers: it builds a tiny random model of the same class from the user's config
+(``tiny_config``: 2 layers, or enough to hold every kind of layer a per-layer list names; small hidden size, head
+counts and vocabulary; the same flags; fp32; the same attention implementation), scores one small batch of prompts
+sharing a prefix (left padding, 2 completions each) on the prompt-once path (tree and group sharing) and with the
+model's own forward, and compares log-probs, entropies, every parameter's gradient and, for a model whose router
+loss the path reproduces, that loss and its gradients. A difference is a fallback cause (``warn_fallback``); the
+verdict is kept per process, keyed by (class, attention implementation, checkpointing, the tiny config).
+
+What the confirmation never does: touch the user's parameters (the copy is built from the config), change the
+user's random streams (the copy is built inside ``torch.random.fork_rng`` from a fixed seed, its weights are drawn
+from a private ``torch.Generator``), run collectives (the copy is unwrapped, unsharded, on CPU, built by its class's
+constructor, which DeepSpeed ZeRO-3's ``zero.Init`` does not wrap). Being deterministic on its fixed seed, it
+reaches the same verdict on every rank of a sharded run without communicating.
+
+Covered alike: MoE models (the router loss too), Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) and vision-language
+models (the class built from its whole tiny config, vision tower included, scored on text prompts; their image path
+is not confirmed here). Not confirmed: a copy that cannot be built from the config at tiny sizes, or that raises, or
+that the capability rule itself refuses, is a fallback cause (``UNBUILT``, named); flash-attention models are
+confirmed with SDPA (the copy runs on CPU in fp32, which flash kernels do not take). Cost: about 0.1-0.6 s of CPU
+per (class, architecture) on one thread (``Verdict.cpu_s``). Off: ``confirm=False`` (``patch_trl``,
+``SharingSession``, ``shared_prompt_logprobs``) or ``GRPO_MEM_CONFIRM=0``. This module knows torch and
+transformers, not TRL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import attention_hook as attn_hook
+from . import support
+from .forward import ScoreOptions, restore
+
+__all__ = ["ENV", "Verdict", "confirm_reason", "confirmation", "enabled", "forget", "grad_difference", "tiny_config",
+           "verdicts"]
+
+ENV = "GRPO_MEM_CONFIRM"
+"""Environment variable: ``0`` turns the confirmation off where no ``confirm=`` option is given."""
+
+SEED = 1234
+LOGP_ATOL = 1e-5  # log-probs and entropies (fp32, vocabulary 128: |log p| < 10, so ~100 fp32 ulps)
+GRAD_RTOL = 1e-4  # per parameter, relative to the larger of its gradient's norm and GRAD_FLOOR x the global norm
+GRAD_FLOOR = 1e-3
+TEMPERATURE = 0.7
+MAX_PARAMS = 16_000_000  # a tiny copy larger than this is not built (a config with sizes ``shrink`` does not know)
+UNBUILT = "not confirmed: a tiny {cls} could not be built from the model's config ({error})"
+
+# three prompts of 5-7 tokens sharing a 4-token prefix (a trie node of its own in tree sharing), 2 completions each
+_PROMPTS = ([5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 20], [5, 6, 7, 8, 30, 31, 32])
+_COMPLETION = 4
+_MIN_SHARED_TOKENS = 3
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+_TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# a backbone split into sections whose layer counts sum to the layer count (Dory's recurrent middle section)
+_SECTION_KEYS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
+TINY_SIZES = dict(
+    vocab_size=128, hidden_size=64, n_embd=64, d_model=64, intermediate_size=128, ffn_dim=128, n_inner=128,
+    num_attention_heads=4, n_head=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_positions=64,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=3,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_experts_per_token=2,
+)  # fmt: skip
+"""The sizes of a tiny config (``tiny_config``): every key present in the config with an integer value gets these."""
+# sizes a config may leave None (derived from others); the tiny config sets them to a consistent value
+_DERIVED = dict(head_dim=16, num_key_value_heads=4, num_experts_per_tok=2)
+
+
+def _tiny_layers(d: dict, full: int | None) -> tuple[int, list[str]]:
+    """How many layers the tiny model keeps (2, or enough to hold every kind of layer a per-layer list names, at most
+    8) and which keys of ``d`` are per-layer lists."""
+    per_layer = [k for k, v in d.items() if full and isinstance(v, list) and len(v) == full]
+    n = 2
+    for k in per_layer:
+        seen: list[str] = []
+        for i, v in enumerate(d[k]):
+            if repr(v) not in seen:
+                seen.append(repr(v))
+                n = max(n, i + 1)
+    n = min(n, 8)
+    if all(isinstance(d.get(k), int) for k in _SECTION_KEYS):  # an even number of layers per section (a config
+        n = len(_SECTION_KEYS) * 2 * -(-n // (2 * len(_SECTION_KEYS)))  # may store each layer as two blocks)
+    return n, per_layer
+
+
+def shrink(d: dict) -> dict:
+    """A config dict (``PretrainedConfig.to_dict()``, nested sub-configs included) at the tiny sizes (``TINY_SIZES``),
+    dropout and router jitter off, every per-layer list truncated to the kept layers; every other field (the flags) as
+    given."""
+    key = next((k for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
+    n, per_layer = _tiny_layers(d, d.get(key) if key else None)
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and "model_type" in v:
+            out[k] = shrink(v)
+        elif k in per_layer:
+            out[k] = v[:n]
+        elif k == key:
+            out[k] = n
+        elif k in _LAYER_KEYS and isinstance(v, int):
+            out[k] = min(v, 2)
+        elif isinstance(v, dict) and k.startswith("per_layer") and all(str(i).isdigit() for i in v):
+            out[k] = {i: c for i, c in v.items() if int(i) < n}
+        elif k in TINY_SIZES and isinstance(v, int) and not isinstance(v, bool) or k in _TOKEN_KEYS:
+            out[k] = TINY_SIZES[k]
+        elif k in _DERIVED and v is None and key is not None:
+            out[k] = _DERIVED[k]
+        elif isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):
+            out[k] = 0.0
+        else:
+            out[k] = v
+    if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention rotates head_dim channels
+        out["head_dim"] = out["qk_rope_head_dim"]
+    if "kv_lora_rank" in out and "num_key_value_heads" in out:  # latent attention: a key and value per query head
+        out["num_key_value_heads"] = out.get("num_attention_heads")
+    if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out:  # stored, not derived
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    for groups in ("n_group", "num_expert_group"):  # group-limited routing: one group of the tiny experts
+        if isinstance(out.get(groups), int):
+            out.update({groups: 1, "topk_group": 1})
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and key is not None:
+        out["rope_parameters"] = dict(rope, mrope_section=_split(rope["mrope_section"], _rotary_half(out)))
+    if key is not None and all(isinstance(out.get(k), int) for k in _SECTION_KEYS):
+        out.update({k: n // len(_SECTION_KEYS) for k in _SECTION_KEYS})
+    return out
+
+
+def _rotary_half(d: dict) -> int:
+    """Half the rotated channels of a head of the (tiny) text config ``d``."""
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    factor = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+    return int(head_dim * factor) // 2
+
+
+def _split(sections: list[int], total: int) -> list[int]:
+    """``sections`` (multi-axis RoPE's channels per axis) rescaled to sum to ``total``, each at least 1."""
+    scaled = [max(1, round(s * total / sum(sections))) for s in sections]
+    scaled[scaled.index(max(scaled))] += total - sum(scaled)
+    return scaled
+
+
+def tiny_config(config):
+    """A config of the same class as ``config`` at the tiny sizes (``shrink``), fp32.
+
+    Raises:
+        Exception: whatever transformers' config class raises for the tiny values (its validation).
+    """
+    d = shrink(config.to_dict())
+    d.pop("dtype", None)
+    d.pop("torch_dtype", None)
+    return type(config).from_dict(d)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The confirmation of one (class, architecture).
+
+    Attributes:
+        cause: why the prompt-once path is not confirmed (a fallback cause for every call), or None.
+        router_cause: why the MoE router loss is not confirmed (a cause for calls asking for it), or None.
+        cpu_s, wall_s: what the confirmation cost (process CPU time and wall time, seconds).
+    """
+
+    cause: str | None
+    router_cause: str | None
+    cpu_s: float
+    wall_s: float
+
+
+_VERDICTS: dict[tuple, Verdict] = {}
+_NOT_ARCHITECTURE = frozenset({"_name_or_path", "name_or_path", "architectures", "transformers_version"})
+
+
+def verdicts() -> dict[tuple, Verdict]:
+    """The verdicts of this process, by key (class, attention implementation, checkpointing, tiny config JSON)."""
+    return dict(_VERDICTS)
+
+
+def forget() -> None:
+    """Drop every verdict (the next scoring call of each model confirms again)."""
+    _VERDICTS.clear()
+
+
+@contextlib.contextmanager
+def _isolated_fallbacks():
+    """Within the block, ``warn_fallback`` neither warns nor reaches the caller's ``recording_fallbacks`` blocks; it
+    records into the list yielded."""
+    records, warned = list(support._fallback_records), set(support._warned)
+    support._fallback_records[:] = []
+    try:
+        with warnings.catch_warnings(), support.recording_fallbacks() as causes:
+            warnings.simplefilter("ignore")
+            yield causes
+    finally:
+        support._fallback_records[:] = records
+        support._warned.clear()
+        support._warned.update(warned)
+
+
+def _implementation(causal_lm) -> str:
+    inner = attn_hook.inner_implementation(causal_lm)
+    return "sdpa" if attn_hook._is_flash(inner) else inner
+
+
+def _checkpointed(causal_lm) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in causal_lm.modules())
+
+
+def _build(cls, config, impl: str, checkpointed: bool, generator: torch.Generator):
+    """The tiny model: ``cls`` from ``config`` on CPU in fp32, train mode, weights perturbed from ``generator`` (so
+    that norm weights and scales initialised to constants differ per channel)."""
+    # the class's own constructor, not ``from_config``: transformers wraps only the latter (and ``from_pretrained``) in
+    # DeepSpeed ZeRO-3's ``zero.Init``, which would partition the copy across ranks (a collective)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cls(config).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{n / 1e6:.0f} M parameters at the tiny sizes (sizes the generic rule does not know)")
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.default_generator.manual_seed(SEED)
+        model = cls(config).float()
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            p.mul_(1 + 0.2 * noise).add_(0.02 * torch.randn(p.shape, generator=generator))
+    model.train()
+    if checkpointed and model.supports_gradient_checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def _batch(generator: torch.Generator, vocab: int):
+    """(input_ids, attention_mask, C): the prompts left-padded, 2 completions each of 1-C random tokens."""
+    P, C = max(len(p) for p in _PROMPTS), _COMPLETION
+    ids, mask = [], []
+    for prompt in _PROMPTS:
+        for _ in range(2):
+            row = torch.randint(4, vocab, (P + C,), generator=generator)  # junk in the padding
+            m = torch.zeros(P + C, dtype=torch.long)
+            row[P - len(prompt) : P] = torch.tensor(prompt)
+            m[P - len(prompt) : P] = 1
+            m[P : P + int(torch.randint(1, C + 1, (1,), generator=generator))] = 1
+            ids.append(row)
+            mask.append(m)
+    return torch.stack(ids), torch.stack(mask), C
+
+
+def _weights(generator: torch.Generator, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _scores(model, ids, mask, C, weights, *, sharing: str | None, aux: bool):
+    """(log-probs, entropies, gradients of the weighted sum, aux loss | None, its gradients | None, fallback causes)
+    of ``model`` on the prompt-once path in mode ``sharing`` (None: the model's own forward)."""
+    from .sharing import SharingSession
+
+    causes: list[str] = []
+    if sharing is None:
+        request = ScoreOptions(logits_to_keep=C, temperature=TEMPERATURE, compute_entropy=True, compute_aux_loss=aux)
+        logps, entropy, aux_loss = support.full_sequence_logprobs(model, ids, mask, request)
+    else:
+        with _isolated_fallbacks() as causes:
+            session = SharingSession(sharing, min_shared_tokens=_MIN_SHARED_TOKENS, confirm=False)
+            session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
+            out = session.score(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True,
+                                compute_aux_loss=aux)  # fmt: skip
+            logps, entropy, aux_loss = out if aux else (*out, None)
+    loss = (logps * weights[0]).sum() + (entropy * weights[1]).sum()
+    loss.backward(retain_graph=aux)
+    grads = _grads(model)
+    aux_grads = None
+    if aux:
+        aux_loss.backward()
+        aux_grads = _grads(model)
+    return logps.detach(), entropy.detach(), grads, aux_loss, aux_grads, list(causes)
+
+
+def grad_difference(ours: dict, ref: dict, rtol: float = GRAD_RTOL) -> str | None:
+    """Which parameter's gradient differs most beyond ``rtol`` (described), or None: every parameter's gradient
+    ``ours[name]`` within ``rtol`` of the larger of ``ref[name]``'s norm and ``GRAD_FLOOR`` x the global norm of
+    ``ref`` (a parameter whose exact gradient is ~0, e.g. a key bias, is measured against the floor, not its noise).
+    ``ours``/``ref``: parameter name -> gradient tensor."""
+    missing = sorted(set(ref) ^ set(ours))
+    if missing:
+        return f"{missing[0]} has a gradient on one path only"
+    total = sum(float(g.double().pow(2).sum()) for g in ref.values()) ** 0.5
+    worst, worst_name = 0.0, None
+    for name, r in ref.items():
+        scale = max(float(r.double().norm()), GRAD_FLOOR * total, 1e-30)
+        rel = float((ours[name].double() - r.double()).norm()) / scale
+        if rel > worst:
+            worst, worst_name = rel, name
+    if worst > rtol:
+        return f"the gradient of {worst_name} differs by {worst:.1e} of its norm"
+    return None
+
+
+def _compare(cls_name: str, model, ids, mask, C, generator, aux: bool) -> tuple[str | None, str | None]:
+    keep = mask[:, -C:].bool()
+    weights = _weights(generator, (ids.shape[0], C))
+    ref = _scores(model, ids, mask, C, weights, sharing=None, aux=aux)
+    for sharing in ("tree", "group"):
+        ours = _scores(model, ids, mask, C, weights, sharing=sharing, aux=aux)
+        where = f"not confirmed: a tiny {cls_name} on the prompt-once path ({sharing} sharing)"
+        if ours[5]:
+            return f"{where} takes the stock path ({ours[5][0]})", None
+        for what, i in (("log-probs", 0), ("entropies", 1)):
+            err = float(((ours[i] - ref[i]).abs() * keep).max())
+            if not err <= LOGP_ATOL:
+                return f"{where} differs from its own forward: {what} by {err:.1e}", None
+        difference = grad_difference(ours[2], ref[2])
+        if difference is not None:
+            return f"{where} differs from its own forward: {difference}", None
+        if aux:
+            err = abs(float(ours[3]) - float(ref[3]))
+            difference = f"the router loss by {err:.1e}" if not err <= LOGP_ATOL * max(1.0, abs(float(ref[3]))) else (
+                grad_difference(ours[4], ref[4]))
+            if difference is not None:
+                return None, f"{where} differs from its own forward in the router loss: {difference}"
+    return None, None
+
+
+def _key(causal_lm, cls) -> tuple[tuple, object | None, str | None]:
+    """(verdict key, tiny config or None, why the tiny config could not be made)."""
+    impl, checkpointed = _implementation(causal_lm), _checkpointed(causal_lm)
+    try:
+        config = tiny_config(causal_lm.config)
+        fields = {k: v for k, v in config.to_dict().items() if k not in _NOT_ARCHITECTURE}
+        text = json.dumps(fields, sort_keys=True, default=str)
+    except Exception as e:  # transformers' config validation at the tiny values
+        config, text = None, f"unbuilt: {type(e).__name__}: {e}"
+    error = text[len("unbuilt: ") :] if config is None else None
+    return (f"{cls.__module__}.{cls.__qualname__}", impl, checkpointed, text), config, error
+
+
+def confirmation(causal_lm) -> Verdict:
+    """The verdict for ``causal_lm`` (an unwrapped transformers causal LM the capability rule admits): computed on a
+    tiny copy the first time its (class, architecture) is seen in this process, then taken from the cache."""
+    from .router import router_loss_reason
+
+    cls = attn_hook.own_class(causal_lm)
+    key, config, error = _key(causal_lm, cls)
+    verdict = _VERDICTS.get(key)
+    if verdict is not None:
+        return verdict
+    wall, cpu = time.perf_counter(), time.process_time()
+    generator = torch.Generator().manual_seed(SEED)
+    cause = router_cause = None
+    with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread():
+        model = None
+        if config is not None:
+            try:
+                model = _build(cls, config, key[1], key[2], generator)
+            except Exception as e:  # transformers' own model code at the tiny sizes
+                error = f"{type(e).__name__}: {e}"
+        if model is None:
+            cause = UNBUILT.format(cls=cls.__name__, error=" ".join(str(error).split())[:160])
+        else:
+            reason = support.unsupported_reason(model)
+            if reason is not None:
+                cause = f"not confirmed: a tiny {cls.__name__} is not admitted ({reason})"
+            else:
+                ids, mask, C = _batch(generator, model.config.get_text_config().vocab_size)
+                aux = router_loss_reason(model) is None and _has_router(model)
+                try:
+                    cause, router_cause = _compare(cls.__name__, model, ids, mask, C, generator, aux)
+                except Exception as e:  # the tiny model's own forward or the path fails: nothing confirmed
+                    cause = f"not confirmed: scoring a tiny {cls.__name__} raised {type(e).__name__}: {e}"[:300]
+                finally:
+                    restore(model)  # the attention hook is registered only while models run it
+    verdict = Verdict(cause, router_cause, time.process_time() - cpu, time.perf_counter() - wall)
+    _VERDICTS[key] = verdict
+    return verdict
+
+
+def _has_router(model) -> bool:
+    """Whether the model's forward can return a router loss (``output_router_logits``)."""
+    return "output_router_logits" in support._forward_params(type(model)) or hasattr(
+        model.config.get_text_config(), "output_router_logits")
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Tiny ops on one intra-op thread: the copy's matrices are too small to split, and the threads of a busy machine
+    would mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def enabled(option: bool | None) -> bool:
+    """Whether to confirm: ``option`` when given, else on unless the environment sets ``GRPO_MEM_CONFIRM=0``."""
+    return bool(option) if option is not None else os.environ.get(ENV, "1").strip() != "0"
+
+
+def confirm_reason(causal_lm, *, compute_aux_loss: bool = False) -> str | None:
+    """Why the numerical confirmation refuses ``causal_lm`` (``confirmation``), or None; with ``compute_aux_loss``
+    also a router loss that was not confirmed."""
+    verdict = confirmation(causal_lm)
+    return verdict.cause or (verdict.router_cause if compute_aux_loss else None)
