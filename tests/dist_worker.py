@@ -8,7 +8,8 @@ Usage: dist_worker.py KIND STACK PATCH OUT_JSON [SCENARIO]
   group sizes and completion lengths (one rank's micro-batches without a repeated prompt, the other's with) to show
   the ranks keep issuing the same collectives. ``tree``: 6 prompts sharing a 74-token system prompt, two pairs of
   them a 64-token few-shot block too; each rank's window holds 3 of them, so the ranks' tries differ in depth and
-  width from step to step.
+  width from step to step. ``tree1``: the same in one micro-batch per step, so the trie nodes no row ends in (the
+  system prompt, a shared few-shot block) are passes of that micro-batch, not kept ones.
 
 Rank 0 writes the final weights (gathered from their shards), global_step, the learning rate after every step, the
 logged epochs and the grad norms.
@@ -61,8 +62,11 @@ def stack_args(stack: str, *, bf16: bool = False) -> dict:
         return dict(ddp_backend="gloo")
     if stack == "fsdp2":
         _promote_cpu_fsdp()
+        # as users configure it: every module class in the model's ``_no_split_modules`` (each decoder layer) sharded
+        # on its own, resharded after each call; transformers' default policy too, explicit here
         return dict(ddp_backend="gloo", fsdp="full_shard",
-                    fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})  # fmt: skip
+                    fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
+                                 "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})  # fmt: skip
     if stack in ("zero2", "zero3"):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         import accelerate
@@ -148,6 +152,15 @@ def _is_sharded(trainer) -> bool:
     return all(isinstance(p, DTensor) or getattr(p, "ds_tensor", None) is not None for p in params)
 
 
+def wrapped_layers(trainer) -> list[int]:
+    """[decoder layers sharded by FSDP on their own, decoder layers] of the trained model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = [m for m in trainer.accelerator.unwrap_model(trainer.model).modules()
+              if type(m).__name__.endswith("DecoderLayer")]  # fmt: skip
+    return [sum(isinstance(m, FSDPModule) for m in layers), len(layers)]
+
+
 def gathered_weights(trainer) -> dict:
     """Every parameter as a full fp64 list, gathered from FSDP2 / ZeRO-3 shards (a collective on every rank)."""
     from torch.distributed.tensor import DTensor
@@ -175,6 +188,9 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
     if scenario == "tree":  # each rank's window: 3 of the 6 prompts (a group of 2 per micro-batch)
         args.update(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=3,
                     prompts=TREE_PROMPTS, max_completion_length=6)  # fmt: skip
+    if scenario == "tree1":  # the same 3 prompts per rank and step, in one micro-batch (no gradient accumulation)
+        args.update(num_generations=2, per_device_train_batch_size=6, gradient_accumulation_steps=1,
+                    prompts=TREE_PROMPTS, max_completion_length=6)  # fmt: skip
     trainer, handle = make_trainer(kind, patch=patch == "patch", arch=arch, output_dir=out + ".run", **args,
                                    **stack_args(stack))  # fmt: skip
     record = _Record()
@@ -196,6 +212,7 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
             "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
             "grpo_mem_used": "_grpo_mem_previous_forward" in model.__dict__,
             "sharded": _is_sharded(trainer),
+            "wrapped_layers": wrapped_layers(trainer),
             "prompts_kept": kept[0],
             # windows whose own pass structures differed between the ranks (aligned by stand-in passes)
             "passes_differ": sum(len({repr(k) for k in per_window}) > 1

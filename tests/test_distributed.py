@@ -50,6 +50,8 @@ def _assert_same_training(ours: dict, stock: dict, stack: str) -> None:
     expected = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}[stack]
     assert ours["distributed_type"] == stock["distributed_type"] == f"DistributedType.{expected}"
     assert ours["grpo_mem_used"] and not stock["grpo_mem_used"]
+    if stack == "fsdp2":  # each decoder layer sharded on its own, as users' configs do
+        assert ours["wrapped_layers"] == stock["wrapped_layers"] == [2, 2], ours["wrapped_layers"]
     assert ours["global_step"] == stock["global_step"] == 3
     assert ours["lrs"] == stock["lrs"] and len(ours["lrs"]) == 3
     assert ours["epochs"] == stock["epochs"]
@@ -96,19 +98,21 @@ def test_unbalanced_ranks_train_like_stock(tmp_path, kind, stack):
 
 # Qwen3.5 (Gated DeltaNet hybrid): its stand-in passes and kept passes carry linear-attention states too. Not FSDP2:
 # accelerate's auto-wrap looks for Qwen3_5ForCausalLM's _no_split_modules, whose vision block the text model lacks.
-TREE = [("grpo", "fsdp2", "llama"), ("grpo", "zero3", "llama"), ("grpo", "zero3", "qwen3_5")]
+# FSDP2 runs the window in one micro-batch ("tree1"): the system prompt's pass is then not kept, and its output gets no
+# gradient (its K/V are read inside its layers), which crashed FSDP2's per-layer backward before ``window.touch``.
+TREE = [("grpo", "fsdp2", "llama", "tree1"), ("grpo", "zero3", "llama", "tree"), ("grpo", "zero3", "qwen3_5", "tree")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,stack,arch", TREE, ids=[f"{k}-{s}-{a}" for k, s, a in TREE])
-def test_tree_sharing_on_ranks_whose_tries_differ(tmp_path, kind, stack, arch):
+@pytest.mark.parametrize("kind,stack,arch,scenario", TREE, ids=[f"{k}-{s}-{a}" for k, s, a, _ in TREE])
+def test_tree_sharing_on_ranks_whose_tries_differ(tmp_path, kind, stack, arch, scenario):
     """Sharded ranks share their own tries (a system prompt, few-shot blocks) although the tries differ in depth and
     width between ranks: every rank makes the same backbone calls (stand-in passes where it has fewer), no hang,
     the system prompt forwarded once per optimizer step on each rank, and the weights after 3 steps equal stock's."""
     if stack.startswith("zero"):
         pytest.importorskip("deepspeed")
-    stock = _train(tmp_path, kind, stack, "stock", "tree", arch)
-    ours = _train(tmp_path, kind, stack, "patch", "tree", arch)
+    stock = _train(tmp_path, kind, stack, "stock", scenario, arch)
+    ours = _train(tmp_path, kind, stack, "patch", scenario, arch)
     _assert_same_training(ours, stock, stack)
     assert ours["sharded"], "parameters were not sharded"
     assert ours["passes_differ"] > 0 and sum(ours["stand_ins"]) > 0, "the ranks' tries never differed"
@@ -140,8 +144,11 @@ def test_zero3_unbalanced_micro_batches(tmp_path):
 
 def test_fsdp2_prompt_once_matches_unsharded(tmp_path):
     """The direct API on a fully_shard-ed model (per layer + root; reshard_after_forward True/False; gradient
-    checkpointing on/off), whole groups and a group split over two micro-batches: log-probs against stock TRL on
-    an unsharded copy within 1e-5, gradients (mean over ranks) within 1e-4 relative."""
+    checkpointing on/off), whole groups (on rank 0 under a shared prefix no row ends in) and a window of three
+    micro-batches (a group split over two, a kept prefix node on rank 0): log-probs against stock TRL on an
+    unsharded copy within 1e-5, gradients (mean over ranks) within 1e-4 relative. Before ``window.touch`` this run
+    did not finish (rank 0's prefix pass, read only through its K/V, had its top layer backpropagated after FSDP
+    resharded it)."""
     out = tmp_path / "fsdp.json"
     _launch("fsdp_worker.py", out)
     result = json.loads(out.read_text())
@@ -153,6 +160,7 @@ def test_fsdp2_prompt_once_matches_unsharded(tmp_path):
             assert c["logps"] <= 1e-5 and c["split_logps"] <= 1e-5, where
             assert c["grads_rel"] <= 1e-4 and c["split_grads_rel"] <= 1e-4, where
             assert c["store_left"] == 0, where
+            assert c["kept"] == [2, 1, 0], where  # the split group's pass, and rank 0's prefix (rank 1's stand-in)
 
 
 # (stack, sharing mode): one patched run each against its stock run, both modes across the stacks (both modes of

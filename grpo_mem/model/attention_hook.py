@@ -115,6 +115,7 @@ class _KeepAlive(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keep):
         ctx.keep = keep
+        ctx.set_materialize_grads(False)  # no gradient stays none (``window.touch``): nothing computed upstream
         return x.view_as(x)
 
     @staticmethod

@@ -47,6 +47,14 @@ def lockstep(model: torch.nn.Module) -> bool:
     )
 
 
+def fsdp_wrapped(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or a submodule of it is sharded by FSDP (``fully_shard`` or FSDP1), i.e. a wrapped module's
+    parameters are unsharded for its backward by a hook on the outputs of its call."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
 # image features are computed inside a prompt pass, so every rank must run the vision tower in the same passes
 IMAGE_PASSES_DIFFER = ("sharded ranks would run the vision tower in different prompt passes of a micro-batch with "
                        "image inputs (other passes, or a pass with images on one rank only)")  # fmt: skip

@@ -23,6 +23,7 @@ import torch
 
 from . import attention_hook as attn_hook
 from . import router
+from .distributed import fsdp_wrapped
 from .head import completion_head
 from .linear_attention import LinearContext
 from .plan import PassSpec, WindowPlan
@@ -43,6 +44,26 @@ class _Tie(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
+
+
+class _Touch(torch.autograd.Function):
+    """``x`` unchanged; ``others`` join its graph with no gradient (None), so that backward visits the nodes that
+    produced them (running the hooks on them) without computing anything through them."""
+
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.n = len(others)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *([None] * ctx.n))
+
+
+def touch(x: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor:
+    """``x`` unchanged in value; its backward visits the graph of ``others`` (gradient None)."""
+    others = [o for o in others if o.requires_grad]
+    return _Touch.apply(x, *others) if others and x.requires_grad else x
 
 
 def tie(x: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor:
@@ -339,7 +360,18 @@ class Window:
             else:
                 hidden[0] = tie(hidden[0], [out])
         stand_ins = [p.states.last_hidden for p in self._passes.values() if not p.spec.nodes and not p.spec.kept]
-        hidden = self._flush(tie(torch.cat(hidden, dim=1), stand_ins))
+        hidden = tie(torch.cat(hidden, dim=1), stand_ins)
+        if fsdp_wrapped(causal_lm):
+            # FSDP unshards a wrapped layer for backward in a hook on the outputs of its call. A trie node that no row
+            # ends in is read only through its K/V (linear states, router logits) taken inside its layers, so its
+            # output gets no gradient and its top layer's backward would run on resharded parameters (freed storage;
+            # under checkpointing, a recompute with sharded ones). Its output joins the backward with no gradient:
+            # the hooks run first, and torch's own ops compute nothing for it (a deeper node's multi-region attention
+            # runs its backward on zeros). A kept pass's output joins its release micro-batch's backward through
+            # ``PromptStore.release`` (with zero gradient).
+            hidden = touch(hidden, [p.states.last_hidden for p in self._passes.values()
+                                    if p.spec.nodes and not p.spec.kept])  # fmt: skip
+        hidden = self._flush(hidden)
         aux_loss = self._router_loss(causal_lm, leaves, views, completion_router, completion_mask) if aux else None
         self._finish_micro_batch()
         return hidden, aux_loss
