@@ -72,6 +72,8 @@ TINY_SIZES = dict(
     qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=3,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
     ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_experts_per_token=2,
+    mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=8, linear_num_heads=4,
+    linear_head_dim=16,
 )  # fmt: skip
 """The sizes of a tiny config (``tiny_config``): every key present in the config with an integer value gets these."""
 # sizes a config may leave None (derived from others); the tiny config sets them to a consistent value
