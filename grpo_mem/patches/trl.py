@@ -417,36 +417,49 @@ def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree"
     for owner in owners:
         check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
         check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
-        if getattr(getattr(owner, LOGPS_METHOD), _MARK, False):
-            # already routed through grpo_mem, e.g. an instance of a patched class: the covering handle stands
-            covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
-            if covering:
-                differ = _differences(covering[0], group_shuffle, sharing, confirm)
-                if differ:
-                    raise ValueError(
-                        f"this {type(owner).__name__} is covered by the patch of {', '.join(covering[0].targets)}, "
-                        f"which has {differ}: revert that handle first, or patch the class with the options you want"
-                    )
-                return covering[0]
+        covering = _covering_handle(owner, group_shuffle, sharing, confirm)
+        if covering is not None:
+            return covering
         check_trainer_attrs(owner)
 
     handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing, confirm=confirm)
     for owner in owners:
-        methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
-        serve_liger, cause = liger_support(owner)
-        if serve_liger:
-            methods.append((HIDDEN_METHOD, patched_hidden_method))
-        elif cause is not None:
-            handle.liger_causes[owner] = cause
-        for name, make in methods:
-            if isinstance(owner, type):
-                previous = owner.__dict__.get(name, _MISSING)
-                original = getattr(owner, name)
-                setattr(owner, name, make(original, handle))
-            else:
-                previous = owner.__dict__.get(name, _MISSING)
-                original = getattr(type(owner), name)
-                owner.__dict__[name] = types.MethodType(make(original, handle), owner)
-            handle._entries.append((owner, name, previous))
+        _install(handle, owner)
     _ACTIVE[key] = handle
     return handle
+
+
+def _covering_handle(owner, group_shuffle: bool, sharing: str, confirm: bool | None) -> PatchHandle | None:
+    """The active handle that already routes ``owner`` through grpo_mem (``owner`` an instance of a patched class),
+    or None. Raises ValueError when its options differ from these: the class's patch would change for every
+    instance."""
+    if not getattr(getattr(owner, LOGPS_METHOD), _MARK, False):
+        return None
+    covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
+    if not covering:
+        return None
+    differ = _differences(covering[0], group_shuffle, sharing, confirm)
+    if differ:
+        raise ValueError(
+            f"this {type(owner).__name__} is covered by the patch of {', '.join(covering[0].targets)}, "
+            f"which has {differ}: revert that handle first, or patch the class with the options you want"
+        )
+    return covering[0]
+
+
+def _install(handle: PatchHandle, owner) -> None:
+    """Replace ``owner``'s (a trainer class or instance) patched methods with grpo_mem's, bound to ``handle``, which
+    records what each replaced so that ``revert`` restores it."""
+    methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
+    serve_liger, cause = liger_support(owner)
+    if serve_liger:
+        methods.append((HIDDEN_METHOD, patched_hidden_method))
+    elif cause is not None:
+        handle.liger_causes[owner] = cause
+    for name, make in methods:
+        previous = owner.__dict__.get(name, _MISSING)
+        if isinstance(owner, type):
+            setattr(owner, name, make(getattr(owner, name), handle))
+        else:
+            owner.__dict__[name] = types.MethodType(make(getattr(type(owner), name), handle), owner)
+        handle._entries.append((owner, name, previous))
