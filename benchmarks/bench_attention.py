@@ -59,6 +59,7 @@ def _inputs(args: dict, device: str = "cpu"):
     if args["provider"] == "ref":
         fn = shared_prefix_attention_ref
     else:
+
         def fn(*a, **kw):
             return shared_prefix_attention(*a, backend=args["provider"], **kw)
 
@@ -97,22 +98,43 @@ def cuda_worker(args: dict) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     ms = do_bench(op, grad_to_none=leaves, quantiles=[0.5, 0.2, 0.8])
-    return dict(time_s=[x / 1e3 for x in ms], op_peak_bytes=peak - before, peak_bytes=peak,
-                device=f"cuda ({torch.cuda.get_device_name()})")
+    return dict(
+        time_s=[x / 1e3 for x in ms],
+        op_peak_bytes=peak - before,
+        peak_bytes=peak,
+        device=f"cuda ({torch.cuda.get_device_name()})",
+    )
 
 
 def cuda_rows(res: dict, provider: str, cfg: dict) -> list[dict]:
     """CSV rows of one cuda_worker result: wall_time (s, do_bench quantiles), peak_tensor (MB, the op's own peak
     allocation) and peak_allocated (MB, absolute); same columns as the CPU rows."""
     mb = harness.MB
-    metrics = [("wall_time", "s", tuple(res["time_s"]), None),
-               ("peak_tensor", "MB", (res["op_peak_bytes"] / mb,) * 3, 1),
-               ("peak_allocated", "MB", (res["peak_bytes"] / mb,) * 3, 1)]
+    metrics = [
+        ("wall_time", "s", tuple(res["time_s"]), None),
+        ("peak_tensor", "MB", (res["op_peak_bytes"] / mb,) * 3, 1),
+        ("peak_allocated", "MB", (res["peak_bytes"] / mb,) * 3, 1),
+    ]
     version, now = harness.versions(), harness._now()
-    return [dict(op=OP, provider=provider, mode="full", metric=metric, unit=unit, x_name="P", x_value=cfg["P"],
-                 p50=p[0], p20=p[1], p80=p[2], config=json.dumps(dict(cfg, **({"n": n} if n else {})), sort_keys=True),
-                 device=res["device"], timestamp=now, version=version)
-            for metric, unit, p, n in metrics]
+    return [
+        dict(
+            op=OP,
+            provider=provider,
+            mode="full",
+            metric=metric,
+            unit=unit,
+            x_name="P",
+            x_value=cfg["P"],
+            p50=p[0],
+            p20=p[1],
+            p80=p[2],
+            config=json.dumps(dict(cfg, **({"n": n} if n else {})), sort_keys=True),
+            device=res["device"],
+            timestamp=now,
+            version=version,
+        )
+        for metric, unit, p, n in metrics
+    ]
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -167,23 +189,39 @@ def main_cuda(opts) -> int:
         for B, P, C, Hq, Hkv, d, U in CONFIGS:
             cfg = dict(B=B, P=P, C=C, Hq=Hq, Hkv=Hkv, d=d, U=U, dtype=opts.dtype or "bf16")
             for provider in CUDA_PROVIDERS:
-                res = harness.run_isolated("bench_attention:cuda_worker", dict(cfg, provider=provider),
-                                           threads=opts.threads)
+                res = harness.run_isolated(
+                    "bench_attention:cuda_worker", dict(cfg, provider=provider), threads=opts.threads
+                )
                 if "skipped" in res:
-                    rows += harness.skipped_rows(OP, provider, "full", "P", P, cfg, res["skipped"],
-                                                 metrics=(("wall_time", "s"), ("peak_tensor", "MB"),
-                                                          ("peak_allocated", "MB")), device="cuda")
+                    rows += harness.skipped_rows(
+                        OP,
+                        provider,
+                        "full",
+                        "P",
+                        P,
+                        cfg,
+                        res["skipped"],
+                        metrics=(("wall_time", "s"), ("peak_tensor", "MB"), ("peak_allocated", "MB")),
+                        device="cuda",
+                    )
                 else:
                     rows += cuda_rows(res, provider, cfg)
                 print(provider, cfg, "done", flush=True)
         harness.write_csv(rows, opts.csv)
-    print(table(opts.csv, CUDA_PROVIDERS, ("wall_time", "peak_tensor", "peak_allocated"),
-                ("time s", "tensor MB", "peak MB")))
+    print(
+        table(
+            opts.csv, CUDA_PROVIDERS, ("wall_time", "peak_tensor", "peak_allocated"), ("time s", "tensor MB", "peak MB")
+        )
+    )
     return 0
 
 
-def table(path: str, providers=PROVIDERS, metrics=("cpu_time", "wall_time", "peak_tensor"),
-          labels=("cpu s", "wall s", "tensor MB")) -> str:
+def table(
+    path: str,
+    providers=PROVIDERS,
+    metrics=("cpu_time", "wall_time", "peak_tensor"),
+    labels=("cpu s", "wall s", "tensor MB"),
+) -> str:
     cells: dict = {}
     for r in harness.read_csv(path):
         cfg = r["config"]

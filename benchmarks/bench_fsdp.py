@@ -66,8 +66,9 @@ def worker(provider: str, P: int, C: int, G: int, repeats: int, out: str) -> Non
     if provider == "full_seq":
 
         def fn(input_ids, attention_mask):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=C + 1,
-                           use_cache=False).logits[:, :-1]  # fmt: skip
+            logits = model(
+                input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=C + 1, use_cache=False
+            ).logits[:, :-1]
             logps = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
             return logps, None
 
@@ -79,8 +80,9 @@ def worker(provider: str, P: int, C: int, G: int, repeats: int, out: str) -> Non
         logps, _ = fn(ids, mask)
         (logps * cmask).sum().backward()
 
-    m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=1, repeats=repeats,
-                        memory_repeats=1)  # fmt: skip
+    m = harness.measure(
+        op, setup=lambda: model.zero_grad(set_to_none=True), warmup=1, repeats=repeats, memory_repeats=1
+    )
     _gather_to(out, m.to_dict())
 
 
@@ -139,8 +141,9 @@ def window_worker(provider: str, S: int, repeats: int, out: str) -> None:
             lp, _ = fn(ids[s : s + rows], mask[s : s + rows])
             (lp * cmask[s : s + rows]).sum().backward()
 
-    m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=0, repeats=repeats,
-                        memory_repeats=1)  # fmt: skip
+    m = harness.measure(
+        op, setup=lambda: model.zero_grad(set_to_none=True), warmup=0, repeats=repeats, memory_repeats=1
+    )
     _gather_to(out, m.to_dict())
 
 
@@ -157,14 +160,33 @@ def launch(args: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "m.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_ROOT, **ALLOCATOR_ENV)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", args["provider"],
-               "-P", str(args["P"]), "-C", str(args["C"]), "-G", str(args["G"]), "--repeats", str(args["repeats"]),
-               "--out", out] + (["--window", str(args["window_s"])] if args.get("window_s") else [])  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={WORLD}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            os.path.abspath(__file__),
+            "--worker",
+            args["provider"],
+            "-P",
+            str(args["P"]),
+            "-C",
+            str(args["C"]),
+            "-G",
+            str(args["G"]),
+            "--repeats",
+            str(args["repeats"]),
+            "--out",
+            out,
+        ] + (["--window", str(args["window_s"])] if args.get("window_s") else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            return {"skipped": f"torch.distributed.run exited with code {proc.returncode}",
-                    "stderr_tail": proc.stderr[-3000:]}
+            return {
+                "skipped": f"torch.distributed.run exited with code {proc.returncode}",
+                "stderr_tail": proc.stderr[-3000:],
+            }
         with open(out) as f:
             return {"ranks": json.load(f)}
 
@@ -177,8 +199,11 @@ def table(path: str = CSV_PATH) -> str:
     for r in rows:
         key = (r["provider"], r["config"]["P"], r["config"]["C"], r["config"]["G"])
         latest[key] = max(latest.get(key, ""), r["timestamp"])
-    rows = [r for r in rows if r["timestamp"] == latest[(r["provider"], r["config"]["P"], r["config"]["C"],
-                                                         r["config"]["G"])]]  # fmt: skip
+    rows = [
+        r
+        for r in rows
+        if r["timestamp"] == latest[(r["provider"], r["config"]["P"], r["config"]["C"], r["config"]["G"])]
+    ]
     by = {}
     for r in rows:
         cfg = r["config"]
@@ -196,10 +221,30 @@ def table(path: str = CSV_PATH) -> str:
             r_rss = mean["peak_rss_above_base"] / b
             r_t = mean["peak_tensor"] / (sum(base["peak_tensor"]) / len(base["peak_tensor"]))
             ratio = f"{r_rss:.3f} ({r_rss / ideal:.2f}x ideal {ideal:.3f}); tensors {r_t:.3f} ({r_t / ideal:.2f}x)"
-        out.append([provider, P, C, G, f"{mean['wall_time']:.2f}", f"{mean['cpu_time']:.2f}",
-                    f"{mean['peak_rss_above_base']:.0f}", f"{mean['peak_tensor']:.0f}", ratio])  # fmt: skip
-    headers = ["provider", "P", "C", "G", "time (s)", "CPU time (s)", "peak RSS above base (MB/rank)",
-               "live tensors (MB/rank)", "ratio to full_seq"]  # fmt: skip
+        out.append(
+            [
+                provider,
+                P,
+                C,
+                G,
+                f"{mean['wall_time']:.2f}",
+                f"{mean['cpu_time']:.2f}",
+                f"{mean['peak_rss_above_base']:.0f}",
+                f"{mean['peak_tensor']:.0f}",
+                ratio,
+            ]
+        )
+    headers = [
+        "provider",
+        "P",
+        "C",
+        "G",
+        "time (s)",
+        "CPU time (s)",
+        "peak RSS above base (MB/rank)",
+        "live tensors (MB/rank)",
+        "ratio to full_seq",
+    ]
     return harness.markdown_table(headers, out)
 
 
@@ -227,10 +272,28 @@ def window_table(path: str = WINDOW_CSV_PATH) -> str:
             r_rss = m["peak_rss_above_base"] / group["peak_rss_above_base"]
             r_t = m["wall_time"] / group["wall_time"]
             ratio = f"memory {r_rss:.3f} ({r_rss / rho:.2f}x ideal {rho:.3f}); time {r_t:.3f} ({r_t / rho:.2f}x)"
-        out.append([S, rank, provider, f"{m['wall_time']:.2f}", f"{m['cpu_time']:.2f}",
-                    f"{m['peak_rss_above_base']:.0f}", f"{m['peak_tensor']:.0f}", ratio])  # fmt: skip
-    headers = ["S", "rank", "provider", "time (s)", "CPU time (s)", "peak RSS above base (MB)", "live tensors (MB)",
-               "tree / group"]  # fmt: skip
+        out.append(
+            [
+                S,
+                rank,
+                provider,
+                f"{m['wall_time']:.2f}",
+                f"{m['cpu_time']:.2f}",
+                f"{m['peak_rss_above_base']:.0f}",
+                f"{m['peak_tensor']:.0f}",
+                ratio,
+            ]
+        )
+    headers = [
+        "S",
+        "rank",
+        "provider",
+        "time (s)",
+        "CPU time (s)",
+        "peak RSS above base (MB)",
+        "live tensors (MB)",
+        "tree / group",
+    ]
     return harness.markdown_table(headers, out)
 
 
@@ -238,8 +301,17 @@ def _run_window(S: int, providers: list[str], repeats: int) -> None:
     """``--window S``: each provider's window under FSDP2, rows per rank into ``WINDOW_CSV_PATH``."""
     config = dict(S=S, **WINDOW, model="llama", fsdp="fully_shard", allocator_env=ALLOCATOR_ENV)
     outcomes = Sweep(WINDOW_OP, "S", launch).run(
-        [Cell(p, S, config, dict(provider=p, P=0, C=WINDOW["C"], G=WINDOW["G"], repeats=repeats, window_s=S),
-              name=f"window S={S}") for p in providers])
+        [
+            Cell(
+                p,
+                S,
+                config,
+                dict(provider=p, P=0, C=WINDOW["C"], G=WINDOW["G"], repeats=repeats, window_s=S),
+                name=f"window S={S}",
+            )
+            for p in providers
+        ]
+    )
     rows = [row for o in outcomes for row in o.rows]
     harness.write_csv(rows, WINDOW_CSV_PATH, append=os.path.exists(WINDOW_CSV_PATH))
     print(window_table())
@@ -253,8 +325,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timed calls per rank (default 2)")
     ap.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of trl,full_seq,grpo_mem")
     ap.add_argument("--table", action="store_true", help="reprint the table from the CSV and exit")
-    ap.add_argument("--window", type=int, metavar="S", help="bench_tree.py's window with an S-token system prompt, "
-                    "grpo_mem_group vs grpo_mem_tree (results/fsdp_tree.csv)")
+    ap.add_argument(
+        "--window",
+        type=int,
+        metavar="S",
+        help="bench_tree.py's window with an S-token system prompt, "
+        "grpo_mem_group vs grpo_mem_tree (results/fsdp_tree.csv)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -278,8 +355,17 @@ def main(argv=None) -> int:
             ap.error(f"--providers: unknown provider {provider!r}, expected some of {PROVIDERS}")
     config = dict(P=args.P, C=args.C, G=args.G, model="llama", fsdp="fully_shard", allocator_env=ALLOCATOR_ENV)
     outcomes = Sweep(OP, "G", launch).run(
-        [Cell(p, args.G, config, dict(provider=p, P=args.P, C=args.C, G=args.G, repeats=args.repeats),
-              name=f"P={args.P} C={args.C} G={args.G}") for p in providers])
+        [
+            Cell(
+                p,
+                args.G,
+                config,
+                dict(provider=p, P=args.P, C=args.C, G=args.G, repeats=args.repeats),
+                name=f"P={args.P} C={args.C} G={args.G}",
+            )
+            for p in providers
+        ]
+    )
     rows = [row for o in outcomes for row in o.rows]
     harness.write_csv(rows, CSV_PATH, append=os.path.exists(CSV_PATH))
     print(table())

@@ -103,8 +103,9 @@ def sweep_configs(quick: bool = False, full_grid: bool = False) -> list[dict]:
     """
     if quick:
         return [dict(arch="llama", G=4, P=128, C=64, groups=1), dict(arch="qwen2", G=4, P=128, C=64, groups=2)]
-    grid = [dict(arch=a, G=G, P=P, C=64, groups=1) for a in ("llama", "qwen2") for G in (4, 8, 16)
-            for P in (256, 512, 1024)]
+    grid = [
+        dict(arch=a, G=G, P=P, C=64, groups=1) for a in ("llama", "qwen2") for G in (4, 8, 16) for P in (256, 512, 1024)
+    ]
 
     def is_target(c):
         return c["G"] == 16 and c["P"] in (512, 1024)
@@ -112,8 +113,11 @@ def sweep_configs(quick: bool = False, full_grid: bool = False) -> list[dict]:
     if not full_grid:
         grid = [c for c in grid if c["arch"] == "llama" or is_target(c)]
     grid.sort(key=lambda c: (not is_target(c), c["P"], c["arch"], c["G"]))
-    return (grid + [dict(arch="llama", G=8, P=512, C=64, groups=2), dict(arch="smollm2", G=8, P=256, C=64, groups=1)]
-            + [dict(arch=a, G=16, P=512, C=64, groups=1) for a in ARCH_MODELS])
+    return (
+        grid
+        + [dict(arch="llama", G=8, P=512, C=64, groups=2), dict(arch="smollm2", G=8, P=256, C=64, groups=1)]
+        + [dict(arch=a, G=16, P=512, C=64, groups=1) for a in ARCH_MODELS]
+    )
 
 
 def _key(cfg: dict) -> tuple:
@@ -121,8 +125,15 @@ def _key(cfg: dict) -> tuple:
     return (cfg.get("model", cfg.get("arch")), cfg["G"], cfg["P"], cfg["C"], cfg.get("groups", 1))
 
 
-def cells(cfgs: list[dict], providers: Sequence[str], *, threads: int, measure_args: dict,
-          extra: dict | None = None, cuda: bool = False) -> list[Cell]:
+def cells(
+    cfgs: list[dict],
+    providers: Sequence[str],
+    *,
+    threads: int,
+    measure_args: dict,
+    extra: dict | None = None,
+    cuda: bool = False,
+) -> list[Cell]:
     """The sweep's cells: every configuration with every provider (in that order, so ``trl`` runs first and the
     others are compared with it). ``measure_args`` (repeats, min_repeats, time_budget_s) go to the worker and into
     ``config``; ``extra`` (e.g. ``{"micro": 2}``) is part of the configuration."""
@@ -130,14 +141,21 @@ def cells(cfgs: list[dict], providers: Sequence[str], *, threads: int, measure_a
     for cfg in cfgs:
         args = dict(cfg, model_config=bench_model_config(cfg["arch"]), **(extra or {}), **measure_args)
         config = {k: v for k, v in cfg.items() if k != "arch"}
-        config.update(model=cfg["arch"], ideal_ratio=round(ideal_ratio(cfg["G"], cfg["P"], cfg["C"]), 4),
-                      threads=threads, **(extra or {}), **measure_args)
+        config.update(
+            model=cfg["arch"],
+            ideal_ratio=round(ideal_ratio(cfg["G"], cfg["P"], cfg["C"]), 4),
+            threads=threads,
+            **(extra or {}),
+            **measure_args,
+        )
         if cuda:
             args["device"] = "cuda"
-            config.update(device="cuda",
-                          memory="torch.cuda.max_memory_allocated above memory_allocated before the call")
-        out += [Cell(prov, cfg["P"], config, dict(args, provider=prov), key=_key(cfg), name=str(cfg))
-                for prov in providers]
+            config.update(
+                device="cuda", memory="torch.cuda.max_memory_allocated above memory_allocated before the call"
+            )
+        out += [
+            Cell(prov, cfg["P"], config, dict(args, provider=prov), key=_key(cfg), name=str(cfg)) for prov in providers
+        ]
     return out
 
 
@@ -172,11 +190,27 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
     beside them, and grpo_mem's largest log-prob difference from a plain no-grad full-sequence forward."""
     rows = [r for r in harness.read_csv(path) if r["op"] == op]
     idx = _index(rows)
-    headers = ["model", "G", "P", "groups", "ideal ρ",
-               "time trl s", "time full_seq s", "time grpo_mem s", "time gm/fs", "time gm/trl",
-               "cpu gm/fs", "cpu gm/trl",
-               "mem trl MB", "mem full_seq MB", "mem grpo_mem MB", "mem gm/fs", "mem gm/trl",
-               "tensor gm/fs", "gm max |Δlogp|"]
+    headers = [
+        "model",
+        "G",
+        "P",
+        "groups",
+        "ideal ρ",
+        "time trl s",
+        "time full_seq s",
+        "time grpo_mem s",
+        "time gm/fs",
+        "time gm/trl",
+        "cpu gm/fs",
+        "cpu gm/trl",
+        "mem trl MB",
+        "mem full_seq MB",
+        "mem grpo_mem MB",
+        "mem gm/fs",
+        "mem gm/trl",
+        "tensor gm/fs",
+        "gm max |Δlogp|",
+    ]
     out = []
 
     def p50(d, prov, met):
@@ -186,8 +220,9 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
     def ratio(a, b):
         return None if a is None or b is None or b == 0 else a / b
 
-    for (model, G, P, C, groups), d in sorted(idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][4], kv[0][1],
-                                                                           kv[0][2])):
+    for (model, G, P, C, groups), d in sorted(
+        idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][4], kv[0][1], kv[0][2])
+    ):
         t = {p: p50(d, p, "wall_time") for p in PROVIDERS}
         cpu = {p: p50(d, p, "cpu_time") for p in PROVIDERS}
         m = {p: p50(d, p, "peak_rss_above_base") for p in PROVIDERS}
@@ -196,13 +231,29 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
         diff = gm["config"].get("logp_max_abs_diff_vs_plain_forward") if gm else None
         if gm and gm["config"].get("fallback"):
             diff = "fallback"
-        out.append([model, G, P, groups, ideal_ratio(G, P, C), t["trl"], t["full_seq"], t["grpo_mem"],
-                    ratio(t["grpo_mem"], t["full_seq"]), ratio(t["grpo_mem"], t["trl"]),
-                    ratio(cpu["grpo_mem"], cpu["full_seq"]), ratio(cpu["grpo_mem"], cpu["trl"]),
-                    m["trl"], m["full_seq"], m["grpo_mem"],
-                    ratio(m["grpo_mem"], m["full_seq"]), ratio(m["grpo_mem"], m["trl"]),
-                    ratio(tp["grpo_mem"], tp["full_seq"]),
-                    f"{diff:.1e}" if isinstance(diff, float) else (diff or "-")])
+        out.append(
+            [
+                model,
+                G,
+                P,
+                groups,
+                ideal_ratio(G, P, C),
+                t["trl"],
+                t["full_seq"],
+                t["grpo_mem"],
+                ratio(t["grpo_mem"], t["full_seq"]),
+                ratio(t["grpo_mem"], t["trl"]),
+                ratio(cpu["grpo_mem"], cpu["full_seq"]),
+                ratio(cpu["grpo_mem"], cpu["trl"]),
+                m["trl"],
+                m["full_seq"],
+                m["grpo_mem"],
+                ratio(m["grpo_mem"], m["full_seq"]),
+                ratio(m["grpo_mem"], m["trl"]),
+                ratio(tp["grpo_mem"], tp["full_seq"]),
+                f"{diff:.1e}" if isinstance(diff, float) else (diff or "-"),
+            ]
+        )
     return harness.markdown_table(headers, out)
 
 
@@ -218,9 +269,11 @@ def split_summary(path: str = CSV_PATH) -> str:
         whole = got.get((cfg["G"], metric))
         if micro == cfg["G"] or whole is None:
             continue
-        lines.append(f"- grpo_mem, G={cfg['G']} P={cfg['P']} C={cfg['C']} over micro-batches of {micro}: {metric} "
-                     f"{value:.3g} s vs {whole[0]:.3g} s in one micro-batch = {value / whole[0]:.2f}x; prompt passes "
-                     f"per group: {cfg.get('prompt_passes_per_call')}")
+        lines.append(
+            f"- grpo_mem, G={cfg['G']} P={cfg['P']} C={cfg['C']} over micro-batches of {micro}: {metric} "
+            f"{value:.3g} s vs {whole[0]:.3g} s in one micro-batch = {value / whole[0]:.2f}x; prompt passes "
+            f"per group: {cfg.get('prompt_passes_per_call')}"
+        )
     return "\n".join(lines)
 
 
@@ -244,27 +297,37 @@ def targets(path: str = CSV_PATH) -> str:
             lines.append(f"- {model} P={P} G={G}: skipped")
             continue
         rho = ideal_ratio(G, P, C)
-        lines.append(f"- {model} P={P} G={G} C={C}: ideal ρ={rho:.3f}; wall-time ratio {rt:.3f} = {rt / rho:.2f}× "
-                     f"ideal ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2×; CPU-time ratio {rc / rho:.2f}× "
-                     f"ideal); memory ratio {rm:.3f} = {rm / rho:.2f}× ideal "
-                     f"({'meets' if rm / rho <= 2 else 'MISSES'} ≤ 2×, "
-                     f"{'meets' if rm / rho <= 1.3 else 'misses'} ≤ 1.3×)")
+        lines.append(
+            f"- {model} P={P} G={G} C={C}: ideal ρ={rho:.3f}; wall-time ratio {rt:.3f} = {rt / rho:.2f}× "
+            f"ideal ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2×; CPU-time ratio {rc / rho:.2f}× "
+            f"ideal); memory ratio {rm:.3f} = {rm / rho:.2f}× ideal "
+            f"({'meets' if rm / rho <= 2 else 'MISSES'} ≤ 2×, "
+            f"{'meets' if rm / rho <= 1.3 else 'misses'} ≤ 1.3×)"
+        )
     return "\n".join(lines)
 
 
 def plot(csv_path: str = CSV_PATH, png_path: str = PNG_PATH) -> None:
     """``group.png``: p50 wall time, CPU time and peak RSS above base against P, one panel per (model, groups, G)."""
-    harness.plot_csv(csv_path, png_path, op=OP, metrics=("wall_time", "cpu_time", "peak_rss_above_base"),
-                     panel_keys=("model", "groups", "G"), log_x=True, log_y=True,
-                     title="group forward+backward (C=64): p50 wall time, CPU time, peak RSS above base")
+    harness.plot_csv(
+        csv_path,
+        png_path,
+        op=OP,
+        metrics=("wall_time", "cpu_time", "peak_rss_above_base"),
+        panel_keys=("model", "groups", "G"),
+        log_x=True,
+        log_y=True,
+        title="group forward+backward (C=64): p50 wall time, CPU time, peak RSS above base",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 small configurations (smoke run)")
     p.add_argument("--full-grid", action="store_true", help="the whole G x P grid on qwen2 too, not only G=16")
-    p.add_argument("--only", default="", help="comma-separated MODEL/G/P[/GROUPS] to keep from the sweep, "
-                   "e.g. llama/16/512")
+    p.add_argument(
+        "--only", default="", help="comma-separated MODEL/G/P[/GROUPS] to keep from the sweep, e.g. llama/16/512"
+    )
     p.add_argument("--table", action="store_true", help="only print the table (and redraw the plot) from the CSV")
     p.add_argument("--split", action="store_true", help="one group of 8 over micro-batches of 2 (stock providers)")
     p.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of %(default)s")
@@ -273,10 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--repeats", type=int, default=3, help="most timed calls per run (default %(default)s)")
     p.add_argument("--min-repeats", type=int, default=1, help="fewest timed calls per run (default %(default)s)")
-    p.add_argument("--time-budget-s", type=float, default=20.0,
-                   help="stop timing a run once min-repeats are done and this many seconds spent (%(default)s)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cpu (default) or cuda: the current GPU (CSV default %s)" % os.path.relpath(CUDA_CSV_PATH))
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=20.0,
+        help="stop timing a run once min-repeats are done and this many seconds spent (%(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (default) or cuda: the current GPU (CSV default %s)" % os.path.relpath(CUDA_CSV_PATH),
+    )
     p.add_argument("--csv", default=None, help=f"default {os.path.relpath(CSV_PATH)} (cpu)")
     p.add_argument("--png", default=None)
     return p
@@ -289,8 +360,12 @@ def selected_configs(a: argparse.Namespace) -> list[dict]:
     cfgs = sweep_configs(a.quick, a.full_grid)
     if a.only:
         keep = {tuple(x.split("/")) for x in a.only.split(",") if x}
-        cfgs = [c for c in cfgs if (c["arch"], str(c["G"]), str(c["P"])) in keep
-                or (c["arch"], str(c["G"]), str(c["P"]), str(c["groups"])) in keep]
+        cfgs = [
+            c
+            for c in cfgs
+            if (c["arch"], str(c["G"]), str(c["P"])) in keep
+            or (c["arch"], str(c["G"]), str(c["P"]), str(c["groups"])) in keep
+        ]
         if not cfgs:
             raise ValueError(f"--only {a.only!r} matches no configuration of the sweep")
     return cfgs
@@ -300,11 +375,18 @@ def measure(a: argparse.Namespace, providers: Sequence[str]) -> None:
     """Run the selected cells, each in a fresh process, writing the CSV after each one."""
     op = OP_SPLIT if a.split else OP
     cuda = a.device == "cuda"
-    sweep = Sweep(op, "P", isolated(WORKER, threads=a.threads, timeout_s=a.timeout_s, rss_budget_mb=a.rss_budget_mb),
-                  device=harness_cuda.cuda_device_name() if cuda else harness.device_name(a.threads),
-                  references=earlier_trl_grad_norms(a.csv, op))
-    run = dict(threads=a.threads, cuda=cuda,
-               measure_args=dict(repeats=a.repeats, min_repeats=a.min_repeats, time_budget_s=a.time_budget_s))
+    sweep = Sweep(
+        op,
+        "P",
+        isolated(WORKER, threads=a.threads, timeout_s=a.timeout_s, rss_budget_mb=a.rss_budget_mb),
+        device=harness_cuda.cuda_device_name() if cuda else harness.device_name(a.threads),
+        references=earlier_trl_grad_norms(a.csv, op),
+    )
+    run = dict(
+        threads=a.threads,
+        cuda=cuda,
+        measure_args=dict(repeats=a.repeats, min_repeats=a.min_repeats, time_budget_s=a.time_budget_s),
+    )
     todo = cells(selected_configs(a), providers, extra={"micro": 2} if a.split else None, **run)
     if a.split and "grpo_mem" in providers:  # the same group in one micro-batch, for the split's time ratio
         todo += cells([SPLIT], ["grpo_mem"], extra={"micro": SPLIT["G"]}, **run)

@@ -110,6 +110,7 @@ def worker(args: dict) -> dict:
         def head():
             return _ChunkedSelectiveLogProbFunction.apply(hidden, weight, target, None, 1.0, 4096), None
     elif provider == "naive":
+
         def head():
             return linear_logprobs_ref(hidden, weight, target, return_entropy=True)
     else:
@@ -127,23 +128,36 @@ def worker(args: dict) -> dict:
 
     extra = {}
     if device.type == "cuda":
-        m, absolute = harness_cuda.measure_cuda(op, setup=setup, warmup=max(1, args.get("warmup", 1)),
-                                                repeats=args.get("repeats", 3))
+        m, absolute = harness_cuda.measure_cuda(
+            op, setup=setup, warmup=max(1, args.get("warmup", 1)), repeats=args.get("repeats", 3)
+        )
         extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
     else:
-        m = harness.measure(op, setup=setup, warmup=args.get("warmup", 1), repeats=args.get("repeats", 3),
-                            time_budget_s=args.get("time_budget_s", 60.0), memory_repeats=1)
+        m = harness.measure(
+            op,
+            setup=setup,
+            warmup=args.get("warmup", 1),
+            repeats=args.get("repeats", 3),
+            time_budget_s=args.get("time_budget_s", 60.0),
+            memory_repeats=1,
+        )
     setup()
     checksum = op()
     out = dict(m.to_dict(), **extra)
-    out.update(checksum=checksum, entropy=entropy, grad_weight_mb=weight.numel() * weight.element_size() / 1e6,
-               grad_norm=float(weight.grad.double().norm()))
+    out.update(
+        checksum=checksum,
+        entropy=entropy,
+        grad_weight_mb=weight.numel() * weight.element_size() / 1e6,
+        grad_norm=float(weight.grad.double().norm()),
+    )
     return out
 
 
 # The subset run for the README on the shared 2-core machine (the full grid takes hours there)
 QUICK = [dict(N=n, H=576, V=v) for v in (32000, 49152) for n in (1024, 4096)] + [
-    dict(N=1024, H=576, V=151936), dict(N=16384, H=576, V=49152)]
+    dict(N=1024, H=576, V=151936),
+    dict(N=16384, H=576, V=49152),
+]
 
 
 def configs(grid: str, dtype: str) -> list[dict]:
@@ -156,8 +170,15 @@ def configs(grid: str, dtype: str) -> list[dict]:
     return [dict(N=n, H=h, V=v, dtype=dtype) for h in HS for v in VS for n in NS]
 
 
-def run(cfgs: list[dict], providers: Sequence[str], *, append: bool, repeats: int, device: str = "cpu",
-        csv_path: str = CSV_PATH) -> list[dict]:
+def run(
+    cfgs: list[dict],
+    providers: Sequence[str],
+    *,
+    append: bool,
+    repeats: int,
+    device: str = "cpu",
+    csv_path: str = CSV_PATH,
+) -> list[dict]:
     """Measure every (configuration, provider) on ``device`` ("cpu" or "cuda"); the CSV is written after each
     configuration so a long sweep keeps what it measured."""
     rows = []
@@ -183,21 +204,27 @@ def run(cfgs: list[dict], providers: Sequence[str], *, append: bool, repeats: in
             # big configurations on CPU: no warm-up call (one call is minutes of CPU), one timed call
             big = device == "cpu" and cfg["N"] * cfg["V"] * cfg["H"] > 2e11
             args = dict(cfg, provider=prov, repeats=1 if big else repeats, warmup=0 if big else 1, device=device)
-            res = harness.run_isolated("bench_head:worker", args,
-                                       rss_budget_mb=RSS_BUDGET_MB, timeout_s=1800.0)
+            res = harness.run_isolated("bench_head:worker", args, rss_budget_mb=RSS_BUDGET_MB, timeout_s=1800.0)
             if "skipped" in res:
                 print(f"{cfg} {prov}: skipped: {res['skipped']}", flush=True)
-                cfg_rows += harness.skipped_rows(OP, prov, "full", "N", x_value, config, res["skipped"],
-                                                 device=dev_name)
+                cfg_rows += harness.skipped_rows(
+                    OP, prov, "full", "N", x_value, config, res["skipped"], device=dev_name
+                )
                 continue
             sums[prov] = res["checksum"]
-            config.update(grad_weight_mb=round(res["grad_weight_mb"], 1), logp_sum=res["checksum"],
-                          grad_weight_norm=res["grad_norm"])
+            config.update(
+                grad_weight_mb=round(res["grad_weight_mb"], 1),
+                logp_sum=res["checksum"],
+                grad_weight_norm=res["grad_norm"],
+            )
             if device == "cuda":
-                config.update(memory="torch.cuda.max_memory_allocated above memory_allocated before the call",
-                              cuda_peak_allocated_mb=round(res["cuda_peak_allocated_mb"], 1))
-            new = harness.measurement_rows(OP, prov, "full", "N", x_value, res, config,
-                                           device=res.get("cuda_device", dev_name))
+                config.update(
+                    memory="torch.cuda.max_memory_allocated above memory_allocated before the call",
+                    cuda_peak_allocated_mb=round(res["cuda_peak_allocated_mb"], 1),
+                )
+            new = harness.measurement_rows(
+                OP, prov, "full", "N", x_value, res, config, device=res.get("cuda_device", dev_name)
+            )
             cfg_rows += new
             print(f"{cfg} {prov}: " + json.dumps({r["metric"]: round(r["p50"], 3) for r in new}), flush=True)
         if len(sums) > 1:
@@ -235,7 +262,9 @@ def table(csv_path: str = CSV_PATH) -> str:
         c = r["config"]
         key = (c.get("dtype"), c["N"], c["H"], c["V"])
         keyed.setdefault(key, {})[(r["provider"], r["metric"])] = (r["p50"], c.get("skipped"))
-    providers = [p for p in dict.fromkeys(PROVIDERS + CUDA_PROVIDERS) if any(p == k[0] for d in keyed.values() for k in d)]
+    providers = [
+        p for p in dict.fromkeys(PROVIDERS + CUDA_PROVIDERS) if any(p == k[0] for d in keyed.values() for k in d)
+    ]
     headers = ["dtype", "N", "H", "V"]
     for p in providers:
         headers += [f"{p} wall s", f"{p} CPU s", f"{p} MB"]
@@ -254,16 +283,27 @@ def table(csv_path: str = CSV_PATH) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--grid", default="full", choices=("full", "quick", "target", "qwen7b"),
-                    help="full: N x H x V grid; quick: the README subset; target: N=4096, H=576, V=49152; "
-                         "qwen7b: N=32768, H=3584, V=152064")
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                    help="cpu (default) or cuda: the current GPU, providers %s" % ",".join(CUDA_PROVIDERS))
+    ap.add_argument(
+        "--grid",
+        default="full",
+        choices=("full", "quick", "target", "qwen7b"),
+        help="full: N x H x V grid; quick: the README subset; target: N=4096, H=576, V=49152; "
+        "qwen7b: N=32768, H=3584, V=152064",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (default) or cuda: the current GPU, providers %s" % ",".join(CUDA_PROVIDERS),
+    )
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--providers", default=None, help="comma-separated subset (default: all of the device's)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--append", action="store_true",
-                    help="add to the CSV (replacing rows of the same provider and configuration) instead of overwriting")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="add to the CSV (replacing rows of the same provider and configuration) instead of overwriting",
+    )
     ap.add_argument("--table", action="store_true", help="only print the table of the existing CSV")
     ns = ap.parse_args(argv)
     cuda = ns.device == "cuda"
@@ -279,10 +319,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [p for p in providers if p not in known]
     if unknown:
         raise SystemExit(f"unknown providers {unknown} for --device {ns.device}; choose from {known}")
-    run(configs(ns.grid, ns.dtype), providers, append=ns.append, repeats=ns.repeats, device=ns.device,
-        csv_path=csv_path)
-    harness.plot_csv(csv_path, png_path, op=OP, panel_keys=("dtype", "H", "V"), log_y=True,
-                     title=f"LM head fwd+bwd with entropy ({'CUDA' if cuda else 'CPU'})")
+    run(
+        configs(ns.grid, ns.dtype), providers, append=ns.append, repeats=ns.repeats, device=ns.device, csv_path=csv_path
+    )
+    harness.plot_csv(
+        csv_path,
+        png_path,
+        op=OP,
+        panel_keys=("dtype", "H", "V"),
+        log_y=True,
+        title=f"LM head fwd+bwd with entropy ({'CUDA' if cuda else 'CPU'})",
+    )
     print(table(csv_path))
     return 0
 

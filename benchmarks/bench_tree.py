@@ -77,13 +77,15 @@ def worker(args: dict) -> dict:
     U = args["groups_per_mb"] * args["micro_batches"]
     Qs = own_lengths(U, args["q_min"], args["q_max"], args.get("seed", 0))
     G, C = args["G"], args["C"]
-    input_ids, attention_mask, cmask = make_window(args["S"], Qs, G, C, args["groups_per_mb"],
-                                                   model.config.vocab_size, seed=args.get("seed", 0) + 1)
+    input_ids, attention_mask, cmask = make_window(
+        args["S"], Qs, G, C, args["groups_per_mb"], model.config.vocab_size, seed=args.get("seed", 0) + 1
+    )
     rows = args["groups_per_mb"] * G
     fn = window_fn(args["provider"], model, C, input_ids, attention_mask, rows, args.get("min_shared_tokens"))
     tokens = [0]
     hook = model.get_input_embeddings().register_forward_hook(
-        lambda m, i, o: tokens.__setitem__(0, tokens[0] + i[0].numel()) if torch.is_grad_enabled() else None)
+        lambda m, i, o: tokens.__setitem__(0, tokens[0] + i[0].numel()) if torch.is_grad_enabled() else None
+    )
     cmask_f = cmask.float()
     last = {}
 
@@ -91,42 +93,57 @@ def worker(args: dict) -> dict:
         tokens[0] = 0
         lps = []
         for s in range(0, input_ids.shape[0], rows):
-            lp, _ = fn(input_ids[s:s + rows], attention_mask[s:s + rows])
-            (lp * cmask_f[s:s + rows]).sum().backward()
+            lp, _ = fn(input_ids[s : s + rows], attention_mask[s : s + rows])
+            (lp * cmask_f[s : s + rows]).sum().backward()
             lps.append(lp.detach())
         last["lp"], last["tokens"] = torch.cat(lps), tokens[0]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
-                            repeats=args.get("repeats", 1), min_repeats=args.get("min_repeats", 1),
-                            time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
+        m = harness.measure(
+            op,
+            setup=lambda: model.zero_grad(set_to_none=True),
+            warmup=args.get("warmup", 0),
+            repeats=args.get("repeats", 1),
+            min_repeats=args.get("min_repeats", 1),
+            time_budget_s=args.get("time_budget_s", 20.0),
+            memory_repeats=1,
+        )
     hook.remove()
     with torch.no_grad():  # the check, after measuring: a plain full-sequence forward, log_softmax over the vocabulary
         diffs = []
         for s in range(0, input_ids.shape[0], rows):
-            ids, mask = input_ids[s:s + rows], attention_mask[s:s + rows]
+            ids, mask = input_ids[s : s + rows], attention_mask[s : s + rows]
             hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            logits = model.get_output_embeddings()(hidden[:, -C - 1:-1]).float()
-            ref = torch.log_softmax(logits, -1).gather(-1, ids[:, -C:, None])[..., 0] * cmask_f[s:s + rows]
-            diffs.append(float((last["lp"][s:s + rows] * cmask_f[s:s + rows] - ref).abs().max()))
-    return dict(m.to_dict(), trunk_tokens=last["tokens"], logp_max_abs_diff_vs_plain_forward=max(diffs),
-                log_probs=(last["lp"] * cmask_f).tolist(), grad_norm=group.grad_norm(model), Qs=Qs,
-                fallback_warnings=sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)}),
-                version=version)
+            logits = model.get_output_embeddings()(hidden[:, -C - 1 : -1]).float()
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[:, -C:, None])[..., 0] * cmask_f[s : s + rows]
+            diffs.append(float((last["lp"][s : s + rows] * cmask_f[s : s + rows] - ref).abs().max()))
+    return dict(
+        m.to_dict(),
+        trunk_tokens=last["tokens"],
+        logp_max_abs_diff_vs_plain_forward=max(diffs),
+        log_probs=(last["lp"] * cmask_f).tolist(),
+        grad_norm=group.grad_norm(model),
+        Qs=Qs,
+        fallback_warnings=sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)}),
+        version=version,
+    )
 
 
 def sweep_configs() -> list[dict]:
     """The tree configurations: S ∈ {512, 2048}, own parts 32–96 tokens, G=8, C=64, 4 groups per micro-batch,
     4 micro-batches per window, on the 8-layer Llama-shaped model (``grpo_mem.bench.presets.BENCH_MODELS["llama"]``)."""
-    return [dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=4)
-            for S in (512, 2048)]
+    return [
+        dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=4) for S in (512, 2048)
+    ]
 
 
 def threshold_configs() -> list[dict]:
     """Short shared spans, one micro-batch of 4 groups: where a node of its own starts to pay."""
-    return [dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=1)
-            for S in (8, 16, 32, 64, 128)]
+    return [
+        dict(arch="llama", S=S, q_min=32, q_max=96, G=8, C=64, groups_per_mb=4, micro_batches=1)
+        for S in (8, 16, 32, 64, 128)
+    ]
 
 
 def _run(cfgs, providers_of, op, csv_path, *, threads, rss_budget_mb, timeout_s, measure_args):
@@ -138,21 +155,37 @@ def _run(cfgs, providers_of, op, csv_path, *, threads, rss_budget_mb, timeout_s,
         rho = ideal_ratio(cfg["S"], own_lengths(U, cfg["q_min"], cfg["q_max"], 0), cfg["G"], cfg["C"])
         for prov, extra in providers_of(cfg):
             config = {k: v for k, v in cfg.items() if k != "arch"}
-            config.update(extra, ideal_ratio_tree_over_group=round(rho, 4), threads=threads, **measure_args,
-                          model=cfg["arch"])
-            skip = (f"not run: S={cfg['S']} needs over 24 GB for the stock path (9.5 GB at S=512)"
-                    if prov in ("trl", "full_seq") and cfg["S"] > STOCK_MAX_S else None)
-            cells.append(Cell(prov + (f"@{extra['min_shared_tokens']}" if "min_shared_tokens" in extra else ""),
-                              cfg["S"], config, dict(cfg, provider=prov, **extra, **measure_args),
-                              key=(cfg["S"],), name=str(cfg), skip=skip))
+            config.update(
+                extra, ideal_ratio_tree_over_group=round(rho, 4), threads=threads, **measure_args, model=cfg["arch"]
+            )
+            skip = (
+                f"not run: S={cfg['S']} needs over 24 GB for the stock path (9.5 GB at S=512)"
+                if prov in ("trl", "full_seq") and cfg["S"] > STOCK_MAX_S
+                else None
+            )
+            cells.append(
+                Cell(
+                    prov + (f"@{extra['min_shared_tokens']}" if "min_shared_tokens" in extra else ""),
+                    cfg["S"],
+                    config,
+                    dict(cfg, provider=prov, **extra, **measure_args),
+                    key=(cfg["S"],),
+                    name=str(cfg),
+                    skip=skip,
+                )
+            )
     rows: list[dict] = []
 
     def save(outcome):
         rows.extend(outcome.rows)
         merge_csv(rows, csv_path, lambda r: (r["op"], r["provider"], r["metric"], r["x_value"]))
 
-    sweep = Sweep(op, "S", isolated("bench_tree:worker", threads=threads, timeout_s=timeout_s,
-                                    rss_budget_mb=rss_budget_mb), device=harness.device_name(threads))
+    sweep = Sweep(
+        op,
+        "S",
+        isolated("bench_tree:worker", threads=threads, timeout_s=timeout_s, rss_budget_mb=rss_budget_mb),
+        device=harness.device_name(threads),
+    )
     sweep.run(cells, on_outcome=save)
     return rows
 
@@ -168,8 +201,18 @@ def _p50s(path: str, op: str) -> dict:
 def table(path: str = CSV_PATH) -> str:
     """Per S: each provider's p50 wall and CPU time, peak RSS above base and trunk tokens per window; tree over
     group for each, beside the ideal ratio and the targets (time ≤ 1.2×, memory ≤ 1.3× the ideal ratio)."""
-    headers = ["S", "provider", "wall s", "cpu s", "mem MB", "trunk tokens", "ideal ρ tree/group", "tree/group",
-               "/ ideal", "|Δlogp| vs plain fwd"]
+    headers = [
+        "S",
+        "provider",
+        "wall s",
+        "cpu s",
+        "mem MB",
+        "trunk tokens",
+        "ideal ρ tree/group",
+        "tree/group",
+        "/ ideal",
+        "|Δlogp| vs plain fwd",
+    ]
     out = []
     for S, d in sorted(_p50s(path, OP).items(), key=lambda kv: float(kv[0])):
         group = d.get("grpo_mem_group", {})
@@ -179,8 +222,9 @@ def table(path: str = CSV_PATH) -> str:
                 continue
             wall, cpu, mem = (m.get(k) for k in ("wall_time", "cpu_time", "peak_rss_above_base"))
             if wall is None or math.isnan(wall["p50"]):
-                out.append([S, prov, "skipped", "", "", "", "", "", "", wall["config"].get("skipped", "") if wall
-                            else ""])
+                out.append(
+                    [S, prov, "skipped", "", "", "", "", "", "", wall["config"].get("skipped", "") if wall else ""]
+                )
                 continue
             rho = wall["config"]["ideal_ratio_tree_over_group"]
             ratios = ""
@@ -190,17 +234,38 @@ def table(path: str = CSV_PATH) -> str:
                 rc = cpu["p50"] / group["cpu_time"]["p50"]
                 rm = mem["p50"] / group["peak_rss_above_base"]["p50"]
                 ratios = f"time {rt:.3f}, cpu {rc:.3f}, mem {rm:.3f}"
-                over = (f"time {rt / rho:.2f}× ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2), cpu {rc / rho:.2f}×, "
-                        f"mem {rm / rho:.2f}× ({'meets' if rm / rho <= 1.3 else 'MISSES'} ≤ 1.3)")
-            out.append([S, prov, wall["p50"], cpu["p50"], mem["p50"], wall["config"].get("trunk_tokens"), rho,
-                        ratios, over, f"{wall['config']['logp_max_abs_diff_vs_plain_forward']:.1e}"])
+                over = (
+                    f"time {rt / rho:.2f}× ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2), cpu {rc / rho:.2f}×, "
+                    f"mem {rm / rho:.2f}× ({'meets' if rm / rho <= 1.3 else 'MISSES'} ≤ 1.3)"
+                )
+            out.append(
+                [
+                    S,
+                    prov,
+                    wall["p50"],
+                    cpu["p50"],
+                    mem["p50"],
+                    wall["config"].get("trunk_tokens"),
+                    rho,
+                    ratios,
+                    over,
+                    f"{wall['config']['logp_max_abs_diff_vs_plain_forward']:.1e}",
+                ]
+            )
     return harness.markdown_table(headers, out)
 
 
 def threshold_table(path: str = THRESHOLD_CSV) -> str:
     """Per shared span S: wall and CPU time with the span as a node and forwarded inside each prompt."""
-    headers = ["S", "node: wall s", "inside: wall s", "node/inside wall", "node: cpu s", "inside: cpu s",
-               "node/inside cpu"]
+    headers = [
+        "S",
+        "node: wall s",
+        "inside: wall s",
+        "node/inside wall",
+        "node: cpu s",
+        "inside: cpu s",
+        "node/inside cpu",
+    ]
     out = []
     for S, d in sorted(_p50s(path, OP_THRESHOLD).items(), key=lambda kv: float(kv[0])):
         node = next((v for k, v in d.items() if k.endswith("@1")), None)
@@ -215,9 +280,16 @@ def threshold_table(path: str = THRESHOLD_CSV) -> str:
 
 def plot(csv_path: str = CSV_PATH, png_path: str = PNG_PATH) -> None:
     """``tree.png``: p50 wall time, CPU time and peak RSS above base against S, per provider."""
-    harness.plot_csv(csv_path, png_path, op=OP, metrics=("wall_time", "cpu_time", "peak_rss_above_base"),
-                     panel_keys=("model", "G"), log_x=True, log_y=True,
-                     title="one window, 4 x 4 groups, G=8, C=64")
+    harness.plot_csv(
+        csv_path,
+        png_path,
+        op=OP,
+        metrics=("wall_time", "cpu_time", "peak_rss_above_base"),
+        panel_keys=("model", "G"),
+        log_x=True,
+        log_y=True,
+        title="one window, 4 x 4 groups, G=8, C=64",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -235,13 +307,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for x in providers:
         if x not in PROVIDERS:
             raise ValueError(f"unknown provider {x!r}; choose from {PROVIDERS}")
-    run = dict(threads=a.threads, rss_budget_mb=a.rss_budget_mb, timeout_s=a.timeout_s,
-               measure_args=dict(repeats=a.repeats, min_repeats=1, time_budget_s=0.0))
+    run = dict(
+        threads=a.threads,
+        rss_budget_mb=a.rss_budget_mb,
+        timeout_s=a.timeout_s,
+        measure_args=dict(repeats=a.repeats, min_repeats=1, time_budget_s=0.0),
+    )
     if not a.table:
         if a.threshold:
-            _run(threshold_configs(), lambda c: [("grpo_mem_tree", {"min_shared_tokens": 1}),
-                                                 ("grpo_mem_tree", {"min_shared_tokens": c["S"] + 1})],
-                 OP_THRESHOLD, THRESHOLD_CSV, **run)
+            _run(
+                threshold_configs(),
+                lambda c: [
+                    ("grpo_mem_tree", {"min_shared_tokens": 1}),
+                    ("grpo_mem_tree", {"min_shared_tokens": c["S"] + 1}),
+                ],
+                OP_THRESHOLD,
+                THRESHOLD_CSV,
+                **run,
+            )
         else:
             cfgs = sweep_configs()
             if a.only_s:

@@ -58,9 +58,19 @@ SHAPE = dict(G=8, C=64, grid=(1, 64, 64), text_before=31, text_after=31)
 """31 + <|vision_start|> + 1024 image tokens + <|vision_end|> + 31: 64 text tokens, P = 1088."""
 IMAGE, VIDEO, VISION_START, VISION_END = 8190, 8191, 8188, 8189
 MERGE, PATCH, TEMPORAL, CHANNELS = 2, 14, 2, 3
-VISION = dict(depth=4, hidden_size=512, intermediate_size=1368, num_heads=8, out_hidden_size=512, patch_size=PATCH,
-              spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS, window_size=112,
-              fullatt_block_indexes=[3])
+VISION = dict(
+    depth=4,
+    hidden_size=512,
+    intermediate_size=1368,
+    num_heads=8,
+    out_hidden_size=512,
+    patch_size=PATCH,
+    spatial_merge_size=MERGE,
+    temporal_patch_size=TEMPORAL,
+    in_channels=CHANNELS,
+    window_size=112,
+    fullatt_block_indexes=[3],
+)
 
 
 def token_counts(G: int, C: int, grid: tuple[int, int, int], text: int) -> dict:
@@ -78,13 +88,37 @@ def build_model(seed: int = 0):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     llama = BENCH_MODELS["llama"]
-    text = {k: llama[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                                  "num_key_value_heads", "vocab_size")}  # heads of 512 / 8 = 64
-    text.update(max_position_embeddings=4096, attention_dropout=0.0, eos_token_id=2, pad_token_id=0, bos_token_id=1,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]})
-    config = AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=dict(VISION), image_token_id=IMAGE,
-                                  video_token_id=VIDEO, vision_start_token_id=VISION_START,
-                                  vision_end_token_id=VISION_END, eos_token_id=2, pad_token_id=0, bos_token_id=1)
+    text = {
+        k: llama[k]
+        for k in (
+            "num_hidden_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+        )
+    }  # heads of 512 / 8 = 64
+    text.update(
+        max_position_embeddings=4096,
+        attention_dropout=0.0,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
+    )
+    config = AutoConfig.for_model(
+        "qwen2_5_vl",
+        text_config=text,
+        vision_config=dict(VISION),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    )
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
 
@@ -100,14 +134,24 @@ def make_batch(G: int, C: int, grid: tuple[int, int, int], text_before: int, tex
     g = torch.Generator().manual_seed(seed)
     t, h, w = grid
     n_image = t * h * w // MERGE**2
-    prompt = torch.cat([torch.randint(3, 8000, (text_before,), generator=g), torch.tensor([VISION_START]),
-                        torch.full((n_image,), IMAGE), torch.tensor([VISION_END]),
-                        torch.randint(3, 8000, (text_after,), generator=g)])
+    prompt = torch.cat(
+        [
+            torch.randint(3, 8000, (text_before,), generator=g),
+            torch.tensor([VISION_START]),
+            torch.full((n_image,), IMAGE),
+            torch.tensor([VISION_END]),
+            torch.randint(3, 8000, (text_after,), generator=g),
+        ]
+    )
     image = torch.randn(t * h * w, CHANNELS * TEMPORAL * PATCH * PATCH, generator=g)
     ids = torch.cat([prompt.expand(G, -1), torch.randint(3, 8000, (G, C), generator=g)], 1)
     mm = (ids == IMAGE).long()
-    extras = dict(pixel_values=image.repeat(G, 1), image_grid_thw=torch.tensor([grid] * G), num_images=[1] * G,
-                  mm_token_type_ids=mm)
+    extras = dict(
+        pixel_values=image.repeat(G, 1),
+        image_grid_thw=torch.tensor([grid] * G),
+        num_images=[1] * G,
+        mm_token_type_ids=mm,
+    )
     return ids, torch.ones_like(ids), extras
 
 
@@ -133,40 +177,63 @@ def worker(args: dict) -> dict:
     ids, mask, extras = make_batch(SHAPE["G"], SHAPE["C"], SHAPE["grid"], SHAPE["text_before"], SHAPE["text_after"])
     method = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
     if args["provider"] == "grpo_mem":
-        method = patched_logps_method(method, PatchHandle(("bench_vlm",), group_shuffle=False, sharing="group",
-                                                          log_metrics=False))
+        method = patched_logps_method(
+            method, PatchHandle(("bench_vlm",), group_shuffle=False, sharing="group", log_metrics=False)
+        )
     elif args["provider"] != "trl":
         raise ValueError(f"provider must be one of {PROVIDERS}, got {args['provider']!r}")
-    trainer = _Trainer(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=1.0,
-                       args=types.SimpleNamespace(cast_lm_head_to_fp32=False), _metrics=None)
+    trainer = _Trainer(
+        accelerator=types.SimpleNamespace(autocast=nullcontext),
+        temperature=1.0,
+        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
+        _metrics=None,
+    )
     last, encoded = {}, []
     model.model.visual.register_forward_hook(
-        lambda mod, a, kw, out: encoded.append(int(kw["grid_thw"].prod(-1).sum())), with_kwargs=True)
+        lambda mod, a, kw, out: encoded.append(int(kw["grid_thw"].prod(-1).sum())), with_kwargs=True
+    )
 
     def op():
         encoded.clear()
-        lp, _, _ = method(trainer, model, ids, mask, SHAPE["C"], batch_size=SHAPE["G"], compute_entropy=True,
-                          **extras)
+        lp, _, _ = method(trainer, model, ids, mask, SHAPE["C"], batch_size=SHAPE["G"], compute_entropy=True, **extras)
         lp.sum().backward()
         last["lp"] = lp.detach()
 
     with recording_fallbacks() as fallbacks:
         m = harness.measure_once(op, setup=lambda: model.zero_grad(set_to_none=True))
-    return dict(m.to_dict(), vision_patch_rows=sum(encoded), fallbacks=[str(f) for f in fallbacks],
-                log_probs=last["lp"].tolist(), grad_norm=grad_norm(model),
-                n_params=sum(p.numel() for p in model.parameters()), version=harness.versions())
+    return dict(
+        m.to_dict(),
+        vision_patch_rows=sum(encoded),
+        fallbacks=[str(f) for f in fallbacks],
+        log_probs=last["lp"].tolist(),
+        grad_norm=grad_norm(model),
+        n_params=sum(p.numel() for p in model.parameters()),
+        version=harness.versions(),
+    )
 
 
 # --------------------------------------------------------------------------------------------------- parent side
 def run(threads: int, timeout_s: float, rss_budget_mb: float) -> str:
     """Both providers, each in a fresh process; writes :data:`CSV_PATH` and returns the markdown row."""
     counts = token_counts(SHAPE["G"], SHAPE["C"], SHAPE["grid"], SHAPE["text_before"] + SHAPE["text_after"] + 2)
-    config = dict(model="qwen2.5-vl", G=SHAPE["G"], C=SHAPE["C"], image_grid_thw=list(SHAPE["grid"]),
-                  vision=VISION, threads=threads, **counts)
+    config = dict(
+        model="qwen2.5-vl",
+        G=SHAPE["G"],
+        C=SHAPE["C"],
+        image_grid_thw=list(SHAPE["grid"]),
+        vision=VISION,
+        threads=threads,
+        **counts,
+    )
     results = {}
     for prov in PROVIDERS:
-        results[prov] = harness.run_isolated(f"{os.path.abspath(__file__)}:worker", {"provider": prov},
-                                             threads=threads, timeout_s=timeout_s, rss_budget_mb=rss_budget_mb)
+        results[prov] = harness.run_isolated(
+            f"{os.path.abspath(__file__)}:worker",
+            {"provider": prov},
+            threads=threads,
+            timeout_s=timeout_s,
+            rss_budget_mb=rss_budget_mb,
+        )
         if "skipped" in results[prov]:
             print(f"{prov}: skipped: {results[prov]['skipped']}\n{results[prov].get('stderr_tail', '')}")
     rows = []
@@ -175,16 +242,25 @@ def run(threads: int, timeout_s: float, rss_budget_mb: float) -> str:
     if ok:
         import torch
 
-        diff = float((torch.tensor(results["grpo_mem"]["log_probs"]) - torch.tensor(results["trl"]["log_probs"]))
-                     .abs().max())
-        print(f"log-probs grpo_mem vs trl: max |diff| = {diff:.2e}; grad norms "
-              f"{results['grpo_mem']['grad_norm']:.6g} vs {results['trl']['grad_norm']:.6g}")
+        diff = float(
+            (torch.tensor(results["grpo_mem"]["log_probs"]) - torch.tensor(results["trl"]["log_probs"])).abs().max()
+        )
+        print(
+            f"log-probs grpo_mem vs trl: max |diff| = {diff:.2e}; grad norms "
+            f"{results['grpo_mem']['grad_norm']:.6g} vs {results['trl']['grad_norm']:.6g}"
+        )
     for prov, r in results.items():
         if "skipped" in r:
             rows += harness.skipped_rows(OP, prov, "full", "P", counts["P"], config, r["skipped"])
             continue
-        cfg = dict(config, grad_norm=r["grad_norm"], n_params=r["n_params"], logp_max_abs_diff_vs_trl=diff,
-                   vision_patch_rows=r["vision_patch_rows"], fallbacks=r["fallbacks"])
+        cfg = dict(
+            config,
+            grad_norm=r["grad_norm"],
+            n_params=r["n_params"],
+            logp_max_abs_diff_vs_trl=diff,
+            vision_patch_rows=r["vision_patch_rows"],
+            fallbacks=r["fallbacks"],
+        )
         print(f"{prov}: vision tower encoded {r['vision_patch_rows']} patch rows; fallbacks {r['fallbacks']}")
         rows += harness.measurement_rows(OP, prov, "full", "P", counts["P"], r, cfg, version=r["version"])
     harness.write_csv(rows, CSV_PATH)

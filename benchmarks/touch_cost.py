@@ -33,11 +33,17 @@ def main(ckpt: bool, on: bool) -> dict:
         lp, _ = fn(ids, mask)
         (lp * cmask.float()).sum().backward()
 
-    m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=1, repeats=3,
-                        memory_repeats=1).to_dict()  # fmt: skip
-    return {"checkpointing": ckpt, "touch": on, "wall_s": m["times_s"], "cpu_s": m["cpu_times_s"],
-            "tensor_MB": [b / 2**20 for b in m["peak_tensor_bytes"]],
-            "rss_MB": [b / 2**20 for b in m["peak_rss_above_base_bytes"]]}  # fmt: skip
+    m = harness.measure(
+        op, setup=lambda: model.zero_grad(set_to_none=True), warmup=1, repeats=3, memory_repeats=1
+    ).to_dict()
+    return {
+        "checkpointing": ckpt,
+        "touch": on,
+        "wall_s": m["times_s"],
+        "cpu_s": m["cpu_times_s"],
+        "tensor_MB": [b / 2**20 for b in m["peak_tensor_bytes"]],
+        "rss_MB": [b / 2**20 for b in m["peak_rss_above_base_bytes"]],
+    }
 
 
 if __name__ == "__main__":

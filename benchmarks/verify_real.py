@@ -21,8 +21,9 @@ import time
 from grpo_mem.commands.gguf_models import GGUF_MODELS, ensure_model, force_offline
 
 
-def build_batch(model, tokenizer, prompts: list[list[int]], generations: int, max_completion_length: int,
-                seed: int) -> dict:  # fmt: skip
+def build_batch(
+    model, tokenizer, prompts: list[list[int]], generations: int, max_completion_length: int, seed: int
+) -> dict:
     """TRL's layout of ``generations`` sampled completions per prompt (token id lists): ``prompt_ids``,
     ``prompt_mask`` (rows, P) left-padded, ``completion_ids``, ``completion_mask`` (rows, C) right-padded, int64."""
     import torch
@@ -34,14 +35,21 @@ def build_batch(model, tokenizer, prompts: list[list[int]], generations: int, ma
     prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=0.7,
-                             max_new_tokens=max_completion_length, pad_token_id=pad)  # fmt: skip
+        out = model.generate(
+            prompt_ids,
+            attention_mask=prompt_mask,
+            do_sample=True,
+            temperature=0.7,
+            max_new_tokens=max_completion_length,
+            pad_token_id=pad,
+        )
     completion_ids = out[:, P:]
     is_eos = completion_ids == tokenizer.eos_token_id
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
     completion_mask = (torch.arange(completion_ids.shape[1])[None] <= first_eos[:, None]).long()
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                completion_mask=completion_mask)  # fmt: skip
+    return dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,13 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     directory = ensure_model(args.model, verbose=True, subprocess=True)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    task = make_task("chain_sum", size=args.prompts, seed=args.seed, few_shot=args.few_shot,
-                     chat=bool(getattr(tokenizer, "chat_template", None)))  # fmt: skip
+    task = make_task(
+        "chain_sum",
+        size=args.prompts,
+        seed=args.seed,
+        few_shot=args.few_shot,
+        chat=bool(getattr(tokenizer, "chat_template", None)),
+    )
     prompts = [prompt_ids(task.prompt(i), tokenizer) for i in range(args.prompts)]
     batch = build_batch(model, tokenizer, prompts, args.generations, args.max_completion_length, args.seed)
-    print(f"{args.model}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens x {args.generations} "
-          f"completions, {int(batch['completion_mask'].sum())} completion tokens; torch threads "
-          f"{torch.get_num_threads()}", flush=True)  # fmt: skip
+    print(
+        f"{args.model}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens x {args.generations} "
+        f"completions, {int(batch['completion_mask'].sum())} completion tokens; torch threads "
+        f"{torch.get_num_threads()}",
+        flush=True,
+    )
     wall, cpu = time.perf_counter(), time.process_time()
     report = grpo_mem.verify(model, batch, temperature=0.7)
     print(f"verify: {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU")

@@ -31,8 +31,10 @@ from grpo_mem.commands.gguf_models import force_offline  # noqa: E402  (imports 
 force_offline()
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("grpo_mem.commands.train",
-              "GRPO on a reasoning-gym task with TRL's GRPOTrainer on CPU, patched by grpo_mem"),
+    "train": (
+        "grpo_mem.commands.train",
+        "GRPO on a reasoning-gym task with TRL's GRPOTrainer on CPU, patched by grpo_mem",
+    ),
     "bench": ("grpo_mem.commands.bench", "will grpo_mem help on my model? stock TRL vs grpo_mem on one scoring step"),
 }
 """Command name -> (module defining ``main(argv: list[str]) -> int``, one-line help)."""
@@ -56,7 +58,8 @@ def missing_cli_modules() -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: names the commands; each command parses its own flags."""
     parser = argparse.ArgumentParser(
-        prog="grpo-mem", description="grpo_mem's command line: memory-lean GRPO with TRL.",
+        prog="grpo-mem",
+        description="grpo_mem's command line: memory-lean GRPO with TRL.",
         epilog="Run `grpo-mem COMMAND --help` for a command's flags.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -76,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     module_name, _ = COMMANDS[argv[0]]
     missing = [] if {"-h", "--help"} & set(argv) else missing_cli_modules()
     if missing:
-        print(f"grpo-mem {argv[0]}: error: {', '.join(missing)} not installed; the commands need the cli extra: "
-              'pip install "grpo_mem[cli]"', file=sys.stderr)
+        print(
+            f"grpo-mem {argv[0]}: error: {', '.join(missing)} not installed; the commands need the cli extra: "
+            'pip install "grpo_mem[cli]"',
+            file=sys.stderr,
+        )
         return 2
     return importlib.import_module(module_name).main(argv[1:])
 

@@ -19,9 +19,14 @@ import subprocess
 import tempfile
 
 __all__ = [
-    "compile_report", "count_spill_stores", "cuobjdump_path", "i32_pointer_offsets", "parse_resource_usage",
-    "signature_for", "ttir",
-]  # fmt: skip
+    "compile_report",
+    "count_spill_stores",
+    "cuobjdump_path",
+    "i32_pointer_offsets",
+    "parse_resource_usage",
+    "signature_for",
+    "ttir",
+]
 
 _USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
@@ -109,14 +114,16 @@ def compile_report(
     if not isinstance(arch, int) or arch < 70:
         raise ValueError(f"arch must be an int compute capability >= 70, got {arch!r}")
     src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{fn.__name__}.sm{arch}.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        out = subprocess.run([cuobjdump_path(), "--dump-resource-usage", path], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [cuobjdump_path(), "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
         sass = subprocess.run([cuobjdump_path(), "-sass", path], capture_output=True, text=True, check=True).stdout
     usage = parse_resource_usage(out, compiled.metadata.name)
     return dict(
@@ -149,8 +156,9 @@ def ttir(fn, signature: dict, constexprs: dict, *, attrs=None, arch: int = 90, n
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                         context)
+    module = src.make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+    )
     stages: dict = {}
     backend.add_stages(stages, options, src.language)
     return str(stages["ttir"](module, {}))
@@ -158,12 +166,21 @@ def ttir(fn, signature: dict, constexprs: dict, *, attrs=None, arch: int = 90, n
 
 _DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
 _VALUE = re.compile(r"%[\w.$-]+")
-_FOR = re.compile(r"scf\.for\s+(%[\w.$-]+)\s*=\s*(%[\w.$-]+)\s+to\s+(%[\w.$-]+)\s+step\s+(%[\w.$-]+)"
-                  r"(?:\s+iter_args\((.*?)\))?")
+_FOR = re.compile(
+    r"scf\.for\s+(%[\w.$-]+)\s*=\s*(%[\w.$-]+)\s+to\s+(%[\w.$-]+)\s+step\s+(%[\w.$-]+)"
+    r"(?:\s+iter_args\((.*?)\))?"
+)
 _LOC = re.compile(r"\s+loc\(.*$")
 # ops whose operands are not offsets of their result (a loaded value, a comparison, a constant, a pointer)
-_LEAF_OPS = {"tt.load", "arith.cmpi", "arith.constant", "tt.make_range", "tt.get_program_id", "tt.addptr",
-             "tt.get_num_programs"}
+_LEAF_OPS = {
+    "tt.load",
+    "arith.cmpi",
+    "arith.constant",
+    "tt.make_range",
+    "tt.get_program_id",
+    "tt.addptr",
+    "tt.get_num_programs",
+}
 
 
 def _result_type(rest: str) -> str:

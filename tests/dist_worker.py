@@ -64,9 +64,15 @@ def stack_args(stack: str, *, bf16: bool = False) -> dict:
         _promote_cpu_fsdp()
         # as users configure it: every module class in the model's ``_no_split_modules`` (each decoder layer) sharded
         # on its own, resharded after each call; transformers' default policy too, explicit here
-        return dict(ddp_backend="gloo", fsdp="full_shard",
-                    fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
-                                 "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})  # fmt: skip
+        return dict(
+            ddp_backend="gloo",
+            fsdp="full_shard",
+            fsdp_config={
+                "fsdp_version": 2,
+                "reshard_after_forward": True,
+                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            },
+        )
     if stack in ("zero2", "zero3"):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         import accelerate
@@ -78,10 +84,13 @@ def stack_args(stack: str, *, bf16: bool = False) -> dict:
             # persistence threshold 0: even this tiny model's parameters are partitioned (the default 1e5 elements
             # would keep all of them whole, and the head weight would never need gathering)
             "zero_optimization": {"stage": int(stack[-1]), "stage3_param_persistence_threshold": 0},
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+            "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": "auto"},
-        }  # fmt: skip
+        }
         return dict(deepspeed=config, use_cpu=False, accelerator_config={"use_configured_state": True})
     raise ValueError(f"unknown stack {stack!r}")
 
@@ -113,8 +122,9 @@ def _record_passes() -> list:
     forward_pass = Window._forward_pass
 
     def recorded(window, backbone, spec, views, device):
-        roots = sum(window.plan.trie.nodes[n].parent is None and len(window.plan.trie.nodes[n].tokens) >= 64
-                    for n in spec.nodes)  # fmt: skip
+        roots = sum(
+            window.plan.trie.nodes[n].parent is None and len(window.plan.trie.nodes[n].tokens) >= 64 for n in spec.nodes
+        )
         if torch.is_grad_enabled():
             number = window.__dict__.setdefault("_test_number", next(numbers))
             seen.append((number, spec.micro_batch, spec.key, not spec.nodes, roots))
@@ -127,8 +137,14 @@ def _record_passes() -> list:
 SYSTEM = "You are a careful assistant. Think it through first, then answer briefly: "  # 74 tokens, 1 a character
 SHOTS_A = "Example: 12+30=42. Example: 7*6=42. Example: 50-8=42. Now you: "  # 64 tokens
 SHOTS_B = "Worked: twelve and thirty make forty-two; six sevens are too. Q: "  # 64 tokens
-TREE_PROMPTS = [SYSTEM + SHOTS_A + "1+2=", SYSTEM + SHOTS_A + "9*9=", SYSTEM + SHOTS_B + "Say hi",
-                SYSTEM + SHOTS_B + "x", SYSTEM + "Spell cat", SYSTEM + "Count: 1 2 3"]  # fmt: skip
+TREE_PROMPTS = [
+    SYSTEM + SHOTS_A + "1+2=",
+    SYSTEM + SHOTS_A + "9*9=",
+    SYSTEM + SHOTS_B + "Say hi",
+    SYSTEM + SHOTS_B + "x",
+    SYSTEM + "Spell cat",
+    SYSTEM + "Count: 1 2 3",
+]
 
 
 def _pass_summary(passes: list) -> dict:
@@ -140,8 +156,11 @@ def _pass_summary(passes: list) -> dict:
         if not stand_in:
             own.append(list(key))
         system[0] += roots
-    return {"own_keys": [w[0] for w in windows.values()], "system_passes": [w[1][0] for w in windows.values()],
-            "stand_ins": sum(p[3] for p in passes)}  # fmt: skip
+    return {
+        "own_keys": [w[0] for w in windows.values()],
+        "system_passes": [w[1][0] for w in windows.values()],
+        "stand_ins": sum(p[3] for p in passes),
+    }
 
 
 def _is_sharded(trainer) -> bool:
@@ -156,8 +175,11 @@ def wrapped_layers(trainer) -> list[int]:
     """[decoder layers sharded by FSDP on their own, decoder layers] of the trained model."""
     from torch.distributed.fsdp import FSDPModule
 
-    layers = [m for m in trainer.accelerator.unwrap_model(trainer.model).modules()
-              if type(m).__name__.endswith("DecoderLayer")]  # fmt: skip
+    layers = [
+        m
+        for m in trainer.accelerator.unwrap_model(trainer.model).modules()
+        if type(m).__name__.endswith("DecoderLayer")
+    ]
     return [sum(isinstance(m, FSDPModule) for m in layers), len(layers)]
 
 
@@ -172,27 +194,47 @@ def gathered_weights(trainer) -> dict:
 
         with deepspeed.zero.GatheredParameters(list(params.values())):
             return {n: p.detach().double().flatten().tolist() for n, p in params.items()}
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().flatten().tolist()
-            for n, p in params.items()}  # fmt: skip
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().flatten().tolist()
+        for n, p in params.items()
+    }
 
 
 def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", arch: str = "llama") -> None:
     from helpers import make_trainer
 
     args = dict(
-        max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2, num_generations=8,
-        lr_scheduler_type="cosine", warmup_steps=1, optim="sgd", beta=0.04, gradient_checkpointing=True,
-    )  # fmt: skip
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=2,
+        num_generations=8,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        optim="sgd",
+        beta=0.04,
+        gradient_checkpointing=True,
+    )
     if scenario == "uneven":
         args.update(num_generations=4, per_device_train_batch_size=3)
     if scenario == "tree":  # each rank's window: 3 of the 6 prompts (a group of 2 per micro-batch)
-        args.update(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=3,
-                    prompts=TREE_PROMPTS, max_completion_length=6)  # fmt: skip
+        args.update(
+            num_generations=2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=3,
+            prompts=TREE_PROMPTS,
+            max_completion_length=6,
+        )
     if scenario == "tree1":  # the same 3 prompts per rank and step, in one micro-batch (no gradient accumulation)
-        args.update(num_generations=2, per_device_train_batch_size=6, gradient_accumulation_steps=1,
-                    prompts=TREE_PROMPTS, max_completion_length=6)  # fmt: skip
-    trainer, handle = make_trainer(kind, patch=patch == "patch", arch=arch, output_dir=out + ".run", **args,
-                                   **stack_args(stack))  # fmt: skip
+        args.update(
+            num_generations=2,
+            per_device_train_batch_size=6,
+            gradient_accumulation_steps=1,
+            prompts=TREE_PROMPTS,
+            max_completion_length=6,
+        )
+    trainer, handle = make_trainer(
+        kind, patch=patch == "patch", arch=arch, output_dir=out + ".run", **args, **stack_args(stack)
+    )
     record = _Record()
     trainer.add_callback(record)
     kept = _count_kept_prompts()
@@ -215,8 +257,9 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
             "wrapped_layers": wrapped_layers(trainer),
             "prompts_kept": kept[0],
             # windows whose own pass structures differed between the ranks (aligned by stand-in passes)
-            "passes_differ": sum(len({repr(k) for k in per_window}) > 1
-                                 for per_window in zip(*(r["own_keys"] for r in summaries))),  # fmt: skip
+            "passes_differ": sum(
+                len({repr(k) for k in per_window}) > 1 for per_window in zip(*(r["own_keys"] for r in summaries))
+            ),
             "stand_ins": [r["stand_ins"] for r in summaries],
             "system_passes": [r["system_passes"] for r in summaries],
             "weights": weights,

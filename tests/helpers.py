@@ -11,8 +11,17 @@ from contextlib import contextmanager, nullcontext
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, TrainerCallback)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    TrainerCallback,
+)
 
 VOCAB = 101
 EOS = 3
@@ -32,10 +41,18 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
     of transformers at the same sizes (``AutoConfig.for_model(arch)``, its own defaults otherwise)."""
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0, pad_token_id=0,
-        eos_token_id=EOS, bos_token_id=1,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        eos_token_id=EOS,
+        bos_token_id=1,
+    )
     common.update(overrides)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
@@ -43,10 +60,18 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, dtype=tor
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
     elif arch == "qwen3_5":
         kinds = ["full_attention" if i % 3 == 1 else "linear_attention" for i in range(common["num_hidden_layers"])]
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
-            head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
-            linear_value_head_dim=12, linear_conv_kernel_dim=4, layer_types=kinds, **common,
-        ))  # fmt: skip
+        model = Qwen3_5ForCausalLM(
+            Qwen3_5TextConfig(
+                head_dim=12,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=12,
+                linear_value_head_dim=12,
+                linear_conv_kernel_dim=4,
+                layer_types=kinds,
+                **common,
+            )
+        )
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**_TINY_EXTRA.get(arch, {}), **common}))
     return model.to(dtype)
@@ -57,10 +82,21 @@ def smollm2_shaped(layers=2, embed_scale=1.0):
     ``layers`` layers and random weights, in train mode; ``embed_scale`` sharpens the next-token distributions."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
-        num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=3, attention_dropout=0.0,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=3,
+        attention_dropout=0.0,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(embed_scale)
@@ -123,8 +159,9 @@ def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, ju
     return ids, mask, C, owner
 
 
-def stock_logps(model, input_ids, attention_mask, logits_to_keep, *, temperature=1.0, compute_entropy=False,
-                batch_size=None):  # fmt: skip
+def stock_logps(
+    model, input_ids, attention_mask, logits_to_keep, *, temperature=1.0, compute_entropy=False, batch_size=None
+):
     """The installed TRL's own ``GRPOTrainer._get_per_token_logps_and_entropies`` on ``model``, given TRL's fused head
     where the release has one (1.15+; earlier releases compute the logits in the method itself).
 
@@ -144,17 +181,26 @@ def stock_logps(model, input_ids, attention_mask, logits_to_keep, *, temperature
         add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
         base._test_fused = True
     trainer = types.SimpleNamespace(
-        accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=temperature,
+        accelerator=types.SimpleNamespace(autocast=nullcontext),
+        temperature=temperature,
         # read by TRL < 1.15: entropies with gradient, and whether the model takes logits_to_keep
-        _entropy_bonus_enabled=True, model_kwarg_keys=set(inspect.signature(base.forward).parameters),
+        _entropy_bonus_enabled=True,
+        model_kwarg_keys=set(inspect.signature(base.forward).parameters),
         use_liger_kernel=False,
-    )  # fmt: skip
+    )
     trainer._full_logits_logps = types.MethodType(
         inspect.unwrap(getattr(GRPOTrainer, "_full_logits_logps", lambda *a, **k: None)), trainer
     )  # TRL 1.14.x dispatches to it
     fn = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])  # past the profiling decorator
-    logps, ent, _ = fn(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                       compute_entropy=compute_entropy)  # fmt: skip
+    logps, ent, _ = fn(
+        trainer,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=batch_size,
+        compute_entropy=compute_entropy,
+    )
     keep = attention_mask[:, -logits_to_keep:].bool()
     logps = logps.masked_fill(~keep, 0.0)
     ent = None if ent is None else ent.masked_fill(~keep, 0.0)
@@ -199,7 +245,7 @@ def grads_of(model, logps, entropies, seed=1):
 
 def assert_grads_close(ours: dict, ref: dict, rel=1e-4):
     """Every parameter gradient within ``rel`` of its largest absolute value (worst parameter named on failure)."""
-    assert ours.keys() == ref.keys(), (sorted(set(ours) ^ set(ref)))
+    assert ours.keys() == ref.keys(), sorted(set(ours) ^ set(ref))
     for name, r in ref.items():
         scale = r.abs().max().clamp_min(1e-12)
         err = (ours[name] - r).abs().max()
@@ -240,9 +286,13 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", unk_token="<unk>", eos_token="</s>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        unk_token="<unk>",
+        eos_token="</s>",
         padding_side="left",
-    )  # fmt: skip
+    )
 
 
 PROMPTS = ["1+2=", "What is 7-3?", "Say hi", "Count: 1 2 3", "Add 4 and 5:", "x", "Spell cat", "9*9="]
@@ -253,8 +303,20 @@ def length_reward(completions, **kwargs):
     return [-abs(len(c) - 5) / 5.0 for c in completions]
 
 
-def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="llama", output_dir, prompts=PROMPTS,
-                 sharing="tree", model_args=None, peft_config=None, **args):  # fmt: skip
+def make_trainer(
+    kind="grpo",
+    *,
+    seed=0,
+    patch=False,
+    group_shuffle=True,
+    arch="llama",
+    output_dir,
+    prompts=PROMPTS,
+    sharing="tree",
+    model_args=None,
+    peft_config=None,
+    **args,
+):
     """A tiny GRPOTrainer/RLOOTrainer on CPU: a random ``tiny_model(arch, **model_args)`` (Llama with a tied head by
     default), character tokenizer, string prompts (default: the 8 of ``PROMPTS``), the trainer's PEFT adapter from
     ``peft_config`` if given. ``group_shuffle=None`` patches with ``patch_trl``'s default."""
@@ -268,10 +330,21 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="
     model = tiny_model(arch, seed=seed, **(model_args or {}))
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
     defaults = dict(
-        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        max_steps=2, learning_rate=1e-2, logging_steps=1, report_to="none", use_cpu=True, seed=seed,
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, bf16=False,
-    )  # fmt: skip
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        seed=seed,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        bf16=False,
+    )
     defaults.update(args)
     # A path, so that TRL can load a separate reference model when beta > 0. No rank may read a directory another
     # is still writing: with a process group already up (DeepSpeed), only rank 0 writes (transformers saves on rank 0
@@ -284,10 +357,13 @@ def make_trainer(kind="grpo", *, seed=0, patch=False, group_shuffle=True, arch="
         model_dir = f"{output_dir}/model{os.environ.get('RANK', '')}"
         model.save_pretrained(model_dir)
     trainer = trainer_cls(
-        model=model_dir, reward_funcs=length_reward, args=config_cls(**defaults),
-        train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=char_tokenizer(),
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=config_cls(**defaults),
+        train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
+        processing_class=char_tokenizer(),
         **({} if peft_config is None else {"peft_config": peft_config}),
-    )  # fmt: skip
+    )
     options = dict(sharing=sharing) if group_shuffle is None else dict(sharing=sharing, group_shuffle=group_shuffle)
     handle = grpo_mem.patch_trl(trainer, **options) if patch else None
     return trainer, handle
@@ -331,9 +407,24 @@ def run_under_interpreter(test_file: str, select: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", os.path.abspath(test_file), "-q", "-x", "-p", "no:cacheprovider", "-k", select],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            os.path.abspath(test_file),
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            select,
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
@@ -382,7 +473,8 @@ def attention_inputs(B, Hq, Hkv, C, d, regions, clens=None, dtype=torch.float32,
 # (each Triton test module has one test that does it); in such a process they run directly.
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_interpreter = pytest.mark.skipif(
-    not INTERPRETING, reason="run in a fresh TRITON_INTERPRET=1 process by its module's run_under_interpreter test")
+    not INTERPRETING, reason="run in a fresh TRITON_INTERPRET=1 process by its module's run_under_interpreter test"
+)
 
 
 class FakeKernel:
@@ -425,8 +517,22 @@ class LaunchRecorder:
 
 
 # aten ops that wait for the device on CUDA (they read a value back, or size their output from data)
-_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "masked_select", "bincount",
-             "unique_dim", "_unique", "_unique2", "unique_consecutive", "unique_dim_consecutive", "histc"}
+_SYNC_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "is_nonzero",
+    "equal",
+    "allclose",
+    "nonzero",
+    "masked_select",
+    "bincount",
+    "unique_dim",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+    "histc",
+}
 _ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
@@ -447,14 +553,20 @@ class HostSyncsAndCopies(TorchDispatchMode):
                 return out
             frame = frame.f_back
         name = func.overloadpacket.__name__
-        if name in _SYNC_OPS or (name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
-                                 and func._overloadname == "Tensor"):
+        if name in _SYNC_OPS or (
+            name == "repeat_interleave" and (kwargs or {}).get("output_size") is None and func._overloadname == "Tensor"
+        ):
             self.syncs.append(name)
-        if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+        if name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
+        ):
             self.syncs.append("index with a bool mask")
         if name not in _ALLOC_OPS:
-            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                      if isinstance(a, torch.Tensor)}
+            inputs = {
+                a.untyped_storage().data_ptr()
+                for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(a, torch.Tensor)
+            }
             for o in out if isinstance(out, (tuple, list)) else (out,):
                 fresh = isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs  # not a view
                 if fresh and o.numel() >= self.big:

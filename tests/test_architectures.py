@@ -94,8 +94,9 @@ def _ours(model, ids, mask, C, sharing):
     with recording_fallbacks() as causes, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if sharing == "group":
-            logps, entropy = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, temperature=TEMPERATURE,
-                                                             compute_entropy=True, sharing="group")  # fmt: skip
+            logps, entropy = grpo_mem.shared_prompt_logprobs(
+                model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True, sharing="group"
+            )
         else:  # a window of one micro-batch whose trie has the 4-token prefix as a node of its own
             session = SharingSession("tree", min_shared_tokens=MIN_SHARED_TOKENS)
             session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
@@ -179,12 +180,29 @@ def check_architecture(model_type: str) -> Row:
 # every kind of outcome at least once: prompt-once (dense, MoE, logit scale/softcap, QK-norm, partial RoPE, Gated
 # DeltaNet hybrid), and each family of fallback causes
 FAST = [
-    "llama", "qwen3_moe", "cohere", "granite", "olmo2", "phi3", "gpt_neox",  # prompt-once
-    "gemma3_text", "qwen3_next", "recurrent_gemma", "mamba", "jamba",  # sliding window, Gated DeltaNet, recurrence
-    "gpt_oss", "gpt2", "opt", "bloom",  # sinks, absolute positions, ALiBi
-    "bert", "electra", "modernbert-decoder", "inkling_text", "bart",  # BERT-style, heads, encoder-decoder
+    "llama",
+    "qwen3_moe",
+    "cohere",
+    "granite",
+    "olmo2",
+    "phi3",
+    "gpt_neox",  # prompt-once
+    "gemma3_text",
+    "qwen3_next",
+    "recurrent_gemma",
+    "mamba",
+    "jamba",  # sliding window, Gated DeltaNet, recurrence
+    "gpt_oss",
+    "gpt2",
+    "opt",
+    "bloom",  # sinks, absolute positions, ALiBi
+    "bert",
+    "electra",
+    "modernbert-decoder",
+    "inkling_text",
+    "bart",  # BERT-style, heads, encoder-decoder
     "llama4_text",  # no backbone returning last_hidden_state
-]  # fmt: skip
+]
 ALL = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 

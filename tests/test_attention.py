@@ -83,7 +83,7 @@ def cpu_path(*args, scale):
 def test_torch_path_matches_reference(case, path):
     B, Hq, Hkv, C, P, d, idx, plens, clens = CASES[case]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
-    scale = d ** -0.5
+    scale = d**-0.5
     truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float64, scale=scale)
     naive32 = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=scale)
     check_fp32_against_truth(naive32, truth)  # the reference itself is exact in fp32
@@ -118,9 +118,16 @@ def test_prompt_gradient_is_sum_over_group():
     for u in range(2):
         total = torch.zeros(Hkv, P, d, dtype=torch.float64)
         for b in (i for i, x in enumerate(idx) if x == u):
-            one = {n: x[b:b + 1] if n in ("q", "k", "v") else x[u:u + 1] for n, x in t.items()}
-            r = run(shared_prefix_attention_ref, one, torch.zeros(1, dtype=torch.int64), pm[u:u + 1], None,
-                    go[b:b + 1], scale=0.125)
+            one = {n: x[b : b + 1] if n in ("q", "k", "v") else x[u : u + 1] for n, x in t.items()}
+            r = run(
+                shared_prefix_attention_ref,
+                one,
+                torch.zeros(1, dtype=torch.int64),
+                pm[u : u + 1],
+                None,
+                go[b : b + 1],
+                scale=0.125,
+            )
             total += r["dprefix_k"][0]
         assert_close(res["dprefix_k"][u], total, 1e-12, f"dprefix_k[{u}]")
 
@@ -174,7 +181,7 @@ def test_does_not_materialise_prompt_copies(backend):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            for o in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(o, torch.Tensor):
                     MaxNumel.largest = max(MaxNumel.largest, o.numel())
             return out
@@ -210,8 +217,9 @@ def test_bad_input_raises():
     args = [t[n] for n in GRAD_NAMES]
     with pytest.raises(ValueError, match="Hq=8.*Hkv=3"):
         k3 = torch.randn(B, 3, C, d)
-        shared_prefix_attention(args[0], k3, k3, torch.randn(3, 3, P, d), torch.randn(3, 3, P, d), pi, pm, km,
-                                scale=0.1)
+        shared_prefix_attention(
+            args[0], k3, k3, torch.randn(3, 3, P, d), torch.randn(3, 3, P, d), pi, pm, km, scale=0.1
+        )
     with pytest.raises(ValueError, match="got 3"):
         shared_prefix_attention(*args, torch.tensor([0, 1, 2, 3, 0, 1, 2]), pm, km, scale=0.1)
     with pytest.raises(ValueError, match="got -1"):
@@ -256,8 +264,8 @@ def triton_path(*args, scale):
 def test_triton_fp32_matches_torch_path(case):
     B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES[case]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=1)
-    ref = run(torch_path, t, pi, pm, km, go, scale=d ** -0.5)
-    res = run(triton_path, t, pi, pm, km, go, scale=d ** -0.5)
+    ref = run(torch_path, t, pi, pm, km, go, scale=d**-0.5)
+    res = run(triton_path, t, pi, pm, km, go, scale=d**-0.5)
     assert_close(res["out"], ref["out"], 1e-5, "out")
     for n in GRAD_NAMES:
         want = ref["d" + n]
@@ -283,9 +291,9 @@ def test_triton_bf16_error_within_twice_naive(case):
     """bf16 kernel error against an fp32 truth ≤ 2 × the naive bf16 reference's error (max over each tensor)."""
     B, Hq, Hkv, C, P, d, idx, plens, clens = TRITON_CASES[case]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, dtype=torch.bfloat16, seed=2)
-    truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float32, scale=d ** -0.5)
-    naive = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=d ** -0.5)
-    res = run(triton_path, t, pi, pm, km, go, scale=d ** -0.5)
+    truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float32, scale=d**-0.5)
+    naive = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=d**-0.5)
+    res = run(triton_path, t, pi, pm, km, go, scale=d**-0.5)
     for n in truth:
         assert res[n].dtype == torch.bfloat16
         err = (res[n].float() - truth[n]).abs().max().item()
@@ -313,8 +321,13 @@ def _transformers_layout(B, Hq, Hkv, C, P, d, U, dtype, seed=0):
     the prompt K/V likewise (U, P, Hkv, d) transposed, and the output gradient too (what ``out.transpose(1, 2)
     .contiguous()`` sends back). Returns (leaves, views, grad_out view)."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"q": (B, C, Hq, d), "k": (B, C, Hkv, d), "v": (B, C, Hkv, d), "prefix_k": (U, P, Hkv, d),
-              "prefix_v": (U, P, Hkv, d)}
+    shapes = {
+        "q": (B, C, Hq, d),
+        "k": (B, C, Hkv, d),
+        "v": (B, C, Hkv, d),
+        "prefix_k": (U, P, Hkv, d),
+        "prefix_v": (U, P, Hkv, d),
+    }
     leaves = {n: torch.randn(*sh, generator=g).to(dtype).requires_grad_(True) for n, sh in shapes.items()}
     views = {n: x.transpose(1, 2) for n, x in leaves.items()}
     return leaves, views, torch.randn(B, C, Hq, d, generator=g).to(dtype).transpose(1, 2)
@@ -335,18 +348,19 @@ def test_triton_layer_call_has_no_host_sync_and_no_copies(monkeypatch, dtype):
     py_reads = []
     for meth in ("tolist", "numpy", "__array__"):
         orig = getattr(torch.Tensor, meth)
-        monkeypatch.setattr(torch.Tensor, meth, lambda self, *a, _o=orig, _m=meth, **k: (py_reads.append(_m),
-                                                                                          _o(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor, meth, lambda self, *a, _o=orig, _m=meth, **k: (py_reads.append(_m), _o(self, *a, **k))[1]
+        )
     big = min(x.numel() for x in views.values()) // 4  # the (B, Hq, C) LSE and the masks stay below
     with HostSyncsAndCopies(big) as mode:
-        out = triton_path(*(views[n] for n in GRAD_NAMES), pi, pm, km, scale=d ** -0.5)
+        out = triton_path(*(views[n] for n in GRAD_NAMES), pi, pm, km, scale=d**-0.5)
         grads = torch.autograd.grad(out, [leaves[n] for n in GRAD_NAMES], go)
     assert mode.syncs == [] and py_reads == [], (mode.syncs, py_reads)
     assert mode.copies == [], mode.copies
     assert out.transpose(1, 2).is_contiguous()  # the model glue's out.transpose(1, 2).contiguous() copies nothing
     if dtype == torch.float32:
         t = {n: x.detach() for n, x in views.items()}
-        ref = run(torch_path, t, pi, pm, km, go.detach(), scale=d ** -0.5)
+        ref = run(torch_path, t, pi, pm, km, go.detach(), scale=d**-0.5)
         assert_close(out.detach(), ref["out"], 1e-5, "out")
         for n, gr in zip(GRAD_NAMES, grads):
             want = ref["d" + n]
@@ -380,7 +394,6 @@ def test_triton_batch_offsets_past_int32():
         assert_close(res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0), "d" + n)
     del far, base
     buf.close()
-
 
 
 def test_triton_kernels_under_interpreter():
@@ -461,10 +474,13 @@ def test_prefix_dkdv_launch_is_split_and_reduced(monkeypatch):
     rec = LaunchRecorder(monkeypatch)
     B, U, Hq, Hkv, C, P, d = REALISTIC[0][1:]
     meta = dict(device="meta", dtype=torch.bfloat16)
-    t = {"q": torch.empty(B, C, Hq, d, **meta).transpose(1, 2), "k": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
-         "v": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
-         "prefix_k": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
-         "prefix_v": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2)}
+    t = {
+        "q": torch.empty(B, C, Hq, d, **meta).transpose(1, 2),
+        "k": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+        "v": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+        "prefix_k": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
+        "prefix_v": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
+    }
     pi = torch.zeros(B, dtype=torch.int64, device="meta")
     pm = torch.empty(U, P, dtype=torch.bool, device="meta")
     km = torch.empty(B, C, dtype=torch.bool, device="meta")

@@ -51,11 +51,18 @@ def check_fp32(res, truth):
             assert_close(res[n], truth[n], 1e-4 * max(truth[n].abs().max().item(), 1e-6), n)
 
 
-def chunked_torch(q, k, v, regions, key_mask, *, scale, sliding_window=None, sinks=None, softcap=None,
-                  q_positions=None):
+def chunked_torch(
+    q, k, v, regions, key_mask, *, scale, sliding_window=None, sinks=None, softcap=None, q_positions=None
+):
     """The torch backend with 300-element score chunks (rows split along C), through the autograd Function."""
-    params = MultiRegionAttentionParams(scale=scale, backend="torch", chunk_elems=300, sliding_window=sliding_window,
-                                        softcap=softcap, has_sinks=sinks is not None)
+    params = MultiRegionAttentionParams(
+        scale=scale,
+        backend="torch",
+        chunk_elems=300,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        has_sinks=sinks is not None,
+    )
     tensors = [x for r in regions for x in r[:4]] + ([sinks] if sinks is not None else [])
     if sliding_window is not None:
         tensors += [q_positions] + [r[4] for r in regions]
@@ -74,8 +81,15 @@ SHAPES = {
     # one prompt region of 13 keys (left-padded entries, a row reading nothing), C = 7, GQA 4
     "r1_gqa4": (5, 4, 1, 7, 64, [(3, 13, [2, -1, 0, 2, 1], ("left", [13, 4, 9]))], [7, 2, 7, 5, 1]),
     # two tree regions of unaligned lengths, junk-padded second region, GQA 2, a row reading only region 1
-    "r2_tree": (4, 4, 2, 5, 32, [(2, 11, [0, 1, 0, -1], ("right", [11, 6])), (3, 9, [1, 2, 0, 1], ("junk", 0.6))],
-                [5, 3, 5, 4]),
+    "r2_tree": (
+        4,
+        4,
+        2,
+        5,
+        32,
+        [(2, 11, [0, 1, 0, -1], ("right", [11, 6])), (3, 9, [1, 2, 0, 1], ("junk", 0.6))],
+        [5, 3, 5, 4],
+    ),
 }
 FEATURES = {
     # window shorter than a region and than region + completion: completions cross the window edge
@@ -92,7 +106,7 @@ FEATURES = {
 def _case(shape, dtype=torch.float32, seed=0):
     B, Hq, Hkv, C, d, regions, clens = SHAPES[shape]
     t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, dtype, seed)
-    return t, meta, km, go, d ** -0.5
+    return t, meta, km, go, d**-0.5
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
@@ -133,7 +147,7 @@ def test_bf16_sinks_and_softcap_within_twice_naive(backend):
         err, naive_err = ((x[n].float() - truth[n]).abs().max().item() for x in (res, naive))
         bound = 2 * naive_err + 1e-6
         if n == "dsinks":
-            bound = max(bound, 2 ** -7 * truth[n].abs().max().item())
+            bound = max(bound, 2**-7 * truth[n].abs().max().item())
         assert err <= bound, f"{n}: bf16 error {err:.3e} > {bound:.3e} (naive bf16 error {naive_err:.3e})"
 
 
@@ -146,22 +160,29 @@ def test_sink_gradient_by_finite_differences():
     for h in range(4):
         e = torch.zeros(4, dtype=torch.float64)
         e[h] = 1e-6
-        f = [(multi_region_attention(t["q"], t["k"], t["v"], regions, km, scale=scale, backend="torch",
-                                     sinks=sinks + sgn * e) * go).sum() for sgn in (1, -1)]
+        f = [
+            (
+                multi_region_attention(
+                    t["q"], t["k"], t["v"], regions, km, scale=scale, backend="torch", sinks=sinks + sgn * e
+                )
+                * go
+            ).sum()
+            for sgn in (1, -1)
+        ]
         assert math.isclose(res["dsinks"][h].item(), ((f[0] - f[1]) / 2e-6).item(), rel_tol=1e-6, abs_tol=1e-9)
 
 
 def _skipped_region_inputs():
     """Two regions; with a window of 4 the completion (positions 20 … 25) sees nothing of region 0 (positions 0 … 9),
     whose K/V are NaN: read, they would poison every output (0 · NaN)."""
-    t, meta, km, go = attention_inputs(3, 4, 2, 6, 32, [(2, 10, [0, 1, 0], ("right", [10, 7])),
-                                                         (3, 10, [2, 0, 1], ("left", [10, 3, 8]))], [6, 4, 6])
+    t, meta, km, go = attention_inputs(
+        3, 4, 2, 6, 32, [(2, 10, [0, 1, 0], ("right", [10, 7])), (3, 10, [2, 0, 1], ("left", [10, 3, 8]))], [6, 4, 6]
+    )
     return t, meta, km, go
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])  # (the cpu backend runs the torch math with a soft-cap)
-@pytest.mark.parametrize("backend", ["torch", "torch_chunk300", "cpu",
-                                     pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("backend", ["torch", "torch_chunk300", "cpu", pytest.param("triton", marks=needs_interpreter)])
 def test_region_outside_every_window_is_not_read(backend, softcap):
     t, meta, km, go = _skipped_region_inputs()
     feats = {"sliding_window": 4, "softcap": softcap}
@@ -173,19 +194,22 @@ def test_region_outside_every_window_is_not_read(backend, softcap):
     check_fp32(res, finite)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(sliding_window=0), "sliding_window must be >= 1, got 0"),
-    (dict(sliding_window=-3), "sliding_window must be >= 1, got -3"),
-    (dict(softcap=0.0), "softcap must be a finite positive float, got 0.0"),
-    (dict(softcap=-1.5), "softcap must be a finite positive float, got -1.5"),
-    (dict(softcap=float("inf")), "softcap must be a finite positive float, got inf"),
-    (dict(sinks=torch.zeros(3)), r"sinks must have shape \(Hq=4,\), got \(3,\)"),
-    (dict(sinks=torch.zeros(4, dtype=torch.int64)), "sinks must be a floating tensor .*, got torch.int64"),
-    (dict(sinks=torch.zeros(1, 4)), r"sinks must have shape \(Hq=4,\), got \(1, 4\)"),
-    (dict(sliding_window=4), "sliding_window needs q_positions"),
-    (dict(sliding_window=4, q_positions=torch.zeros(5, 7, dtype=torch.int64)), "regions\\[0\\]'s key positions"),
-    (dict(sliding_window=4, q_positions=torch.zeros(5, 6, dtype=torch.int64)), r"q_positions must have shape"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(sliding_window=0), "sliding_window must be >= 1, got 0"),
+        (dict(sliding_window=-3), "sliding_window must be >= 1, got -3"),
+        (dict(softcap=0.0), "softcap must be a finite positive float, got 0.0"),
+        (dict(softcap=-1.5), "softcap must be a finite positive float, got -1.5"),
+        (dict(softcap=float("inf")), "softcap must be a finite positive float, got inf"),
+        (dict(sinks=torch.zeros(3)), r"sinks must have shape \(Hq=4,\), got \(3,\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int64)), "sinks must be a floating tensor .*, got torch.int64"),
+        (dict(sinks=torch.zeros(1, 4)), r"sinks must have shape \(Hq=4,\), got \(1, 4\)"),
+        (dict(sliding_window=4), "sliding_window needs q_positions"),
+        (dict(sliding_window=4, q_positions=torch.zeros(5, 7, dtype=torch.int64)), "regions\\[0\\]'s key positions"),
+        (dict(sliding_window=4, q_positions=torch.zeros(5, 6, dtype=torch.int64)), r"q_positions must have shape"),
+    ],
+)
 @pytest.mark.parametrize("fn", [multi_region_attention, multi_region_attention_ref])
 def test_bad_values_raise(fn, kwargs, message):
     t, meta, km, go, scale = _case("r1_gqa4")
@@ -203,11 +227,13 @@ def test_bad_types_and_region_positions_raise():
     with pytest.raises(TypeError, match="softcap must be a Python float"):
         multi_region_attention(*base, [], km, scale=scale, softcap=torch.tensor(1.0))
     with pytest.raises(TypeError, match=r"regions\[0\].positions must be an int64 tensor"):
-        multi_region_attention(*base, [(t["rk0"], t["rv0"], *meta[0], pos.int())], km, scale=scale,
-                               sliding_window=4, q_positions=q_pos)
+        multi_region_attention(
+            *base, [(t["rk0"], t["rv0"], *meta[0], pos.int())], km, scale=scale, sliding_window=4, q_positions=q_pos
+        )
     with pytest.raises(ValueError, match=r"regions\[0\].positions must have shape \(U=3, S=13\)"):
-        multi_region_attention(*base, [(t["rk0"], t["rv0"], *meta[0], pos[:, :5])], km, scale=scale,
-                               sliding_window=4, q_positions=q_pos)
+        multi_region_attention(
+            *base, [(t["rk0"], t["rv0"], *meta[0], pos[:, :5])], km, scale=scale, sliding_window=4, q_positions=q_pos
+        )
 
 
 def test_positions_without_window_change_nothing():
@@ -216,8 +242,16 @@ def test_positions_without_window_change_nothing():
     q_pos, k_pos = positions_of(meta, 4, 5)
     regions = [(t[f"rk{i}"], t[f"rv{i}"], *m) for i, m in enumerate(meta)]
     a = multi_region_attention(t["q"], t["k"], t["v"], regions, km, scale=scale, backend="cpu")
-    b = multi_region_attention(t["q"], t["k"], t["v"], [r + (p,) for r, p in zip(regions, k_pos)], km, scale=scale,
-                               backend="cpu", q_positions=q_pos)
+    b = multi_region_attention(
+        t["q"],
+        t["k"],
+        t["v"],
+        [r + (p,) for r, p in zip(regions, k_pos)],
+        km,
+        scale=scale,
+        backend="cpu",
+        q_positions=q_pos,
+    )
     assert torch.equal(a, b)
 
 
@@ -276,11 +310,14 @@ def test_window_on_large_unordered_positions(backend, window):
     g = torch.Generator().manual_seed(5)
     base = 2**33 + 7
     q_pos = base + 20 + torch.randint(0, 12, (4, 5), generator=g)
-    k_pos = [base + torch.randperm(2 * 11, generator=g)[:11].expand(2, 11).contiguous(),
-             base + 3 + torch.randint(0, 25, (3, 9), generator=g)]
+    k_pos = [
+        base + torch.randperm(2 * 11, generator=g)[:11].expand(2, 11).contiguous(),
+        base + 3 + torch.randint(0, 25, (3, 9), generator=g),
+    ]
     feats = {"sliding_window": window, "softcap": 1.1 if backend == "triton" else None}
-    truth = run(multi_region_attention_ref, t, meta, km, go, feats, dtype=torch.float64, positions=(q_pos, k_pos),
-                scale=scale)
+    truth = run(
+        multi_region_attention_ref, t, meta, km, go, feats, dtype=torch.float64, positions=(q_pos, k_pos), scale=scale
+    )
     check_fp32(run(backend_fn(backend), t, meta, km, go, feats, positions=(q_pos, k_pos), scale=scale), truth)
 
 

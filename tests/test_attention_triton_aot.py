@@ -61,16 +61,23 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
     return types
 
 
-def kernel_constexprs(name: str, fn, dtype: str, head_dim: int, variant: str = "one_region",
-                      softcap: float = 0.0, window: bool = False) -> dict:
+def kernel_constexprs(
+    name: str, fn, dtype: str, head_dim: int, variant: str = "one_region", softcap: float = 0.0, window: bool = False
+) -> dict:
     cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
     has_region, has_own, has_prev = VARIANTS[variant]
     # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
-    every = dict(spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0,
-                                      window=window),
-                 REP=REP,
-                 BLOCK=cfg["BLOCK_M"], HAS_KMASK=True,  # the register-heavier variant
-                 HAS_REGION=has_region, HAS_OWN=has_own, HAS_PREV=has_prev, SOFTCAP=softcap, HAS_WINDOW=window)
+    every = dict(
+        spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0, window=window),
+        REP=REP,
+        BLOCK=cfg["BLOCK_M"],
+        HAS_KMASK=True,  # the register-heavier variant
+        HAS_REGION=has_region,
+        HAS_OWN=has_own,
+        HAS_PREV=has_prev,
+        SOFTCAP=softcap,
+        HAS_WINDOW=window,
+    )
     return {n: v for n, v in every.items() if n in fn.arg_names}
 
 
@@ -78,8 +85,11 @@ def divisibility_attrs(fn, sig: dict) -> dict:
     """The specialisation Triton's launcher makes at run time for torch allocations and aligned shapes: pointers
     16-byte aligned, every stride and the DIVISIBLE_INTS multiples of 16 (``tt.divisibility``). Without it the build is
     not the one that runs (loads cannot be vectorised) and its register count is meaningless."""
-    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-            if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE_INTS}
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE_INTS
+    }
 
 
 def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, window=False):
@@ -104,8 +114,14 @@ def _compiled_kernels_or_skip():
 # bf16 (the training dtype; fp16 ships the same tiles) and fp32 (exact "ieee" dots, own tiles), both architectures,
 # every head dim. The two small kernels do not depend on the dtype's dot tiles: bf16 only.
 SMALL = ("bwd_delta", "bwd_prefix_reduce")
-CASES = [(n, t, a, d) for t in ("bf16", "fp32") for a in (80, 90) for d in HEAD_DIMS for n in spa.KERNELS
-         if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)]
+CASES = [
+    (n, t, a, d)
+    for t in ("bf16", "fp32")
+    for a in (80, 90)
+    for d in HEAD_DIMS
+    for n in spa.KERNELS
+    if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)
+]
 
 
 def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, window=False):
@@ -116,10 +132,12 @@ def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0,
         pytest.skip(str(exc))
     r, cfg = report(name, dtype, arch, head_dim, variant, softcap, window)
     features = (" softcap" if softcap else "") + (" window" if window else "")
-    print(f"\n| {name} | {variant}{features} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
-          f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
-          f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B "
-          f"| shared {r['shared']} B |")
+    print(
+        f"\n| {name} | {variant}{features} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
+        f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
+        f"| spill stores {r['spill_stores']} | local {r['local']} B | stack {r['stack']} B "
+        f"| shared {r['shared']} B |"
+    )
     assert 0 < r["regs"] <= 255
     assert r["shared"] <= (227 if arch == 90 else 163) * 1024, f"shared memory {r['shared']} B exceeds sm_{arch}"
     # a spill is a store to local memory (STL); stack bytes alone are a call frame (fp32 division slow path)
@@ -132,19 +150,29 @@ def test_aot_compiles_without_spills(name, dtype, arch, head_dim):
 
 
 # the other launches of the forward and dQ kernels with two regions or more (see VARIANTS)
-MULTI_CASES = [(n, v, t, a, d) for n in ("fwd", "bwd_dq") for v in ("last", "partial") for t in ("bf16", "fp32")
-               for a in (80, 90) for d in (64, 128)]
+MULTI_CASES = [
+    (n, v, t, a, d)
+    for n in ("fwd", "bwd_dq")
+    for v in ("last", "partial")
+    for t in ("bf16", "fp32")
+    for a in (80, 90)
+    for d in (64, 128)
+]
 
 
-@pytest.mark.parametrize("name, variant, dtype, arch, head_dim", MULTI_CASES,
-                         ids=[f"{n}-{v}-{t}-sm{a}-d{d}" for n, v, t, a, d in MULTI_CASES])
+@pytest.mark.parametrize(
+    "name, variant, dtype, arch, head_dim",
+    MULTI_CASES,
+    ids=[f"{n}-{v}-{t}-sm{a}-d{d}" for n, v, t, a, d in MULTI_CASES],
+)
 def test_aot_multi_region_launches_compile_without_spills(name, variant, dtype, arch, head_dim):
     _check_build(name, dtype, arch, head_dim, variant)
 
 
 # the soft-capped builds (Gemma 2) of the kernels that compute scores, bf16, at Gemma 2's head dims (256) and 128
-SOFTCAP_CASES = [(n, a, d) for n in ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix") for a in (80, 90)
-                 for d in (128, 256)]
+SOFTCAP_CASES = [
+    (n, a, d) for n in ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix") for a in (80, 90) for d in (128, 256)
+]
 
 
 @pytest.mark.parametrize("name, arch, head_dim", SOFTCAP_CASES, ids=[f"{n}-sm{a}-d{d}" for n, a, d in SOFTCAP_CASES])
@@ -157,14 +185,18 @@ def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
 # two-tile tier with 80, 256 is Gemma's), soft-capped too (Gemma 2) for the kernels whose 16-bit d=256 tiles depend on
 # both. The other head dims (64, 80, 128) build without spills with the windowless tiles (checked once by a sweep).
 _SCORE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")
-WINDOW_CASES = [(n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS
-                for a in (80, 90)]
+WINDOW_CASES = [
+    (n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS for a in (80, 90)
+]
 WINDOW_CASES += [("bwd_dkdv_prefix", "fp32", a, 64, 0.0) for a in (80, 90)]
 WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in (80, 90)]
 
 
-@pytest.mark.parametrize("name, dtype, arch, head_dim, softcap", WINDOW_CASES,
-                         ids=[f"{n}-{t}-sm{a}-d{d}{'-softcap' if sc else ''}" for n, t, a, d, sc in WINDOW_CASES])
+@pytest.mark.parametrize(
+    "name, dtype, arch, head_dim, softcap",
+    WINDOW_CASES,
+    ids=[f"{n}-{t}-sm{a}-d{d}{'-softcap' if sc else ''}" for n, t, a, d, sc in WINDOW_CASES],
+)
 def test_aot_window_compiles_without_spills(name, dtype, arch, head_dim, softcap):
     _check_build(name, dtype, arch, head_dim, softcap=softcap, window=True)
 
@@ -177,8 +209,16 @@ _DEF = re.compile(r"^\s*(%[\w.#-]+)(?::\d+)?\s*=\s*([\w.]+)\b(.*)$")
 _OPERAND = re.compile(r"%[\w.-]+(?:#\d+)?")
 
 
-def ttir(name: str, dtype: str = "bf16", head_dim: int = 128, arch: int = 90, inline: bool = False,
-         variant: str = "one_region", window: bool = False, **overrides) -> str:
+def ttir(
+    name: str,
+    dtype: str = "bf16",
+    head_dim: int = 128,
+    arch: int = 90,
+    inline: bool = False,
+    variant: str = "one_region",
+    window: bool = False,
+    **overrides,
+) -> str:
     """The TTIR text of one kernel, built as ``triton.compile`` builds it (same signature, constexprs and attrs).
 
     ``inline=True`` also runs the backend's TTIR passes (the inliner among them), so the @triton.jit helpers' bodies
@@ -264,8 +304,9 @@ OFFSET_CASES += [(n, v, False) for n in ("fwd", "bwd_dq") for v in ("last", "par
 OFFSET_CASES += [(n, "one_region", True) for n in ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")]
 
 
-@pytest.mark.parametrize("name, variant, window", OFFSET_CASES,
-                         ids=[f"{n}-{v}{'-window' if w else ''}" for n, v, w in OFFSET_CASES])
+@pytest.mark.parametrize(
+    "name, variant, window", OFFSET_CASES, ids=[f"{n}-{v}{'-window' if w else ''}" for n, v, w in OFFSET_CASES]
+)
 def test_pointer_offsets_are_int64(name, variant, window):
     _compiled_kernels_or_skip()
     text = ttir(name, variant=variant, window=window)

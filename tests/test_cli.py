@@ -150,8 +150,9 @@ def test_cache_root_and_offline(monkeypatch, tmp_path):
     assert os.environ["HF_HUB_OFFLINE"] == os.environ["TRANSFORMERS_OFFLINE"] == "1"
 
 
-@pytest.mark.parametrize("name, file", [("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                                        ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")])
+@pytest.mark.parametrize(
+    "name, file", [("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"), ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")]
+)
 def test_ensure_model_reuses_a_finished_conversion_and_refuses_a_partial_one(tmp_path, name, file):
     from grpo_mem.commands.gguf_models import GGUF_MODELS, ensure_model, gguf_path
 
@@ -191,12 +192,21 @@ def tiny_model_dir(tmp_path_factory):
     tok = load_gguf_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
-    return _bias_to_digits_and_save(LlamaForCausalLM(config), tok, tmp_path_factory.mktemp("tiny_llama"),
-                                    embed=4.0, digit=1.4, eos=1.2)
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return _bias_to_digits_and_save(
+        LlamaForCausalLM(config), tok, tmp_path_factory.mktemp("tiny_llama"), embed=4.0, digit=1.4, eos=1.2
+    )
 
 
 def _bias_to_digits_and_save(model, tok, path, *, embed: float, digit: float, eos: float):
@@ -254,10 +264,28 @@ STEPS = 2
 def _train(model_dir, out_dir, *extra):
     """Run ``python -m grpo_mem.cli train`` for STEPS steps; return the top-level summary.json."""
     cmd = [
-        sys.executable, "-m", "grpo_mem.cli", "train", "--model", str(model_dir), "--steps", str(STEPS),
-        "--num-generations", "8", "--per-device-train-batch-size", "16", "--max-completion-length", "6",
-        "--learning-rate", "1e-3", "--seed", "1", "--output-dir", str(out_dir), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "grpo_mem.cli",
+        "train",
+        "--model",
+        str(model_dir),
+        "--steps",
+        str(STEPS),
+        "--num-generations",
+        "8",
+        "--per-device-train-batch-size",
+        "16",
+        "--max-completion-length",
+        "6",
+        "--learning-rate",
+        "1e-3",
+        "--seed",
+        "1",
+        "--output-dir",
+        str(out_dir),
+        *extra,
+    ]
     out_dir.mkdir(parents=True)
     env = _cli_env(out_dir, GRPO_MEM_CACHE=str(out_dir / "cache"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -330,7 +358,8 @@ def test_train_compare_stock_and_patched_with_few_shot(tiny_model_dir, tmp_path)
     r = c["ratios"]
     assert r["peak_rss_mb"] == pytest.approx(patched["totals"]["peak_rss_mb"] / stock["totals"]["peak_rss_mb"])
     assert r["step_time_median_s"] == pytest.approx(
-        patched["totals"]["step_time_median_s"] / stock["totals"]["step_time_median_s"])
+        patched["totals"]["step_time_median_s"] / stock["totals"]["step_time_median_s"]
+    )
     assert r["peak_rss_mb"] < 1.0  # stock TRL materialises (16, P+C, 49152) fp32 logits; the patch does not
     _check_png(c["files"]["png"])
     assert "max |Δ reward| per step = 0 (identical rewards)" in stdout and "patched / stock: peak RSS" in stdout
@@ -351,14 +380,31 @@ def tiny_gemma3_dir(tmp_path_factory):
     tok.chat_template = None
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=256, tie_word_embeddings=False, attention_dropout=0.0,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     # Gemma multiplies embeddings by sqrt(hidden): feature 0 enters the layers as 4, as in tiny_model_dir.
-    return _bias_to_digits_and_save(Gemma3ForCausalLM(config), tok, tmp_path_factory.mktemp("tiny_gemma3"),
-                                    embed=4.0 / config.hidden_size**0.5, digit=2.6, eos=2.4)
+    return _bias_to_digits_and_save(
+        Gemma3ForCausalLM(config),
+        tok,
+        tmp_path_factory.mktemp("tiny_gemma3"),
+        embed=4.0 / config.hidden_size**0.5,
+        digit=2.6,
+        eos=2.4,
+    )
 
 
 def test_train_compare_on_a_sliding_window_base_model_with_plain_prompts(tiny_gemma3_dir, tmp_path):
@@ -422,8 +468,20 @@ def test_flags_come_from_the_settings_dataclass(capsys):
     assert "--no-patch" in help_text and "--no-gradient-checkpointing" in help_text
     assert "(default: 16)" in help_text  # defaults shown
 
-    s = _parse("--no-patch", "--no-gradient-checkpointing", "--task-config", '{"min_terms": 3}', "--steps", "2",
-               "--learning-rate", "3e-4", "--threads", "1", "--loss-type", "grpo")  # fmt: skip
+    s = _parse(
+        "--no-patch",
+        "--no-gradient-checkpointing",
+        "--task-config",
+        '{"min_terms": 3}',
+        "--steps",
+        "2",
+        "--learning-rate",
+        "3e-4",
+        "--threads",
+        "1",
+        "--loss-type",
+        "grpo",
+    )
     assert (s.patch, s.gradient_checkpointing, s.task_config, s.steps) == (False, False, {"min_terms": 3}, 2)
     assert (s.learning_rate, s.threads, s.loss_type) == (3e-4, 1, "grpo")
     assert _parse("--patch", "false").patch is False and _parse("--patch").patch is True
@@ -450,13 +508,19 @@ def test_flags_come_from_the_settings_dataclass(capsys):
         (["--num-generations", "1"], "argument --num-generations: expected an integer >= 2, got 1"),
         # TRL's GRPOConfig built from the flags, before anything is loaded (the model directory does not exist)
         (["--model", "/nonexistent", "--extra", '{"nope": 1}'], "error: --extra: 'nope' is not a GRPOConfig option\n"),
-        (["--extra", '{"temprature": 1, "zz": 2}'],
-         "--extra: 'temprature', 'zz' are not GRPOConfig options ('temprature': did you mean 'temperature'?)"),
-        (["--model", "/nonexistent", "--loss-type", "nonsense"],
-         "error: loss_type must be one of TRL's grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'nonsense'"),
+        (
+            ["--extra", '{"temprature": 1, "zz": 2}'],
+            "--extra: 'temprature', 'zz' are not GRPOConfig options ('temprature': did you mean 'temperature'?)",
+        ),
+        (
+            ["--model", "/nonexistent", "--loss-type", "nonsense"],
+            "error: loss_type must be one of TRL's grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'nonsense'",
+        ),
         (["--extra", '{"loss_type": "nonsense"}'], "got 'nonsense'"),
-        (["--compare", "--extra", '{"num_generations": 1}'],
-         "GRPOConfig rejects these options: GRPO requires at least 2 generations per prompt"),
+        (
+            ["--compare", "--extra", '{"num_generations": 1}'],
+            "GRPOConfig rejects these options: GRPO requires at least 2 generations per prompt",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
@@ -467,7 +531,7 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: grpo-mem train") and message in err, err
-    error = err[err.index("grpo-mem train: error: "):]
+    error = err[err.index("grpo-mem train: error: ") :]
     assert error.count("\n") == 1 and error.endswith("\n"), err  # one line after the usage, no traceback
 
 
@@ -521,13 +585,25 @@ def test_import_grpo_mem_is_light_and_resolves_lazily():
     """``import grpo_mem`` / ``import grpo_mem.ops`` load neither torch, transformers nor TRL; the public names
     resolve on access; ``grpo_mem.cli`` sets OMP_WAIT_POLICY=PASSIVE, or keeps a value already set."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    proc = subprocess.run([sys.executable, "-c", _LIGHT_IMPORTS, "PASSIVE"], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIGHT_IMPORTS, "PASSIVE"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[0] == "ok"
     keep = "import os, grpo_mem.cli; print(os.environ['OMP_WAIT_POLICY'])"
-    proc = subprocess.run([sys.executable, "-c", keep], capture_output=True, text=True,
-                          env=dict(env, OMP_WAIT_POLICY="ACTIVE"), cwd=REPO, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", keep],
+        capture_output=True,
+        text=True,
+        env=dict(env, OMP_WAIT_POLICY="ACTIVE"),
+        cwd=REPO,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ACTIVE", proc.stderr[-3000:]
 
 
@@ -588,13 +664,25 @@ def test_few_shot_refuses_prompts_longer_than_the_model(tiny_model_dir, tmp_path
 
     from grpo_mem.cli import main
 
-    argv = ["train", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--steps", "1",
-            "--max-completion-length", "6"]  # fmt: skip
+    argv = [
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--output-dir",
+        str(tmp_path),
+        "--steps",
+        "1",
+        "--max-completion-length",
+        "6",
+    ]
     assert main([*argv, "--few-shot", "16"]) == 2
     err = capsys.readouterr().err
-    m = re.search(r"--few-shot 16 makes prompts of up to (\d+) tokens \(the system message with the examples: (\d+) "
-                  r"tokens\); with --max-completion-length 6 that exceeds the model's 256 positions "
-                  r"\(max_position_embeddings\): at most 250 prompt tokens fit", err)
+    m = re.search(
+        r"--few-shot 16 makes prompts of up to (\d+) tokens \(the system message with the examples: (\d+) "
+        r"tokens\); with --max-completion-length 6 that exceeds the model's 256 positions "
+        r"\(max_position_embeddings\): at most 250 prompt tokens fit",
+        err,
+    )
     assert m, err
     assert int(m.group(1)) > 250 and int(m.group(2)) < int(m.group(1))
     assert not (tmp_path / "summary.json").exists()
@@ -611,8 +699,13 @@ def test_compare_and_few_shot_flags(capsys):
     stock = run_command(s, False, "out/stock")
     assert stock[:4] == [sys.executable, "-m", "grpo_mem.cli", "train"]
     child = _parse(*stock[4:])
-    assert (child.compare, child.patch, child.few_shot, child.steps, child.output_dir) == (False, False, 3, 2,
-                                                                                         "out/stock")
+    assert (child.compare, child.patch, child.few_shot, child.steps, child.output_dir) == (
+        False,
+        False,
+        3,
+        2,
+        "out/stock",
+    )
     assert _parse(*run_command(s, True, "p")[4:]).patch is True
     with pytest.raises(ValueError, match="compare=True is grpo_mem.commands.compare.run_compare"):
         run(s)
@@ -633,11 +726,21 @@ def test_compare_runs_reports_reward_differences():
     from grpo_mem.commands.compare import compare_runs
 
     def summary(rewards, peaks, times):
-        steps = [{"step": i + 1, "reward": r, "peak_rss_mb": m, "step_time_s": t, "loss": 0.0, "grad_norm": 1.0}
-                 for i, (r, m, t) in enumerate(zip(rewards, peaks, times))]
-        return {"steps": steps, "rss_before_train_mb": 100.0, "ru_maxrss_mb": max(peaks), "train_time_s": sum(times),
-                "totals": {"peak_rss_mb": max(peaks), "step_time_median_s": sorted(times)[len(times) // 2],
-                           "step_time_mean_s": sum(times) / len(times)}}  # fmt: skip
+        steps = [
+            {"step": i + 1, "reward": r, "peak_rss_mb": m, "step_time_s": t, "loss": 0.0, "grad_norm": 1.0}
+            for i, (r, m, t) in enumerate(zip(rewards, peaks, times))
+        ]
+        return {
+            "steps": steps,
+            "rss_before_train_mb": 100.0,
+            "ru_maxrss_mb": max(peaks),
+            "train_time_s": sum(times),
+            "totals": {
+                "peak_rss_mb": max(peaks),
+                "step_time_median_s": sorted(times)[len(times) // 2],
+                "step_time_mean_s": sum(times) / len(times),
+            },
+        }
 
     stock = summary([0.5, 0.25, 0.75], [500.0, 900.0, 900.0], [4.0, 4.0, 4.0])
     patched = summary([0.5, 0.5, 0.75], [300.0, 400.0, 500.0], [1.0, 2.0, 3.0])
@@ -659,35 +762,68 @@ def _log_history():
     """A ``trainer.state.log_history`` as TRL 1.16 leaves it with ``logging_steps=1``: one entry per step, then the
     train summary; step 1 carries the patch's metrics, step 2 does not (a grpo_mem that does not log them)."""
     return [
-        {"loss": 0.01, "grad_norm": 0.5, "learning_rate": 2e-5, "reward": 0.25, "reward_std": 0.4,
-         "completions/mean_length": 5.0, "grpo_mem/backbone_tokens": 310.0, "grpo_mem/stock_tokens": 1240.0,
-         "grpo_mem/token_ratio": 0.25, "grpo_mem/path/tree": 0.5, "grpo_mem/path/group": 0.0,
-         "grpo_mem/path/stock": 0.5, "step": 1},
-        {"loss": 0.02, "grad_norm": 0.6, "learning_rate": 2e-5, "reward": 0.5, "reward_std": 0.5,
-         "completions/mean_length": 4.0, "step": 2},
+        {
+            "loss": 0.01,
+            "grad_norm": 0.5,
+            "learning_rate": 2e-5,
+            "reward": 0.25,
+            "reward_std": 0.4,
+            "completions/mean_length": 5.0,
+            "grpo_mem/backbone_tokens": 310.0,
+            "grpo_mem/stock_tokens": 1240.0,
+            "grpo_mem/token_ratio": 0.25,
+            "grpo_mem/path/tree": 0.5,
+            "grpo_mem/path/group": 0.0,
+            "grpo_mem/path/stock": 0.5,
+            "step": 1,
+        },
+        {
+            "loss": 0.02,
+            "grad_norm": 0.6,
+            "learning_rate": 2e-5,
+            "reward": 0.5,
+            "reward_std": 0.5,
+            "completions/mean_length": 4.0,
+            "step": 2,
+        },
         {"train_runtime": 9.0, "train_loss": 0.015, "step": 2},
-    ]  # fmt: skip
+    ]
 
 
 def _run_summary(rows, patched, out):
     from grpo_mem.commands.train import _totals
 
-    return {"model": "/m/tiny", "task": "chain_sum", "patched": patched, "few_shot": 0,
-            "settings": {"num_generations": 8},
-            "prompt_tokens": {"min": 40, "max": 43, "mean": 41.5, "shared_prefix": 32}, "steps": rows,
-            "totals": _totals(rows), "rss_before_train_mb": 600.0, "ru_maxrss_mb": 1000.0, "train_time_s": 9.0,
-            "wall_time_s": 10.0, "conversion_time_s": 0.0, "grpo_mem_warnings": [],
-            "files": {"json": str(out / "summary.json"), "png": str(out / "summary.png")}}  # fmt: skip
+    return {
+        "model": "/m/tiny",
+        "task": "chain_sum",
+        "patched": patched,
+        "few_shot": 0,
+        "settings": {"num_generations": 8},
+        "prompt_tokens": {"min": 40, "max": 43, "mean": 41.5, "shared_prefix": 32},
+        "steps": rows,
+        "totals": _totals(rows),
+        "rss_before_train_mb": 600.0,
+        "ru_maxrss_mb": 1000.0,
+        "train_time_s": 9.0,
+        "wall_time_s": 10.0,
+        "conversion_time_s": 0.0,
+        "grpo_mem_warnings": [],
+        "files": {"json": str(out / "summary.json"), "png": str(out / "summary.png")},
+    }
 
 
 def test_token_saving_from_log_history_is_printed_summarised_and_plotted(tmp_path):
     from grpo_mem.commands.report import format_summary, plot_summary, step_rows
 
-    records = [{"step": 1, "step_time_s": 2.0, "peak_rss_mb": 900.0}, {"step": 2, "step_time_s": 3.0,
-                                                                     "peak_rss_mb": 950.0}]
+    records = [
+        {"step": 1, "step_time_s": 2.0, "peak_rss_mb": 900.0},
+        {"step": 2, "step_time_s": 3.0, "peak_rss_mb": 950.0},
+    ]
     rows = step_rows(records, _log_history())
-    assert [(r["step"], r["reward"], r["loss"], r["peak_rss_mb"]) for r in rows] == [(1, 0.25, 0.01, 900.0),
-                                                                                     (2, 0.5, 0.02, 950.0)]
+    assert [(r["step"], r["reward"], r["loss"], r["peak_rss_mb"]) for r in rows] == [
+        (1, 0.25, 0.01, 900.0),
+        (2, 0.5, 0.02, 950.0),
+    ]
     assert (rows[0]["backbone_tokens"], rows[0]["stock_tokens"], rows[0]["token_ratio"]) == (310.0, 1240.0, 0.25)
     assert rows[0]["paths"] == {"tree": 0.5, "group": 0.0, "stock": 0.5}
     assert (rows[1]["backbone_tokens"], rows[1]["token_ratio"], rows[1]["paths"]) == (None, None, {})
@@ -700,8 +836,9 @@ def test_token_saving_from_log_history_is_printed_summarised_and_plotted(tmp_pat
     plot_summary(summary, tmp_path / "summary.png")
     _check_png(tmp_path / "summary.png")
     # Stock TRL logs none of the keys: nothing about them is printed, the totals say None
-    stock_rows = step_rows(records, [{k: v for k, v in e.items() if not k.startswith("grpo_mem/")}
-                                     for e in _log_history()])
+    stock_rows = step_rows(
+        records, [{k: v for k, v in e.items() if not k.startswith("grpo_mem/")} for e in _log_history()]
+    )
     stock = _run_summary(stock_rows, False, tmp_path)
     assert stock["totals"]["token_ratio_mean"] is None and "backbone" not in format_summary(stock)
     plot_summary(stock, tmp_path / "stock.png")
@@ -715,8 +852,11 @@ def test_compare_shows_the_patched_runs_token_saving(tmp_path):
     records = [{"step": 1, "step_time_s": 2.0, "peak_rss_mb": 900.0}]
     patched = _run_summary(step_rows(records, _log_history()[:1]), True, tmp_path)
     stock = _run_summary(step_rows(records, [{"reward": 0.25, "step": 1}]), False, tmp_path)
-    c = {"runs": {"stock": stock, "patched": patched}, **compare_runs(stock, patched),
-         "files": {"json": "s.json", "png": str(tmp_path / "cmp.png")}}
+    c = {
+        "runs": {"stock": stock, "patched": patched},
+        **compare_runs(stock, patched),
+        "files": {"json": "s.json", "png": str(tmp_path / "cmp.png")},
+    }
     assert c["token_ratio_mean"] == 0.25
     text = format_compare(c)
     assert text.splitlines()[2].endswith("patched tokens / stock") and text.splitlines()[3].endswith("  0.250")
@@ -743,8 +883,9 @@ print("ok")
 
 def test_library_imports_without_the_cli_extra():
     """The library needs none of the ``cli`` extra's packages; the command line says which extra to install."""
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_CLI_EXTRA], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_CLI_EXTRA], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     assert "grpo-mem train: error: reasoning_gym, gguf, datasets, matplotlib not installed" in proc.stderr
     assert 'pip install "grpo_mem[cli]"' in proc.stderr

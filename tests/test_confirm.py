@@ -45,10 +45,12 @@ class ScaledAfterRopeAttention(LlamaAttention):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         query_states = self.rescale(query_states)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    eager_attention_forward)  # fmt: skip
-        attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, attention_mask,
-                                                        dropout=0.0, scaling=self.scaling, **kwargs)  # fmt: skip
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
         return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), attn_weights
 
     def rescale(self, query):
@@ -135,7 +137,7 @@ def test_a_supported_model_is_confirmed_once_per_class_and_architecture(monkeypa
     other = tiny_model("llama", seed=1)  # other weights, same architecture: the same verdict
     grpo_mem.shared_prompt_logprobs(other, ids, mask, C)
     assert runs == ["LlamaForCausalLM"]
-    (key, verdict), = confirm.verdicts().items()
+    ((key, verdict),) = confirm.verdicts().items()
     assert key[:3] == ("transformers.models.llama.modeling_llama.LlamaForCausalLM", "sdpa", False)
     assert verdict.cause is None and verdict.router_cause is None and verdict.cpu_s > 0
     wider = tiny_model("llama", attention_bias=True)  # another architecture: confirmed on its own
@@ -174,8 +176,17 @@ def test_the_confirmation_leaves_parameters_random_streams_and_process_groups_al
     model = tiny_model("llama")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cpu_state = torch.get_rng_state()
-    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
-                 "reduce_scatter", "new_group", "init_process_group"):  # fmt: skip
+    for name in (
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "reduce_scatter",
+        "new_group",
+        "init_process_group",
+    ):
         monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: pytest.fail(f"collective {_n} during confirmation"))
 
     class Zero3:  # what a DeepSpeed ZeRO-3 run leaves in transformers: zero.Init would partition (collectives)
@@ -217,9 +228,11 @@ def _needs(model_type):
 @pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "hunyuan_v1_moe", "dory"])
 def test_types_admitted_wrongly_before_fall_back_by_name(model_type):
     _needs(model_type)
-    causes = {"hunyuan_v1_dense": "HunYuanDenseV1Attention transforms queries or keys after RoPE",
-              "hunyuan_v1_moe": "HunYuanMoEV1Attention transforms queries or keys after RoPE",
-              "dory": "DoryModel runs its layers several times per forward"}  # fmt: skip
+    causes = {
+        "hunyuan_v1_dense": "HunYuanDenseV1Attention transforms queries or keys after RoPE",
+        "hunyuan_v1_moe": "HunYuanMoEV1Attention transforms queries or keys after RoPE",
+        "dory": "DoryModel runs its layers several times per forward",
+    }
     row = check_architecture(model_type)  # the fallback matches the model's own forward, per parameter
     assert row.status == "fallback" and row.cause.startswith(causes[model_type]), row
 
@@ -253,4 +266,3 @@ def test_vision_language_text_config_and_gated_deltanet_are_confirmed(kind):
         pytest.skip(f"the capability rule refuses {type(model).__name__} on this transformers ({reason})")
     verdict = confirm.confirmation(model)
     assert verdict.cause is None, verdict.cause
-

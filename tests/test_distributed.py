@@ -27,10 +27,23 @@ def _free_port() -> int:
 
 
 def _launch(script: str, *args) -> None:
-    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{HERE.parent}", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "--master_addr=127.0.0.1", str(HERE / script), *map(str, args)]  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{HERE}{os.pathsep}{HERE.parent}",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        DS_ACCELERATOR="cpu",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "--master_addr=127.0.0.1",
+        str(HERE / script),
+        *map(str, args),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as exc:
@@ -137,7 +150,9 @@ def test_zero3_unbalanced_micro_batches(tmp_path):
             assert c["logps"] <= 1e-5 and c["entropy"] <= 1e-5, (rank, name, c)
             assert c["grads_rel"] <= 1e-4, (rank, name, c)
         assert r["head_gathers"] <= len(r["cases"])
-        head = r["head"]  # read outside the forward: partitioned; one gather context per call, exact; refused with grads
+        head = r[
+            "head"
+        ]  # read outside the forward: partitioned; one gather context per call, exact; refused with grads
         assert head["status_before"] == "ZeroParamStatus.NOT_AVAILABLE" and head["gathers"] == 2, head
         assert head["logps"] <= 1e-5 and "outside the model's forward" in head["refused_with_grad"], head
 

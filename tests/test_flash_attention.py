@@ -20,8 +20,19 @@ import grpo_mem
 FA2 = "flash_attention_2"
 
 
-def _flash_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                    softcap=None, is_causal=None, **kwargs):  # fmt: skip
+def _flash_stand_in(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    is_causal=None,
+    **kwargs,
+):
     impl = module.config._attn_implementation
     if impl != FA2:
         raise ValueError(f"Could not find the currently requested flash attention implementation at {impl}")
@@ -62,8 +73,11 @@ def _fa2_model(arch="llama", **kw):
 
 
 # the flash path reads a layer's window and softcap from the keywords the module passes (the hook reads the same)
-FA2_MODELS = {"llama": {}, "qwen2": {}, "gemma2": dict(sliding_window=4, attn_logit_softcapping=2.0,
-                                                       layer_types=["sliding_attention", "full_attention"])}
+FA2_MODELS = {
+    "llama": {},
+    "qwen2": {},
+    "gemma2": dict(sliding_window=4, attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]),
+}
 
 
 @pytest.mark.parametrize("arch", sorted(FA2_MODELS))
@@ -89,8 +103,9 @@ def test_generation_unchanged_after_take_over_and_revert(flash_stand_in):
     prompt_ids, prompt_mask = ids[:, :-C], mask[:, :-C]
 
     def generate():
-        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False,
-                              pad_token_id=0)  # fmt: skip
+        return model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
 
     before = generate()
     with torch.no_grad():

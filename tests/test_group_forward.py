@@ -29,8 +29,9 @@ CASES = {
 def _run_both(model, ids, mask, C, temperature, entropy=True):
     ref, ref_e = stock_logps(model, ids, mask, C, temperature=temperature, compute_entropy=entropy)
     ref_g = grads_of(model, ref, ref_e)
-    ours, ours_e = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, temperature=temperature,
-                                                   compute_entropy=entropy)  # fmt: skip
+    ours, ours_e = grpo_mem.shared_prompt_logprobs(
+        model, ids, mask, C, temperature=temperature, compute_entropy=entropy
+    )
     ours_g = grads_of(model, ours, ours_e)
     return (ours, ours_e, ours_g), (ref, ref_e, ref_g)
 
@@ -58,8 +59,9 @@ def test_matches_stock_trl(arch, checkpointing, case):
 def test_peft_lora_and_disabled_adapter():
     peft = pytest.importorskip("peft")
     model = tiny_model("llama")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                                      init_lora_weights=False))  # fmt: skip
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    )
     lora.train()
     ids, mask, C, _ = make_batch([6, 4], 3, 5, shuffle=True, seed=3)
     (ours, ours_e, ours_g), (ref, ref_e, ref_g) = _run_both(lora, ids, mask, C, 0.9)
@@ -82,8 +84,12 @@ def test_no_grad_callers_chunked():
     ids, mask, C, _ = make_batch([5, 8, 6, 7], 4, 6, seed=5)
     with torch.no_grad():
         ref, _ = stock_logps(model, ids, mask, C, batch_size=8)
-        ours = torch.cat([grpo_mem.shared_prompt_logprobs(model, ids[s : s + 8], mask[s : s + 8], C)[0]
-                          for s in range(0, ids.shape[0], 8)])  # fmt: skip
+        ours = torch.cat(
+            [
+                grpo_mem.shared_prompt_logprobs(model, ids[s : s + 8], mask[s : s + 8], C)[0]
+                for s in range(0, ids.shape[0], 8)
+            ]
+        )
     assert not ours.requires_grad
     assert_close(ours, ref, 1e-5, "log-probs")
 
@@ -96,7 +102,10 @@ def test_each_prompt_forwarded_once():
     grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
     handle.remove()
     P = ids.shape[1] - C
-    assert rows == [(3, P), (ids.shape[0], C - 1)]  # 3 unique prompts once, then the completions without their last token
+    assert rows == [
+        (3, P),
+        (ids.shape[0], C - 1),
+    ]  # 3 unique prompts once, then the completions without their last token
 
 
 def test_gradient_reaches_prompt_and_first_completion_token():
@@ -258,14 +267,26 @@ def test_restore_unregisters_the_hook_once_unused(monkeypatch):
     assert all(m.config._attn_implementation == "test_impl" for m in models)
 
 
-@pytest.mark.parametrize("arch, overrides, lora, named", [
-    ("llama", {}, 0.1, r"lora_dropout\.default: Dropout\(p=0\.1\)"),
-    ("phi3", dict(resid_pdrop=0.1), 0.0, r"resid_attn_dropout: Dropout\(p=0\.1\)"),
-    ("starcoder2", dict(residual_dropout=0.1), 0.0,
-     r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1"),
-    ("mixtral", dict(router_jitter_noise=0.1, num_local_experts=2, num_experts_per_tok=1), 0.0,
-     r"MixtralSparseMoeBlock\.forward reads self\.jitter_noise = 0\.1"),
-], ids=["lora", "phi3", "starcoder2-functional", "mixtral-router-jitter"])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch, overrides, lora, named",
+    [
+        ("llama", {}, 0.1, r"lora_dropout\.default: Dropout\(p=0\.1\)"),
+        ("phi3", dict(resid_pdrop=0.1), 0.0, r"resid_attn_dropout: Dropout\(p=0\.1\)"),
+        (
+            "starcoder2",
+            dict(residual_dropout=0.1),
+            0.0,
+            r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1",
+        ),
+        (
+            "mixtral",
+            dict(router_jitter_noise=0.1, num_local_experts=2, num_experts_per_tok=1),
+            0.0,
+            r"MixtralSparseMoeBlock\.forward reads self\.jitter_noise = 0\.1",
+        ),
+    ],
+    ids=["lora", "phi3", "starcoder2-functional", "mixtral-router-jitter"],
+)
 def test_active_dropout_is_named(arch, overrides, lora, named):
     """Dropout with p > 0 in a module in training mode is a named fallback cause: a dropout module (PEFT's
     lora_dropout, Phi-3's residual nn.Dropout) until TRL's disable_dropout_in_model sets its p to 0; a probability

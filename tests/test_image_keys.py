@@ -64,8 +64,9 @@ def test_equal_images_share_a_key_and_different_ones_do_not(digest_path):
 
 
 def test_forced_fingerprint_collisions_still_separate_different_images(monkeypatch, digest_path):
-    monkeypatch.setattr(multimodal, "_fingerprint", lambda t, cache: torch.zeros((), dtype=torch.int64,
-                                                                                      device=t.device))
+    monkeypatch.setattr(
+        multimodal, "_fingerprint", lambda t, cache: torch.zeros((), dtype=torch.int64, device=t.device)
+    )
     keys = image_keys(_rows())
     _check(keys)
     # the key of an image whose fingerprint collided with an earlier one's is still a function of its content only,
@@ -91,7 +92,8 @@ class _HostWatch(torch.Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         to_host = name in ("cpu", "numpy", "tolist", "item", "__array__", "tobytes") or (
-            name == "to" and any(str(x) == "cpu" for x in (*args[1:], *kwargs.values())))  # fmt: skip
+            name == "to" and any(str(x) == "cpu" for x in (*args[1:], *kwargs.values()))
+        )
         if to_host:
             cls.transfers.append((name, args[0].numel()))
         return super().__torch_function__(func, types, args, kwargs)

@@ -14,9 +14,17 @@ import pytest
 import torch
 import trl
 from helpers import (
-    PROMPTS, assert_close, assert_grads_close, grads_of, make_batch, make_trainer, needs_interpreter,
-    run_under_interpreter, stock_logps, tiny_model,
-)  # fmt: skip
+    PROMPTS,
+    assert_close,
+    assert_grads_close,
+    grads_of,
+    make_batch,
+    make_trainer,
+    needs_interpreter,
+    run_under_interpreter,
+    stock_logps,
+    tiny_model,
+)
 from transformers import TrainerCallback
 
 import grpo_mem
@@ -29,8 +37,16 @@ LIGER_LOSS = hasattr(trl.GRPOTrainer, "compute_liger_loss")  # TRL 1.10-1.13
 KERNELS_OFF = dict(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=False)
 SYSTEM_TEXT = "You are a careful assistant. Think it through first, then answer briefly: "  # 74 tokens, 1 a character
 # GA 2 micro-batches of 3 rows, groups of 2: each step holds 3 prompts, the middle one split over both micro-batches
-ARGS = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=3, num_generations=2, optim="sgd",
-            beta=0.04, use_liger_kernel=True, prompts=[SYSTEM_TEXT + p for p in PROMPTS])  # fmt: skip
+ARGS = dict(
+    max_steps=3,
+    gradient_accumulation_steps=2,
+    per_device_train_batch_size=3,
+    num_generations=2,
+    optim="sgd",
+    beta=0.04,
+    use_liger_kernel=True,
+    prompts=[SYSTEM_TEXT + p for p in PROMPTS],
+)
 # logged values that are not results of the computation
 UNTIMED = ("runtime", "per_second", "step_time")
 
@@ -50,8 +66,11 @@ class BackboneRecorder(TrainerCallback):
             self._tokens += args[0].numel()
 
     def on_step_end(self, args, state, control, **kwargs):
-        prompts = {tuple(ids[mask.bool()].tolist()) for batch in self.trainer._buffered_inputs
-                   for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])}  # fmt: skip
+        prompts = {
+            tuple(ids[mask.bool()].tolist())
+            for batch in self.trainer._buffered_inputs
+            for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])
+        }
         self.steps.append((self._rows, self._tokens, prompts))
         self._rows, self._tokens = [], 0
 

@@ -7,9 +7,19 @@ import warnings
 import pytest
 import torch
 from helpers import (
-    VOCAB, CountPasses, assert_close, assert_weights_close, begin_window, grads_of, make_batch, stock_logps,
-    stock_window, tiny_model, train_recorded, weighted_backward,
-)  # fmt: skip
+    VOCAB,
+    CountPasses,
+    assert_close,
+    assert_weights_close,
+    begin_window,
+    grads_of,
+    make_batch,
+    stock_logps,
+    stock_window,
+    tiny_model,
+    train_recorded,
+    weighted_backward,
+)
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 import grpo_mem
@@ -28,8 +38,12 @@ SYSTEM, SHOTS_A, SHOTS_B = _tokens(40, 1), _tokens(11, 2), _tokens(2, 3)
 # the node above (and, after a 2-token block, of the system prompt), crossing two node boundaries
 TREES = {
     "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(1, 12), SYSTEM],
-    "three_levels": [SYSTEM + SHOTS_A + _tokens(4, 20), SYSTEM + SHOTS_A + _tokens(1, 21),
-                     SYSTEM + SHOTS_B + _tokens(2, 22), SYSTEM + SHOTS_B + _tokens(6, 23)],  # fmt: skip
+    "three_levels": [
+        SYSTEM + SHOTS_A + _tokens(4, 20),
+        SYSTEM + SHOTS_A + _tokens(1, 21),
+        SYSTEM + SHOTS_B + _tokens(2, 22),
+        SYSTEM + SHOTS_B + _tokens(6, 23),
+    ],
 }
 PASSES = {"system": [[40], [1, 5, 9]], "three_levels": [[40], [2, 11], [1, 2, 4, 6]]}
 
@@ -38,12 +52,28 @@ def qwen3_next(seed=0):
     """A tiny random Qwen3-Next: Gated DeltaNet, full attention, Gated DeltaNet; MoE MLPs."""
     torch.manual_seed(seed)
     config = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
-        linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, pad_token_id=0, eos_token_id=3, bos_token_id=1,
-        layer_types=["linear_attention", "full_attention", "linear_attention"], max_position_embeddings=256,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=12,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        pad_token_id=0,
+        eos_token_id=3,
+        bos_token_id=1,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=256,
+    )
     return Qwen3NextForCausalLM(config).float()
 
 
@@ -105,8 +135,13 @@ def test_node_states_are_the_models_own_states_at_each_rows_last_token():
     try:
         ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(rows), lengths=list(map(len, rows)), capture={}))
         with torch.no_grad():
-            model.model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(S).expand(len(rows), -1),
-                        use_cache=False, grpo_mem_ctx=attn_hook.context_token(ctx))  # fmt: skip
+            model.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=torch.arange(S).expand(len(rows), -1),
+                use_cache=False,
+                grpo_mem_ctx=attn_hook.context_token(ctx),
+            )
     finally:
         attn_hook.give_back(model, impl)
     assert sorted(ctx.linear.capture) == [0, 2]
@@ -170,8 +205,10 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
     prompt_sets = [[fam[0], fam[2]], [fam[0], fam[1]], [fam[3], fam[1]], [fam[2]]]
     model = _model("qwen3_5", True)
     C = 5
-    batches = [make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
-               for i, p in enumerate(prompt_sets)]  # fmt: skip
+    batches = [
+        make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
+        for i, p in enumerate(prompt_sets)
+    ]
     ref, ref_grads = stock_window(model, batches, C)
     count = CountPasses(monkeypatch)
     session = SharingSession(min_shared_tokens=2)
@@ -200,8 +237,15 @@ def test_patched_training_on_qwen3_5_matches_stock(tmp_path, monkeypatch):
     step (tree sharing), and the weights after training equal stock TRL's within 1e-5."""
     from helpers import PROMPTS
 
-    args = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=4, num_generations=4,
-                optim="sgd", arch="qwen3_5", prompts=[SYSTEM_TEXT + p for p in PROMPTS])  # fmt: skip
+    args = dict(
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        optim="sgd",
+        arch="qwen3_5",
+        prompts=[SYSTEM_TEXT + p for p in PROMPTS],
+    )
     stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
     count = CountPasses(monkeypatch)
     with warnings.catch_warnings():

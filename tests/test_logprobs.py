@@ -85,17 +85,31 @@ CASES = {
 def check_case(backend, dtype, case, n=251, h=123, v=5003):
     spec = CASES[case]
     tensors, index = make_inputs(
-        n, h, v, dtype, bias=spec.get("bias", False), ignore_every=spec.get("ignore", 0),
+        n,
+        h,
+        v,
+        dtype,
+        bias=spec.get("bias", False),
+        ignore_every=spec.get("ignore", 0),
         confident=spec.get("confident", 0),
     )
     g = torch.Generator().manual_seed(1)
     g_lp, g_ent = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
     frozen = spec.get("frozen", False)
-    truth = run(linear_logprobs_ref, [None if x is None else x.double() for x in tensors], index, spec["kw"], g_lp,
-                g_ent, frozen)
+    truth = run(
+        linear_logprobs_ref,
+        [None if x is None else x.double() for x in tensors],
+        index,
+        spec["kw"],
+        g_lp,
+        g_ent,
+        frozen,
+    )
     naive = run(linear_logprobs_ref, tensors, index, spec["kw"], g_lp, g_ent, frozen)
     kernel = run(linear_logprobs, tensors, index, spec["kw"], g_lp, g_ent, frozen, backend=backend)
-    names = ["logp", "entropy", "d_hidden"] + ([] if frozen else ["d_weight"]) + (["d_bias"] if spec.get("bias") else [])
+    names = (
+        ["logp", "entropy", "d_hidden"] + ([] if frozen else ["d_weight"]) + (["d_bias"] if spec.get("bias") else [])
+    )
     assert len(kernel) == len(names)
     assert kernel[0].dtype == torch.float32 and kernel[1].dtype == torch.float32
     for name, k, nv, t, x in zip(names, kernel, naive, truth, [None, None, *tensors]):
@@ -203,7 +217,7 @@ def _masked_logits(dtype, vocab):
     x[1, torch.randperm(vocab, generator=g)[: vocab // 3]] = ninf
     x[2, :1024] = ninf
     x[2, 1024::5] = ninf
-    x[3, vocab - 300:] = ninf
+    x[3, vocab - 300 :] = ninf
     x[4, :] = ninf
     x[4, [7, 1500, vocab - 2]] = 1.0
     index = torch.tensor([2200, 0, 1031, 17, 1500])
@@ -248,10 +262,17 @@ def _masked_linear_case(backend, vocab=700, masked=300):
     index = masked + index % (vocab - masked)
     g = torch.Generator().manual_seed(8)
     g_lp, g_ent = torch.randn(9, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
-    truth = run(linear_logprobs_ref, [hidden.double(), weight.double(), _finite_stand_in(bias.double())], index,
-                dict(temperature=0.7), g_lp, g_ent)
-    naive = run(linear_logprobs_ref, [hidden, weight, _finite_stand_in(bias)], index, dict(temperature=0.7), g_lp,
-                g_ent)
+    truth = run(
+        linear_logprobs_ref,
+        [hidden.double(), weight.double(), _finite_stand_in(bias.double())],
+        index,
+        dict(temperature=0.7),
+        g_lp,
+        g_ent,
+    )
+    naive = run(
+        linear_logprobs_ref, [hidden, weight, _finite_stand_in(bias)], index, dict(temperature=0.7), g_lp, g_ent
+    )
     kernel = run(linear_logprobs, [hidden, weight, bias], index, dict(temperature=0.7), g_lp, g_ent, backend=backend)
     for name, k, nv, t in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], kernel, naive, truth):
         tol = TOL[torch.float32] * (1.0 if name in ("logp", "entropy") else max(1.0, t.abs().max().item()))
@@ -290,8 +311,9 @@ def test_single_output_gradients_and_no_grad(backend):
     with torch.no_grad():
         logp = linear_logprobs(hidden.requires_grad_(), weight, index, backend=backend)
     assert not logp.requires_grad and logp.shape == (97,) and logp.dtype == torch.float32
-    torch.testing.assert_close(logp.double(), linear_logprobs_ref(hidden.double(), weight.double(), index), atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(
+        logp.double(), linear_logprobs_ref(hidden.double(), weight.double(), index), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -310,10 +332,12 @@ def test_deterministic(backend):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_empty_batch(backend):
     """No scored rows (a micro-batch whose completions are all padding): empty outputs, zero gradients."""
-    hh, ww, bb = torch.randn(0, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True), torch.zeros(20,
-                                                                                                       requires_grad=True)
-    logp, ent = linear_logprobs(hh, ww, torch.zeros(0, dtype=torch.long), bias=bb, return_entropy=True,
-                                backend=backend)
+    hh, ww, bb = (
+        torch.randn(0, 8, requires_grad=True),
+        torch.randn(20, 8, requires_grad=True),
+        torch.zeros(20, requires_grad=True),
+    )
+    logp, ent = linear_logprobs(hh, ww, torch.zeros(0, dtype=torch.long), bias=bb, return_entropy=True, backend=backend)
     (logp.sum() + ent.sum()).backward()
     assert logp.shape == (0,) and ent.shape == (0,) and hh.grad.shape == (0, 8)
     assert torch.equal(ww.grad, torch.zeros_like(ww)) and torch.equal(bb.grad, torch.zeros_like(bb))
@@ -373,10 +397,14 @@ def test_cpp_ops_are_dispatcher_ops_with_fake_kernels():
     cases = [
         (ops.linear_logprobs_fwd, (hidden, weight, bias, target, 1.5, 30.0, 0.7, True, True, 16, 128)),
         (ops.linear_logprobs_fwd, (hidden, weight, None, target, 1.0, 0.0, 1.0, False, False, 16, 128)),
-        (ops.linear_logprobs_bwd, (hidden, weight, bias, target, lse, ent, g, g, 1.0, 0.0, 1.0, False, True, True,
-                                   True, 16, 128)),
-        (ops.linear_logprobs_bwd, (hidden, weight, None, target, lse, None, g, None, 1.0, 0.0, 1.0, False, False,
-                                   True, False, 16, 128)),
+        (
+            ops.linear_logprobs_bwd,
+            (hidden, weight, bias, target, lse, ent, g, g, 1.0, 0.0, 1.0, False, True, True, True, 16, 128),
+        ),
+        (
+            ops.linear_logprobs_bwd,
+            (hidden, weight, None, target, lse, None, g, None, 1.0, 0.0, 1.0, False, False, True, False, 16, 128),
+        ),
         (ops.selective_log_softmax_fwd, (hidden @ weight.T, target.clamp(min=0), 0.7, True, 128)),
         (ops.selective_log_softmax_bwd, (hidden @ weight.T, target.clamp(min=0), lse, ent, g, g, 1.0, 128)),
     ]
@@ -423,6 +451,7 @@ def test_torch_compile_of_linear_logprobs_matches_eager():
 # triton backend on CPU tensors through the interpreter (small shapes). triton.language's own helpers are decorated
 # when triton is first imported, so the interpreter must be on before that: test_triton_interpreter_suite reruns the
 # tests below in a fresh TRITON_INTERPRET=1 process and checks they all passed there.
+
 
 def test_triton_interpreter_suite():
     if INTERPRETING:

@@ -131,8 +131,10 @@ def test_aot_compiles_without_spills(name, dtype, arch):
         pytest.skip(str(exc))
     r, b = report(name, dtype, arch)
     cons = {k: v for k, v in b["constexprs"].items() if k.startswith("BLOCK_")}
-    print(f"\n| {name} | {dtype} | sm_{arch} | {cons} {b['options']} | regs {r['regs']} | spills {r['spills']} B "
-          f"| stack {r['stack']} B | shared {r['shared']} B |")
+    print(
+        f"\n| {name} | {dtype} | sm_{arch} | {cons} {b['options']} | regs {r['regs']} | spills {r['spills']} B "
+        f"| stack {r['stack']} B | shared {r['shared']} B |"
+    )
     assert 0 < r["regs"] <= 255
     assert r["shared"] <= (227 if arch == 90 else 163) * 1024, f"shared memory {r['shared']} B exceeds sm_{arch}"
     assert r["spills"] == 0 and r["stack"] == 0, f"{name} spills on sm_{arch}: {r}"
@@ -209,14 +211,25 @@ def test_backward_scratch_memory_and_grid(dtype, n):
         class Allocations(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                if func.__name__.split(".")[0] in ("empty", "zeros", "empty_like", "zeros_like", "empty_strided",
-                                                   "full", "new_empty", "new_zeros", "clone", "_to_copy"):
+                if func.__name__.split(".")[0] in (
+                    "empty",
+                    "zeros",
+                    "empty_like",
+                    "zeros_like",
+                    "empty_strided",
+                    "full",
+                    "new_empty",
+                    "new_zeros",
+                    "clone",
+                    "_to_copy",
+                ):
                     created.append(out)
                 return out
 
         with Allocations():
-            dh, dw, db = tri.linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, lse, lse, p, True, True,
-                                                 True, logp)
+            dh, dw, db = tri.linear_logprobs_bwd(
+                hidden, weight, bias, target, lse, ent, lse, lse, p, True, True, True, logp
+            )
     outputs = {id(x.untyped_storage()) for x in (dh, dw, db)}
     scratch = [x for x in created if id(x.untyped_storage()) not in outputs]
     nbytes = sum(x.untyped_storage().nbytes() for x in scratch)
@@ -224,9 +237,13 @@ def test_backward_scratch_memory_and_grid(dtype, n):
     assert not big, f"(V, H)-sized fp32 scratch allocated: {big}"
     budget = max(weight.nbytes, n * tri.CHUNK_V_MIN * weight.element_size()) + n * h * 4 + 64 * 2**20
     assert nbytes <= budget, f"backward scratch {nbytes / 1e9:.2f} GB > {budget / 1e9:.2f} GB: " + str(
-        [(tuple(x.shape), x.dtype) for x in scratch])
-    small = [(name, grid) for name, grid in grids if name.startswith("linear_logprobs_bwd")
-             and grid[0] * (grid[1] if len(grid) > 1 else 1) < 2 * H100_SMS]
+        [(tuple(x.shape), x.dtype) for x in scratch]
+    )
+    small = [
+        (name, grid)
+        for name, grid in grids
+        if name.startswith("linear_logprobs_bwd") and grid[0] * (grid[1] if len(grid) > 1 else 1) < 2 * H100_SMS
+    ]
     assert not small, f"launches with fewer than {2 * H100_SMS} programs: {small}"
 
 
@@ -281,8 +298,11 @@ def reused_across_layouts(ttgir_text: str) -> list[tuple[str, str, str]]:
     return [(p, loads[p], stores[p]) for p in sorted(loads) if p in stores and loads[p] != stores[p]]
 
 
-@pytest.mark.parametrize("name, dtype, arch", [c for c in CASES if "_bwd_d" in c[0]],
-                         ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES if "_bwd_d" in n])
+@pytest.mark.parametrize(
+    "name, dtype, arch",
+    [c for c in CASES if "_bwd_d" in c[0]],
+    ids=[f"{n}-{d}-sm{a}" for n, d, a in CASES if "_bwd_d" in n],
+)
 def test_slab_reuse_is_ordered_by_a_barrier(name, dtype, arch):
     """Memory a backward kernel both loads and stores (the old fused kernels' per-tile fp32 slabs; now the fp32
     d_hidden accumulator, loaded as DH_ACC and stored as DH_OUT, the same tensor between chunks): when the build loads

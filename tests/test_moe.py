@@ -20,26 +20,45 @@ from grpo_mem.model.plan import WindowPlan
 from grpo_mem.model.sharing import SharingSession
 
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0, pad_token_id=0, eos_token_id=3,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    attention_dropout=0.0,
+    pad_token_id=0,
+    eos_token_id=3,
     bos_token_id=1,
-)  # fmt: skip
+)
 MOE = dict(num_experts_per_tok=2)
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, **MOE, **COMMON),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, **MOE,
-                                                     **COMMON),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        num_experts=4, moe_intermediate_size=16, head_dim=8, **MOE, **COMMON
+    ),
     "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, **MOE, **COMMON),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16,
-                                                     shared_expert_intermediate_size=16, **MOE, **COMMON),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **MOE, **COMMON
+    ),
     # sliding windows (8 tokens, shorter than the rows), attention sinks, router bias
     "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=4, head_dim=8, sliding_window=8, **MOE, **COMMON),
     # served by the stock path today (linear attention): router math checked alone
     "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
-        num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-        layer_types=["linear_attention", "full_attention"], **MOE, **COMMON),
-}  # fmt: skip
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        **MOE,
+        **COMMON,
+    ),
+}
 PROMPT_ONCE = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss", "qwen3_5_moe"]  # gpt-oss: window 8, sinks,
 # router bias; Qwen3.5-MoE: Gated DeltaNet layers
 SYSTEM = [5, 9, 17, 33, 41, 8, 12]
@@ -233,8 +252,15 @@ def test_grpo_training_with_router_loss_matches_stock(tmp_path, monkeypatch):
     them), router loss coefficient 1: gradients within 1e-4, weights within 1e-5 of stock TRL and the same logged
     aux_loss, on the prompt-once path."""
     monkeypatch.setattr(helpers, "tiny_model", lambda arch, seed=0: moe_model(arch, seed=seed))
-    args = dict(arch="qwen3_moe", max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                router_aux_loss_coef=1.0, optim="sgd", learning_rate=0.5)  # fmt: skip
+    args = dict(
+        arch="qwen3_moe",
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        router_aux_loss_coef=1.0,
+        optim="sgd",
+        learning_rate=0.5,
+    )
     stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
     ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, **args)
     assert ours.aux_loss_enabled and ours.state.global_step == 3
@@ -258,8 +284,13 @@ def test_verify_compares_the_router_loss_gradient(tmp_path, monkeypatch):
     from helpers import make_trainer
 
     monkeypatch.setattr(helpers, "tiny_model", lambda arch, seed=0: moe_model(arch, seed=seed))
-    trainer, _ = make_trainer(arch="qwen3_moe", output_dir=tmp_path, per_device_train_batch_size=2,
-                              gradient_accumulation_steps=2, router_aux_loss_coef=1.0)  # fmt: skip
+    trainer, _ = make_trainer(
+        arch="qwen3_moe",
+        output_dir=tmp_path,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        router_aux_loss_coef=1.0,
+    )
     assert trainer.aux_loss_enabled
     report = grpo_mem.verify(trainer, print_report=False)
     assert report.passed and all(m.path == "prompt-once" for m in report.micro_batches), str(report)

@@ -1,6 +1,5 @@
 """Multi-region attention against naive attention over every row's materialised keys (multi_region_attention_ref)."""
 
-
 import pytest
 import torch
 from helpers import (
@@ -55,11 +54,19 @@ CASES = {
     "r1_gqa4": (5, 4, 1, 6, 64, [(3, 11, [2, -1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1]),
     # three regions of different lengths: right padding, a region no row reads, junk masks (padding anywhere, an
     # entry with no real key), rows reading one, two or three regions
-    "r3_mixed": (6, 8, 2, 5, 64, [
-        (2, 13, [0, 1, 0, -1, 1, -1], ("right", [13, 6])),
-        (3, 5, [-1] * 6, ("right", [5, 2, 3])),
-        (4, 20, [3, 0, -1, 2, 3, 1], ("junk", 0.5)),
-    ], [5, 5, 3, 1, 5, 2]),
+    "r3_mixed": (
+        6,
+        8,
+        2,
+        5,
+        64,
+        [
+            (2, 13, [0, 1, 0, -1, 1, -1], ("right", [13, 6])),
+            (3, 5, [-1] * 6, ("right", [5, 2, 3])),
+            (4, 20, [3, 0, -1, 2, 3, 1], ("junk", 0.5)),
+        ],
+        [5, 5, 3, 1, 5, 2],
+    ),
     # no GQA, head dim 128, every row in every region
     "r2_mha_d128": (2, 2, 2, 4, 128, [(1, 9, [0, 0], ("right", [7])), (2, 3, [1, 0], ("right", [3, 1]))], None),
 }
@@ -68,8 +75,17 @@ CASES = {
 def _only_region_keys_inputs(dtype=torch.float32, seed=5):
     """Row 0 sees no own key at queries 0, 1 (its region 0 keys only); row 1 has no real own key at all (region 1
     keys only); row 2 reads no region and its own key 0 is padding, so its query 0 sees nothing."""
-    t, meta, km, go = attention_inputs(3, 4, 2, 4, 64, [(1, 6, [0, -1, -1], ("right", [6])),
-                                                   (2, 5, [-1, 1, -1], ("right", [5, 4]))], [4, 4, 4], dtype, seed)
+    t, meta, km, go = attention_inputs(
+        3,
+        4,
+        2,
+        4,
+        64,
+        [(1, 6, [0, -1, -1], ("right", [6])), (2, 5, [-1, 1, -1], ("right", [5, 4]))],
+        [4, 4, 4],
+        dtype,
+        seed,
+    )
     km[0, :2] = False
     km[1] = False
     km[2, 0] = False
@@ -109,7 +125,7 @@ def test_matches_reference_fp32(case, backend):
     else:
         B, Hq, Hkv, C, d, regions, clens = CASES[case]
         t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens)
-    scale = d ** -0.5
+    scale = d**-0.5
     truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float64, scale=scale)
     res = run(backend_path(backend), t, meta, km, go, scale=scale)
     check_fp32_against_truth(res, truth)
@@ -124,9 +140,9 @@ def test_matches_reference_fp32(case, backend):
 def test_bf16_error_within_twice_naive(case, backend):
     B, Hq, Hkv, C, d, regions, clens = CASES[case]
     t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.bfloat16, seed=2)
-    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float32, scale=d ** -0.5)
-    naive = run(multi_region_attention_ref, t, meta, km, go, scale=d ** -0.5)
-    check_bf16_against_truth(run(backend_path(backend), t, meta, km, go, scale=d ** -0.5), truth, naive)
+    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float32, scale=d**-0.5)
+    naive = run(multi_region_attention_ref, t, meta, km, go, scale=d**-0.5)
+    check_bf16_against_truth(run(backend_path(backend), t, meta, km, go, scale=d**-0.5), truth, naive)
 
 
 def test_fp64_is_exact():
@@ -140,7 +156,7 @@ def test_fp64_is_exact():
 
 
 def _shared_prefix_as_multi(q, k, v, regions, key_mask, *, scale, backend):
-    (pk, pv, pi, pm), = regions
+    ((pk, pv, pi, pm),) = regions
     return shared_prefix_attention(q, k, v, pk, pv, pi, pm, key_mask, scale=scale, backend=backend)
 
 
@@ -158,7 +174,9 @@ def test_one_region_equals_shared_prefix_attention(backend):
             self.names.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    t, meta, km, go = attention_inputs(5, 4, 2, 6, 64, [(3, 11, [2, 1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1])
+    t, meta, km, go = attention_inputs(
+        5, 4, 2, 6, 64, [(3, 11, [2, 1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1]
+    )
     with Ops() as ops_a:
         a = run(backend_path(backend), t, meta, km, go, scale=0.125)
     with Ops() as ops_b:
@@ -174,8 +192,11 @@ def test_backend_tables_agree():
     from grpo_mem.ops import attention, logprobs
     from grpo_mem.ops._backends import TABLE
 
-    tables = {"multi_region_attention": attention.BACKENDS, "linear_logprobs": logprobs.LINEAR_BACKENDS,
-              "selective_log_softmax": logprobs.SLS_BACKENDS}
+    tables = {
+        "multi_region_attention": attention.BACKENDS,
+        "linear_logprobs": logprobs.LINEAR_BACKENDS,
+        "selective_log_softmax": logprobs.SLS_BACKENDS,
+    }
     assert set(TABLE) == set(tables)
     for op, backends in tables.items():
         assert sorted(name for name, _ in TABLE[op]) == sorted(backends), op
@@ -189,7 +210,8 @@ def test_no_region_is_causal_attention():
     mask = torch.ones(C, C, dtype=torch.bool).tril() & km[:, None, None, :]
     rep = Hq // Hkv
     want = torch.nn.functional.scaled_dot_product_attention(
-        t["q"], t["k"].repeat_interleave(rep, 1), t["v"].repeat_interleave(rep, 1), attn_mask=mask, scale=0.2)
+        t["q"], t["k"].repeat_interleave(rep, 1), t["v"].repeat_interleave(rep, 1), attn_mask=mask, scale=0.2
+    )
     assert_close(out, want, 1e-12, "out")
 
 
@@ -206,13 +228,16 @@ def test_does_not_materialise_region_copies(backend):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            for o in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(o, torch.Tensor):
                     MaxNumel.largest = max(MaxNumel.largest, o.numel())
             return out
 
-    fn = (lambda *a, scale: torch_path(*a, scale=scale, chunk_elems=4096)) if backend == "torch" else \
-        backend_path(backend)
+    fn = (
+        (lambda *a, scale: torch_path(*a, scale=scale, chunk_elems=4096))
+        if backend == "torch"
+        else backend_path(backend)
+    )
     with MaxNumel():
         run(fn, t, meta, km, go, scale=0.25)
     assert MaxNumel.largest < per_row_copy / 2, MaxNumel.largest
@@ -263,8 +288,11 @@ def test_bad_input_raises():
         call(swap(1, 3, meta[1][1][:, :4]))
     with pytest.raises(TypeError, match=r"regions\[1\].mask must be a bool tensor, got torch.int64"):
         call(swap(1, 3, meta[1][1].long()))
-    with pytest.raises(ValueError, match=r"regions\[2\].region_k must have shape \(U, Hkv=2, S, d=64\), got "
-                                         r"\(4, 1, 20, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"regions\[2\].region_k must have shape \(U, Hkv=2, S, d=64\), got "
+        r"\(4, 1, 20, 64\)",
+    ):
         call(swap(2, 0, t["rk2"][:, :1]))
     with pytest.raises(ValueError, match=r"regions\[2\].region_v shape .* must equal"):
         call(swap(2, 1, t["rv2"][:, :, :3]))
@@ -293,11 +321,19 @@ def test_bad_input_raises():
 TRITON_CASES = {
     "r0_gqa2": (3, 4, 2, 7, 32, [], [7, 3, 5]),
     "r1_gqa4": (4, 4, 1, 6, 32, [(3, 20, [2, -1, 0, 2], ("left", [20, 4, 7]))], [6, 2, 6, 1]),
-    "r3_mixed": (4, 4, 2, 5, 32, [
-        (2, 20, [0, 1, -1, 1], ("right", [20, 7])),
-        (2, 5, [-1] * 4, ("right", [5, 2])),
-        (3, 18, [2, -1, 0, 1], ("junk", 0.5)),
-    ], [5, 3, 5, 1]),
+    "r3_mixed": (
+        4,
+        4,
+        2,
+        5,
+        32,
+        [
+            (2, 20, [0, 1, -1, 1], ("right", [20, 7])),
+            (2, 5, [-1] * 4, ("right", [5, 2])),
+            (3, 18, [2, -1, 0, 1], ("junk", 0.5)),
+        ],
+        [5, 3, 5, 1],
+    ),
     "r2_mha_d64": (2, 2, 2, 4, 64, [(1, 9, [0, 0], ("right", [7])), (2, 3, [1, 0], ("right", [3, 1]))], None),
 }
 
@@ -313,10 +349,10 @@ def test_triton_fp32_matches_reference(case):
     else:
         B, Hq, Hkv, C, d, regions, clens = TRITON_CASES[case]
         t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, seed=1)
-    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float64, scale=d ** -0.5)
+    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float64, scale=d**-0.5)
     q = t["q"]
     with HostSyncsAndCopies(q.numel()) as mode:
-        res = run(backend_path("triton"), t, meta, km, go, scale=d ** -0.5)
+        res = run(backend_path("triton"), t, meta, km, go, scale=d**-0.5)
     assert mode.syncs == [], mode.syncs
     assert mode.copies == [], mode.copies
     check_fp32_against_truth(res, truth)
@@ -329,9 +365,9 @@ def test_triton_fp32_matches_reference(case):
 def test_triton_bf16_error_within_twice_naive():
     B, Hq, Hkv, C, d, regions, clens = TRITON_CASES["r3_mixed"]
     t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens, dtype=torch.bfloat16, seed=2)
-    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float32, scale=d ** -0.5)
-    naive = run(multi_region_attention_ref, t, meta, km, go, scale=d ** -0.5)
-    check_bf16_against_truth(run(backend_path("triton"), t, meta, km, go, scale=d ** -0.5), truth, naive)
+    truth = run(multi_region_attention_ref, t, meta, km, go, dtype=torch.float32, scale=d**-0.5)
+    naive = run(multi_region_attention_ref, t, meta, km, go, scale=d**-0.5)
+    check_bf16_against_truth(run(backend_path("triton"), t, meta, km, go, scale=d**-0.5), truth, naive)
 
 
 @needs_interpreter
@@ -346,7 +382,6 @@ def test_triton_one_region_equals_shared_prefix_attention_and_is_deterministic()
     b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend="triton")
     for n in a:
         assert torch.equal(a[n], b[n]), n
-
 
 
 def test_triton_kernels_under_interpreter():
@@ -374,13 +409,25 @@ def test_triton_launches_per_region(monkeypatch, n_regions):
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(B, C, Hq, d, **meta).transpose(1, 2)
     k, v = (torch.empty(B, C, Hkv, d, **meta).transpose(1, 2) for _ in "kv")
-    regions = [(torch.empty(2, S, Hkv, d, **meta).transpose(1, 2), torch.empty(2, S, Hkv, d, **meta).transpose(1, 2),
-                torch.zeros(B, dtype=torch.int64, device="meta"), torch.empty(2, S, dtype=torch.bool, device="meta"))
-               for _ in range(n_regions)]
+    regions = [
+        (
+            torch.empty(2, S, Hkv, d, **meta).transpose(1, 2),
+            torch.empty(2, S, Hkv, d, **meta).transpose(1, 2),
+            torch.zeros(B, dtype=torch.int64, device="meta"),
+            torch.empty(2, S, dtype=torch.bool, device="meta"),
+        )
+        for _ in range(n_regions)
+    ]
     km = torch.empty(B, C, dtype=torch.bool, device="meta")
     out, lse = fwd(q, k, v, regions, km, params)
     bwd(out, q, k, v, regions, km, out, lse, params)
     names = [name for name, _, _ in rec.launches]
     region_bwd = ["bwd_dkdv_prefix", "bwd_prefix_reduce"] * n_regions
-    assert names == ["fwd"] * max(1, n_regions) + ["bwd_delta"] + ["bwd_dq"] * max(1, n_regions) + \
-        ["bwd_dkdv_completion"] + region_bwd, names
+    assert (
+        names
+        == ["fwd"] * max(1, n_regions)
+        + ["bwd_delta"]
+        + ["bwd_dq"] * max(1, n_regions)
+        + ["bwd_dkdv_completion"]
+        + region_bwd
+    ), names

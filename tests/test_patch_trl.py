@@ -8,8 +8,15 @@ import warnings
 
 import pytest
 import torch
-from helpers import (GradientRecorder, assert_close, assert_grads_close, assert_weights_close, make_batch, make_trainer,
-                     train_recorded)
+from helpers import (
+    GradientRecorder,
+    assert_close,
+    assert_grads_close,
+    assert_weights_close,
+    make_batch,
+    make_trainer,
+    train_recorded,
+)
 
 import grpo_mem
 from grpo_mem.patches.checks import LOGPS_METHOD, PREPARE_METHOD
@@ -37,14 +44,25 @@ def _loss_and_grads(trainer, inputs):
 # every loss type of TRL 1.16 at its own importance-sampling level (GSPO: grpo at the sequence level); the four
 # classic ones with and without a reference model, the others with one
 LOSSES = [(t, "token", beta) for t in ("grpo", "dapo", "dr_grpo", "bnpo") for beta in (0.0, 0.04)] + [
-    ("cispo", "token", 0.04), ("sapo", "token", 0.04), ("vespo", "token", 0.04), ("luspo", "sequence", 0.04),
-    ("grpo", "sequence", 0.04)]  # fmt: skip
+    ("cispo", "token", 0.04),
+    ("sapo", "token", 0.04),
+    ("vespo", "token", 0.04),
+    ("luspo", "sequence", 0.04),
+    ("grpo", "sequence", 0.04),
+]
 
 
 @pytest.mark.parametrize("loss_type,level,beta", LOSSES, ids=[f"{t}-{lv}-{b}" for t, lv, b in LOSSES])
 def test_compute_loss_matches_stock(tmp_path, loss_type, level, beta):
-    trainer, _ = make_trainer(output_dir=tmp_path, loss_type=loss_type, beta=beta, per_device_train_batch_size=8,
-                              steps_per_generation=1, num_iterations=2, importance_sampling_level=level)  # fmt: skip
+    trainer, _ = make_trainer(
+        output_dir=tmp_path,
+        loss_type=loss_type,
+        beta=beta,
+        per_device_train_batch_size=8,
+        steps_per_generation=1,
+        num_iterations=2,
+        importance_sampling_level=level,
+    )
     inputs = trainer._prepare_inputs(_generation_batch(trainer))  # stock inputs: old and reference log-probs
     assert inputs["old_per_token_logps"] is not None and (beta == 0) == (inputs.get("ref_per_token_logps") is None)
     stock_loss, stock_grads = _loss_and_grads(trainer, inputs)
@@ -53,8 +71,11 @@ def test_compute_loss_matches_stock(tmp_path, loss_type, level, beta):
     C = inputs["completion_ids"].shape[1]
     with torch.no_grad():  # the no-grad callers: old log-probs (policy) and the separate reference model
         stock_old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C, batch_size=4)
-        stock_ref = (trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C, batch_size=4)[0]
-                     if beta else None)  # fmt: skip
+        stock_ref = (
+            trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C, batch_size=4)[0]
+            if beta
+            else None
+        )
     with grpo_mem.patch_trl(trainer), warnings.catch_warnings():
         warnings.filterwarnings("error", message="grpo_mem: falling back")
         loss, grads = _loss_and_grads(trainer, inputs)
@@ -74,8 +95,9 @@ def test_bf16_autocast_loss_path_error_within_stock_error(tmp_path):
     and its loss within stock's loss error + 1e-2."""
     from contextlib import nullcontext
 
-    trainer, _ = make_trainer(output_dir=tmp_path, bf16=True, per_device_train_batch_size=8, steps_per_generation=1,
-                              beta=0.0)  # fmt: skip
+    trainer, _ = make_trainer(
+        output_dir=tmp_path, bf16=True, per_device_train_batch_size=8, steps_per_generation=1, beta=0.0
+    )
     assert trainer.accelerator.mixed_precision == "bf16"
     inputs = trainer._prepare_inputs(_generation_batch(trainer))
     stock_loss, stock_grads = _loss_and_grads(trainer, inputs)
@@ -98,8 +120,15 @@ def test_bf16_autocast_loss_path_error_within_stock_error(tmp_path):
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_two_step_training_matches_stock(tmp_path, kind):
-    args = dict(max_steps=2, gradient_accumulation_steps=2, num_iterations=2, lr_scheduler_type="cosine",
-                warmup_steps=1, beta=0.04, optim="sgd")  # fmt: skip
+    args = dict(
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        beta=0.04,
+        optim="sgd",
+    )
     # SGD: weights differ by lr x gradient difference; Adam's first step is ~lr x sign(grad), which turns rounding
     # noise in near-zero gradient entries into lr-sized weight differences. Gradients are compared at every step.
     stock, stock_rec = train_recorded(tmp_path / "stock", kind, patch=False, **args)
@@ -117,13 +146,15 @@ def test_two_step_training_matches_stock(tmp_path, kind):
 # objectives that depend on which rows share a micro-batch or an optimizer step, groups of 4 split over micro-batches
 # (completions of up to 24 tokens end at different lengths, so per-micro-batch token counts differ)
 ORDER_SENSITIVE = {
-    "bnpo-micro-batches-of-3": dict(loss_type="bnpo", per_device_train_batch_size=3, gradient_accumulation_steps=4,
-                                    max_completion_length=24),
+    "bnpo-micro-batches-of-3": dict(
+        loss_type="bnpo", per_device_train_batch_size=3, gradient_accumulation_steps=4, max_completion_length=24
+    ),
     "entropy-mask": dict(top_entropy_quantile=0.5, per_device_train_batch_size=2, gradient_accumulation_steps=4),
-    "entropy-bonus": dict(entropy_coef=0.1, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                          max_completion_length=24),
+    "entropy-bonus": dict(
+        entropy_coef=0.1, per_device_train_batch_size=2, gradient_accumulation_steps=4, max_completion_length=24
+    ),
     "steps-per-generation-2": dict(steps_per_generation=2, gradient_accumulation_steps=1, max_steps=2),
-}  # fmt: skip
+}
 
 
 def _losses(trainer):
@@ -162,7 +193,9 @@ def test_group_shuffle_keeps_rows_and_step_gradient(tmp_path, loss_type):
         prompts = batch["prompt_ids"].masked_fill(batch["prompt_mask"] == 0, -1)
         assert (prompts == prompts[0]).all(), "a micro-batch of 4 = G rows must hold one whole group"
     rows = lambda bs: sorted(  # noqa: E731
-        torch.cat([b["prompt_ids"], b["completion_ids"]], 1)[i].tolist() for b in bs for i in range(len(b["prompt_ids"]))
+        torch.cat([b["prompt_ids"], b["completion_ids"]], 1)[i].tolist()
+        for b in bs
+        for i in range(len(b["prompt_ids"]))
     )
     assert rows(seen) == rows(stock._buffered_inputs)
     assert_grads_close(ours_rec.grads[0], stock_rec.grads[0], 1e-4)
@@ -297,8 +330,7 @@ def test_trl_1_14_dispatcher_is_checked_through_its_target():
 
     class Dispatching(GRPOTrainer):
         def _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kw):
-            return self._full_logits_logps(model, *args, batch_size=batch_size, compute_aux_loss=compute_aux_loss,
-                                           **kw)  # fmt: skip
+            return self._full_logits_logps(model, *args, batch_size=batch_size, compute_aux_loss=compute_aux_loss, **kw)
 
         _full_logits_logps = stock
 
@@ -350,8 +382,14 @@ def test_micro_batch_without_repeated_prompt_falls_back_once(tmp_path):
 def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_device):
     """G=8 completions over 8/per_device micro-batches of one optimizer step: one prompt pass with gradients, and
     the step's gradient equals stock TRL's (whose micro-batches each forward the full sequences)."""
-    args = dict(max_steps=1, num_generations=8, per_device_train_batch_size=per_device,
-                gradient_accumulation_steps=8 // per_device, loss_type="dapo", beta=0.04)  # fmt: skip
+    args = dict(
+        max_steps=1,
+        num_generations=8,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=8 // per_device,
+        loss_type="dapo",
+        beta=0.04,
+    )
     stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
 
     trainer, handle = make_trainer("grpo", patch=True, output_dir=tmp_path / "ours", **args)
@@ -384,8 +422,13 @@ def test_group_spread_over_micro_batches_forwards_prompt_once(tmp_path, per_devi
 
 def _lora(p):
     peft = pytest.importorskip("peft")
-    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=p, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                           init_lora_weights=False)  # fmt: skip
+    return peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=p,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        init_lora_weights=False,
+    )
 
 
 # (model and trainer arguments, the dropout the fallback names or None: the prompt-once path serves it)
@@ -395,10 +438,11 @@ DROPOUT = {
     # functional dropout with a probability the module keeps: TRL's disable_dropout leaves it, stock still drops
     "starcoder2-residual-dropout-disabled": (
         dict(arch="starcoder2", model_args=dict(residual_dropout=0.1), disable_dropout=True),
-        r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1"),
+        r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1",
+    ),
     "lora-dropout-disabled": (dict(peft_config=lambda: _lora(0.1), disable_dropout=True), None),
     "phi3-resid-pdrop-disabled": (dict(arch="phi3", model_args=dict(resid_pdrop=0.1), disable_dropout=True), None),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", DROPOUT)

@@ -66,9 +66,7 @@ def test_bf16_error_within_stock_error(mode, logits):
     assert ours[2].keys() == truth[2].keys() == stock[2].keys()
     per_ours, per_stock = grad_errors(ours[2], truth[2])[3], grad_errors(stock[2], truth[2])[3]
     ok, name, excess = grad_within_stock_error(per_ours, per_stock)
-    assert ok, (
-        f"{name}: relative gradient error {per_ours[name]:.4f} vs stock {per_stock[name]:.4f} (+{BF16_GRAD_TOL})"
-    )
+    assert ok, f"{name}: relative gradient error {per_ours[name]:.4f} vs stock {per_stock[name]:.4f} (+{BF16_GRAD_TOL})"
 
 
 def test_prepared_model_direct_call_runs_in_the_models_precision():
@@ -131,8 +129,9 @@ def test_bf16_image_prompts_error_within_stock_error(mode):
         add_fused_lm_head(m, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
     truth = _image_run(truth_model, _stock_method(), ids, mask, C, extras, w, autocast=False)
     stock = _image_run(model, _stock_method(), ids, mask, C, extras, w, autocast=mode == "autocast")
-    patched = patched_logps_method(_stock_method(), PatchHandle(("test_precision",), group_shuffle=False,
-                                                                sharing="group"))
+    patched = patched_logps_method(
+        _stock_method(), PatchHandle(("test_precision",), group_shuffle=False, sharing="group")
+    )
     with recording_fallbacks() as fallbacks:
         ours = _image_run(model, patched, ids, mask, C, extras, w, autocast=mode == "autocast")
     assert fallbacks == []
@@ -149,6 +148,4 @@ def test_bf16_image_prompts_error_within_stock_error(mode):
     assert any(name.startswith("model.visual.") for name in ours[2])
     per_ours, per_stock = grad_errors(ours[2], truth[2])[3], grad_errors(stock[2], truth[2])[3]
     ok, name, excess = grad_within_stock_error(per_ours, per_stock)
-    assert ok, (
-        f"{name}: relative gradient error {per_ours[name]:.4f} vs stock {per_stock[name]:.4f} (+{BF16_GRAD_TOL})"
-    )
+    assert ok, f"{name}: relative gradient error {per_ours[name]:.4f} vs stock {per_stock[name]:.4f} (+{BF16_GRAD_TOL})"

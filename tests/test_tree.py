@@ -5,9 +5,20 @@ import warnings
 import pytest
 import torch
 from helpers import (
-    VOCAB, CountPasses, assert_close, assert_grads_close, assert_weights_close, begin_window, grads_of, make_batch,
-    stock_logps, stock_window, tiny_model, train_recorded, weighted_backward,
-)  # fmt: skip
+    VOCAB,
+    CountPasses,
+    assert_close,
+    assert_grads_close,
+    assert_weights_close,
+    begin_window,
+    grads_of,
+    make_batch,
+    stock_logps,
+    stock_window,
+    tiny_model,
+    train_recorded,
+    weighted_backward,
+)
 
 import grpo_mem
 from grpo_mem.model.sharing import SharingSession
@@ -45,8 +56,15 @@ def test_trie_system_prompt_questions_and_prompt_equal_to_prefix():
 def test_trie_three_levels():
     prompts = [SYSTEM + SHOTS_A + [5], SYSTEM + SHOTS_A + [6, 7], SYSTEM + SHOTS_B + [8], SYSTEM + SHOTS_B + [9, 4]]
     nodes, leaf = _shape(PromptTrie(prompts, min_shared_tokens=32))
-    assert nodes == [(70, 0, None, 0), (68, 70, 0, 1), (1, 138, 1, 2), (2, 138, 1, 2), (66, 70, 0, 1),
-                     (1, 136, 4, 2), (2, 136, 4, 2)]  # fmt: skip
+    assert nodes == [
+        (70, 0, None, 0),
+        (68, 70, 0, 1),
+        (1, 138, 1, 2),
+        (2, 138, 1, 2),
+        (66, 70, 0, 1),
+        (1, 136, 4, 2),
+        (2, 136, 4, 2),
+    ]
     assert leaf == [2, 3, 5, 6]
 
 
@@ -68,10 +86,13 @@ def test_trie_no_common_prefix_is_one_node_per_prompt():
     assert nodes == [(3, 0, None, 0), (2, 0, None, 0), (2, 0, None, 0)] and leaf == [0, 2, 1]
 
 
-@pytest.mark.parametrize("prompts, kwargs, match", [
-    ([[4, 5], []], {}, "prompt 1 is empty"),
-    ([[4, 5]], {"min_shared_tokens": 0}, "min_shared_tokens must be an int >= 1, got 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        ([[4, 5], []], {}, "prompt 1 is empty"),
+        ([[4, 5]], {"min_shared_tokens": 0}, "min_shared_tokens must be an int >= 1, got 0"),
+    ],
+)
 def test_trie_bad_input(prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         PromptTrie(prompts, **kwargs)
@@ -86,8 +107,12 @@ TREES = {
     # a shared 70-token system prompt, own parts of different lengths (left padding), one prompt equal to the system prompt
     "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(2, 12), SYSTEM],
     # system prompt -> two few-shot blocks -> questions
-    "three_levels": [SYSTEM + SHOTS_A + _tokens(4, 20), SYSTEM + SHOTS_A + _tokens(7, 21),
-                     SYSTEM + SHOTS_B + _tokens(3, 22), SYSTEM + SHOTS_B + _tokens(6, 23)],  # fmt: skip
+    "three_levels": [
+        SYSTEM + SHOTS_A + _tokens(4, 20),
+        SYSTEM + SHOTS_A + _tokens(7, 21),
+        SYSTEM + SHOTS_B + _tokens(3, 22),
+        SYSTEM + SHOTS_B + _tokens(6, 23),
+    ],
     # nothing in common: one node per prompt, the group path's work
     "no_common_prefix": [_tokens(6, 30), _tokens(9, 31), _tokens(4, 32)],
 }
@@ -134,8 +159,10 @@ def test_group_mode_forwards_each_prompt_whole(monkeypatch):
 
 def _window(prompt_sets, G, C, seed=0):
     """One batch per micro-batch; each holds some completions of some prompts (groups split across them)."""
-    return [make_batch(None, G, C, prompts=prompts, seed=seed + i, shuffle=True, junk_in_padding=True)[:2]
-            for i, prompts in enumerate(prompt_sets)]  # fmt: skip
+    return [
+        make_batch(None, G, C, prompts=prompts, seed=seed + i, shuffle=True, junk_in_padding=True)[:2]
+        for i, prompts in enumerate(prompt_sets)
+    ]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -187,8 +214,15 @@ def test_patched_training_with_a_system_prompt_matches_stock(tmp_path, monkeypat
     from helpers import PROMPTS
 
     prompts = [SYSTEM_TEXT + p for p in PROMPTS]
-    args = dict(max_steps=3, gradient_accumulation_steps=4, per_device_train_batch_size=2, num_generations=4,
-                optim="sgd", beta=0.04, prompts=prompts)  # fmt: skip
+    args = dict(
+        max_steps=3,
+        gradient_accumulation_steps=4,
+        per_device_train_batch_size=2,
+        num_generations=4,
+        optim="sgd",
+        beta=0.04,
+        prompts=prompts,
+    )
     stock, stock_rec = train_recorded(tmp_path / "stock", kind, patch=False, **args)
     count = CountPasses(monkeypatch)
     ours, ours_rec = train_recorded(tmp_path / "ours", kind, patch=True, group_shuffle=True, **args)

@@ -53,8 +53,9 @@ def _seed_state(model):
 def test_trainer_passes_and_leaves_no_trace(tmp_path):
     """The trainer's own generation batch, 4 micro-batches of 2 in windows of 2 (groups of 4 split over two
     micro-batches, so prompt passes are shared through the session)."""
-    trainer, _ = make_trainer(output_dir=tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                              steps_per_generation=4)  # fmt: skip
+    trainer, _ = make_trainer(
+        output_dir=tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4
+    )
     model = trainer.model
     _seed_state(model)
     before = _state(model)
@@ -125,7 +126,9 @@ def test_broken_path_fails_loudly(monkeypatch):
     assert stats["stock"]["max"] < 1e-6 and abs(stats["grpo_mem"]["max"] - 1e-3) < 1e-5, str(report)
     assert report.grad_vs_truth is None  # gradients within their direct bound: the truth ran forward only
     assert [f.split(":")[0] for f in report.failures] == ["log-prob vs fp64"], report.failures
-    with pytest.raises(VerificationError, match=r"FAILED(.|\n)*ours 1\.000e-03(.|\n)*log-prob vs fp64: rms error 0\.00017"):
+    with pytest.raises(
+        VerificationError, match=r"FAILED(.|\n)*ours 1\.000e-03(.|\n)*log-prob vs fp64: rms error 0\.00017"
+    ):
         grpo_mem.verify(model, batch, raise_on_mismatch=True, print_report=False)
     _assert_restored(model, before)
     assert next(model.parameters()).dtype == torch.float32  # cast back after the fp64 run
@@ -196,8 +199,10 @@ def test_bad_batches_are_refused():
     with pytest.raises(ValueError, match=r"batch\['prompt_ids'\] has shape \(9, 9\) but batch\['prompt_mask'\]"):
         grpo_mem.verify(model, {**batch, "prompt_mask": batch["prompt_mask"][:, 1:]})
     with pytest.raises(ValueError, match=r"9 prompt rows but 8 completion rows"):
-        grpo_mem.verify(model, {**batch, "completion_ids": batch["completion_ids"][:8],
-                                "completion_mask": batch["completion_mask"][:8]})  # fmt: skip
+        grpo_mem.verify(
+            model,
+            {**batch, "completion_ids": batch["completion_ids"][:8], "completion_mask": batch["completion_mask"][:8]},
+        )
     with pytest.raises(ValueError, match="2-D"):
         grpo_mem.verify(model, {**batch, "prompt_ids": batch["prompt_ids"][0]})
     right_padded = {**batch, "prompt_mask": batch["prompt_mask"].flip(1), "prompt_ids": batch["prompt_ids"].flip(1)}

@@ -31,31 +31,67 @@ IMAGE, VISION_START, VISION_END = 120, 118, 119
 TEMPERATURE = 0.7
 CHANNELS, PATCH = 3, 2
 _TEXT = dict(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0, eos_token_id=3, pad_token_id=0,
-    bos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+    eos_token_id=3,
+    pad_token_id=0,
+    bos_token_id=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+)
 _VISION = {
-    "qwen2_5_vl": dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                       window_size=8, fullatt_block_indexes=[1]),
+    "qwen2_5_vl": dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        window_size=8,
+        fullatt_block_indexes=[1],
+    ),
     "qwen2_vl": dict(depth=2, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2),
-    "qwen3_vl": dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                     num_position_embeddings=64, deepstack_visual_indexes=[0]),
-}  # fmt: skip
+    "qwen3_vl": dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    ),
+}
 
 # (text before the image(s), image grids (t, h, w) in patches, text after): a 4x4 and a 4x8 image, a text-only
 # prompt, and the first prompt's ids again with another image
-PROMPTS = [([5, 6, 7], [(1, 4, 4)], [8, 9]), ([5, 6], [(1, 4, 8)], [10, 11, 12, 13]), ([20, 21, 22, 23], [], [24]),
-           ([5, 6, 7], [(1, 4, 4)], [8, 9])]  # fmt: skip
+PROMPTS = [
+    ([5, 6, 7], [(1, 4, 4)], [8, 9]),
+    ([5, 6], [(1, 4, 8)], [10, 11, 12, 13]),
+    ([20, 21, 22, 23], [], [24]),
+    ([5, 6, 7], [(1, 4, 4)], [8, 9]),
+]
 
 
 def tiny_vlm(model_type: str = "qwen2_5_vl", seed: int = 0):
     """A random 2-layer text / 2-block vision model of ``model_type``, fp32, train mode, SDPA."""
-    vision = dict(_VISION[model_type], patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1,
-                  in_channels=CHANNELS)  # fmt: skip
-    config = AutoConfig.for_model(model_type, text_config=dict(_TEXT), vision_config=vision, image_token_id=IMAGE,
-                                  video_token_id=121, vision_start_token_id=VISION_START,
-                                  vision_end_token_id=VISION_END, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    vision = dict(
+        _VISION[model_type], patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1, in_channels=CHANNELS
+    )
+    config = AutoConfig.for_model(
+        model_type,
+        text_config=dict(_TEXT),
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=121,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
 
@@ -69,10 +105,14 @@ def vlm_batch(prompts, G: int, C: int, *, seed: int = 0, image_seeds=None):
     rows, pixels, grids, counts = [], [], [], []
     for i, (before, image_grids, after) in enumerate(prompts):
         tokens, types_ = list(before), [0] * len(before)
-        gens = [g] * len(image_grids) if image_seeds is None else [torch.Generator().manual_seed(s)
-                                                                   for s in image_seeds[i]]  # fmt: skip
-        images = [torch.randn(t * h * w, CHANNELS * PATCH * PATCH, generator=gen)
-                  for (t, h, w), gen in zip(image_grids, gens)]  # fmt: skip
+        gens = (
+            [g] * len(image_grids)
+            if image_seeds is None
+            else [torch.Generator().manual_seed(s) for s in image_seeds[i]]
+        )
+        images = [
+            torch.randn(t * h * w, CHANNELS * PATCH * PATCH, generator=gen) for (t, h, w), gen in zip(image_grids, gens)
+        ]
         for t, h, w in image_grids:
             n = t * h * w // 4
             tokens += [VISION_START] + [IMAGE] * n + [VISION_END]
@@ -92,8 +132,12 @@ def vlm_batch(prompts, G: int, C: int, *, seed: int = 0, image_seeds=None):
         ids[b, P - L : P], mask[b, P - L : P], mm_types[b, P - L : P] = torch.tensor(tokens), 1, torch.tensor(types_)
         c = int(torch.randint(1, C + 1, (1,), generator=g))
         ids[b, P : P + c], mask[b, P : P + c] = torch.randint(4, 110, (c,), generator=g), 1
-    extras = dict(pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.tensor(grids) if grids
-                  else None, num_images=counts, mm_token_type_ids=mm_types)  # fmt: skip
+    extras = dict(
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.tensor(grids) if grids else None,
+        num_images=counts,
+        mm_token_type_ids=mm_types,
+    )
     return ids, mask, C, extras
 
 
@@ -101,10 +145,12 @@ def reorder(extras: dict, order: torch.Tensor) -> dict:
     """TRL's multimodal keyword arguments of a batch for its rows taken in ``order``."""
     whole = VisionInputs.of_chunk(extras, 0, len(order), len(order))
     images = [whole.of_rows([int(b)]) for b in order]
-    return dict(pixel_values=torch.cat([i["pixel_values"] for i in images]),
-                image_grid_thw=torch.cat([i["image_grid_thw"] for i in images]),
-                num_images=[extras["num_images"][b] for b in order],
-                mm_token_type_ids=extras["mm_token_type_ids"][order])  # fmt: skip
+    return dict(
+        pixel_values=torch.cat([i["pixel_values"] for i in images]),
+        image_grid_thw=torch.cat([i["image_grid_thw"] for i in images]),
+        num_images=[extras["num_images"][b] for b in order],
+        mm_token_type_ids=extras["mm_token_type_ids"][order],
+    )
 
 
 class _Trainer(types.SimpleNamespace):
@@ -114,8 +160,12 @@ class _Trainer(types.SimpleNamespace):
 
 
 def _trainer():
-    return _Trainer(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=TEMPERATURE,
-                    args=types.SimpleNamespace(cast_lm_head_to_fp32=False), _metrics=None)  # fmt: skip
+    return _Trainer(
+        accelerator=types.SimpleNamespace(autocast=nullcontext),
+        temperature=TEMPERATURE,
+        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
+        _metrics=None,
+    )
 
 
 def _stock_method():
@@ -143,7 +193,7 @@ def _vlm(model_type: str):
         encoded: list[int] = []
         model.model.visual.register_forward_hook(
             lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
-        )  # fmt: skip
+        )
         _MODELS[model_type] = (model, encoded)
     return _MODELS[model_type]
 
@@ -160,8 +210,9 @@ def _unique_images(extras, rows: range) -> int:
     return sum(len(PROMPTS[p][1]) for p in sorted({b // G for b in rows}))
 
 
-@pytest.mark.parametrize("model_type, batch_size", [("qwen2_5_vl", 12), ("qwen2_5_vl", 4), ("qwen2_vl", 4),
-                                                   ("qwen3_vl", 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, batch_size", [("qwen2_5_vl", 12), ("qwen2_5_vl", 4), ("qwen2_vl", 4), ("qwen3_vl", 4)]
+)
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
@@ -228,14 +279,16 @@ def test_window_forwards_each_image_prompt_once(vlm, sharing):
     session = SharingSession(sharing)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        session.begin_window(model, [ids[:4, :P], ids[4:, :P]], [mask[:4, :P], mask[4:, :P]],
-                             row_keys=[h.row_keys(P) for h in halves])  # fmt: skip
+        session.begin_window(
+            model, [ids[:4, :P], ids[4:, :P]], [mask[:4, :P], mask[4:, :P]], row_keys=[h.row_keys(P) for h in halves]
+        )
     for s, half in zip((0, 4), halves):
         chunk_ids, chunk_mask = ids[s : s + 4], mask[s : s + 4]
         decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=half)
         assert decision.path == sharing
-        logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
-                                 compute_entropy=True)  # fmt: skip
+        logps, ent = session.run(
+            decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True
+        )
         assert_close(logps, ref_logps[s // 4], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
     session.close_window()
@@ -316,8 +369,9 @@ def _processor():
     tokenizer = char_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
     tokenizer.chat_template = _CHAT_TEMPLATE
-    images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=2, temporal_patch_size=1, min_pixels=16,
-                                      max_pixels=32 * 32)  # fmt: skip
+    images = Qwen2VLImageProcessorPil(
+        patch_size=PATCH, merge_size=2, temporal_patch_size=1, min_pixels=16, max_pixels=32 * 32
+    )
     return ImageOnlyProcessor(image_processor=images, tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE)
 
 
@@ -342,12 +396,18 @@ def _train(tmp_path, patch: bool, sharing: str = "group", **trainer_args):
     vision_start, vision_end, image, video = processor.tokenizer.convert_tokens_to_ids(_SPECIAL)
     eos, pad = processor.tokenizer.eos_token_id, processor.tokenizer.pad_token_id
     config = AutoConfig.for_model(
-        "qwen2_5_vl", text_config=dict(_TEXT, vocab_size=96, eos_token_id=eos, pad_token_id=pad),
-        vision_config=dict(_VISION["qwen2_5_vl"], patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1,
-                           in_channels=CHANNELS),
-        image_token_id=image, video_token_id=video, vision_start_token_id=vision_start, vision_end_token_id=vision_end,
-        eos_token_id=eos, pad_token_id=pad,
-    )  # fmt: skip
+        "qwen2_5_vl",
+        text_config=dict(_TEXT, vocab_size=96, eos_token_id=eos, pad_token_id=pad),
+        vision_config=dict(
+            _VISION["qwen2_5_vl"], patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1, in_channels=CHANNELS
+        ),
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=vision_start,
+        vision_end_token_id=vision_end,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -355,14 +415,35 @@ def _train(tmp_path, patch: bool, sharing: str = "group", **trainer_args):
     images = [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in [(8, 8), (8, 16), (16, 8)]]
     texts = ["what?", "count", "say a"]
     prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t}]}] for t in texts]
-    args = GRPOConfig(**dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        max_steps=3, gradient_accumulation_steps=2, learning_rate=1e-2, optim="sgd", report_to="none", use_cpu=True,
-        seed=0, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, bf16=False, beta=0.0,
-        logging_steps=1,
-    ) | trainer_args)  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=_char_sum_reward, args=args, processing_class=processor,
-                          train_dataset=Dataset.from_dict({"prompt": prompts, "image": images}))  # fmt: skip
+    args = GRPOConfig(
+        **dict(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=6,
+            max_steps=3,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            optim="sgd",
+            report_to="none",
+            use_cpu=True,
+            seed=0,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            bf16=False,
+            beta=0.0,
+            logging_steps=1,
+        )
+        | trainer_args
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=_char_sum_reward,
+        args=args,
+        processing_class=processor,
+        train_dataset=Dataset.from_dict({"prompt": prompts, "image": images}),
+    )
     handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing=sharing) if patch else None
     try:
         with recording_fallbacks() as fallbacks:

@@ -33,17 +33,40 @@ from grpo_mem.patches.trl import PatchHandle, patched_logps_method
 IMAGE, BOI, EOI = 120, 118, 119
 _PINPOINTS = [[8, 8], [8, 16], [16, 8]]
 G, C = 3, 5
-_TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=512, attention_dropout=0.0, pad_token_id=0,
-             bos_token_id=1, eos_token_id=3)  # fmt: skip
-_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
-               patch_size=2, attention_dropout=0.0)  # fmt: skip
+_TEXT = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=3,
+)
+_VISION = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=8,
+    patch_size=2,
+    attention_dropout=0.0,
+)
 
 # (text before, image sizes (h, w) in pixels, text after): images of two sizes (where the model takes them), a
 # text-only prompt, the first prompt's ids again with another image, prompts with two images (6 images for 5
 # prompts: TRL takes a tensor with as many entries as images for one entry per image)
-PROMPTS = [([5, 6, 7], [(8, 8)], [8, 9]), ([5, 6], [(4, 8), (8, 8)], [10, 11, 12, 13]), ([20, 21, 22, 23], [], [24]),
-           ([5, 6, 7], [(8, 8)], [8, 9]), ([30], [(8, 8), (8, 4)], [31, 32])]  # fmt: skip
+PROMPTS = [
+    ([5, 6, 7], [(8, 8)], [8, 9]),
+    ([5, 6], [(4, 8), (8, 8)], [10, 11, 12, 13]),
+    ([20, 21, 22, 23], [], [24]),
+    ([5, 6, 7], [(8, 8)], [8, 9]),
+    ([30], [(8, 8), (8, 4)], [31, 32]),
+]
 
 
 @dataclass
@@ -80,30 +103,78 @@ class Family:
 
 FAMILIES = {
     "llava": Family({}, "llama", "clip_vision_model", lambda size: 16),
-    "gemma3": Family(dict(mm_tokens_per_image=4, boi_token_id=BOI, eoi_token_id=EOI), "gemma3_text",
-                     "siglip_vision_model", lambda size: 4, token_types=True),
-    "idefics3": Family(dict(scale_factor=2), "llama", "idefics3_vision", lambda size: 4, layout="row",
-                       any_size=True, tower="vision_model"),
-    "llava_next": Family(dict(image_grid_pinpoints=_PINPOINTS), "llama", "clip_vision_model",
-                         lambda size: _anyres_tokens(size), layout="anyres", any_size=True, image_sizes=True,
-                         entries=lambda size: image_size_to_num_patches(size, _PINPOINTS, 8)),
-    "lfm2_vl": Family(dict(downsample_factor=2), "lfm2", "siglip2_vision_model", lambda size: size[0] * size[1] // 16,
-                      layout="naflex", any_size=True),
-    "smolvlm": Family(dict(scale_factor=2), "llama", "smolvlm_vision", lambda size: 4, layout="row", any_size=True,
-                      tower="vision_model"),
-    "mistral3": Family(dict(spatial_merge_size=2), "mistral", "pixtral", lambda size: size[0] * size[1] // 16,
-                       any_size=True, image_sizes=True),
+    "gemma3": Family(
+        dict(mm_tokens_per_image=4, boi_token_id=BOI, eoi_token_id=EOI),
+        "gemma3_text",
+        "siglip_vision_model",
+        lambda size: 4,
+        token_types=True,
+    ),
+    "idefics3": Family(
+        dict(scale_factor=2),
+        "llama",
+        "idefics3_vision",
+        lambda size: 4,
+        layout="row",
+        any_size=True,
+        tower="vision_model",
+    ),
+    "llava_next": Family(
+        dict(image_grid_pinpoints=_PINPOINTS),
+        "llama",
+        "clip_vision_model",
+        lambda size: _anyres_tokens(size),
+        layout="anyres",
+        any_size=True,
+        image_sizes=True,
+        entries=lambda size: image_size_to_num_patches(size, _PINPOINTS, 8),
+    ),
+    "lfm2_vl": Family(
+        dict(downsample_factor=2),
+        "lfm2",
+        "siglip2_vision_model",
+        lambda size: size[0] * size[1] // 16,
+        layout="naflex",
+        any_size=True,
+    ),
+    "smolvlm": Family(
+        dict(scale_factor=2),
+        "llama",
+        "smolvlm_vision",
+        lambda size: 4,
+        layout="row",
+        any_size=True,
+        tower="vision_model",
+    ),
+    "mistral3": Family(
+        dict(spatial_merge_size=2),
+        "mistral",
+        "pixtral",
+        lambda size: size[0] * size[1] // 16,
+        any_size=True,
+        image_sizes=True,
+    ),
     "aya_vision": Family(dict(downsample_factor=2), "cohere2", "siglip_vision_model", lambda size: 4),
-    "internvl": Family(dict(downsample_ratio=0.5), "qwen2", "internvl_vision", lambda size: 4 * _tiles(size),
-                       layout="tiles", any_size=True, entries=lambda size: _tiles(size)),
-}  # fmt: skip
+    "internvl": Family(
+        dict(downsample_ratio=0.5),
+        "qwen2",
+        "internvl_vision",
+        lambda size: 4 * _tiles(size),
+        layout="tiles",
+        any_size=True,
+        entries=lambda size: _tiles(size),
+    ),
+}
 
 
 def _tiles(size) -> int:
     """InternVL's 8x8 tiles of an image of ``size`` (h, w) in this test: one for a square image, else two."""
     return 1 if size[0] == size[1] else 2
-_TEXT_EXTRA = {"gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-                                   query_pre_attn_scalar=8)}  # fmt: skip
+
+
+_TEXT_EXTRA = {
+    "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8)
+}
 
 
 def tiny_vlm(model_type: str, seed: int = 0):
@@ -111,8 +182,15 @@ def tiny_vlm(model_type: str, seed: int = 0):
     family = FAMILIES[model_type]
     text = dict(_TEXT, model_type=family.text_type, **_TEXT_EXTRA.get(family.text_type, {}))
     vision = dict(_VISION, model_type=family.vision_type)
-    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=IMAGE,
-                                  pad_token_id=0, eos_token_id=3, **family.config)  # fmt: skip
+    config = AutoConfig.for_model(
+        model_type,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        pad_token_id=0,
+        eos_token_id=3,
+        **family.config,
+    )
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
 
@@ -217,13 +295,26 @@ def _encoded(model_type: str, prompts: list[int]) -> int:
 
 
 def _patched():
-    return patched_logps_method(_stock_method(), PatchHandle(("test_vlm_models",), group_shuffle=False,
-                                                             sharing="group"))  # fmt: skip
+    return patched_logps_method(
+        _stock_method(), PatchHandle(("test_vlm_models",), group_shuffle=False, sharing="group")
+    )
 
 
-@pytest.mark.parametrize("model_type, batch_size", [("llava", 15), ("llava", 4), ("gemma3", 4), ("idefics3", 4),
-                                                   ("llava_next", 4), ("internvl", 4), ("lfm2_vl", 4), ("smolvlm", 4),
-                                                   ("mistral3", 4), ("aya_vision", 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, batch_size",
+    [
+        ("llava", 15),
+        ("llava", 4),
+        ("gemma3", 4),
+        ("idefics3", 4),
+        ("llava_next", 4),
+        ("internvl", 4),
+        ("lfm2_vl", 4),
+        ("smolvlm", 4),
+        ("mistral3", 4),
+        ("aya_vision", 4),
+    ],
+)
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
@@ -269,8 +360,11 @@ def test_window_forwards_each_image_prompt_once():
     order = sorted(range(B), key=lambda b: (b % G, b))  # micro-batch i: row i of every group
     whole = VisionInputs.of_chunk(extras, 0, B, B)
     ids, mask = ids[order], mask[order]
-    extras = dict(whole.of_rows(order), num_images=[whole.num_images[b] for b in order],
-                  token_type_ids=extras["token_type_ids"][order])  # fmt: skip
+    extras = dict(
+        whole.of_rows(order),
+        num_images=[whole.num_images[b] for b in order],
+        token_type_ids=extras["token_type_ids"][order],
+    )
     size = B // G
     chunks = [VisionInputs.of_chunk(extras, s, s + size, B) for s in range(0, B, size)]
     ref_logps = []
@@ -282,14 +376,19 @@ def test_window_forwards_each_image_prompt_once():
     model.zero_grad(set_to_none=True)
     encoded.clear()
     session = SharingSession("group")
-    session.begin_window(model, [ids[s : s + size, :P] for s in range(0, B, size)],
-                         [mask[s : s + size, :P] for s in range(0, B, size)], row_keys=[c.row_keys(P) for c in chunks])
+    session.begin_window(
+        model,
+        [ids[s : s + size, :P] for s in range(0, B, size)],
+        [mask[s : s + size, :P] for s in range(0, B, size)],
+        row_keys=[c.row_keys(P) for c in chunks],
+    )
     for s, chunk in zip(range(0, B, size), chunks):
         chunk_ids, chunk_mask = ids[s : s + size], mask[s : s + size]
         decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=chunk)
         assert decision.path == "group"
-        logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
-                                 compute_entropy=True)  # fmt: skip
+        logps, ent = session.run(
+            decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True
+        )
         assert_close(logps, ref_logps[s // size], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
     session.close_window()
@@ -340,13 +439,17 @@ def test_layouts_slice_as_trl_and_key_rows_by_their_images():
     with pytest.raises(ValueError, match="counts 19 images and the batch has 15 rows but pixel_values has 18"):
         VisionInputs.of_chunk(dict(extras, num_images=[2] + extras["num_images"][1:]), 0, 15, 15)
     assert input_cause(dict(extras, image_position_ids=torch.zeros(1))) == (
-        "multimodal or token-type inputs ['image_position_ids']")
+        "multimodal or token-type inputs ['image_position_ids']"
+    )
 
 
 def test_models_that_compute_their_own_positions_are_a_named_cause():
     """PaliGemma places text at 1-based positions of its own: not the passes' positions, so the stock path."""
-    config = AutoConfig.for_model("paligemma", text_config=dict(_TEXT, model_type="gemma", head_dim=8),
-                                  vision_config=dict(_VISION, model_type="siglip_vision_model"),
-                                  image_token_id=IMAGE)  # fmt: skip
+    config = AutoConfig.for_model(
+        "paligemma",
+        text_config=dict(_TEXT, model_type="gemma", head_dim=8),
+        vision_config=dict(_VISION, model_type="siglip_vision_model"),
+        image_token_id=IMAGE,
+    )
     model = AutoModelForImageTextToText.from_config(config)
     assert architecture_reason(model) == "vision-language model computing its own positions in its forward"

@@ -32,8 +32,14 @@ from grpo_mem.patches.trl import METRIC_PREFIX, PatchHandle, patched_logps_metho
 SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47]
 X, Y, Z = (1, 4, 4), (1, 4, 8), (1, 4, 4)  # 4, 8 and 4 image tokens after the 2x2 merge
 # (text before the images, their grids, text after) and the seed of each image (equal seed and grid: equal image)
-TREE_PROMPTS = [(SYSTEM, [X], [8, 9]), (SYSTEM, [Y], [10, 11, 12]), (SYSTEM, [X], [13, 14]),
-                (SYSTEM + [20, 21, 22], [], []), (SYSTEM, [X, Y], [9]), (SYSTEM, [X, Z], [9])]  # fmt: skip
+TREE_PROMPTS = [
+    (SYSTEM, [X], [8, 9]),
+    (SYSTEM, [Y], [10, 11, 12]),
+    (SYSTEM, [X], [13, 14]),
+    (SYSTEM + [20, 21, 22], [], []),
+    (SYSTEM, [X, Y], [9]),
+    (SYSTEM, [X, Z], [9]),
+]
 IMAGE_SEEDS = [[100], [101], [100], [], [100, 101], [100, 102]]
 # the vision tower's images: X once (its node holds it for prompts 0, 2, 4, 5), Y once after the system prompt
 # (prompt 1) and once after X (prompt 4), Z once; stock encodes every row's
@@ -52,15 +58,40 @@ def _passes_tokens(rows: int, C: int) -> int:
 
 def _qwen3_5_vlm(seed: int = 0):
     """A random Qwen3.5 image-text model: Gated DeltaNet, full attention (M-RoPE) text layers, 2 vision blocks."""
-    text = dict(_TEXT, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+    text = dict(
+        _TEXT,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"],
+    )
     text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 2], mrope_interleaved=True)
-    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                  num_position_embeddings=64, patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=1,
-                  in_channels=CHANNELS)  # fmt: skip
-    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, image_token_id=IMAGE,
-                                  video_token_id=121, vision_start_token_id=VISION_START,
-                                  vision_end_token_id=VISION_END, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    vision = dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        num_position_embeddings=64,
+        patch_size=PATCH,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+        in_channels=CHANNELS,
+    )
+    config = AutoConfig.for_model(
+        "qwen3_5",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=121,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
 
@@ -80,7 +111,7 @@ def _model(model_type: str):
         encoded: list[int] = []
         model.model.visual.register_forward_hook(
             lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
-        )  # fmt: skip
+        )
         _QWEN3_5["model"] = (model, encoded)
     return _QWEN3_5["model"]
 
@@ -109,10 +140,17 @@ def stock_and_shared(model, encoded: list, ids, mask, C: int, extras: dict, batc
     return ref, (logps, ent, grads_of(model, logps, ent)), metrics
 
 
-@pytest.mark.parametrize("model_type, batch_size, sharing", [
-    ("qwen2_5_vl", 12, "tree"), ("qwen2_5_vl", 5, "tree"), ("qwen2_vl", 12, "tree"), ("qwen3_vl", 12, "tree"),
-    ("qwen3_5", 12, "tree"), ("qwen3_5", 12, "group"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, batch_size, sharing",
+    [
+        ("qwen2_5_vl", 12, "tree"),
+        ("qwen2_5_vl", 5, "tree"),
+        ("qwen2_vl", 12, "tree"),
+        ("qwen3_vl", 12, "tree"),
+        ("qwen3_5", 12, "tree"),
+        ("qwen3_5", 12, "group"),
+    ],
+)
 def test_tree_of_image_prompts_matches_stock(model_type, batch_size, sharing):
     """The whole batch in one chunk, and chunks of 5 rows (groups of 2 split over chunks, each chunk its own trie):
     log-probs, entropies and gradients as stock's; every chunk on the tree path. In one chunk: each image encoded once
@@ -162,8 +200,9 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
         monkeypatch.setattr(sharing, "agree", agree)
     encoded.clear()
     session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
-    session.begin_window(model, [ids[:6, :P], ids[6:, :P]], [mask[:6, :P], mask[6:, :P]],
-                         row_keys=[h.row_keys(P) for h in halves])  # fmt: skip
+    session.begin_window(
+        model, [ids[:6, :P], ids[6:, :P]], [mask[:6, :P], mask[6:, :P]], row_keys=[h.row_keys(P) for h in halves]
+    )
     tokens, grads = tree_window(session, model, ids, mask, C, halves, ref_logps)
     assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
     assert tokens == _passes_tokens(12, C) + in_lockstep  # every node in micro-batch 0; a stand-in is one token
@@ -200,8 +239,9 @@ def stock_window(model, ids, mask, C: int, chunks: list) -> tuple[list, dict]:
     refs, start = [], 0
     for chunk in chunks:
         rows = len(chunk.num_images)
-        logps, ent = _score(_stock_method(), model, ids[start : start + rows], mask[start : start + rows], C,
-                            chunk.as_kwargs(), rows)  # fmt: skip
+        logps, ent = _score(
+            _stock_method(), model, ids[start : start + rows], mask[start : start + rows], C, chunk.as_kwargs(), rows
+        )
         refs.append((logps, ent))
         (logps.sum() + ent.sum()).backward()
         start += rows
@@ -220,8 +260,9 @@ def tree_window(session: SharingSession, model, ids, mask, C: int, chunks: list,
         decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=chunk)
         assert decision.path == "tree", decision.cause
         tokens += decision.backbone_tokens
-        logps, ent = session.run(decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE,
-                                 compute_entropy=True)  # fmt: skip
+        logps, ent = session.run(
+            decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True
+        )
         assert_close(logps, ref, 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         assert_close(ent, ref_ent, 1e-5, "entropies", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()

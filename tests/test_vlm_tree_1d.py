@@ -26,8 +26,14 @@ from grpo_mem.patches.trl import METRIC_PREFIX
 
 SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47]
 SIZE = (8, 8)
-PROMPTS = [(SYSTEM, [SIZE], [8, 9]), (SYSTEM + [15], [SIZE], [10, 11, 12]), (SYSTEM, [SIZE], [13, 14]),
-           (SYSTEM + [20, 21, 22], [], []), (SYSTEM, [SIZE, SIZE], [9]), (SYSTEM, [SIZE, SIZE], [9])]  # fmt: skip
+PROMPTS = [
+    (SYSTEM, [SIZE], [8, 9]),
+    (SYSTEM + [15], [SIZE], [10, 11, 12]),
+    (SYSTEM, [SIZE], [13, 14]),
+    (SYSTEM + [20, 21, 22], [], []),
+    (SYSTEM, [SIZE, SIZE], [9]),
+    (SYSTEM, [SIZE, SIZE], [9]),
+]
 SAME_AS_A = [(2, 0), (4, 0), (5, 0)]  # (prompt, image): image A (prompt 0's first image)
 UNIQUE_IMAGE_PREFIXES = 4  # A once (prompts 0, 2, 4, 5 share its node), B, C, D once; stock: every row's 7 G
 
@@ -56,8 +62,9 @@ def _tree_tokens(image_tokens: int, rows: int) -> int:
     return len(SYSTEM) + depth1 + depth2 + rows * (C - 1)
 
 
-@pytest.mark.parametrize("model_type, batch_size", [("llava", 18), ("llava", 4), ("llava_next", 18),
-                                                   ("mistral3", 18), ("aya_vision", 18)])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, batch_size", [("llava", 18), ("llava", 4), ("llava_next", 18), ("mistral3", 18), ("aya_vision", 18)]
+)
 def test_tree_of_image_prompts_matches_stock(model_type, batch_size):
     """The whole batch in one chunk (the trie's tokens, each image once per unique prefix) and chunks of 4 rows
     (groups of 3 split over chunks): log-probs, entropies and gradients as stock's, every chunk on the tree path."""
@@ -86,8 +93,11 @@ def _join_images(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
     out_ids[:, P:], out_mask[:, P:] = ids[:, P:], mask[:, P:]
     for b in range(ids.shape[0]):
         tokens = ids[b, P - int(mask[b, :P].sum()) : P].tolist()
-        keep = [t for i, t in enumerate(tokens) if not (
-            (t == EOI and tokens[i + 1 : i + 2] == [BOI]) or (t == BOI and tokens[i - 1 : i] == [EOI]))]  # fmt: skip
+        keep = [
+            t
+            for i, t in enumerate(tokens)
+            if not ((t == EOI and tokens[i + 1 : i + 2] == [BOI]) or (t == BOI and tokens[i - 1 : i] == [EOI]))
+        ]
         out_ids[b, P - len(keep) : P], out_mask[b, P - len(keep) : P] = torch.tensor(keep), 1
     return out_ids, out_mask
 
@@ -100,8 +110,10 @@ def test_adjacent_images_take_group_sharing_warned(monkeypatch):
     ids, mask = _join_images(ids, mask)
     P = ids.shape[1] - C
     vision = VisionInputs.of_chunk(extras, 0, ids.shape[0], ids.shape[0], ids[:, :P], IMAGE)
-    assert vision.tree_cause() == ("row 3 has 2 images (num_images) but its prompt holds 1 runs of image tokens "
-                                   f"(id {IMAGE}: one run per image is needed)")  # fmt: skip
+    assert vision.tree_cause() == (
+        "row 3 has 2 images (num_images) but its prompt holds 1 runs of image tokens "
+        f"(id {IMAGE}: one run per image is needed)"
+    )
     ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, 9)
     monkeypatch.setattr(multimodal, "_warned_tree", [False])
     method, metrics = _patched(SharingSession("tree", min_shared_tokens=MIN_SHARED))
@@ -143,8 +155,12 @@ def test_window_of_three_micro_batches_shares_image_nodes():
     refs, ref_grads = stock_window(model, ids, mask, C, chunks)
     encoded.clear()
     session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
-    session.begin_window(model, [ids[s : s + size, :P] for s in range(0, B, size)],
-                         [mask[s : s + size, :P] for s in range(0, B, size)], row_keys=[c.row_keys(P) for c in chunks])
+    session.begin_window(
+        model,
+        [ids[s : s + size, :P] for s in range(0, B, size)],
+        [mask[s : s + size, :P] for s in range(0, B, size)],
+        row_keys=[c.row_keys(P) for c in chunks],
+    )
     tokens, grads = tree_window(session, model, ids, mask, C, chunks, refs)
     assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
     assert tokens == _tree_tokens(int((ids[0] == IMAGE).sum()), B)  # every node in micro-batch 0

@@ -14,8 +14,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import (assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model,
-                     train_recorded)  # fmt: skip
+from helpers import assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model, train_recorded
 
 import grpo_mem
 from grpo_mem.model.sharing import SharingSession
@@ -23,12 +22,16 @@ from grpo_mem.model.sharing import SharingSession
 WINDOW = 8
 MODELS = {
     "gemma3_text": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
-    "gemma2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
-                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),  # caps that bind on these scores
+    "gemma2": dict(
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),  # caps that bind on these scores
     "gpt_oss": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
     "mistral": dict(sliding_window=WINDOW),
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"]),
-}  # fmt: skip
+}
 
 
 def _tokens(n, seed):
@@ -54,8 +57,9 @@ def test_windowed_model_matches_stock_trl(arch, sharing):
     ref_g = grads_of(model, ref, ref_e)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="grpo_mem: falling back")
-        ours, ours_e = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, temperature=0.7, compute_entropy=True,
-                                                       sharing=sharing)  # fmt: skip
+        ours, ours_e = grpo_mem.shared_prompt_logprobs(
+            model, ids, mask, C, temperature=0.7, compute_entropy=True, sharing=sharing
+        )
     ours_g = grads_of(model, ours, ours_e)
     assert_close(ours, ref, 1e-5, "log-probs")
     assert_close(ours_e, ref_e, 1e-5, "entropies")
@@ -70,8 +74,9 @@ def test_window_of_micro_batches_with_split_groups(arch):
     from the first to the second; log-probs per micro-batch and the summed gradient equal stock TRL's."""
     model = _model(arch)
     C = 10
-    batches = [make_batch(None, 2, C, prompts=PROMPTS[:3], seed=s, shuffle=True, junk_in_padding=True)[:2]
-               for s in (0, 1)]  # fmt: skip
+    batches = [
+        make_batch(None, 2, C, prompts=PROMPTS[:3], seed=s, shuffle=True, junk_in_padding=True)[:2] for s in (0, 1)
+    ]
     ref, ref_grads = [], None
     for ids, mask in batches:
         logps, _ = stock_logps(model, ids, mask, C)
@@ -100,9 +105,17 @@ def test_patched_grpo_training_matches_stock(tmp_path, arch):
     gpt-oss with TRL's default router loss coefficient, so its load-balancing loss too)."""
     from helpers import PROMPTS as TEXT_PROMPTS
 
-    args = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2, num_generations=4,
-                max_completion_length=12, optim="sgd", arch=arch, model_args=MODELS[arch],
-                prompts=[SYSTEM_TEXT + p for p in TEXT_PROMPTS])  # fmt: skip
+    args = dict(
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=2,
+        num_generations=4,
+        max_completion_length=12,
+        optim="sgd",
+        arch=arch,
+        model_args=MODELS[arch],
+        prompts=[SYSTEM_TEXT + p for p in TEXT_PROMPTS],
+    )
     stock, _ = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="grpo_mem: falling back")

@@ -22,8 +22,13 @@ def main(stack: str, sharing: str, patch: str, out: str, rows: str = "2") -> Non
     from test_vlm import _train
 
     # 2 rows per rank's micro-batch: the generation batch is the single-process test's 8 rows (2 prompts x 4)
-    trainer, fallbacks, _ = _train(Path(out + ".run"), patch == "patch", sharing=sharing,
-                                   per_device_train_batch_size=int(rows), **stack_args(stack))  # fmt: skip
+    trainer, fallbacks, _ = _train(
+        Path(out + ".run"),
+        patch == "patch",
+        sharing=sharing,
+        per_device_train_batch_size=int(rows),
+        **stack_args(stack),
+    )
     weights = gathered_weights(trainer)
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, [str(f) for f in fallbacks])

@@ -45,11 +45,12 @@ def main(out: str) -> None:
     model.train()
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
     config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    }  # fmt: skip
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=config)  # fmt: skip
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
 
     gathers = [0]
     gather = head._gather_zero3
@@ -60,6 +61,7 @@ def main(out: str) -> None:
         return ctx
 
     head._gather_zero3 = counted
+
     class Trainer:  # what the patched method reads of a trainer
         accelerator = types.SimpleNamespace(autocast=nullcontext)
         temperature = 1.0
@@ -120,8 +122,12 @@ def main(out: str) -> None:
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)
-    head_check = {"status_before": status_before, "gathers": gathers[0] - before,
-                  "logps": float((logps - ref).abs().max()), "refused_with_grad": refused}  # fmt: skip
+    head_check = {
+        "status_before": status_before,
+        "gathers": gathers[0] - before,
+        "logps": float((logps - ref).abs().max()),
+        "refused_with_grad": refused,
+    }
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, {"cases": results, "head_gathers": before, "head": head_check})
     if rank == 0:

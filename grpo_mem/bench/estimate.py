@@ -96,15 +96,21 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.activations + self.vision + self.head + self.process
 
     def describe(self) -> str:
-        return (f"{self.total / GB:.1f} GB (weights {self.weights / GB:.1f}, gradients {self.gradients / GB:.1f}, "
-                f"saved activations {self.activations / GB:.1f} for {self.tokens} tokens per micro-batch, "
-                + (f"vision tower activations {self.vision / GB:.1f} for {self.patch_rows} patch rows, "
-                   if self.patch_rows else "")
-                + f"LM head {self.head / GB:.1f}, process {self.process / GB:.1f})")
+        return (
+            f"{self.total / GB:.1f} GB (weights {self.weights / GB:.1f}, gradients {self.gradients / GB:.1f}, "
+            f"saved activations {self.activations / GB:.1f} for {self.tokens} tokens per micro-batch, "
+            + (
+                f"vision tower activations {self.vision / GB:.1f} for {self.patch_rows} patch rows, "
+                if self.patch_rows
+                else ""
+            )
+            + f"LM head {self.head / GB:.1f}, process {self.process / GB:.1f})"
+        )
 
 
-def estimate_stock_memory(shape: ModelShape, *, micro: int, P: int, C: int, dtype: str = "fp32",
-                          device: str = "cpu", image_tokens: int = 0) -> MemoryEstimate:
+def estimate_stock_memory(
+    shape: ModelShape, *, micro: int, P: int, C: int, dtype: str = "fp32", device: str = "cpu", image_tokens: int = 0
+) -> MemoryEstimate:
     """Peak memory of stock TRL's forward + backward of ``micro`` rows of P + C tokens, in bytes (an estimate).
 
     - weights and gradients: ``n_params`` each, in ``dtype``;
@@ -124,8 +130,10 @@ def estimate_stock_memory(shape: ModelShape, *, micro: int, P: int, C: int, dtyp
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if image_tokens < 0 or (image_tokens and not shape.rows_per_token):
-        raise ValueError(f"image_tokens must be >= 0, and 0 for a text-only model, got {image_tokens} "
-                         f"({'no ' if not shape.rows_per_token else ''}vision tower)")
+        raise ValueError(
+            f"image_tokens must be >= 0, and 0 for a text-only model, got {image_tokens} "
+            f"({'no ' if not shape.rows_per_token else ''}vision tower)"
+        )
     width = 4 if dtype == "fp32" else 2
     tokens = micro * (P + C)
     per_token_layer = 8 * shape.hidden + 4 * shape.q_dim + 6 * shape.kv_dim + 5 * shape.intermediate
@@ -169,6 +177,8 @@ def check_fits(estimate: MemoryEstimate, available: float, where: str) -> str | 
     """None if ``estimate`` fits in ``available`` bytes, else the message refusing the run."""
     if estimate.total <= available:
         return None
-    return (f"refusing to run: stock TRL's scoring step of this shape needs about {estimate.describe()}, more than "
-            f"the {available / GB:.1f} GB available ({where}). Lower --micro-batch (saved activations grow with "
-            f"it), --prompt-length or --completion-length, use --dtype bf16, or pick a smaller --model.")
+    return (
+        f"refusing to run: stock TRL's scoring step of this shape needs about {estimate.describe()}, more than "
+        f"the {available / GB:.1f} GB available ({where}). Lower --micro-batch (saved activations grow with "
+        f"it), --prompt-length or --completion-length, use --dtype bf16, or pick a smaller --model."
+    )

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from grpo_mem.bench import harness
 from grpo_mem.bench.presets import EOS_ID, PAD_ID
+
 WARMUP_SHAPE = dict(G=2, P=16, C=8)
 """The tiny group every worker scores once (forward + backward) before measuring: lazy imports and one-time installs
 happen there instead of in a full-size untimed call."""
@@ -145,8 +146,10 @@ def make_inputs(G: int, P: int, C: int, groups: int, vocab: int, seed: int = 0, 
 
     shortest = P - P // (8 if groups == 1 else 4)
     if not 0 <= shared_prefix <= shortest:
-        raise ValueError(f"shared_prefix must be in [0, {shortest}] (the shortest prompt's length for P={P}, "
-                         f"groups={groups}), got {shared_prefix}")
+        raise ValueError(
+            f"shared_prefix must be in [0, {shortest}] (the shortest prompt's length for P={P}, "
+            f"groups={groups}), got {shared_prefix}"
+        )
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(3, vocab, (shared_prefix,), generator=g) if shared_prefix else None
     ids, masks = [], []
@@ -155,7 +158,7 @@ def make_inputs(G: int, P: int, C: int, groups: int, vocab: int, seed: int = 0, 
         prompt = torch.randint(3, vocab, (P,), generator=g)
         prompt[:pad] = PAD_ID
         if prefix is not None:
-            prompt[pad:pad + shared_prefix] = prefix
+            prompt[pad : pad + shared_prefix] = prefix
         pmask = torch.ones(P, dtype=torch.long)
         pmask[:pad] = 0
         for _ in range(G):
@@ -211,12 +214,20 @@ def make_logprob_fn(provider: str, model, C: int):
 
         def fn(input_ids, attention_mask):
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            hidden = hidden[:, -C - 1:-1]  # position t predicts token t + 1
+            hidden = hidden[:, -C - 1 : -1]  # position t predicts token t + 1
             targets = input_ids[:, -C:]
             keep = attention_mask[:, -C:].bool()
-            lp, ent, *_ = ChunkedLogProbFunction.apply(hidden[keep], head.weight, head.bias, targets[keep], 1.0,
-                                                       _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
-                                                       ("log_probs", "entropy"))
+            lp, ent, *_ = ChunkedLogProbFunction.apply(
+                hidden[keep],
+                head.weight,
+                head.bias,
+                targets[keep],
+                1.0,
+                _CHUNKED_LOGPROB_CHUNK_SIZE,
+                None,
+                1.0,
+                ("log_probs", "entropy"),
+            )
             zeros = hidden.new_zeros(keep.shape, dtype=torch.float32)
             return zeros.masked_scatter(keep, lp), zeros.masked_scatter(keep, ent)
 
@@ -226,14 +237,14 @@ def make_logprob_fn(provider: str, model, C: int):
         kwargs = _sharing_kwargs(grpo_mem.shared_prompt_logprobs, prov.sharing)
 
         def fn(input_ids, attention_mask):
-            return grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True,
-                                                   **kwargs)
+            return grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True, **kwargs)
 
     return fn
 
 
-def make_window_fn(provider: str, model, C: int, prompt_ids: list, prompt_masks: list, *,
-                   min_shared_tokens: int | None = None):
+def make_window_fn(
+    provider: str, model, C: int, prompt_ids: list, prompt_masks: list, *, min_shared_tokens: int | None = None
+):
     """A grpo_mem provider over the micro-batches of one gradient-accumulation window, as the TRL patch runs it:
     ``fn(input_ids, attention_mask)`` called once per micro-batch, in order, through a ``SharingSession`` whose window
     is ``prompt_ids``/``prompt_masks`` (per micro-batch, its (rows, P) prompt ids and mask); the window restarts after
@@ -319,8 +330,17 @@ def grad_sketches(model, width: int = SKETCH_WIDTH) -> dict[str, list[float]]:
     return out
 
 
-def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_mask, *, micro: int | None = None,
-                  plain_forward_check: bool = True) -> dict:
+def measure_group(
+    args: dict,
+    model,
+    fn,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    *,
+    micro: int | None = None,
+    plain_forward_check: bool = True,
+) -> dict:
     """Warm ``fn`` up on a tiny group, then measure the op on the real inputs in micro-batches of ``micro`` rows
     (default: all rows at once); the result dict of :func:`worker`.
 
@@ -335,8 +355,10 @@ def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_m
 
     device = input_ids.device
     w = WARMUP_SHAPE
-    tiny_ids, tiny_mask, tiny_cmask = (x.to(device) for x in make_inputs(
-        w["G"], w["P"], w["C"], 1, model.config.get_text_config().vocab_size, seed=123))
+    tiny_ids, tiny_mask, tiny_cmask = (
+        x.to(device)
+        for x in make_inputs(w["G"], w["P"], w["C"], 1, model.config.get_text_config().vocab_size, seed=123)
+    )
     small_fn = make_logprob_fn(args["provider"], model, w["C"])
     lp, _ = small_fn(tiny_ids, tiny_mask)
     (lp * tiny_cmask).sum().backward()
@@ -349,8 +371,8 @@ def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_m
     def op():
         lps, ents = [], []
         for s in range(0, B, step):
-            lp, ent = fn(input_ids[s:s + step], attention_mask[s:s + step])
-            (lp * cmask[s:s + step]).sum().backward()
+            lp, ent = fn(input_ids[s : s + step], attention_mask[s : s + step])
+            (lp * cmask[s : s + step]).sum().backward()
             lps.append(lp.detach())
             ents.append(ent.detach())
         last["lp"], last["ent"] = torch.cat(lps), torch.cat(ents)
@@ -359,24 +381,34 @@ def measure_group(args: dict, model, fn, input_ids, attention_mask, completion_m
         warnings.simplefilter("always")
         extra = {}
         if device.type == "cuda":
-            m, absolute = harness_cuda.measure_cuda(op, setup=lambda: model.zero_grad(set_to_none=True),
-                                                    warmup=max(1, args.get("warmup", 0)),
-                                                    repeats=args.get("repeats", 3))
+            m, absolute = harness_cuda.measure_cuda(
+                op,
+                setup=lambda: model.zero_grad(set_to_none=True),
+                warmup=max(1, args.get("warmup", 0)),
+                repeats=args.get("repeats", 3),
+            )
             extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
         elif args.get("single_call"):
             m = harness.measure_once(op, setup=lambda: model.zero_grad(set_to_none=True))
         else:
-            m = harness.measure(op, setup=lambda: model.zero_grad(set_to_none=True), warmup=args.get("warmup", 0),
-                                repeats=args.get("repeats", 3), min_repeats=args.get("min_repeats", 1),
-                                time_budget_s=args.get("time_budget_s", 20.0), memory_repeats=1)
+            m = harness.measure(
+                op,
+                setup=lambda: model.zero_grad(set_to_none=True),
+                warmup=args.get("warmup", 0),
+                repeats=args.get("repeats", 3),
+                min_repeats=args.get("min_repeats", 1),
+                time_budget_s=args.get("time_budget_s", 20.0),
+                memory_repeats=1,
+            )
     res = dict(m.to_dict(), **extra)
     if plain_forward_check:
         # After measuring (so nothing here is timed or counted): log-probs of a plain no-grad forward of the full
         # sequences, log_softmax over the whole vocabulary, fp32
         with torch.no_grad():
             C = args["C"]
-            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                         use_cache=False).last_hidden_state[:, -C - 1:-1]
+            hidden = model.get_decoder()(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).last_hidden_state[:, -C - 1 : -1]
             logits = model.get_output_embeddings()(hidden).float()
             ref = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -C:, None])[..., 0] * cmask
         res["logp_max_abs_diff_vs_plain_forward"] = float((last["lp"] * cmask - ref).abs().max())
@@ -422,22 +454,41 @@ def worker(args: dict) -> dict:
     model = build_model(args["model_config"], seed=seed, dtype=args.get("dtype", "float32")).to(device)
     shared_prefix, image_tokens = args.get("shared_prefix", 0), args.get("image_tokens", 0)
     input_ids, attention_mask, completion_mask = make_inputs(
-        G, P, C, groups, model.config.get_text_config().vocab_size, seed=seed + 1, shared_prefix=shared_prefix)
+        G, P, C, groups, model.config.get_text_config().vocab_size, seed=seed + 1, shared_prefix=shared_prefix
+    )
     extras = None
     if image_tokens:
         from grpo_mem.bench.vision import add_images, make_image_fn
 
-        input_ids, extras = add_images(model.config, input_ids, attention_mask, P, image_tokens,
-                                       shared_prefix=shared_prefix, seed=seed + 7)
+        input_ids, extras = add_images(
+            model.config, input_ids, attention_mask, P, image_tokens, shared_prefix=shared_prefix, seed=seed + 7
+        )
     input_ids, attention_mask, completion_mask = (x.to(device) for x in (input_ids, attention_mask, completion_mask))
     if extras is not None:
         fn = make_image_fn(prov.name, model, C, input_ids[:, :P], attention_mask[:, :P], extras, micro)
     elif prov.sharing is not None and micro < B:
-        fn = make_window_fn(prov.name, model, C, [input_ids[s:s + micro, :P] for s in range(0, B, micro)],
-                            [attention_mask[s:s + micro, :P] for s in range(0, B, micro)])
+        fn = make_window_fn(
+            prov.name,
+            model,
+            C,
+            [input_ids[s : s + micro, :P] for s in range(0, B, micro)],
+            [attention_mask[s : s + micro, :P] for s in range(0, B, micro)],
+        )
     else:
         fn = make_logprob_fn(prov.name, model, C)
-    res = measure_group(args, model, fn, input_ids, attention_mask, completion_mask, micro=micro,
-                        plain_forward_check=args.get("plain_forward_check", True) and extras is None)
-    return dict(res, version=version, prompt_passes_per_call=getattr(fn, "prompt_passes_per_call", None),
-                vision_patch_rows=getattr(fn, "vision_patch_rows", None))
+    res = measure_group(
+        args,
+        model,
+        fn,
+        input_ids,
+        attention_mask,
+        completion_mask,
+        micro=micro,
+        plain_forward_check=args.get("plain_forward_check", True) and extras is None,
+    )
+    return dict(
+        res,
+        version=version,
+        prompt_passes_per_call=getattr(fn, "prompt_passes_per_call", None),
+        vision_patch_rows=getattr(fn, "vision_patch_rows", None),
+    )

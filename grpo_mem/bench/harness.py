@@ -69,8 +69,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 CSV_COLUMNS = (
-    "op", "provider", "mode", "metric", "unit", "x_name", "x_value", "p50", "p20", "p80",
-    "config", "device", "timestamp", "version",
+    "op",
+    "provider",
+    "mode",
+    "metric",
+    "unit",
+    "x_name",
+    "x_value",
+    "p50",
+    "p20",
+    "p80",
+    "config",
+    "device",
+    "timestamp",
+    "version",
 )
 MODES = ("fwd", "bwd", "full")
 MB = 10**6  # bytes per MB in every memory metric
@@ -212,8 +224,11 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        input_keys = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
-                      if isinstance(x, torch.Tensor) and x.device.type != "meta"}
+        input_keys = {
+            x.untyped_storage().data_ptr()
+            for x in tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor) and x.device.type != "meta"
+        }
         out = func(*args, **kwargs)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
@@ -263,11 +278,15 @@ class Measurement:
             out["cpu_time"] = ("s", percentiles(self.cpu_times_s), len(self.cpu_times_s))
         if self.peak_rss_above_base_bytes:
             out["peak_rss_above_base"] = (
-                "MB", percentiles([b / MB for b in self.peak_rss_above_base_bytes]), len(self.peak_rss_above_base_bytes)
+                "MB",
+                percentiles([b / MB for b in self.peak_rss_above_base_bytes]),
+                len(self.peak_rss_above_base_bytes),
             )
         if self.peak_tensor_bytes:
             out["peak_tensor"] = (
-                "MB", percentiles([b / MB for b in self.peak_tensor_bytes]), len(self.peak_tensor_bytes)
+                "MB",
+                percentiles([b / MB for b in self.peak_tensor_bytes]),
+                len(self.peak_tensor_bytes),
             )
         return out
 
@@ -531,8 +550,19 @@ def run_isolated(
         err_path = os.path.join(tmp, "stderr.txt")
         with open(args_path, "w") as f:
             json.dump(args, f)
-        cmd = [sys.executable, "-c", _CHILD_MAIN, "--worker", target, "--args", args_path, "--out", out_path,
-               "--threads", str(threads)]
+        cmd = [
+            sys.executable,
+            "-c",
+            _CHILD_MAIN,
+            "--worker",
+            target,
+            "--args",
+            args_path,
+            "--out",
+            out_path,
+            "--threads",
+            str(threads),
+        ]
         t0 = time.perf_counter()
         with open(err_path, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=child_env)
@@ -544,8 +574,7 @@ def run_isolated(
         if reason is None and not os.path.exists(out_path):
             reason = "worker wrote no result"
         if reason is not None:
-            return {"skipped": reason, "stderr_tail": stderr_tail, "child_peak_rss_mb": peak / MB,
-                    "child_wall_s": wall}
+            return {"skipped": reason, "stderr_tail": stderr_tail, "child_peak_rss_mb": peak / MB, "child_wall_s": wall}
         with open(out_path) as f:
             result = json.load(f)
     result.setdefault("child_peak_rss_mb", peak / MB)
@@ -594,11 +623,16 @@ def versions() -> str:
     # A source checkout only: an installed copy's directory may sit inside some unrelated repository
     if os.path.exists(os.path.join(_REPO, ".git")):
         try:
-            sha = subprocess.run(["git", "-C", _REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, timeout=10).stdout.strip()
+            sha = subprocess.run(
+                ["git", "-C", _REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
             if sha:
-                dirty = subprocess.run(["git", "-C", _REPO, "status", "--porcelain", "--", "grpo_mem"],
-                                       capture_output=True, text=True, timeout=10).stdout.strip()
+                dirty = subprocess.run(
+                    ["git", "-C", _REPO, "status", "--porcelain", "--", "grpo_mem"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout.strip()
                 gm += f"+g{sha}" + (".dirty" if dirty else "")
         except (OSError, subprocess.SubprocessError):
             pass
@@ -630,8 +664,17 @@ def _check_mode(mode: str) -> None:
 
 
 def measurement_rows(
-    op: str, provider: str, mode: str, x_name: str, x_value: Any, measurement: Measurement | dict, config: dict,
-    *, device: str | None = None, version: str | None = None, timestamp: str | None = None,
+    op: str,
+    provider: str,
+    mode: str,
+    x_name: str,
+    x_value: Any,
+    measurement: Measurement | dict,
+    config: dict,
+    *,
+    device: str | None = None,
+    version: str | None = None,
+    timestamp: str | None = None,
 ) -> list[dict]:
     """CSV rows (dicts keyed by :data:`CSV_COLUMNS`) for every metric in ``measurement``.
 
@@ -651,17 +694,45 @@ def measurement_rows(
             cfg["rss_method"] = measurement.rss_method
             cfg["base_rss_mb"] = round(measurement.base_rss_bytes / MB, 1)
             cfg["mmap_threshold_fixed"] = measurement.mmap_threshold_fixed
-        rows.append(dict(op=op, provider=provider, mode=mode, metric=metric, unit=unit, x_name=x_name,
-                         x_value=x_value, p50=p50, p20=p20, p80=p80, config=json.dumps(cfg, sort_keys=True),
-                         device=device, timestamp=timestamp, version=version))
+        rows.append(
+            dict(
+                op=op,
+                provider=provider,
+                mode=mode,
+                metric=metric,
+                unit=unit,
+                x_name=x_name,
+                x_value=x_value,
+                p50=p50,
+                p20=p20,
+                p80=p80,
+                config=json.dumps(cfg, sort_keys=True),
+                device=device,
+                timestamp=timestamp,
+                version=version,
+            )
+        )
     return rows
 
 
 def skipped_rows(
-    op: str, provider: str, mode: str, x_name: str, x_value: Any, config: dict, reason: str,
-    *, metrics: Iterable[tuple[str, str]] = (("wall_time", "s"), ("cpu_time", "s"), ("peak_rss_above_base", "MB"),
-                                           ("peak_tensor", "MB")),
-    device: str | None = None, version: str | None = None, timestamp: str | None = None,
+    op: str,
+    provider: str,
+    mode: str,
+    x_name: str,
+    x_value: Any,
+    config: dict,
+    reason: str,
+    *,
+    metrics: Iterable[tuple[str, str]] = (
+        ("wall_time", "s"),
+        ("cpu_time", "s"),
+        ("peak_rss_above_base", "MB"),
+        ("peak_tensor", "MB"),
+    ),
+    device: str | None = None,
+    version: str | None = None,
+    timestamp: str | None = None,
 ) -> list[dict]:
     """Rows recording that ``provider`` could not run this configuration: empty p-columns, ``"skipped": reason`` in
     ``config``. ``metrics`` are ``(metric, unit)`` pairs."""
@@ -670,9 +741,25 @@ def skipped_rows(
     version = version or versions()
     timestamp = timestamp or _now()
     cfg = json.dumps(dict(config, skipped=reason), sort_keys=True)
-    return [dict(op=op, provider=provider, mode=mode, metric=metric, unit=unit, x_name=x_name, x_value=x_value,
-                 p50="", p20="", p80="", config=cfg, device=device, timestamp=timestamp, version=version)
-            for metric, unit in metrics]
+    return [
+        dict(
+            op=op,
+            provider=provider,
+            mode=mode,
+            metric=metric,
+            unit=unit,
+            x_name=x_name,
+            x_value=x_value,
+            p50="",
+            p20="",
+            p80="",
+            config=cfg,
+            device=device,
+            timestamp=timestamp,
+            version=version,
+        )
+        for metric, unit in metrics
+    ]
 
 
 def write_csv(rows: Iterable[dict], path: str, *, append: bool = False) -> None:
@@ -693,8 +780,9 @@ def write_csv(rows: Iterable[dict], path: str, *, append: bool = False) -> None:
         if new:
             w.writeheader()
         for r in rows:
-            w.writerow({k: (("" if math.isnan(v) else repr(float(v))) if isinstance(v, float) else v)
-                        for k, v in r.items()})
+            w.writerow(
+                {k: (("" if math.isnan(v) else repr(float(v))) if isinstance(v, float) else v) for k, v in r.items()}
+            )
 
 
 def read_csv(path: str) -> list[dict]:
@@ -733,20 +821,29 @@ def plot_csv(
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    rows = [r for r in read_csv(csv_path) if (op is None or r["op"] == op) and r["metric"] in metrics
-            and "skipped" not in r["config"] and not math.isnan(r["p50"])]
+    rows = [
+        r
+        for r in read_csv(csv_path)
+        if (op is None or r["op"] == op)
+        and r["metric"] in metrics
+        and "skipped" not in r["config"]
+        and not math.isnan(r["p50"])
+    ]
     if not rows:
         raise ValueError(f"no measured rows for op={op!r}, metrics={list(metrics)} in {csv_path}")
 
     def panel_of(r):
         return tuple(r["config"].get(k) for k in panel_keys)
 
-    panels = sorted({panel_of(r) for r in rows},
-                    key=lambda t: tuple((0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)) for x in t))
+    panels = sorted(
+        {panel_of(r) for r in rows},
+        key=lambda t: tuple((0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)) for x in t),
+    )
     mets = [m for m in metrics if any(r["metric"] == m for r in rows)]
     providers = sorted({r["provider"] for r in rows})
-    fig, axes = plt.subplots(len(mets), len(panels), figsize=(3.6 * len(panels) + 1, 3.0 * len(mets)),
-                             squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(
+        len(mets), len(panels), figsize=(3.6 * len(panels) + 1, 3.0 * len(mets)), squeeze=False, constrained_layout=True
+    )
     for i, met in enumerate(mets):
         for j, pan in enumerate(panels):
             ax = axes[i][j]
@@ -800,11 +897,14 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, flo
             return f"{v:.0f}" if abs(v) >= 1000 else format(v, floatfmt)
         return str(v)
 
-    numeric = [all(isinstance(r[j], (int, float)) or r[j] is None for r in rows) and bool(rows)
-               for j in range(len(headers))]
+    numeric = [
+        all(isinstance(r[j], (int, float)) or r[j] is None for r in rows) and bool(rows) for j in range(len(headers))
+    ]
     cells = [[fmt(v) for v in r] for r in rows]
-    lines = ["| " + " | ".join(headers) + " |",
-             "|" + "|".join("---:" if numeric[j] else "---" for j in range(len(headers))) + "|"]
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---:" if numeric[j] else "---" for j in range(len(headers))) + "|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in cells]
     return "\n".join(lines)
 

@@ -29,8 +29,10 @@ def cuda_unavailable_reason() -> str | None:
     except ImportError:
         return "--device cuda: torch is not installed"
     if not torch.cuda.is_available():
-        return (f"--device cuda: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False); "
-                "nothing measured")
+        return (
+            f"--device cuda: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False); "
+            "nothing measured"
+        )
     return None
 
 
@@ -41,8 +43,14 @@ def cuda_device_name() -> str:
     return f"cuda ({torch.cuda.get_device_name()})"
 
 
-def measure_cuda(fn: Callable[[], Any], *, setup: Callable[[], None] | None = None, warmup: int = 3,
-                 repeats: int = 20, memory_repeats: int = 1) -> tuple[harness.Measurement, int]:
+def measure_cuda(
+    fn: Callable[[], Any],
+    *,
+    setup: Callable[[], None] | None = None,
+    warmup: int = 3,
+    repeats: int = 20,
+    memory_repeats: int = 1,
+) -> tuple[harness.Measurement, int]:
     """Time ``fn()`` with CUDA events and measure its peak CUDA allocation.
 
     Args:
@@ -62,8 +70,9 @@ def measure_cuda(fn: Callable[[], Any], *, setup: Callable[[], None] | None = No
     if not torch.cuda.is_available():
         raise RuntimeError(cuda_unavailable_reason())
     if warmup < 0 or repeats < 1 or memory_repeats < 0:
-        raise ValueError(f"need warmup >= 0, repeats >= 1, memory_repeats >= 0; got {warmup}, {repeats}, "
-                         f"{memory_repeats}")
+        raise ValueError(
+            f"need warmup >= 0, repeats >= 1, memory_repeats >= 0; got {warmup}, {repeats}, {memory_repeats}"
+        )
     setup = setup or (lambda: None)
     m = harness.Measurement(warmup=warmup, threads=torch.get_num_threads())
     for _ in range(warmup):

@@ -25,8 +25,15 @@ from grpo_mem.bench import harness
 REFERENCE = "trl"
 """The provider every other one is compared with (``*_vs_trl`` keys of the config)."""
 
-RESULT_KEYS = ("grad_norm", "n_params", "logp_max_abs_diff_vs_plain_forward", "trunk_tokens", "prompt_passes_per_call",
-               "cuda_peak_allocated_mb", "vision_patch_rows")
+RESULT_KEYS = (
+    "grad_norm",
+    "n_params",
+    "logp_max_abs_diff_vs_plain_forward",
+    "trunk_tokens",
+    "prompt_passes_per_call",
+    "cuda_peak_allocated_mb",
+    "vision_patch_rows",
+)
 """Figures copied from a worker's result into the cell's CSV config when present and not None."""
 
 
@@ -118,19 +125,23 @@ def describe(outcome: Outcome, op: str) -> str:
     if outcome.skipped:
         return f"{head}: SKIPPED ({outcome.skipped})\n{res.get('stderr_tail', '')}".rstrip()
     m = harness.Measurement.from_dict(res["ranks"][0] if "ranks" in res else res)
-    parts = [f"wall p50 {harness.percentiles(m.times_s)[0]:.2f} s",
-             f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)})"]
+    parts = [
+        f"wall p50 {harness.percentiles(m.times_s)[0]:.2f} s",
+        f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)})",
+    ]
     if m.peak_rss_above_base_bytes:
         parts.append(f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB")
     if m.peak_tensor_bytes:
         parts.append(f"tensor peak {m.peak_tensor_bytes[0] / 1e6:.0f} MB")
     if "child_wall_s" in res:
         parts.append(f"child {res['child_wall_s']:.0f} s")
-    for key, label, spec in (("trunk_tokens", "trunk tokens", "d"),
-                             ("logp_max_abs_diff_vs_plain_forward", "|dlogp| vs plain forward", ".1e"),
-                             ("logp_max_abs_diff_vs_trl", "|dlogp| vs trl", ".1e"),
-                             ("grad_norm_rel_diff_vs_trl", "grad-norm rel diff vs trl", ".1e"),
-                             ("grad_param_max_rel_diff_vs_trl", "worst parameter's grad rel diff vs trl", ".1e")):
+    for key, label, spec in (
+        ("trunk_tokens", "trunk tokens", "d"),
+        ("logp_max_abs_diff_vs_plain_forward", "|dlogp| vs plain forward", ".1e"),
+        ("logp_max_abs_diff_vs_trl", "|dlogp| vs trl", ".1e"),
+        ("grad_norm_rel_diff_vs_trl", "grad-norm rel diff vs trl", ".1e"),
+        ("grad_param_max_rel_diff_vs_trl", "worst parameter's grad rel diff vs trl", ".1e"),
+    ):
         if c.get(key) is not None:
             parts.append(f"{label} {format(c[key], spec)}")
     if c.get("fallback"):
@@ -171,9 +182,17 @@ class Sweep:
             result = {"skipped": cell.skip} if cell.skip else self.launch(cell.args)
             outcome = Outcome(cell, result, dict(cell.config))
             if outcome.skipped:
-                outcome.rows = harness.skipped_rows(self.op, cell.provider, self.mode, self.x_name, cell.x_value,
-                                                    outcome.config, outcome.skipped, device=self.device,
-                                                    version=version)
+                outcome.rows = harness.skipped_rows(
+                    self.op,
+                    cell.provider,
+                    self.mode,
+                    self.x_name,
+                    cell.x_value,
+                    outcome.config,
+                    outcome.skipped,
+                    device=self.device,
+                    version=version,
+                )
             else:
                 self._add_figures(outcome, references)
                 outcome.rows = self._rows(outcome, version)
@@ -199,8 +218,17 @@ class Sweep:
         rows = []
         for rank, measured in enumerate(ranks):
             config = dict(outcome.config, rank=rank, world=len(ranks)) if "ranks" in res else outcome.config
-            rows += harness.measurement_rows(self.op, cell.provider, self.mode, self.x_name, cell.x_value, measured,
-                                             config, device=self.device, version=measured.get("version", version))
+            rows += harness.measurement_rows(
+                self.op,
+                cell.provider,
+                self.mode,
+                self.x_name,
+                cell.x_value,
+                measured,
+                config,
+                device=self.device,
+                version=measured.get("version", version),
+            )
         return rows
 
 

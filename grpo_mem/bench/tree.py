@@ -38,9 +38,9 @@ def make_window(S: int, Qs: Sequence[int], G: int, C: int, groups_per_mb: int, v
     ids, masks = [], []
     for q in Qs:
         prompt = torch.full((P,), group.PAD_ID, dtype=torch.long)
-        prompt[P - S - q:] = torch.cat([system, torch.randint(3, vocab, (q,), generator=g)])
+        prompt[P - S - q :] = torch.cat([system, torch.randint(3, vocab, (q,), generator=g)])
         pmask = torch.zeros(P, dtype=torch.long)
-        pmask[P - S - q:] = 1
+        pmask[P - S - q :] = 1
         for _ in range(G):
             comp, cmask = group.random_completion(C, vocab, g)
             ids.append(torch.cat([prompt, comp]))
@@ -60,6 +60,11 @@ def window_fn(provider: str, model, C: int, input_ids, attention_mask, rows: int
         return group.make_logprob_fn(provider, model, C)
     P = input_ids.shape[1] - C
     starts = range(0, input_ids.shape[0], rows)
-    return group.make_window_fn("grpo_mem" if provider == "grpo_mem_group" else provider, model, C,
-                                [input_ids[s:s + rows, :P] for s in starts],
-                                [attention_mask[s:s + rows, :P] for s in starts], min_shared_tokens=min_shared_tokens)
+    return group.make_window_fn(
+        "grpo_mem" if provider == "grpo_mem_group" else provider,
+        model,
+        C,
+        [input_ids[s : s + rows, :P] for s in starts],
+        [attention_mask[s : s + rows, :P] for s in starts],
+        min_shared_tokens=min_shared_tokens,
+    )

@@ -57,15 +57,20 @@ def token_counts(G: int, P: int, C: int, groups: int = 1, image_tokens: int = 0,
     ``ideal_ratio(G, P, C)``.
     """
     patches = image_tokens * rows_per_token
-    counts = dict(patch_rows=patches, trl_vision=groups * G * patches, trl_lm=groups * G * (P + C),
-                  grpo_mem_vision=groups * patches, grpo_mem_lm=groups * (P + G * C))
-    counts["ideal_ratio"] = ((counts["grpo_mem_vision"] + counts["grpo_mem_lm"])
-                             / (counts["trl_vision"] + counts["trl_lm"]))
+    counts = dict(
+        patch_rows=patches,
+        trl_vision=groups * G * patches,
+        trl_lm=groups * G * (P + C),
+        grpo_mem_vision=groups * patches,
+        grpo_mem_lm=groups * (P + G * C),
+    )
+    counts["ideal_ratio"] = (counts["grpo_mem_vision"] + counts["grpo_mem_lm"]) / (
+        counts["trl_vision"] + counts["trl_lm"]
+    )
     return counts
 
 
-def add_images(config, input_ids, attention_mask, P: int, image_tokens: int, *, shared_prefix: int = 0,
-               seed: int = 0):
+def add_images(config, input_ids, attention_mask, P: int, image_tokens: int, *, shared_prefix: int = 0, seed: int = 0):
     """One image per prompt put into the rows of ``grpo_mem.bench.group.make_inputs`` (module docstring), for the
     vision-language transformers ``config``: ``input_ids`` (rows, P + C) int64 and ``attention_mask`` (rows, P + C)
     0/1, prompts left-padded to P; ``input_ids`` is not modified.
@@ -81,12 +86,15 @@ def add_images(config, input_ids, attention_mask, P: int, image_tokens: int, *, 
     """
     import torch
 
-    specials = torch.tensor([config.image_token_id, config.video_token_id, config.vision_start_token_id,
-                             config.vision_end_token_id])
+    specials = torch.tensor(
+        [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+    )
     lengths = attention_mask[:, :P].sum(1)
     if shared_prefix + image_tokens + 2 > int(lengths.min()):
-        raise ValueError(f"image_tokens {image_tokens} + 2 vision markers + shared_prefix {shared_prefix} do not fit "
-                         f"the shortest prompt ({int(lengths.min())} tokens)")
+        raise ValueError(
+            f"image_tokens {image_tokens} + 2 vision markers + shared_prefix {shared_prefix} do not fit "
+            f"the shortest prompt ({int(lengths.min())} tokens)"
+        )
     ids = torch.where(torch.isin(input_ids, specials), torch.full_like(input_ids, 3), input_ids)
     vision = config.vision_config
     grid = image_grid(image_tokens, vision.spatial_merge_size)
@@ -96,14 +104,18 @@ def add_images(config, input_ids, attention_mask, P: int, image_tokens: int, *, 
     pixels = []
     for r, s in enumerate((P - lengths + shared_prefix).tolist()):
         key = ids[r, :P].masked_fill(attention_mask[r, :P] == 0, PAD_ID).numpy().tobytes()  # the row's prompt
-        ids[r, s:s + image_tokens + 2] = config.image_token_id
+        ids[r, s : s + image_tokens + 2] = config.image_token_id
         ids[r, s], ids[r, s + image_tokens + 1] = config.vision_start_token_id, config.vision_end_token_id
         if key not in images:
             images[key] = torch.randn(grid[0] * grid[1] * grid[2], width, generator=g)
         pixels.append(images[key])
     rows = ids.shape[0]
-    extras = dict(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor([grid] * rows),
-                  num_images=[1] * rows, mm_token_type_ids=(ids == config.image_token_id).long())
+    extras = dict(
+        pixel_values=torch.cat(pixels),
+        image_grid_thw=torch.tensor([grid] * rows),
+        num_images=[1] * rows,
+        mm_token_type_ids=(ids == config.image_token_id).long(),
+    )
     return ids, extras
 
 
@@ -136,8 +148,12 @@ def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras:
         raise ValueError(f"an image run's provider must be one of {IMAGE_PROVIDERS}, got {provider!r}")
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     method = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
-    trainer = _Trainer(accelerator=types.SimpleNamespace(autocast=nullcontext), temperature=1.0,
-                       args=types.SimpleNamespace(cast_lm_head_to_fp32=False), _metrics=None)
+    trainer = _Trainer(
+        accelerator=types.SimpleNamespace(autocast=nullcontext),
+        temperature=1.0,
+        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
+        _metrics=None,
+    )
     handle = None
     if provider == "grpo_mem":
         handle = PatchHandle(("grpo-mem bench",), group_shuffle=False, sharing="group", log_metrics=False)
@@ -150,7 +166,8 @@ def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras:
     calls, encoded = [0], [0]
     model.base_model.visual.register_forward_hook(
         lambda mod, a, kw, out: encoded.__setitem__(0, encoded[0] + int(kw["grid_thw"].prod(-1).sum())),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
 
     def fn(input_ids, attention_mask):
         j = calls[0] % len(chunks)
@@ -158,11 +175,22 @@ def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras:
         if j == 0:
             encoded[0] = 0
         if handle is not None and j == 0:
-            handle.session(trainer).begin_window(model, [prompt_ids[s:s + micro] for s in starts],
-                                                 [prompt_mask[s:s + micro] for s in starts],
-                                                 [c.row_keys(P) for c in chunks])
-        lp, ent, _ = method(trainer, model, input_ids, attention_mask, C, batch_size=input_ids.size(0),
-                            compute_entropy=True, **chunks[j].as_kwargs())
+            handle.session(trainer).begin_window(
+                model,
+                [prompt_ids[s : s + micro] for s in starts],
+                [prompt_mask[s : s + micro] for s in starts],
+                [c.row_keys(P) for c in chunks],
+            )
+        lp, ent, _ = method(
+            trainer,
+            model,
+            input_ids,
+            attention_mask,
+            C,
+            batch_size=input_ids.size(0),
+            compute_entropy=True,
+            **chunks[j].as_kwargs(),
+        )
         if j == len(chunks) - 1:
             fn.vision_patch_rows = encoded[0]
         return lp, ent

@@ -29,8 +29,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from grpo_mem.bench.estimate import (DTYPES, GB, MemoryEstimate, ModelShape, available_memory_bytes, check_fits,
-                                     estimate_stock_memory, model_shape)
+from grpo_mem.bench.estimate import (
+    DTYPES,
+    GB,
+    MemoryEstimate,
+    ModelShape,
+    available_memory_bytes,
+    check_fits,
+    estimate_stock_memory,
+    model_shape,
+)
 from grpo_mem.bench.presets import PRESETS, ModelSpec, resolve_model
 from grpo_mem.commands.flags import non_negative_int, positive_int
 
@@ -61,36 +69,55 @@ def _cpu_count() -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``grpo-mem bench``'s flags to ``parser`` (a subcommand's parser or a standalone one); returns it."""
-    parser.add_argument("--model", default="smollm2-135m",
-                        help=f"a preset ({', '.join(PRESETS)}) or a local HF model directory (only its config.json is "
-                        "read; random weights)")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help=f"a preset ({', '.join(PRESETS)}) or a local HF model directory (only its config.json is "
+        "read; random weights)",
+    )
     parser.add_argument("--prompt-length", type=positive_int, default=512, help="prompt tokens per row (P)")
     parser.add_argument("--completion-length", type=positive_int, default=64, help="completion tokens per row (C)")
     parser.add_argument("-G", "--num-generations", type=positive_int, default=8, help="completions per prompt (G)")
     parser.add_argument("--groups", type=positive_int, default=1, help="prompts, each with G completions")
-    parser.add_argument("--micro-batch", type=positive_int, default=None,
-                        help="rows per micro-batch, a divisor of groups x G (default: G); gradients accumulate over "
-                        "the micro-batches, grpo_mem shares prompts across them as its TRL patch does")
-    parser.add_argument("--shared-prefix-length", type=non_negative_int, default=0,
-                        help="tokens at the start of every prompt that all prompts share (for the tree sharing mode)")
-    parser.add_argument("--image-tokens", type=non_negative_int, default=0,
-                        help="image tokens in each prompt (counted in --prompt-length), one image per prompt, for a "
-                        "vision-language model (qwen2.5-vl-3b); 0: text only")
+    parser.add_argument(
+        "--micro-batch",
+        type=positive_int,
+        default=None,
+        help="rows per micro-batch, a divisor of groups x G (default: G); gradients accumulate over "
+        "the micro-batches, grpo_mem shares prompts across them as its TRL patch does",
+    )
+    parser.add_argument(
+        "--shared-prefix-length",
+        type=non_negative_int,
+        default=0,
+        help="tokens at the start of every prompt that all prompts share (for the tree sharing mode)",
+    )
+    parser.add_argument(
+        "--image-tokens",
+        type=non_negative_int,
+        default=0,
+        help="image tokens in each prompt (counted in --prompt-length), one image per prompt, for a "
+        "vision-language model (qwen2.5-vl-3b); 0: text only",
+    )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
-    parser.add_argument("--threads", type=positive_int, default=_cpu_count(),
-                        help="torch intra-op threads of each run")
-    parser.add_argument("--repeats", type=positive_int, default=1,
-                        help="calls per provider: 1 times and measures memory in the same call; N > 1 times N calls "
-                        "(p50) and measures memory (peak RSS and live tensors) in one more")
+    parser.add_argument("--threads", type=positive_int, default=_cpu_count(), help="torch intra-op threads of each run")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="calls per provider: 1 times and measures memory in the same call; N > 1 times N calls "
+        "(p50) and measures memory (peak RSS and live tensors) in one more",
+    )
     parser.add_argument("--output", default="grpo-mem-bench", help="directory for bench.csv and bench.png")
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The standalone parser of ``grpo-mem bench`` (``python -m grpo_mem.commands.bench``)."""
-    parser = argparse.ArgumentParser(prog="grpo-mem bench", description=DESCRIPTION,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="grpo-mem bench", description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     return add_arguments(parser)
 
 
@@ -126,8 +153,12 @@ def summarize(outcomes: list) -> list[dict]:
         metrics = harness.Measurement.from_dict(outcome.result).metrics()
         mem = metrics.get("peak_rss_above_base") or metrics.get("peak_tensor")
         cpu = metrics.get("cpu_time")
-        row.update(time_s=metrics["wall_time"][1][0], cpu_s=cpu[1][0] if cpu else None,
-                   mem_mb=mem[1][0] if mem else None, fallback=outcome.config.get("fallback") or [])
+        row.update(
+            time_s=metrics["wall_time"][1][0],
+            cpu_s=cpu[1][0] if cpu else None,
+            mem_mb=mem[1][0] if mem else None,
+            fallback=outcome.config.get("fallback") or [],
+        )
         row.update({k: v for k, v in outcome.config.items() if k.endswith("_vs_trl")})
         out.append(row)
     base = next((r for r in out if r["provider"] == "trl" and "skipped" not in r), {})
@@ -143,8 +174,16 @@ def table(summary: list[dict]) -> str:
     """The markdown table printed by ``grpo-mem bench``."""
     from grpo_mem.bench import harness
 
-    headers = ["provider", "time s", "CPU s", "peak mem MB", "time / trl", "CPU / trl", "mem / trl",
-               "max abs Δlogp vs trl"]
+    headers = [
+        "provider",
+        "time s",
+        "CPU s",
+        "peak mem MB",
+        "time / trl",
+        "CPU / trl",
+        "mem / trl",
+        "max abs Δlogp vs trl",
+    ]
     rows = []
     for r in summary:
         if "skipped" in r:
@@ -158,8 +197,18 @@ def table(summary: list[dict]) -> str:
             diff = "-"
         if r["fallback"]:
             diff += " (fell back to the full sequence)"
-        rows.append([r["provider"], r["time_s"], r["cpu_s"], r["mem_mb"], r["time_vs_trl"], r["cpu_vs_trl"],
-                     r["mem_vs_trl"], diff])
+        rows.append(
+            [
+                r["provider"],
+                r["time_s"],
+                r["cpu_s"],
+                r["mem_mb"],
+                r["time_vs_trl"],
+                r["cpu_vs_trl"],
+                r["mem_vs_trl"],
+                diff,
+            ]
+        )
     return harness.markdown_table(headers, rows)
 
 
@@ -171,11 +220,18 @@ def plot(summary: list[dict], png_path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     measured = [r for r in summary if "skipped" not in r]
-    panels = [(k, label) for k, label in (("time_s", "wall time [s]"), ("cpu_s", "CPU time [s]"),
-                                          ("mem_mb", "peak memory above base [MB]"))
-              if any(r.get(k) is not None for r in measured)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 0.5, 3.4), squeeze=False,
-                             constrained_layout=True)
+    panels = [
+        (k, label)
+        for k, label in (
+            ("time_s", "wall time [s]"),
+            ("cpu_s", "CPU time [s]"),
+            ("mem_mb", "peak memory above base [MB]"),
+        )
+        if any(r.get(k) is not None for r in measured)
+    ]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(3.6 * len(panels) + 0.5, 3.4), squeeze=False, constrained_layout=True
+    )
     names = [r["provider"] for r in measured]
     for ax, (key, label) in zip(axes[0], panels):
         values = [r.get(key) or 0.0 for r in measured]
@@ -210,11 +266,24 @@ class BenchConfig:
     output: str
 
     def worker_args(self, provider: str) -> dict:
-        return dict(model_config=self.model.config, provider=provider, G=self.G, P=self.P, C=self.C,
-                    groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
-                    image_tokens=self.image_tokens, dtype=DTYPES[self.dtype], device=self.device,
-                    repeats=self.repeats, min_repeats=self.repeats, time_budget_s=None,
-                    single_call=self.repeats == 1, plain_forward_check=False)
+        return dict(
+            model_config=self.model.config,
+            provider=provider,
+            G=self.G,
+            P=self.P,
+            C=self.C,
+            groups=self.groups,
+            micro=self.micro,
+            shared_prefix=self.shared_prefix,
+            image_tokens=self.image_tokens,
+            dtype=DTYPES[self.dtype],
+            device=self.device,
+            repeats=self.repeats,
+            min_repeats=self.repeats,
+            time_budget_s=None,
+            single_call=self.repeats == 1,
+            plain_forward_check=False,
+        )
 
     def token_counts(self) -> dict:
         """Tokens through the vision tower and the language model, stock vs grpo_mem, and their ideal ratio
@@ -226,10 +295,22 @@ class BenchConfig:
     def csv_config(self) -> dict:
         counts = self.token_counts()
         images = {k: v for k, v in counts.items() if k != "ideal_ratio"} if self.image_tokens else {}
-        return dict(model=self.model.name, model_source=self.model.source, n_params=self.shape.n_params, G=self.G,
-                    P=self.P, C=self.C, groups=self.groups, micro=self.micro, shared_prefix=self.shared_prefix,
-                    dtype=self.dtype, threads=self.threads, repeats=self.repeats,
-                    ideal_ratio=round(counts["ideal_ratio"], 4), **({"image_tokens": self.image_tokens} | images))
+        return dict(
+            model=self.model.name,
+            model_source=self.model.source,
+            n_params=self.shape.n_params,
+            G=self.G,
+            P=self.P,
+            C=self.C,
+            groups=self.groups,
+            micro=self.micro,
+            shared_prefix=self.shared_prefix,
+            dtype=self.dtype,
+            threads=self.threads,
+            repeats=self.repeats,
+            ideal_ratio=round(counts["ideal_ratio"], 4),
+            **({"image_tokens": self.image_tokens} | images),
+        )
 
 
 def validate(args: argparse.Namespace) -> BenchConfig:
@@ -243,15 +324,32 @@ def validate(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--micro-batch {micro} must divide the {rows} rows (--groups {groups} x -G {G})")
     shortest = P - P // (8 if groups == 1 else 4)
     if args.shared_prefix_length > shortest:
-        raise ValueError(f"--shared-prefix-length {args.shared_prefix_length} is longer than the shortest prompt "
-                         f"({shortest} tokens: prompts are left-padded by P/8, or P/4 beyond the first group)")
+        raise ValueError(
+            f"--shared-prefix-length {args.shared_prefix_length} is longer than the shortest prompt "
+            f"({shortest} tokens: prompts are left-padded by P/8, or P/4 beyond the first group)"
+        )
     _check_image_tokens(args, spec, shape, shortest)
     if shape.max_positions is not None and P + C > shape.max_positions:
-        raise ValueError(f"--prompt-length + --completion-length = {P + C} exceeds the model's "
-                         f"max_position_embeddings {shape.max_positions}")
-    return BenchConfig(model=spec, shape=shape, P=P, C=C, G=G, groups=groups, micro=micro,
-                       shared_prefix=args.shared_prefix_length, image_tokens=args.image_tokens, dtype=args.dtype,
-                       device=args.device, threads=args.threads, repeats=args.repeats, output=args.output)
+        raise ValueError(
+            f"--prompt-length + --completion-length = {P + C} exceeds the model's "
+            f"max_position_embeddings {shape.max_positions}"
+        )
+    return BenchConfig(
+        model=spec,
+        shape=shape,
+        P=P,
+        C=C,
+        G=G,
+        groups=groups,
+        micro=micro,
+        shared_prefix=args.shared_prefix_length,
+        image_tokens=args.image_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        repeats=args.repeats,
+        output=args.output,
+    )
 
 
 def _check_image_tokens(args: argparse.Namespace, spec: ModelSpec, shape: ModelShape, shortest: int) -> None:
@@ -261,12 +359,15 @@ def _check_image_tokens(args: argparse.Namespace, spec: ModelSpec, shape: ModelS
     if n < 0:
         raise ValueError(f"--image-tokens must be >= 0, got {n}")
     if n and not shape.rows_per_token:
-        raise ValueError(f"--image-tokens {n} needs a vision-language model; --model {args.model} ({spec.name}) is "
-                         f"text-only")
+        raise ValueError(
+            f"--image-tokens {n} needs a vision-language model; --model {args.model} ({spec.name}) is text-only"
+        )
     if n and n + 2 + args.shared_prefix_length > shortest:
-        raise ValueError(f"--image-tokens {n} + 2 vision markers + --shared-prefix-length {args.shared_prefix_length}"
-                         f" do not fit the shortest prompt ({shortest} tokens: prompts are left-padded by P/8, or P/4 "
-                         f"beyond the first group)")
+        raise ValueError(
+            f"--image-tokens {n} + 2 vision markers + --shared-prefix-length {args.shared_prefix_length}"
+            f" do not fit the shortest prompt ({shortest} tokens: prompts are left-padded by P/8, or P/4 "
+            f"beyond the first group)"
+        )
 
 
 def _fail(message: str) -> int:
@@ -277,8 +378,9 @@ def _fail(message: str) -> int:
 def _memory_guard(cfg: BenchConfig) -> tuple[MemoryEstimate, float, str, float]:
     """Stock TRL's estimated peak, the memory available for it (bytes) and where that figure comes from, and the
     host memory available (the children's RSS budget). Raises ValueError with the refusal when it does not fit."""
-    estimate = estimate_stock_memory(cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device,
-                                     image_tokens=cfg.image_tokens)
+    estimate = estimate_stock_memory(
+        cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device, image_tokens=cfg.image_tokens
+    )
     try:
         available, where = available_memory_bytes(cfg.device)
         host_available = available if cfg.device == "cpu" else available_memory_bytes("cpu")[0]
@@ -298,8 +400,10 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
     from grpo_mem.bench.sweep import Cell, Sweep, isolated
 
     config = dict(cfg.csv_config(), estimated_stock_peak_gb=round(estimate.total / GB, 2))
-    cells = [Cell(prov, cfg.P, config, cfg.worker_args(prov), name="grpo-mem bench")
-             for prov in providers_to_run(cfg.image_tokens)]
+    cells = [
+        Cell(prov, cfg.P, config, cfg.worker_args(prov), name="grpo-mem bench")
+        for prov in providers_to_run(cfg.image_tokens)
+    ]
     device = None
     if cfg.device == "cuda":
         from grpo_mem.bench.harness_cuda import cuda_device_name
@@ -307,9 +411,15 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
         device = cuda_device_name()
     bar = tqdm(total=len(cells), desc="grpo-mem bench", unit="run", file=sys.stderr, dynamic_ncols=True)
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    sweep = Sweep(OP, "P", isolated(WORKER, threads=cfg.threads, env=env, timeout_s=3600.0,
-                                    rss_budget_mb=0.95 * host_available / harness.MB),
-                  device=device, report=lambda line: bar.write(line, file=sys.stderr))
+    sweep = Sweep(
+        OP,
+        "P",
+        isolated(
+            WORKER, threads=cfg.threads, env=env, timeout_s=3600.0, rss_budget_mb=0.95 * host_available / harness.MB
+        ),
+        device=device,
+        report=lambda line: bar.write(line, file=sys.stderr),
+    )
     outcomes = sweep.run(cells, on_outcome=lambda _: bar.update())
     bar.close()
     return outcomes
@@ -324,8 +434,10 @@ def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
     csv_path = os.path.join(cfg.output, "bench.csv")
     png_path = os.path.join(cfg.output, "bench.png")
     harness.write_csv([row for outcome in outcomes for row in outcome.rows], csv_path)
-    title = (f"grpo-mem bench: {cfg.model.name}, {cfg.dtype}, G={cfg.G}, P={cfg.P}, C={cfg.C}, groups={cfg.groups}, "
-             f"micro-batch {cfg.micro}")
+    title = (
+        f"grpo-mem bench: {cfg.model.name}, {cfg.dtype}, G={cfg.G}, P={cfg.P}, C={cfg.C}, groups={cfg.groups}, "
+        f"micro-batch {cfg.micro}"
+    )
     plotted = any("skipped" not in r for r in summary)
     if plotted:
         plot(summary, png_path, title)
@@ -342,9 +454,11 @@ def _ideal_line(cfg: BenchConfig) -> str:
     c = cfg.token_counts()
     if not cfg.image_tokens:
         return f"ideal token ratio (P+G·C)/(G·(P+C)) = {c['ideal_ratio']:.3f}"
-    return (f"{cfg.image_tokens} image tokens per prompt ({c['patch_rows']} patch rows); vision tower patch rows "
-            f"{c['trl_vision']} stock vs {c['grpo_mem_vision']} grpo_mem, language-model tokens {c['trl_lm']} vs "
-            f"{c['grpo_mem_lm']}; ideal ratio (Nv+P+G·C)/(G·(Nv+P+C)) = {c['ideal_ratio']:.3f}")
+    return (
+        f"{cfg.image_tokens} image tokens per prompt ({c['patch_rows']} patch rows); vision tower patch rows "
+        f"{c['trl_vision']} stock vs {c['grpo_mem_vision']} grpo_mem, language-model tokens {c['trl_lm']} vs "
+        f"{c['grpo_mem_lm']}; ideal ratio (Nv+P+G·C)/(G·(Nv+P+C)) = {c['ideal_ratio']:.3f}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -361,13 +475,19 @@ def run(args: argparse.Namespace) -> int:
         estimate, available, where, host_available = _memory_guard(cfg)
     except ValueError as exc:
         return _fail(str(exc))
-    print(f"grpo-mem bench: {cfg.model.name} ({cfg.shape.n_params / 1e6:.0f}M parameters, random weights, "
-          f"{cfg.dtype}, {cfg.device}, {cfg.threads} threads); {cfg.groups} prompt(s) x G={cfg.G} completions, "
-          f"P={cfg.P}, C={cfg.C}, {cfg.G * cfg.groups // cfg.micro} micro-batch(es) of {cfg.micro} rows"
-          + (f", shared prefix {cfg.shared_prefix}" if cfg.shared_prefix else "") + "; " + _ideal_line(cfg),
-          file=sys.stderr)
-    print(f"grpo-mem bench: stock TRL estimated at {estimate.describe()}; {available / GB:.1f} GB available "
-          f"({where})", file=sys.stderr)
+    print(
+        f"grpo-mem bench: {cfg.model.name} ({cfg.shape.n_params / 1e6:.0f}M parameters, random weights, "
+        f"{cfg.dtype}, {cfg.device}, {cfg.threads} threads); {cfg.groups} prompt(s) x G={cfg.G} completions, "
+        f"P={cfg.P}, C={cfg.C}, {cfg.G * cfg.groups // cfg.micro} micro-batch(es) of {cfg.micro} rows"
+        + (f", shared prefix {cfg.shared_prefix}" if cfg.shared_prefix else "")
+        + "; "
+        + _ideal_line(cfg),
+        file=sys.stderr,
+    )
+    print(
+        f"grpo-mem bench: stock TRL estimated at {estimate.describe()}; {available / GB:.1f} GB available ({where})",
+        file=sys.stderr,
+    )
     summary = _write_and_print(cfg, _measure(cfg, estimate, host_available))
     return 0 if all("skipped" not in r for r in summary) else 1
 

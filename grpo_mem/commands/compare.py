@@ -76,8 +76,10 @@ def compare_runs(stock: dict, patched: dict) -> dict:
             out.append(d / abs(s[key]) if relative and s[key] else d)
         return out
 
-    reward_diff = [abs(p["reward"] - s["reward"]) if p["reward"] is not None and s["reward"] is not None else None
-                   for s, p in pairs]
+    reward_diff = [
+        abs(p["reward"] - s["reward"]) if p["reward"] is not None and s["reward"] is not None else None
+        for s, p in pairs
+    ]
     known = [d for d in reward_diff if d is not None]
 
     def above(summary):
@@ -92,7 +94,9 @@ def compare_runs(stock: dict, patched: dict) -> dict:
         "steps_compared": [p["step"] for _, p in pairs],
         "reward_abs_diff": reward_diff,
         "reward_max_abs_diff": max(known) if known else math.nan,
-        "rewards_identical": bool(pairs) and len(known) == len(pairs) and max(known) == 0.0
+        "rewards_identical": bool(pairs)
+        and len(known) == len(pairs)
+        and max(known) == 0.0
         and len(stock["steps"]) == len(patched["steps"]),
         "loss_max_abs_diff": max(loss) if loss else math.nan,
         "grad_norm_max_rel_diff": max(grad) if grad else math.nan,
@@ -144,8 +148,14 @@ def format_compare(summary: dict) -> str:
         f"step time {fmt(r['step_time_median_s'], '.3f')}x (median), training time {fmt(r['train_time_s'], '.3f')}x",
         f"{_reward_diff_text(summary)}; max |Δ loss| {fmt(summary['loss_max_abs_diff'], '.3g')}, "
         f"max relative |Δ grad norm| {fmt(summary['grad_norm_max_rel_diff'], '.3g')}",
-        *([f"tokens the patched run's backbone forwarded / stock TRL's: {summary['token_ratio_mean']:.3f} (mean "
-           "over steps)"] if tokens else []),
+        *(
+            [
+                f"tokens the patched run's backbone forwarded / stock TRL's: {summary['token_ratio_mean']:.3f} (mean "
+                "over steps)"
+            ]
+            if tokens
+            else []
+        ),
         f"wrote {summary['files']['json']} and {summary['files']['png']}",
     ]
     return "\n".join(lines)
@@ -162,8 +172,10 @@ def plot_compare(summary: dict, path: Path | str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     stock, patched = summary["runs"]["stock"], summary["runs"]["patched"]
-    style = {"stock": dict(color="tab:gray", marker="o", ms=5, lw=2, label="stock TRL"),
-             "patched": dict(color="tab:blue", marker="x", ms=6, lw=1.2, ls="--", label="grpo_mem patch")}
+    style = {
+        "stock": dict(color="tab:gray", marker="o", ms=5, lw=2, label="stock TRL"),
+        "patched": dict(color="tab:blue", marker="x", ms=6, lw=1.2, ls="--", label="grpo_mem patch"),
+    }
     tokens = summary.get("token_ratio_mean") is not None
     fig, axes = plt.subplots(4 if tokens else 3, 1, figsize=(8, 11.5 if tokens else 9), sharex=True)
     ax_r, ax_m, ax_t = axes[:3]
@@ -182,11 +194,17 @@ def plot_compare(summary: dict, path: Path | str) -> None:
     ax_r.set_ylim(-0.05, 1.05)
     note(ax_r, _reward_diff_text(summary))
     ax_m.set_ylabel("peak RSS in step (MB)")
-    note(ax_m, f"patched / stock: {fmt(r['peak_rss_mb'], '.2f')}x max step peak, "
-               f"{fmt(r['peak_rss_above_start_mb'], '.2f')}x above RSS before training")
+    note(
+        ax_m,
+        f"patched / stock: {fmt(r['peak_rss_mb'], '.2f')}x max step peak, "
+        f"{fmt(r['peak_rss_above_start_mb'], '.2f')}x above RSS before training",
+    )
     ax_t.set_ylabel("step time (s)")
-    note(ax_t, f"patched / stock: {fmt(r['step_time_median_s'], '.2f')}x median step time, "
-               f"{fmt(r['train_time_s'], '.2f')}x training time")
+    note(
+        ax_t,
+        f"patched / stock: {fmt(r['step_time_median_s'], '.2f')}x median step time, "
+        f"{fmt(r['train_time_s'], '.2f')}x training time",
+    )
     for ax in (ax_m, ax_t):
         lo, hi = ax.get_ylim()
         ax.set_ylim(0, hi * 1.05)
@@ -202,8 +220,11 @@ def plot_compare(summary: dict, path: Path | str) -> None:
         axes[-1].set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)
     else:
         axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(f"{Path(stock['model']).name} · {stock['task']} · G={stock['settings']['num_generations']} · "
-                 f"stock TRL vs grpo_mem, same seeds\nprompts: {prompt_text(stock)}", fontsize=10)
+    fig.suptitle(
+        f"{Path(stock['model']).name} · {stock['task']} · G={stock['settings']['num_generations']} · "
+        f"stock TRL vs grpo_mem, same seeds\nprompts: {prompt_text(stock)}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -94,8 +94,9 @@ def _parser_class():
             name = kwargs.get("dest") or (longs[0][2:].replace("-", "_") if longs else None)
             field = fields.get(name) if fields is not None else None
             if field is not None:
-                flags = tuple(f for f in flags
-                              if not (f.startswith("--") and "_" in f and f.replace("_", "-") in flags))
+                flags = tuple(
+                    f for f in flags if not (f.startswith("--") and "_" in f and f.replace("_", "-") in flags)
+                )
                 if kwargs.get("action") == "store_false":  # HfArgumentParser's --no-X complement of a bool X
                     kwargs["help"] = f"same as --{name.replace('_', '-')} false"
                 elif self._settings_hints.get(name) in (bool, bool | None):
@@ -107,8 +108,9 @@ def _parser_class():
         def parse_settings(self, argv: list[str] | None = None):
             """Parse ``argv`` (default ``sys.argv[1:]``) into one settings instance; exit with status 2 on a bad
             flag, and on a ``ValueError`` from the instance's ``validate()`` (if it has one), printing its message."""
-            settings, rest = self.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
-                                                              return_remaining_strings=True)
+            settings, rest = self.parse_args_into_dataclasses(
+                args=argv, look_for_args_file=False, return_remaining_strings=True
+            )
             if rest:
                 self.error(f"unrecognized arguments: {' '.join(rest)}")
             validate = getattr(settings, "validate", None)

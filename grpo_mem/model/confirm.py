@@ -41,8 +41,17 @@ from . import attention_hook as attn_hook
 from . import support
 from .forward import ScoreOptions, restore
 
-__all__ = ["ENV", "Verdict", "confirm_reason", "confirmation", "enabled", "forget", "grad_difference", "tiny_config",
-           "verdicts"]
+__all__ = [
+    "ENV",
+    "Verdict",
+    "confirm_reason",
+    "confirmation",
+    "enabled",
+    "forget",
+    "grad_difference",
+    "tiny_config",
+    "verdicts",
+]
 
 ENV = "GRPO_MEM_CONFIRM"
 """Environment variable: ``0`` turns the confirmation off where no ``confirm=`` option is given."""
@@ -65,16 +74,52 @@ _TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # a backbone split into sections whose layer counts sum to the layer count (Dory's recurrent middle section)
 _SECTION_KEYS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
 TINY_SIZES = dict(
-    vocab_size=128, hidden_size=64, n_embd=64, d_model=64, intermediate_size=128, ffn_dim=128, n_inner=128,
-    num_attention_heads=4, n_head=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_positions=64,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-    qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=3,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_experts_per_token=2,
-    mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=8, linear_num_heads=4,
+    vocab_size=128,
+    hidden_size=64,
+    n_embd=64,
+    d_model=64,
+    intermediate_size=128,
+    ffn_dim=128,
+    n_inner=128,
+    num_attention_heads=4,
+    n_head=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    n_positions=64,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    rotary_dim=8,
+    sliding_window=4,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=3,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    ffn_hidden_size=128,
+    expert_ffn_hidden_size=32,
+    zero_expert_num=2,
+    moe_topk=2,
+    num_experts_per_token=2,
+    mamba_d_ssm=32,
+    mamba_n_heads=4,
+    mamba_d_head=8,
+    mamba_d_state=16,
+    mamba_chunk_size=8,
+    linear_num_heads=4,
     linear_head_dim=16,
-)  # fmt: skip
+)
 """The sizes of a tiny config (``tiny_config``): every key present in the config with an integer value gets these."""
 # sizes a config may leave None (derived from others); the tiny config sets them to a consistent value
 _DERIVED = dict(head_dim=16, num_key_value_heads=4, num_experts_per_tok=2)
@@ -283,8 +328,9 @@ def _scores(model, ids, mask, C, weights, *, sharing: str | None, aux: bool):
         with _isolated_fallbacks() as causes:
             session = SharingSession(sharing, min_shared_tokens=_MIN_SHARED_TOKENS, confirm=False)
             session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
-            out = session.score(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True,
-                                compute_aux_loss=aux)  # fmt: skip
+            out = session.score(
+                model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True, compute_aux_loss=aux
+            )
             logps, entropy, aux_loss = out if aux else (*out, None)
     loss = (logps * weights[0]).sum() + (entropy * weights[1]).sum()
     loss.backward(retain_graph=aux)
@@ -334,8 +380,11 @@ def _compare(cls_name: str, model, ids, mask, C, generator, aux: bool) -> tuple[
             return f"{where} differs from its own forward: {difference}", None
         if aux:
             err = abs(float(ours[3]) - float(ref[3]))
-            difference = f"the router loss by {err:.1e}" if not err <= LOGP_ATOL * max(1.0, abs(float(ref[3]))) else (
-                grad_difference(ours[4], ref[4]))
+            difference = (
+                f"the router loss by {err:.1e}"
+                if not err <= LOGP_ATOL * max(1.0, abs(float(ref[3])))
+                else (grad_difference(ours[4], ref[4]))
+            )
             if difference is not None:
                 return None, f"{where} differs from its own forward in the router loss: {difference}"
     return None, None
@@ -397,7 +446,8 @@ def confirmation(causal_lm) -> Verdict:
 def _has_router(model) -> bool:
     """Whether the model's forward can return a router loss (``output_router_logits``)."""
     return "output_router_logits" in support._forward_params(type(model)) or hasattr(
-        model.config.get_text_config(), "output_router_logits")
+        model.config.get_text_config(), "output_router_logits"
+    )
 
 
 @contextlib.contextmanager

@@ -56,8 +56,10 @@ def fsdp_wrapped(model: torch.nn.Module) -> bool:
 
 
 # image features are computed inside a prompt pass, so every rank must run the vision tower in the same passes
-IMAGE_PASSES_DIFFER = ("sharded ranks would run the vision tower in different prompt passes of a micro-batch with "
-                       "image inputs (other passes, or a pass with images on one rank only)")  # fmt: skip
+IMAGE_PASSES_DIFFER = (
+    "sharded ranks would run the vision tower in different prompt passes of a micro-batch with "
+    "image inputs (other passes, or a pass with images on one rank only)"
+)
 
 
 def agree(reason: str | None, pass_keys: list, image_passes: list | None = None) -> tuple[str | None, set]:

@@ -102,7 +102,5 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
     # masked_scatter keeps the output connected to the graph even when no position is scored
     logps = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logps.float())
     if entropy is not None:
-        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(
-            mask, entropy.float()
-        )
+        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, entropy.float())
     return logps, entropy

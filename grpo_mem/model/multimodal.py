@@ -42,13 +42,32 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SERVED_INPUTS", "RowImages", "VisionInputs", "VisionPasses", "image_token_id", "input_cause",
-           "trie_keys", "warn_tree_to_group"]  # fmt: skip
+__all__ = [
+    "SERVED_INPUTS",
+    "RowImages",
+    "VisionInputs",
+    "VisionPasses",
+    "image_token_id",
+    "input_cause",
+    "trie_keys",
+    "warn_tree_to_group",
+]
 
 # the scoring method's multimodal arguments this path takes, in every layout TRL 1.16 slices (patch rows with a grid per
 # image; one entry per image; per tile; per row; token types per row); any other one is a named cause for the stock path
-SERVED_INPUTS = frozenset({"pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids", "image_sizes",
-                           "pixel_attention_mask", "token_type_ids", "num_tiles", "spatial_shapes"})  # fmt: skip
+SERVED_INPUTS = frozenset(
+    {
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "mm_token_type_ids",
+        "image_sizes",
+        "pixel_attention_mask",
+        "token_type_ids",
+        "num_tiles",
+        "spatial_shapes",
+    }
+)
 # (B, T) inputs with one entry per token of prompt + completion, 0 for text
 TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
 TREE_TO_GROUP = "these image prompts cannot be split into trie nodes: their micro-batches use group sharing"
@@ -109,10 +128,13 @@ def _fingerprint(t: torch.Tensor, cache: dict) -> torch.Tensor:
 
 
 # (multiplier of the word, multiplier of its index, finalizer) per 64-bit lane of ``_digest``, as signed int64
-_LANES = tuple(tuple(c - (1 << 64) if c >> 63 else c for c in lane) for lane in (
-    (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
-    (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB),
-))  # fmt: skip
+_LANES = tuple(
+    tuple(c - (1 << 64) if c >> 63 else c for c in lane)
+    for lane in (
+        (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
+        (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB),
+    )
+)
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -170,8 +192,9 @@ def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
             continue
         head = tuple((tuple(t.shape), str(t.dtype), next(values)) for t in row)
         seen = buckets.setdefault(head, [])
-        key = next((k for r, _, k in seen if all(torch.equal(_words(x), _words(y)) for x, y in zip(parts[r], row))),
-                   None)  # fmt: skip
+        key = next(
+            (k for r, _, k in seen if all(torch.equal(_words(x), _words(y)) for x, y in zip(parts[r], row))), None
+        )
         if key is None:
             shape = tuple((tuple(t.shape), str(t.dtype)) for t in row)
             digest = _digest(row)
@@ -210,10 +233,16 @@ def _layout(extras: dict, images: list[int], tiles: list[int] | None, rows: int)
     for name, counts in spans.items():
         held = extras[name].shape[0]
         if held != sum(counts):
-            source = ("image_grid_thw holds {} patch rows" if name == "pixel_values" and grid is not None else
-                      "num_images counts {} images" if counts is images else "num_tiles counts {} tiles"
-                      if counts is tiles else f"num_images counts {sum(images)} images and the batch has {{}} rows")
-            raise ValueError(f"{source.format(sum(counts))} but {name} has {held}")  # fmt: skip
+            source = (
+                "image_grid_thw holds {} patch rows"
+                if name == "pixel_values" and grid is not None
+                else "num_images counts {} images"
+                if counts is images
+                else "num_tiles counts {} tiles"
+                if counts is tiles
+                else f"num_images counts {sum(images)} images and the batch has {{}} rows"
+            )
+            raise ValueError(f"{source.format(sum(counts))} but {name} has {held}")
     return spans
 
 
@@ -248,8 +277,9 @@ def _runs(image: torch.Tensor, counts) -> tuple[list[list[tuple[int, int]]], str
     return runs, bad
 
 
-def prompt_columns(t: torch.Tensor, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor,
-                   prompt_width: int) -> torch.Tensor:  # fmt: skip
+def prompt_columns(
+    t: torch.Tensor, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor, prompt_width: int
+) -> torch.Tensor:
     """``t`` (..., B, T)'s prompt columns of ``spans`` right-padded to ``width`` with zeros, (..., len(spans),
     width): entry i holds tokens ``first … end − 1`` of row b's unpadded prompt, ``(b, first, end) = spans[i]``
     (``attention_mask`` (B, T) left-pads the first ``prompt_width`` columns)."""
@@ -340,8 +370,15 @@ class VisionInputs:
         return self.token_types.get("mm_token_type_ids")
 
     @classmethod
-    def of_chunk(cls, extras: dict, start: int, end: int, rows: int, prompt_ids: torch.Tensor | None = None,
-                 image_token: int | None = None) -> VisionInputs | None:  # fmt: skip
+    def of_chunk(
+        cls,
+        extras: dict,
+        start: int,
+        end: int,
+        rows: int,
+        prompt_ids: torch.Tensor | None = None,
+        image_token: int | None = None,
+    ) -> VisionInputs | None:
         """Rows ``start … end − 1`` of the inputs ``extras`` that TRL passes for ``rows`` rows (``input_cause`` is
         None for them), sliced as TRL's own method slices them per chunk; None when no row has an image input.
         ``prompt_ids`` (rows, P) left-padded prompts and ``image_token`` (``image_token_id``): in the layout of one
@@ -374,8 +411,15 @@ class VisionInputs:
             found, located_cause = _runs(prompt_ids[start:end] == image_token, images[start:end])
             located = tuple(tuple(r) for r in found)
             located_cause = located_cause and f"{located_cause} (id {image_token}: one run per image is needed)"
-        return cls(tensors, {k: tuple(v[start:end]) for k, v in spans.items()}, tuple(images[start:end]),
-                   None if tiles is None else tuple(tiles[start:end]), types, located, located_cause)  # fmt: skip
+        return cls(
+            tensors,
+            {k: tuple(v[start:end]) for k, v in spans.items()},
+            tuple(images[start:end]),
+            None if tiles is None else tuple(tiles[start:end]),
+            types,
+            located,
+            located_cause,
+        )
 
     def as_kwargs(self) -> dict:
         """The chunk as keyword arguments of TRL's scoring method (its stock path)."""
@@ -416,8 +460,10 @@ class VisionInputs:
         patch-row layout)."""
         patches = self._first_patches()
         index = torch.tensor([p for i in images for p in range(patches[i], patches[i + 1])], dtype=torch.long)
-        return (self.pixel_values.index_select(0, index.to(self.pixel_values.device)),
-                self.image_grid_thw[torch.tensor(images, dtype=torch.long).to(self.image_grid_thw.device)])  # fmt: skip
+        return (
+            self.pixel_values.index_select(0, index.to(self.pixel_values.device)),
+            self.image_grid_thw[torch.tensor(images, dtype=torch.long).to(self.image_grid_thw.device)],
+        )
 
     def image_runs(self, prompt_width: int) -> list[list[tuple[int, int]]]:
         """Per row, the prompt columns ``(first, end)`` of each of its images' tokens, one run per image in order: the
@@ -459,8 +505,12 @@ class VisionInputs:
                 keys = image_keys([[t[i : i + 1] for t in self.tensors.values()] for i in range(sum(self.num_images))])
             else:
                 patches = self._first_patches()
-                keys = image_keys([[self.pixel_values[patches[i] : patches[i + 1]], self.image_grid_thw[i : i + 1]]
-                                   for i in range(len(patches) - 1)])  # fmt: skip
+                keys = image_keys(
+                    [
+                        [self.pixel_values[patches[i] : patches[i + 1]], self.image_grid_thw[i : i + 1]]
+                        for i in range(len(patches) - 1)
+                    ]
+                )
             firsts = self.first_images()
             return [tuple(keys[firsts[b] : firsts[b + 1]]) for b in range(B)]
         parts = []
@@ -509,8 +559,14 @@ class VisionInputs:
             return "image inputs without mm_token_type_ids (the image tokens are not located)"
         return None
 
-    def prompt_inputs(self, spans: list[tuple[int, int, int]], images: list[int], width: int,
-                      attention_mask: torch.Tensor, prompt_width: int) -> dict:  # fmt: skip
+    def prompt_inputs(
+        self,
+        spans: list[tuple[int, int, int]],
+        images: list[int],
+        width: int,
+        attention_mask: torch.Tensor,
+        prompt_width: int,
+    ) -> dict:
         """The image inputs of a batch whose entry i holds tokens ``first … end − 1`` of row b's unpadded prompt,
         ``(b, first, end) = spans[i]`` (left-padded in the first ``prompt_width`` columns of ``attention_mask``
         (B, P + C)), right-padded to ``width``, which encodes the chunk's ``images`` (``VisionPasses.images_of``): the
@@ -525,8 +581,11 @@ class VisionInputs:
         if images and self.tree_cause() is None and self.located is not None:
             kwargs = self._select(dict.fromkeys(self.tensors, images))
         elif images:
-            partial = [(b, first, end) for b, first, end in spans
-                       if first or end != int(attention_mask[b, :prompt_width].sum())]  # fmt: skip
+            partial = [
+                (b, first, end)
+                for b, first, end in spans
+                if first or end != int(attention_mask[b, :prompt_width].sum())
+            ]
             if partial:
                 raise ValueError(f"image inputs handed whole per row cannot be split into trie nodes: spans {partial}")
             kwargs = self.of_rows([b for b, _, _ in spans])
@@ -579,11 +638,19 @@ class VisionPasses:
         passes' own positions are."""
         if not self._positions:
             types = self.inputs.mm_token_type_ids if self.multi_axis else None
-            self._positions = (None if types is None else self.base.compute_3d_position_ids(
-                input_ids=self.input_ids, image_grid_thw=self.inputs.image_grid_thw, video_grid_thw=None,
-                inputs_embeds=None, attention_mask=self.attention_mask, mm_token_type_ids=types,
-                **_no_cache(type(self.base).compute_3d_position_ids),
-            ),)  # fmt: skip
+            self._positions = (
+                None
+                if types is None
+                else self.base.compute_3d_position_ids(
+                    input_ids=self.input_ids,
+                    image_grid_thw=self.inputs.image_grid_thw,
+                    video_grid_thw=None,
+                    inputs_embeds=None,
+                    attention_mask=self.attention_mask,
+                    mm_token_type_ids=types,
+                    **_no_cache(type(self.base).compute_3d_position_ids),
+                ),
+            )
         return self._positions[0]
 
     def prompt_pass(self, spans: list[tuple[int, int, int]], width: int) -> dict:

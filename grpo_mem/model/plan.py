@@ -130,9 +130,16 @@ class WindowPlan:
     last: int = 0
 
     @classmethod
-    def build(cls, mode: str, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor], *,
-              groupings: list[PromptGrouping] | None = None, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
-              trie_keys=None) -> WindowPlan:  # fmt: skip
+    def build(
+        cls,
+        mode: str,
+        prompt_ids: list[torch.Tensor],
+        prompt_masks: list[torch.Tensor],
+        *,
+        groupings: list[PromptGrouping] | None = None,
+        min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
+        trie_keys=None,
+    ) -> WindowPlan:
         """The plan of the micro-batches whose prompts are ``prompt_ids[i]`` (B_i, P_i) left-padded under
         ``prompt_masks[i]``, in the order they will be scored; ``groupings[i]``: their grouping if already known.
         ``trie_keys(ids, extra) -> tuple``: tree mode, what the trie compares for a prompt of real ids ``ids`` (a
@@ -226,8 +233,9 @@ class WindowPlan:
         self.last = min(self.last, micro_batch)
         self.passes = [
             PassSpec(p.micro_batch, p.depth, min(p.release, self.last), p.nodes)
-            for p in self.passes if p.micro_batch <= self.last
-        ]  # fmt: skip
+            for p in self.passes
+            if p.micro_batch <= self.last
+        ]
 
     def align(self, keys: set[tuple[int, int, int]]) -> None:
         """Add a stand-in pass for every pass key in ``keys`` (the union over ranks in lockstep) this plan lacks, so

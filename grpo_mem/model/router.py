@@ -33,9 +33,14 @@ import torch
 from .attention_hook import own_class
 
 __all__ = [
-    "RouterLossShape", "RouterTerm", "load_balancing_loss", "reproduces_loss", "router_logits_of", "router_loss_reason",
+    "RouterLossShape",
+    "RouterTerm",
+    "load_balancing_loss",
+    "reproduces_loss",
+    "router_logits_of",
+    "router_loss_reason",
     "router_loss_shape",
-]  # fmt: skip
+]
 
 
 def normalized_function(source: str) -> str:

@@ -80,8 +80,9 @@ class SharingSession:
         ValueError: unknown ``sharing``.
     """
 
-    def __init__(self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
-                 confirm: bool | None = None):  # fmt: skip
+    def __init__(
+        self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS, confirm: bool | None = None
+    ):
         self.mode = check_sharing(sharing)
         self.confirm = confirm
         self.min_shared_tokens = min_shared_tokens
@@ -100,8 +101,13 @@ class SharingSession:
         """Whether a window is open with micro-batches left to score."""
         return self.window is not None and not self.window.done
 
-    def begin_window(self, model, prompt_ids: list[torch.Tensor], prompt_masks: list[torch.Tensor],
-                     row_keys: list[list] | None = None) -> None:  # fmt: skip
+    def begin_window(
+        self,
+        model,
+        prompt_ids: list[torch.Tensor],
+        prompt_masks: list[torch.Tensor],
+        row_keys: list[list] | None = None,
+    ) -> None:
         """Plan a window of ``len(prompt_ids)`` micro-batches; closes the previous window if one is open.
 
         Args:
@@ -132,8 +138,14 @@ class SharingSession:
             warn_tree_to_group(cause)
             mode = "group"
         keyed = trie_keys if extras and mode == "tree" else None
-        return WindowPlan.build(mode, prompt_ids, prompt_masks, groupings=groupings, trie_keys=keyed,
-                                min_shared_tokens=self.min_shared_tokens)  # fmt: skip
+        return WindowPlan.build(
+            mode,
+            prompt_ids,
+            prompt_masks,
+            groupings=groupings,
+            trie_keys=keyed,
+            min_shared_tokens=self.min_shared_tokens,
+        )
 
     def end_after_next(self) -> None:
         """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): what is
@@ -147,7 +159,9 @@ class SharingSession:
         window, self.window, self._pending = self.window, None, None
         if window is not None and len(window.store):
             pending = window.store.discard()
-            raise RuntimeError(f"window closed with {pending} prompt passes pending: a planned micro-batch was not scored")
+            raise RuntimeError(
+                f"window closed with {pending} prompt passes pending: a planned micro-batch was not scored"
+            )
 
     def shares(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> bool:
         """Whether the window's next micro-batch (whose prompts these are) shares a prompt pass with another row or
@@ -175,9 +189,19 @@ class SharingSession:
             )
         return self.window
 
-    def decide(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
-               cause: str | None = None, stock_available: bool = False, compute_aux_loss: bool = False,
-               vision: VisionInputs | None = None) -> Decision:  # fmt: skip
+    def decide(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep: int,
+        *,
+        temperature: float = 1.0,
+        cause: str | None = None,
+        stock_available: bool = False,
+        compute_aux_loss: bool = False,
+        vision: VisionInputs | None = None,
+    ) -> Decision:
         """Decide how the micro-batch ``input_ids``/``attention_mask`` is scored; ``run`` must follow.
 
         ``cause``: a reason of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
@@ -225,14 +249,32 @@ class SharingSession:
         width = logits_to_keep if compute_aux_loss else width  # the router loss counts the last completion token
         stock_tokens = B * T
         tokens = stock_tokens if reason else window.plan.tokens_at(current, width)
-        decision = Decision(path="stock" if reason else window.plan.mode, cause=reason, micro_batch=j, rows=B,
-                            backbone_tokens=tokens, stock_tokens=stock_tokens)  # fmt: skip
+        decision = Decision(
+            path="stock" if reason else window.plan.mode,
+            cause=reason,
+            micro_batch=j,
+            rows=B,
+            backbone_tokens=tokens,
+            stock_tokens=stock_tokens,
+        )
         self._pending = (decision, window, in_lockstep, compute_aux_loss, vision)
         self.last_decision = decision
         return decision
 
-    def run(self, decision: Decision, model, input_ids, attention_mask, logits_to_keep: int, *, temperature=1.0,
-            compute_entropy=False, cast_lm_head_to_fp32=False, compute_aux_loss=False, stock=None):  # fmt: skip
+    def run(
+        self,
+        decision: Decision,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep: int,
+        *,
+        temperature=1.0,
+        compute_entropy=False,
+        cast_lm_head_to_fp32=False,
+        compute_aux_loss=False,
+        stock=None,
+    ):
         """Score the micro-batch ``decide`` just decided on. Returns (B, C) fp32 log-probs and entropies (or None),
         zero where the completion mask is 0; in a window, each followed by its backward. With ``compute_aux_loss``
         (which ``decide`` must have been told), a third value: the 0-d fp32 MoE router load-balancing loss of the
@@ -247,18 +289,33 @@ class SharingSession:
             ValueError: a stock decision for a micro-batch with image inputs and no ``stock`` (the default does not
                 take images).
         """
-        refused = None if decision.path != "stock" or stock is not None else (
-            f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no stock path taking "
-            "them")  # fmt: skip
+        refused = (
+            None
+            if decision.path != "stock" or stock is not None
+            else (
+                f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no stock path taking "
+                "them"
+            )
+        )
         window, in_lockstep, vision = self._take(decision, compute_aux_loss, refused)
-        options = ScoreOptions(logits_to_keep, float(temperature), bool(compute_entropy), bool(cast_lm_head_to_fp32),
-                               bool(compute_aux_loss))  # fmt: skip
+        options = ScoreOptions(
+            logits_to_keep,
+            float(temperature),
+            bool(compute_entropy),
+            bool(cast_lm_head_to_fp32),
+            bool(compute_aux_loss),
+        )
         causal_lm = unwrap_causal_lm(model)
         if decision.path == "stock":
             warn_fallback(decision.cause)
             if stock is None:
-                logps, entropy, aux_loss = run_in_forward(model, causal_lm, lambda m, ids, mask: full_sequence_logprobs(
-                    m, ids, mask, options), input_ids, attention_mask)  # fmt: skip
+                logps, entropy, aux_loss = run_in_forward(
+                    model,
+                    causal_lm,
+                    lambda m, ids, mask: full_sequence_logprobs(m, ids, mask, options),
+                    input_ids,
+                    attention_mask,
+                )
             else:
                 logps, entropy, aux_loss = stock()
             logps = self._end_sharing(decision, window, logps)
@@ -284,13 +341,15 @@ class SharingSession:
         Raises:
             RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
         """
-        window, in_lockstep, _ = self._take(decision, refused="run_hidden() does not take image inputs: decide() "
-                                                              "them with vision=None and a cause")  # fmt: skip
+        window, in_lockstep, _ = self._take(
+            decision, refused="run_hidden() does not take image inputs: decide() them with vision=None and a cause"
+        )
         if decision.path == "stock":
             warn_fallback(decision.cause)
             return self._end_sharing(decision, window, stock())
-        return window.hidden_states(unwrap_causal_lm(model), input_ids, attention_mask, logits_to_keep,
-                                    lockstep=in_lockstep)  # fmt: skip
+        return window.hidden_states(
+            unwrap_causal_lm(model), input_ids, attention_mask, logits_to_keep, lockstep=in_lockstep
+        )
 
     def _take(self, decision: Decision, compute_aux_loss: bool = False, refused: str | None = None):
         """(window, lockstep flag, image inputs) ``decide`` kept for ``decision``; the decision can be run once,
@@ -313,9 +372,18 @@ class SharingSession:
             return anchor
         return window.skip(anchor) if decision.cause == UNSHARED else window.abandon(anchor)
 
-    def score(self, model, input_ids, attention_mask, logits_to_keep: int, *, temperature: float = 1.0,
-              compute_entropy: bool = False, cast_lm_head_to_fp32: bool = False,
-              compute_aux_loss: bool = False):  # fmt: skip
+    def score(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep: int,
+        *,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        cast_lm_head_to_fp32: bool = False,
+        compute_aux_loss: bool = False,
+    ):
         """``decide`` then ``run`` with the model's own computation as the stock path; same arguments and returns as
         ``shared_prompt_logprobs``, plus the MoE router loss as a third value with ``compute_aux_loss`` (``run``).
         Outside a window (or without gradients), the micro-batch is shared on its own.
@@ -323,11 +391,20 @@ class SharingSession:
         Raises:
             ValueError: the micro-batch's prompts are not the ones planned for it by ``begin_window``.
         """
-        decision = self.decide(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-                               compute_aux_loss=compute_aux_loss)  # fmt: skip
-        return self.run(decision, model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-                        compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-                        compute_aux_loss=compute_aux_loss)  # fmt: skip
+        decision = self.decide(
+            model, input_ids, attention_mask, logits_to_keep, temperature=temperature, compute_aux_loss=compute_aux_loss
+        )
+        return self.run(
+            decision,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+            compute_aux_loss=compute_aux_loss,
+        )
 
 
 def shared_prompt_logprobs(
@@ -383,5 +460,12 @@ def shared_prompt_logprobs(
         TypeError: non-integer ids or ``logits_to_keep``.
     """
     session = SharingSession(sharing, confirm=confirm)
-    return session.score(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-                         compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    return session.score(
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+    )

@@ -64,7 +64,10 @@ class _AddStoredGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        out = [g if leaf.grad is None else (leaf.grad if g is None else g + leaf.grad) for g, leaf in zip(grads, ctx.leaves)]
+        out = [
+            g if leaf.grad is None else (leaf.grad if g is None else g + leaf.grad)
+            for g, leaf in zip(grads, ctx.leaves)
+        ]
         return (None, *out, *([None] * len(ctx.leaves)))
 
 

@@ -167,8 +167,10 @@ def _after_rope_reason(module) -> str | None:
                 isinstance(value, torch.nn.Module) and any(True for _ in value.parameters())
             )
             if learned:
-                return (f"{type(module).__name__} transforms queries or keys after RoPE with learned parameters "
-                        f"(`{line}`): not invariant to the positions the prompt-once passes use")  # fmt: skip
+                return (
+                    f"{type(module).__name__} transforms queries or keys after RoPE with learned parameters "
+                    f"(`{line}`): not invariant to the positions the prompt-once passes use"
+                )
     return None
 
 
@@ -301,9 +303,20 @@ _MULTI_AXIS_METHODS = ("get_placeholder_mask", "compute_3d_position_ids")  # cal
 _VISION_FORWARD_PARAMS = frozenset({"input_ids", "position_ids", "attention_mask", "mm_encoder_outputs"})
 # (the cache is ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24: both spellings are accepted, as
 # this list is matched against the forward's source text, the one place where no signature says what is handed on)
-_LANGUAGE_MODEL_ARGS = frozenset({"input_ids", "position_ids", "attention_mask", "past_key_values", "cache",
-                                  "inputs_embeds", "use_cache", "return_dict", "visual_pos_masks",
-                                  "deepstack_visual_embeds"})  # fmt: skip
+_LANGUAGE_MODEL_ARGS = frozenset(
+    {
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "past_key_values",
+        "cache",
+        "inputs_embeds",
+        "use_cache",
+        "return_dict",
+        "visual_pos_masks",
+        "deepstack_visual_embeds",
+    }
+)
 _OWN_POSITIONS = re.compile(r"^\s*position_ids(\[[^\]]*\])? = ", re.MULTILINE)  # assigned, not a keyword
 
 
@@ -393,8 +406,14 @@ def _reentrant_checkpointing(model) -> bool:
 # included), and probabilities a forward reads from its module or config for functional dropout, attention dropout
 # or layer drop (``nn.functional.dropout(x, p=self.resid_pdrop, training=self.training)``; TRL leaves those alone), and
 # MoE router jitter (Mixtral's ``self.jitter_noise``: a random factor per token in training, drawn per row by stock)
-_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
-                    torch.nn.FeatureAlphaDropout)  # fmt: skip
+_DROPOUT_MODULES = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
 _DROP_READ = re.compile(r"\bself\.(config\.)?(\w*(?:drop|jitter)\w*)")
 
 
@@ -426,17 +445,21 @@ def dropout_reason(causal_lm) -> str | None:
         if isinstance(module, _DROPOUT_MODULES) or cls.__name__.endswith("Dropout"):
             p = getattr(module, "p", None)
             if _positive(p):
-                return (f"dropout is active in training ({name}: {cls.__name__}(p={p:g})); stock draws a mask per "
-                        f"row, a prompt forwarded once would share one across its group (TRL's disable_dropout=True "
-                        f"sets nn.Dropout p to 0)")  # fmt: skip
+                return (
+                    f"dropout is active in training ({name}: {cls.__name__}(p={p:g})); stock draws a mask per "
+                    f"row, a prompt forwarded once would share one across its group (TRL's disable_dropout=True "
+                    f"sets nn.Dropout p to 0)"
+                )
             continue
         for config, attr in _drop_reads(cls):
             owner = getattr(module, "config", None) if config else module
             value = getattr(owner, attr, None)
             if _positive(value):
-                return (f"dropout or noise is active in training ({name or cls.__name__}: {cls.__name__}.forward "
-                        f"reads self.{config}{attr} = {value:g}); stock draws it per row, a prompt forwarded once "
-                        f"would share one draw across its group (TRL's disable_dropout leaves it)")  # fmt: skip
+                return (
+                    f"dropout or noise is active in training ({name or cls.__name__}: {cls.__name__}.forward "
+                    f"reads self.{config}{attr} = {value:g}); stock draws it per row, a prompt forwarded once "
+                    f"would share one draw across its group (TRL's disable_dropout leaves it)"
+                )
     return None
 
 
@@ -468,6 +491,7 @@ def unsupported_reason(causal_lm) -> str | None:
 # ----------------------------------------------------------------------------------------------------------------------
 # the fallback
 
+
 @functools.lru_cache(maxsize=None)
 def _forward_params(cls: type) -> frozenset:
     return frozenset(inspect.signature(cls.forward).parameters)
@@ -495,8 +519,9 @@ def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request):
     out = type(causal_lm).forward(causal_lm, **kwargs)
     logits = out.logits[:, -C - 1 : -1]
     targets = input_ids[:, -C:].to(logits.device)
-    result = selective_log_softmax(logits, targets, temperature=request.temperature,
-                                   return_entropy=request.compute_entropy)  # fmt: skip
+    result = selective_log_softmax(
+        logits, targets, temperature=request.temperature, return_entropy=request.compute_entropy
+    )
     logps, entropy = result if request.compute_entropy else (result, None)
     keep = attention_mask[:, -C:].bool().to(logps.device)
     logps = logps.masked_fill(~keep, 0.0)

@@ -79,8 +79,10 @@ class PromptTrie:
             keys = [tuple(k) for k in keys]
             lengths = [(len(k), len(s)) for k, s in zip(keys, seqs) if len(k) != len(s)]
             if len(keys) != len(seqs) or lengths:
-                raise ValueError(f"keys must give one key per token of each of the {len(seqs)} prompts, got "
-                                 f"{len(keys)} key sequences (lengths vs prompt lengths: {lengths[:3]})")  # fmt: skip
+                raise ValueError(
+                    f"keys must give one key per token of each of the {len(seqs)} prompts, got "
+                    f"{len(keys)} key sequences (lengths vs prompt lengths: {lengths[:3]})"
+                )
             seqs = keys
         self.min_shared_tokens = min_shared_tokens
         self.nodes: list[TrieNode] = []
@@ -141,8 +143,9 @@ class PromptTrie:
 
     def _add(self, members: list[int], start: int, end: int, parent: int | None, depth: int) -> int:
         seq = self._ids[members[0]]
-        self.nodes.append(TrieNode(tokens=seq[start:end], start=start, parent=parent, depth=depth,
-                                   prompts=list(members)))  # fmt: skip
+        self.nodes.append(
+            TrieNode(tokens=seq[start:end], start=start, parent=parent, depth=depth, prompts=list(members))
+        )
         index = len(self.nodes) - 1
         for m in members:
             if len(self._seqs[m]) == end:

@@ -141,8 +141,7 @@ class Window:
             index[list(reads)] = torch.tensor(list(reads.values()), dtype=torch.long)
             states = self._read(pass_id, reader_release, views)
             p = self._passes[pass_id]
-            regions.append(attn_hook.Region(kv=states.kv, index=index.to(device), mask=p.mask,
-                                            positions=p.positions))  # fmt: skip
+            regions.append(attn_hook.Region(kv=states.kv, index=index.to(device), mask=p.mask, positions=p.positions))
         return regions
 
     def _span(self, paths: list[list[int]], last: int) -> int:
@@ -175,16 +174,23 @@ class Window:
                 pass_id, row = self._node_pass[node]
                 by_pass.setdefault(pass_id, []).append((b, row))
         return [
-            (self._read(pass_id, reader_release, views), torch.tensor([b for b, _ in items]),
-             torch.tensor([r for _, r in items]))
+            (
+                self._read(pass_id, reader_release, views),
+                torch.tensor([b for b, _ in items]),
+                torch.tensor([r for _, r in items]),
+            )
             for pass_id, items in by_pass.items()
-        ]  # fmt: skip
+        ]
 
     @staticmethod
     def _linear(batch: int, lengths: list[int] | None, sources) -> LinearContext:
         """The context of a pass's linear-attention layers: rows start from the ``sources`` nodes' states."""
-        return LinearContext(batch=batch, lengths=lengths, capture=None if lengths is None else {},
-                             sources=[(states.linear, readers, rows) for states, readers, rows in sources])  # fmt: skip
+        return LinearContext(
+            batch=batch,
+            lengths=lengths,
+            capture=None if lengths is None else {},
+            sources=[(states.linear, readers, rows) for states, readers, rows in sources],
+        )
 
     def _pass_inputs(self, spec: PassSpec, width: int) -> dict:
         """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
@@ -217,8 +223,14 @@ class Window:
             extra["output_router_logits"] = True
         if spec.depth == 0 or not spec.nodes:
             ctx = attn_hook.PromptCapture(linear=self._linear(len(lengths), lengths, []))
-            out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=rope_positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
+            out = backbone(
+                input_ids=ids,
+                attention_mask=mask.long(),
+                position_ids=rope_positions,
+                use_cache=False,
+                grpo_mem_ctx=attn_hook.context_token(ctx),
+                **extra,
+            )
             kv = ctx.kv
         else:
             parents = [self.plan.trie.path(n)[-2] for n in spec.nodes]
@@ -226,11 +238,21 @@ class Window:
             regions = self._regions(ancestors, spec.release, views, device)
             sources = self._sources(parents, spec.release, views)
             last = max(self.plan.trie.nodes[n].start + length - 1 for n, length in zip(spec.nodes, lengths))
-            ctx = attn_hook.CompletionContext(regions=regions, key_mask=mask, positions=positions,
-                                              span=self._span(ancestors, last), capture={},
-                                              linear=self._linear(len(lengths), lengths, sources))  # fmt: skip
-            out = backbone(input_ids=ids, position_ids=rope_positions, use_cache=False,
-                           grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
+            ctx = attn_hook.CompletionContext(
+                regions=regions,
+                key_mask=mask,
+                positions=positions,
+                span=self._span(ancestors, last),
+                capture={},
+                linear=self._linear(len(lengths), lengths, sources),
+            )
+            out = backbone(
+                input_ids=ids,
+                position_ids=rope_positions,
+                use_cache=False,
+                grpo_mem_ctx=attn_hook.context_token(ctx),
+                **extra,
+            )
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
         # whatever reads this pass (its K/V, its states, its last hidden state) holds its context, which the replay of
         # its checkpointed layers in backward looks up (a root pass's attention needs none; its linear layers do)
@@ -239,8 +261,9 @@ class Window:
         linear = {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in ctx.linear.capture.items()}
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
         router_logits = self._router_logits(out, ids.numel(), keeper) if self.record_router else ()
-        states = PromptStates(kv={i: kv[i] for i in sorted(kv)}, last_hidden=last, linear=linear,
-                              router_logits=router_logits)  # fmt: skip
+        states = PromptStates(
+            kv={i: kv[i] for i in sorted(kv)}, last_hidden=last, linear=linear, router_logits=router_logits
+        )
         pass_id = next(self._ids)
         self._passes[pass_id] = _Pass(spec=spec, mask=mask, positions=positions, states=None if spec.kept else states)
         if spec.kept:
@@ -284,8 +307,13 @@ class Window:
         if rope_positions is None:  # the model's own positions (M-RoPE) if the input provider gives them
             rope_positions = positions
         extra = {"output_router_logits": True} if self.record_router else {}
-        out = backbone(input_ids=completion_ids[:, :width], position_ids=rope_positions, use_cache=False,
-                       grpo_mem_ctx=attn_hook.context_token(ctx), **extra)  # fmt: skip
+        out = backbone(
+            input_ids=completion_ids[:, :width],
+            position_ids=rope_positions,
+            use_cache=False,
+            grpo_mem_ctx=attn_hook.context_token(ctx),
+            **extra,
+        )
         router_logits = self._router_logits(out, completion_ids[:, :width].numel(), ctx) if self.record_router else ()
         return attn_hook.keep_alive(out.last_hidden_state, ctx), router_logits
 
@@ -322,8 +350,9 @@ class Window:
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
         """
         C = options.logits_to_keep
-        hidden, aux_loss = self._micro_batch(causal_lm, input_ids, attention_mask, C, lockstep, options.compute_aux_loss,
-                                             inputs)  # fmt: skip
+        hidden, aux_loss = self._micro_batch(
+            causal_lm, input_ids, attention_mask, C, lockstep, options.compute_aux_loss, inputs
+        )
         logps, entropy = completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], options)
         return logps, entropy, aux_loss
 
@@ -353,8 +382,9 @@ class Window:
         # the last completion token predicts nothing, but stock's router loss counts its router logits
         width = C if aux else C - 1 if C > 1 or not lockstep else 1
         if width:
-            out, completion_router = self._completion_pass(backbone, leaves, completion_ids, completion_mask, width,
-                                                           views)  # fmt: skip
+            out, completion_router = self._completion_pass(
+                backbone, leaves, completion_ids, completion_mask, width, views
+            )
             if C > 1:
                 hidden.append(out[:, : C - 1])
             else:
@@ -369,8 +399,9 @@ class Window:
             # the hooks run first, and torch's own ops compute nothing for it (a deeper node's multi-region attention
             # runs its backward on zeros). A kept pass's output joins its release micro-batch's backward through
             # ``PromptStore.release`` (with zero gradient).
-            hidden = touch(hidden, [p.states.last_hidden for p in self._passes.values()
-                                    if p.spec.nodes and not p.spec.kept])  # fmt: skip
+            hidden = touch(
+                hidden, [p.states.last_hidden for p in self._passes.values() if p.spec.nodes and not p.spec.kept]
+            )
         hidden = self._flush(hidden)
         aux_loss = self._router_loss(causal_lm, leaves, views, completion_router, completion_mask) if aux else None
         self._finish_micro_batch()

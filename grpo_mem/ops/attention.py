@@ -201,25 +201,30 @@ def _check_regions(regions, q, Hkv, sync, prefix, window=False):
     :func:`multi_region_attention` (index -1: the row reads nothing of that region). ``window``: every region must
     carry its positions."""
     if isinstance(regions, torch.Tensor) or not isinstance(regions, (list, tuple)):
-        raise TypeError(f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got "
-                        f"{type(regions).__name__}")
+        raise TypeError(
+            f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got {type(regions).__name__}"
+        )
     if regions and isinstance(regions[0], torch.Tensor):
-        raise TypeError(f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got a "
-                        f"{type(regions).__name__} of tensors (one region goes in a list: [(region_k, ...)])")
+        raise TypeError(
+            f"regions must be a list or tuple of (region_k, region_v, index, mask) tuples, got a "
+            f"{type(regions).__name__} of tensors (one region goes in a list: [(region_k, ...)])"
+        )
     out, positions = [], []
     lengths = (4,) if prefix else (4, 5)
     for i, region in enumerate(regions):
         if isinstance(region, torch.Tensor) or not isinstance(region, (list, tuple)) or len(region) not in lengths:
             what = type(region).__name__ if not isinstance(region, (list, tuple)) else f"length {len(region)}"
-            raise TypeError(f"regions[{i}] must be a 4-tuple (region_k, region_v, index, mask) or a 5-tuple ending "
-                            f"with positions, got {what}")
-        names = _PREFIX_NAMES if prefix else tuple(f"regions[{i}].{n}" for n in ("region_k", "region_v", "index",
-                                                                                  "mask"))
+            raise TypeError(
+                f"regions[{i}] must be a 4-tuple (region_k, region_v, index, mask) or a 5-tuple ending "
+                f"with positions, got {what}"
+            )
+        names = (
+            _PREFIX_NAMES if prefix else tuple(f"regions[{i}].{n}" for n in ("region_k", "region_v", "index", "mask"))
+        )
         U, S = _check_region(names, *region[:4], q, Hkv, 0 if prefix else -1, sync)
         pos = region[4] if len(region) == 5 else None
         if pos is None and window:
-            raise ValueError(f"sliding_window needs regions[{i}]'s key positions (U={U}, S={S}) int64 as a 5th "
-                             f"element")
+            raise ValueError(f"sliding_window needs regions[{i}]'s key positions (U={U}, S={S}) int64 as a 5th element")
         if pos is not None:
             _check_bool(f"regions[{i}].positions", pos, (U, S), q, f"(U={U}, S={S})", torch.int64)
         out.append(tuple(region[:4]))
@@ -232,8 +237,9 @@ def _check_regions(regions, q, Hkv, sync, prefix, window=False):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def multi_region_attention_ref(q, k, v, regions, key_mask=None, *, scale, sliding_window=None, sinks=None,
-                               softcap=None, q_positions=None):
+def multi_region_attention_ref(
+    q, k, v, regions, key_mask=None, *, scale, sliding_window=None, sinks=None, softcap=None, q_positions=None
+):
     """Naive reference: materialise every row's keys ``[regions' entries; own keys]`` and run masked softmax attention.
 
     For row b the keys are ``region_k[index[b]]`` of every region with ``index[b] >= 0`` (its positions visible where
@@ -326,7 +332,7 @@ def _groups(index: torch.Tensor, U: int):
     out, start = [], counts[0]
     for u, n in enumerate(counts[1:]):
         if n:
-            out.append((u, order[start:start + n]))
+            out.append((u, order[start : start + n]))
             start += n
     return out
 
@@ -340,9 +346,9 @@ def _query_chunks(rows: torch.Tensor, per_row: int, C: int, budget: int):
     row_elems = per_row * C
     if row_elems <= budget:
         nb = max(1, budget // max(row_elems, 1))
-        return [(rows[i:i + nb], 0, C) for i in range(0, rows.numel(), nb)]
+        return [(rows[i : i + nb], 0, C) for i in range(0, rows.numel(), nb)]
     cl = max(1, budget // max(per_row, 1))
-    return [(rows[i:i + 1], c0, min(C, c0 + cl)) for i in range(rows.numel()) for c0 in range(0, C, cl)]
+    return [(rows[i : i + 1], c0, min(C, c0 + cl)) for i in range(rows.numel()) for c0 in range(0, C, cl)]
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
@@ -430,12 +436,12 @@ def _live_groups(index, mask, feat, k_pos):
     if feat.window is None:
         return groups
     W, q_pos = feat.window
-    return [(u, rows) for u, rows in groups
-            if (_window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]).any()]
+    return [
+        (u, rows) for u, rows in groups if (_window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]).any()
+    ]
 
 
-def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, l_acc, feat=_Features(),
-                k_pos=None):
+def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, l_acc, feat=_Features(), k_pos=None):
     """Forward over one shared region. Writes the normalised region output into ``o_acc`` and its LSE into ``l_acc``
     at the rows of ``groups`` (see :func:`_groups`); other rows are left as they are. ``feat``: soft-capping and
     window (``k_pos``: the region's (U, S) key positions)."""
@@ -513,14 +519,27 @@ def _torch_fwd(q, k, v, regions, key_mask, params, positions=None):
     for i, (region_k, region_v, index, mask) in enumerate(regions):
         l_r.fill_(float("-inf"))  # rows that do not read the region
         pos = None if k_pos is None else k_pos[i]
-        _region_fwd(q, region_k, region_v, mask, _live_groups(index, mask, feat, pos), Hkv, params.scale,
-                    params.chunk_elems, o_r, l_r, feat, pos)
+        _region_fwd(
+            q,
+            region_k,
+            region_v,
+            mask,
+            _live_groups(index, mask, feat, pos),
+            Hkv,
+            params.scale,
+            params.chunk_elems,
+            o_r,
+            l_r,
+            feat,
+            pos,
+        )
         _merge_(o, lse, o_r, l_r)
     return o.to(q.dtype), lse
 
 
-def _region_bwd(q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale, budget, dq, feat=_Features(),
-                k_pos=None):
+def _region_bwd(
+    q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale, budget, dq, feat=_Features(), k_pos=None
+):
     """Backward over one shared region with the merged ``lse`` (−inf replaced by 0) and ``delta = rowsum(dO ∘ O)``,
     ``do`` in the accumulation dtype: adds the region's share to ``dq`` and returns ``(dregion_k, dregion_v)``, summed
     over every row reading an entry and every query head of the kv head."""
@@ -599,9 +618,25 @@ def _torch_bwd(dout, q, k, v, regions, key_mask, out, lse, params, positions=Non
     dq = torch.zeros(B, Hq, C, d, dtype=acc, device=q.device)
     feat, k_pos = _features(params, positions)
     k_pos = k_pos or (None,) * len(regions)
-    dregions = [_region_bwd(q, do, lse_safe, delta, rk, rv, mask, _live_groups(index, mask, feat, pos), Hkv, scale,
-                            budget, dq, feat, pos)
-                for (rk, rv, index, mask), pos in zip(regions, k_pos)]
+    dregions = [
+        _region_bwd(
+            q,
+            do,
+            lse_safe,
+            delta,
+            rk,
+            rv,
+            mask,
+            _live_groups(index, mask, feat, pos),
+            Hkv,
+            scale,
+            budget,
+            dq,
+            feat,
+            pos,
+        )
+        for (rk, rv, index, mask), pos in zip(regions, k_pos)
+    ]
     dk, dv = _own_bwd(q, k, v, do, lse_safe, delta, key_mask, Hkv, scale, budget, dq, feat)
     return dq, dk, dv, dregions
 
@@ -670,8 +705,15 @@ def _cpu_fwd(q, k, v, regions, key_mask, params, positions=None):
             lo, hi, add, seen_u = keys
             n = rows.numel()
             qu = _fold(q.index_select(0, rows), Hkv)[None]  # (1, Hkv, n·rep·C, d)
-            ou, lu = fwd(qu, region_k[u : u + 1, :, lo:hi], region_v[u : u + 1, :, lo:hi], 0.0, False, attn_mask=add,
-                         scale=params.scale)  # fmt: skip
+            ou, lu = fwd(
+                qu,
+                region_k[u : u + 1, :, lo:hi],
+                region_v[u : u + 1, :, lo:hi],
+                0.0,
+                False,
+                attn_mask=add,
+                scale=params.scale,
+            )
             lu = _unfold(lu[0, ..., None].to(acc), n, Hq, C)[..., 0]
             if seen_u is not None:  # (the kernel's output is 0 there)
                 lu.masked_fill_(~seen_u, float("-inf"))
@@ -703,14 +745,34 @@ def _cpu_bwd(dout, q, k, v, regions, key_mask, out, lse, params, positions=None)
             n = rows.numel()
             fold = lambda x: _fold(x.index_select(0, rows), Hkv)[None]  # noqa: E731
             fold_l = _fold(lse.index_select(0, rows)[..., None], Hkv)[None, ..., 0]
-            g = bwd(fold(dout), fold(q), region_k[u : u + 1, :, lo:hi], region_v[u : u + 1, :, lo:hi], fold(out),
-                    fold_l, 0.0, False, attn_mask=add, scale=params.scale)  # fmt: skip
+            g = bwd(
+                fold(dout),
+                fold(q),
+                region_k[u : u + 1, :, lo:hi],
+                region_v[u : u + 1, :, lo:hi],
+                fold(out),
+                fold_l,
+                0.0,
+                False,
+                attn_mask=add,
+                scale=params.scale,
+            )
             dq.index_add_(0, rows, _unfold(g[0][0].to(dq.dtype), n, Hq, C))
             drk[u, :, lo:hi], drv[u, :, lo:hi] = g[1][0], g[2][0]
         dregions.append((drk, drv))
     q_own, mask_own, _ = _own_layout(q, k, key_mask, Hkv, feat.window)
-    g = bwd(dout.reshape(B, Hkv, -1, d), q_own, k, v, out.reshape(B, Hkv, -1, d), lse.reshape(B, Hkv, -1), 0.0, False,
-            attn_mask=mask_own, scale=params.scale)  # fmt: skip
+    g = bwd(
+        dout.reshape(B, Hkv, -1, d),
+        q_own,
+        k,
+        v,
+        out.reshape(B, Hkv, -1, d),
+        lse.reshape(B, Hkv, -1),
+        0.0,
+        False,
+        attn_mask=mask_own,
+        scale=params.scale,
+    )
     dq += g[0].reshape(B, Hq, C, d)
     return dq, g[1], g[2], dregions
 
@@ -723,8 +785,10 @@ def _cpu_bwd(dout, q, k, v, regions, key_mask, out, lse, params, positions=None)
 BACKENDS = {
     "torch": (_torch_fwd, _torch_bwd),
     "cpu": (_cpu_fwd, _cpu_bwd),
-    "triton": (lazy("attention_triton", "multi_region_attention_fwd"),
-               lazy("attention_triton", "multi_region_attention_bwd")),
+    "triton": (
+        lazy("attention_triton", "multi_region_attention_fwd"),
+        lazy("attention_triton", "multi_region_attention_bwd"),
+    ),
 }
 """Backend name -> ``(forward, backward)``. ``forward(q, k, v, regions, key_mask, params)`` returns ``(out in q's dtype,
 lse fp32 (B, Hq, C))`` (fp64 for the torch path's fp64 inputs); ``backward(dout, q, k, v, regions, key_mask, out, lse,
@@ -737,11 +801,11 @@ def _split(tensors, params):
     :class:`MultiRegionAttentionFunction`)."""
     n = len(tensors) - params.has_sinks
     n_regions = (n - 1) // 5 if params.sliding_window is not None else n // 4
-    regions = [tensors[i:i + 4] for i in range(0, 4 * n_regions, 4)]
+    regions = [tensors[i : i + 4] for i in range(0, 4 * n_regions, 4)]
     sinks = tensors[4 * n_regions] if params.has_sinks else None
     positions = None
     if params.sliding_window is not None:
-        rest = tensors[4 * n_regions + params.has_sinks:]
+        rest = tensors[4 * n_regions + params.has_sinks :]
         positions = (rest[0], tuple(rest[1:]))
     return regions, sinks, positions
 
@@ -822,17 +886,33 @@ def _attention(q, k, v, regions, key_mask, scale, backend, prefix, features=(Non
     _check_features(q, W, sinks, softcap, q_pos)
     # the Triton path must not stall the host on each layer: its index checks run on the device
     regions, positions = _check_regions(regions, q, Hkv, sync=backend != "triton", prefix=prefix, window=W is not None)
-    params = MultiRegionAttentionParams(scale=float(scale), backend=backend, sliding_window=W,
-                                        softcap=None if softcap is None else float(softcap),
-                                        has_sinks=sinks is not None)
+    params = MultiRegionAttentionParams(
+        scale=float(scale),
+        backend=backend,
+        sliding_window=W,
+        softcap=None if softcap is None else float(softcap),
+        has_sinks=sinks is not None,
+    )
     tensors = [t for r in regions for t in r] + ([sinks] if sinks is not None else [])
     if W is not None:
         tensors += [q_pos, *positions]
     return MultiRegionAttentionFunction.apply(q, k, v, key_mask, params, *tensors)
 
 
-def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="auto", sliding_window=None, sinks=None,
-                           softcap=None, q_positions=None):
+def multi_region_attention(
+    q,
+    k,
+    v,
+    regions,
+    key_mask=None,
+    *,
+    scale,
+    backend="auto",
+    sliding_window=None,
+    sinks=None,
+    softcap=None,
+    q_positions=None,
+):
     """Attention of each row's queries over several shared K/V regions, read in place, and its own causal keys.
 
     Equals :func:`multi_region_attention_ref`, i.e. for each row b, with ``rep = Hq // Hkv`` and ``R_b`` the regions
@@ -901,8 +981,9 @@ def multi_region_attention(q, k, v, regions, key_mask=None, *, scale, backend="a
     return _attention(q, k, v, regions, key_mask, scale, backend, False, (sliding_window, sinks, softcap, q_positions))
 
 
-def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale,
-                            backend="auto"):
+def shared_prefix_attention(
+    q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale, backend="auto"
+):
     """Causal attention of completion queries over ``[own prompt ; own completion]`` without copying the prompt K/V.
 
     Equals :func:`shared_prefix_attention_ref`, i.e. for each row b, with ``rep = Hq // Hkv``::
@@ -947,5 +1028,4 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_index, prefix_ma
             the next synchronising call on CUDA).
         TypeError: non-tensor arguments, non-float q/k/v, non-int64 ``prefix_index``, non-bool masks.
     """
-    return _attention(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, backend,
-                      prefix=True)
+    return _attention(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, backend, prefix=True)

@@ -63,21 +63,22 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _load_cols(base, rows, r_ok, D_LO: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
-               EMULATE_BF16: tl.constexpr):
+def _load_cols(
+    base, rows, r_ok, D_LO: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
     """Head-dim columns [D_LO, D_LO + WIDTH) of the rows starting at element offsets ``rows`` from ``base`` (column
     stride 1): a (len(rows), WIDTH) tile, zero outside ``r_ok`` and in columns >= HEAD_DIM; fp32 under EMULATE_BF16."""
     offs_d = D_LO + tl.arange(0, WIDTH)
-    x = tl.load(base + (rows[:, None] + offs_d[None, :]), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-                other=0.0)
+    x = tl.load(base + (rows[:, None] + offs_d[None, :]), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     if EMULATE_BF16:
         x = x.to(tl.float32)
     return x
 
 
 @triton.jit
-def _load_head(base, rows, r_ok, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-               EMULATE_BF16: tl.constexpr):
+def _load_head(
+    base, rows, r_ok, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
     """The two head-dim parts (x0, x1) of the rows at ``rows`` (see _load_cols); x1 is x0 when BLOCK_D1 = 0."""
     x0 = _load_cols(base, rows, r_ok, 0, BLOCK_D0, HEAD_DIM, EMULATE_BF16)
     x1 = x0
@@ -91,12 +92,18 @@ def _store_head(base, rows, r_ok, x0, x1, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.c
     """Store the parts (x0, x1) of a head-dim tile at the rows ``rows`` (columns < HEAD_DIM, rows in ``r_ok``), cast
     to the pointer's dtype. x1 is not read when BLOCK_D1 = 0."""
     offs_d = tl.arange(0, BLOCK_D0)
-    tl.store(base + (rows[:, None] + offs_d[None, :]), x0.to(base.dtype.element_ty),
-             mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(
+        base + (rows[:, None] + offs_d[None, :]),
+        x0.to(base.dtype.element_ty),
+        mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
     if BLOCK_D1 > 0:
         offs_d1 = BLOCK_D0 + tl.arange(0, BLOCK_D1)
-        tl.store(base + (rows[:, None] + offs_d1[None, :]), x1.to(base.dtype.element_ty),
-                 mask=r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :])
+        tl.store(
+            base + (rows[:, None] + offs_d1[None, :]),
+            x1.to(base.dtype.element_ty),
+            mask=r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :],
+        )
 
 
 @triton.jit
@@ -137,8 +144,18 @@ def _scale_rows(acc0, acc1, alpha, BLOCK_D1: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(K_BASE, V_BASE, stride_kn, stride_vn, offs_n, n_ok, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
-             BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _load_kv(
+    K_BASE,
+    V_BASE,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    n_ok,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """The key and value tiles (k0, k1, v0, v1) at positions ``offs_n`` (``n_ok`` in bounds) of one region. Callers
     load them before the tile's visibility mask: that order keeps the forward at 202 registers on sm_80 (bf16, d=64),
     where loading the mask first took it to ptxas's cap of 255."""
@@ -148,14 +165,28 @@ def _load_kv(K_BASE, V_BASE, stride_kn, stride_vn, offs_n, n_ok, HEAD_DIM: tl.co
 
 
 @triton.jit
-def _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DIM: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, HAS_KMASK: tl.constexpr,
-              EMULATE_BF16: tl.constexpr):
+def _own_tile(
+    K_BASE,
+    V_BASE,
+    KM_BASE,
+    stride_kc,
+    stride_vc,
+    n0,
+    pos,
+    C,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """One tile of a row's own keys from ``n0``: K/V and the causal (and key-mask) visibility of ``pos``'s queries."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < C
-    k0, k1, v0, v1 = _load_kv(K_BASE, V_BASE, stride_kc, stride_vc, offs_n, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                              EMULATE_BF16)
+    k0, k1, v0, v1 = _load_kv(
+        K_BASE, V_BASE, stride_kc, stride_vc, offs_n, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+    )
     visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
     if HAS_KMASK:
         real = tl.load(KM_BASE + offs_n, mask=n_ok, other=0) != 0
@@ -164,14 +195,27 @@ def _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DI
 
 
 @triton.jit
-def _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _region_tile(
+    RK_BASE,
+    RV_BASE,
+    RM_BASE,
+    stride_rks,
+    stride_rvs,
+    n0,
+    S,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """One tile of a shared region's entry from key ``n0``: K/V and the visibility of its keys to every query (the
     entry's key mask, as a (1, BLOCK_N) row)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < S
-    k0, k1, v0, v1 = _load_kv(RK_BASE, RV_BASE, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                              EMULATE_BF16)
+    k0, k1, v0, v1 = _load_kv(
+        RK_BASE, RV_BASE, stride_rks, stride_rvs, offs_n, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+    )
     real = tl.load(RM_BASE + offs_n, mask=n_ok, other=0) != 0
     return k0, k1, v0, v1, real[None, :]
 
@@ -232,23 +276,72 @@ def _own_tile_reach(QP_BASE, n0, C, q_lo, q_hi, WINDOW, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _region_tile_windowed(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
-                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr,
-                          BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _region_tile_windowed(
+    RK_BASE,
+    RV_BASE,
+    RM_BASE,
+    stride_rks,
+    stride_rvs,
+    n0,
+    S,
+    q_pos,
+    k_pos,
+    q_lo,
+    q_hi,
+    WINDOW,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """_region_tile with the window test of the block's queries (positions ``q_pos`` in [q_lo, q_hi]) on the tile's
     key positions ``k_pos`` (from _region_tile_reach)."""
-    k0, k1, v0, v1, visible = _region_tile(RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_DIM, BLOCK_N,
-                                           BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    k0, k1, v0, v1, visible = _region_tile(
+        RK_BASE, RV_BASE, RM_BASE, stride_rks, stride_rvs, n0, S, HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+    )
     return k0, k1, v0, v1, visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
 
 
 @triton.jit
-def _own_tile_windowed(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
-                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-                       HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _own_tile_windowed(
+    K_BASE,
+    V_BASE,
+    KM_BASE,
+    stride_kc,
+    stride_vc,
+    n0,
+    pos,
+    C,
+    q_pos,
+    k_pos,
+    q_lo,
+    q_hi,
+    WINDOW,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """_own_tile with the window test, as _region_tile_windowed."""
-    k0, k1, v0, v1, visible = _own_tile(K_BASE, V_BASE, KM_BASE, stride_kc, stride_vc, n0, pos, C, HEAD_DIM, BLOCK_N,
-                                        BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
+    k0, k1, v0, v1, visible = _own_tile(
+        K_BASE,
+        V_BASE,
+        KM_BASE,
+        stride_kc,
+        stride_vc,
+        n0,
+        pos,
+        C,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D0,
+        BLOCK_D1,
+        HAS_KMASK,
+        EMULATE_BF16,
+    )
     return k0, k1, v0, v1, visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, False)
 
 
@@ -269,8 +362,23 @@ def _capped(s, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1: tl.constexpr,
-              EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
+def _fwd_step(
+    q0,
+    q1,
+    k0,
+    k1,
+    v0,
+    v1,
+    visible,
+    m_i,
+    l_i,
+    acc0,
+    acc1,
+    qk_scale,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """One key tile of the online softmax (FlashAttention-2 forward, log2 units), scores kept where ``visible``
     (soft-capped first when SOFTCAP > 0): returns the updated running max ``m_i``, sum ``l_i`` and unnormalised output
     (acc0, acc1). Used for every region."""
@@ -292,8 +400,25 @@ def _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, B
 
 
 @triton.jit
-def _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale, BLOCK_D1: tl.constexpr,
-             EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
+def _dq_step(
+    q0,
+    q1,
+    do0,
+    do1,
+    k0,
+    k1,
+    v0,
+    v1,
+    visible,
+    lse2,
+    delta,
+    dq0,
+    dq1,
+    qk_scale,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """One key tile of dQ (FlashAttention-2 backward): ``dq += (P ∘ (dP − D)) · K`` with ``P = exp2(S − L)`` over the
     ``visible`` scores and ``dP = dO · Vᵀ`` (unscaled: the caller multiplies by the softmax scale once); soft-capped
     scores (SOFTCAP > 0) multiply dS by ``1 − tanh²``."""
@@ -314,17 +439,56 @@ def _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, q
 
 @triton.jit
 def _mra_fwd_kernel(
-    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, QPOS, RPOS, OUT, LSE, PREV,
-    stride_qb, stride_qh, stride_qc,
-    stride_kb, stride_kh, stride_kc,
-    stride_vb, stride_vh, stride_vc,
-    stride_rku, stride_rkh, stride_rks,
-    stride_rvu, stride_rvh, stride_rvs,
-    stride_ob, stride_oh, stride_oc,
-    SCALE, C, C_PAD, S, HKV, WINDOW,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
-    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
+    Q,
+    K,
+    V,
+    RK,
+    RV,
+    RIDX,
+    RSPAN,
+    RMASK,
+    KMASK,
+    QPOS,
+    RPOS,
+    OUT,
+    LSE,
+    PREV,
+    stride_qb,
+    stride_qh,
+    stride_qc,
+    stride_kb,
+    stride_kh,
+    stride_kc,
+    stride_vb,
+    stride_vh,
+    stride_vc,
+    stride_rku,
+    stride_rkh,
+    stride_rks,
+    stride_rvu,
+    stride_rvh,
+    stride_rvs,
+    stride_ob,
+    stride_oh,
+    stride_oc,
+    SCALE,
+    C,
+    C_PAD,
+    S,
+    HKV,
+    WINDOW,
+    REP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
+    HAS_REGION: tl.constexpr,
+    HAS_OWN: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
     # Offsets: the batch / head / entry parts are int64 scalars (b·stride_qb alone passes 2^31 elements at
@@ -349,8 +513,9 @@ def _mra_fwd_kernel(
         if not HAS_OWN:  # nothing to do for a row reading nothing: every load and store below is masked off
             row_ok = tl.where(tl.load(RIDX + b) >= 0, row_ok, False)  # (row_ok & (u >= 0): the interpreter rejects)
     q_rows = r * stride_qh + pos * stride_qc
-    q0, q1 = _load_head(Q + b * stride_qb + h * REP * stride_qh, q_rows, row_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                        EMULATE_BF16)
+    q0, q1 = _load_head(
+        Q + b * stride_qb + h * REP * stride_qh, q_rows, row_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+    )
     # LSE rows are C_PAD apart ((B, Hq, C_PAD) fp32): the queries of kv head h start at (b·HKV + h)·REP·C_PAD.
     # (These output offsets are computed where they are used: kept live across the key loops they cost registers.)
     if HAS_PREV:  # a normalised partial (o, lse) is the online-softmax state (m = lse, l = 1, acc = o)
@@ -358,8 +523,15 @@ def _mra_fwd_kernel(
         seen = lse_prev != float("-inf")
         m_i = tl.where(seen, lse_prev * 1.4426950408889634, float("-inf"))
         l_i = tl.where(seen, 1.0, 0.0)
-        acc0, acc1 = _load_head(PREV + b * stride_ob + h * REP * stride_oh, r * stride_oh + pos * stride_oc,
-                                row_ok & seen, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
+        acc0, acc1 = _load_head(
+            PREV + b * stride_ob + h * REP * stride_oh,
+            r * stride_oh + pos * stride_oc,
+            row_ok & seen,
+            HEAD_DIM,
+            BLOCK_D0,
+            BLOCK_D1,
+            False,
+        )
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -381,15 +553,45 @@ def _mra_fwd_kernel(
                 k_pos, live = _region_tile_reach(RPOS + u * S, rm_base, n0, S, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
                     k0, k1, v0, v1, visible = _region_tile_windowed(
-                        rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
-                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-                    m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                                     BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                        rk_base,
+                        rv_base,
+                        rm_base,
+                        stride_rks,
+                        stride_rvs,
+                        n0,
+                        S,
+                        q_pos,
+                        k_pos,
+                        q_lo,
+                        q_hi,
+                        WINDOW,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        BLOCK_D0,
+                        BLOCK_D1,
+                        EMULATE_BF16,
+                    )
+                    m_i, l_i, acc0, acc1 = _fwd_step(
+                        q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP
+                    )
             else:
-                k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S,
-                                                       HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-                m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                                 BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                k0, k1, v0, v1, visible = _region_tile(
+                    rk_base,
+                    rv_base,
+                    rm_base,
+                    stride_rks,
+                    stride_rvs,
+                    n0,
+                    S,
+                    HEAD_DIM,
+                    BLOCK_N,
+                    BLOCK_D0,
+                    BLOCK_D1,
+                    EMULATE_BF16,
+                )
+                m_i, l_i, acc0, acc1 = _fwd_step(
+                    q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP
+                )
 
     if HAS_OWN:  # the row's own keys, causal (up to the largest query position in this block)
         k_base = K + b * stride_kb + h * stride_kh
@@ -401,15 +603,49 @@ def _mra_fwd_kernel(
                 k_pos, live = _own_tile_reach(QPOS + b * C, n0, C, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
                     k0, k1, v0, v1, visible = _own_tile_windowed(
-                        k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
-                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-                    m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                                     BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                        k_base,
+                        v_base,
+                        km_base,
+                        stride_kc,
+                        stride_vc,
+                        n0,
+                        pos,
+                        C,
+                        q_pos,
+                        k_pos,
+                        q_lo,
+                        q_hi,
+                        WINDOW,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        BLOCK_D0,
+                        BLOCK_D1,
+                        HAS_KMASK,
+                        EMULATE_BF16,
+                    )
+                    m_i, l_i, acc0, acc1 = _fwd_step(
+                        q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP
+                    )
             else:
-                k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C,
-                                                    HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-                m_i, l_i, acc0, acc1 = _fwd_step(q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale,
-                                                 BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                k0, k1, v0, v1, visible = _own_tile(
+                    k_base,
+                    v_base,
+                    km_base,
+                    stride_kc,
+                    stride_vc,
+                    n0,
+                    pos,
+                    C,
+                    HEAD_DIM,
+                    BLOCK_N,
+                    BLOCK_D0,
+                    BLOCK_D1,
+                    HAS_KMASK,
+                    EMULATE_BF16,
+                )
+                m_i, l_i, acc0, acc1 = _fwd_step(
+                    q0, q1, k0, k1, v0, v1, visible, m_i, l_i, acc0, acc1, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP
+                )
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
     denom = tl.where(empty, 1.0, l_i)[:, None]
@@ -420,18 +656,37 @@ def _mra_fwd_kernel(
         if OUT.dtype.element_ty == tl.bfloat16:  # the output itself, not an fp32 partial
             out0 = _round_bf16(out0)
             out1 = _round_bf16(out1)
-    _store_head(OUT + b * stride_ob + h * REP * stride_oh, r * stride_oh + pos * stride_oc, row_ok, out0, out1,
-                HEAD_DIM, BLOCK_D0, BLOCK_D1)
+    _store_head(
+        OUT + b * stride_ob + h * REP * stride_oh,
+        r * stride_oh + pos * stride_oc,
+        row_ok,
+        out0,
+        out1,
+        HEAD_DIM,
+        BLOCK_D0,
+        BLOCK_D1,
+    )
     tl.store(LSE + (b * HKV + h) * REP * C_PAD + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
 def _spa_bwd_delta_kernel(
-    OUT, DO, DELTA,
-    stride_ob, stride_oh, stride_oc,
-    stride_dob, stride_doh, stride_doc,
-    C, C_PAD, HQ,
-    HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_M: tl.constexpr,
+    OUT,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_oc,
+    stride_dob,
+    stride_doh,
+    stride_doc,
+    C,
+    C_PAD,
+    HQ,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     # D = rowsum(dO ∘ O) in fp32 for BLOCK_M queries of one (row, query head): FlashAttention-2's preprocessing step,
     # without the two fp32 (B, Hq, C, d) temporaries a torch expression would build.
@@ -441,10 +696,12 @@ def _spa_bwd_delta_kernel(
     hq = (pid_bh % HQ).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < C
-    o0, o1 = _load_head(OUT + b * stride_ob + hq * stride_oh, offs_m * stride_oc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                        False)
-    do0, do1 = _load_head(DO + b * stride_dob + hq * stride_doh, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0,
-                          BLOCK_D1, False)
+    o0, o1 = _load_head(
+        OUT + b * stride_ob + hq * stride_oh, offs_m * stride_oc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, False
+    )
+    do0, do1 = _load_head(
+        DO + b * stride_dob + hq * stride_doh, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, False
+    )
     delta = tl.sum(o0.to(tl.float32) * do0.to(tl.float32), 1)
     if BLOCK_D1 > 0:
         delta += tl.sum(o1.to(tl.float32) * do1.to(tl.float32), 1)
@@ -453,18 +710,61 @@ def _spa_bwd_delta_kernel(
 
 @triton.jit
 def _mra_bwd_dq_kernel(
-    Q, K, V, RK, RV, RIDX, RSPAN, RMASK, KMASK, QPOS, RPOS, DO, LSE, DELTA, DQ, PREV,
-    stride_qb, stride_qh, stride_qc,
-    stride_kb, stride_kh, stride_kc,
-    stride_vb, stride_vh, stride_vc,
-    stride_rku, stride_rkh, stride_rks,
-    stride_rvu, stride_rvh, stride_rvs,
-    stride_dob, stride_doh, stride_doc,
-    stride_dqb, stride_dqh, stride_dqc,
-    SCALE, C, C_PAD, S, HKV, WINDOW,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_REGION: tl.constexpr,
-    HAS_OWN: tl.constexpr, HAS_PREV: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
+    Q,
+    K,
+    V,
+    RK,
+    RV,
+    RIDX,
+    RSPAN,
+    RMASK,
+    KMASK,
+    QPOS,
+    RPOS,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    PREV,
+    stride_qb,
+    stride_qh,
+    stride_qc,
+    stride_kb,
+    stride_kh,
+    stride_kc,
+    stride_vb,
+    stride_vh,
+    stride_vc,
+    stride_rku,
+    stride_rkh,
+    stride_rks,
+    stride_rvu,
+    stride_rvh,
+    stride_rvs,
+    stride_dob,
+    stride_doh,
+    stride_doc,
+    stride_dqb,
+    stride_dqh,
+    stride_dqc,
+    SCALE,
+    C,
+    C_PAD,
+    S,
+    HKV,
+    WINDOW,
+    REP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
+    HAS_REGION: tl.constexpr,
+    HAS_OWN: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
     # dQ over one shared region (HAS_REGION) and/or the own region (HAS_OWN), plus the fp32 partial dQ of earlier
@@ -486,10 +786,24 @@ def _mra_bwd_dq_kernel(
         if not HAS_OWN:  # nothing to do for such a row: every load and store below is masked off
             row_ok = tl.where(reads, row_ok, False)  # (not row_ok & reads: the interpreter rejects that mask)
         u = tl.maximum(u, 0)
-    q0, q1 = _load_head(Q + b * stride_qb + h * REP * stride_qh, r * stride_qh + pos * stride_qc, row_ok, HEAD_DIM,
-                        BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-    do0, do1 = _load_head(DO + b * stride_dob + h * REP * stride_doh, r * stride_doh + pos * stride_doc, row_ok,
-                          HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
+    q0, q1 = _load_head(
+        Q + b * stride_qb + h * REP * stride_qh,
+        r * stride_qh + pos * stride_qc,
+        row_ok,
+        HEAD_DIM,
+        BLOCK_D0,
+        BLOCK_D1,
+        EMULATE_BF16,
+    )
+    do0, do1 = _load_head(
+        DO + b * stride_dob + h * REP * stride_doh,
+        r * stride_doh + pos * stride_doc,
+        row_ok,
+        HEAD_DIM,
+        BLOCK_D0,
+        BLOCK_D1,
+        EMULATE_BF16,
+    )
     row_base = (b * HKV + h) * REP * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
     lse2 = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: every score is -inf, so P = 0
@@ -509,15 +823,77 @@ def _mra_bwd_dq_kernel(
                 k_pos, live = _region_tile_reach(RPOS + u * S, rm_base, n0, S, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
                     k0, k1, v0, v1, visible = _region_tile_windowed(
-                        rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S, q_pos, k_pos, q_lo, q_hi, WINDOW,
-                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-                    dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                        BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                        rk_base,
+                        rv_base,
+                        rm_base,
+                        stride_rks,
+                        stride_rvs,
+                        n0,
+                        S,
+                        q_pos,
+                        k_pos,
+                        q_lo,
+                        q_hi,
+                        WINDOW,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        BLOCK_D0,
+                        BLOCK_D1,
+                        EMULATE_BF16,
+                    )
+                    dq0, dq1 = _dq_step(
+                        q0,
+                        q1,
+                        do0,
+                        do1,
+                        k0,
+                        k1,
+                        v0,
+                        v1,
+                        visible,
+                        lse2,
+                        delta,
+                        dq0,
+                        dq1,
+                        qk_scale,
+                        BLOCK_D1,
+                        EMULATE_BF16,
+                        SOFTCAP,
+                    )
             else:
-                k0, k1, v0, v1, visible = _region_tile(rk_base, rv_base, rm_base, stride_rks, stride_rvs, n0, S,
-                                                       HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-                dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                    BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                k0, k1, v0, v1, visible = _region_tile(
+                    rk_base,
+                    rv_base,
+                    rm_base,
+                    stride_rks,
+                    stride_rvs,
+                    n0,
+                    S,
+                    HEAD_DIM,
+                    BLOCK_N,
+                    BLOCK_D0,
+                    BLOCK_D1,
+                    EMULATE_BF16,
+                )
+                dq0, dq1 = _dq_step(
+                    q0,
+                    q1,
+                    do0,
+                    do1,
+                    k0,
+                    k1,
+                    v0,
+                    v1,
+                    visible,
+                    lse2,
+                    delta,
+                    dq0,
+                    dq1,
+                    qk_scale,
+                    BLOCK_D1,
+                    EMULATE_BF16,
+                    SOFTCAP,
+                )
 
     if HAS_OWN:
         k_base = K + b * stride_kb + h * stride_kh
@@ -529,23 +905,90 @@ def _mra_bwd_dq_kernel(
                 k_pos, live = _own_tile_reach(QPOS + b * C, n0, C, q_lo, q_hi, WINDOW, BLOCK_N)
                 if live:
                     k0, k1, v0, v1, visible = _own_tile_windowed(
-                        k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C, q_pos, k_pos, q_lo, q_hi, WINDOW,
-                        HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-                    dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                        BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                        k_base,
+                        v_base,
+                        km_base,
+                        stride_kc,
+                        stride_vc,
+                        n0,
+                        pos,
+                        C,
+                        q_pos,
+                        k_pos,
+                        q_lo,
+                        q_hi,
+                        WINDOW,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        BLOCK_D0,
+                        BLOCK_D1,
+                        HAS_KMASK,
+                        EMULATE_BF16,
+                    )
+                    dq0, dq1 = _dq_step(
+                        q0,
+                        q1,
+                        do0,
+                        do1,
+                        k0,
+                        k1,
+                        v0,
+                        v1,
+                        visible,
+                        lse2,
+                        delta,
+                        dq0,
+                        dq1,
+                        qk_scale,
+                        BLOCK_D1,
+                        EMULATE_BF16,
+                        SOFTCAP,
+                    )
             else:
-                k0, k1, v0, v1, visible = _own_tile(k_base, v_base, km_base, stride_kc, stride_vc, n0, pos, C,
-                                                    HEAD_DIM, BLOCK_N, BLOCK_D0, BLOCK_D1, HAS_KMASK, EMULATE_BF16)
-                dq0, dq1 = _dq_step(q0, q1, do0, do1, k0, k1, v0, v1, visible, lse2, delta, dq0, dq1, qk_scale,
-                                    BLOCK_D1, EMULATE_BF16, SOFTCAP)
+                k0, k1, v0, v1, visible = _own_tile(
+                    k_base,
+                    v_base,
+                    km_base,
+                    stride_kc,
+                    stride_vc,
+                    n0,
+                    pos,
+                    C,
+                    HEAD_DIM,
+                    BLOCK_N,
+                    BLOCK_D0,
+                    BLOCK_D1,
+                    HAS_KMASK,
+                    EMULATE_BF16,
+                )
+                dq0, dq1 = _dq_step(
+                    q0,
+                    q1,
+                    do0,
+                    do1,
+                    k0,
+                    k1,
+                    v0,
+                    v1,
+                    visible,
+                    lse2,
+                    delta,
+                    dq0,
+                    dq1,
+                    qk_scale,
+                    BLOCK_D1,
+                    EMULATE_BF16,
+                    SOFTCAP,
+                )
 
     dq0 = dq0 * SCALE
     dq1 = dq1 * SCALE
     dq_base = DQ + b * stride_dqb + h * REP * stride_dqh
     dq_rows = r * stride_dqh + pos * stride_dqc
     if HAS_PREV:
-        p0, p1 = _load_head(PREV + b * stride_dqb + h * REP * stride_dqh, dq_rows, row_ok, HEAD_DIM, BLOCK_D0,
-                            BLOCK_D1, False)
+        p0, p1 = _load_head(
+            PREV + b * stride_dqb + h * REP * stride_dqh, dq_rows, row_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, False
+        )
         dq0 += p0
         if BLOCK_D1 > 0:
             dq1 += p1
@@ -557,8 +1000,29 @@ def _mra_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LSE_ROW, DELTA_ROW, offs_m, m_ok,
-               qk_scale, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
+def _dkdv_step(
+    dk0,
+    dk1,
+    dv0,
+    dv1,
+    k0,
+    k1,
+    v0,
+    v1,
+    q0,
+    q1,
+    do0,
+    do1,
+    visible,
+    LSE_ROW,
+    DELTA_ROW,
+    offs_m,
+    m_ok,
+    qk_scale,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """One query block's share of a key block's dK/dV, FlashAttention-2 backward on transposed scores (keys along
     rows, queries along columns): P = exp(S − L) over the ``visible`` (keys × queries) pairs, dV += Pᵀ·dO,
     dK += (P ∘ (dP − D))ᵀ·Q, dP = dO·Vᵀ. ``LSE_ROW``/``DELTA_ROW`` point at the query row's natural-log LSE and
@@ -588,22 +1052,92 @@ def _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LS
 
 
 @triton.jit
-def _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc, visible, LSE_ROW,
-                DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
-                BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
+def _dkdv_block(
+    dk0,
+    dk1,
+    dv0,
+    dv1,
+    k0,
+    k1,
+    v0,
+    v1,
+    Q_BASE,
+    DO_BASE,
+    stride_qc,
+    stride_doc,
+    visible,
+    LSE_ROW,
+    DELTA_ROW,
+    offs_m,
+    m_ok,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """Load the queries and output gradients at ``offs_m`` of one (row, query head) (Q_BASE/DO_BASE) and add their
     share to the key block's dK/dV (_dkdv_step)."""
     q0, q1 = _load_head(Q_BASE, offs_m * stride_qc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
     do0, do1 = _load_head(DO_BASE, offs_m * stride_doc, m_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16)
-    return _dkdv_step(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q0, q1, do0, do1, visible, LSE_ROW, DELTA_ROW, offs_m,
-                      m_ok, qk_scale, BLOCK_D1, EMULATE_BF16, SOFTCAP)
+    return _dkdv_step(
+        dk0,
+        dk1,
+        dv0,
+        dv1,
+        k0,
+        k1,
+        v0,
+        v1,
+        q0,
+        q1,
+        do0,
+        do1,
+        visible,
+        LSE_ROW,
+        DELTA_ROW,
+        offs_m,
+        m_ok,
+        qk_scale,
+        BLOCK_D1,
+        EMULATE_BF16,
+        SOFTCAP,
+    )
 
 
 @triton.jit
-def _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc, visible, LSE_ROW,
-                      DELTA_ROW, offs_m, m_ok, qk_scale, QP_ROW, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM: tl.constexpr,
-                      BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                      SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _dkdv_query_block(
+    dk0,
+    dk1,
+    dv0,
+    dv1,
+    k0,
+    k1,
+    v0,
+    v1,
+    Q_BASE,
+    DO_BASE,
+    stride_qc,
+    stride_doc,
+    visible,
+    LSE_ROW,
+    DELTA_ROW,
+    offs_m,
+    m_ok,
+    qk_scale,
+    QP_ROW,
+    k_pos,
+    k_lo,
+    k_hi,
+    WINDOW,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     """_dkdv_block for one query block of both dK/dV kernels; with HAS_WINDOW the block is skipped when none of its
     query positions (QP_ROW, the row's positions) can have a key of the block (positions ``k_pos`` in [k_lo, k_hi]) in
     its window, and ``visible`` gains the window test otherwise."""
@@ -611,29 +1145,105 @@ def _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, strid
         q_pos, q_lo, q_hi = _pos_range(QP_ROW, offs_m, m_ok)
         if _windows_meet(q_lo, q_hi, k_lo, k_hi, WINDOW):
             visible = visible & _window_visible(q_pos, k_pos, q_lo, q_hi, WINDOW, True)
-            dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc,
-                                             stride_doc, visible, LSE_ROW, DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM,
-                                             BLOCK_D0, BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
+            dk0, dk1, dv0, dv1 = _dkdv_block(
+                dk0,
+                dk1,
+                dv0,
+                dv1,
+                k0,
+                k1,
+                v0,
+                v1,
+                Q_BASE,
+                DO_BASE,
+                stride_qc,
+                stride_doc,
+                visible,
+                LSE_ROW,
+                DELTA_ROW,
+                offs_m,
+                m_ok,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D0,
+                BLOCK_D1,
+                EMULATE_BF16,
+                SOFTCAP,
+            )
     else:
-        dk0, dk1, dv0, dv1 = _dkdv_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q_BASE, DO_BASE, stride_qc, stride_doc,
-                                         visible, LSE_ROW, DELTA_ROW, offs_m, m_ok, qk_scale, HEAD_DIM, BLOCK_D0,
-                                         BLOCK_D1, EMULATE_BF16, SOFTCAP)  # fmt: skip
+        dk0, dk1, dv0, dv1 = _dkdv_block(
+            dk0,
+            dk1,
+            dv0,
+            dv1,
+            k0,
+            k1,
+            v0,
+            v1,
+            Q_BASE,
+            DO_BASE,
+            stride_qc,
+            stride_doc,
+            visible,
+            LSE_ROW,
+            DELTA_ROW,
+            offs_m,
+            m_ok,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D0,
+            BLOCK_D1,
+            EMULATE_BF16,
+            SOFTCAP,
+        )
     return dk0, dk1, dv0, dv1
 
 
 @triton.jit
 def _spa_bwd_dkdv_completion_kernel(
-    Q, K, V, KMASK, QPOS, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qc,
-    stride_kb, stride_kh, stride_kc,
-    stride_vb, stride_vh, stride_vc,
-    stride_dob, stride_doh, stride_doc,
-    stride_dkb, stride_dkh, stride_dkc,
-    stride_dvb, stride_dvh, stride_dvc,
-    SCALE, C, C_PAD, HKV, WINDOW,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KMASK: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    Q,
+    K,
+    V,
+    KMASK,
+    QPOS,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qc,
+    stride_kb,
+    stride_kh,
+    stride_kc,
+    stride_vb,
+    stride_vh,
+    stride_vc,
+    stride_dob,
+    stride_doh,
+    stride_doc,
+    stride_dkb,
+    stride_dkh,
+    stride_dkc,
+    stride_dvb,
+    stride_dvh,
+    stride_dvc,
+    SCALE,
+    C,
+    C_PAD,
+    HKV,
+    WINDOW,
+    REP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -643,10 +1253,12 @@ def _spa_bwd_dkdv_completion_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < C
-    k0, k1 = _load_head(K + b * stride_kb + h * stride_kh, offs_n * stride_kc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                        EMULATE_BF16)
-    v0, v1 = _load_head(V + b * stride_vb + h * stride_vh, offs_n * stride_vc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                        EMULATE_BF16)
+    k0, k1 = _load_head(
+        K + b * stride_kb + h * stride_kh, offs_n * stride_kc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+    )
+    v0, v1 = _load_head(
+        V + b * stride_vb + h * stride_vh, offs_n * stride_vc, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+    )
     key_ok = n_ok
     if HAS_KMASK:
         key_ok = key_ok & (tl.load(KMASK + b * C + offs_n, mask=n_ok, other=0) != 0)
@@ -668,32 +1280,91 @@ def _spa_bwd_dkdv_completion_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < C
             visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
-            dk0, dk1, dv0, dv1 = _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
-                                                   stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
-                                                   qk_scale, qp_base, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM, BLOCK_D0,
-                                                   BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
+            dk0, dk1, dv0, dv1 = _dkdv_query_block(
+                dk0,
+                dk1,
+                dv0,
+                dv1,
+                k0,
+                k1,
+                v0,
+                v1,
+                q_base,
+                do_base,
+                stride_qc,
+                stride_doc,
+                visible,
+                LSE + row_base,
+                DELTA + row_base,
+                offs_m,
+                m_ok,
+                qk_scale,
+                qp_base,
+                k_pos,
+                k_lo,
+                k_hi,
+                WINDOW,
+                HEAD_DIM,
+                BLOCK_D0,
+                BLOCK_D1,
+                EMULATE_BF16,
+                SOFTCAP,
+                HAS_WINDOW,
+            )
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
     if EMULATE_BF16:
         dk0, dk1 = _round_bf16(dk0), _round_bf16(dk1)
         dv0, dv1 = _round_bf16(dv0), _round_bf16(dv1)
-    _store_head(DK + b * stride_dkb + h * stride_dkh, offs_n * stride_dkc, n_ok, dk0, dk1, HEAD_DIM, BLOCK_D0,
-                BLOCK_D1)
-    _store_head(DV + b * stride_dvb + h * stride_dvh, offs_n * stride_dvc, n_ok, dv0, dv1, HEAD_DIM, BLOCK_D0,
-                BLOCK_D1)
+    _store_head(DK + b * stride_dkb + h * stride_dkh, offs_n * stride_dkc, n_ok, dk0, dk1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
+    _store_head(DV + b * stride_dvb + h * stride_dvh, offs_n * stride_dvc, n_ok, dv0, dv1, HEAD_DIM, BLOCK_D0, BLOCK_D1)
 
 
 @triton.jit
 def _mra_bwd_dkdv_region_kernel(
-    Q, RK, RV, ROWS, ROW_START, RSPAN, RMASK, QPOS, RPOS, DO, LSE, DELTA, DRK, DRV,
-    stride_qb, stride_qh, stride_qc,
-    stride_rku, stride_rkh, stride_rks,
-    stride_rvu, stride_rvh, stride_rvs,
-    stride_dob, stride_doh, stride_doc,
-    SCALE, C, C_PAD, S, HKV, N_SPLIT, stride_split, WINDOW,
-    REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
+    Q,
+    RK,
+    RV,
+    ROWS,
+    ROW_START,
+    RSPAN,
+    RMASK,
+    QPOS,
+    RPOS,
+    DO,
+    LSE,
+    DELTA,
+    DRK,
+    DRV,
+    stride_qb,
+    stride_qh,
+    stride_qc,
+    stride_rku,
+    stride_rkh,
+    stride_rks,
+    stride_rvu,
+    stride_rvh,
+    stride_rvs,
+    stride_dob,
+    stride_doh,
+    stride_doc,
+    SCALE,
+    C,
+    C_PAD,
+    S,
+    HKV,
+    N_SPLIT,
+    stride_split,
+    WINDOW,
+    REP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D0: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
     # dK/dV of one shared region (a prompt, or any region of multi-region attention). ROWS lists the rows reading
@@ -719,10 +1390,12 @@ def _mra_bwd_dkdv_region_kernel(
     n_lo = pid_n * BLOCK_N
     # blocks wholly outside the entry's span of real keys (left or right padding) get zero gradient
     if (n_lo + BLOCK_N > tl.load(RSPAN + 2 * u)) & (n_lo < tl.load(RSPAN + 2 * u + 1)):
-        k0, k1 = _load_head(RK + u * stride_rku + h * stride_rkh, offs_n * stride_rks, n_ok, HEAD_DIM, BLOCK_D0,
-                            BLOCK_D1, EMULATE_BF16)
-        v0, v1 = _load_head(RV + u * stride_rvu + h * stride_rvh, offs_n * stride_rvs, n_ok, HEAD_DIM, BLOCK_D0,
-                            BLOCK_D1, EMULATE_BF16)
+        k0, k1 = _load_head(
+            RK + u * stride_rku + h * stride_rkh, offs_n * stride_rks, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+        )
+        v0, v1 = _load_head(
+            RV + u * stride_rvu + h * stride_rvh, offs_n * stride_rvs, n_ok, HEAD_DIM, BLOCK_D0, BLOCK_D1, EMULATE_BF16
+        )
         key_ok = n_ok & (tl.load(RMASK + u * S + offs_n, mask=n_ok, other=0) != 0)
         if HAS_WINDOW:
             k_pos, k_lo, k_hi = _pos_range(RPOS + u * S, offs_n, key_ok)
@@ -744,10 +1417,37 @@ def _mra_bwd_dkdv_region_kernel(
             do_base = DO + b * stride_dob + head * stride_doh
             row_base = (b * HKV * REP + head) * C_PAD  # LSE and DELTA are (B, Hq, C_PAD) fp32
             visible = key_ok[:, None] & m_ok[None, :]
-            dk0, dk1, dv0, dv1 = _dkdv_query_block(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, stride_qc,
-                                                   stride_doc, visible, LSE + row_base, DELTA + row_base, offs_m, m_ok,
-                                                   qk_scale, QPOS + b * C, k_pos, k_lo, k_hi, WINDOW, HEAD_DIM,
-                                                   BLOCK_D0, BLOCK_D1, EMULATE_BF16, SOFTCAP, HAS_WINDOW)  # fmt: skip
+            dk0, dk1, dv0, dv1 = _dkdv_query_block(
+                dk0,
+                dk1,
+                dv0,
+                dv1,
+                k0,
+                k1,
+                v0,
+                v1,
+                q_base,
+                do_base,
+                stride_qc,
+                stride_doc,
+                visible,
+                LSE + row_base,
+                DELTA + row_base,
+                offs_m,
+                m_ok,
+                qk_scale,
+                QPOS + b * C,
+                k_pos,
+                k_lo,
+                k_hi,
+                WINDOW,
+                HEAD_DIM,
+                BLOCK_D0,
+                BLOCK_D1,
+                EMULATE_BF16,
+                SOFTCAP,
+                HAS_WINDOW,
+            )
 
     dk0 = dk0 * SCALE
     dk1 = dk1 * SCALE
@@ -762,8 +1462,14 @@ def _mra_bwd_dkdv_region_kernel(
 
 @triton.jit
 def _spa_bwd_prefix_reduce_kernel(
-    PART_K, PART_V, DPK, DPV, N, N_SPLIT,
-    BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PART_K,
+    PART_V,
+    DPK,
+    DPV,
+    N,
+    N_SPLIT,
+    BLOCK: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     # DPK[i] = Σ_s PART_K[s, i] for s = 0, 1, ..., N_SPLIT − 1 in this order (deterministic); same for V. N elements per
     # split; every tensor contiguous.
@@ -827,11 +1533,21 @@ _BLOCKS_16BIT_SOFTCAP = {("bwd_dq", 2): (64, 16, 8, 2)}
 # bwd_dkdv_completion 12, bwd_dkdv_prefix 2; fp32: fwd one predicate at d=80 and 4 stores at d=256, bwd_dq 1 at d=96
 # and 4 at d=256, bwd_dkdv_prefix 4 at d=64 and 5 at d=256) and holds with the one here. bwd_dkdv_prefix keeps its
 # BLOCK_N (prefix_dkdv_grid sizes the grid from the windowless configuration).
-_BLOCKS_16BIT_WINDOW = {("fwd", 2): (64, 16, 8, 2), ("bwd_dq", 2): (32, 32, 4, 2), ("fwd", 3): (64, 32, 8, 3),
-                        ("bwd_dkdv_completion", 3): (16, 64, 8, 2), ("bwd_dkdv_prefix", 3): (16, 64, 8, 2)}
-_BLOCKS_FP32_WINDOW = {("fwd", 3): (16, 16, 8, 2), ("fwd", 2): (16, 16, 8, 1), ("bwd_dq", 2): (16, 16, 8, 1),
-                       ("bwd_dq", 3): (16, 16, 4, 2), ("bwd_dkdv_prefix", 0): (16, 32, 8, 2),
-                       ("bwd_dkdv_prefix", 2): (16, 32, 16, 1)}
+_BLOCKS_16BIT_WINDOW = {
+    ("fwd", 2): (64, 16, 8, 2),
+    ("bwd_dq", 2): (32, 32, 4, 2),
+    ("fwd", 3): (64, 32, 8, 3),
+    ("bwd_dkdv_completion", 3): (16, 64, 8, 2),
+    ("bwd_dkdv_prefix", 3): (16, 64, 8, 2),
+}
+_BLOCKS_FP32_WINDOW = {
+    ("fwd", 3): (16, 16, 8, 2),
+    ("fwd", 2): (16, 16, 8, 1),
+    ("bwd_dq", 2): (16, 16, 8, 1),
+    ("bwd_dq", 3): (16, 16, 4, 2),
+    ("bwd_dkdv_prefix", 0): (16, 32, 8, 2),
+    ("bwd_dkdv_prefix", 2): (16, 32, 16, 1),
+}
 _TIER = {64: 0, 128: 1, 256: 2}
 _TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
 # The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
@@ -842,8 +1558,9 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _I32_MAX = 2**31 - 1
 
 
-def block_config(name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False,
-                 window: bool = False) -> dict:
+def block_config(
+    name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False, window: bool = False
+) -> dict:
     """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype`` (``softcap``: the
     soft-capped build; ``window``: the sliding-window build).
 
@@ -889,8 +1606,9 @@ def head_dim_tiles(head_dim: int) -> tuple[int, int]:
     return (lo, rest) if lo + rest < full else (full, 0)
 
 
-def prefix_dkdv_grid(B: int, U: int, Hkv: int, rep: int, C: int, P: int, head_dim: int, dtype: torch.dtype,
-                     sm_count: int) -> tuple[int, int, int]:
+def prefix_dkdv_grid(
+    B: int, U: int, Hkv: int, rep: int, C: int, P: int, head_dim: int, dtype: torch.dtype, sm_count: int
+) -> tuple[int, int, int]:
     """Launch grid ``(key blocks, U·Hkv, splits)`` of the prompt dK/dV kernel.
 
     One (key block, prompt, kv head) alone gives cdiv(P, BLOCK_N)·U·Hkv programs — 16 for a Qwen2.5-1.5B layer
@@ -935,8 +1653,14 @@ def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False, window=Fal
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
     block_d0, block_d1 = head_dim_tiles(head_dim)
-    return dict(HEAD_DIM=head_dim, BLOCK_D0=block_d0, BLOCK_D1=block_d1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                EMULATE_BF16=interpret and dtype == torch.bfloat16)
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D0=block_d0,
+        BLOCK_D1=block_d1,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        EMULATE_BF16=interpret and dtype == torch.bfloat16,
+    )
 
 
 def _softcap(params) -> float:
@@ -960,14 +1684,17 @@ def _check_offsets(**tensors):
     for name, x in tensors.items():
         span = sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))
         if x.numel() and span > _I32_MAX:
-            raise ValueError(f"{name} spans {span} elements within one batch entry (shape {tuple(x.shape)}, strides "
-                             f"{x.stride()}); the Triton kernels need < 2**31")
+            raise ValueError(
+                f"{name} spans {span} elements within one batch entry (shape {tuple(x.shape)}, strides "
+                f"{x.stride()}); the Triton kernels need < 2**31"
+            )
 
 
 def _check_dtype(q):
     if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"the Triton attention kernels take fp16, bf16 or fp32 inputs, got {q.dtype} "
-                         f"(fp64: use backend='torch')")
+        raise ValueError(
+            f"the Triton attention kernels take fp16, bf16 or fp32 inputs, got {q.dtype} (fp64: use backend='torch')"
+        )
 
 
 def _padded(n: int) -> int:
@@ -1009,8 +1736,17 @@ def _region_args(regions, q, positions=None):
         i64, i32 = (torch.zeros(2, dtype=t, device=q.device) for t in (torch.int64, torch.int32))
         return [(q, q, i64, i32, torch.zeros(1, 1, dtype=torch.bool, device=q.device), i64)]
     k_pos = [None] * len(regions) if positions is None else positions[1]
-    return [(_kernel_view(rk), _kernel_view(rv), index, _region_span(mask), mask.contiguous(),
-             index if pos is None else pos.contiguous()) for (rk, rv, index, mask), pos in zip(regions, k_pos)]
+    return [
+        (
+            _kernel_view(rk),
+            _kernel_view(rv),
+            index,
+            _region_span(mask),
+            mask.contiguous(),
+            index if pos is None else pos.contiguous(),
+        )
+        for (rk, rv, index, mask), pos in zip(regions, k_pos)
+    ]
 
 
 def _window_args(positions, params, q):
@@ -1074,24 +1810,61 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
     q_pos, window, has_window = _window_args(positions, params, q)
     _check_offsets(q=q, k=k, v=v, out=out, **_named_regions(regions, args))
     # the running output, fp32 with out's strides (the kernel reads PREV with OUT's strides)
-    partial = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=q.device) if len(plan) > 1 \
-        else out
+    partial = (
+        torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=q.device) if len(plan) > 1 else out
+    )
     kmask = key_mask.contiguous() if key_mask is not None else args[0][4]  # unread when HAS_KMASK=False
     meta = _tile_constexprs("fwd", d, q.dtype, interpret, params.softcap is not None, has_window)
     grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
     for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
         dst = out if has_own else partial
-        _launch("fwd", grid, (
-            q, k, v, rk, rv, index, span, mask, kmask, q_pos, k_pos, dst, lse, partial,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
-            *dst.stride()[:3], float(params.scale), C, c_pad, rk.shape[2], Hkv, window,
-        ), d, q.dtype, interpret, REP=rep, HAS_KMASK=key_mask is not None, HAS_REGION=has_region, HAS_OWN=has_own,
-            HAS_PREV=has_prev, SOFTCAP=_softcap(params), HAS_WINDOW=has_window, **meta)  # fmt: skip
+        _launch(
+            "fwd",
+            grid,
+            (
+                q,
+                k,
+                v,
+                rk,
+                rv,
+                index,
+                span,
+                mask,
+                kmask,
+                q_pos,
+                k_pos,
+                dst,
+                lse,
+                partial,
+                *q.stride()[:3],
+                *k.stride()[:3],
+                *v.stride()[:3],
+                *rk.stride()[:3],
+                *rv.stride()[:3],
+                *dst.stride()[:3],
+                float(params.scale),
+                C,
+                c_pad,
+                rk.shape[2],
+                Hkv,
+                window,
+            ),
+            d,
+            q.dtype,
+            interpret,
+            REP=rep,
+            HAS_KMASK=key_mask is not None,
+            HAS_REGION=has_region,
+            HAS_OWN=has_own,
+            HAS_PREV=has_prev,
+            SOFTCAP=_softcap(params),
+            HAS_WINDOW=has_window,
+            **meta,
+        )
     return out, lse
 
 
-def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, k_pos, window_args, params,
-                 interpret):
+def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, k_pos, window_args, params, interpret):
     """dK/dV of one shared region: the region kernel over each entry's rows, its work split for a full GPU (see
     ``prefix_dkdv_grid``) and the fp32 partial sums reduced in a fixed order. Returns ``(dregion_k, dregion_v)``
     contiguous, in the region's dtype; entries no row reads get 0. ``k_pos`` and ``window_args`` (see ``_window_args``):
@@ -1110,15 +1883,57 @@ def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, k_p
         part_k, part_v = drk, drv
     else:
         part_k, part_v = (torch.empty((n_split, U, Hkv, S, d), dtype=torch.float32, device=q.device) for _ in "kv")
-    _launch("bwd_dkdv_prefix", grid, (
-        q, region_k, region_v, rows, row_start, span, mask, q_pos, k_pos, dout, lse, delta, part_k, part_v,
-        *q.stride()[:3], *region_k.stride()[:3], *region_v.stride()[:3], *dout.stride()[:3], float(params.scale), C,
-        c_pad, S, Hkv, n_split, n_elems, window,
-    ), d, q.dtype, interpret, REP=rep, SOFTCAP=_softcap(params), HAS_WINDOW=has_window, **meta)
+    _launch(
+        "bwd_dkdv_prefix",
+        grid,
+        (
+            q,
+            region_k,
+            region_v,
+            rows,
+            row_start,
+            span,
+            mask,
+            q_pos,
+            k_pos,
+            dout,
+            lse,
+            delta,
+            part_k,
+            part_v,
+            *q.stride()[:3],
+            *region_k.stride()[:3],
+            *region_v.stride()[:3],
+            *dout.stride()[:3],
+            float(params.scale),
+            C,
+            c_pad,
+            S,
+            Hkv,
+            n_split,
+            n_elems,
+            window,
+        ),
+        d,
+        q.dtype,
+        interpret,
+        REP=rep,
+        SOFTCAP=_softcap(params),
+        HAS_WINDOW=has_window,
+        **meta,
+    )
     if n_split > 1:
         block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
-        _launch("bwd_prefix_reduce", (triton.cdiv(n_elems, block),), (part_k, part_v, drk, drv, n_elems, n_split),
-                d, q.dtype, interpret, BLOCK=block, EMULATE_BF16=meta["EMULATE_BF16"])
+        _launch(
+            "bwd_prefix_reduce",
+            (triton.cdiv(n_elems, block),),
+            (part_k, part_v, drk, drv, n_elems, n_split),
+            d,
+            q.dtype,
+            interpret,
+            BLOCK=block,
+            EMULATE_BF16=meta["EMULATE_BF16"],
+        )
     return drk, drv
 
 
@@ -1144,8 +1959,13 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     window_args = _window_args(positions, params, q)
     q_pos, window, has_window = window_args
     if B == 0 or C == 0:
-        dregions = [(torch.zeros(rk.shape, dtype=rk.dtype, device=rk.device),
-                     torch.zeros(rv.shape, dtype=rv.dtype, device=rv.device)) for rk, rv, _, _ in regions]
+        dregions = [
+            (
+                torch.zeros(rk.shape, dtype=rk.dtype, device=rk.device),
+                torch.zeros(rv.shape, dtype=rv.dtype, device=rv.device),
+            )
+            for rk, rv, _, _ in regions
+        ]
         return dq.zero_(), dk.zero_(), dv.zero_(), dregions
     _check_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, **_named_regions(regions, args))
     c_pad = _padded(C)
@@ -1157,30 +1977,122 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
 
     delta = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)
     meta = _tile_constexprs("bwd_delta", d, q.dtype, interpret)
-    _launch("bwd_delta", (triton.cdiv(C, meta["BLOCK_M"]), B * Hq), (
-        out, dout, delta, *out.stride()[:3], *do_s, C, c_pad, Hq,
-    ), d, q.dtype, interpret, HEAD_DIM=d, BLOCK_D0=meta["BLOCK_D0"], BLOCK_D1=meta["BLOCK_D1"],
-       BLOCK_M=meta["BLOCK_M"])
+    _launch(
+        "bwd_delta",
+        (triton.cdiv(C, meta["BLOCK_M"]), B * Hq),
+        (
+            out,
+            dout,
+            delta,
+            *out.stride()[:3],
+            *do_s,
+            C,
+            c_pad,
+            Hq,
+        ),
+        d,
+        q.dtype,
+        interpret,
+        HEAD_DIM=d,
+        BLOCK_D0=meta["BLOCK_D0"],
+        BLOCK_D1=meta["BLOCK_D1"],
+        BLOCK_M=meta["BLOCK_M"],
+    )
     plan = _launch_plan(regions)
     # the running dQ, fp32 with dq's strides (the kernel reads PREV with DQ's strides); rows reading none of the first
     # regions are not written before the last launch: start from zeros
-    partial = torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_() \
-        if len(plan) > 1 else dq
+    partial = (
+        torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_()
+        if len(plan) > 1
+        else dq
+    )
     meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret, params.softcap is not None, has_window)
     for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
         dst = dq if has_own else partial
-        _launch("bwd_dq", (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv), (
-            q, k, v, rk, rv, index, span, mask, kmask, q_pos, k_pos, dout, lse, delta, dst, partial,
-            *q_s, *k_s, *v_s, *rk.stride()[:3], *rv.stride()[:3], *do_s, *dst.stride()[:3], float(params.scale), C,
-            c_pad, rk.shape[2], Hkv, window,
-        ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, HAS_REGION=has_region, HAS_OWN=has_own,
-            HAS_PREV=has_prev, SOFTCAP=_softcap(params), HAS_WINDOW=has_window, **meta)  # fmt: skip
+        _launch(
+            "bwd_dq",
+            (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv),
+            (
+                q,
+                k,
+                v,
+                rk,
+                rv,
+                index,
+                span,
+                mask,
+                kmask,
+                q_pos,
+                k_pos,
+                dout,
+                lse,
+                delta,
+                dst,
+                partial,
+                *q_s,
+                *k_s,
+                *v_s,
+                *rk.stride()[:3],
+                *rv.stride()[:3],
+                *do_s,
+                *dst.stride()[:3],
+                float(params.scale),
+                C,
+                c_pad,
+                rk.shape[2],
+                Hkv,
+                window,
+            ),
+            d,
+            q.dtype,
+            interpret,
+            REP=rep,
+            HAS_KMASK=has_kmask,
+            HAS_REGION=has_region,
+            HAS_OWN=has_own,
+            HAS_PREV=has_prev,
+            SOFTCAP=_softcap(params),
+            HAS_WINDOW=has_window,
+            **meta,
+        )
     meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret, params.softcap is not None, has_window)
-    _launch("bwd_dkdv_completion", (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv), (
-        q, k, v, kmask, q_pos, dout, lse, delta, dk, dv,
-        *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], float(params.scale), C, c_pad, Hkv, window,
-    ), d, q.dtype, interpret, REP=rep, HAS_KMASK=has_kmask, SOFTCAP=_softcap(params), HAS_WINDOW=has_window,
-        **meta)  # fmt: skip
-    dregions = [_region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, k_pos, window_args, params, interpret)
-                for rk, rv, index, span, mask, k_pos in (args if regions else [])]
+    _launch(
+        "bwd_dkdv_completion",
+        (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv),
+        (
+            q,
+            k,
+            v,
+            kmask,
+            q_pos,
+            dout,
+            lse,
+            delta,
+            dk,
+            dv,
+            *q_s,
+            *k_s,
+            *v_s,
+            *do_s,
+            *dk.stride()[:3],
+            *dv.stride()[:3],
+            float(params.scale),
+            C,
+            c_pad,
+            Hkv,
+            window,
+        ),
+        d,
+        q.dtype,
+        interpret,
+        REP=rep,
+        HAS_KMASK=has_kmask,
+        SOFTCAP=_softcap(params),
+        HAS_WINDOW=has_window,
+        **meta,
+    )
+    dregions = [
+        _region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, k_pos, window_args, params, interpret)
+        for rk, rv, index, span, mask, k_pos in (args if regions else [])
+    ]
     return dq, dk, dv, dregions

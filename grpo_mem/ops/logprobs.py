@@ -71,12 +71,31 @@ def _register_fake_kernels() -> None:
         return tuple(hidden.new_empty((size,), dtype=f32) for size in (n, n if want_entropy else 0, n))
 
     @torch.library.register_fake("grpo_mem::linear_logprobs_bwd")
-    def _(hidden, weight, bias, target, lse, ent, g_lp, g_ent, scale, cap, inv_t, has_cap, need_dh, need_dw, need_db,
-          block_n, block_v):
+    def _(
+        hidden,
+        weight,
+        bias,
+        target,
+        lse,
+        ent,
+        g_lp,
+        g_ent,
+        scale,
+        cap,
+        inv_t,
+        has_cap,
+        need_dh,
+        need_dw,
+        need_db,
+        block_n,
+        block_v,
+    ):
         db_like = bias if bias is not None else weight
-        return (torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
-                torch.empty_like(weight) if need_dw else weight.new_empty((0,)),
-                torch.empty_like(db_like) if need_db and bias is not None else db_like.new_empty((0,)))
+        return (
+            torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
+            torch.empty_like(weight) if need_dw else weight.new_empty((0,)),
+            torch.empty_like(db_like) if need_db and bias is not None else db_like.new_empty((0,)),
+        )
 
     @torch.library.register_fake("grpo_mem::selective_log_softmax_fwd")
     def _(logits, target, inv_t, want_entropy, block_v):
@@ -287,8 +306,9 @@ def linear_logprobs_fwd_torch(hidden, weight, bias, target, p: LogprobParams):
     return finish_row_stats(m, s, sz, zy, target, want_entropy)
 
 
-def linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db,
-                              logp=None):
+def linear_logprobs_bwd_torch(
+    hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp=None
+):
     """Chunked torch backward (vocabulary outer, tokens inner: d_weight rows finish one vocabulary block at a time, so
     the fp32 accumulator is one (block_v, H) tile unless the weight is already fp32). Returns (dh, dw, db) in the
     inputs' dtypes, None where not needed (``logp`` unused: the triton backward's input)."""
@@ -302,7 +322,9 @@ def linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_en
         b = None if bias is None else _f32_rows(bias, v0, v1)
         dw_acc = None
         if need_dw:
-            dw_acc = dw[v0:v1] if dw.dtype == torch.float32 else torch.empty((v1 - v0, weight.shape[1]), device=w.device)
+            dw_acc = (
+                dw[v0:v1] if dw.dtype == torch.float32 else torch.empty((v1 - v0, weight.shape[1]), device=w.device)
+            )
             dw_acc.zero_()
         db_acc = torch.zeros(v1 - v0, device=w.device) if need_db else None
         for n0 in range(0, n_tok, TORCH_BLOCK_N):
@@ -339,19 +361,42 @@ def linear_logprobs_bwd_torch(hidden, weight, bias, target, lse, ent, g_lp, g_en
 def linear_logprobs_fwd_cpp(hidden, weight, bias, target, p: LogprobParams):
     """C++ forward (``torch.ops.grpo_mem.linear_logprobs_fwd``); returns as :func:`linear_logprobs_fwd_torch`."""
     logp, ent, lse = torch.ops.grpo_mem.linear_logprobs_fwd(
-        hidden, weight, bias, target, p.logit_scale, p.softcap or 0.0, p.inv_t, p.softcap is not None,
-        p.return_entropy, *_cpp_blocks(hidden.shape[0]),
+        hidden,
+        weight,
+        bias,
+        target,
+        p.logit_scale,
+        p.softcap or 0.0,
+        p.inv_t,
+        p.softcap is not None,
+        p.return_entropy,
+        *_cpp_blocks(hidden.shape[0]),
     )
     return logp, (ent if p.return_entropy else None), lse
 
 
-def linear_logprobs_bwd_cpp(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db,
-                            logp=None):
+def linear_logprobs_bwd_cpp(
+    hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp=None
+):
     """C++ backward (``torch.ops.grpo_mem.linear_logprobs_bwd``); returns as :func:`linear_logprobs_bwd_torch`
     (``logp`` unused)."""
     grads = torch.ops.grpo_mem.linear_logprobs_bwd(
-        hidden, weight, bias, target, lse, ent, g_lp, g_ent, p.logit_scale, p.softcap or 0.0, p.inv_t,
-        p.softcap is not None, need_dh, need_dw, need_db, *_cpp_blocks(hidden.shape[0]),
+        hidden,
+        weight,
+        bias,
+        target,
+        lse,
+        ent,
+        g_lp,
+        g_ent,
+        p.logit_scale,
+        p.softcap or 0.0,
+        p.inv_t,
+        p.softcap is not None,
+        need_dh,
+        need_dw,
+        need_db,
+        *_cpp_blocks(hidden.shape[0]),
     )
     return tuple(g if need else None for g, need in zip(grads, (need_dh, need_dw, need_db)))
 
@@ -394,8 +439,19 @@ class LinearLogprobsFunction(torch.autograd.Function):
         if (g_lp is None and g_ent is None) or not (need_dh or need_dw or need_db):
             return None, None, None, None, None
         dh, dw, db = LINEAR_BACKENDS[ctx.params.backend][1](
-            hidden, weight, bias, target, lse, ent, g_lp, g_ent, ctx.params, need_dh, need_dw,
-            need_db and bias is not None, logp,
+            hidden,
+            weight,
+            bias,
+            target,
+            lse,
+            ent,
+            g_lp,
+            g_ent,
+            ctx.params,
+            need_dh,
+            need_dw,
+            need_db and bias is not None,
+            logp,
         )
         return dh, dw, db, None, None
 
@@ -476,8 +532,9 @@ def linear_logprobs(
             unknown backend.
         BackendUnavailableError (a ValueError): an explicitly requested backend that cannot run here.
     """
-    temperature, logit_scale, softcap = _check_linear_inputs(hidden, weight, index, bias, temperature, logit_scale,
-                                                             softcap, ignore_index)  # fmt: skip
+    temperature, logit_scale, softcap = _check_linear_inputs(
+        hidden, weight, index, bias, temperature, logit_scale, softcap, ignore_index
+    )
     resolved = resolve("linear_logprobs", backend, hidden)
 
     # one compute dtype for the GEMM operands (autocast-style mixed inputs): cast differentiably outside the Function
@@ -516,16 +573,23 @@ def selective_log_softmax_bwd_torch(logits, target, lse, ent, g_lp, g_ent, p):
     for n0 in range(0, logits.shape[0], TORCH_BLOCK_N):
         sl = slice(n0, min(n0 + TORCH_BLOCK_N, logits.shape[0]))
         out[sl] = _grad_tile_torch(
-            logits[sl].float(), target[sl], 0, lse[sl], None if ent is None else ent[sl],
-            None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], p,
+            logits[sl].float(),
+            target[sl],
+            0,
+            lse[sl],
+            None if ent is None else ent[sl],
+            None if g_lp is None else g_lp[sl],
+            None if g_ent is None else g_ent[sl],
+            p,
         )
     return out
 
 
 def selective_log_softmax_fwd_cpp(logits, target, p: LogprobParams):
     """C++ forward (``torch.ops.grpo_mem.selective_log_softmax_fwd``); returns as the torch forward."""
-    logp, ent, lse = torch.ops.grpo_mem.selective_log_softmax_fwd(logits, target, p.inv_t, p.return_entropy,
-                                                                  CPP_BLOCK_V)
+    logp, ent, lse = torch.ops.grpo_mem.selective_log_softmax_fwd(
+        logits, target, p.inv_t, p.return_entropy, CPP_BLOCK_V
+    )
     return logp, (ent if p.return_entropy else None), lse
 
 
@@ -537,8 +601,10 @@ def selective_log_softmax_bwd_cpp(logits, target, lse, ent, g_lp, g_ent, p):
 SLS_BACKENDS = {
     "torch": (selective_log_softmax_fwd_torch, selective_log_softmax_bwd_torch),
     "cpp": (selective_log_softmax_fwd_cpp, selective_log_softmax_bwd_cpp),
-    "triton": (lazy("logprobs_triton", "selective_log_softmax_fwd"),
-               lazy("logprobs_triton", "selective_log_softmax_bwd")),
+    "triton": (
+        lazy("logprobs_triton", "selective_log_softmax_fwd"),
+        lazy("logprobs_triton", "selective_log_softmax_bwd"),
+    ),
 }
 """Backend name -> ``(forward, backward)`` of :func:`selective_log_softmax`: ``forward(logits, target, params)`` ->
 ``(logp, entropy or None, lse)``; ``backward(logits, target, lse, ent, g_lp, g_ent, params)`` -> d_logits."""
@@ -598,7 +664,9 @@ def selective_log_softmax(
     if not isinstance(logits, torch.Tensor) or not isinstance(index, torch.Tensor):
         raise TypeError(f"logits and index must be tensors, got {type(logits).__name__} and {type(index).__name__}")
     if logits.dim() < 1 or logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"logits must be (..., V) fp32, bf16 or fp16, got {logits.dtype} of shape {tuple(logits.shape)}")
+        raise TypeError(
+            f"logits must be (..., V) fp32, bf16 or fp16, got {logits.dtype} of shape {tuple(logits.shape)}"
+        )
     if index.shape != logits.shape[:-1]:
         raise ValueError(f"index must have shape {tuple(logits.shape[:-1])}, got {tuple(index.shape)}")
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:

@@ -99,9 +99,20 @@ SLS_INTERPRET_CONFIG = dict(BLOCK_V=128, num_warps=4, num_stages=1)
 
 @triton.jit
 def _logits_tile(
-    H_BLK, W_BLK, B_BLK, n_rows, n_cols, H, stride_hn, stride_wv,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    H_BLK,
+    W_BLK,
+    B_BLK,
+    n_rows,
+    n_cols,
+    H,
+    stride_hn,
+    stride_wv,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # (BLOCK_N, BLOCK_V) fp32 tile of h W^T + b (pre-scale logits) for the block whose first hidden row is H_BLK and
     # first weight row is W_BLK (64-bit scalar bases; in-block offsets stay 32-bit). Masked entries hold finite junk.
@@ -155,8 +166,9 @@ def _fold(z, valid, m, s, sz, HAS_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _dlogits(a, is_y, lse, ent, glp, gent, lp_y, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr,
-             HAS_LP_Y: tl.constexpr):
+def _dlogits(
+    a, is_y, lse, ent, glp, gent, lp_y, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr, HAS_LP_Y: tl.constexpr
+):
     # d(sum glp*logp + gent*H)/d(a) for a pre-scale tile a, fp32; is_y marks the target entries and the per-row
     # lse, ent, glp, gent (and lp_y, the forward's saved log-prob) come broadcastable to a (rows on axis 0, or on
     # axis 1 for a transposed tile). Rows with glp = gent = 0 give 0.
@@ -193,8 +205,20 @@ def _transform(a, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0,
-               HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _row_grads(
+    TARGET,
+    LSE,
+    ENT,
+    GLP,
+    GENT,
+    LOGP,
+    n0,
+    n_rows,
+    v0,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     # per-row saved statistics and upstream gradients of rows [n0, n0 + n_rows); target made tile-local to v0
     r = tl.arange(0, BLOCK_N)
     r_in = r < n_rows
@@ -215,12 +239,31 @@ def _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0,
 
 @triton.jit
 def _linear_logprobs_fwd_kernel(
-    HIDDEN, WEIGHT, BIAS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT,
-    N, V, H, stride_hn, stride_wv, V_PER_SPLIT,
-    scale, softcap, inv_t,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+    HIDDEN,
+    WEIGHT,
+    BIAS,
+    TARGET,
+    M_OUT,
+    S_OUT,
+    SZ_OUT,
+    ZY_OUT,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_wv,
+    V_PER_SPLIT,
+    scale,
+    softcap,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
@@ -240,8 +283,22 @@ def _linear_logprobs_fwd_kernel(
     h_blk = HIDDEN + n0 * stride_hn
     for v0 in range(v_begin, v_end, BLOCK_V):
         n_cols = tl.minimum(v_end - v0, BLOCK_V).to(tl.int32)
-        a = _logits_tile(h_blk, WEIGHT + v0 * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
-                         stride_wv, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+        a = _logits_tile(
+            h_blk,
+            WEIGHT + v0 * stride_wv,
+            BIAS + v0,
+            n_rows,
+            n_cols,
+            H,
+            stride_hn,
+            stride_wv,
+            HAS_BIAS,
+            PRECISION,
+            UPCAST,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
+        )
         c = tl.arange(0, BLOCK_V)
         valid = (c < n_cols)[None, :]
         z = tl.where(valid, _transform(a, scale, softcap, inv_t, HAS_SOFTCAP), float("-inf"))  # -inf tail, not 0
@@ -273,12 +330,39 @@ def _grouped_tile(pid, n_a, n_b, GROUP: tl.constexpr):
 
 @triton.jit
 def _linear_logprobs_bwd_dlogits_kernel(
-    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, LOGP, DLOGITS, DB_PART,
-    N, V_CHUNK, V_OFF, H, stride_hn, stride_wv, stride_dn, stride_db,
-    scale, softcap, inv_t,
-    HAS_BIAS: tl.constexpr, HAS_DB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+    HIDDEN,
+    WEIGHT,
+    BIAS,
+    TARGET,
+    LSE,
+    ENT,
+    GLP,
+    GENT,
+    LOGP,
+    DLOGITS,
+    DB_PART,
+    N,
+    V_CHUNK,
+    V_OFF,
+    H,
+    stride_hn,
+    stride_wv,
+    stride_dn,
+    stride_db,
+    scale,
+    softcap,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     # One (BLOCK_N, BLOCK_V) tile of the vocabulary chunk [V_OFF, V_OFF + V_CHUNK): WEIGHT / BIAS point at the chunk's
     # first row. Recomputes the logits (GEMM over H, fp32 accumulator), forms d_logits in fp32 and stores it once,
@@ -296,27 +380,67 @@ def _linear_logprobs_bwd_dlogits_kernel(
     c = tl.arange(0, BLOCK_V)
     r_in = r < n_rows
     c_in = c < n_cols
-    a = _logits_tile(HIDDEN + n0 * stride_hn, WEIGHT + v0 * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn,
-                     stride_wv, HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-    local, lse, ent, glp, gent, lp_y = _row_grads(TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, V_OFF + v0, HAS_GLP,
-                                                  HAS_GENT, BLOCK_N)
+    a = _logits_tile(
+        HIDDEN + n0 * stride_hn,
+        WEIGHT + v0 * stride_wv,
+        BIAS + v0,
+        n_rows,
+        n_cols,
+        H,
+        stride_hn,
+        stride_wv,
+        HAS_BIAS,
+        PRECISION,
+        UPCAST,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_H,
+    )
+    local, lse, ent, glp, gent, lp_y = _row_grads(
+        TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, V_OFF + v0, HAS_GLP, HAS_GENT, BLOCK_N
+    )
     is_y = c[None, :] == local[:, None]
-    da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lp_y[:, None], scale,
-                  softcap, inv_t, HAS_SOFTCAP, True)
+    da = _dlogits(
+        a,
+        is_y,
+        lse[:, None],
+        ent[:, None],
+        glp[:, None],
+        gent[:, None],
+        lp_y[:, None],
+        scale,
+        softcap,
+        inv_t,
+        HAS_SOFTCAP,
+        True,
+    )
     msk = r_in[:, None] & c_in[None, :]
     da = tl.where(msk, da, 0.0)
     if HAS_DB:
         tl.store(DB_PART + nb * stride_db + v0 + c, tl.sum(da, axis=0), mask=c_in)
-    tl.store(DLOGITS + n0 * stride_dn + v0 + (r[:, None] * stride_dn + c[None, :]),
-             da.to(DLOGITS.dtype.element_ty), mask=msk)
+    tl.store(
+        DLOGITS + n0 * stride_dn + v0 + (r[:, None] * stride_dn + c[None, :]), da.to(DLOGITS.dtype.element_ty), mask=msk
+    )
 
 
 @triton.jit
 def _linear_logprobs_bwd_dh_kernel(
-    DLOGITS, WEIGHT, DH_ACC, DH_OUT,
-    N, V_CHUNK, H, stride_dn, stride_wv,
-    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+    DLOGITS,
+    WEIGHT,
+    DH_ACC,
+    DH_OUT,
+    N,
+    V_CHUNK,
+    H,
+    stride_dn,
+    stride_wv,
+    ACCUMULATE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     # d_hidden[n-block, h-block] (+)= d_logits[n-block, chunk] @ W[chunk, h-block]: a plain GEMM whose fp32 output tile
     # stays in registers over the whole chunk and is written once. ACCUMULATE adds the fp32 (N, H) DH_ACC of the
@@ -337,10 +461,12 @@ def _linear_logprobs_bwd_dh_kernel(
     for v_start in range(0, V_CHUNK, BLOCK_V):
         v = tl.cast(v_start, tl.int64)
         c_in = c < (V_CHUNK - v).to(tl.int32)
-        da = tl.load(d_blk + v + (r[:, None] * stride_dn + c[None, :]), mask=r_in[:, None] & c_in[None, :],
-                     other=0.0)
-        w = tl.load(w_blk + v * stride_wv + (c[:, None] * stride_wv + ks[None, :]), mask=c_in[:, None] & k_in[None, :],
-                    other=0.0)
+        da = tl.load(d_blk + v + (r[:, None] * stride_dn + c[None, :]), mask=r_in[:, None] & c_in[None, :], other=0.0)
+        w = tl.load(
+            w_blk + v * stride_wv + (c[:, None] * stride_wv + ks[None, :]),
+            mask=c_in[:, None] & k_in[None, :],
+            other=0.0,
+        )
         if UPCAST:
             da = da.to(tl.float32)
             w = w.to(tl.float32)
@@ -356,10 +482,20 @@ def _linear_logprobs_bwd_dh_kernel(
 
 @triton.jit
 def _linear_logprobs_bwd_dw_kernel(
-    DLOGITS, HIDDEN, DW,
-    N, V_CHUNK, H, stride_dn, stride_hn,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+    DLOGITS,
+    HIDDEN,
+    DW,
+    N,
+    V_CHUNK,
+    H,
+    stride_dn,
+    stride_hn,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     # d_weight[chunk v-block, h-block] = d_logits[:, v-block]^T @ hidden[:, h-block]: the fp32 output tile stays in
     # registers over all N rows and is stored once, rounded to DW's dtype (DW points at the chunk's first row).
@@ -380,22 +516,38 @@ def _linear_logprobs_bwd_dw_kernel(
         n = tl.cast(n_start, tl.int64)
         r_in = r < (N - n).to(tl.int32)
         # d_logits^T tile (BLOCK_V, BLOCK_N) read straight from the row-major buffer
-        da_t = tl.load(d_blk + n * stride_dn + (c[:, None] + r[None, :] * stride_dn),
-                       mask=c_in[:, None] & r_in[None, :], other=0.0)
-        h = tl.load(h_blk + n * stride_hn + (r[:, None] * stride_hn + ks[None, :]), mask=r_in[:, None] & k_in[None, :],
-                    other=0.0)
+        da_t = tl.load(
+            d_blk + n * stride_dn + (c[:, None] + r[None, :] * stride_dn), mask=c_in[:, None] & r_in[None, :], other=0.0
+        )
+        h = tl.load(
+            h_blk + n * stride_hn + (r[:, None] * stride_hn + ks[None, :]),
+            mask=r_in[:, None] & k_in[None, :],
+            other=0.0,
+        )
         if UPCAST:
             da_t = da_t.to(tl.float32)
             h = h.to(tl.float32)
         acc = tl.dot(da_t, h, acc, input_precision=PRECISION)
-    tl.store(DW + v0 * H + k0 + (c[:, None] * H + ks[None, :]), acc.to(DW.dtype.element_ty),
-             mask=c_in[:, None] & k_in[None, :])
+    tl.store(
+        DW + v0 * H + k0 + (c[:, None] * H + ks[None, :]),
+        acc.to(DW.dtype.element_ty),
+        mask=c_in[:, None] & k_in[None, :],
+    )
 
 
 @triton.jit
 def _selective_log_softmax_fwd_kernel(
-    LOGITS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT, V, stride_n, inv_t,
-    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS,
+    TARGET,
+    M_OUT,
+    S_OUT,
+    SZ_OUT,
+    ZY_OUT,
+    V,
+    stride_n,
+    inv_t,
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     # one program per row; statistics as in _linear_logprobs_fwd_kernel with a (1, BLOCK_V) tile
     inv_t = tl.cast(inv_t, tl.float32)
@@ -422,8 +574,19 @@ def _selective_log_softmax_fwd_kernel(
 
 @triton.jit
 def _selective_log_softmax_bwd_kernel(
-    LOGITS, DLOGITS, TARGET, LSE, ENT, GLP, GENT, V, stride_n, inv_t,
-    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS,
+    DLOGITS,
+    TARGET,
+    LSE,
+    ENT,
+    GLP,
+    GENT,
+    V,
+    stride_n,
+    inv_t,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     inv_t = tl.cast(inv_t, tl.float32)
     row = tl.program_id(0).to(tl.int64)
@@ -443,8 +606,9 @@ def _selective_log_softmax_bwd_kernel(
         ent = tl.load(ENT + row + one)
     a = tl.load(LOGITS + (row * stride_n + col0) + c[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
     is_y = c[None, :] == (tgt - col0)[:, None]
-    da = _dlogits(a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lse[:, None], 1.0, 1.0, inv_t,
-                  False, False)
+    da = _dlogits(
+        a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lse[:, None], 1.0, 1.0, inv_t, False, False
+    )
     tl.store(DLOGITS + (row * stride_n + col0) + c[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
 
 
@@ -526,12 +690,33 @@ def linear_logprobs_fwd(hidden, weight, bias, target, p):
     (scale, softcap, inv_t), has_cap = _common(hidden, weight, p)
     with launch_device(hidden):
         _linear_logprobs_fwd_kernel[(n_blocks, splits)](
-            hidden, weight, bias if bias is not None else weight, target, m, s, sz, zy,
-            n_tok, vocab, hid, hidden.stride(0), weight.stride(0), per,
-            scale, softcap, inv_t,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=has_cap, HAS_ENTROPY=p.return_entropy,
-            PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), BLOCK_N=bn, BLOCK_V=bv,
-            BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            hidden,
+            weight,
+            bias if bias is not None else weight,
+            target,
+            m,
+            s,
+            sz,
+            zy,
+            n_tok,
+            vocab,
+            hid,
+            hidden.stride(0),
+            weight.stride(0),
+            per,
+            scale,
+            softcap,
+            inv_t,
+            HAS_BIAS=bias is not None,
+            HAS_SOFTCAP=has_cap,
+            HAS_ENTROPY=p.return_entropy,
+            PRECISION=_precision(hidden.dtype),
+            UPCAST=_upcast(hidden),
+            BLOCK_N=bn,
+            BLOCK_V=bv,
+            BLOCK_H=cfg["BLOCK_H"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     m_all, s_all, sz_all, zy_all = _merge_splits(m, s, sz if p.return_entropy else None, zy)
     return finish_row_stats(m_all, s_all, sz_all, zy_all, target, p.return_entropy)
@@ -570,8 +755,11 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
     vocab = weight.shape[0]
     dev = hidden.device
     if n_tok == 0:  # no rows: zero gradients, no launch (an empty grid is not launchable)
-        return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
-                torch.zeros_like(bias) if need_db else None)
+        return (
+            torch.zeros_like(hidden) if need_dh else None,
+            torch.zeros_like(weight) if need_dw else None,
+            torch.zeros_like(bias) if need_db else None,
+        )
     cfg_dl = _config(dev, hidden.dtype, "linear_logprobs_bwd_dlogits")
     cfg_dh = _config(dev, hidden.dtype, "linear_logprobs_bwd_dh")
     cfg_dw = _config(dev, hidden.dtype, "linear_logprobs_bwd_dw")
@@ -586,8 +774,7 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
     if need_dh:
         dh = torch.empty_like(hidden)
         if n_chunks > 1:
-            dh_acc = dh if hidden.dtype == torch.float32 else torch.empty(hidden.shape, device=dev,
-                                                                          dtype=torch.float32)
+            dh_acc = dh if hidden.dtype == torch.float32 else torch.empty(hidden.shape, device=dev, dtype=torch.float32)
     if need_dw:
         dw = torch.empty_like(weight)
     if need_db:
@@ -605,27 +792,69 @@ def linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, 
             v_lo = i * chunk
             w_c = min(chunk, vocab - v_lo)
             _linear_logprobs_bwd_dlogits_kernel[grid(cfg_dl, n_tok, w_c, "BLOCK_N", "BLOCK_V")](
-                hidden, weight[v_lo:], bias[v_lo:] if bias is not None else weight, target, lse,
-                ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
-                g_ent if g_ent is not None else dummy, logp, dlogits, db_part if need_db else dummy,
-                n_tok, w_c, v_lo, hid, hidden.stride(0), weight.stride(0), dlogits.stride(0), width,
-                scale, softcap, inv_t,
-                HAS_BIAS=bias is not None, HAS_DB=need_db, HAS_SOFTCAP=has_cap, HAS_GLP=g_lp is not None,
-                HAS_GENT=g_ent is not None, PRECISION=precision, UPCAST=upcast, **launch_opts(cfg_dl),
+                hidden,
+                weight[v_lo:],
+                bias[v_lo:] if bias is not None else weight,
+                target,
+                lse,
+                ent if ent is not None else dummy,
+                g_lp if g_lp is not None else dummy,
+                g_ent if g_ent is not None else dummy,
+                logp,
+                dlogits,
+                db_part if need_db else dummy,
+                n_tok,
+                w_c,
+                v_lo,
+                hid,
+                hidden.stride(0),
+                weight.stride(0),
+                dlogits.stride(0),
+                width,
+                scale,
+                softcap,
+                inv_t,
+                HAS_BIAS=bias is not None,
+                HAS_DB=need_db,
+                HAS_SOFTCAP=has_cap,
+                HAS_GLP=g_lp is not None,
+                HAS_GENT=g_ent is not None,
+                PRECISION=precision,
+                UPCAST=upcast,
+                **launch_opts(cfg_dl),
             )
             if need_db:  # fixed-order reduction of the row-block partial sums
-                db[v_lo:v_lo + w_c] = db_part[:, :w_c].sum(0)
+                db[v_lo : v_lo + w_c] = db_part[:, :w_c].sum(0)
             if need_dh:
                 last = i == n_chunks - 1
                 _linear_logprobs_bwd_dh_kernel[grid(cfg_dh, n_tok, hid, "BLOCK_N", "BLOCK_H")](
-                    dlogits, weight[v_lo:], dh_acc if i > 0 else dh, dh if last else dh_acc,
-                    n_tok, w_c, hid, dlogits.stride(0), weight.stride(0),
-                    ACCUMULATE=i > 0, PRECISION=precision, UPCAST=upcast, **launch_opts(cfg_dh),
+                    dlogits,
+                    weight[v_lo:],
+                    dh_acc if i > 0 else dh,
+                    dh if last else dh_acc,
+                    n_tok,
+                    w_c,
+                    hid,
+                    dlogits.stride(0),
+                    weight.stride(0),
+                    ACCUMULATE=i > 0,
+                    PRECISION=precision,
+                    UPCAST=upcast,
+                    **launch_opts(cfg_dh),
                 )
             if need_dw:
                 _linear_logprobs_bwd_dw_kernel[grid(cfg_dw, w_c, hid, "BLOCK_V", "BLOCK_H")](
-                    dlogits, hidden, dw[v_lo:], n_tok, w_c, hid, dlogits.stride(0), hidden.stride(0),
-                    PRECISION=precision, UPCAST=upcast, **launch_opts(cfg_dw),
+                    dlogits,
+                    hidden,
+                    dw[v_lo:],
+                    n_tok,
+                    w_c,
+                    hid,
+                    dlogits.stride(0),
+                    hidden.stride(0),
+                    PRECISION=precision,
+                    UPCAST=upcast,
+                    **launch_opts(cfg_dw),
                 )
     if need_db:
         db = db.to(bias.dtype)
@@ -641,8 +870,18 @@ def selective_log_softmax_fwd(logits, target, p):
     if n_tok:
         with launch_device(logits):
             _selective_log_softmax_fwd_kernel[(n_tok,)](
-                logits, target, m, s, sz, zy, vocab, logits.stride(0), float(p.inv_t),
-                HAS_ENTROPY=p.return_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+                logits,
+                target,
+                m,
+                s,
+                sz,
+                zy,
+                vocab,
+                logits.stride(0),
+                float(p.inv_t),
+                HAS_ENTROPY=p.return_entropy,
+                BLOCK_V=cfg["BLOCK_V"],
+                num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
             )
     if not p.return_entropy:
@@ -659,17 +898,31 @@ def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
     if n_tok:
         with launch_device(logits):
             _selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
-                logits, out, target, lse, ent if ent is not None else dummy, g_lp if g_lp is not None else dummy,
-                g_ent if g_ent is not None else dummy, vocab, logits.stride(0), float(p.inv_t),
-                HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_V=cfg["BLOCK_V"],
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                logits,
+                out,
+                target,
+                lse,
+                ent if ent is not None else dummy,
+                g_lp if g_lp is not None else dummy,
+                g_ent if g_ent is not None else dummy,
+                vocab,
+                logits.stride(0),
+                float(p.inv_t),
+                HAS_GLP=g_lp is not None,
+                HAS_GENT=g_ent is not None,
+                BLOCK_V=cfg["BLOCK_V"],
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
             )
     return out
 
 
 SHIPPED_CONFIGS = {
-    (name, dtype): (dict(SLS_CUDA_CONFIG) if name.startswith("selective") else
-                    dict(CUDA_CONFIGS["fp32" if dtype == torch.float32 else "lowp"][name]))
+    (name, dtype): (
+        dict(SLS_CUDA_CONFIG)
+        if name.startswith("selective")
+        else dict(CUDA_CONFIGS["fp32" if dtype == torch.float32 else "lowp"][name])
+    )
     for name in KERNELS
     for dtype in (torch.bfloat16, torch.float16, torch.float32)
 }

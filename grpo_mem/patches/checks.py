@@ -16,19 +16,43 @@ KNOWN_BAD_TRL: dict[tuple[int, ...], str] = {}
 LOGPS_METHOD = "_get_per_token_logps_and_entropies"
 PREPARE_METHOD = "_prepare_inputs"
 LOGPS_PARAMS = (
-    "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-    "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-)  # fmt: skip
+    "self",
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 PREPARE_PARAMS = ("self", "generation_batch")
 # TRL 1.10-1.13 with use_liger_kernel: compute_loss -> compute_liger_loss, which takes the policy's final hidden states
 # at the completion positions from this method and hands them to its fused linear GRPO loss. 1.14+ have no such path.
 LIGER_LOSS_METHOD = "compute_liger_loss"
 HIDDEN_METHOD = "_get_last_hidden_state"
 HIDDEN_PARAMS = (
-    "self", "unwrapped_model", "input_ids", "attention_mask", "logits_to_keep", "pixel_values", "image_grid_thw",
-    "pixel_attention_mask", "spatial_shapes", "image_sizes", "image_position_ids",
-)  # fmt: skip
+    "self",
+    "unwrapped_model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "image_position_ids",
+)
 _MARK = "__grpo_mem_patch__"
 # TRL 1.14.x: _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kwargs)
 # only dispatches, to this method (or, with use_liger_kernel, to _chunked_logps, which takes the same arguments but

@@ -44,14 +44,29 @@ from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
 from ..model.support import warn_fallback
 from .checks import (
-    _MARK, HIDDEN_METHOD, HIDDEN_PARAMS, LOGPS_METHOD, LOGPS_PARAMS, PREPARE_METHOD, PREPARE_PARAMS, check_signature,
-    check_trainer_attrs, check_trl_version, liger_support,
-)  # fmt: skip
+    _MARK,
+    HIDDEN_METHOD,
+    HIDDEN_PARAMS,
+    LOGPS_METHOD,
+    LOGPS_PARAMS,
+    PREPARE_METHOD,
+    PREPARE_PARAMS,
+    check_signature,
+    check_trainer_attrs,
+    check_trl_version,
+    liger_support,
+)
 
 METRIC_PREFIX = "grpo_mem/"
 # the scoring method's other multimodal arguments (a buffered batch holding one is scored by TRL's own method)
-_OTHER_INPUTS = ("pixel_attention_mask", "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
-                 "image_position_ids")  # fmt: skip
+_OTHER_INPUTS = (
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "image_position_ids",
+)
 PATHS = ("tree", "group", "stock")
 
 
@@ -104,9 +119,16 @@ def patched_logps_method(original, handle: PatchHandle):
     """The patched ``_get_per_token_logps_and_entropies`` around TRL's ``original``, keeping its state on ``handle``."""
 
     def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **extras,
-    ):  # fmt: skip
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **extras,
+    ):
         cause = input_cause(extras)  # inputs the prompt-once path does not take: TRL's own method scores them
         B = input_ids.size(0)
         # inputs the prompt-once path does not take: the call is one decision, scored by TRL whole (it slices them)
@@ -114,31 +136,61 @@ def patched_logps_method(original, handle: PatchHandle):
         session = handle.session(self)
         handle.models.add(unwrap_causal_lm(model))
         training = torch.is_grad_enabled() and model.training
-        options = dict(temperature=self.temperature, compute_entropy=compute_entropy,
-                       cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)))  # fmt: skip
+        options = dict(
+            temperature=self.temperature,
+            compute_entropy=compute_entropy,
+            cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+        )
         all_logps, all_entropies, all_aux = [], [], []
-        prompts = dict(prompt_ids=input_ids[:, : input_ids.shape[1] - logits_to_keep],
-                       image_token=image_token_id(unwrap_causal_lm(model)))  # locate images by their token id
+        prompts = dict(
+            prompt_ids=input_ids[:, : input_ids.shape[1] - logits_to_keep],
+            image_token=image_token_id(unwrap_causal_lm(model)),
+        )  # locate images by their token id
         for start in range(0, B, step):
             ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
             chunk_size = batch_size if cause is not None else ids.shape[0]
-            vision = None if cause is not None else VisionInputs.of_chunk(extras, start, start + ids.shape[0], B,
-                                                                          **prompts)  # fmt: skip
+            vision = (
+                None if cause is not None else VisionInputs.of_chunk(extras, start, start + ids.shape[0], B, **prompts)
+            )
             chunk_extras = extras if vision is None else vision.as_kwargs()
 
             def stock(ids=ids, mask=mask, chunk_size=chunk_size, chunk_extras=chunk_extras):
-                out = original(self, model, ids, mask, logits_to_keep, batch_size=chunk_size,
-                               compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
-                               **chunk_extras)  # fmt: skip
+                out = original(
+                    self,
+                    model,
+                    ids,
+                    mask,
+                    logits_to_keep,
+                    batch_size=chunk_size,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
+                    **chunk_extras,
+                )
                 return out[0], out[1], (out[2] if len(out) > 2 else None)
 
-            decision = session.decide(model, ids, mask, logits_to_keep, temperature=self.temperature, cause=cause,
-                                      stock_available=True, compute_aux_loss=compute_aux_loss,
-                                      vision=vision)  # fmt: skip
+            decision = session.decide(
+                model,
+                ids,
+                mask,
+                logits_to_keep,
+                temperature=self.temperature,
+                cause=cause,
+                stock_available=True,
+                compute_aux_loss=compute_aux_loss,
+                vision=vision,
+            )
             autocast = self.accelerator.autocast() if decision.path != "stock" else contextlib.nullcontext()
             with autocast:
-                out = session.run(decision, model, ids, mask, logits_to_keep, **options,
-                                  compute_aux_loss=compute_aux_loss, stock=stock)  # fmt: skip
+                out = session.run(
+                    decision,
+                    model,
+                    ids,
+                    mask,
+                    logits_to_keep,
+                    **options,
+                    compute_aux_loss=compute_aux_loss,
+                    stock=stock,
+                )
             if training and handle.log_metrics:
                 log_decision(self, decision)
             all_logps.append(out[0])
@@ -171,11 +223,23 @@ def patched_hidden_method(original, handle: PatchHandle):
         model = wrapped if wrapped is not None and unwrap_causal_lm(wrapped) is causal_lm else unwrapped_model
         used = sorted(k for k, v in extras.items() if v is not None)  # image prompts: not on this path yet
         cause = f"multimodal inputs {used} on TRL's Liger hidden-state path" if used else None
-        decision = session.decide(model, input_ids, attention_mask, logits_to_keep, temperature=self.temperature,
-                                  cause=cause, stock_available=True)  # fmt: skip
-        hidden = session.run_hidden(decision, unwrapped_model, input_ids, attention_mask, logits_to_keep,
-                                    stock=lambda: original(self, unwrapped_model, input_ids, attention_mask,
-                                                           logits_to_keep, **extras))  # fmt: skip
+        decision = session.decide(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            temperature=self.temperature,
+            cause=cause,
+            stock_available=True,
+        )
+        hidden = session.run_hidden(
+            decision,
+            unwrapped_model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            stock=lambda: original(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **extras),
+        )
         if torch.is_grad_enabled() and unwrapped_model.training and handle.log_metrics:
             log_decision(self, decision)
         return hidden
@@ -266,8 +330,9 @@ class PatchHandle:
         active: False once reverted.
     """
 
-    def __init__(self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True,
-                 confirm: bool | None = None):  # fmt: skip
+    def __init__(
+        self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True, confirm: bool | None = None
+    ):
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -335,16 +400,21 @@ _ACTIVE: dict = {}
 def active_handle(trainer) -> PatchHandle | None:
     """The active ``PatchHandle`` whose patch covers ``trainer`` (its class or the instance), or None."""
     for handle in _ACTIVE.values():
-        if any(owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner))
-               for owner, _, _ in handle._entries):  # fmt: skip
+        if any(
+            owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner))
+            for owner, _, _ in handle._entries
+        ):
             return handle
     return None
 
 
 def _differences(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None) -> str:
-    """"" if ``handle`` has these options, else what differs: ``"sharing='tree', got sharing='group'"``."""
-    differ = [(name, getattr(handle, name), value) for name, value in (("sharing", sharing),
-              ("group_shuffle", group_shuffle), ("confirm", confirm)) if getattr(handle, name) != value]  # fmt: skip
+    """ "" if ``handle`` has these options, else what differs: ``"sharing='tree', got sharing='group'"``."""
+    differ = [
+        (name, getattr(handle, name), value)
+        for name, value in (("sharing", sharing), ("group_shuffle", group_shuffle), ("confirm", confirm))
+        if getattr(handle, name) != value
+    ]
     return "; ".join(f"{name}={old!r}, got {name}={new!r}" for name, old, new in differ)
 
 
@@ -355,8 +425,10 @@ def _repatch(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bo
     if not differ:
         return handle
     if any(session.in_window or session.pending for session in handle.sessions.values()):
-        raise ValueError(f"the patch of {', '.join(handle.targets)} has {differ}, and a sharing window is open "
-                         "(mid-step): call patch_trl again between optimizer steps, or revert the handle first")
+        raise ValueError(
+            f"the patch of {', '.join(handle.targets)} has {differ}, and a sharing window is open "
+            "(mid-step): call patch_trl again between optimizer steps, or revert the handle first"
+        )
     handle.group_shuffle, handle.sharing, handle.confirm = group_shuffle, sharing, confirm
     handle.sessions.clear()
     return handle
@@ -368,8 +440,9 @@ def _default_targets():
     return [trl.GRPOTrainer, trl.RLOOTrainer]
 
 
-def patch_trl(target=None, *, group_shuffle: bool = False, sharing: str = "tree",
-              confirm: bool | None = None) -> PatchHandle:
+def patch_trl(
+    target=None, *, group_shuffle: bool = False, sharing: str = "tree", confirm: bool | None = None
+) -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
     Args:

@@ -107,8 +107,9 @@ def error_stats(err: torch.Tensor) -> dict[str, float]:
     return {"max": float(err.max()), "rms": float(err.pow(2).mean().sqrt()), "mean": float(err.mean())}
 
 
-def within_stock_error(err_ours: torch.Tensor, err_stock: torch.Tensor, *, tol: float = BF16_STAT_TOL,
-                       max_factor: float = BF16_MAX_FACTOR) -> tuple[bool, str]:  # fmt: skip
+def within_stock_error(
+    err_ours: torch.Tensor, err_stock: torch.Tensor, *, tol: float = BF16_STAT_TOL, max_factor: float = BF16_MAX_FACTOR
+) -> tuple[bool, str]:
     """Criterion on one tensor: with errors ``err_ours``, ``err_stock`` (the same shape, any dtype) against a truth
     of higher precision (fp32 for bf16/fp16 runs, fp64 for fp32 runs), grpo_mem's RMS and mean error within stock's
     + ``tol`` and its max within ``max_factor`` x stock's + ``tol`` (defaults: the bf16 bounds).
@@ -144,8 +145,9 @@ def grad_errors(grads: dict, ref: dict) -> tuple[float, str, float, dict[str, fl
     return (total_diff**0.5) / max(total_ref**0.5, 1e-30), worst, per.get(worst, 0.0), per
 
 
-def grad_within_stock_error(ours: dict[str, float], stock: dict[str, float], *, tol: float = BF16_GRAD_TOL,
-                            factor: float = 1.0) -> tuple[bool, str, float]:  # fmt: skip
+def grad_within_stock_error(
+    ours: dict[str, float], stock: dict[str, float], *, tol: float = BF16_GRAD_TOL, factor: float = 1.0
+) -> tuple[bool, str, float]:
     """Gradient criterion: per parameter, grpo_mem's relative error against the truth within ``factor`` x stock's +
     ``tol`` (defaults: the bf16 bound, stock's + ``BF16_GRAD_TOL``). ``ours``/``stock``: {name: relative error}
     (``grad_errors``' last return). Returns (ok, the parameter with the largest excess over ``factor`` x stock's,
@@ -481,9 +483,17 @@ def _score(fn, setup: _Setup, entropy_coef, before_call=None, after_call=None, b
         # < 1.15's method enters no autocast itself; 1.15+ enters the same one again inside); backward outside any
         # autocast, as in training, also when verify is called inside one
         with self_obj.accelerator.autocast(), torch.set_grad_enabled(backward):
-            logps, ent, aux = fn(self_obj, model, ids[lo:hi], mask[lo:hi], C, batch_size=hi - lo,
-                                 compute_entropy=True, compute_aux_loss=setup.aux_coef != 0.0,
-                                 **setup.extras)  # fmt: skip
+            logps, ent, aux = fn(
+                self_obj,
+                model,
+                ids[lo:hi],
+                mask[lo:hi],
+                C,
+                batch_size=hi - lo,
+                compute_entropy=True,
+                compute_aux_loss=setup.aux_coef != 0.0,
+                **setup.extras,
+            )
         if after_call is not None:
             after_call()
         acc = torch.float64 if logps.dtype == torch.float64 else torch.float32  # the fp64 truth stays fp64
@@ -491,8 +501,7 @@ def _score(fn, setup: _Setup, entropy_coef, before_call=None, after_call=None, b
             m, (a, n_tok) = loss_mask[lo:hi].to(acc), setup.weights
             if entropy_coef is None:
                 entropy_coef = ENTROPY_COEF if ent.requires_grad else 0.0
-            loss = (-(a[lo:hi, None] * m * logps.to(acc)).sum() / n_tok
-                    - entropy_coef * (m * ent.to(acc)).sum() / n_tok)  # fmt: skip
+            loss = -(a[lo:hi, None] * m * logps.to(acc)).sum() / n_tok - entropy_coef * (m * ent.to(acc)).sum() / n_tok
             if aux is not None:  # the MoE router loss, weighted as the trainer weights it: its gradient is compared
                 loss = loss + setup.aux_coef * aux.to(acc)
             with torch.autocast(logps.device.type, enabled=False):
@@ -569,8 +578,9 @@ def _setup(trainer_or_model, batch, micro_batch_size, temperature, seed) -> _Set
     sel = loss_mask.bool() if batch.get("tool_mask") is None else batch["completion_mask"].bool()
     advantages = torch.randn(B, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(device)
     weights = (advantages, loss_mask.sum().clamp_min(1).float())
-    return _Setup(model, self_obj, stock_fn, T, ids, mask, P, loss_mask, sel, slices, weights, extras, aux,
-                  ga or len(slices))  # fmt: skip
+    return _Setup(
+        model, self_obj, stock_fn, T, ids, mask, P, loss_mask, sel, slices, weights, extras, aux, ga or len(slices)
+    )
 
 
 def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
@@ -594,8 +604,9 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     def before_call(i):
         if i % setup.window == 0:
             window = setup.slices[i : i + setup.window]
-            session.begin_window(setup.model, [prompt_ids[lo:hi] for lo, hi in window],
-                                 [prompt_mask[lo:hi] for lo, hi in window])  # fmt: skip
+            session.begin_window(
+                setup.model, [prompt_ids[lo:hi] for lo, hi in window], [prompt_mask[lo:hi] for lo, hi in window]
+            )
 
     t = time.perf_counter()
     try:
@@ -642,8 +653,11 @@ def _exact_head(causal_lm, temperature: float):
         token = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0].masked_fill(~keep, 0)
         entropy = -(logp.exp() * logp).sum(-1).masked_fill(~keep, 0)
         pad = token.new_zeros(labels.shape[0], first - 1)
-        return types.SimpleNamespace(log_probs=torch.cat([pad, token], 1), entropy=torch.cat([pad, entropy], 1),
-                                     aux_loss=getattr(out, "aux_loss", None))  # fmt: skip
+        return types.SimpleNamespace(
+            log_probs=torch.cat([pad, token], 1),
+            entropy=torch.cat([pad, entropy], 1),
+            aux_loss=getattr(out, "aux_loss", None),
+        )
 
     causal_lm.forward = forward
     try:
@@ -658,10 +672,15 @@ def _exact_head(causal_lm, temperature: float):
 def _fp32_failures(report, setup, ours, stock, sel, common, seed) -> list[str]:
     """fp32: grpo_mem against stock directly; what exceeds its bound there is judged against stock TRL in fp64
     (forwards only when the gradients are within theirs)."""
-    report.bounds = {k: f"<= {v:g}" for k, v in (("log-prob", FP32_VALUE_TOL), ("entropy", FP32_VALUE_TOL),
-                                                 ("gradient", FP32_GRAD_TOL))}  # fmt: skip
-    direct = (("log-prob", report.max_logp_diff, FP32_VALUE_TOL), ("entropy", report.max_entropy_diff, FP32_VALUE_TOL),
-              ("gradient", max(report.grad_rel_diff, report.worst_param_rel_diff), FP32_GRAD_TOL))  # fmt: skip
+    report.bounds = {
+        k: f"<= {v:g}"
+        for k, v in (("log-prob", FP32_VALUE_TOL), ("entropy", FP32_VALUE_TOL), ("gradient", FP32_GRAD_TOL))
+    }
+    direct = (
+        ("log-prob", report.max_logp_diff, FP32_VALUE_TOL),
+        ("entropy", report.max_entropy_diff, FP32_VALUE_TOL),
+        ("gradient", max(report.grad_rel_diff, report.worst_param_rel_diff), FP32_GRAD_TOL),
+    )
     for name, value, tol in direct:
         if not value <= tol:
             report.exceeded.append(name)
@@ -672,28 +691,54 @@ def _fp32_failures(report, setup, ours, stock, sel, common, seed) -> list[str]:
         truth = _truth(setup, torch.float64, stock.entropy_coef, seed, with_grads, report.timings)
     except (RuntimeError, TypeError, NotImplementedError) as exc:  # an op without fp64 (grouped_mm of MoE experts)
         why = " ".join(str(exc).split())[:200]
-        return [f"{name}: {value:.3e} > {tol:g}, and no fp64 truth to judge it by ({type(exc).__name__}: {why})"
-                for name, value, tol in direct if name in report.exceeded]
-    return _truth_failures(report, ours, stock, truth, sel, common if with_grads else None, "fp64", FP32_VALUE_TOL,
-                           FP32_MAX_FACTOR, FP32_GRAD_TOL, FP32_PARAM_GRAD_TOL, FP32_MAX_FACTOR)  # fmt: skip
+        return [
+            f"{name}: {value:.3e} > {tol:g}, and no fp64 truth to judge it by ({type(exc).__name__}: {why})"
+            for name, value, tol in direct
+            if name in report.exceeded
+        ]
+    return _truth_failures(
+        report,
+        ours,
+        stock,
+        truth,
+        sel,
+        common if with_grads else None,
+        "fp64",
+        FP32_VALUE_TOL,
+        FP32_MAX_FACTOR,
+        FP32_GRAD_TOL,
+        FP32_PARAM_GRAD_TOL,
+        FP32_MAX_FACTOR,
+    )
 
 
-def _truth_failures(report, ours, stock, truth, sel, common, truth_name, stat_tol, max_factor, grad_tol,
-                    param_grad_tol, grad_factor) -> list[str]:  # fmt: skip
+def _truth_failures(
+    report, ours, stock, truth, sel, common, truth_name, stat_tol, max_factor, grad_tol, param_grad_tol, grad_factor
+) -> list[str]:
     """Bounds against a stock run in higher precision (fp32 for bf16/fp16, fp64 for fp32): grpo_mem's error within
     stock's own (``within_stock_error``, ``grad_within_stock_error``; relative gradient errors within ``grad_factor``
     x stock's + ``grad_tol`` over all parameters, + ``param_grad_tol`` for each). ``common`` None: values only."""
     report.truth = truth_name
     stat_bound = f"ours rms, mean <= stock's + {stat_tol:g}; max <= {max_factor:g} x stock's + {stat_tol:g}"
     k = f"{grad_factor:g} x " if grad_factor != 1 else ""
-    grad_bound = (f"per param: ours <= {k}stock's + {param_grad_tol:g}" if grad_tol == param_grad_tol else
-                  f"ours <= {k}stock's + {grad_tol:g}, per param + {param_grad_tol:g}")  # fmt: skip
-    report.bounds.update({f"log-prob vs {truth_name}": stat_bound, f"entropy vs {truth_name}": stat_bound,
-                          f"gradient vs {truth_name}": grad_bound})  # fmt: skip
+    grad_bound = (
+        f"per param: ours <= {k}stock's + {param_grad_tol:g}"
+        if grad_tol == param_grad_tol
+        else f"ours <= {k}stock's + {grad_tol:g}, per param + {param_grad_tol:g}"
+    )
+    report.bounds.update(
+        {
+            f"log-prob vs {truth_name}": stat_bound,
+            f"entropy vs {truth_name}": stat_bound,
+            f"gradient vs {truth_name}": grad_bound,
+        }
+    )
     report.logp_vs_truth, report.entropy_vs_truth = {}, {}
     failures = []
-    for name, attr, out in (("log-prob", "logps", report.logp_vs_truth),
-                            ("entropy", "entropies", report.entropy_vs_truth)):  # fmt: skip
+    for name, attr, out in (
+        ("log-prob", "logps", report.logp_vs_truth),
+        ("entropy", "entropies", report.entropy_vs_truth),
+    ):
         err_ours = (getattr(ours, attr) - getattr(truth, attr))[sel]
         err_stock = (getattr(stock, attr) - getattr(truth, attr))[sel]
         out["grpo_mem"], out["stock"] = error_stats(err_ours), error_stats(err_stock)
@@ -729,15 +774,37 @@ def _compare(setup: _Setup, stock, ours, truth, low, seed: int, timings: dict) -
     common = {n: stock.grads[n] for n in stock.grads if n in ours.grads}
     rel, worst, worst_rel, _ = grad_errors(ours.grads, common)
     report = VerifyReport(
-        passed=False, precision=low or "fp32", rows=setup.ids.shape[0], prompt_len=setup.P,
-        completion_len=setup.loss_mask.shape[1], max_logp_diff=error_stats(d_logp)["max"],
-        max_entropy_diff=error_stats(d_ent)["max"], grad_rel_diff=rel, worst_param=worst,
-        worst_param_rel_diff=worst_rel, bounds={}, micro_batches=[], failures=failures, timings=timings,
-    )  # fmt: skip
+        passed=False,
+        precision=low or "fp32",
+        rows=setup.ids.shape[0],
+        prompt_len=setup.P,
+        completion_len=setup.loss_mask.shape[1],
+        max_logp_diff=error_stats(d_logp)["max"],
+        max_entropy_diff=error_stats(d_ent)["max"],
+        grad_rel_diff=rel,
+        worst_param=worst,
+        worst_param_rel_diff=worst_rel,
+        bounds={},
+        micro_batches=[],
+        failures=failures,
+        timings=timings,
+    )
     if low:
         report.bounds = {"log-prob": "-", "entropy": "-", "gradient": "-"}
-        failures += _truth_failures(report, ours, stock, truth, sel, common, "fp32", BF16_STAT_TOL, BF16_MAX_FACTOR,
-                                    BF16_GRAD_TOL, BF16_GRAD_TOL, 1.0)  # fmt: skip
+        failures += _truth_failures(
+            report,
+            ours,
+            stock,
+            truth,
+            sel,
+            common,
+            "fp32",
+            BF16_STAT_TOL,
+            BF16_MAX_FACTOR,
+            BF16_GRAD_TOL,
+            BF16_GRAD_TOL,
+            1.0,
+        )
     else:
         failures += _fp32_failures(report, setup, ours, stock, sel, common, seed)
     return report
@@ -745,7 +812,9 @@ def _compare(setup: _Setup, stock, ours, truth, low, seed: int, timings: dict) -
 
 def _micro_batch_paths(setup: _Setup, decisions) -> list[MicroBatchPath]:
     """Per micro-batch, the path its decision took and why (or what it shared)."""
-    groupings = [PromptGrouping.of(setup.ids[lo:hi, : setup.P], setup.mask[lo:hi, : setup.P]) for lo, hi in setup.slices]
+    groupings = [
+        PromptGrouping.of(setup.ids[lo:hi, : setup.P], setup.mask[lo:hi, : setup.P]) for lo, hi in setup.slices
+    ]
     paths = []
     for i, ((lo, hi), decision) in enumerate(zip(setup.slices, decisions)):
         unique = int(groupings[i].first.numel())
@@ -754,17 +823,29 @@ def _micro_batch_paths(setup: _Setup, decisions) -> list[MicroBatchPath]:
             continue
         w0 = i - i % setup.window
         mine = set(groupings[i].keys)
-        shared = [j for j in range(w0, min(w0 + setup.window, len(setup.slices))) if j != i and mine & set(groupings[j].keys)]
-        detail = (f"{decision.path} sharing, {unique} prompt{'s' if unique != 1 else ''} for {hi - lo} rows; "
-                  f"{decision.backbone_tokens} backbone tokens vs stock's {decision.stock_tokens}")  # fmt: skip
+        shared = [
+            j for j in range(w0, min(w0 + setup.window, len(setup.slices))) if j != i and mine & set(groupings[j].keys)
+        ]
+        detail = (
+            f"{decision.path} sharing, {unique} prompt{'s' if unique != 1 else ''} for {hi - lo} rows; "
+            f"{decision.backbone_tokens} backbone tokens vs stock's {decision.stock_tokens}"
+        )
         if shared:
             detail += f"; prompt pass shared with micro-batch(es) {shared}"
         paths.append(MicroBatchPath(i, hi - lo, unique, "prompt-once", detail))
     return paths
 
 
-def verify(trainer_or_model, batch=None, *, raise_on_mismatch: bool = False, micro_batch_size: int | None = None,
-           temperature: float | None = None, seed: int = 0, print_report: bool = True) -> VerifyReport:  # fmt: skip
+def verify(
+    trainer_or_model,
+    batch=None,
+    *,
+    raise_on_mismatch: bool = False,
+    micro_batch_size: int | None = None,
+    temperature: float | None = None,
+    seed: int = 0,
+    print_report: bool = True,
+) -> VerifyReport:
     """Compare grpo_mem with stock TRL on one batch of the user's own model: log-probs, entropies, gradients.
 
     Args:
@@ -822,13 +903,14 @@ def _is_trainer(obj) -> bool:
 
 
 def _low_precision(model, trainer) -> str | None:
-    """"bf16 autocast" / "fp16 autocast" / "bf16 weights" / ... when the run is not plain fp32, else None."""
+    """ "bf16 autocast" / "fp16 autocast" / "bf16 weights" / ... when the run is not plain fp32, else None."""
     mixed = getattr(getattr(trainer, "accelerator", None), "mixed_precision", "no") if trainer is not None else "no"
     if mixed in ("bf16", "fp16"):
         return f"{mixed} autocast"
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is not None and torch.is_autocast_enabled(param.device.type):
         return f"{str(torch.get_autocast_dtype(param.device.type)).replace('torch.', '')} autocast"
-    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.dtype in (torch.bfloat16,
-                  torch.float16)})  # fmt: skip
+    low = sorted(
+        {str(p.dtype).replace("torch.", "") for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)}
+    )
     return f"{'/'.join(low)} weights" if low else None

@@ -34,22 +34,54 @@ CHAT_TEMPLATE = (
 )
 """A chat template of our own; ``IMAGE`` is replaced by each family's image markup."""
 
-_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=1024, attention_dropout=0.0)  # fmt: skip
+_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    attention_dropout=0.0,
+)
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
 _QWEN_VISION = dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3)
-_QWEN_TOKENS = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
-                "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}  # fmt: skip
-_QWEN_IDS = {"vision_start_token_id": "vision_start_token", "vision_end_token_id": "vision_end_token",
-             "image_token_id": "image_token", "video_token_id": "video_token"}  # fmt: skip
-_QWEN_IMAGES = ("Qwen2VLImageProcessorPil", dict(patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=64,
-                                                 max_pixels=32 * 32))  # fmt: skip
-_QWEN35_TEXT = dict(_TEXT, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                    linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                    layer_types=["linear_attention", "full_attention"],
-                    rope_parameters=dict(_MROPE, partial_rotary_factor=1.0))  # fmt: skip
-_QWEN3_VISION = dict(_QWEN_VISION, depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                     num_position_embeddings=64, deepstack_visual_indexes=[])  # fmt: skip
+_QWEN_TOKENS = {
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+}
+_QWEN_IDS = {
+    "vision_start_token_id": "vision_start_token",
+    "vision_end_token_id": "vision_end_token",
+    "image_token_id": "image_token",
+    "video_token_id": "video_token",
+}
+_QWEN_IMAGES = (
+    "Qwen2VLImageProcessorPil",
+    dict(patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=64, max_pixels=32 * 32),
+)
+_QWEN35_TEXT = dict(
+    _TEXT,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention"],
+    rope_parameters=dict(_MROPE, partial_rotary_factor=1.0),
+)
+_QWEN3_VISION = dict(
+    _QWEN_VISION,
+    depth=2,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=32,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[],
+)
 
 
 @dataclass(frozen=True)
@@ -71,63 +103,174 @@ class TinyVLM:
 
 MODELS = {
     "tiny-Qwen2_5_VLForConditionalGeneration": TinyVLM(
-        "qwen2_5_vl", dict(text_config=dict(_TEXT, rope_parameters=_MROPE), vision_config=dict(
-            _QWEN_VISION, depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-            window_size=8, fullatt_block_indexes=[1])),
-        _QWEN_TOKENS, _QWEN_IDS, "Qwen2_5_VLProcessor", _QWEN_IMAGES, "<|vision_start|><|image_pad|><|vision_end|>"),
+        "qwen2_5_vl",
+        dict(
+            text_config=dict(_TEXT, rope_parameters=_MROPE),
+            vision_config=dict(
+                _QWEN_VISION,
+                depth=2,
+                hidden_size=16,
+                intermediate_size=32,
+                num_heads=2,
+                out_hidden_size=32,
+                window_size=8,
+                fullatt_block_indexes=[1],
+            ),
+        ),
+        _QWEN_TOKENS,
+        _QWEN_IDS,
+        "Qwen2_5_VLProcessor",
+        _QWEN_IMAGES,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    ),
     "tiny-Qwen2VLForConditionalGeneration": TinyVLM(
-        "qwen2_vl", dict(text_config=dict(_TEXT, rope_parameters=_MROPE), vision_config=dict(
-            _QWEN_VISION, depth=2, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2)),
-        _QWEN_TOKENS, _QWEN_IDS, "Qwen2VLProcessor", _QWEN_IMAGES, "<|vision_start|><|image_pad|><|vision_end|>"),
+        "qwen2_vl",
+        dict(
+            text_config=dict(_TEXT, rope_parameters=_MROPE),
+            vision_config=dict(_QWEN_VISION, depth=2, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2),
+        ),
+        _QWEN_TOKENS,
+        _QWEN_IDS,
+        "Qwen2VLProcessor",
+        _QWEN_IMAGES,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    ),
     "tiny-Qwen3_5ForConditionalGeneration-NoThink": TinyVLM(
-        "qwen3_5", dict(text_config=_QWEN35_TEXT, vision_config=_QWEN3_VISION),
-        _QWEN_TOKENS, _QWEN_IDS, "Qwen3VLProcessor", _QWEN_IMAGES, "<|vision_start|><|image_pad|><|vision_end|>"),
+        "qwen3_5",
+        dict(text_config=_QWEN35_TEXT, vision_config=_QWEN3_VISION),
+        _QWEN_TOKENS,
+        _QWEN_IDS,
+        "Qwen3VLProcessor",
+        _QWEN_IMAGES,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    ),
     "tiny-Qwen3_5MoeForConditionalGeneration-3.6": TinyVLM(
-        "qwen3_5_moe", dict(text_config=dict(_QWEN35_TEXT, num_experts=4, num_experts_per_tok=2,
-                                             moe_intermediate_size=16, shared_expert_intermediate_size=16),
-                            vision_config=_QWEN3_VISION),
-        _QWEN_TOKENS, _QWEN_IDS, "Qwen3VLProcessor", _QWEN_IMAGES, "<|vision_start|><|image_pad|><|vision_end|>"),
+        "qwen3_5_moe",
+        dict(
+            text_config=dict(
+                _QWEN35_TEXT,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+            ),
+            vision_config=_QWEN3_VISION,
+        ),
+        _QWEN_TOKENS,
+        _QWEN_IDS,
+        "Qwen3VLProcessor",
+        _QWEN_IMAGES,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    ),
     "tiny-Gemma3ForConditionalGeneration": TinyVLM(
-        "gemma3", dict(
-            text_config=dict(_TEXT, head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
-                             layer_types=["sliding_attention", "full_attention"]),
-            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               image_size=16, patch_size=4, vision_use_head=False),
-            mm_tokens_per_image=4),
+        "gemma3",
+        dict(
+            text_config=dict(
+                _TEXT,
+                head_dim=8,
+                query_pre_attn_scalar=8,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=16,
+                patch_size=4,
+                vision_use_head=False,
+            ),
+            mm_tokens_per_image=4,
+        ),
         {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"},
         {"boi_token_index": "boi_token", "eoi_token_index": "eoi_token", "image_token_index": "image_token"},
-        "Gemma3Processor", ("Gemma3ImageProcessorPil", dict(size={"height": 16, "width": 16})), "<start_of_image>",
-        dict(image_seq_length=4)),
+        "Gemma3Processor",
+        ("Gemma3ImageProcessorPil", dict(size={"height": 16, "width": 16})),
+        "<start_of_image>",
+        dict(image_seq_length=4),
+    ),
     "tiny-Gemma4ForConditionalGeneration": TinyVLM(
-        "gemma4", dict(
-            text_config=dict(_TEXT, head_dim=8, global_head_dim=8, sliding_window=16, hidden_size_per_layer_input=8,
-                             vocab_size_per_layer_input=128,
-                             layer_types=["sliding_attention", "full_attention"]),
-            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3,
-                               position_embedding_size=64),
-            audio_config=None),
-        {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>",
-         "video_token": "<|video|>", "audio_token": "<audio_soft_token>", "boa_token": "<start_of_audio>",
-         "eoa_token": "<end_of_audio>"},
-        {"boi_token_id": "boi_token", "eoi_token_id": "eoi_token", "image_token_id": "image_token",
-         "video_token_id": "video_token", "audio_token_id": "audio_token", "boa_token_id": "boa_token",
-         "eoa_token_index": "eoa_token"},
-        "Gemma4Processor", ("Gemma4ImageProcessorPil", dict(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)),
-        "<image_soft_token>", dict(image_seq_length=70)),
+        "gemma4",
+        dict(
+            text_config=dict(
+                _TEXT,
+                head_dim=8,
+                global_head_dim=8,
+                sliding_window=16,
+                hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=128,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=8,
+                patch_size=4,
+                pooling_kernel_size=3,
+                position_embedding_size=64,
+            ),
+            audio_config=None,
+        ),
+        {
+            "boi_token": "<start_of_image>",
+            "image_token": "<image_soft_token>",
+            "eoi_token": "<end_of_image>",
+            "video_token": "<|video|>",
+            "audio_token": "<audio_soft_token>",
+            "boa_token": "<start_of_audio>",
+            "eoa_token": "<end_of_audio>",
+        },
+        {
+            "boi_token_id": "boi_token",
+            "eoi_token_id": "eoi_token",
+            "image_token_id": "image_token",
+            "video_token_id": "video_token",
+            "audio_token_id": "audio_token",
+            "boa_token_id": "boa_token",
+            "eoa_token_index": "eoa_token",
+        },
+        "Gemma4Processor",
+        ("Gemma4ImageProcessorPil", dict(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)),
+        "<image_soft_token>",
+        dict(image_seq_length=70),
+    ),
     "tiny-LlavaNextForConditionalGeneration": TinyVLM(
-        "llava_next", dict(
+        "llava_next",
+        dict(
             text_config=dict(_TEXT, model_type="llama"),
-            vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
-                               num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4,
-                               projection_dim=16),
-            image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]], vision_feature_layer=-2,
-            vision_feature_select_strategy="default"),
-        {"image_token": "<image>"}, {"image_token_index": "image_token"}, "LlavaNextProcessor",
-        ("LlavaNextImageProcessorPil", dict(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
-                                            image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])),
-        "<image>", dict(patch_size=4, vision_feature_select_strategy="default", num_additional_image_tokens=1)),
-}  # fmt: skip
+            vision_config=dict(
+                model_type="clip_vision_model",
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=16,
+                patch_size=4,
+                projection_dim=16,
+            ),
+            image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]],
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+        ),
+        {"image_token": "<image>"},
+        {"image_token_index": "image_token"},
+        "LlavaNextProcessor",
+        (
+            "LlavaNextImageProcessorPil",
+            dict(
+                size={"shortest_edge": 16},
+                crop_size={"height": 16, "width": 16},
+                image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]],
+            ),
+        ),
+        "<image>",
+        dict(patch_size=4, vision_feature_select_strategy="default", num_additional_image_tokens=1),
+    ),
+}
 """The model stand-ins, by hub name under ``trl-internal-testing/``."""
 
 
@@ -144,9 +287,11 @@ def _tokenizer(spec: TinyVLM):
 
     chars = char_tokenizer()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=chars.backend_tokenizer, padding_side="left", extra_special_tokens=dict(spec.tokens),
+        tokenizer_object=chars.backend_tokenizer,
+        padding_side="left",
+        extra_special_tokens=dict(spec.tokens),
         **chars.special_tokens_map,
-    )  # fmt: skip
+    )
     tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE", spec.image_markup)
     return tokenizer
 
@@ -157,8 +302,9 @@ def _model(spec: TinyVLM, tokenizer):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     ids = {key: tokenizer.convert_tokens_to_ids(spec.tokens[name]) for key, name in spec.token_ids.items()}
-    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                   bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    special = dict(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
+    )
     config = dict(spec.config, text_config=dict(spec.config["text_config"], vocab_size=len(tokenizer), **special))
     config = AutoConfig.for_model(spec.model_type, **config, **ids, **special)
     torch.manual_seed(0)
@@ -199,8 +345,14 @@ def built_spec(snapshot: Path) -> str | None:
     return path.read_text() if path.is_file() else None
 
 
-_QUESTIONS = ["What color is the sky?", "What is in the image?", "Describe the picture.", "How many shapes?",
-              "Is it day or night?", "What do you see?"]  # fmt: skip
+_QUESTIONS = [
+    "What color is the sky?",
+    "What is in the image?",
+    "Describe the picture.",
+    "How many shapes?",
+    "Is it day or night?",
+    "What do you see?",
+]
 _SIZES = [(16, 16), (16, 32), (32, 16), (24, 24), (32, 32), (16, 24)]
 
 
@@ -221,14 +373,21 @@ def build_datasets(cache: Path) -> Path:
     root = Path(cache) / "datasets"
     prompt = List({"role": Value("string"), "content": Value("string")})
     rows = [[{"role": "user", "content": q}] for q in _QUESTIONS]
-    single = {split: Dataset.from_dict({"prompt": rows[:n], "image": _images(rng, _SIZES[:n])},
-                                       features=Features({"prompt": prompt, "image": Image()}))
-              for split, n in (("train", 4), ("test", 2))}  # fmt: skip
+    single = {
+        split: Dataset.from_dict(
+            {"prompt": rows[:n], "image": _images(rng, _SIZES[:n])},
+            features=Features({"prompt": prompt, "image": Image()}),
+        )
+        for split, n in (("train", 4), ("test", 2))
+    }
     DatasetDict(single).save_to_disk(root / "zen-image" / "conversational_prompt_only")
-    multi = {split: Dataset.from_dict(
-        {"prompt": rows[:n], "images": [_images(rng, _SIZES[i : i + 1 + i % 2]) for i in range(n)]},
-        features=Features({"prompt": prompt, "images": List(Image())}))
-        for split, n in (("train", 4), ("test", 2))}  # fmt: skip
+    multi = {
+        split: Dataset.from_dict(
+            {"prompt": rows[:n], "images": [_images(rng, _SIZES[i : i + 1 + i % 2]) for i in range(n)]},
+            features=Features({"prompt": prompt, "images": List(Image())}),
+        )
+        for split, n in (("train", 4), ("test", 2))
+    }
     DatasetDict(multi).save_to_disk(root / "zen-multi-image" / "conversational_prompt_only")
     return root
 
@@ -249,8 +408,9 @@ def image_only(cls: type) -> type:
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         missing = {name: None for name in others}
-        cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
-                     **missing, **kwargs)  # fmt: skip
+        cls.__init__(
+            self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **missing, **kwargs
+        )
 
     namespace = {"__init__": __init__, "__module__": __name__, "__doc__": cls.__doc__}
     return type(cls.__name__, (cls, _DropMissing), namespace)

@@ -85,30 +85,67 @@ def build_assets(cache: Path) -> None:
         offline_assets.build_datasets(cache)
 
 
-def run_mode(mode: str, root: Path, cache: Path, keyword: str | None, deselect: bool = True,
-             group_shuffle: bool = False, fp32: bool = False) -> tuple[dict, str, str]:  # fmt: skip
+def run_mode(
+    mode: str,
+    root: Path,
+    cache: Path,
+    keyword: str | None,
+    deselect: bool = True,
+    group_shuffle: bool = False,
+    fp32: bool = False,
+) -> tuple[dict, str, str]:
     """Run the selected tests in one pytest process with ``mode`` ("stock" or "patched"), ``DESELECTED`` left out
     when ``deselect``; returns the plugin's per-test records, pytest's summary line, and the process's wall and CPU
     time ("123 s wall, 200 s CPU")."""
     report = cache / f"report-{mode}.json"
     report.unlink(missing_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_HUB_CACHE=str(cache / "hub"), HF_HOME=str(cache / "hf_home"), GRPO_MEM_UPSTREAM_MODE=mode,
-               GRPO_MEM_UPSTREAM_CACHE=str(cache), GRPO_MEM_UPSTREAM_REPORT=str(report),
-               GRPO_MEM_UPSTREAM_GROUP_SHUFFLE=str(int(group_shuffle)), GRPO_MEM_UPSTREAM_FP32=str(int(fp32)),
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(HERE)]))  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_CACHE=str(cache / "hub"),
+        HF_HOME=str(cache / "hf_home"),
+        GRPO_MEM_UPSTREAM_MODE=mode,
+        GRPO_MEM_UPSTREAM_CACHE=str(cache),
+        GRPO_MEM_UPSTREAM_REPORT=str(report),
+        GRPO_MEM_UPSTREAM_GROUP_SHUFFLE=str(int(group_shuffle)),
+        GRPO_MEM_UPSTREAM_FP32=str(int(fp32)),
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(HERE)]),
+    )
     ini = cache / "pytest.ini"
     ini.write_text("[pytest]\n")
     expr = " and ".join([SELECT] + [f"not {key}" for key in DESELECTED if deselect] + [f"({keyword})"] * bool(keyword))
-    cmd = [sys.executable, "-m", "pytest", "-p", "trl_offline_plugin", "-p", "no:cacheprovider", "-c", str(ini),
-           "--rootdir", str(root), "-q", "-rA", "--tb=short", "-W", "ignore::DeprecationWarning", TEST_FILE, "-k",
-           expr]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "trl_offline_plugin",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        str(ini),
+        "--rootdir",
+        str(root),
+        "-q",
+        "-rA",
+        "--tb=short",
+        "-W",
+        "ignore::DeprecationWarning",
+        TEST_FILE,
+        "-k",
+        expr,
+    ]
     start, cpu = time.time(), _children_cpu()
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     times = f"{time.time() - start:.0f} s wall, {_children_cpu() - cpu:.0f} s CPU"
     (cache / f"pytest-{mode}.log").write_text(done.stdout + done.stderr)
-    lines = [line.strip("= ") for line in done.stdout.splitlines() if " in " in line and ("passed" in line
-             or "failed" in line or "error" in line or "deselected" in line)]  # fmt: skip
+    lines = [
+        line.strip("= ")
+        for line in done.stdout.splitlines()
+        if " in " in line and ("passed" in line or "failed" in line or "error" in line or "deselected" in line)
+    ]
     if not report.is_file():
         raise RuntimeError(f"the {mode} run wrote no report; its output is in {cache / f'pytest-{mode}.log'}")
     return json.loads(report.read_text()), (lines[-1] if lines else "no pytest summary"), times
@@ -149,8 +186,10 @@ def print_table(stock: dict, patched: dict) -> bool:
         s, p = stock.get(i, {}), patched.get(i, {})
         ok &= s.get("outcome") != "passed" or p.get("outcome") == "passed"
         causes = "; ".join(p.get("fallbacks") or []) or "-"
-        print(f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<22} "
-              f"{_gradient_difference(s, p):<13} {causes}")
+        print(
+            f"{short[i]:<{width}}  {s.get('outcome', '-'):<8} {p.get('outcome', '-'):<8} {_path_text(p):<22} "
+            f"{_gradient_difference(s, p):<13} {causes}"
+        )
         for label, record in (("stock", s), ("patched", p)):
             if record.get("error") and record.get("outcome") != "passed":
                 print(f"{'':<{width}}  {label}: {record['error']}")
@@ -158,19 +197,26 @@ def print_table(stock: dict, patched: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trl-tests", required=True, help="TRL's tests directory, or a TRL git directory[@REV]")
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--stock", action="store_true", help="run stock TRL only")
     modes.add_argument("--patched", action="store_true", help="run with grpo_mem.patch_trl() only")
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "grpo_mem_trl_vlm"),
-                        help="where the stand-ins, the extracted tests and the logs go (default: %(default)s)")
+    parser.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "grpo_mem_trl_vlm"),
+        help="where the stand-ins, the extracted tests and the logs go (default: %(default)s)",
+    )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the stand-ins")
     parser.add_argument("-k", dest="keyword", help="a further pytest -k expression")
     parser.add_argument("--no-deselect", action="store_true", help="run the DESELECTED tests too (to see them fail)")
-    parser.add_argument("--group-shuffle", action="store_true",
-                        help="patch with group_shuffle=True (micro-batches then differ from stock's)")
+    parser.add_argument(
+        "--group-shuffle",
+        action="store_true",
+        help="patch with group_shuffle=True (micro-batches then differ from stock's)",
+    )
     parser.add_argument("--fp32", action="store_true", help="train in fp32 (TRL's GRPOConfig defaults to bf16)")
     args = parser.parse_args(argv)
     cache = Path(args.cache).resolve()
@@ -183,15 +229,25 @@ def main(argv=None) -> int:
         print(err, file=sys.stderr)
         return 2
     build_assets(cache)
-    print("deselected (they cannot pass stock here either):" if not args.no_deselect else "deselection off; usually "
-          "left out:")  # fmt: skip
+    print(
+        "deselected (they cannot pass stock here either):"
+        if not args.no_deselect
+        else "deselection off; usually left out:"
+    )
     for key, reason in DESELECTED.items():
         print(f"  {key}: {reason}")
     results, summaries = {}, []
     modes = ["stock"] * (not args.patched) + ["patched"] * (not args.stock)
     for mode in modes:
-        results[mode], summary, times = run_mode(mode, root, cache, args.keyword, deselect=not args.no_deselect,
-                                                 group_shuffle=args.group_shuffle, fp32=args.fp32)
+        results[mode], summary, times = run_mode(
+            mode,
+            root,
+            cache,
+            args.keyword,
+            deselect=not args.no_deselect,
+            group_shuffle=args.group_shuffle,
+            fp32=args.fp32,
+        )
         summaries.append(f"{mode}: {summary} ({times})")
     ok = print_table(results.get("stock", {}), results.get("patched", {}))
     print("; ".join(summaries) + f"; TRL tests from {root}; logs in {cache}")

@@ -73,7 +73,7 @@ def _install_resolvers() -> None:
     def load_dataset(path, name=None, *args, split=None, **kwargs):
         if not (isinstance(path, str) and path.startswith(ORG)):
             return original_dataset(path, name, *args, split=split, **kwargs)
-        where = _cache() / "datasets" / path[len(ORG):] / (name or "default")
+        where = _cache() / "datasets" / path[len(ORG) :] / (name or "default")
         if not where.is_dir():
             raise OSError(f"no offline stand-in for the dataset {path!r} (config {name!r}) under {_cache()}")
         data = datasets.load_from_disk(str(where))
@@ -95,8 +95,9 @@ def _first_step_gradients():
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if self.norms is None:
-                norms = {n: float(p.grad.detach().double().norm()) for n, p in model.named_parameters()
-                         if p.grad is not None}  # fmt: skip
+                norms = {
+                    n: float(p.grad.detach().double().norm()) for n, p in model.named_parameters() if p.grad is not None
+                }
                 if any(norms.values()):
                     self.norms, self.step = norms, state.global_step + 1
 
@@ -129,7 +130,9 @@ def _install_availability_checks() -> None:
     module = importlib.import_module("trl.import_utils")
 
     def availability(name: str):
-        package = name[len("is_"):-len("_available")] if name.startswith("is_") and name.endswith("_available") else ""
+        package = (
+            name[len("is_") : -len("_available")] if name.startswith("is_") and name.endswith("_available") else ""
+        )
         if not package:
             raise AttributeError(f"module 'trl.import_utils' has no attribute {name!r}")
         return lambda *args, **kwargs: importlib.util.find_spec(package) is not None
@@ -188,8 +191,8 @@ def _paths(trainers) -> dict[str, float]:
         for logs in trainer.state.log_history:
             for key, value in logs.items():
                 if key.startswith(PATH_PREFIX):
-                    sums[key[len(PATH_PREFIX):]] += float(value)
-                    counts[key[len(PATH_PREFIX):]] += 1
+                    sums[key[len(PATH_PREFIX) :]] += float(value)
+                    counts[key[len(PATH_PREFIX) :]] += 1
     return {name: round(sums[name] / counts[name], 4) for name in sorted(sums)}
 
 
