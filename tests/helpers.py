@@ -26,6 +26,8 @@ from transformers import (
 VOCAB = 101
 EOS = 3
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+
 
 # per model type, what the tiny model sets beyond the common sizes: head size from the hidden size, few experts
 _TINY_EXTRA = {
@@ -403,7 +405,7 @@ def run_under_interpreter(test_file: str, select: str) -> None:
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(

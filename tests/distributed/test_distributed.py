@@ -6,55 +6,16 @@ collectives) fails the test instead of stalling the suite.
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from launch import launch
 
 from grpo_mem.model.distributed import IMAGE_PASSES_DIFFER
-
-HERE = Path(__file__).resolve().parent
-TIMEOUT = 420  # seconds per 2-process run; a healthy one takes 15-60 s on 2 shared cores
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(script: str, *args) -> None:
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{HERE}{os.pathsep}{HERE.parent}",
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        DS_ACCELERATOR="cpu",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        "--master_addr=127.0.0.1",
-        str(HERE / script),
-        *map(str, args),
-    ]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-3000:]
-        pytest.fail(f"{script} {args} did not finish in {TIMEOUT} s (ranks out of step?): {tail!r}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def _train(tmp_path, kind, stack, patch, scenario="split", arch="llama") -> dict:
     out = tmp_path / f"{kind}-{stack}-{patch}-{scenario}-{arch}.json"
-    _launch("dist_worker.py", kind, stack, patch, out, scenario, arch)
+    launch("dist_worker.py", kind, stack, patch, out, scenario, arch)
     return json.loads(out.read_text())
 
 
@@ -141,7 +102,7 @@ def test_zero3_unbalanced_micro_batches(tmp_path):
     gathered and exact without gradients, refused with them."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "zero3.json"
-    _launch("zero3_worker.py", out)
+    launch("zero3_worker.py", out)
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
     for rank, r in enumerate(result["ranks"]):
@@ -165,7 +126,7 @@ def test_fsdp2_prompt_once_matches_unsharded(tmp_path):
     did not finish (rank 0's prefix pass, read only through its K/V, had its top layer backpropagated after FSDP
     resharded it)."""
     out = tmp_path / "fsdp.json"
-    _launch("fsdp_worker.py", out)
+    launch("fsdp_worker.py", out)
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
     for rank, checks in enumerate(result["ranks"]):
@@ -198,7 +159,7 @@ def test_image_prompts_train_like_stock(tmp_path, stack, sharing):
     runs = {}
     for patch in ("stock", "patch"):
         out = tmp_path / f"vlm-{stack}-{patch}-{sharing}.json"
-        _launch("vlm_dist_worker.py", stack, sharing, patch, out)
+        launch("vlm_dist_worker.py", stack, sharing, patch, out)
         runs[patch, sharing] = json.loads(out.read_text())
     stock = runs.pop(("stock", sharing))
     expected = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero3": "DEEPSPEED"}[stack]
@@ -229,7 +190,7 @@ def test_image_prompts_on_ranks_whose_passes_differ(tmp_path, stack):
     runs = {}
     for patch in ("stock", "patch"):
         out = tmp_path / f"vlm-{stack}-{patch}-uneven.json"
-        _launch("vlm_dist_worker.py", stack, "tree", patch, out, 3)
+        launch("vlm_dist_worker.py", stack, "tree", patch, out, 3)
         runs[patch] = json.loads(out.read_text())
     stock, ours = runs["stock"], runs["patch"]
     assert ours["global_step"] == stock["global_step"] == 3 and ours["sharded"] and stock["path"] == []

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
 
 from grpo_mem.commands.tasks import extract_answer, make_task
 from grpo_mem.commands.train import TrainSettings

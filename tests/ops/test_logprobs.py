@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import INTERPRETING, FakeKernel, needs_interpreter, recording_launch_device, run_under_interpreter
+from helpers import REPO, INTERPRETING, FakeKernel, needs_interpreter, recording_launch_device, run_under_interpreter
 
 from grpo_mem.ops import _ext
 from grpo_mem.ops._backends import BackendUnavailableError, resolve
@@ -376,7 +376,7 @@ def test_import_with_extension_skipped():
         "print(float((ops.linear_logprobs(h, w, y) - m.linear_logprobs_ref(h, w, y)).abs().max()))\n"
     )
     env = dict(os.environ, GRPO_MEM_SKIP_EXT="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert float(res.stdout.strip()) < 1e-6

@@ -27,20 +27,28 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def main(out: str) -> None:
+CASES = {
+    "fallback": [dict(prompt_lens=[5, 7, 4, 6], G=1, C=5), dict(prompt_lens=[6, 3], G=2, C=5)],
+    "no_tokens": [dict(prompt_lens=[5, 8], G=2, C=4, no_tokens=True), dict(prompt_lens=[6], G=4, C=6)],
+    "C1": [dict(prompt_lens=[5, 8, 3], G=2, C=1), dict(prompt_lens=[6], G=3, C=7)],
+}
+
+
+class _Trainer:  # what the patched method reads of a trainer
+    accelerator = types.SimpleNamespace(autocast=nullcontext)
+    temperature = 1.0
+    args = types.SimpleNamespace(cast_lm_head_to_fp32=False)
+
+
+def _engine():
+    """A tiny Qwen2 with TRL's fused head under a ZeRO-3 engine (every parameter partitioned), over gloo."""
     import deepspeed
     import deepspeed.ops
-    from deepspeed.utils import safe_get_full_grad
-    from helpers import make_batch, tiny_model
-    from trl import GRPOTrainer
+    from helpers import tiny_model
     from trl.trainer.utils import add_fused_lm_head
-
-    import grpo_mem
-    from grpo_mem.model import head
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
     model = tiny_model("qwen2", seed=0)
     model.train()
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
@@ -51,6 +59,12 @@ def main(out: str) -> None:
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
+    return engine
+
+
+def _count_gathers() -> list:
+    """Count the head-weight gathers grpo_mem's head makes itself (``[count]``, updated in place)."""
+    from grpo_mem.model import head
 
     gathers = [0]
     gather = head._gather_zero3
@@ -61,24 +75,23 @@ def main(out: str) -> None:
         return ctx
 
     head._gather_zero3 = counted
+    return gathers
 
-    class Trainer:  # what the patched method reads of a trainer
-        accelerator = types.SimpleNamespace(autocast=nullcontext)
-        temperature = 1.0
-        args = types.SimpleNamespace(cast_lm_head_to_fp32=False)
 
-    trainer = Trainer()
+def _run_cases(engine, rank: int) -> dict:
+    """Patched and stock TRL scoring on this rank's micro-batch of every case: worst errors of ours against stock."""
+    from deepspeed.utils import safe_get_full_grad
+    from helpers import make_batch
+    from trl import GRPOTrainer
+
+    import grpo_mem
+
+    trainer = _Trainer()
     stock = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
     handle = grpo_mem.patch_trl(GRPOTrainer, group_shuffle=False)
     ours = GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"]
-
-    cases = {
-        "fallback": [dict(prompt_lens=[5, 7, 4, 6], G=1, C=5), dict(prompt_lens=[6, 3], G=2, C=5)],
-        "no_tokens": [dict(prompt_lens=[5, 8], G=2, C=4, no_tokens=True), dict(prompt_lens=[6], G=4, C=6)],
-        "C1": [dict(prompt_lens=[5, 8, 3], G=2, C=1), dict(prompt_lens=[6], G=3, C=7)],
-    }
     results = {}
-    for name, per_rank in cases.items():
+    for name, per_rank in CASES.items():
         cfg = dict(per_rank[rank])
         no_tokens = cfg.pop("no_tokens", False)
         ids, mask, C, _ = make_batch(cfg.pop("prompt_lens"), cfg.pop("G"), cfg.pop("C"), seed=rank, **cfg)
@@ -99,10 +112,19 @@ def main(out: str) -> None:
             "grads_rel": max(float((g[n] - r).abs().max() / r.abs().max().clamp_min(1e-12)) for n, r in g_ref.items()),
         }
     handle.revert()
+    return results
 
-    # The head read outside any module call, parameters partitioned. Inside the forward (the cases above) DeepSpeed
-    # gathers the weight on access and registers it with the running module for the backward; outside, without
-    # gradients, completion_head gathers it itself (a collective both ranks enter), and with gradients it refuses.
+
+def _head_check(engine, gathers: list) -> dict:
+    """The head read outside any module call, parameters partitioned.
+
+    Inside the forward (the cases) DeepSpeed gathers the weight on access and registers it with the running module
+    for the backward; outside, without gradients, ``completion_head`` gathers it itself (a collective both ranks
+    enter), and with gradients it refuses.
+    """
+    import deepspeed
+
+    from grpo_mem.model import head
     from grpo_mem.model.forward import ScoreOptions
 
     head_weight = engine.module.get_output_embeddings().weight
@@ -122,12 +144,21 @@ def main(out: str) -> None:
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)
-    head_check = {
+    return {
         "status_before": status_before,
         "gathers": gathers[0] - before,
         "logps": float((logps - ref).abs().max()),
         "refused_with_grad": refused,
     }
+
+
+def main(out: str) -> None:
+    engine = _engine()
+    rank = torch.distributed.get_rank()
+    gathers = _count_gathers()
+    results = _run_cases(engine, rank)
+    before = gathers[0]
+    head_check = _head_check(engine, gathers)
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, {"cases": results, "head_gathers": before, "head": head_check})
     if rank == 0:

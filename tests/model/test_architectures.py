@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import grads_of, make_batch, stock_logps
+from helpers import REPO, grads_of, make_batch, stock_logps
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -256,7 +256,7 @@ def write_table(path: str) -> list[Row]:
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     table = write_table(os.path.join(root, "benchmarks", "results", "architectures.csv"))
     print("| model type | class | path | cause |\n|---|---|---|---|")
     for r in table:

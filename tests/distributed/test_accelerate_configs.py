@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "accelerate"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 
 
 def _launch_args(name: str):

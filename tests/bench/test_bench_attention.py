@@ -5,8 +5,9 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import bench_attention  # noqa: E402
 
 from grpo_mem.bench import harness  # noqa: E402

@@ -1,0 +1,58 @@
+"""Launch a worker script of this folder on 2 CPU processes (gloo) under a timeout.
+
+Every multi-process test goes through :func:`launch`: ``python -m torch.distributed.run`` on a free local port, one
+thread per rank, DeepSpeed's CPU accelerator, and ``PYTHONPATH`` giving the workers this folder, the tests' shared
+helpers (``tests/``, ``tests/vlm/``) and the repository. A hang (ranks issuing different collectives) fails the
+calling test after ``timeout`` seconds instead of stalling the suite. The CPU workarounds the workers apply are in
+``docs/distributed.md`` ("Sharded training on CPU").
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT = 420  # seconds per 2-process run; a healthy one takes 15-60 s on 2 shared cores
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+    """The environment of a launched worker: the calling process's, with the workers' import path and CPU settings."""
+    tests = HERE.parent
+    path = os.pathsep.join(str(p) for p in (HERE, tests, tests / "vlm", tests.parent))
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
+
+
+def launch(script: str, *args, nproc: int = 2, timeout: float = TIMEOUT) -> None:
+    """Run ``script`` (a file of this folder) on ``nproc`` ranks with ``args``; fail the test on a timeout or error.
+
+    Raises:
+        pytest.fail.Exception: the run did not finish in ``timeout`` seconds, or a rank exited non-zero (the last
+            4000 characters of stderr are shown).
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        "--master_addr=127.0.0.1",
+        str(HERE / script),
+        *map(str, args),
+    ]
+    try:
+        proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-3000:]
+        pytest.fail(f"{script} {args} did not finish in {timeout} s (ranks out of step?): {tail!r}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
