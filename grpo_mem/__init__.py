@@ -6,6 +6,8 @@ Public entry points:
   entropies with each unique prompt forwarded once; same numbers as TRL's ``_get_per_token_logps_and_entropies``.
 - ``patch_trl(target=None)``: route ``GRPOTrainer``/``RLOOTrainer`` (or one trainer) through it; returns a
   ``PatchHandle`` with ``revert()``. TRL itself is imported only when ``patch_trl`` is called.
+- ``SharingSession(sharing="tree")``: the same scoring with a window of several micro-batches (a group spread over
+  micro-batches keeps its prompt forwarded once); what ``patch_trl`` runs for each trainer.
 - ``restore(model)``: give a model its own forward and attention implementation back.
 - ``verify(trainer_or_model, batch=None)``: grpo_mem against stock TRL on one batch of the user's own model
   (log-probs, entropies, gradients, in the trainer's precision); returns a ``VerifyReport``.
@@ -26,6 +28,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "PatchHandle": ("grpo_mem.patches.trl", "PatchHandle"),
     "patch_trl": ("grpo_mem.patches.trl", "patch_trl"),
     "restore": ("grpo_mem.model.forward", "restore"),
+    "SharingSession": ("grpo_mem.model.sharing", "SharingSession"),
     "shared_prompt_logprobs": ("grpo_mem.model.sharing", "shared_prompt_logprobs"),
     "verify": ("grpo_mem.patches.verify", "verify"),
 }

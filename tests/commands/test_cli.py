@@ -557,7 +557,7 @@ def heavy():
 import grpo_mem
 import grpo_mem.ops
 assert heavy() == [], heavy()
-assert set(grpo_mem.__all__) >= {"PatchHandle", "patch_trl", "restore", "shared_prompt_logprobs", "verify"}
+assert set(grpo_mem.__all__) >= {"PatchHandle", "SharingSession", "patch_trl", "restore", "shared_prompt_logprobs", "verify"}
 assert "patch_trl" in dir(grpo_mem)
 try:
     grpo_mem.no_such_name
@@ -570,6 +570,8 @@ assert heavy() == [], heavy()
 assert os.environ["OMP_WAIT_POLICY"] == sys.argv[1], os.environ["OMP_WAIT_POLICY"]
 assert callable(grpo_mem.patch_trl) and callable(grpo_mem.restore) and callable(grpo_mem.shared_prompt_logprobs)
 assert grpo_mem.PatchHandle.__name__ == "PatchHandle"
+from grpo_mem.model.sharing import SharingSession
+assert grpo_mem.SharingSession is SharingSession
 from grpo_mem import patch_trl
 from grpo_mem.patches.trl import patch_trl as direct
 assert patch_trl is direct
