@@ -192,26 +192,8 @@ def _pattern(period: tuple[str, ...], layers: int = 8) -> list[str]:
 
 
 BENCH_MODELS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        model_type="llama",
-        num_hidden_layers=8,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=8192,
-        tie_word_embeddings=True,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        num_hidden_layers=8,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=8192,
-        tie_word_embeddings=False,
-    ),
+    "llama": dict(_TRUNK, model_type="llama", tie_word_embeddings=True),
+    "qwen2": dict(_TRUNK, model_type="qwen2", tie_word_embeddings=False),
     "smollm2": dict(
         model_type="llama",
         num_hidden_layers=30,
