@@ -14,7 +14,7 @@ Usage: dist_worker.py KIND STACK PATCH OUT_JSON [SCENARIO]
 Rank 0 writes the final weights (gathered from their shards), global_step, the learning rate after every step, the
 logged epochs and the grad norms.
 
-The sharded stacks run on CPU with the workarounds in DESIGN.md ("Sharded training"): DeepSpeed uses its CPU
+The sharded stacks run on CPU with the workarounds in docs/distributed.md ("Sharded training on CPU"): DeepSpeed uses its CPU
 accelerator over gloo with a pre-built ``PartialState``; FSDP2 needs accelerate's state promoted from MULTI_CPU to
 FSDP, which accelerate 1.15 does not do on CPU (it silently wraps in DDP instead).
 """
