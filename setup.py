@@ -50,10 +50,10 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",
-        # the releases the whole suite was run on (README, "transformers releases tested"); a release installed
+        # the releases the whole suite was run on (docs/compatibility.md, "transformers releases tested"); a release installed
         # outside this range serves only the model classes the run-time confirmation passes
         "transformers>=5.23,<5.25",
-        "trl>=1.10,<1.17",  # 1.10-1.16 pass the parity tests (README, "TRL releases tested"); CI runs 1.16
+        "trl>=1.10,<1.17",  # 1.10-1.16 pass the parity tests (docs/compatibility.md, "TRL releases tested"); CI runs 1.16
         "accelerate>=1.0",
         "triton; platform_system == 'Linux'",
     ],

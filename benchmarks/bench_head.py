@@ -28,7 +28,7 @@ run the harness kills over its RSS budget or time limit.
 Usage (from the repository root)::
 
     python benchmarks/bench_head.py                 # full grid -> benchmarks/results/head.csv, head.png, table
-    python benchmarks/bench_head.py --grid quick    # the README subset (H=576; N=16384 only at V=49152)
+    python benchmarks/bench_head.py --grid quick    # the docs/benchmarks.md subset (H=576; N=16384 only at V=49152)
     python benchmarks/bench_head.py --grid target --dtype bfloat16 --append   # N=4096, H=576, V=49152 in bf16
     python benchmarks/bench_head.py --table         # reprint the markdown table from the CSV
     python benchmarks/bench_head.py --device cuda --grid qwen7b --dtype bfloat16   # N=32768, H=3584, V=152064 on GPU
@@ -153,7 +153,7 @@ def worker(args: dict) -> dict:
     return out
 
 
-# The subset run for the README on the shared 2-core machine (the full grid takes hours there)
+# The subset run for docs/benchmarks.md on the shared 2-core machine (the full grid takes hours there)
 QUICK = [dict(N=n, H=576, V=v) for v in (32000, 49152) for n in (1024, 4096)] + [
     dict(N=1024, H=576, V=151936),
     dict(N=16384, H=576, V=49152),
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--grid",
         default="full",
         choices=("full", "quick", "target", "qwen7b"),
-        help="full: N x H x V grid; quick: the README subset; target: N=4096, H=576, V=49152; "
+        help="full: N x H x V grid; quick: the docs subset; target: N=4096, H=576, V=49152; "
         "qwen7b: N=32768, H=3584, V=152064",
     )
     ap.add_argument(

@@ -12,7 +12,7 @@ Every benchmark script in ``benchmarks/`` and ``grpo-mem bench`` build on this m
    configurations. A run that fails, times out or goes over the RSS budget comes back as ``{"skipped": reason}``
    instead of raising.
 3. The parent turns results into CSV rows with :func:`measurement_rows` / :func:`skipped_rows`, writes them with
-   :func:`write_csv`, plots with :func:`plot_csv` and prints :func:`markdown_table` for the README.
+   :func:`write_csv`, plots with :func:`plot_csv` and prints :func:`markdown_table` for docs/.
 
 Metrics (the ``metric`` column; units in the ``unit`` column):
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 # A shared span shorter than this is forwarded inside each of its children instead of in a pass of its own. Measured
-# with ``python benchmarks/bench_tree.py --threshold`` (README, "Prefix-tree sharing"; 8-layer Llama-shaped model,
+# with ``python benchmarks/bench_tree.py --threshold`` (docs/benchmarks.md, "Prefix-tree sharing"; 8-layer Llama-shaped model,
 # 4 prompts of 4 groups sharing S tokens, G=8, C=64): a node of its own took 1.29x / 1.20x the time at S = 16 / 32
 # and 0.88x / 0.82x at S = 64 / 128.
 DEFAULT_MIN_SHARED_TOKENS = 64

@@ -4,7 +4,7 @@ call.
 G completions of one prompt attend to that prompt's keys/values and, causally, to their own. Stock scoring
 concatenates the prompt K/V in front of every completion (``torch.cat`` in the KV cache, then ``repeat_kv`` for GQA),
 so each layer holds G·(Hq/Hkv) copies of the prompt K/V for backward. Here the prompt K/V are read in place. With a
-prefix tree (DESIGN.md, "Prefix trees") a row reads several shared regions (its ancestors' segments), each a tensor of
+prefix tree (docs/how-it-works.md, "Prefix trees") a row reads several shared regions (its ancestors' segments), each a tensor of
 unique entries indexed per row:
 
 * a shared region: for each of its entries, the queries of all rows that read it and the Hq/Hkv query heads of one kv
@@ -949,7 +949,7 @@ def multi_region_attention(
             are skipped before their K/V are loaded, so a query costs O(W) keys of work, plus a position check per
             tile of the entry), on the cpu backend through ATen's fused kernel given, per entry, only the keys in
             reach of its rows (the span of keys some query sees) with a per-query mask (3.4x less CPU time than the
-            torch math for forward + backward of a Gemma-3-like layer, P=2048, W=512; see the README), on the torch
+            torch math for forward + backward of a Gemma-3-like layer, P=2048, W=512; see docs/kernels.md), on the torch
             backend as masked chunked matmuls. ``sinks`` run on every backend, merged into the backend's output and
             LSE by one elementwise pass, their gradient from the merged LSE.
         sliding_window: W (int >= 1) or None: key j is visible to query i only if ``0 <= pos_i - pos_j < W`` (the

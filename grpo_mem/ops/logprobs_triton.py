@@ -23,7 +23,7 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
   fuses these GEMMs into the d_logits kernel with atomic adds instead; this keeps the exact, deterministic default.
 - ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
 
-HBM traffic of the backward (estimate, not measured; README "Triton head kernels"), N=32768, H=3584,
+HBM traffic of the backward (estimate, not measured; docs/kernels.md, "Triton head kernels"), N=32768, H=3584,
 V=152064, bf16, H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s: NVIDIA datasheet); one GEMM pass 2*N*V*H = 35.7 TFLOP
 = 36 ms. Before (fused kernels with per-tile fp32 slabs): the d_hidden slab moved N*H*8 B * V/128 = 1.12 TB (333 ms),
 the d_weight slab V*H*8 B * N/64 = 2.23 TB (666 ms), against 4 GEMM passes (144 ms). Now (10 chunks of 15232):
@@ -58,7 +58,7 @@ __all__ = [
 
 # Shipped block sizes on CUDA, per kernel and operand dtype (bf16 and fp16 share tiles; fp32 operands use 3xTF32
 # dots and smaller tiles). Chosen on the builds that run (runtime divisibility attributes, sm_80 and sm_90): no spills,
-# checked by tests/test_logprobs_triton_aot.py, whose printout is the README's resource table. Not timed (no GPU here):
+# checked by tests/test_logprobs_triton_aot.py, whose printout is the resource table of docs/kernels.md. Not timed (no GPU here):
 # the bf16 choices rest on registers and shared memory per SM (65536 registers; 163 / 227 KB shared on sm_80 / sm_90).
 # fwd (64 x 128 x 32, 2 stages) sits at 127-128 registers, the limit for 2 CTAs of 8 warps per SM: BLOCK_H=64 or a
 # third stage gives 141-174 (one CTA), so it keeps its tile. The d_logits kernel stays at 128 registers with BLOCK_H=64

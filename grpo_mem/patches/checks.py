@@ -11,7 +11,7 @@ import inspect
 
 MIN_TRL = (1, 10)
 # Releases refused by name although their signatures pass, as (major, minor[, micro]) -> why. Empty: every release
-# from 1.10 to 1.16 passes the checks below and the parity tests (README, "TRL releases tested").
+# from 1.10 to 1.16 passes the checks below and the parity tests (docs/compatibility.md, "TRL releases tested").
 KNOWN_BAD_TRL: dict[tuple[int, ...], str] = {}
 LOGPS_METHOD = "_get_per_token_logps_and_entropies"
 PREPARE_METHOD = "_prepare_inputs"

@@ -1,4 +1,4 @@
-"""The accelerate config files shipped in configs/accelerate mean what the README says: read as ``accelerate launch
+"""The accelerate config files shipped in configs/accelerate mean what docs/distributed.md says: read as ``accelerate launch
 --config_file FILE script.py`` reads them, they give FSDP2 (fully_shard, reshard after forward) and DeepSpeed ZeRO-3,
 the stacks the 2-process tests in test_distributed.py run."""
 

@@ -11,9 +11,10 @@ weights perturbed) must agree. The tiny configs are the runtime's (``confirm.shr
 build is one the runtime cannot confirm and refuses. Types that cannot be built tiny offline are reported with the
 reason.
 
-The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The README's support table is
-this sweep's output: ``python tests/test_architectures.py`` writes ``benchmarks/results/architectures.csv`` and prints
-the markdown rows.
+The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The support table of
+docs/supported-models.md is this sweep's output: ``python tests/test_architectures.py`` writes
+``benchmarks/results/architectures.csv`` and prints the markdown rows; ``python benchmarks/docs_tables.py`` writes them
+into the page.
 """
 
 from __future__ import annotations
