@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpo_mem.bench import harness
+from grpo_mem.bench import measure, results
 from grpo_mem.bench.presets import EOS_ID, PAD_ID
 
 WARMUP_SHAPE = dict(G=2, P=16, C=8)
@@ -344,8 +344,8 @@ def measure_group(
     """Warm ``fn`` up on a tiny group, then measure the op on the real inputs in micro-batches of ``micro`` rows
     (default: all rows at once); the result dict of :func:`worker`.
 
-    ``args``: provider, C, and optionally warmup, repeats, min_repeats, time_budget_s (``harness.measure``'s), or
-    single_call (True: one call timed and memory-measured at once, ``harness.measure_once``; CPU only).
+    ``args``: provider, C, and optionally warmup, repeats, min_repeats, time_budget_s (``measure.measure``'s), or
+    single_call (True: one call timed and memory-measured at once, ``measure.measure_once``; CPU only).
     ``plain_forward_check``: after measuring, compare the log-probs with a plain no-grad full-sequence forward
     (``logp_max_abs_diff_vs_plain_forward``); costs one more forward of every row.
     """
@@ -389,9 +389,9 @@ def measure_group(
             )
             extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
         elif args.get("single_call"):
-            m = harness.measure_once(op, setup=lambda: model.zero_grad(set_to_none=True))
+            m = measure.measure_once(op, setup=lambda: model.zero_grad(set_to_none=True))
         else:
-            m = harness.measure(
+            m = measure.measure(
                 op,
                 setup=lambda: model.zero_grad(set_to_none=True),
                 warmup=args.get("warmup", 0),
@@ -423,7 +423,7 @@ def measure_group(
 
 def worker(args: dict) -> dict:
     """One (configuration, provider) in a fresh process (target ``grpo_mem.bench.group:worker`` of
-    ``harness.run_isolated``).
+    ``isolate.run_isolated``).
 
     ``args``: ``model_config`` (a config.json's content, see :func:`build_model`), provider, G, P, C, and optionally
     groups (1), micro (rows per micro-batch, a divisor of groups·G; default all rows), shared_prefix (0),
@@ -437,12 +437,12 @@ def worker(args: dict) -> dict:
     ``fallback_warnings`` (grpo_mem's fallback messages),
     ``n_params``, ``prompt_passes_per_call`` (grpo_mem over several micro-batches, else None),
     ``vision_patch_rows`` (image runs: patch rows the vision tower encoded in the last call, else None) and ``version``
-    (``harness.versions()`` as this process saw the code).
+    (``results.versions()`` as this process saw the code).
 
     Raises:
         ValueError: unknown provider, ``micro`` not dividing the rows, bad ``shared_prefix``.
     """
-    version = harness.versions()
+    version = results.versions()
     device = args.get("device", "cpu")
     seed = args.get("seed", 0)
     G, P, C, groups = args["G"], args["P"], args["C"], args.get("groups", 1)

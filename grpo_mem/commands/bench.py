@@ -9,12 +9,12 @@ grpo_mem in each sharing mode the installed grpo_mem offers (``grpo_mem``: each 
 vision-language model such as the ``qwen2.5-vl-3b`` preset) every prompt holds one image of N tokens and the providers
 are TRL's own scoring method and the patched one (:mod:`grpo_mem.bench.vision`). Printed: wall time, CPU time,
 peak memory above the process's base, their ratios to stock TRL, and the largest log-prob difference from stock TRL.
-Written: ``bench.csv`` (the harness's long format) and ``bench.png`` in ``--output-dir``.
+Written: ``bench.csv`` (:mod:`grpo_mem.bench.results`' long format) and ``bench.png`` in ``--output-dir``.
 
 Before running, the stock path's peak memory is estimated (:mod:`grpo_mem.bench.estimate`) and compared with the memory
 this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory): a shape that would not
 fit is refused with the estimate and what to lower, instead of swapping. Each child is also killed if its resident set
-grows past the available memory (the harness's RSS budget).
+grows past the available memory (:func:`~grpo_mem.bench.isolate.run_isolated`'s RSS budget).
 
 Child processes run with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set (see ``grpo_mem.cli``: spinning OpenMP
 threads cost several times the time on cores shared with other processes).
@@ -181,7 +181,7 @@ def summarize(outcomes: list, default: str | None = None) -> list[dict]:
     (s), peak memory above base (MB; peak RSS on CPU, peak CUDA allocation on CUDA), ratios to ``trl``, max |Δ
     log-prob| and |Δ entropy| vs ``trl``, gradient-norm relative difference vs ``trl``, fallback warnings, or the
     reason it was skipped; ``"default": True`` on the row of provider ``default`` (:func:`default_row`)."""
-    from grpo_mem.bench import harness
+    from grpo_mem.bench.measure import Measurement
 
     out = []
     for outcome in outcomes:
@@ -189,7 +189,7 @@ def summarize(outcomes: list, default: str | None = None) -> list[dict]:
         if outcome.skipped:
             out.append(dict(row, skipped=outcome.skipped))
             continue
-        metrics = harness.Measurement.from_dict(outcome.result).metrics()
+        metrics = Measurement.from_dict(outcome.result).metrics()
         mem = metrics.get("peak_rss_above_base") or metrics.get("peak_tensor")
         cpu = metrics.get("cpu_time")
         row.update(
@@ -229,7 +229,7 @@ def _times(ratio: float | None, what: str) -> str:
 
 def table(summary: list[dict]) -> str:
     """The markdown table printed by ``grpo-mem bench``; the default row (:func:`default_row`) says so."""
-    from grpo_mem.bench import harness
+    from grpo_mem.bench.results import markdown_table
 
     headers = [
         "provider",
@@ -267,7 +267,7 @@ def table(summary: list[dict]) -> str:
                 diff,
             ]
         )
-    return harness.markdown_table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def plot(summary: list[dict], png_path: str, title: str) -> None:
@@ -457,7 +457,7 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
     """Each provider in a fresh process, through the benchmark library's sweep; the sweep's outcomes."""
     from tqdm import tqdm
 
-    from grpo_mem.bench import harness
+    from grpo_mem.bench.measure import MB
     from grpo_mem.bench.sweep import Cell, Sweep, isolated
 
     config = dict(cfg.csv_config(), estimated_stock_peak_gb=round(estimate.total / GB, 2))
@@ -475,9 +475,7 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
     sweep = Sweep(
         OP,
         "P",
-        isolated(
-            WORKER, threads=cfg.threads, env=env, timeout_s=3600.0, rss_budget_mb=0.95 * host_available / harness.MB
-        ),
+        isolated(WORKER, threads=cfg.threads, env=env, timeout_s=3600.0, rss_budget_mb=0.95 * host_available / MB),
         device=device,
         report=lambda line: bar.write(line, file=sys.stderr),
     )
@@ -488,14 +486,14 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
 
 def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
     """bench.csv and bench.png into ``cfg.output``, the table on stdout; returns :func:`summarize`'s rows."""
-    from grpo_mem.bench import harness
+    from grpo_mem.bench.results import write_csv
 
     default, mode = default_row(cfg.image_tokens)
     summary = summarize(outcomes, default)
     os.makedirs(cfg.output, exist_ok=True)
     csv_path = os.path.join(cfg.output, "bench.csv")
     png_path = os.path.join(cfg.output, "bench.png")
-    harness.write_csv([row for outcome in outcomes for row in outcome.rows], csv_path)
+    write_csv([row for outcome in outcomes for row in outcome.rows], csv_path)
     title = (
         f"grpo-mem bench: {cfg.model.name}, {cfg.dtype}, G={cfg.G}, P={cfg.P}, C={cfg.C}, groups={cfg.groups}, "
         f"micro-batch {cfg.micro}"
