@@ -120,6 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="image tokens in each prompt (counted in --prompt-length), one image per prompt, for a "
         "vision-language model (qwen2.5-vl-3b); 0: text only",
     )
+    return _add_run_arguments(parser)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of how each run goes (precision, device, threads, repeats) and where its files go."""
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     parser.add_argument(
