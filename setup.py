@@ -8,8 +8,20 @@ torch that is already installed instead of pulling a CUDA wheel into an isolated
 
 import glob
 import os
+import re
 
 from setuptools import find_packages, setup
+
+
+def read_version() -> str:
+    """``__version__`` of ``grpo_mem/__init__.py``, the version's one definition (read as text: importing the
+    package at build time would need its dependencies)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_mem", "__init__.py")) as f:
+        match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError('grpo_mem/__init__.py defines no __version__ = "..." line')
+    return match.group(1)
+
 
 ext_modules = []
 cmdclass = {}
@@ -43,7 +55,7 @@ if sources and not os.environ.get("GRPO_MEM_SKIP_EXT"):
 
 setup(
     name="grpo_mem",
-    version="0.1.0",
+    version=read_version(),
     description="Memory- and time-efficient GRPO-family scoring for Hugging Face TRL: prompt-once group forward, "
     "shared-prefix attention and fused selective log-softmax.",
     packages=find_packages(include=["grpo_mem", "grpo_mem.*"]),

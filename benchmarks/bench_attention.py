@@ -115,7 +115,7 @@ def cuda_rows(res: dict, provider: str, cfg: dict) -> list[dict]:
         ("peak_tensor", "MB", (res["op_peak_bytes"] / mb,) * 3, 1),
         ("peak_allocated", "MB", (res["peak_bytes"] / mb,) * 3, 1),
     ]
-    version, now = harness.versions(), harness._now()
+    version, now = harness.versions(), harness.now_utc()
     return [
         dict(
             op=OP,

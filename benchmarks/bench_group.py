@@ -211,50 +211,55 @@ def table(path: str = CSV_PATH, op: str = OP) -> str:
         "tensor gm/fs",
         "gm max |Δlogp|",
     ]
-    out = []
-
-    def p50(d, prov, met):
-        r = d.get(prov, {}).get(met)
-        return None if r is None or math.isnan(r["p50"]) else r["p50"]
-
-    def ratio(a, b):
-        return None if a is None or b is None or b == 0 else a / b
-
-    for (model, G, P, C, groups), d in sorted(
-        idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][4], kv[0][1], kv[0][2])
-    ):
-        t = {p: p50(d, p, "wall_time") for p in PROVIDERS}
-        cpu = {p: p50(d, p, "cpu_time") for p in PROVIDERS}
-        m = {p: p50(d, p, "peak_rss_above_base") for p in PROVIDERS}
-        tp = {p: p50(d, p, "peak_tensor") for p in PROVIDERS}
-        gm = d.get("grpo_mem", {}).get("wall_time")
-        diff = gm["config"].get("logp_max_abs_diff_vs_plain_forward") if gm else None
-        if gm and gm["config"].get("fallback"):
-            diff = "fallback"
-        out.append(
-            [
-                model,
-                G,
-                P,
-                groups,
-                ideal_ratio(G, P, C),
-                t["trl"],
-                t["full_seq"],
-                t["grpo_mem"],
-                ratio(t["grpo_mem"], t["full_seq"]),
-                ratio(t["grpo_mem"], t["trl"]),
-                ratio(cpu["grpo_mem"], cpu["full_seq"]),
-                ratio(cpu["grpo_mem"], cpu["trl"]),
-                m["trl"],
-                m["full_seq"],
-                m["grpo_mem"],
-                ratio(m["grpo_mem"], m["full_seq"]),
-                ratio(m["grpo_mem"], m["trl"]),
-                ratio(tp["grpo_mem"], tp["full_seq"]),
-                f"{diff:.1e}" if isinstance(diff, float) else (diff or "-"),
-            ]
-        )
+    out = [
+        _table_row(key, d)
+        for key, d in sorted(idx.items(), key=lambda kv: (str(kv[0][0]), kv[0][4], kv[0][1], kv[0][2]))
+    ]
     return harness.markdown_table(headers, out)
+
+
+def _p50(d: dict, prov: str, met: str) -> float | None:
+    r = d.get(prov, {}).get(met)
+    return None if r is None or math.isnan(r["p50"]) else r["p50"]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _table_row(key: tuple, d: dict) -> list:
+    """:func:`table`'s row of one configuration ``key`` = (model, G, P, C, groups); ``d``: its rows by provider and
+    metric (:func:`_index`)."""
+    model, G, P, C, groups = key
+    t = {p: _p50(d, p, "wall_time") for p in PROVIDERS}
+    cpu = {p: _p50(d, p, "cpu_time") for p in PROVIDERS}
+    m = {p: _p50(d, p, "peak_rss_above_base") for p in PROVIDERS}
+    tp = {p: _p50(d, p, "peak_tensor") for p in PROVIDERS}
+    gm = d.get("grpo_mem", {}).get("wall_time")
+    diff = gm["config"].get("logp_max_abs_diff_vs_plain_forward") if gm else None
+    if gm and gm["config"].get("fallback"):
+        diff = "fallback"
+    return [
+        model,
+        G,
+        P,
+        groups,
+        ideal_ratio(G, P, C),
+        t["trl"],
+        t["full_seq"],
+        t["grpo_mem"],
+        _ratio(t["grpo_mem"], t["full_seq"]),
+        _ratio(t["grpo_mem"], t["trl"]),
+        _ratio(cpu["grpo_mem"], cpu["full_seq"]),
+        _ratio(cpu["grpo_mem"], cpu["trl"]),
+        m["trl"],
+        m["full_seq"],
+        m["grpo_mem"],
+        _ratio(m["grpo_mem"], m["full_seq"]),
+        _ratio(m["grpo_mem"], m["trl"]),
+        _ratio(tp["grpo_mem"], tp["full_seq"]),
+        f"{diff:.1e}" if isinstance(diff, float) else (diff or "-"),
+    ]
 
 
 def split_summary(path: str = CSV_PATH) -> str:

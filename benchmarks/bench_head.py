@@ -70,21 +70,9 @@ def naive_bytes(n: int, v: int, dtype_bytes: int) -> int:
     return 5 * n * v * dtype_bytes
 
 
-def worker(args: dict) -> dict:
-    import torch
-
+def _head_fn(provider: str, hidden, weight, target, args: dict):
+    """The head of ``provider`` as a function of no arguments returning (log-probs (N,), entropies (N,) or None)."""
     from grpo_mem.ops import linear_logprobs, linear_logprobs_ref
-
-    n, h, v = args["N"], args["H"], args["V"]
-    dtype = getattr(torch, args["dtype"])
-    provider = args["provider"]
-    device = torch.device(args.get("device", "cpu"))
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    # logits ~ N(0, 2^2): a realistic spread for a trained head
-    weight = (torch.randn(v, h, generator=g) * (2.0 / math.sqrt(h))).to(device=device, dtype=dtype).requires_grad_()
-    target = torch.randint(0, v, (n,), generator=g).to(device)
-    entropy = provider != "liger"
 
     if provider in ("grpo_mem_cpp", "grpo_mem_torch", "grpo_mem_triton"):
         backend = provider.split("_")[-1]
@@ -116,6 +104,43 @@ def worker(args: dict) -> dict:
     else:
         raise ValueError(f"unknown provider {provider!r}")
 
+    return head
+
+
+def _measure(op, setup, device, args: dict) -> dict:
+    """``op`` measured on ``device`` (CUDA: with the device name and absolute peak allocation), as a dict."""
+    if device.type == "cuda":
+        m, absolute = harness_cuda.measure_cuda(
+            op, setup=setup, warmup=max(1, args.get("warmup", 1)), repeats=args.get("repeats", 3)
+        )
+        return dict(m.to_dict(), cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
+    return harness.measure(
+        op,
+        setup=setup,
+        warmup=args.get("warmup", 1),
+        repeats=args.get("repeats", 3),
+        time_budget_s=args.get("time_budget_s", 60.0),
+        memory_repeats=1,
+    ).to_dict()
+
+
+def worker(args: dict) -> dict:
+    """One head configuration (``N``, ``H``, ``V``, ``dtype``) and ``provider`` in a fresh process: time and memory of
+    forward + backward, the sum of the log-probs (``checksum``) and the weight gradient's norm and size."""
+    import torch
+
+    n, h, v = args["N"], args["H"], args["V"]
+    dtype = getattr(torch, args["dtype"])
+    provider = args["provider"]
+    device = torch.device(args.get("device", "cpu"))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    # logits ~ N(0, 2^2): a realistic spread for a trained head
+    weight = (torch.randn(v, h, generator=g) * (2.0 / math.sqrt(h))).to(device=device, dtype=dtype).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g).to(device)
+    entropy = provider != "liger"
+    head = _head_fn(provider, hidden, weight, target, args)
+
     def op():
         logp, ent = head()
         loss = logp.sum() + (ent.sum() if ent is not None else 0.0)
@@ -126,24 +151,9 @@ def worker(args: dict) -> dict:
         hidden.grad = None
         weight.grad = None
 
-    extra = {}
-    if device.type == "cuda":
-        m, absolute = harness_cuda.measure_cuda(
-            op, setup=setup, warmup=max(1, args.get("warmup", 1)), repeats=args.get("repeats", 3)
-        )
-        extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
-    else:
-        m = harness.measure(
-            op,
-            setup=setup,
-            warmup=args.get("warmup", 1),
-            repeats=args.get("repeats", 3),
-            time_budget_s=args.get("time_budget_s", 60.0),
-            memory_repeats=1,
-        )
+    out = _measure(op, setup, device, args)
     setup()
     checksum = op()
-    out = dict(m.to_dict(), **extra)
     out.update(
         checksum=checksum,
         entropy=entropy,
@@ -188,45 +198,13 @@ def run(
 
         budget_bytes = 0.9 * torch.cuda.get_device_properties(0).total_memory
     for i, cfg in enumerate(cfgs):
-        x_value = cfg["N"]
-        dtype_bytes = 2 if cfg["dtype"] in ("bfloat16", "float16") else 4
         cfg_rows = []
         sums = {}
         for prov in providers:
-            config = dict(cfg, provider=prov, entropy=prov != "liger")
-            dev_name = None if device == "cpu" else harness_cuda.cuda_device_name()
-            need = naive_bytes(cfg["N"], cfg["V"], dtype_bytes)
-            if prov == "naive" and need > budget_bytes:
-                reason = f"naive (N, V) tensors need about {need / 1e9:.1f} GB (> {budget_bytes / 1e9:.0f} GB budget)"
-                print(f"{cfg} {prov}: skipped: {reason}", flush=True)
-                cfg_rows += harness.skipped_rows(OP, prov, "full", "N", x_value, config, reason, device=dev_name)
-                continue
-            # big configurations on CPU: no warm-up call (one call is minutes of CPU), one timed call
-            big = device == "cpu" and cfg["N"] * cfg["V"] * cfg["H"] > 2e11
-            args = dict(cfg, provider=prov, repeats=1 if big else repeats, warmup=0 if big else 1, device=device)
-            res = harness.run_isolated("bench_head:worker", args, rss_budget_mb=RSS_BUDGET_MB, timeout_s=1800.0)
-            if "skipped" in res:
-                print(f"{cfg} {prov}: skipped: {res['skipped']}", flush=True)
-                cfg_rows += harness.skipped_rows(
-                    OP, prov, "full", "N", x_value, config, res["skipped"], device=dev_name
-                )
-                continue
-            sums[prov] = res["checksum"]
-            config.update(
-                grad_weight_mb=round(res["grad_weight_mb"], 1),
-                logp_sum=res["checksum"],
-                grad_weight_norm=res["grad_norm"],
-            )
-            if device == "cuda":
-                config.update(
-                    memory="torch.cuda.max_memory_allocated above memory_allocated before the call",
-                    cuda_peak_allocated_mb=round(res["cuda_peak_allocated_mb"], 1),
-                )
-            new = harness.measurement_rows(
-                OP, prov, "full", "N", x_value, res, config, device=res.get("cuda_device", dev_name)
-            )
+            new, checksum = _run_provider(cfg, prov, repeats=repeats, device=device, budget_bytes=budget_bytes)
             cfg_rows += new
-            print(f"{cfg} {prov}: " + json.dumps({r["metric"]: round(r["p50"], 3) for r in new}), flush=True)
+            if checksum is not None:
+                sums[prov] = checksum
         if len(sums) > 1:
             print(f"  sum of log-probs per provider (should agree): {json.dumps(sums)}", flush=True)
         if append or i > 0:
@@ -235,6 +213,40 @@ def run(
             harness.write_csv(cfg_rows, csv_path)
         rows += cfg_rows
     return rows
+
+
+def _run_provider(cfg: dict, prov: str, *, repeats: int, device: str, budget_bytes: float) -> tuple[list, float | None]:
+    """One (configuration, provider) in a fresh process: its CSV rows (skipped rows when it cannot run) and the sum
+    of its log-probs (None when skipped)."""
+    x_value = cfg["N"]
+    dtype_bytes = 2 if cfg["dtype"] in ("bfloat16", "float16") else 4
+    config = dict(cfg, provider=prov, entropy=prov != "liger")
+    dev_name = None if device == "cpu" else harness_cuda.cuda_device_name()
+    need = naive_bytes(cfg["N"], cfg["V"], dtype_bytes)
+    if prov == "naive" and need > budget_bytes:
+        reason = f"naive (N, V) tensors need about {need / 1e9:.1f} GB (> {budget_bytes / 1e9:.0f} GB budget)"
+        print(f"{cfg} {prov}: skipped: {reason}", flush=True)
+        return harness.skipped_rows(OP, prov, "full", "N", x_value, config, reason, device=dev_name), None
+    # big configurations on CPU: no warm-up call (one call is minutes of CPU), one timed call
+    big = device == "cpu" and cfg["N"] * cfg["V"] * cfg["H"] > 2e11
+    args = dict(cfg, provider=prov, repeats=1 if big else repeats, warmup=0 if big else 1, device=device)
+    res = harness.run_isolated("bench_head:worker", args, rss_budget_mb=RSS_BUDGET_MB, timeout_s=1800.0)
+    if "skipped" in res:
+        print(f"{cfg} {prov}: skipped: {res['skipped']}", flush=True)
+        return harness.skipped_rows(OP, prov, "full", "N", x_value, config, res["skipped"], device=dev_name), None
+    config.update(
+        grad_weight_mb=round(res["grad_weight_mb"], 1),
+        logp_sum=res["checksum"],
+        grad_weight_norm=res["grad_norm"],
+    )
+    if device == "cuda":
+        config.update(
+            memory="torch.cuda.max_memory_allocated above memory_allocated before the call",
+            cuda_peak_allocated_mb=round(res["cuda_peak_allocated_mb"], 1),
+        )
+    new = harness.measurement_rows(OP, prov, "full", "N", x_value, res, config, device=res.get("cuda_device", dev_name))
+    print(f"{cfg} {prov}: " + json.dumps({r["metric"]: round(r["p50"], 3) for r in new}), flush=True)
+    return new, res["checksum"]
 
 
 def _key(row: dict) -> tuple:

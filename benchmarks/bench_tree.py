@@ -110,24 +110,36 @@ def worker(args: dict) -> dict:
             memory_repeats=1,
         )
     hook.remove()
-    with torch.no_grad():  # the check, after measuring: a plain full-sequence forward, log_softmax over the vocabulary
-        diffs = []
-        for s in range(0, input_ids.shape[0], rows):
-            ids, mask = input_ids[s : s + rows], attention_mask[s : s + rows]
-            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            logits = model.get_output_embeddings()(hidden[:, -C - 1 : -1]).float()
-            ref = torch.log_softmax(logits, -1).gather(-1, ids[:, -C:, None])[..., 0] * cmask_f[s : s + rows]
-            diffs.append(float((last["lp"][s : s + rows] * cmask_f[s : s + rows] - ref).abs().max()))
     return dict(
         m.to_dict(),
         trunk_tokens=last["tokens"],
-        logp_max_abs_diff_vs_plain_forward=max(diffs),
+        logp_max_abs_diff_vs_plain_forward=_plain_forward_diff(
+            model, input_ids, attention_mask, cmask_f, last["lp"], rows
+        ),
         log_probs=(last["lp"] * cmask_f).tolist(),
         grad_norm=group.grad_norm(model),
         Qs=Qs,
         fallback_warnings=sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)}),
         version=version,
     )
+
+
+def _plain_forward_diff(model, input_ids, attention_mask, cmask, lp, rows: int) -> float:
+    """The check, after measuring: the largest |difference| of the log-probs ``lp`` (rows, C) from a plain no-grad
+    full-sequence forward with log_softmax over the vocabulary, micro-batch by micro-batch of ``rows`` rows, where
+    ``cmask`` (rows, C) float is 1."""
+    import torch
+
+    C = lp.shape[1]
+    diffs = []
+    with torch.no_grad():
+        for s in range(0, input_ids.shape[0], rows):
+            ids, mask = input_ids[s : s + rows], attention_mask[s : s + rows]
+            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            logits = model.get_output_embeddings()(hidden[:, -C - 1 : -1]).float()
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[:, -C:, None])[..., 0] * cmask[s : s + rows]
+            diffs.append(float((lp[s : s + rows] * cmask[s : s + rows] - ref).abs().max()))
+    return max(diffs)
 
 
 def sweep_configs() -> list[dict]:

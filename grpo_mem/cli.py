@@ -26,6 +26,8 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
 
+import grpo_mem  # noqa: E402  (imports nothing heavy: its names resolve on first use)
+
 from grpo_mem.commands.gguf_models import force_offline  # noqa: E402  (imports nothing heavy)
 
 force_offline()
@@ -56,12 +58,14 @@ def missing_cli_modules() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser: names the commands; each command parses its own flags."""
+    """The top-level parser: names the commands (each command parses its own flags) and prints ``--version``
+    (``grpo_mem.__version__``, the version setup.py installs)."""
     parser = argparse.ArgumentParser(
         prog="grpo-mem",
         description="grpo_mem's command line: memory-lean GRPO with TRL.",
         epilog="Run `grpo-mem COMMAND --help` for a command's flags.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {grpo_mem.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

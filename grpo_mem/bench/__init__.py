@@ -1,7 +1,9 @@
 """The benchmark library shared by ``grpo-mem bench`` and the scripts in ``benchmarks/``.
 
-- ``grpo_mem.bench.harness``: fresh-process runs, wall/CPU time, peak RSS and live-tensor memory, the long-format CSV,
-  plot and markdown table; ``grpo_mem.bench.harness_cuda``: the same measurement on a GPU.
+- ``grpo_mem.bench.measure``: wall/CPU time, peak RSS and live-tensor memory of an op in this process;
+  ``grpo_mem.bench.isolate``: the same in a fresh process per run (``run_isolated``); ``grpo_mem.bench.results``: the
+  long-format CSV, its plot and markdown tables; ``grpo_mem.bench.harness`` re-exports the three for the scripts;
+  ``grpo_mem.bench.harness_cuda``: the measurement on a GPU.
 - ``grpo_mem.bench.sweep``: the one sweep runner: (configuration, provider) cells run one after the other, compared
   with stock TRL, turned into CSV rows.
 - ``grpo_mem.bench.group``: the group-scoring op (models from a config, inputs, the stock TRL and grpo_mem providers,
@@ -9,5 +11,5 @@
 - ``grpo_mem.bench.presets``: model shapes (published configurations, the benchmark scripts' models, a local
   ``config.json``); ``grpo_mem.bench.estimate``: stock TRL's estimated peak memory against what is available.
 
-Nothing is imported here, so ``python -m grpo_mem.bench.harness`` (the child of every isolated run) starts clean.
+Nothing is imported here, so the child of every isolated run (``grpo_mem.bench.isolate``'s worker entry) starts clean.
 """

@@ -179,6 +179,7 @@ def check_fits(estimate: MemoryEstimate, available: float, where: str) -> str | 
         return None
     return (
         f"refusing to run: stock TRL's scoring step of this shape needs about {estimate.describe()}, more than "
-        f"the {available / GB:.1f} GB available ({where}). Lower --micro-batch (saved activations grow with "
-        f"it), --prompt-length or --completion-length, use --dtype bf16, or pick a smaller --model."
+        f"the {available / GB:.1f} GB available ({where}). Lower --per-device-train-batch-size (saved "
+        "activations grow with it), --prompt-length or --max-completion-length, use --dtype bf16, or pick a "
+        "smaller --model."
     )

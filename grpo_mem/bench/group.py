@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpo_mem.bench import harness
+from grpo_mem.bench import measure, results
 from grpo_mem.bench.presets import EOS_ID, PAD_ID
 
 WARMUP_SHAPE = dict(G=2, P=16, C=8)
@@ -344,25 +344,14 @@ def measure_group(
     """Warm ``fn`` up on a tiny group, then measure the op on the real inputs in micro-batches of ``micro`` rows
     (default: all rows at once); the result dict of :func:`worker`.
 
-    ``args``: provider, C, and optionally warmup, repeats, min_repeats, time_budget_s (``harness.measure``'s), or
-    single_call (True: one call timed and memory-measured at once, ``harness.measure_once``; CPU only).
+    ``args``: provider, C, and optionally warmup, repeats, min_repeats, time_budget_s (``measure.measure``'s), or
+    single_call (True: one call timed and memory-measured at once, ``measure.measure_once``; CPU only).
     ``plain_forward_check``: after measuring, compare the log-probs with a plain no-grad full-sequence forward
     (``logp_max_abs_diff_vs_plain_forward``); costs one more forward of every row.
     """
     import torch
 
-    from grpo_mem.bench import harness_cuda
-
-    device = input_ids.device
-    w = WARMUP_SHAPE
-    tiny_ids, tiny_mask, tiny_cmask = (
-        x.to(device)
-        for x in make_inputs(w["G"], w["P"], w["C"], 1, model.config.get_text_config().vocab_size, seed=123)
-    )
-    small_fn = make_logprob_fn(args["provider"], model, w["C"])
-    lp, _ = small_fn(tiny_ids, tiny_mask)
-    (lp * tiny_cmask).sum().backward()
-    del lp
+    _warm_up(args["provider"], model, input_ids.device)
     cmask = completion_mask.float()
     last = {}
     B = input_ids.size(0)
@@ -379,38 +368,9 @@ def measure_group(
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        extra = {}
-        if device.type == "cuda":
-            m, absolute = harness_cuda.measure_cuda(
-                op,
-                setup=lambda: model.zero_grad(set_to_none=True),
-                warmup=max(1, args.get("warmup", 0)),
-                repeats=args.get("repeats", 3),
-            )
-            extra = dict(cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
-        elif args.get("single_call"):
-            m = harness.measure_once(op, setup=lambda: model.zero_grad(set_to_none=True))
-        else:
-            m = harness.measure(
-                op,
-                setup=lambda: model.zero_grad(set_to_none=True),
-                warmup=args.get("warmup", 0),
-                repeats=args.get("repeats", 3),
-                min_repeats=args.get("min_repeats", 1),
-                time_budget_s=args.get("time_budget_s", 20.0),
-                memory_repeats=1,
-            )
-    res = dict(m.to_dict(), **extra)
+        res = _measure_op(args, model, op, input_ids.device)
     if plain_forward_check:
-        # After measuring (so nothing here is timed or counted): log-probs of a plain no-grad forward of the full
-        # sequences, log_softmax over the whole vocabulary, fp32
-        with torch.no_grad():
-            C = args["C"]
-            hidden = model.get_decoder()(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-            ).last_hidden_state[:, -C - 1 : -1]
-            logits = model.get_output_embeddings()(hidden).float()
-            ref = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -C:, None])[..., 0] * cmask
+        ref = _plain_forward_logps(model, input_ids, attention_mask, args["C"]) * cmask
         res["logp_max_abs_diff_vs_plain_forward"] = float((last["lp"] * cmask - ref).abs().max())
     res["log_probs"] = (last["lp"] * cmask).tolist()
     res["entropies"] = (last["ent"] * cmask).tolist()
@@ -421,9 +381,60 @@ def measure_group(
     return res
 
 
+def _warm_up(provider: str, model, device) -> None:
+    """One forward + backward of ``provider``'s op on a tiny group (:data:`WARMUP_SHAPE`), unmeasured."""
+    w = WARMUP_SHAPE
+    tiny_ids, tiny_mask, tiny_cmask = (
+        x.to(device)
+        for x in make_inputs(w["G"], w["P"], w["C"], 1, model.config.get_text_config().vocab_size, seed=123)
+    )
+    lp, _ = make_logprob_fn(provider, model, w["C"])(tiny_ids, tiny_mask)
+    (lp * tiny_cmask).sum().backward()
+
+
+def _measure_op(args: dict, model, op, device) -> dict:
+    """``op`` measured as :func:`measure_group` says (on CUDA by :mod:`grpo_mem.bench.harness_cuda`, with the device
+    name and absolute peak), parameter gradients dropped before every call; the measurement as a dict."""
+    from grpo_mem.bench import harness_cuda
+
+    def setup():
+        model.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        m, absolute = harness_cuda.measure_cuda(
+            op, setup=setup, warmup=max(1, args.get("warmup", 0)), repeats=args.get("repeats", 3)
+        )
+        return dict(m.to_dict(), cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
+    if args.get("single_call"):
+        return measure.measure_once(op, setup=setup).to_dict()
+    return measure.measure(
+        op,
+        setup=setup,
+        warmup=args.get("warmup", 0),
+        repeats=args.get("repeats", 3),
+        min_repeats=args.get("min_repeats", 1),
+        time_budget_s=args.get("time_budget_s", 20.0),
+        memory_repeats=1,
+    ).to_dict()
+
+
+def _plain_forward_logps(model, input_ids, attention_mask, C: int):
+    """Log-probs (rows, C) fp32 of the last ``C`` tokens by a plain no-grad forward of the full sequences, log_softmax
+    over the whole vocabulary: the reference :func:`measure_group` checks against after measuring (so nothing here
+    is timed or counted)."""
+    import torch
+
+    with torch.no_grad():
+        hidden = model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state[:, -C - 1 : -1]
+        logits = model.get_output_embeddings()(hidden).float()
+        return torch.log_softmax(logits, -1).gather(-1, input_ids[:, -C:, None])[..., 0]
+
+
 def worker(args: dict) -> dict:
     """One (configuration, provider) in a fresh process (target ``grpo_mem.bench.group:worker`` of
-    ``harness.run_isolated``).
+    ``isolate.run_isolated``).
 
     ``args``: ``model_config`` (a config.json's content, see :func:`build_model`), provider, G, P, C, and optionally
     groups (1), micro (rows per micro-batch, a divisor of groups·G; default all rows), shared_prefix (0),
@@ -437,45 +448,23 @@ def worker(args: dict) -> dict:
     ``fallback_warnings`` (grpo_mem's fallback messages),
     ``n_params``, ``prompt_passes_per_call`` (grpo_mem over several micro-batches, else None),
     ``vision_patch_rows`` (image runs: patch rows the vision tower encoded in the last call, else None) and ``version``
-    (``harness.versions()`` as this process saw the code).
+    (``results.versions()`` as this process saw the code).
 
     Raises:
         ValueError: unknown provider, ``micro`` not dividing the rows, bad ``shared_prefix``.
     """
-    version = harness.versions()
+    version = results.versions()
     device = args.get("device", "cpu")
     seed = args.get("seed", 0)
-    G, P, C, groups = args["G"], args["P"], args["C"], args.get("groups", 1)
+    G, groups = args["G"], args.get("groups", 1)
     B = G * groups
     micro = args.get("micro") or B
     if micro < 1 or B % micro:
         raise ValueError(f"micro must divide the {B} rows (groups={groups} x G={G}), got {micro}")
     prov = _provider(args["provider"])
     model = build_model(args["model_config"], seed=seed, dtype=args.get("dtype", "float32")).to(device)
-    shared_prefix, image_tokens = args.get("shared_prefix", 0), args.get("image_tokens", 0)
-    input_ids, attention_mask, completion_mask = make_inputs(
-        G, P, C, groups, model.config.get_text_config().vocab_size, seed=seed + 1, shared_prefix=shared_prefix
-    )
-    extras = None
-    if image_tokens:
-        from grpo_mem.bench.vision import add_images, make_image_fn
-
-        input_ids, extras = add_images(
-            model.config, input_ids, attention_mask, P, image_tokens, shared_prefix=shared_prefix, seed=seed + 7
-        )
-    input_ids, attention_mask, completion_mask = (x.to(device) for x in (input_ids, attention_mask, completion_mask))
-    if extras is not None:
-        fn = make_image_fn(prov.name, model, C, input_ids[:, :P], attention_mask[:, :P], extras, micro)
-    elif prov.sharing is not None and micro < B:
-        fn = make_window_fn(
-            prov.name,
-            model,
-            C,
-            [input_ids[s : s + micro, :P] for s in range(0, B, micro)],
-            [attention_mask[s : s + micro, :P] for s in range(0, B, micro)],
-        )
-    else:
-        fn = make_logprob_fn(prov.name, model, C)
+    input_ids, attention_mask, completion_mask, extras = _worker_inputs(args, model, seed)
+    fn = _scoring_fn(prov, model, args, input_ids, attention_mask, extras, micro)
     res = measure_group(
         args,
         model,
@@ -492,3 +481,41 @@ def worker(args: dict) -> dict:
         prompt_passes_per_call=getattr(fn, "prompt_passes_per_call", None),
         vision_patch_rows=getattr(fn, "vision_patch_rows", None),
     )
+
+
+def _worker_inputs(args: dict, model, seed: int):
+    """:func:`worker`'s batch on the model's device: ``(input_ids, attention_mask, completion_mask, extras)``, extras
+    TRL's image arguments (one image per prompt, :func:`grpo_mem.bench.vision.add_images`) or None without images."""
+    G, P, C, groups = args["G"], args["P"], args["C"], args.get("groups", 1)
+    shared_prefix, image_tokens = args.get("shared_prefix", 0), args.get("image_tokens", 0)
+    input_ids, attention_mask, completion_mask = make_inputs(
+        G, P, C, groups, model.config.get_text_config().vocab_size, seed=seed + 1, shared_prefix=shared_prefix
+    )
+    extras = None
+    if image_tokens:
+        from grpo_mem.bench.vision import add_images
+
+        input_ids, extras = add_images(
+            model.config, input_ids, attention_mask, P, image_tokens, shared_prefix=shared_prefix, seed=seed + 7
+        )
+    device = args.get("device", "cpu")
+    return (*(x.to(device) for x in (input_ids, attention_mask, completion_mask)), extras)
+
+
+def _scoring_fn(prov: Provider, model, args: dict, input_ids, attention_mask, extras, micro: int):
+    """The op of provider ``prov`` on micro-batches of ``micro`` rows: an image run's, a sharing window over several
+    micro-batches (grpo_mem providers), or one call per micro-batch."""
+    P, C, B = args["P"], args["C"], input_ids.size(0)
+    if extras is not None:
+        from grpo_mem.bench.vision import make_image_fn
+
+        return make_image_fn(prov.name, model, C, input_ids[:, :P], attention_mask[:, :P], extras, micro)
+    if prov.sharing is not None and micro < B:
+        return make_window_fn(
+            prov.name,
+            model,
+            C,
+            [input_ids[s : s + micro, :P] for s in range(0, B, micro)],
+            [attention_mask[s : s + micro, :P] for s in range(0, B, micro)],
+        )
+    return make_logprob_fn(prov.name, model, C)

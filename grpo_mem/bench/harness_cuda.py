@@ -1,7 +1,7 @@
-"""CUDA side of the benchmark harness: time and memory of an op on a GPU, as a ``harness.Measurement``.
+"""CUDA side of the benchmark harness: time and memory of an op on a GPU, as a ``measure.Measurement``.
 
 Used by the ``--device cuda`` paths of ``benchmarks/bench_head.py``, ``benchmarks/bench_group.py`` and
-``grpo-mem bench``; the rows go through ``harness.measurement_rows`` (same CSV columns as on CPU, ``device`` = the
+``grpo-mem bench``; the rows go through ``results.measurement_rows`` (same CSV columns as on CPU, ``device`` = the
 GPU's name).
 
 - ``wall_time`` [s]: CUDA events recorded around each call on the current stream (``torch.cuda.Event(
@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 from typing import Any, Callable
 
-from grpo_mem.bench import harness
+from grpo_mem.bench.measure import Measurement
 
 __all__ = ["cuda_device_name", "cuda_unavailable_reason", "measure_cuda"]
 
@@ -50,7 +50,7 @@ def measure_cuda(
     warmup: int = 3,
     repeats: int = 20,
     memory_repeats: int = 1,
-) -> tuple[harness.Measurement, int]:
+) -> tuple[Measurement, int]:
     """Time ``fn()`` with CUDA events and measure its peak CUDA allocation.
 
     Args:
@@ -59,7 +59,7 @@ def measure_cuda(
         warmup, repeats, memory_repeats: untimed calls, timed calls (>= 1), calls under the memory statistics.
 
     Returns:
-        (``harness.Measurement`` with ``times_s`` and ``peak_tensor_bytes``, the absolute peak allocated bytes of the
+        (``Measurement`` with ``times_s`` and ``peak_tensor_bytes``, the absolute peak allocated bytes of the
         last memory call).
 
     Raises:
@@ -74,7 +74,7 @@ def measure_cuda(
             f"need warmup >= 0, repeats >= 1, memory_repeats >= 0; got {warmup}, {repeats}, {memory_repeats}"
         )
     setup = setup or (lambda: None)
-    m = harness.Measurement(warmup=warmup, threads=torch.get_num_threads())
+    m = Measurement(warmup=warmup, threads=torch.get_num_threads())
     for _ in range(warmup):
         setup()
         out = fn()

@@ -1,10 +1,10 @@
 """One sweep runner for every benchmark: ``grpo-mem bench``, ``benchmarks/bench_group.py``, ``bench_tree.py`` and
 ``bench_fsdp.py`` describe their (configuration, provider) cells; :class:`Sweep` runs them one after the other, each
-through its launcher (a fresh process, :func:`grpo_mem.bench.harness.run_isolated`, or a multi-process launch),
+through its launcher (a fresh process, :func:`grpo_mem.bench.isolate.run_isolated`, or a multi-process launch),
 compares every provider with stock TRL's cell of the same configuration, prints one progress line per cell and turns
-the results into the harness's long-format CSV rows.
+the results into the long-format CSV rows of :mod:`grpo_mem.bench.results`.
 
-A worker's result is a :class:`grpo_mem.bench.harness.Measurement` dict, optionally with ``log_probs``,
+A worker's result is a :class:`grpo_mem.bench.measure.Measurement` dict, optionally with ``log_probs``,
 ``entropies`` (lists, masked entries 0), ``grad_norm``, ``grad_sketches`` (per-parameter gradient sketches, compared
 per parameter), ``fallback_warnings`` and the figures in
 :data:`RESULT_KEYS`; or ``{"ranks": [result, ...]}`` for a multi-process launch (one set of rows per rank); or
@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
-from grpo_mem.bench import harness
+from grpo_mem.bench import isolate, results
+from grpo_mem.bench.measure import Measurement, percentiles
 
 REFERENCE = "trl"
 """The provider every other one is compared with (``*_vs_trl`` keys of the config)."""
@@ -124,10 +125,10 @@ def describe(outcome: Outcome, op: str) -> str:
     head = f"[{op}] {cell.name or cell.config} {cell.provider}"
     if outcome.skipped:
         return f"{head}: SKIPPED ({outcome.skipped})\n{res.get('stderr_tail', '')}".rstrip()
-    m = harness.Measurement.from_dict(res["ranks"][0] if "ranks" in res else res)
+    m = Measurement.from_dict(res["ranks"][0] if "ranks" in res else res)
     parts = [
-        f"wall p50 {harness.percentiles(m.times_s)[0]:.2f} s",
-        f"cpu p50 {harness.percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)})",
+        f"wall p50 {percentiles(m.times_s)[0]:.2f} s",
+        f"cpu p50 {percentiles(m.cpu_times_s)[0]:.2f} s (n={len(m.times_s)})",
     ]
     if m.peak_rss_above_base_bytes:
         parts.append(f"rss+ {m.peak_rss_above_base_bytes[0] / 1e6:.0f} MB")
@@ -158,8 +159,8 @@ class Sweep:
     """Runs cells of one op and makes their CSV rows.
 
     ``launch(args) -> result``: runs one cell (never raises for a failed run: returns ``{"skipped": reason}``, as
-    :func:`~grpo_mem.bench.harness.run_isolated` does). ``x_name``/``mode``/``device``/``version``: the CSV
-    columns (``version`` default: :func:`~grpo_mem.bench.harness.versions`, unless the result carries its own).
+    :func:`~grpo_mem.bench.isolate.run_isolated` does). ``x_name``/``mode``/``device``/``version``: the CSV
+    columns (``version`` default: :func:`~grpo_mem.bench.results.versions`, unless the result carries its own).
     ``references``: reference results measured earlier, by cell key (a dict with at least ``grad_norm``), used when
     a key's :data:`REFERENCE` cell is not part of this sweep. ``report``: where progress lines go (stderr)."""
 
@@ -175,14 +176,14 @@ class Sweep:
     def run(self, cells: Iterable[Cell], *, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
         """Run ``cells`` in order (a key's reference cell first, to compare the others with it); returns their
         outcomes. ``on_outcome`` runs after each cell (e.g. to write the CSV so far)."""
-        version = self.version or harness.versions()
+        version = self.version or results.versions()
         references = dict(self.references)
         outcomes = []
         for cell in cells:
             result = {"skipped": cell.skip} if cell.skip else self.launch(cell.args)
             outcome = Outcome(cell, result, dict(cell.config))
             if outcome.skipped:
-                outcome.rows = harness.skipped_rows(
+                outcome.rows = results.skipped_rows(
                     self.op,
                     cell.provider,
                     self.mode,
@@ -218,7 +219,7 @@ class Sweep:
         rows = []
         for rank, measured in enumerate(ranks):
             config = dict(outcome.config, rank=rank, world=len(ranks)) if "ranks" in res else outcome.config
-            rows += harness.measurement_rows(
+            rows += results.measurement_rows(
                 self.op,
                 cell.provider,
                 self.mode,
@@ -234,12 +235,12 @@ class Sweep:
 
 def isolated(target: str, **kwargs) -> Callable[[dict], dict]:
     """A :class:`Sweep` launcher running ``target`` (``"module:function"``) in a fresh process per cell:
-    :func:`~grpo_mem.bench.harness.run_isolated` with ``kwargs`` (threads, timeout_s, rss_budget_mb, env)."""
-    return functools.partial(harness.run_isolated, target, **kwargs)
+    :func:`~grpo_mem.bench.isolate.run_isolated` with ``kwargs`` (threads, timeout_s, rss_budget_mb, env)."""
+    return functools.partial(isolate.run_isolated, target, **kwargs)
 
 
 def _as_read(row: dict) -> dict:
-    """A row as :func:`~grpo_mem.bench.harness.read_csv` gives it back: config a dict, x_value a float."""
+    """A row as :func:`~grpo_mem.bench.results.read_csv` gives it back: config a dict, x_value a float."""
     config = row["config"] if isinstance(row["config"], dict) else json.loads(row["config"])
     return dict(row, config=config, x_value=float(row["x_value"]))
 
@@ -251,7 +252,7 @@ def merge_csv(rows: list[dict], path: str, key: Callable[[dict], Hashable]) -> N
     new = {key(_as_read(r)) for r in rows}
     keep = []
     if os.path.exists(path):
-        for r in harness.read_csv(path):
+        for r in results.read_csv(path):
             if key(_as_read(r)) not in new:
                 keep.append(dict(r, config=json.dumps(r["config"], sort_keys=True)))
-    harness.write_csv(keep + rows, path)
+    results.write_csv(keep + rows, path)

@@ -9,12 +9,12 @@ grpo_mem in each sharing mode the installed grpo_mem offers (``grpo_mem``: each 
 vision-language model such as the ``qwen2.5-vl-3b`` preset) every prompt holds one image of N tokens and the providers
 are TRL's own scoring method and the patched one (:mod:`grpo_mem.bench.vision`). Printed: wall time, CPU time,
 peak memory above the process's base, their ratios to stock TRL, and the largest log-prob difference from stock TRL.
-Written: ``bench.csv`` (the harness's long format) and ``bench.png`` in ``--output``.
+Written: ``bench.csv`` (:mod:`grpo_mem.bench.results`' long format) and ``bench.png`` in ``--output-dir``.
 
 Before running, the stock path's peak memory is estimated (:mod:`grpo_mem.bench.estimate`) and compared with the memory
 this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory): a shape that would not
 fit is refused with the estimate and what to lower, instead of swapping. Each child is also killed if its resident set
-grows past the available memory (the harness's RSS budget).
+grows past the available memory (:func:`~grpo_mem.bench.isolate.run_isolated`'s RSS budget).
 
 Child processes run with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set (see ``grpo_mem.cli``: spinning OpenMP
 threads cost several times the time on cores shared with other processes).
@@ -40,7 +40,7 @@ from grpo_mem.bench.estimate import (
     model_shape,
 )
 from grpo_mem.bench.presets import PRESETS, ModelSpec, resolve_model
-from grpo_mem.commands.flags import non_negative_int, positive_int
+from grpo_mem.commands.flags import DefaultsFormatter, non_negative_int, positive_int
 
 OP = "group_logprobs"
 """The CSV's ``op``: the same op as ``benchmarks/bench_group.py`` measures."""
@@ -52,7 +52,7 @@ DESCRIPTION = (
     "One scoring forward + backward (log-probs and entropies of every completion token) of stock TRL 1.16 and of "
     "grpo_mem (each sharing mode), each in a fresh process, on a randomly initialised model of the given shape. "
     "Prints wall time, CPU time, peak memory above base, ratios to stock TRL and the largest log-prob difference; "
-    "writes bench.csv and bench.png into --output. Refuses shapes whose estimated stock peak does not fit the "
+    "writes bench.csv and bench.png into --output-dir. Refuses shapes whose estimated stock peak does not fit the "
     "available memory."
 )
 
@@ -68,21 +68,40 @@ def _cpu_count() -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``grpo-mem bench``'s flags to ``parser`` (a subcommand's parser or a standalone one); returns it."""
+    """Add ``grpo-mem bench``'s flags to ``parser`` (a subcommand's parser or a standalone one); returns it. A flag
+    that ``grpo-mem train`` or TRL's ``GRPOConfig`` also has takes their name (``--num-generations``,
+    ``--per-device-train-batch-size``, ``--max-completion-length``, ``--output-dir``, ``--threads``)."""
     parser.add_argument(
         "--model",
         default="smollm2-135m",
+        metavar="NAME|DIR",
         help=f"a preset ({', '.join(PRESETS)}) or a local HF model directory (only its config.json is "
         "read; random weights)",
     )
-    parser.add_argument("--prompt-length", type=positive_int, default=512, help="prompt tokens per row (P)")
-    parser.add_argument("--completion-length", type=positive_int, default=64, help="completion tokens per row (C)")
-    parser.add_argument("-G", "--num-generations", type=positive_int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--groups", type=positive_int, default=1, help="prompts, each with G completions")
     parser.add_argument(
-        "--micro-batch",
+        "--prompt-length", type=positive_int, default=512, metavar="P", help="prompt width P (prompts left-padded)"
+    )
+    parser.add_argument(
+        "--max-completion-length",
+        type=positive_int,
+        default=64,
+        metavar="C",
+        help="completion width C (completions of C/2 to C tokens, right-padded)",
+    )
+    parser.add_argument("--num-generations", type=positive_int, default=8, metavar="G", help="completions per prompt")
+    parser.add_argument(
+        "--groups",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="prompts, each with G completions (grpo-mem train's per-device-train-batch-size x "
+        "gradient-accumulation-steps / G)",
+    )
+    parser.add_argument(
+        "--per-device-train-batch-size",
         type=positive_int,
         default=None,
+        metavar="N",
         help="rows per micro-batch, a divisor of groups x G (default: G); gradients accumulate over "
         "the micro-batches, grpo_mem shares prompts across them as its TRL patch does",
     )
@@ -90,34 +109,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--shared-prefix-length",
         type=non_negative_int,
         default=0,
+        metavar="S",
         help="tokens at the start of every prompt that all prompts share (for the tree sharing mode)",
     )
     parser.add_argument(
         "--image-tokens",
         type=non_negative_int,
         default=0,
+        metavar="N",
         help="image tokens in each prompt (counted in --prompt-length), one image per prompt, for a "
         "vision-language model (qwen2.5-vl-3b); 0: text only",
     )
+    return _add_run_arguments(parser)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of how each run goes (precision, device, threads, repeats) and where its files go."""
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
-    parser.add_argument("--threads", type=positive_int, default=_cpu_count(), help="torch intra-op threads of each run")
+    parser.add_argument(
+        "--threads", type=positive_int, default=_cpu_count(), metavar="N", help="torch intra-op threads of each run"
+    )
     parser.add_argument(
         "--repeats",
         type=positive_int,
         default=1,
+        metavar="N",
         help="calls per provider: 1 times and measures memory in the same call; N > 1 times N calls "
         "(p50) and measures memory (peak RSS and live tensors) in one more",
     )
-    parser.add_argument("--output", default="grpo-mem-bench", help="directory for bench.csv and bench.png")
+    parser.add_argument(
+        "--output-dir", default="grpo-mem-bench", metavar="DIR", help="where bench.csv and bench.png go"
+    )
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The standalone parser of ``grpo-mem bench`` (``python -m grpo_mem.commands.bench``)."""
-    parser = argparse.ArgumentParser(
-        prog="grpo-mem bench", description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="grpo-mem bench", description=DESCRIPTION, formatter_class=DefaultsFormatter)
     return add_arguments(parser)
 
 
@@ -133,24 +162,39 @@ def providers_to_run(image_tokens: int = 0) -> list[str]:
     return ["trl"] + [p for p in available_providers() if PROVIDERS[p].sharing is not None]
 
 
+def default_row(image_tokens: int = 0) -> tuple[str, str]:
+    """The provider whose row stands for grpo_mem as ``patch_trl`` runs it by default, and its sharing mode: text
+    prompts, the provider of ``patch_trl``'s default ``sharing`` (``grpo_mem_tree`` for ``"tree"``); image prompts,
+    ``grpo_mem`` (the only patched provider of an image run, group sharing)."""
+    import inspect
+
+    from grpo_mem.bench.group import PROVIDERS
+    from grpo_mem.patches.trl import patch_trl
+
+    if image_tokens:
+        return "grpo_mem", PROVIDERS["grpo_mem"].sharing
+    mode = inspect.signature(patch_trl).parameters["sharing"].default
+    return next(p.name for p in PROVIDERS.values() if p.sharing == mode), mode
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b) else a / b
 
 
-def summarize(outcomes: list) -> list[dict]:
+def summarize(outcomes: list, default: str | None = None) -> list[dict]:
     """Per provider (in order, from the sweep's :class:`~grpo_mem.bench.sweep.Outcome` list): wall and CPU time p50
     (s), peak memory above base (MB; peak RSS on CPU, peak CUDA allocation on CUDA), ratios to ``trl``, max |Δ
     log-prob| and |Δ entropy| vs ``trl``, gradient-norm relative difference vs ``trl``, fallback warnings, or the
-    reason it was skipped."""
-    from grpo_mem.bench import harness
+    reason it was skipped; ``"default": True`` on the row of provider ``default`` (:func:`default_row`)."""
+    from grpo_mem.bench.measure import Measurement
 
     out = []
     for outcome in outcomes:
-        row: dict[str, Any] = {"provider": outcome.cell.provider}
+        row: dict[str, Any] = {"provider": outcome.cell.provider, "default": outcome.cell.provider == default}
         if outcome.skipped:
             out.append(dict(row, skipped=outcome.skipped))
             continue
-        metrics = harness.Measurement.from_dict(outcome.result).metrics()
+        metrics = Measurement.from_dict(outcome.result).metrics()
         mem = metrics.get("peak_rss_above_base") or metrics.get("peak_tensor")
         cpu = metrics.get("cpu_time")
         row.update(
@@ -170,9 +214,27 @@ def summarize(outcomes: list) -> list[dict]:
     return out
 
 
+def verdict(summary: list[dict], mode: str, image_tokens: int = 0) -> str:
+    """The line ``grpo-mem bench`` ends with: the default row's peak memory and wall time over stock TRL's (the rows
+    of :func:`summarize`; ``mode``: the default row's sharing mode), or why there is no verdict."""
+    row = next((r for r in summary if r.get("default")), None)
+    for name, r in (("stock TRL", next((r for r in summary if r["provider"] == "trl"), None)), ("grpo_mem", row)):
+        if r is None or "skipped" in r:
+            return f"no verdict: {name} was not measured" + (f" ({r['skipped'][:80]})" if r else "")
+    mem, wall = _times(row["mem_vs_trl"], "the memory"), _times(row["time_vs_trl"], "the time")
+    line = f"on this shape grpo_mem uses {mem} and {wall} of stock TRL"
+    if image_tokens:
+        return line + f"; image prompts run {mode} sharing"
+    return line + f"; the default is {mode} sharing"
+
+
+def _times(ratio: float | None, what: str) -> str:
+    return what if ratio is None else f"{ratio:.2f}x {what}"
+
+
 def table(summary: list[dict]) -> str:
-    """The markdown table printed by ``grpo-mem bench``."""
-    from grpo_mem.bench import harness
+    """The markdown table printed by ``grpo-mem bench``; the default row (:func:`default_row`) says so."""
+    from grpo_mem.bench.results import markdown_table
 
     headers = [
         "provider",
@@ -186,8 +248,9 @@ def table(summary: list[dict]) -> str:
     ]
     rows = []
     for r in summary:
+        name = r["provider"] + (" (default)" if r.get("default") else "")
         if "skipped" in r:
-            rows.append([r["provider"], None, None, None, None, None, None, f"skipped: {r['skipped'][:80]}"])
+            rows.append([name, None, None, None, None, None, None, f"skipped: {r['skipped'][:80]}"])
             continue
         if r["provider"] == "trl":
             diff = "(reference)"
@@ -199,7 +262,7 @@ def table(summary: list[dict]) -> str:
             diff += " (fell back to the full sequence)"
         rows.append(
             [
-                r["provider"],
+                name,
                 r["time_s"],
                 r["cpu_s"],
                 r["mem_mb"],
@@ -209,7 +272,7 @@ def table(summary: list[dict]) -> str:
                 diff,
             ]
         )
-    return harness.markdown_table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def plot(summary: list[dict], png_path: str, title: str) -> None:
@@ -317,11 +380,14 @@ def validate(args: argparse.Namespace) -> BenchConfig:
     """Turn parsed flags into a :class:`BenchConfig`. Raises ValueError naming the flag at fault."""
     spec = resolve_model(args.model)
     shape = model_shape(spec.config)
-    P, C, G, groups = args.prompt_length, args.completion_length, args.num_generations, args.groups
+    P, C, G, groups = args.prompt_length, args.max_completion_length, args.num_generations, args.groups
     rows = G * groups
-    micro = args.micro_batch or G
+    micro = args.per_device_train_batch_size or G
     if rows % micro:
-        raise ValueError(f"--micro-batch {micro} must divide the {rows} rows (--groups {groups} x -G {G})")
+        raise ValueError(
+            f"--per-device-train-batch-size {micro} must divide the {rows} rows (--groups {groups} x "
+            f"--num-generations {G})"
+        )
     shortest = P - P // (8 if groups == 1 else 4)
     if args.shared_prefix_length > shortest:
         raise ValueError(
@@ -331,7 +397,7 @@ def validate(args: argparse.Namespace) -> BenchConfig:
     _check_image_tokens(args, spec, shape, shortest)
     if shape.max_positions is not None and P + C > shape.max_positions:
         raise ValueError(
-            f"--prompt-length + --completion-length = {P + C} exceeds the model's "
+            f"--prompt-length + --max-completion-length = {P + C} exceeds the model's "
             f"max_position_embeddings {shape.max_positions}"
         )
     return BenchConfig(
@@ -348,7 +414,7 @@ def validate(args: argparse.Namespace) -> BenchConfig:
         device=args.device,
         threads=args.threads,
         repeats=args.repeats,
-        output=args.output,
+        output=args.output_dir,
     )
 
 
@@ -396,7 +462,7 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
     """Each provider in a fresh process, through the benchmark library's sweep; the sweep's outcomes."""
     from tqdm import tqdm
 
-    from grpo_mem.bench import harness
+    from grpo_mem.bench.measure import MB
     from grpo_mem.bench.sweep import Cell, Sweep, isolated
 
     config = dict(cfg.csv_config(), estimated_stock_peak_gb=round(estimate.total / GB, 2))
@@ -414,9 +480,7 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
     sweep = Sweep(
         OP,
         "P",
-        isolated(
-            WORKER, threads=cfg.threads, env=env, timeout_s=3600.0, rss_budget_mb=0.95 * host_available / harness.MB
-        ),
+        isolated(WORKER, threads=cfg.threads, env=env, timeout_s=3600.0, rss_budget_mb=0.95 * host_available / MB),
         device=device,
         report=lambda line: bar.write(line, file=sys.stderr),
     )
@@ -427,13 +491,14 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
 
 def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
     """bench.csv and bench.png into ``cfg.output``, the table on stdout; returns :func:`summarize`'s rows."""
-    from grpo_mem.bench import harness
+    from grpo_mem.bench.results import write_csv
 
-    summary = summarize(outcomes)
+    default, mode = default_row(cfg.image_tokens)
+    summary = summarize(outcomes, default)
     os.makedirs(cfg.output, exist_ok=True)
     csv_path = os.path.join(cfg.output, "bench.csv")
     png_path = os.path.join(cfg.output, "bench.png")
-    harness.write_csv([row for outcome in outcomes for row in outcome.rows], csv_path)
+    write_csv([row for outcome in outcomes for row in outcome.rows], csv_path)
     title = (
         f"grpo-mem bench: {cfg.model.name}, {cfg.dtype}, G={cfg.G}, P={cfg.P}, C={cfg.C}, groups={cfg.groups}, "
         f"micro-batch {cfg.micro}"
@@ -446,6 +511,7 @@ def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
     print(f"\n{title}\n")
     print(table(summary))
     print(f"\nwrote {csv_path}" + (f" and {png_path}" if plotted else ""))
+    print(verdict(summary, mode, cfg.image_tokens))
     return summary
 
 

@@ -169,7 +169,6 @@ def plot_compare(summary: dict, path: Path | str) -> None:
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     stock, patched = summary["runs"]["stock"], summary["runs"]["patched"]
     style = {
@@ -184,12 +183,29 @@ def plot_compare(summary: dict, path: Path | str) -> None:
         ax_r.plot(steps, [r["reward"] if r["reward"] is not None else math.nan for r in run["steps"]], **style[name])
         ax_m.plot(steps, [r["peak_rss_mb"] for r in run["steps"]], **style[name])
         ax_t.plot(steps, [r["step_time_s"] for r in run["steps"]], **style[name])
+    _annotate(axes, summary, style["patched"])
+    for ax in axes:
+        ax.legend(loc="upper left", fontsize=8)
+    _step_axis(axes[-1], sorted({r["step"] for run in (stock, patched) for r in run["steps"]}))
+    fig.suptitle(
+        f"{Path(stock['model']).name} · {stock['task']} · G={stock['settings']['num_generations']} · "
+        f"stock TRL vs grpo_mem, same seeds\nprompts: {prompt_text(stock)}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _annotate(axes, summary: dict, patched_style: dict) -> None:
+    """:func:`plot_compare`'s labels and its patched/stock figures on each panel; the token panel, if there is one."""
     r = summary["ratios"]
     box = dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9)
 
     def note(ax, text):
         ax.text(0.99, 0.04, text, transform=ax.transAxes, ha="right", va="bottom", fontsize=9, bbox=box)
 
+    ax_r, ax_m, ax_t = axes[:3]
     ax_r.set_ylabel("mean reward")
     ax_r.set_ylim(-0.05, 1.05)
     note(ax_r, _reward_diff_text(summary))
@@ -208,26 +224,21 @@ def plot_compare(summary: dict, path: Path | str) -> None:
     for ax in (ax_m, ax_t):
         lo, hi = ax.get_ylim()
         ax.set_ylim(0, hi * 1.05)
-    if tokens:
-        plot_token_ratio(axes[3], [(patched["steps"], style["patched"])])
+    if len(axes) > 3:
+        plot_token_ratio(axes[3], [(summary["runs"]["patched"]["steps"], patched_style)])
         note(axes[3], f"patched: backbone tokens {summary['token_ratio_mean']:.3f}x stock TRL's (mean over steps)")
-    for ax in axes:
-        ax.legend(loc="upper left", fontsize=8)
-    axes[-1].set_xlabel("optimizer step")
-    all_steps = sorted({r["step"] for run in (stock, patched) for r in run["steps"]})
+
+
+def _step_axis(ax, all_steps: list[int]) -> None:
+    """The shared x axis: every step ticked when there are at most 20, else integer ticks."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("optimizer step")
     if 0 < len(all_steps) <= 20:
-        axes[-1].set_xticks(all_steps)
-        axes[-1].set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)
+        ax.set_xticks(all_steps)
+        ax.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)
     else:
-        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(
-        f"{Path(stock['model']).name} · {stock['task']} · G={stock['settings']['num_generations']} · "
-        f"stock TRL vs grpo_mem, same seeds\nprompts: {prompt_text(stock)}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def run_compare(settings, *, verbose: bool = True) -> dict:

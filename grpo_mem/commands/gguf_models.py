@@ -190,39 +190,12 @@ def convert_gguf(dst: Path, path: Path | None = None) -> None:
         FileExistsError: ``dst`` exists.
         RuntimeError: the rebuilt model's state dict or logits differ from the GGUF-loaded model's.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     path = gguf_path() if path is None else Path(path)
     dst = Path(dst)
     if dst.exists():
         raise FileExistsError(f"conversion target {dst} already exists")
     tokenizer = load_gguf_tokenizer(path)
-    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = loaded.state_dict()
-    result = model.load_state_dict(state, strict=False)
-    # With tied embeddings the state dict may list lm_head.weight or not; anything else missing is a real error.
-    missing = [k for k in result.missing_keys if k != "lm_head.weight"]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(
-            f"GGUF state dict does not fit {type(model).__name__}: missing {missing}, unexpected {result.unexpected_keys}"
-        )
-    model.tie_weights()
-    model.eval()
-    loaded.eval()
-    probe = _probe_ids(tokenizer)
-    with torch.no_grad():
-        ref = loaded(probe).logits
-        got = model(probe).logits
-    if not torch.equal(ref, got):
-        raise RuntimeError(
-            f"rebuilt model differs from the GGUF-loaded one: max |logit diff| {(ref - got).abs().max().item():.3e}"
-        )
+    model = _rebuild_fp32(path, tokenizer)
     generation_config = model.generation_config
     generation_config.eos_token_id = tokenizer.eos_token_id
     generation_config.pad_token_id = tokenizer.pad_token_id
@@ -251,6 +224,40 @@ def convert_gguf(dst: Path, path: Path | None = None) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _rebuild_fp32(path: Path, tokenizer):
+    """The GGUF model at ``path`` loaded by transformers, rebuilt as a plain fp32 model of its config (no
+    quantization config) with its weights, in eval mode. Raises RuntimeError if the state dict does not fit or the
+    rebuilt model's logits on a probe prompt (:func:`_probe_ids`) are not exactly the loaded model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = model.load_state_dict(loaded.state_dict(), strict=False)
+    # With tied embeddings the state dict may list lm_head.weight or not; anything else missing is a real error.
+    missing = [k for k in result.missing_keys if k != "lm_head.weight"]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"GGUF state dict does not fit {type(model).__name__}: missing {missing}, unexpected {result.unexpected_keys}"
+        )
+    model.tie_weights()
+    model.eval()
+    loaded.eval()
+    probe = _probe_ids(tokenizer)
+    with torch.no_grad():
+        ref = loaded(probe).logits
+        got = model(probe).logits
+    if not torch.equal(ref, got):
+        raise RuntimeError(
+            f"rebuilt model differs from the GGUF-loaded one: max |logit diff| {(ref - got).abs().max().item():.3e}"
+        )
+    return model
 
 
 def ensure_model(

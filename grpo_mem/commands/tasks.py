@@ -248,6 +248,25 @@ def few_shot_examples(data: Any, k: int, *, name: str, config: dict[str, Any], s
     )
 
 
+def _create_dataset(name: str, size: int, seed: int, config: dict[str, Any] | None):
+    """``(reasoning-gym dataset, the config it was made with)``; the errors of :func:`make_task` about these."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        raise ValueError(f"unknown reasoning-gym task {name!r}; known: {', '.join(sorted(DATASETS))}")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be an int >= 1, got {size!r}")
+    if config is None:
+        config = dict(DEFAULT_TASK_CONFIGS.get(name, {}))
+    if not isinstance(config, dict):
+        raise TypeError(f"task config must be a dict, got {type(config).__name__}")
+    try:
+        return reasoning_gym.create_dataset(name, size=size, seed=seed, **config), config
+    except (TypeError, AssertionError) as exc:  # reasoning-gym validates its configs with assert
+        raise ValueError(f"task {name!r} rejects config {config!r}: {exc}") from exc
+
+
 def make_task(
     name: str = DEFAULT_TASK,
     *,
@@ -275,21 +294,7 @@ def make_task(
             distinct few-shot questions.
         TypeError: ``config`` is not a dict.
     """
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
-
-    if name not in DATASETS:
-        raise ValueError(f"unknown reasoning-gym task {name!r}; known: {', '.join(sorted(DATASETS))}")
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be an int >= 1, got {size!r}")
-    if config is None:
-        config = dict(DEFAULT_TASK_CONFIGS.get(name, {}))
-    if not isinstance(config, dict):
-        raise TypeError(f"task config must be a dict, got {type(config).__name__}")
-    try:
-        data = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
-    except (TypeError, AssertionError) as exc:  # reasoning-gym validates its configs with assert
-        raise ValueError(f"task {name!r} rejects config {config!r}: {exc}") from exc
+    data, config = _create_dataset(name, size, seed, config)
     numeric = all(_is_number(str(data[i]["answer"])) for i in range(len(data)))
     if system is None:
         system = system_prompt(name, numeric)

@@ -14,24 +14,8 @@ rather than the batch's own, which are often all zero on a short run, and m is t
 entropies are compared where m = 1 only (TRL releases differ in what they return at masked positions; the loss never
 reads them).
 
-Accuracy bounds depend on the precision (the constants below):
-
-- fp32: against stock TRL run in fp64 (weights cast to fp64 in place and back, which is exact), grpo_mem's error must
-  stay within stock's own fp32 error: max <= 2 x stock's + 1e-5 (k = 2, as flash-attention's tests), RMS and mean
-  <= stock's + 1e-5 over the unmasked log-probs and entropies; a relative gradient error <= 2 x stock's + 1e-4 over
-  all parameters and <= 2 x stock's + 1e-3 for each (a parameter whose gradient is small against its terms, such as
-  a norm weight, carries relative fp32 errors of a few 1e-4: 2.2e-4 for grpo_mem and 2.0e-5 for stock on one of
-  SmolLM2-135M's). On a real model stock's own fp32 error is a few 1e-5 (SmolLM2-135M: 3e-5 in max |log-prob|), so a
-  fixed bound on |grpo_mem - stock| would fail where grpo_mem is as exact as stock. A direct difference within 1e-5
-  (values) and 1e-4 (||Δg|| / ||g|| over all parameters and for the worst one) implies the criterion (triangle
-  inequality), so the fp64 run is made only for what exceeds it: forward only when the gradients are within. A model
-  with an op that refuses fp64 (the grouped matmul of MoE experts) is judged by the direct bounds.
-- bf16/fp16 (autocast, e.g. TRL's ``bf16=True``, or low-precision weights): both paths carry rounding errors of a few
-  1e-2 that are rounded independently, so they are compared against a third run, stock TRL on the same model in fp32
-  (weights cast to fp32 in place and back, which is exact), in Cut Cross-Entropy's style: grpo_mem's error against
-  fp32 must stay within stock's own (``within_stock_error``, ``grad_within_stock_error``; RMS and mean <= stock's +
-  1e-3, max <= 2 x stock's + 1e-3, per parameter a relative gradient error <= stock's + 1e-2), the criterion
-  ``tests/test_precision.py`` applies on a SmolLM2-shaped model.
+grpo_mem's log-probs, entropies and gradients must stay within stock TRL's own error against a run of higher
+precision (fp64 for fp32, fp32 for bf16/fp16); the bounds and the report: :mod:`grpo_mem.patches.verify_criteria`.
 
 The model's gradients (every ``.grad``, the same tensor objects), the train/eval mode of every module, the RNG states
 (Python, NumPy, torch CPU and CUDA), the trainer's logged metrics, and every method and forward are as they were
@@ -49,7 +33,7 @@ import sys
 import time
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +43,25 @@ from ..model.forward import installed, own_forward, restore, validate_inputs
 from ..model.plan import PromptGrouping
 from .checks import LOGPS_METHOD, LOGPS_PARAMS
 from .trl import PatchHandle, active_handle, group_shuffle, patched_logps_method
+from .verify_criteria import (
+    BF16_BOUNDS,
+    BF16_GRAD_TOL,
+    BF16_MAX_FACTOR,
+    BF16_STAT_TOL,
+    FP32_BOUNDS,
+    FP32_GRAD_TOL,
+    FP32_MAX_FACTOR,
+    FP32_PARAM_GRAD_TOL,
+    FP32_VALUE_TOL,
+    MicroBatchPath,
+    VerificationError,
+    VerifyReport,
+    error_stats,
+    grad_errors,
+    grad_within_stock_error,
+    truth_failures,
+    within_stock_error,
+)
 
 __all__ = [
     "BF16_GRAD_TOL",
@@ -77,202 +80,9 @@ __all__ = [
     "within_stock_error",
 ]
 
-# fp32, against an fp64 run: |ours - truth| <= k |stock - truth| + tol; a direct |ours - stock| <= tol implies it
-FP32_VALUE_TOL = 1e-5  # max |Δ log-prob|, max |Δ entropy|; RMS and mean error: ours <= stock's + this
-FP32_GRAD_TOL = 1e-4  # ||Δg|| / ||g||; relative gradient error over all parameters: ours <= k x stock's + this
-FP32_PARAM_GRAD_TOL = 1e-3  # relative gradient error of each parameter: ours <= k x stock's + this
-FP32_MAX_FACTOR = 2.0  # k for the max value error and the gradient errors (flash-attention's tests)
-# bf16/fp16, against an fp32 run (Cut Cross-Entropy's tests: |ours - truth| <= k |stock - truth| + tol)
-BF16_GRAD_TOL = 1e-2  # relative gradient error: ours <= stock's + this
-BF16_STAT_TOL = 1e-3  # RMS and mean error: ours <= stock's + this
-BF16_MAX_FACTOR = 2.0  # max error: ours <= 2 x stock's + BF16_STAT_TOL (k = 2, as flash-attention's tests)
 ENTROPY_COEF = 0.1
 REQUIRED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 EXTRA_KEYS = LOGPS_PARAMS[LOGPS_PARAMS.index("pixel_values") :]
-
-
-class VerificationError(AssertionError):
-    """``verify(..., raise_on_mismatch=True)`` found grpo_mem outside its bounds; the message is the report."""
-
-    def __init__(self, report: VerifyReport):
-        super().__init__(str(report))
-        self.report = report
-
-
-def error_stats(err: torch.Tensor) -> dict[str, float]:
-    """max, RMS and mean of absolute errors ``err`` (any shape; empty -> zeros), as floats."""
-    err = err.double().abs().flatten()
-    if err.numel() == 0:
-        return {"max": 0.0, "rms": 0.0, "mean": 0.0}
-    return {"max": float(err.max()), "rms": float(err.pow(2).mean().sqrt()), "mean": float(err.mean())}
-
-
-def within_stock_error(
-    err_ours: torch.Tensor, err_stock: torch.Tensor, *, tol: float = BF16_STAT_TOL, max_factor: float = BF16_MAX_FACTOR
-) -> tuple[bool, str]:
-    """Criterion on one tensor: with errors ``err_ours``, ``err_stock`` (the same shape, any dtype) against a truth
-    of higher precision (fp32 for bf16/fp16 runs, fp64 for fp32 runs), grpo_mem's RMS and mean error within stock's
-    + ``tol`` and its max within ``max_factor`` x stock's + ``tol`` (defaults: the bf16 bounds).
-
-    Whole-tensor statistics rather than elementwise: at trained-like peaked logits both computations carry bf16
-    errors of a few 1e-2 rounded independently, so one element can be worse for either (tests/test_precision.py).
-    Returns (ok, the first violated statistic or "").
-    """
-    ours, stock = error_stats(err_ours), error_stats(err_stock)
-    for stat, k in (("rms", 1.0), ("mean", 1.0), ("max", max_factor)):
-        if not ours[stat] <= k * stock[stat] + tol:
-            return False, f"{stat} error {ours[stat]:.3g} > {k:g} x stock's {stock[stat]:.3g} + {tol:g}"
-    return True, ""
-
-
-def grad_errors(grads: dict, ref: dict) -> tuple[float, str, float, dict[str, float]]:
-    """Relative gradient differences of ``grads`` against ``ref`` (both {name: tensor}, the same names).
-
-    Returns (||Δg|| / ||g|| over all parameters, the worst parameter's name, its ||Δg_p|| / ||g_p||, and every
-    parameter's relative difference). Differences in fp32, norms accumulated in fp64; a parameter whose reference
-    gradient is 0 is measured against 1e-30 (so any difference there is reported as large).
-    """
-    total_diff = total_ref = 0.0
-    per = {}
-    for name, r in ref.items():
-        r = r.float()
-        d = float(torch.linalg.vector_norm(grads[name].float() - r, dtype=torch.float64))
-        n = float(torch.linalg.vector_norm(r, dtype=torch.float64))
-        total_diff += d * d
-        total_ref += n * n
-        per[name] = d / max(n, 1e-30)
-    worst = max(per, key=per.get) if per else ""
-    return (total_diff**0.5) / max(total_ref**0.5, 1e-30), worst, per.get(worst, 0.0), per
-
-
-def grad_within_stock_error(
-    ours: dict[str, float], stock: dict[str, float], *, tol: float = BF16_GRAD_TOL, factor: float = 1.0
-) -> tuple[bool, str, float]:
-    """Gradient criterion: per parameter, grpo_mem's relative error against the truth within ``factor`` x stock's +
-    ``tol`` (defaults: the bf16 bound, stock's + ``BF16_GRAD_TOL``). ``ours``/``stock``: {name: relative error}
-    (``grad_errors``' last return). Returns (ok, the parameter with the largest excess over ``factor`` x stock's,
-    that excess)."""
-    excess = {n: ours[n] - factor * stock[n] for n in stock}
-    worst = max(excess, key=excess.get) if excess else ""
-    return excess.get(worst, 0.0) <= tol, worst, excess.get(worst, 0.0)
-
-
-@dataclass
-class MicroBatchPath:
-    """Which path grpo_mem took for one micro-batch: ``"prompt-once"`` or ``"stock fallback"``, and why."""
-
-    index: int
-    rows: int
-    unique_prompts: int
-    path: str
-    why: str
-
-
-@dataclass
-class VerifyReport:
-    """What ``verify`` measured. Differences are grpo_mem minus stock TRL, at unmasked completion positions.
-
-    ``precision``: "fp32", "bf16 autocast", "bf16 weights", ... ``truth``: the reference run both paths were judged
-    against, "fp32" (stock TRL in fp32, for low precision), "fp64" (stock TRL in fp64, for fp32 when a direct
-    difference exceeded its bound; ``exceeded`` names those) or "" (none needed). ``*_vs_truth`` hold each path's
-    errors against it ({"grpo_mem": stats, "stock": stats} with stats {"max", "rms", "mean"} for values; relative
-    norms for gradients, None when the truth ran without gradients), and ``passed`` follows them; without a truth it
-    follows the direct differences. ``failures`` says which bound failed. ``seconds``: wall time of the whole call;
-    ``timings``: wall seconds of each run ("stock", "grpo_mem", "truth").
-    """
-
-    passed: bool
-    precision: str
-    rows: int
-    prompt_len: int
-    completion_len: int
-    max_logp_diff: float
-    max_entropy_diff: float
-    grad_rel_diff: float
-    worst_param: str
-    worst_param_rel_diff: float
-    bounds: dict[str, str]
-    micro_batches: list[MicroBatchPath]
-    failures: list[str] = field(default_factory=list)
-    truth: str = ""
-    exceeded: list[str] = field(default_factory=list)  # fp32: direct bounds exceeded, judged against the truth
-    logp_vs_truth: dict[str, dict[str, float]] | None = None  # {"grpo_mem": stats, "stock": stats}
-    entropy_vs_truth: dict[str, dict[str, float]] | None = None
-    grad_vs_truth: dict[str, float] | None = None  # grpo_mem / stock overall relative error, worst excess
-    seconds: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        verdict = "PASSED" if self.passed else "FAILED"
-        n_mb = len(self.micro_batches)
-        runs = ", ".join(f"{k} {v:.1f}" for k, v in self.timings.items())
-        lines = [
-            f"grpo_mem.verify: {verdict} ({self.precision}; {self.rows} rows in {n_mb} micro-batch"
-            f"{'es' if n_mb != 1 else ''}, prompt width {self.prompt_len}, completion width {self.completion_len}; "
-            f"{self.seconds:.1f} s{f' (runs: {runs} s)' if runs else ''})"
-        ]
-        rows = [("quantity", "grpo_mem vs stock", "bound", "ok")]
-
-        def ok(name):
-            if self.bounds.get(name) == "-":
-                return "-"
-            if any(f.startswith(name + ":") for f in self.failures):
-                return "no"
-            return f"exceeded: see vs {self.truth}" if name in self.exceeded else "yes"
-
-        rows.append(("max |Δ log-prob|", f"{self.max_logp_diff:.3e}", self.bounds["log-prob"], ok("log-prob")))
-        rows.append(("max |Δ entropy|", f"{self.max_entropy_diff:.3e}", self.bounds["entropy"], ok("entropy")))
-        grad = f"{self.grad_rel_diff:.3e}"
-        rows.append(("‖Δg‖/‖g‖ all params", grad, self.bounds["gradient"], ok("gradient")))
-        rows.append(
-            (
-                "‖Δg‖/‖g‖ worst param",
-                f"{self.worst_param_rel_diff:.3e} ({self.worst_param})",
-                self.bounds["gradient"],
-                ok("gradient"),
-            )
-        )
-        if self.truth:
-            for name, stats in (("log-prob", self.logp_vs_truth), ("entropy", self.entropy_vs_truth)):
-                o, s = stats["grpo_mem"], stats["stock"]
-                key = f"{name} vs {self.truth}"
-                rows.append(
-                    (
-                        f"{key} (max/rms)",
-                        f"ours {o['max']:.3e}/{o['rms']:.3e}, stock {s['max']:.3e}/{s['rms']:.3e}",
-                        self.bounds[key],
-                        ok(key),
-                    )
-                )
-            g = self.grad_vs_truth
-            if g is not None:
-                key = f"gradient vs {self.truth}"
-                rows.append(
-                    (
-                        key,
-                        f"ours {g['grpo_mem']:.3e}, stock {g['stock']:.3e}; worst excess {g['worst_excess']:.2e} "
-                        f"({g['worst_param']})",
-                        self.bounds[key],
-                        ok(key),
-                    )
-                )
-        lines += _table(rows)
-        lines.append("")
-        lines += _table(
-            [("micro-batch", "rows", "unique prompts", "path", "why")]
-            + [(str(m.index), str(m.rows), str(m.unique_prompts), m.path, m.why) for m in self.micro_batches]
-        )
-        if self.failures:
-            lines.append("")
-            lines += [f"FAILED: {f}" for f in self.failures]
-        return "\n".join(lines)
-
-
-def _table(rows) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    out.insert(1, "-+-".join("-" * w for w in widths))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -696,69 +506,7 @@ def _fp32_failures(report, setup, ours, stock, sel, common, seed) -> list[str]:
             for name, value, tol in direct
             if name in report.exceeded
         ]
-    return _truth_failures(
-        report,
-        ours,
-        stock,
-        truth,
-        sel,
-        common if with_grads else None,
-        "fp64",
-        FP32_VALUE_TOL,
-        FP32_MAX_FACTOR,
-        FP32_GRAD_TOL,
-        FP32_PARAM_GRAD_TOL,
-        FP32_MAX_FACTOR,
-    )
-
-
-def _truth_failures(
-    report, ours, stock, truth, sel, common, truth_name, stat_tol, max_factor, grad_tol, param_grad_tol, grad_factor
-) -> list[str]:
-    """Bounds against a stock run in higher precision (fp32 for bf16/fp16, fp64 for fp32): grpo_mem's error within
-    stock's own (``within_stock_error``, ``grad_within_stock_error``; relative gradient errors within ``grad_factor``
-    x stock's + ``grad_tol`` over all parameters, + ``param_grad_tol`` for each). ``common`` None: values only."""
-    report.truth = truth_name
-    stat_bound = f"ours rms, mean <= stock's + {stat_tol:g}; max <= {max_factor:g} x stock's + {stat_tol:g}"
-    k = f"{grad_factor:g} x " if grad_factor != 1 else ""
-    grad_bound = (
-        f"per param: ours <= {k}stock's + {param_grad_tol:g}"
-        if grad_tol == param_grad_tol
-        else f"ours <= {k}stock's + {grad_tol:g}, per param + {param_grad_tol:g}"
-    )
-    report.bounds.update(
-        {
-            f"log-prob vs {truth_name}": stat_bound,
-            f"entropy vs {truth_name}": stat_bound,
-            f"gradient vs {truth_name}": grad_bound,
-        }
-    )
-    report.logp_vs_truth, report.entropy_vs_truth = {}, {}
-    failures = []
-    for name, attr, out in (
-        ("log-prob", "logps", report.logp_vs_truth),
-        ("entropy", "entropies", report.entropy_vs_truth),
-    ):
-        err_ours = (getattr(ours, attr) - getattr(truth, attr))[sel]
-        err_stock = (getattr(stock, attr) - getattr(truth, attr))[sel]
-        out["grpo_mem"], out["stock"] = error_stats(err_ours), error_stats(err_stock)
-        ok, why = within_stock_error(err_ours, err_stock, tol=stat_tol, max_factor=max_factor)
-        if not ok:
-            failures.append(f"{name} vs {truth_name}: {why}")
-    if common is None:
-        return failures
-    truth_grads = {n: truth.grads[n] for n in common if n in truth.grads}
-    rel_ours, _, _, per_ours = grad_errors(ours.grads, truth_grads)
-    rel_stock, _, _, per_stock = grad_errors(stock.grads, truth_grads)
-    ok, worst_p, excess = grad_within_stock_error(per_ours, per_stock, tol=param_grad_tol, factor=grad_factor)
-    report.grad_vs_truth = {"grpo_mem": rel_ours, "stock": rel_stock, "worst_param": worst_p, "worst_excess": excess}
-    if not (ok and rel_ours <= grad_factor * rel_stock + grad_tol):
-        failures.append(
-            f"gradient vs {truth_name}: {worst_p}: relative error {per_ours.get(worst_p, 0):.3e} vs stock's "
-            f"{per_stock.get(worst_p, 0):.3e} ({k}stock's + {param_grad_tol:g} allowed); all params {rel_ours:.3e} "
-            f"vs {rel_stock:.3e} ({k}stock's + {grad_tol:g} allowed)"
-        )
-    return failures
+    return truth_failures(report, ours, stock, truth, sel, common if with_grads else None, "fp64", FP32_BOUNDS)
 
 
 def _compare(setup: _Setup, stock, ours, truth, low, seed: int, timings: dict) -> VerifyReport:
@@ -791,20 +539,7 @@ def _compare(setup: _Setup, stock, ours, truth, low, seed: int, timings: dict) -
     )
     if low:
         report.bounds = {"log-prob": "-", "entropy": "-", "gradient": "-"}
-        failures += _truth_failures(
-            report,
-            ours,
-            stock,
-            truth,
-            sel,
-            common,
-            "fp32",
-            BF16_STAT_TOL,
-            BF16_MAX_FACTOR,
-            BF16_GRAD_TOL,
-            BF16_GRAD_TOL,
-            1.0,
-        )
+        failures += truth_failures(report, ours, stock, truth, sel, common, "fp32", BF16_BOUNDS)
     else:
         failures += _fp32_failures(report, setup, ours, stock, sel, common, seed)
     return report

@@ -36,15 +36,21 @@ def _tiny_dir(tmp_path, **overrides):
 # ------------------------------------------------------------------------------------------------------------ flags
 def test_defaults_are_the_reference_shape():
     a = bench.build_parser().parse_args([])
-    assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.groups) == (
+    assert (a.model, a.prompt_length, a.max_completion_length, a.num_generations, a.groups) == (
         "smollm2-135m",
         512,
         64,
         8,
         1,
     )
-    assert (a.micro_batch, a.shared_prefix_length, a.dtype, a.device, a.repeats) == (None, 0, "fp32", "cpu", 1)
-    assert a.threads >= 1 and a.output == "grpo-mem-bench"
+    assert (a.per_device_train_batch_size, a.shared_prefix_length, a.dtype, a.device, a.repeats) == (
+        None,
+        0,
+        "fp32",
+        "cpu",
+        1,
+    )
+    assert a.threads >= 1 and a.output_dir == "grpo-mem-bench"
 
 
 def test_subcommand_parses_every_flag(monkeypatch):
@@ -54,9 +60,9 @@ def test_subcommand_parses_every_flag(monkeypatch):
             "qwen2.5-0.5b",
             "--prompt-length",
             "100",
-            "--completion-length",
+            "--max-completion-length",
             "20",
-            "-G",
+            "--num-generations",
             "4",
             "--shared-prefix-length",
             "16",
@@ -64,35 +70,42 @@ def test_subcommand_parses_every_flag(monkeypatch):
             "bf16",
             "--device",
             "cpu",
-            "--micro-batch",
+            "--per-device-train-batch-size",
             "2",
             "--groups",
             "3",
-            "--output",
+            "--output-dir",
             "out",
             "--threads",
             "1",
         ]
     )
-    assert (a.model, a.prompt_length, a.completion_length, a.num_generations, a.shared_prefix_length) == (
+    assert (a.model, a.prompt_length, a.max_completion_length, a.num_generations, a.shared_prefix_length) == (
         "qwen2.5-0.5b",
         100,
         20,
         4,
         16,
     )
-    assert (a.dtype, a.device, a.micro_batch, a.groups, a.output, a.threads) == ("bf16", "cpu", 2, 3, "out", 1)
+    assert (a.dtype, a.device, a.per_device_train_batch_size, a.groups, a.output_dir, a.threads) == (
+        "bf16",
+        "cpu",
+        2,
+        3,
+        "out",
+        1,
+    )
     assert bench.build_parser().parse_args(["--num-generations", "5"]).num_generations == 5
     # `grpo-mem bench ARGS` hands ARGS to grpo_mem.commands.bench.main
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv: seen.append(list(argv)) or 0)
-    assert cli.main(["bench", "-G", "4"]) == 0 and seen == [["-G", "4"]]
+    assert cli.main(["bench", "--num-generations", "4"]) == 0 and seen == [["--num-generations", "4"]]
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["-G", "0"], "expected an integer >= 1, got 0"),
+        (["--num-generations", "0"], "expected an integer >= 1, got 0"),
         (["--prompt-length", "ten"], "expected an integer, got 'ten'"),
         (["--shared-prefix-length", "-1"], "expected an integer >= 0, got -1"),
         (["--dtype", "fp16"], "invalid choice: 'fp16'"),
@@ -111,12 +124,18 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     "argv, message",
     [
         (["--model", "no-such-model"], "is neither a preset (smollm2-135m, qwen2.5-0.5b"),
-        (["-G", "4", "--groups", "2", "--micro-batch", "3"], "--micro-batch 3 must divide the 8 rows"),
+        (
+            ["--num-generations", "4", "--groups", "2", "--per-device-train-batch-size", "3"],
+            "--per-device-train-batch-size 3 must divide the 8 rows (--groups 2 x --num-generations 4)",
+        ),
         (
             ["--prompt-length", "64", "--shared-prefix-length", "57"],
             "--shared-prefix-length 57 is longer than the shortest prompt (56 tokens",
         ),
-        (["--prompt-length", "250", "--completion-length", "7"], "257 exceeds the model's max_position_embeddings 256"),
+        (
+            ["--prompt-length", "250", "--max-completion-length", "7"],
+            "257 exceeds the model's max_position_embeddings 256",
+        ),
         (["--image-tokens", "4"], "--image-tokens 4 needs a vision-language model; --model "),
         (
             ["--model", "qwen2.5-1.5b", "--image-tokens", "1"],
@@ -139,7 +158,7 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
 )
 def test_invalid_combinations_return_2_with_the_reason(argv, message, tmp_path, capsys):
     model = [] if "--model" in argv else ["--model", str(_tiny_dir(tmp_path))]
-    assert bench.main(model + argv + ["--output", str(tmp_path / "out")]) == 2
+    assert bench.main(model + argv + ["--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "grpo-mem bench: error:" in err and message in err
     assert not (tmp_path / "out").exists()
@@ -249,9 +268,9 @@ def test_image_tokens_are_counted_in_the_vision_tower_and_the_prompt():
             "256",
             "--prompt-length",
             "512",
-            "--completion-length",
+            "--max-completion-length",
             "64",
-            "-G",
+            "--num-generations",
             "8",
             "--groups",
             "2",
@@ -288,14 +307,23 @@ def test_image_tokens_are_counted_in_the_vision_tower_and_the_prompt():
 
 # --------------------------------------------------------------------------------------------------- memory guard
 def test_memory_guard_refuses_an_absurd_shape_with_the_estimate(capsys):
-    argv = ["--model", "qwen2.5-7b", "--prompt-length", "30000", "--completion-length", "2000", "-G", "64"]
+    argv = [
+        "--model",
+        "qwen2.5-7b",
+        "--prompt-length",
+        "30000",
+        "--max-completion-length",
+        "2000",
+        "--num-generations",
+        "64",
+    ]
     assert bench.main(argv) == 2
     err = capsys.readouterr().err
     shape = estimate.model_shape(PRESETS["qwen2.5-7b"].config)
     est = estimate.estimate_stock_memory(shape, micro=64, P=30000, C=2000)
     assert f"needs about {est.total / 1e9:.1f} GB" in err
     assert "saved activations" in err and "for 2048000 tokens per micro-batch" in err
-    assert "Lower --micro-batch" in err and "MemAvailable" in err
+    assert "Lower --per-device-train-batch-size" in err and "MemAvailable" in err
     assert "grpo-mem bench: error: refusing to run" in err
 
 
@@ -330,6 +358,32 @@ def test_tree_provider_appears_when_shared_prompt_logprobs_takes_sharing(monkeyp
     assert bench.providers_to_run() == ["trl", "grpo_mem", "grpo_mem_tree"]
 
 
+def test_default_row_is_patch_trls_default_and_the_verdict_reads_it():
+    import inspect
+
+    from grpo_mem.patches.trl import patch_trl
+
+    assert inspect.signature(patch_trl).parameters["sharing"].default == "tree"
+    assert bench.default_row() == ("grpo_mem_tree", "tree") and bench.default_row(6) == ("grpo_mem", "group")
+    summary = [
+        dict(provider="trl", default=False, time_s=7.0, cpu_s=13.0, mem_mb=2000.0, fallback=[]),
+        dict(provider="grpo_mem", default=False, time_s=1.4, cpu_s=2.6, mem_mb=500.0, fallback=[]),
+        dict(provider="grpo_mem_tree", default=True, time_s=1.0, cpu_s=2.0, mem_mb=340.0, fallback=[]),
+    ]
+    for r in summary:
+        r.update(time_vs_trl=r["time_s"] / 7.0, cpu_vs_trl=r["cpu_s"] / 13.0, mem_vs_trl=r["mem_mb"] / 2000.0)
+    assert bench.verdict(summary, "tree") == (
+        "on this shape grpo_mem uses 0.17x the memory and 0.14x the time of stock TRL; the default is tree sharing"
+    )
+    assert bench.verdict(summary, "group", image_tokens=6).endswith("; image prompts run group sharing")
+    lines = bench.table(summary).splitlines()
+    assert lines[4].startswith("| grpo_mem_tree (default) | 1 | 2 | 340 | 0.143 |") and "(default)" not in lines[3]
+    skipped = [summary[0], dict(provider="grpo_mem_tree", default=True, skipped="over the time limit of 60 s")]
+    assert bench.verdict(skipped, "tree") == "no verdict: grpo_mem was not measured (over the time limit of 60 s)"
+    assert "| grpo_mem_tree (default) |" in bench.table(skipped)
+    assert bench.verdict(summary[1:], "tree") == "no verdict: stock TRL was not measured"
+
+
 def test_shared_prefix_is_common_to_every_prompt():
     ids, mask, _ = group.make_inputs(G=2, P=40, C=6, groups=3, vocab=300, seed=1, shared_prefix=12)
     starts = (mask[:, :40] == 0).sum(1)  # left padding
@@ -348,19 +402,19 @@ def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
         str(_tiny_dir(tmp_path)),
         "--prompt-length",
         "24",
-        "--completion-length",
+        "--max-completion-length",
         "8",
-        "-G",
+        "--num-generations",
         "2",
         "--groups",
         "2",
-        "--micro-batch",
+        "--per-device-train-batch-size",
         "2",
         "--shared-prefix-length",
         "4",
         "--threads",
         "1",
-        "--output",
+        "--output-dir",
         str(out),
     ]
     assert bench.main(argv) == 0
@@ -381,8 +435,15 @@ def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
             assert "fallback" not in cfg, cfg
             # Each of the two prompts is forwarded once for both micro-batches (one embedding call may hold both)
             assert 1 <= cfg["prompt_passes_per_call"] <= 2, cfg
-        assert f"| {prov} |" in printed
+        assert f"| {prov}{' (default)' if prov == 'grpo_mem_tree' else ''} |" in printed
     assert (out / "bench.png").stat().st_size > 0
+    # The last line: the default mode's (patch_trl's sharing="tree") memory and time over stock TRL's
+    p50 = {(r["provider"], r["metric"]): r["p50"] for r in rows}
+    mem, wall = (p50["grpo_mem_tree", m] / p50["trl", m] for m in ("peak_rss_above_base", "wall_time"))
+    assert printed.rstrip().splitlines()[-1] == (
+        f"on this shape grpo_mem uses {mem:.2f}x the memory and {wall:.2f}x the time of stock TRL; "
+        "the default is tree sharing"
+    )
 
 
 TINY_VL = dict(
@@ -428,19 +489,19 @@ def test_tiny_image_run_encodes_each_prompt_image_once(tmp_path, capsys):
         str(d),
         "--prompt-length",
         "24",
-        "--completion-length",
+        "--max-completion-length",
         "8",
-        "-G",
+        "--num-generations",
         "2",
         "--groups",
         "2",
-        "--micro-batch",
+        "--per-device-train-batch-size",
         "2",
         "--image-tokens",
         "6",
         "--threads",
         "1",
-        "--output",
+        "--output-dir",
         str(out),
     ]
     assert bench.main(argv) == 0

@@ -548,6 +548,30 @@ def test_cli_commands(capsys):
     assert exc.value.code == 0 and "train" in capsys.readouterr().out
 
 
+def test_version_is_defined_once_and_printed(capsys):
+    """``grpo-mem --version`` prints ``grpo_mem.__version__``, which setup.py installs (read from the package's
+    ``__init__.py``, not written a second time)."""
+    import re
+
+    import grpo_mem
+    from grpo_mem.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"grpo-mem {grpo_mem.__version__}\n"
+    with open(os.path.join(REPO, "setup.py")) as f:
+        assert not re.search(r"version=[\"']", f.read())
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, GRPO_MEM_SKIP_EXT="1"),
+        timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == grpo_mem.__version__, proc.stderr
+
+
 _LIGHT_IMPORTS = r"""
 import os, sys
 

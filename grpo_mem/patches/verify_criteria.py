@@ -1,0 +1,294 @@
+"""What ``grpo_mem.verify`` judges by: error statistics, the bounds grpo_mem must stay within, and the report.
+
+The bounds depend on the precision (the constants below; :class:`Bounds` groups each precision's):
+
+- fp32: against stock TRL run in fp64 (weights cast to fp64 in place and back, which is exact), grpo_mem's error must
+  stay within stock's own fp32 error: max <= 2 x stock's + 1e-5 (k = 2, as flash-attention's tests), RMS and mean
+  <= stock's + 1e-5 over the unmasked log-probs and entropies; a relative gradient error <= 2 x stock's + 1e-4 over
+  all parameters and <= 2 x stock's + 1e-3 for each (a parameter whose gradient is small against its terms, such as
+  a norm weight, carries relative fp32 errors of a few 1e-4: 2.2e-4 for grpo_mem and 2.0e-5 for stock on one of
+  SmolLM2-135M's). On a real model stock's own fp32 error is a few 1e-5 (SmolLM2-135M: 3e-5 in max |log-prob|), so a
+  fixed bound on |grpo_mem - stock| would fail where grpo_mem is as exact as stock. A direct difference within 1e-5
+  (values) and 1e-4 (||Δg|| / ||g|| over all parameters and for the worst one) implies the criterion (triangle
+  inequality), so the fp64 run is made only for what exceeds it: forward only when the gradients are within. A model
+  with an op that refuses fp64 (the grouped matmul of MoE experts) is judged by the direct bounds.
+- bf16/fp16 (autocast, e.g. TRL's ``bf16=True``, or low-precision weights): both paths carry rounding errors of a few
+  1e-2 that are rounded independently, so they are compared against a third run, stock TRL on the same model in fp32
+  (weights cast to fp32 in place and back, which is exact), in Cut Cross-Entropy's style: grpo_mem's error against
+  fp32 must stay within stock's own (``within_stock_error``, ``grad_within_stock_error``; RMS and mean <= stock's +
+  1e-3, max <= 2 x stock's + 1e-3, per parameter a relative gradient error <= stock's + 1e-2), the criterion
+  ``tests/test_precision.py`` applies on a SmolLM2-shaped model.
+
+:func:`truth_failures` applies them to the runs :mod:`grpo_mem.patches.verify` makes; :class:`VerifyReport` is what
+``verify`` returns and prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# fp32, against an fp64 run: |ours - truth| <= k |stock - truth| + tol; a direct |ours - stock| <= tol implies it
+FP32_VALUE_TOL = 1e-5  # max |Δ log-prob|, max |Δ entropy|; RMS and mean error: ours <= stock's + this
+FP32_GRAD_TOL = 1e-4  # ||Δg|| / ||g||; relative gradient error over all parameters: ours <= k x stock's + this
+FP32_PARAM_GRAD_TOL = 1e-3  # relative gradient error of each parameter: ours <= k x stock's + this
+FP32_MAX_FACTOR = 2.0  # k for the max value error and the gradient errors (flash-attention's tests)
+# bf16/fp16, against an fp32 run (Cut Cross-Entropy's tests: |ours - truth| <= k |stock - truth| + tol)
+BF16_GRAD_TOL = 1e-2  # relative gradient error: ours <= stock's + this
+BF16_STAT_TOL = 1e-3  # RMS and mean error: ours <= stock's + this
+BF16_MAX_FACTOR = 2.0  # max error: ours <= 2 x stock's + BF16_STAT_TOL (k = 2, as flash-attention's tests)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """One precision's bounds against a stock run of higher precision: values' RMS and mean error <= stock's +
+    ``stat_tol``, max <= ``max_factor`` x stock's + ``stat_tol``; relative gradient errors <= ``grad_factor`` x
+    stock's + ``grad_tol`` over all parameters and + ``param_grad_tol`` for each."""
+
+    stat_tol: float
+    max_factor: float
+    grad_tol: float
+    param_grad_tol: float
+    grad_factor: float
+
+
+FP32_BOUNDS = Bounds(FP32_VALUE_TOL, FP32_MAX_FACTOR, FP32_GRAD_TOL, FP32_PARAM_GRAD_TOL, FP32_MAX_FACTOR)
+"""fp32 against an fp64 run."""
+BF16_BOUNDS = Bounds(BF16_STAT_TOL, BF16_MAX_FACTOR, BF16_GRAD_TOL, BF16_GRAD_TOL, 1.0)
+"""bf16/fp16 against an fp32 run."""
+
+
+class VerificationError(AssertionError):
+    """``verify(..., raise_on_mismatch=True)`` found grpo_mem outside its bounds; the message is the report."""
+
+    def __init__(self, report: VerifyReport):
+        super().__init__(str(report))
+        self.report = report
+
+
+def error_stats(err: torch.Tensor) -> dict[str, float]:
+    """max, RMS and mean of absolute errors ``err`` (any shape; empty -> zeros), as floats."""
+    err = err.double().abs().flatten()
+    if err.numel() == 0:
+        return {"max": 0.0, "rms": 0.0, "mean": 0.0}
+    return {"max": float(err.max()), "rms": float(err.pow(2).mean().sqrt()), "mean": float(err.mean())}
+
+
+def within_stock_error(
+    err_ours: torch.Tensor, err_stock: torch.Tensor, *, tol: float = BF16_STAT_TOL, max_factor: float = BF16_MAX_FACTOR
+) -> tuple[bool, str]:
+    """Criterion on one tensor: with errors ``err_ours``, ``err_stock`` (the same shape, any dtype) against a truth
+    of higher precision (fp32 for bf16/fp16 runs, fp64 for fp32 runs), grpo_mem's RMS and mean error within stock's
+    + ``tol`` and its max within ``max_factor`` x stock's + ``tol`` (defaults: the bf16 bounds).
+
+    Whole-tensor statistics rather than elementwise: at trained-like peaked logits both computations carry bf16
+    errors of a few 1e-2 rounded independently, so one element can be worse for either (tests/test_precision.py).
+    Returns (ok, the first violated statistic or "").
+    """
+    ours, stock = error_stats(err_ours), error_stats(err_stock)
+    for stat, k in (("rms", 1.0), ("mean", 1.0), ("max", max_factor)):
+        if not ours[stat] <= k * stock[stat] + tol:
+            return False, f"{stat} error {ours[stat]:.3g} > {k:g} x stock's {stock[stat]:.3g} + {tol:g}"
+    return True, ""
+
+
+def grad_errors(grads: dict, ref: dict) -> tuple[float, str, float, dict[str, float]]:
+    """Relative gradient differences of ``grads`` against ``ref`` (both {name: tensor}, the same names).
+
+    Returns (||Δg|| / ||g|| over all parameters, the worst parameter's name, its ||Δg_p|| / ||g_p||, and every
+    parameter's relative difference). Differences in fp32, norms accumulated in fp64; a parameter whose reference
+    gradient is 0 is measured against 1e-30 (so any difference there is reported as large).
+    """
+    total_diff = total_ref = 0.0
+    per = {}
+    for name, r in ref.items():
+        r = r.float()
+        d = float(torch.linalg.vector_norm(grads[name].float() - r, dtype=torch.float64))
+        n = float(torch.linalg.vector_norm(r, dtype=torch.float64))
+        total_diff += d * d
+        total_ref += n * n
+        per[name] = d / max(n, 1e-30)
+    worst = max(per, key=per.get) if per else ""
+    return (total_diff**0.5) / max(total_ref**0.5, 1e-30), worst, per.get(worst, 0.0), per
+
+
+def grad_within_stock_error(
+    ours: dict[str, float], stock: dict[str, float], *, tol: float = BF16_GRAD_TOL, factor: float = 1.0
+) -> tuple[bool, str, float]:
+    """Gradient criterion: per parameter, grpo_mem's relative error against the truth within ``factor`` x stock's +
+    ``tol`` (defaults: the bf16 bound, stock's + ``BF16_GRAD_TOL``). ``ours``/``stock``: {name: relative error}
+    (``grad_errors``' last return). Returns (ok, the parameter with the largest excess over ``factor`` x stock's,
+    that excess)."""
+    excess = {n: ours[n] - factor * stock[n] for n in stock}
+    worst = max(excess, key=excess.get) if excess else ""
+    return excess.get(worst, 0.0) <= tol, worst, excess.get(worst, 0.0)
+
+
+@dataclass
+class MicroBatchPath:
+    """Which path grpo_mem took for one micro-batch: ``"prompt-once"`` or ``"stock fallback"``, and why."""
+
+    index: int
+    rows: int
+    unique_prompts: int
+    path: str
+    why: str
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` measured. Differences are grpo_mem minus stock TRL, at unmasked completion positions.
+
+    ``precision``: "fp32", "bf16 autocast", "bf16 weights", ... ``truth``: the reference run both paths were judged
+    against, "fp32" (stock TRL in fp32, for low precision), "fp64" (stock TRL in fp64, for fp32 when a direct
+    difference exceeded its bound; ``exceeded`` names those) or "" (none needed). ``*_vs_truth`` hold each path's
+    errors against it ({"grpo_mem": stats, "stock": stats} with stats {"max", "rms", "mean"} for values; relative
+    norms for gradients, None when the truth ran without gradients), and ``passed`` follows them; without a truth it
+    follows the direct differences. ``failures`` says which bound failed. ``seconds``: wall time of the whole call;
+    ``timings``: wall seconds of each run ("stock", "grpo_mem", "truth").
+    """
+
+    passed: bool
+    precision: str
+    rows: int
+    prompt_len: int
+    completion_len: int
+    max_logp_diff: float
+    max_entropy_diff: float
+    grad_rel_diff: float
+    worst_param: str
+    worst_param_rel_diff: float
+    bounds: dict[str, str]
+    micro_batches: list[MicroBatchPath]
+    failures: list[str] = field(default_factory=list)
+    truth: str = ""
+    exceeded: list[str] = field(default_factory=list)  # fp32: direct bounds exceeded, judged against the truth
+    logp_vs_truth: dict[str, dict[str, float]] | None = None  # {"grpo_mem": stats, "stock": stats}
+    entropy_vs_truth: dict[str, dict[str, float]] | None = None
+    grad_vs_truth: dict[str, float] | None = None  # grpo_mem / stock overall relative error, worst excess
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [self._headline()]
+        lines += _table([("quantity", "grpo_mem vs stock", "bound", "ok")] + self._direct_rows() + self._truth_rows())
+        lines.append("")
+        lines += _table(
+            [("micro-batch", "rows", "unique prompts", "path", "why")]
+            + [(str(m.index), str(m.rows), str(m.unique_prompts), m.path, m.why) for m in self.micro_batches]
+        )
+        if self.failures:
+            lines.append("")
+            lines += [f"FAILED: {f}" for f in self.failures]
+        return "\n".join(lines)
+
+    def _headline(self) -> str:
+        """The first line: the verdict, the precision, the batch's layout and the time taken."""
+        verdict = "PASSED" if self.passed else "FAILED"
+        n_mb = len(self.micro_batches)
+        runs = ", ".join(f"{k} {v:.1f}" for k, v in self.timings.items())
+        return (
+            f"grpo_mem.verify: {verdict} ({self.precision}; {self.rows} rows in {n_mb} micro-batch"
+            f"{'es' if n_mb != 1 else ''}, prompt width {self.prompt_len}, completion width {self.completion_len}; "
+            f"{self.seconds:.1f} s{f' (runs: {runs} s)' if runs else ''})"
+        )
+
+    def _ok(self, name: str) -> str:
+        """The "ok" cell of bound ``name``: "-" (not applied), "no", "exceeded: see vs <truth>" or "yes"."""
+        if self.bounds.get(name) == "-":
+            return "-"
+        if any(f.startswith(name + ":") for f in self.failures):
+            return "no"
+        return f"exceeded: see vs {self.truth}" if name in self.exceeded else "yes"
+
+    def _direct_rows(self) -> list[tuple[str, str, str, str]]:
+        """The table's rows of grpo_mem against stock TRL directly."""
+        grad, ok = self.bounds["gradient"], self._ok("gradient")
+        return [
+            ("max |Δ log-prob|", f"{self.max_logp_diff:.3e}", self.bounds["log-prob"], self._ok("log-prob")),
+            ("max |Δ entropy|", f"{self.max_entropy_diff:.3e}", self.bounds["entropy"], self._ok("entropy")),
+            ("‖Δg‖/‖g‖ all params", f"{self.grad_rel_diff:.3e}", grad, ok),
+            ("‖Δg‖/‖g‖ worst param", f"{self.worst_param_rel_diff:.3e} ({self.worst_param})", grad, ok),
+        ]
+
+    def _truth_rows(self) -> list[tuple[str, str, str, str]]:
+        """The table's rows of both paths against the truth run, if one was made."""
+        if not self.truth:
+            return []
+        rows = []
+        for name, stats in (("log-prob", self.logp_vs_truth), ("entropy", self.entropy_vs_truth)):
+            o, s = stats["grpo_mem"], stats["stock"]
+            key = f"{name} vs {self.truth}"
+            both = f"ours {o['max']:.3e}/{o['rms']:.3e}, stock {s['max']:.3e}/{s['rms']:.3e}"
+            rows.append((f"{key} (max/rms)", both, self.bounds[key], self._ok(key)))
+        g = self.grad_vs_truth
+        if g is not None:
+            key = f"gradient vs {self.truth}"
+            both = (
+                f"ours {g['grpo_mem']:.3e}, stock {g['stock']:.3e}; worst excess {g['worst_excess']:.2e} "
+                f"({g['worst_param']})"
+            )
+            rows.append((key, both, self.bounds[key], self._ok(key)))
+        return rows
+
+
+def _table(rows) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    out.insert(1, "-+-".join("-" * w for w in widths))
+    return out
+
+
+def truth_failures(report: VerifyReport, ours, stock, truth, sel, common, truth_name: str, bounds: Bounds) -> list[str]:
+    """Judge grpo_mem's run ``ours`` against a stock run ``truth`` of higher precision (``truth_name``: "fp32" for
+    bf16/fp16, "fp64" for fp32): its error within stock's own (:func:`within_stock_error`,
+    :func:`grad_within_stock_error` with ``bounds``). Runs (``ours``, ``stock``, ``truth``) carry ``logps``,
+    ``entropies`` (rows, C) compared where ``sel`` (rows, C) bool holds, and ``grads`` ({name: tensor}) compared over
+    the names of ``common`` (None: values only). Records the bounds and errors in ``report``; returns the failures."""
+    report.truth = truth_name
+    report.bounds.update(_truth_bounds(truth_name, bounds))
+    report.logp_vs_truth, report.entropy_vs_truth = {}, {}
+    failures = []
+    for name, attr, out in (
+        ("log-prob", "logps", report.logp_vs_truth),
+        ("entropy", "entropies", report.entropy_vs_truth),
+    ):
+        err_ours = (getattr(ours, attr) - getattr(truth, attr))[sel]
+        err_stock = (getattr(stock, attr) - getattr(truth, attr))[sel]
+        out["grpo_mem"], out["stock"] = error_stats(err_ours), error_stats(err_stock)
+        ok, why = within_stock_error(err_ours, err_stock, tol=bounds.stat_tol, max_factor=bounds.max_factor)
+        if not ok:
+            failures.append(f"{name} vs {truth_name}: {why}")
+    if common is not None:
+        failures += _grad_failures(report, ours, stock, truth, common, truth_name, bounds)
+    return failures
+
+
+def _truth_bounds(truth_name: str, b: Bounds) -> dict[str, str]:
+    """The report's bound texts of the comparisons against the truth."""
+    stat = f"ours rms, mean <= stock's + {b.stat_tol:g}; max <= {b.max_factor:g} x stock's + {b.stat_tol:g}"
+    k = f"{b.grad_factor:g} x " if b.grad_factor != 1 else ""
+    grad = (
+        f"per param: ours <= {k}stock's + {b.param_grad_tol:g}"
+        if b.grad_tol == b.param_grad_tol
+        else f"ours <= {k}stock's + {b.grad_tol:g}, per param + {b.param_grad_tol:g}"
+    )
+    return {f"log-prob vs {truth_name}": stat, f"entropy vs {truth_name}": stat, f"gradient vs {truth_name}": grad}
+
+
+def _grad_failures(report: VerifyReport, ours, stock, truth, common, truth_name: str, b: Bounds) -> list[str]:
+    """:func:`truth_failures`' gradient part: relative errors against the truth over the names of ``common``."""
+    truth_grads = {n: truth.grads[n] for n in common if n in truth.grads}
+    rel_ours, _, _, per_ours = grad_errors(ours.grads, truth_grads)
+    rel_stock, _, _, per_stock = grad_errors(stock.grads, truth_grads)
+    ok, worst_p, excess = grad_within_stock_error(per_ours, per_stock, tol=b.param_grad_tol, factor=b.grad_factor)
+    report.grad_vs_truth = {"grpo_mem": rel_ours, "stock": rel_stock, "worst_param": worst_p, "worst_excess": excess}
+    if ok and rel_ours <= b.grad_factor * rel_stock + b.grad_tol:
+        return []
+    k = f"{b.grad_factor:g} x " if b.grad_factor != 1 else ""
+    return [
+        f"gradient vs {truth_name}: {worst_p}: relative error {per_ours.get(worst_p, 0):.3e} vs stock's "
+        f"{per_stock.get(worst_p, 0):.3e} ({k}stock's + {b.param_grad_tol:g} allowed); all params {rel_ours:.3e} "
+        f"vs {rel_stock:.3e} ({k}stock's + {b.grad_tol:g} allowed)"
+    ]
