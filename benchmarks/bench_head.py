@@ -77,9 +77,9 @@ def _head_fn(provider: str, hidden, weight, target, args: dict):
     if provider in ("grpo_mem_cpp", "grpo_mem_torch", "grpo_mem_triton"):
         backend = provider.split("_")[-1]
         if "cpp_block" in args:
-            from grpo_mem.ops import logprobs as lp_mod
+            from grpo_mem.ops import logprobs_cpp
 
-            lp_mod.CPP_BLOCK_N, lp_mod.CPP_BLOCK_V = args["cpp_block"]
+            logprobs_cpp.CPP_BLOCK_N, logprobs_cpp.CPP_BLOCK_V = args["cpp_block"]
 
         def head():
             return linear_logprobs(hidden, weight, target, return_entropy=True, backend=backend)

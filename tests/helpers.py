@@ -506,16 +506,18 @@ def recording_launch_device(active):
 
 
 class LaunchRecorder:
-    """Replaces the kernels of ``grpo_mem.ops.attention_triton`` by FakeKernels and its ``launch_device`` by a recording
-    one: ``launches`` lists each launch's (kernel name, grid, devices of the launch_device contexts active then)."""
+    """Replaces the kernels of ``grpo_mem.ops.attention_triton`` by FakeKernels and the ``launch_device`` of their
+    launchers by a recording one: ``launches`` lists each launch's (kernel name, grid, devices of the launch_device
+    contexts active then)."""
 
     def __init__(self, monkeypatch):
-        from grpo_mem.ops import attention_triton as spa
+        from grpo_mem.ops import attention_triton as kernels
+        from grpo_mem.ops import attention_triton_launch as launch
 
         self.active, self.launches = [], []
-        monkeypatch.setattr(spa, "launch_device", recording_launch_device(self.active), raising=False)
+        monkeypatch.setattr(launch, "launch_device", recording_launch_device(self.active))
         record = lambda name, grid, args, kwargs: self.launches.append((name, tuple(grid), list(self.active)))  # noqa: E731
-        monkeypatch.setattr(spa, "KERNELS", {n: FakeKernel(n, record) for n in spa.KERNELS})
+        monkeypatch.setattr(kernels, "KERNELS", {n: FakeKernel(n, record) for n in kernels.KERNELS})
 
 
 # aten ops that wait for the device on CUDA (they read a value back, or size their output from data)

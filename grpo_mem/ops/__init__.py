@@ -1,4 +1,8 @@
-"""Kernels and their launchers, one kernel family per module, each beside its plain-torch reference.
+"""Kernels and their launchers. Each op family is a public module (``attention``, ``logprobs``: entry points, checks,
+autograd Functions, plain-torch references) beside one module per backend (``<family>_torch``, ``attention_cpu``,
+``logprobs_cpp``) and, for Triton, the ``@triton.jit`` kernels (``<family>_triton``), their tile tables
+(``<family>_triton_tiles``) and their launchers (``<family>_triton_launch``). ``_backends.TABLE`` lists every op's
+backends with what each can run; ``_backends.resolve`` picks one.
 
 The names below are resolved on first access (PEP 562 ``__getattr__``), so ``import grpo_mem.ops`` loads neither torch
 nor the kernels; ``grpo_mem.ops.linear_logprobs`` imports ``grpo_mem.ops.logprobs`` (and torch) when first used.

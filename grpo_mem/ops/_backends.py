@@ -1,9 +1,13 @@
-"""Which backend runs an op: one table for every op, one place that reads the environment, one error type.
+"""Which backend runs an op: one table of every op's backends with what each can do, one function that reads it, one
+error type.
 
-``resolve(op, backend, tensor)`` turns ``backend="auto"`` into the fastest backend that can run on ``tensor``'s device
-and dtype, and checks an explicitly requested one. ``auto`` prefers, in order, the entries of ``TABLE[op]``: Triton
-for CUDA tensors, the CPU kernels (``cpp``: this package's C++ extension; ``cpu``: ATen's fused CPU attention) for CPU
-tensors, and the chunked torch code, which runs anywhere.
+``TABLE[op]`` lists the op's backends in ``auto``'s order of preference, each a :class:`Backend` carrying its forward
+and backward (the Triton launchers are imported on their first call), the input dtypes it takes, the optional
+features of the op it computes and the test of whether it can run on a device. ``resolve(op, backend, tensor,
+needs)`` turns ``backend="auto"`` into the first backend that runs ``tensor``'s device and dtype and computes the
+features ``needs``, and checks an explicitly requested one. Triton kernels first (CUDA tensors), then the CPU kernels
+(``cpp``: this package's C++ extension; ``cpu``: ATen's fused CPU attention), then the chunked torch code, which runs
+anywhere and computes everything.
 
 Triton runs on CUDA, or on CPU tensors under its interpreter, which works only if ``TRITON_INTERPRET=1`` was set
 before triton was first imported (``triton.language``'s helpers are wrapped for the interpreter at import time).
@@ -13,30 +17,25 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from . import _ext
+from . import _ext, attention_cpu, attention_torch, logprobs_cpp, logprobs_torch
 
-__all__ = ["BackendUnavailableError", "TABLE", "aten_cpu_attention", "lazy", "resolve", "triton_status"]
-
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-# op -> backends in ``auto``'s order of preference, each with the dtypes it takes (None: any)
-TABLE: dict[str, tuple[tuple[str, tuple | None], ...]] = {
-    "linear_logprobs": (("triton", None), ("cpp", None), ("torch", None)),
-    "selective_log_softmax": (("triton", None), ("cpp", None), ("torch", None)),
-    "multi_region_attention": (("triton", _FLOAT), ("cpu", None), ("torch", None)),
-}
+__all__ = ["Backend", "BackendUnavailableError", "TABLE", "lazy", "resolve", "triton_status"]
 
 
 def lazy(module: str, name: str):
-    """A function that calls ``grpo_mem.ops.<module>.<name>``, importing the module on its first call (the Triton
-    launchers: an op's table of backends names them without importing triton)."""
+    """A function that calls ``grpo_mem.ops.<module>.<name>``, importing the module on its first call (so the table
+    names the Triton launchers without importing triton). Its ``target`` is ``(module, name)``."""
 
     def call(*args, **kwargs):
         return getattr(importlib.import_module(f"{__package__}.{module}"), name)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
+    call.target = (module, name)
     return call
 
 
@@ -62,39 +61,113 @@ def triton_status(device: torch.device) -> tuple[bool, str]:
     return False, f"tensors are on {device}; triton needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
 
 
-def aten_cpu_attention():
-    """ATen's fused CPU attention kernels ``(forward, backward)`` (the forward returns the log-sum-exp), or None when
-    this torch lacks them."""
-    ops = torch.ops.aten
-    try:
-        return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
-    except (AttributeError, RuntimeError):  # pragma: no cover - present in every torch this package supports
-        return None
+def _cpu_only(device: torch.device) -> str:
+    return "" if device.type == "cpu" else f"it runs on CPU tensors only, got device {device}"
 
 
-def _why_not(name: str, tensor: torch.Tensor) -> str:
-    """Empty when backend ``name`` can run on ``tensor``'s device, else the reason."""
-    device = tensor.device
-    if name == "triton":
-        return triton_status(device)[1]
-    if name == "cpp":
-        if not _ext.HAS_EXT:
-            return f"the grpo_mem._C extension is not loaded: {_ext.LOAD_ERROR}"
-        return "" if device.type == "cpu" else f"it runs on CPU tensors only, got device {device}"
-    if name == "cpu":
-        if aten_cpu_attention() is None:
-            return "this torch has no fused CPU attention kernels"
-        return "" if device.type == "cpu" else f"it runs on CPU tensors only, got device {device}"
-    return ""  # torch
+def _triton_here(device: torch.device) -> str:
+    return triton_status(device)[1]
 
 
-def resolve(op: str, backend: str, tensor: torch.Tensor) -> str:
-    """The backend that runs ``op`` on ``tensor`` (its device and dtype decide).
+def _extension_here(device: torch.device) -> str:
+    if not _ext.HAS_EXT:
+        return f"the grpo_mem._C extension is not loaded: {_ext.LOAD_ERROR}"
+    return _cpu_only(device)
+
+
+def _aten_cpu_here(device: torch.device) -> str:
+    if attention_cpu.aten_cpu_attention() is None:
+        return "this torch has no fused CPU attention kernels"
+    return _cpu_only(device)
+
+
+def _anywhere(device: torch.device) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way to run an op.
+
+    name: what ``backend=`` selects. forward, backward: the op's two halves on this backend (signatures per op: see
+    the op's module). dtypes: the input dtypes it takes (None: any). features: the optional features of the op it
+    computes (``"softcap"``, ``"window"``); ``resolve`` passes over a backend that lacks one the call asks for.
+    why_not: device -> "" when it can run tensors on that device, else the reason. interpreted_on_cpu: it runs CPU
+    tensors only under an interpreter (Triton's), a correctness tool that ``auto`` never picks.
+    """
+
+    name: str
+    forward: Callable
+    backward: Callable
+    dtypes: tuple[torch.dtype, ...] | None = None
+    features: frozenset[str] = frozenset()
+    why_not: Callable[[torch.device], str] = _anywhere
+    interpreted_on_cpu: bool = False
+
+
+def _backend(name: str, module, op: str, **capabilities) -> Backend:
+    """The :class:`Backend` ``name`` whose halves are ``<op>_fwd`` / ``<op>_bwd`` of ``module``: a module, or the name
+    of one of this package's modules to import on the first call (the Triton launchers: triton loads only if used)."""
+    if isinstance(module, str):
+        return Backend(name, lazy(module, f"{op}_fwd"), lazy(module, f"{op}_bwd"), **capabilities)
+    return Backend(name, getattr(module, f"{op}_fwd"), getattr(module, f"{op}_bwd"), **capabilities)
+
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_ATTENTION_FEATURES = frozenset({"softcap", "window"})
+_TRITON = dict(why_not=_triton_here, interpreted_on_cpu=True)
+
+TABLE: dict[str, tuple[Backend, ...]] = {
+    "multi_region_attention": (
+        _backend(
+            "triton",
+            "attention_triton_launch",
+            "multi_region_attention",
+            dtypes=_FLOAT,
+            **_TRITON,
+            features=_ATTENTION_FEATURES,
+        ),
+        _backend(
+            "cpu", attention_cpu, "multi_region_attention", features=frozenset({"window"}), why_not=_aten_cpu_here
+        ),
+        _backend("torch", attention_torch, "multi_region_attention", features=_ATTENTION_FEATURES),
+    ),
+    "linear_logprobs": (
+        _backend("triton", "logprobs_triton_launch", "linear_logprobs", **_TRITON),
+        _backend("cpp", logprobs_cpp, "linear_logprobs", why_not=_extension_here),
+        _backend("torch", logprobs_torch, "linear_logprobs"),
+    ),
+    "selective_log_softmax": (
+        _backend("triton", "logprobs_triton_launch", "selective_log_softmax", **_TRITON),
+        _backend("cpp", logprobs_cpp, "selective_log_softmax", why_not=_extension_here),
+        _backend("torch", logprobs_torch, "selective_log_softmax"),
+    ),
+}
+"""op -> its backends in ``auto``'s order of preference. The last of each op runs anywhere and computes every
+feature, so ``auto`` always finds one."""
+
+
+def _why_not(entry: Backend, tensor: torch.Tensor) -> str:
+    """Empty when ``entry`` can run on ``tensor``'s device and dtype, else the reason."""
+    why = entry.why_not(tensor.device)
+    if not why and entry.dtypes is not None and tensor.dtype not in entry.dtypes:
+        why = f"it takes {[str(d).removeprefix('torch.') for d in entry.dtypes]}, got {tensor.dtype}"
+    return why
+
+
+def resolve(op: str, backend: str, tensor: torch.Tensor, needs: frozenset[str] | set[str] = frozenset()) -> str:
+    """The backend that runs ``op`` on ``tensor`` (its device and dtype decide) with the optional features ``needs``.
+
+    ``auto`` takes the first backend of ``TABLE[op]`` that runs ``tensor`` and computes every feature in ``needs``
+    (never Triton's interpreter). An explicitly requested backend that cannot run ``tensor`` raises; one that runs it
+    but lacks a feature is passed over for the next backend of the table that has it (the cpu attention backend
+    without soft-capping hands such calls to the torch backend).
 
     Args:
         op: a key of ``TABLE``.
-        backend: ``"auto"`` or one of ``TABLE[op]``'s backends.
+        backend: ``"auto"`` or the name of one of ``TABLE[op]``'s backends.
         tensor: the op's main input.
+        needs: optional features the call asks for (a subset of what the op's last backend computes).
 
     Raises:
         ValueError: unknown ``op`` or ``backend``.
@@ -102,17 +175,16 @@ def resolve(op: str, backend: str, tensor: torch.Tensor) -> str:
     """
     if op not in TABLE:
         raise ValueError(f"op must be one of {sorted(TABLE)}, got {op!r}")
-    names = [name for name, _ in TABLE[op]]
+    names = [entry.name for entry in TABLE[op]]
     if backend != "auto" and backend not in names:
         raise ValueError(f"backend for {op} must be 'auto' or one of {names}, got {backend!r}")
-    for name, dtypes in TABLE[op]:
-        if backend not in ("auto", name):
+    on_cpu = tensor.device.type == "cpu"
+    for entry in TABLE[op][0 if backend == "auto" else names.index(backend) :]:
+        why = _why_not(entry, tensor)
+        if entry.name == backend and why:
+            raise BackendUnavailableError(f"backend={backend!r} cannot run {op} here: {why}")
+        if why or not set(needs) <= entry.features:
             continue
-        why = _why_not(name, tensor)
-        if not why and dtypes is not None and tensor.dtype not in dtypes:
-            why = f"it takes {[str(d).removeprefix('torch.') for d in dtypes]}, got {tensor.dtype}"
-        if not why and (backend != "auto" or name != "triton" or tensor.device.type == "cuda"):
-            return name  # auto never picks the interpreter: it is a correctness tool, not a backend
-        if backend == name:
-            raise BackendUnavailableError(f"backend={name!r} cannot run {op} here: {why}")
-    return "torch"
+        if entry.name == backend or not (on_cpu and entry.interpreted_on_cpu):
+            return entry.name
+    raise BackendUnavailableError(f"no backend of {op} runs {tensor.dtype} tensors on {tensor.device} with {needs}")

@@ -1,5 +1,6 @@
-"""Triton kernels for multi-region attention (shared-prefix attention is its one-region call): forward, and a
-three-kernel backward.
+"""Triton kernels of multi-region attention (shared-prefix attention is its one-region call): forward, and a
+three-kernel backward. The kernels only: their tile sizes are in ``attention_triton_tiles``, the Python functions that
+size the grids and launch them in ``attention_triton_launch``.
 
 Same op as :func:`grpo_mem.ops.attention.multi_region_attention` (see there for the semantics). Layout of the work:
 
@@ -9,42 +10,37 @@ Same op as :func:`grpo_mem.ops.attention.multi_region_attention` (see there for 
   region's keys ``region_k[index[b], h]`` read in place (tiles wholly outside the entry's span of real keys are
   skipped; a row with index −1 does nothing), then, in the last launch, causally over the row's own keys. Launches
   chain through a normalised fp32 partial output and the LSE (the exact LSE merge of Hydragen, arXiv 2402.05099):
-  with no region or one region there is a single launch, with R regions R launches (``_launch_plan``). Writes
-  ``out`` and the natural-log LSE of the scaled scores.
+  with no region or one region there is a single launch, with R regions R launches
+  (``attention_triton_launch._launch_plan``). Writes ``out`` and the natural-log LSE of the scaled scores.
 * ``_mra_bwd_dq_kernel`` — same grid and launches; recomputes ``P = exp(S − L)`` with the merged LSE and accumulates
   ``dQ = scale · Σ_j P_ij (dP_ij − D_i) K_j`` with ``D = rowsum(dO ∘ O)``.
-* ``_spa_bwd_dkdv_completion_kernel`` — one program per (block of own keys, row, kv head); loops over the queries
+* ``_mra_bwd_dkdv_own_kernel`` — one program per (block of own keys, row, kv head); loops over the queries
   that can see the block (all query heads of the kv head, causal lower bound).
 * ``_mra_bwd_dkdv_region_kernel`` — per region, one program per (block of keys, entry u, kv head); loops over every
   row reading the entry (rows listed by entry, ascending row index; rows with index −1 are not listed), every query
   head of the kv head and every query block. dK/dV of the entry are accumulated in fp32 registers and written once:
   no atomics, and the summation order (row, then head, then query block) is fixed, so the result is deterministic.
+  When the launcher splits that loop over several programs, ``_mra_bwd_region_reduce_kernel`` sums their fp32
+  partial results in split order.
 
 Head dims that are not a power of two run as two power-of-two column tiles (d=80: 64 + 16, d=96: 64 + 32; see
-``head_dim_tiles``) instead of one padded 128-wide tile, so no MMA work is spent on padding columns.
+``attention_triton_tiles.head_dim_tiles``) instead of one padded 128-wide tile, so no MMA work is spent on padding
+columns. With a sliding window, key tiles no query of a block can reach are skipped before their K/V are loaded, so a
+query costs O(W) keys of work, plus a position check per tile of the entry.
 
 All products accumulate in fp32 (``tl.dot(..., input_precision="ieee")``: fp32 inputs are not rounded to tf32);
 probabilities are cast to the value dtype before ``P·V`` / ``Pᵀ·dO`` as in FlashAttention-2. Runs on CUDA, or on CPU
 tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first imported); there the
-``EMULATE_BF16`` flag makes bf16 arithmetic match the compiled kernels (see :func:`_launch`).
+``EMULATE_BF16`` flag makes bf16 arithmetic match the compiled kernels (see
+``attention_triton_launch._tile_constexprs``).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ._device import launch_device
-
-__all__ = [
-    "multi_region_attention_fwd",
-    "multi_region_attention_bwd",
-    "block_config",
-    "prefix_dkdv_grid",
-    "head_dim_tiles",
-    "KERNELS",
-]
+__all__ = ["KERNELS"]
 
 
 @triton.jit
@@ -670,7 +666,7 @@ def _mra_fwd_kernel(
 
 
 @triton.jit
-def _spa_bwd_delta_kernel(
+def _mra_bwd_delta_kernel(
     OUT,
     DO,
     DELTA,
@@ -1200,7 +1196,7 @@ def _dkdv_query_block(
 
 
 @triton.jit
-def _spa_bwd_dkdv_completion_kernel(
+def _mra_bwd_dkdv_own_kernel(
     Q,
     K,
     V,
@@ -1372,7 +1368,7 @@ def _mra_bwd_dkdv_region_kernel(
     # u's. The work of one (key block, entry, kv head) — every (row, query head, query block) of the group, in that
     # order — is cut into N_SPLIT contiguous ranges, one per program_id(2). Program s writes its fp32 sum to slice s of
     # DRK/DRV (contiguous (N_SPLIT, U, HKV, S, HEAD_DIM), slices stride_split apart), dK already scaled; the slices are
-    # summed in order by _spa_bwd_prefix_reduce_kernel. With N_SPLIT == 1 DRK/DRV are the gradients. HAS_WINDOW: work
+    # summed in order by _mra_bwd_region_reduce_kernel. With N_SPLIT == 1 DRK/DRV are the gradients. HAS_WINDOW: work
     # items (row, query head, query block) whose query positions cannot reach this key block are skipped, so a block
     # out of every reader's window is never read and gets 0.
     pid_n = tl.program_id(0)
@@ -1461,7 +1457,7 @@ def _mra_bwd_dkdv_region_kernel(
 
 
 @triton.jit
-def _spa_bwd_prefix_reduce_kernel(
+def _mra_bwd_region_reduce_kernel(
     PART_K,
     PART_V,
     DPK,
@@ -1493,606 +1489,10 @@ def _spa_bwd_prefix_reduce_kernel(
 
 KERNELS = {
     "fwd": _mra_fwd_kernel,
-    "bwd_delta": _spa_bwd_delta_kernel,
+    "bwd_delta": _mra_bwd_delta_kernel,
     "bwd_dq": _mra_bwd_dq_kernel,
-    "bwd_dkdv_completion": _spa_bwd_dkdv_completion_kernel,
-    "bwd_dkdv_prefix": _mra_bwd_dkdv_region_kernel,
-    "bwd_prefix_reduce": _spa_bwd_prefix_reduce_kernel,
+    "bwd_dkdv_own": _mra_bwd_dkdv_own_kernel,
+    "bwd_dkdv_region": _mra_bwd_dkdv_region_kernel,
+    "bwd_region_reduce": _mra_bwd_region_reduce_kernel,
 }
-
-# kernel name -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for four tiers of head dims: up to 64, up to 128 in one
-# head-dim tile, up to 256, and d in (64, 128) as two head-dim tiles (d=80: 64 + 16, d=96: 64 + 32; head_dim_tiles).
-# The split tier keeps the 128 tier's tiles except where sm_80 spilled with them (bwd_dq 64×64: 8 to 14 STL) or ptxas
-# went to its 255-register cap (fwd 64×64 with 2 stages at d=96; with 3 stages 190 registers). bwd_dkdv_completion
-# sits at 255 registers on sm_80 without spilling at every tile tried (16×32 to 64×64, 4 or 8 warps, 1 to 3 stages).
-# fp32 inputs use the exact (FMA, not tf32) dot, which needs far smaller tiles to stay within the register file.
-# bwd_delta has no key tiles (BLOCK_N unused); bwd_prefix_reduce is elementwise (BLOCK_M elements per program).
-# Registers, spills and shared memory of each build for sm_80 and sm_90, compiled with the argument attributes of the
-# run-time specialisation, are checked and printed by tests/test_attention_triton_aot.py.
-_BLOCKS_16BIT = {
-    "fwd": ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 3)),
-    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1), (32, 0, 4, 1)),
-    "bwd_dq": ((64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 2)),
-    "bwd_dkdv_completion": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2)),
-    "bwd_dkdv_prefix": ((32, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2)),
-    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 4,
-}
-_BLOCKS_FP32 = {
-    "fwd": ((16, 16, 4, 2), (16, 16, 4, 2), (16, 16, 4, 1), (16, 16, 4, 2)),
-    "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1), (32, 0, 4, 1)),
-    "bwd_dq": ((16, 16, 4, 2), (16, 16, 8, 2), (16, 16, 4, 1), (16, 16, 8, 2)),
-    "bwd_dkdv_completion": ((16, 32, 4, 2), (16, 16, 4, 1), (16, 32, 8, 1), (16, 16, 4, 1)),
-    "bwd_dkdv_prefix": ((16, 32, 4, 2), (16, 32, 4, 2), (16, 32, 8, 1), (16, 32, 4, 2)),
-    "bwd_prefix_reduce": ((1024, 0, 4, 1),) * 4,
-}
-# Soft-capped builds (SOFTCAP > 0) that need other tiles: (kernel, tier) -> tiles (16-bit inputs). bwd_dq at d=256
-# spilled 7 stores on sm_90 with 64×32 (tanh and its derivative on top of 250 registers); 64×16 holds 225, no spill.
-_BLOCKS_16BIT_SOFTCAP = {("bwd_dq", 2): (64, 16, 8, 2)}
-# Windowed builds (HAS_WINDOW) that need other tiles (with a soft-cap too, these win over the above); each spilled on
-# sm_80 or sm_90 with the windowless tile (16-bit: fwd 5 and bwd_dq 131 spill stores at d=256, at d=96 fwd 10,
-# bwd_dkdv_completion 12, bwd_dkdv_prefix 2; fp32: fwd one predicate at d=80 and 4 stores at d=256, bwd_dq 1 at d=96
-# and 4 at d=256, bwd_dkdv_prefix 4 at d=64 and 5 at d=256) and holds with the one here. bwd_dkdv_prefix keeps its
-# BLOCK_N (prefix_dkdv_grid sizes the grid from the windowless configuration).
-_BLOCKS_16BIT_WINDOW = {
-    ("fwd", 2): (64, 16, 8, 2),
-    ("bwd_dq", 2): (32, 32, 4, 2),
-    ("fwd", 3): (64, 32, 8, 3),
-    ("bwd_dkdv_completion", 3): (16, 64, 8, 2),
-    ("bwd_dkdv_prefix", 3): (16, 64, 8, 2),
-}
-_BLOCKS_FP32_WINDOW = {
-    ("fwd", 3): (16, 16, 8, 2),
-    ("fwd", 2): (16, 16, 8, 1),
-    ("bwd_dq", 2): (16, 16, 8, 1),
-    ("bwd_dq", 3): (16, 16, 4, 2),
-    ("bwd_dkdv_prefix", 0): (16, 32, 8, 2),
-    ("bwd_dkdv_prefix", 2): (16, 32, 16, 1),
-}
-_TIER = {64: 0, 128: 1, 256: 2}
-_TIER_SPLIT_128 = 3  # head dims in (64, 128) that run as two head-dim tiles
-# The prefix dK/dV work is split until the grid has this many programs per SM (see prefix_dkdv_grid).
-_PROGRAMS_PER_SM = 2
-# SM count assumed for CPU tensors (Triton's interpreter): an H100 SXM's, so the interpreter runs the split GPUs run.
-_DEFAULT_SM_COUNT = 132
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_I32_MAX = 2**31 - 1
-
-
-def block_config(
-    name: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, softcap: bool = False, window: bool = False
-) -> dict:
-    """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype`` (``softcap``: the
-    soft-capped build; ``window``: the sliding-window build).
-
-    Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_80 and sm_90 builds have no
-    register spills (checked by ``tests/test_attention_triton_aot.py``).
-    Raises ValueError for an unknown name or a head dim outside [1, 256].
-    """
-    if name not in KERNELS:
-        raise ValueError(f"unknown kernel name {name!r}; expected one of {sorted(KERNELS)}")
-    tier = _TIER[max(64, _block_d(head_dim))]
-    if tier == _TIER[128] and head_dim_tiles(head_dim)[1]:
-        tier = _TIER_SPLIT_128
-    block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
-    if softcap and dtype != torch.float32:
-        block_m, block_n, warps, stages = _BLOCKS_16BIT_SOFTCAP.get((name, tier), (block_m, block_n, warps, stages))
-    if window:
-        table = _BLOCKS_FP32_WINDOW if dtype == torch.float32 else _BLOCKS_16BIT_WINDOW
-        block_m, block_n, warps, stages = table.get((name, tier), (block_m, block_n, warps, stages))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-
-
-def _block_d(head_dim: int) -> int:
-    """The head dim rounded up to a power of two (at least 16): the block-size tier of ``block_config``."""
-    if not 1 <= head_dim <= 256:
-        raise ValueError(f"head dim must be in [1, 256] for the Triton backend, got {head_dim}")
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def head_dim_tiles(head_dim: int) -> tuple[int, int]:
-    """Widths ``(BLOCK_D0, BLOCK_D1)`` of the two head-dim column tiles the kernels use; ``BLOCK_D1 = 0`` means one.
-
-    tl.dot needs power-of-two tiles of at least 16, so one tile is ``_block_d(head_dim)`` wide: 128 for d=80 and d=96,
-    where 37% and 25% of every product would be masked padding. Two tiles, the larger power of two below the head dim
-    plus the power of two that covers the rest, are used whenever they are narrower than that: (64, 16) for d=80
-    (MMA work 80/128 of one tile), (64, 32) for d=96 (96/128); d=64, 128 and 256 stay one tile, as does d=112
-    (64 + 64 is no narrower). Raises ValueError for a head dim outside [1, 256].
-    """
-    full = _block_d(head_dim)
-    if full == 16 or full == head_dim:
-        return full, 0
-    lo = full // 2
-    rest = max(16, triton.next_power_of_2(head_dim - lo))
-    return (lo, rest) if lo + rest < full else (full, 0)
-
-
-def prefix_dkdv_grid(
-    B: int, U: int, Hkv: int, rep: int, C: int, P: int, head_dim: int, dtype: torch.dtype, sm_count: int
-) -> tuple[int, int, int]:
-    """Launch grid ``(key blocks, U·Hkv, splits)`` of the prompt dK/dV kernel.
-
-    One (key block, prompt, kv head) alone gives cdiv(P, BLOCK_N)·U·Hkv programs — 16 for a Qwen2.5-1.5B layer
-    (Hkv=2, P=512, one prompt) on a 132-SM H100 — each looping over every (row, query head, query block) of the group.
-    That loop is cut into ``splits`` contiguous ranges, as many as needed for ``_PROGRAMS_PER_SM`` programs per SM
-    (never more than the average work items of a prompt). Each range's fp32 sum goes to its own slice of a partial
-    buffer, reduced in slice order: deterministic, no atomics. The buffer holds 2·splits·U·Hkv·P·d fp32 values, under
-    2·(2·_PROGRAMS_PER_SM·sm_count)·BLOCK_N·d values whenever splits > 1 (35 MB for 132 SMs at d=128).
-    """
-    cfg = block_config("bwd_dkdv_prefix", head_dim, dtype)
-    n_blocks = triton.cdiv(P, cfg["BLOCK_N"])
-    base = n_blocks * U * Hkv
-    if base == 0 or B == 0:
-        return (n_blocks, U * Hkv, 1)
-    items = triton.cdiv(B, U) * rep * triton.cdiv(C, cfg["BLOCK_M"])  # work items of an average prompt
-    splits = max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sm_count, base), items))
-    return (n_blocks, U * Hkv, splits)
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (a cached property, no synchronisation); an H100's otherwise."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_SM_COUNT
-
-
-def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
-    """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
-    if 0 in grid:
-        return
-    cfg = block_config(name, head_dim, dtype, constexprs.get("SOFTCAP", 0.0) > 0, constexprs.get("HAS_WINDOW", False))
-    opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    with launch_device(args[0]):
-        KERNELS[name][grid](*args, **constexprs, **opts)
-
-
-def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False, window=False) -> dict:
-    """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels (``softcap``,
-    ``window``: of the soft-capped, windowed build)."""
-    cfg = block_config(name, head_dim, dtype, softcap, window)
-    # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
-    # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
-    # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
-    block_d0, block_d1 = head_dim_tiles(head_dim)
-    return dict(
-        HEAD_DIM=head_dim,
-        BLOCK_D0=block_d0,
-        BLOCK_D1=block_d1,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        EMULATE_BF16=interpret and dtype == torch.bfloat16,
-    )
-
-
-def _softcap(params) -> float:
-    """The kernels' SOFTCAP constexpr: ``params.softcap``, or 0.0 for none (a constexpr, so a Python float never
-    reaches the kernel as a runtime argument, and the uncapped build is the one without it)."""
-    return 0.0 if params.softcap is None else float(params.softcap)
-
-
-def _kernel_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernels read it: any strides, except that the last (head-dim) stride must be 1.
-
-    transformers' q/k/v (``(B, C, H, d)`` projections transposed to ``(B, H, C, d)``) and autograd's output gradients
-    already have it, so they are read in place; anything else (e.g. a gradient expanded from a scalar) is copied once.
-    """
-    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
-
-
-def _check_offsets(**tensors):
-    """The kernels compute the batch / prompt part of an offset in int64 and the rest (head, position, head-dim index,
-    within one batch entry) in int32: raise ValueError if that rest can pass 2**31 − 1 elements."""
-    for name, x in tensors.items():
-        span = sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))
-        if x.numel() and span > _I32_MAX:
-            raise ValueError(
-                f"{name} spans {span} elements within one batch entry (shape {tuple(x.shape)}, strides "
-                f"{x.stride()}); the Triton kernels need < 2**31"
-            )
-
-
-def _check_dtype(q):
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(
-            f"the Triton attention kernels take fp16, bf16 or fp32 inputs, got {q.dtype} (fp64: use backend='torch')"
-        )
-
-
-def _padded(n: int) -> int:
-    """``n`` rounded up to a multiple of 16: the row length of the LSE / D buffers and of the folded query index, so
-    the kernels' address arithmetic sees a multiple of 16 (Triton then vectorises and keeps fewer per-element
-    offsets; with an arbitrary completion length it spilled at d=256)."""
-    return (n + 15) // 16 * 16
-
-
-def _region_span(mask):
-    """``(U, 2)`` int32: first real key of each entry and one past its last (``(S, 0)`` for an entry with none). Key
-    tiles wholly outside the span (left or right padding) are skipped. No host synchronisation."""
-    U, S = mask.shape
-    if S == 0:
-        return torch.zeros(U, 2, dtype=torch.int32, device=mask.device)
-    pos = torch.arange(S, device=mask.device, dtype=torch.int32)
-    # weight key j by S − j: the largest weight among real keys marks the first one; by j + 1: the last one
-    start = S - (mask * (S - pos)).amax(dim=1)
-    end = (mask * (pos + 1)).amax(dim=1)
-    return torch.stack([start, end], dim=1).to(torch.int32)
-
-
-def _region_rows(index, U):
-    """Rows grouped by the entry they read (ascending row index within an entry; rows with index −1 are left out),
-    int32 (B,), and CSR offsets int32 (U + 1,): entry u's rows are ``rows[row_start[u]:row_start[u + 1]]``. Sort and
-    binary search: no host synchronisation (``bincount`` would read the maximum back to size its output)."""
-    sorted_index, rows = torch.sort(index, stable=True)
-    bounds = torch.arange(U + 1, device=index.device, dtype=index.dtype)
-    row_start = torch.searchsorted(sorted_index, bounds, out_int32=True)  # the −1 rows sort first, before row_start[0]
-    return rows.to(torch.int32), row_start
-
-
-def _region_args(regions, q, positions=None):
-    """Per launch, the region tensors ``(region_k, region_v, index, span, mask, key positions)`` with
-    ``region_k``/``region_v`` as the kernels read them; with no region, one launch with placeholders (unread:
-    HAS_REGION=False). ``positions``: ``(q_positions, region positions)`` with a window, else None (the key positions
-    are then the index tensor, unread: HAS_WINDOW=False)."""
-    if not regions:
-        i64, i32 = (torch.zeros(2, dtype=t, device=q.device) for t in (torch.int64, torch.int32))
-        return [(q, q, i64, i32, torch.zeros(1, 1, dtype=torch.bool, device=q.device), i64)]
-    k_pos = [None] * len(regions) if positions is None else positions[1]
-    return [
-        (
-            _kernel_view(rk),
-            _kernel_view(rv),
-            index,
-            _region_span(mask),
-            mask.contiguous(),
-            index if pos is None else pos.contiguous(),
-        )
-        for (rk, rv, index, mask), pos in zip(regions, k_pos)
-    ]
-
-
-def _window_args(positions, params, q):
-    """``(q_positions as the kernels read them, WINDOW, HAS_WINDOW)``: the (B, C) int64 positions (contiguous), the
-    window and True with ``params.sliding_window``; a placeholder, 0 and False without."""
-    if params.sliding_window is None:
-        return torch.zeros(2, dtype=torch.int64, device=q.device), 0, False
-    return positions[0].contiguous(), int(params.sliding_window), True
-
-
-def _named_regions(regions, args):
-    """``{"regions[i].region_k": tensor, "regions[i].region_v": tensor}`` of ``_region_args``' output, for
-    ``_check_offsets``' messages (empty without regions)."""
-    if not regions:
-        return {}
-    named = {f"regions[{i}].region_k": a[0] for i, a in enumerate(args)}
-    named.update({f"regions[{i}].region_v": a[1] for i, a in enumerate(args)})
-    return named
-
-
-def _launch_plan(regions):
-    """(HAS_REGION, HAS_OWN, HAS_PREV) of each launch of the forward and dQ kernels: regions 0 … R−2 alone (rows
-    reading none of a region do nothing there), then region R−1 with the own region, which writes the result."""
-    R = len(regions)
-    if R == 0:
-        return [(False, True, False)]
-    return [(True, i == R - 1, i > 0) for i in range(R)]
-
-
-def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=None):
-    """Launch the forward kernel, once per region (see ``_launch_plan``). Shapes as
-    :func:`grpo_mem.ops.attention.multi_region_attention` (validated there); ``params.scale`` is the softmax scale
-    (``params`` a ``MultiRegionAttentionParams``; ``params.softcap``, if set, soft-caps the scaled scores in the
-    kernels; ``params.sliding_window``, if set, applies the window to ``positions = (q_positions (B, C) int64,
-    (U_r, S_r) int64 key positions per region)`` in the kernels, skipping key tiles no query of a block can reach).
-
-    Tensors are read in place with their strides (only the head-dim stride must be 1; see ``_kernel_view``), and no
-    value is read back to the host. With two regions or more, the partial result between launches is a normalised
-    fp32 (B, Hq, C, d) buffer (the running output) and the LSE buffer; one region or none needs neither.
-    Returns ``(out, lse)``: out (B, Hq, C, d) in q's dtype, with q's strides when q is dense (transformers' transposed
-    layout, so ``out.transpose(1, 2)`` is contiguous); lse (B, Hq, C) fp32, a view of a (B, Hq, C rounded up to 16)
-    buffer, the natural-log log-sum-exp of the scaled scores over all visible keys (−inf for a query with none).
-    Raises ValueError for fp64 inputs or strides too large for int32 offsets within one batch entry.
-    """
-    _check_dtype(q)
-    q, k, v = (_kernel_view(x) for x in (q, k, v))
-    B, Hq, C, d = q.shape
-    Hkv = k.shape[1]
-    rep = Hq // Hkv
-    interpret = q.device.type == "cpu"
-    out = _kernel_view(torch.empty_like(q))
-    c_pad = _padded(C)
-    plan = _launch_plan(regions)
-    if len(plan) > 1:  # a row reading none of the first regions keeps LSE −inf until the last launch
-        lse = torch.full((B, Hq, c_pad), float("-inf"), dtype=torch.float32, device=q.device)[..., :C]
-    else:
-        lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C]
-    if B == 0 or C == 0:
-        return out, lse
-    args = _region_args(regions, q, positions)
-    q_pos, window, has_window = _window_args(positions, params, q)
-    _check_offsets(q=q, k=k, v=v, out=out, **_named_regions(regions, args))
-    # the running output, fp32 with out's strides (the kernel reads PREV with OUT's strides)
-    partial = (
-        torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=q.device) if len(plan) > 1 else out
-    )
-    kmask = key_mask.contiguous() if key_mask is not None else args[0][4]  # unread when HAS_KMASK=False
-    meta = _tile_constexprs("fwd", d, q.dtype, interpret, params.softcap is not None, has_window)
-    grid = (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv)
-    for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
-        dst = out if has_own else partial
-        _launch(
-            "fwd",
-            grid,
-            (
-                q,
-                k,
-                v,
-                rk,
-                rv,
-                index,
-                span,
-                mask,
-                kmask,
-                q_pos,
-                k_pos,
-                dst,
-                lse,
-                partial,
-                *q.stride()[:3],
-                *k.stride()[:3],
-                *v.stride()[:3],
-                *rk.stride()[:3],
-                *rv.stride()[:3],
-                *dst.stride()[:3],
-                float(params.scale),
-                C,
-                c_pad,
-                rk.shape[2],
-                Hkv,
-                window,
-            ),
-            d,
-            q.dtype,
-            interpret,
-            REP=rep,
-            HAS_KMASK=key_mask is not None,
-            HAS_REGION=has_region,
-            HAS_OWN=has_own,
-            HAS_PREV=has_prev,
-            SOFTCAP=_softcap(params),
-            HAS_WINDOW=has_window,
-            **meta,
-        )
-    return out, lse
-
-
-def _region_dkdv(q, dout, lse, delta, region_k, region_v, index, span, mask, k_pos, window_args, params, interpret):
-    """dK/dV of one shared region: the region kernel over each entry's rows, its work split for a full GPU (see
-    ``prefix_dkdv_grid``) and the fp32 partial sums reduced in a fixed order. Returns ``(dregion_k, dregion_v)``
-    contiguous, in the region's dtype; entries no row reads get 0. ``k_pos`` and ``window_args`` (see ``_window_args``):
-    the sliding window's key positions and query positions, window, flag."""
-    q_pos, window, has_window = window_args
-    B, Hq, C, d = q.shape
-    U, Hkv, S, _ = region_k.shape
-    rep = Hq // Hkv
-    c_pad = _padded(C)
-    drk, drv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (region_k, region_v))
-    rows, row_start = _region_rows(index, U)
-    meta = _tile_constexprs("bwd_dkdv_prefix", d, q.dtype, interpret, params.softcap is not None, has_window)
-    grid = prefix_dkdv_grid(B, U, Hkv, rep, C, S, d, q.dtype, _sm_count(q.device))
-    n_split, n_elems = grid[2], U * Hkv * S * d
-    if n_split == 1:
-        part_k, part_v = drk, drv
-    else:
-        part_k, part_v = (torch.empty((n_split, U, Hkv, S, d), dtype=torch.float32, device=q.device) for _ in "kv")
-    _launch(
-        "bwd_dkdv_prefix",
-        grid,
-        (
-            q,
-            region_k,
-            region_v,
-            rows,
-            row_start,
-            span,
-            mask,
-            q_pos,
-            k_pos,
-            dout,
-            lse,
-            delta,
-            part_k,
-            part_v,
-            *q.stride()[:3],
-            *region_k.stride()[:3],
-            *region_v.stride()[:3],
-            *dout.stride()[:3],
-            float(params.scale),
-            C,
-            c_pad,
-            S,
-            Hkv,
-            n_split,
-            n_elems,
-            window,
-        ),
-        d,
-        q.dtype,
-        interpret,
-        REP=rep,
-        SOFTCAP=_softcap(params),
-        HAS_WINDOW=has_window,
-        **meta,
-    )
-    if n_split > 1:
-        block = block_config("bwd_prefix_reduce", d, q.dtype)["BLOCK_M"]
-        _launch(
-            "bwd_prefix_reduce",
-            (triton.cdiv(n_elems, block),),
-            (part_k, part_v, drk, drv, n_elems, n_split),
-            d,
-            q.dtype,
-            interpret,
-            BLOCK=block,
-            EMULATE_BF16=meta["EMULATE_BF16"],
-        )
-    return drk, drv
-
-
-def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params, positions=None):
-    """Launch the backward kernels. ``out``/``lse`` are the forward's results, ``dout`` is (B, Hq, C, d); ``positions``
-    as :func:`multi_region_attention_fwd`.
-
-    Returns ``(dq, dk, dv, [(dregion_k, dregion_v) per region])`` in the dtypes of q, k, v and each region's K/V (fp32
-    accumulation); dq/dk/dv have the strides of q/k/v when those are dense, the region gradients are contiguous.
-    ``D = rowsum(dO ∘ O)`` is computed in fp32 by a small kernel into a (B, Hq, C) tensor; dQ is accumulated over the
-    launches of ``_launch_plan`` (with two regions or more, in an fp32 (B, Hq, C, d) buffer). No value is read back
-    to the host and no input is copied (see ``_kernel_view``). Raises ValueError as
-    :func:`multi_region_attention_fwd`.
-    """
-    _check_dtype(q)
-    q, k, v, out, dout = (_kernel_view(x) for x in (q, k, v, out, dout))
-    B, Hq, C, d = q.shape
-    Hkv = k.shape[1]
-    rep = Hq // Hkv
-    interpret = q.device.type == "cpu"
-    dq, dk, dv = (_kernel_view(torch.empty_like(x)) for x in (q, k, v))
-    args = _region_args(regions, q, positions)
-    window_args = _window_args(positions, params, q)
-    q_pos, window, has_window = window_args
-    if B == 0 or C == 0:
-        dregions = [
-            (
-                torch.zeros(rk.shape, dtype=rk.dtype, device=rk.device),
-                torch.zeros(rv.shape, dtype=rv.dtype, device=rv.device),
-            )
-            for rk, rv, _, _ in regions
-        ]
-        return dq.zero_(), dk.zero_(), dv.zero_(), dregions
-    _check_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, **_named_regions(regions, args))
-    c_pad = _padded(C)
-    if lse.stride() != (Hq * c_pad, c_pad, 1):  # not the forward's padded buffer: copy into one
-        lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C].copy_(lse)
-    kmask = key_mask.contiguous() if key_mask is not None else args[0][4]
-    q_s, k_s, v_s, do_s = q.stride()[:3], k.stride()[:3], v.stride()[:3], dout.stride()[:3]
-    has_kmask = key_mask is not None
-
-    delta = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)
-    meta = _tile_constexprs("bwd_delta", d, q.dtype, interpret)
-    _launch(
-        "bwd_delta",
-        (triton.cdiv(C, meta["BLOCK_M"]), B * Hq),
-        (
-            out,
-            dout,
-            delta,
-            *out.stride()[:3],
-            *do_s,
-            C,
-            c_pad,
-            Hq,
-        ),
-        d,
-        q.dtype,
-        interpret,
-        HEAD_DIM=d,
-        BLOCK_D0=meta["BLOCK_D0"],
-        BLOCK_D1=meta["BLOCK_D1"],
-        BLOCK_M=meta["BLOCK_M"],
-    )
-    plan = _launch_plan(regions)
-    # the running dQ, fp32 with dq's strides (the kernel reads PREV with DQ's strides); rows reading none of the first
-    # regions are not written before the last launch: start from zeros
-    partial = (
-        torch.empty_strided(dq.shape, dq.stride(), dtype=torch.float32, device=q.device).zero_()
-        if len(plan) > 1
-        else dq
-    )
-    meta = _tile_constexprs("bwd_dq", d, q.dtype, interpret, params.softcap is not None, has_window)
-    for (rk, rv, index, span, mask, k_pos), (has_region, has_own, has_prev) in zip(args, plan):
-        dst = dq if has_own else partial
-        _launch(
-            "bwd_dq",
-            (triton.cdiv(rep * c_pad, meta["BLOCK_M"]), B * Hkv),
-            (
-                q,
-                k,
-                v,
-                rk,
-                rv,
-                index,
-                span,
-                mask,
-                kmask,
-                q_pos,
-                k_pos,
-                dout,
-                lse,
-                delta,
-                dst,
-                partial,
-                *q_s,
-                *k_s,
-                *v_s,
-                *rk.stride()[:3],
-                *rv.stride()[:3],
-                *do_s,
-                *dst.stride()[:3],
-                float(params.scale),
-                C,
-                c_pad,
-                rk.shape[2],
-                Hkv,
-                window,
-            ),
-            d,
-            q.dtype,
-            interpret,
-            REP=rep,
-            HAS_KMASK=has_kmask,
-            HAS_REGION=has_region,
-            HAS_OWN=has_own,
-            HAS_PREV=has_prev,
-            SOFTCAP=_softcap(params),
-            HAS_WINDOW=has_window,
-            **meta,
-        )
-    meta = _tile_constexprs("bwd_dkdv_completion", d, q.dtype, interpret, params.softcap is not None, has_window)
-    _launch(
-        "bwd_dkdv_completion",
-        (triton.cdiv(C, meta["BLOCK_N"]), B * Hkv),
-        (
-            q,
-            k,
-            v,
-            kmask,
-            q_pos,
-            dout,
-            lse,
-            delta,
-            dk,
-            dv,
-            *q_s,
-            *k_s,
-            *v_s,
-            *do_s,
-            *dk.stride()[:3],
-            *dv.stride()[:3],
-            float(params.scale),
-            C,
-            c_pad,
-            Hkv,
-            window,
-        ),
-        d,
-        q.dtype,
-        interpret,
-        REP=rep,
-        HAS_KMASK=has_kmask,
-        SOFTCAP=_softcap(params),
-        HAS_WINDOW=has_window,
-        **meta,
-    )
-    dregions = [
-        _region_dkdv(q, dout, lse, delta, rk, rv, index, span, mask, k_pos, window_args, params, interpret)
-        for rk, rv, index, span, mask, k_pos in (args if regions else [])
-    ]
-    return dq, dk, dv, dregions
+"""Kernel name (the key of the tile tables and of the AOT tests) -> ``@triton.jit`` function."""

@@ -8,11 +8,11 @@ Cut Cross-Entropy (Wijmans et al., arXiv 2411.09009) with the entropy term of TR
 Logits are transformed as TRL 1.16's fused head does (``trl/kernels/chunked_logprob.py``, ``_transform``):
 ``z = softcap * tanh((h W^T + b) * logit_scale / softcap) / temperature`` (no tanh when ``softcap`` is None).
 
-Three backends share this math: ``"torch"`` (chunked pure torch, this file), ``"cpp"`` (``csrc/linear_logprobs.cpp``,
-loaded by ``_ext`` and registered with the dispatcher as ``torch.ops.grpo_mem.*``, fake kernels below) and
-``"triton"`` (``logprobs_triton``, imported on first use). ``LINEAR_BACKENDS`` and ``SLS_BACKENDS`` map each name to
-its ``(forward, backward)``. ``linear_logprobs_ref`` is the naive (N, V) reference that tests and benchmarks compare
-against.
+Three backends share this math (``_backends.TABLE``, in ``auto``'s order): ``"triton"`` (``logprobs_triton_launch``,
+imported on first use), ``"cpp"`` (``logprobs_cpp``: the C++ extension, ``csrc/linear_logprobs.cpp``) and ``"torch"``
+(``logprobs_torch``: chunked pure torch). ``LINEAR_BACKENDS`` and ``SLS_BACKENDS`` map each name to its ``(forward,
+backward)``. This module holds the public ops, their checks, the autograd Functions and the naive (N, V) references
+(``linear_logprobs_ref``) that tests and benchmarks compare against.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import _ext
-from ._backends import lazy, resolve
-from ._rowstats import finish_row_stats
+from ._backends import TABLE, resolve
+from .logprobs_torch import _transform
 
 __all__ = [
     "LINEAR_BACKENDS",
@@ -40,75 +39,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-# Tile of the torch backend: (TORCH_BLOCK_N tokens) x (TORCH_BLOCK_V vocabulary entries) in fp32 = 16 MiB per temporary.
-TORCH_BLOCK_N = 1024
-TORCH_BLOCK_V = 4096
-# Tile of the cpp backend, its one tile policy (the C++ ops take their tiles as arguments): one fp32 buffer of
-# CPP_BLOCK_N x CPP_BLOCK_V elements (32 MiB); with fewer tokens than CPP_BLOCK_N the vocabulary block widens to keep
-# that size (_cpp_blocks); selective_log_softmax folds each row in CPP_BLOCK_V columns. Measured with the bench_head.py worker
-# (cpp_block override), fwd+bwd, H=576: N=4096, V=49152: 4096 x 2048 took 10.9 CPU-s vs 12.3 for 2048 x 1024;
-# N=1024, V=151936: 1024 x 8192 took 7.9 CPU-s vs 10.0 for 1024 x 2048.
-CPP_BLOCK_N = 4096
-CPP_BLOCK_V = 2048
-
-
-def _cpp_blocks(n_tok: int) -> tuple[int, int]:
-    """``(block_n, block_v)`` of the cpp linear head for ``n_tok`` tokens."""
-    block_n = max(1, min(n_tok, CPP_BLOCK_N))
-    block_v = max(CPP_BLOCK_V, (CPP_BLOCK_N * CPP_BLOCK_V // block_n) // 64 * 64)
-    return block_n, block_v
-
-
-def _register_fake_kernels() -> None:
-    """Output shapes and dtypes of the C++ ops (``csrc/linear_logprobs.cpp`` registers their CPU kernels), so that
-    FakeTensor and ``torch.compile`` can trace through them. Outputs an op does not compute are (0,)."""
-    f32 = torch.float32
-
-    @torch.library.register_fake("grpo_mem::linear_logprobs_fwd")
-    def _(hidden, weight, bias, target, scale, cap, inv_t, has_cap, want_entropy, block_n, block_v):
-        n = hidden.shape[0]
-        return tuple(hidden.new_empty((size,), dtype=f32) for size in (n, n if want_entropy else 0, n))
-
-    @torch.library.register_fake("grpo_mem::linear_logprobs_bwd")
-    def _(
-        hidden,
-        weight,
-        bias,
-        target,
-        lse,
-        ent,
-        g_lp,
-        g_ent,
-        scale,
-        cap,
-        inv_t,
-        has_cap,
-        need_dh,
-        need_dw,
-        need_db,
-        block_n,
-        block_v,
-    ):
-        db_like = bias if bias is not None else weight
-        return (
-            torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
-            torch.empty_like(weight) if need_dw else weight.new_empty((0,)),
-            torch.empty_like(db_like) if need_db and bias is not None else db_like.new_empty((0,)),
-        )
-
-    @torch.library.register_fake("grpo_mem::selective_log_softmax_fwd")
-    def _(logits, target, inv_t, want_entropy, block_v):
-        n = logits.shape[0]
-        return tuple(logits.new_empty((size,), dtype=f32) for size in (n, n if want_entropy else 0, n))
-
-    @torch.library.register_fake("grpo_mem::selective_log_softmax_bwd")
-    def _(logits, target, lse, ent, g_lp, g_ent, inv_t, block_v):
-        return torch.empty_like(logits)
-
-
-if _ext.HAS_EXT:
-    _register_fake_kernels()
 
 
 @dataclass(frozen=True)
@@ -129,10 +59,6 @@ class LogprobParams:
     @property
     def inv_t(self) -> float:
         return 1.0 / self.temperature
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# validation and dispatch
 
 
 def _check_float(name: str, value, *, positive: bool) -> float:
@@ -156,18 +82,6 @@ def _targets(index: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor
                 f"index[{pos}] = {int(index[pos])} is outside [0, {vocab}) and is not ignore_index={ignore_index}"
             )
     return torch.where(valid, index, torch.full_like(index, -1)).contiguous()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# references (naive: build the full logits)
-
-
-def _transform(a: torch.Tensor, logit_scale: float, softcap: float | None, inv_t: float) -> torch.Tensor:
-    """TRL 1.16's order: scale, soft cap, then multiply by 1/temperature. Same dtype as ``a``."""
-    z = a * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z * inv_t
 
 
 def linear_logprobs_ref(
@@ -212,203 +126,16 @@ def _select(z, index, return_entropy, ignore_index):
     return logp, torch.where(valid, ent.to(out_dtype), zero)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# torch backend: the tile math in fp32, chunked over tokens and vocabulary
+LINEAR_BACKENDS = {b.name: (b.forward, b.backward) for b in TABLE["linear_logprobs"]}
+"""Backend name -> ``(forward, backward)`` of the fused head, read from ``_backends.TABLE``. ``forward(hidden, weight,
+bias, target, params)`` returns ``(logp, entropy or None, lse)``, each (N,) fp32; ``backward(hidden, weight, bias,
+target, lse, ent, g_lp, g_ent, params, need_dh, need_dw, need_db, logp)`` returns ``(dh, dw, db)``, None where not
+needed."""
 
-
-def _fold_tile_torch(a, target, v0, m, s, sz, zy, p: LogprobParams, want_entropy: bool) -> None:
-    """Fold one fp32 tile ``a`` (n, c) of pre-scale logits (bias included) into the running row statistics.
-
-    ``m`` running max of z, ``s`` = sum exp(z - m), ``sz`` = sum exp(z - m) * (z - m) (entropy = log s - sz / s, which
-    avoids the cancellation of LSE - sum p z when |z| is large), ``zy`` the target logit. All (n,) fp32, in place.
-    """
-    z = _transform(a, p.logit_scale, p.softcap, p.inv_t)
-    c = z.shape[1]
-    local = target - v0
-    in_tile = (local >= 0) & (local < c)
-    zy.copy_(torch.where(in_tile, z.gather(1, local.clamp(0, c - 1).unsqueeze(1)).squeeze(1), zy))
-    new_m = torch.maximum(m, z.amax(1))
-    # -inf logits (masked vocabulary): a row with no finite value yet keeps m = -inf and s = 0 and subtracts 0
-    # instead (-inf - (-inf) is NaN); e * (z - m) is taken as 0 where e = 0 (0 * (-inf) is NaN)
-    ref = torch.where(torch.isneginf(new_m), torch.zeros_like(new_m), new_m)
-    alpha = torch.exp(m - ref)  # 0 while m = -inf
-    z.sub_(ref.unsqueeze(1))
-    e = torch.exp(z)
-    if want_entropy:
-        # previous rows' terms relative to the new max; s == 0 while m = -inf
-        old = torch.where(s > 0, alpha * (sz + (m - ref) * s), torch.zeros_like(s))
-        sz.copy_(old + torch.where(e > 0, e * z, torch.zeros_like(z)).sum(1))
-    s.mul_(alpha).add_(e.sum(1))
-    m.copy_(new_m)
-
-
-def _grad_tile_torch(a, target, v0, lse, ent, g_lp, g_ent, p: LogprobParams) -> torch.Tensor:
-    """d(loss)/d(a) for one fp32 tile ``a`` (n, c), where loss = sum g_lp * logp + sum g_ent * entropy.
-
-    dz = g_lp * (onehot - p) - g_ent * p * (log p + H), with the target entry g_lp * (-expm1(log p_y)) formed without
-    cancellation; then the 1/temperature, soft-cap (1 - tanh^2) and logit_scale chain. ``g_lp``/``g_ent`` (n,) fp32 are
-    zero on ignored rows (or None: no gradient from that output). Returns a new (n, c) fp32 tensor.
-    """
-    u = a * p.logit_scale
-    if p.softcap is not None:
-        t = torch.tanh(u / p.softcap)
-        logp = t * (p.softcap * p.inv_t)
-    else:
-        t = None
-        logp = u.mul_(p.inv_t)
-    logp.sub_(lse.unsqueeze(1))
-    prob = torch.exp(logp)
-    c = a.shape[1]
-    if g_ent is not None:
-        dz = (logp + ent.unsqueeze(1)).mul_(prob).mul_(-g_ent.unsqueeze(1))
-        dz.masked_fill_(prob == 0, 0.0)  # p log p -> 0 at a -inf logit (0 * (-inf) is NaN)
-    else:
-        dz = torch.zeros_like(prob)
-    if g_lp is not None:
-        dz.sub_(prob * g_lp.unsqueeze(1))
-        local = target - v0
-        in_tile = (local >= 0) & (local < c)
-        rows = in_tile.nonzero().squeeze(1)
-        cols = local[rows]
-        lp_y = logp[rows, cols]
-        fix = g_lp[rows] * -torch.expm1(lp_y)
-        if g_ent is not None:
-            fix = fix - g_ent[rows] * lp_y.exp() * (lp_y + ent[rows])
-        dz[rows, cols] = fix
-    dz.mul_(p.inv_t)
-    if t is not None:
-        dz.mul_(1 - t * t)
-    return dz.mul_(p.logit_scale)
-
-
-def _f32_rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return x[lo:hi].to(torch.float32)
-
-
-def linear_logprobs_fwd_torch(hidden, weight, bias, target, p: LogprobParams):
-    """Chunked torch forward. Returns (logp, entropy or None, lse), each (N,) fp32; ignored rows (target -1) give 0."""
-    n_tok, vocab = hidden.shape[0], weight.shape[0]
-    dev = hidden.device
-    want_entropy = p.return_entropy
-    m = torch.full((n_tok,), -math.inf, device=dev)
-    s = torch.zeros(n_tok, device=dev)
-    sz = torch.zeros(n_tok, device=dev)
-    zy = torch.zeros(n_tok, device=dev)
-    for v0 in range(0, vocab, TORCH_BLOCK_V):
-        v1 = min(v0 + TORCH_BLOCK_V, vocab)
-        w = _f32_rows(weight, v0, v1)
-        b = None if bias is None else _f32_rows(bias, v0, v1)
-        for n0 in range(0, n_tok, TORCH_BLOCK_N):
-            n1 = min(n0 + TORCH_BLOCK_N, n_tok)
-            a = F.linear(_f32_rows(hidden, n0, n1), w, b)
-            sl = slice(n0, n1)
-            _fold_tile_torch(a, target[sl], v0, m[sl], s[sl], sz[sl], zy[sl], p, want_entropy)
-    return finish_row_stats(m, s, sz, zy, target, want_entropy)
-
-
-def linear_logprobs_bwd_torch(
-    hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp=None
-):
-    """Chunked torch backward (vocabulary outer, tokens inner: d_weight rows finish one vocabulary block at a time, so
-    the fp32 accumulator is one (block_v, H) tile unless the weight is already fp32). Returns (dh, dw, db) in the
-    inputs' dtypes, None where not needed (``logp`` unused: the triton backward's input)."""
-    n_tok, vocab = hidden.shape[0], weight.shape[0]
-    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_dh else None
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    for v0 in range(0, vocab, TORCH_BLOCK_V):
-        v1 = min(v0 + TORCH_BLOCK_V, vocab)
-        w = _f32_rows(weight, v0, v1)
-        b = None if bias is None else _f32_rows(bias, v0, v1)
-        dw_acc = None
-        if need_dw:
-            dw_acc = (
-                dw[v0:v1] if dw.dtype == torch.float32 else torch.empty((v1 - v0, weight.shape[1]), device=w.device)
-            )
-            dw_acc.zero_()
-        db_acc = torch.zeros(v1 - v0, device=w.device) if need_db else None
-        for n0 in range(0, n_tok, TORCH_BLOCK_N):
-            n1 = min(n0 + TORCH_BLOCK_N, n_tok)
-            h = _f32_rows(hidden, n0, n1)
-            sl = slice(n0, n1)
-            da = _grad_tile_torch(
-                F.linear(h, w, b),
-                target[sl],
-                v0,
-                lse[sl],
-                None if ent is None else ent[sl],
-                None if g_lp is None else g_lp[sl],
-                None if g_ent is None else g_ent[sl],
-                p,
-            )
-            if need_dh:
-                dh[sl].addmm_(da, w)
-            if need_dw:
-                dw_acc.addmm_(da.t(), h)
-            if need_db:
-                db_acc.add_(da.sum(0))
-        if need_dw and dw_acc.data_ptr() != dw[v0:v1].data_ptr():
-            dw[v0:v1].copy_(dw_acc)
-        if need_db:
-            db[v0:v1].copy_(db_acc)
-    return (dh.to(hidden.dtype) if need_dh else None), dw, db
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# autograd Functions and dispatch
-
-
-def linear_logprobs_fwd_cpp(hidden, weight, bias, target, p: LogprobParams):
-    """C++ forward (``torch.ops.grpo_mem.linear_logprobs_fwd``); returns as :func:`linear_logprobs_fwd_torch`."""
-    logp, ent, lse = torch.ops.grpo_mem.linear_logprobs_fwd(
-        hidden,
-        weight,
-        bias,
-        target,
-        p.logit_scale,
-        p.softcap or 0.0,
-        p.inv_t,
-        p.softcap is not None,
-        p.return_entropy,
-        *_cpp_blocks(hidden.shape[0]),
-    )
-    return logp, (ent if p.return_entropy else None), lse
-
-
-def linear_logprobs_bwd_cpp(
-    hidden, weight, bias, target, lse, ent, g_lp, g_ent, p, need_dh, need_dw, need_db, logp=None
-):
-    """C++ backward (``torch.ops.grpo_mem.linear_logprobs_bwd``); returns as :func:`linear_logprobs_bwd_torch`
-    (``logp`` unused)."""
-    grads = torch.ops.grpo_mem.linear_logprobs_bwd(
-        hidden,
-        weight,
-        bias,
-        target,
-        lse,
-        ent,
-        g_lp,
-        g_ent,
-        p.logit_scale,
-        p.softcap or 0.0,
-        p.inv_t,
-        p.softcap is not None,
-        need_dh,
-        need_dw,
-        need_db,
-        *_cpp_blocks(hidden.shape[0]),
-    )
-    return tuple(g if need else None for g, need in zip(grads, (need_dh, need_dw, need_db)))
-
-
-LINEAR_BACKENDS = {
-    "torch": (linear_logprobs_fwd_torch, linear_logprobs_bwd_torch),
-    "cpp": (linear_logprobs_fwd_cpp, linear_logprobs_bwd_cpp),
-    "triton": (lazy("logprobs_triton", "linear_logprobs_fwd"), lazy("logprobs_triton", "linear_logprobs_bwd")),
-}
-"""Backend name -> ``(forward, backward)`` of the fused head. ``forward(hidden, weight, bias, target, params)`` returns
-``(logp, entropy or None, lse)``, each (N,) fp32; ``backward(hidden, weight, bias, target, lse, ent, g_lp, g_ent,
-params, need_dh, need_dw, need_db, logp)`` returns ``(dh, dw, db)``, None where not needed."""
+SLS_BACKENDS = {b.name: (b.forward, b.backward) for b in TABLE["selective_log_softmax"]}
+"""Backend name -> ``(forward, backward)`` of :func:`selective_log_softmax`, read from ``_backends.TABLE``:
+``forward(logits, target, params)`` -> ``(logp, entropy or None, lse)``; ``backward(logits, target, lse, ent, g_lp,
+g_ent, params)`` -> d_logits."""
 
 
 def _row_grad(g, target):
@@ -505,8 +232,9 @@ def linear_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities (and entropies) of a linear LM head, without building the (N, V) logits.
 
-    Equals, in fp32, ``log_softmax(z, -1).gather(-1, index[:, None])[:, 0]`` and ``-(softmax(z) * log_softmax(z)).sum(-1)``
-    with ``z = softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap) / temperature`` (TRL 1.16's order; no
+    Equals, in fp32, ``log_softmax(z, -1).gather(-1, index[:, None])[:, 0]`` and
+    ``-(softmax(z) * log_softmax(z)).sum(-1)`` with
+    ``z = softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap) / temperature`` (TRL 1.16's order; no
     tanh when ``softcap`` is None). Extra memory: one (tokens x vocabulary) tile plus O(N) statistics, and an fp32
     d_weight accumulator when the weight is not fp32 (the cpp and torch backends keep it to one vocabulary block).
 
@@ -547,67 +275,6 @@ def linear_logprobs(
     params = LogprobParams(temperature, logit_scale, softcap, bool(return_entropy), resolved)
     logp, ent = LinearLogprobsFunction.apply(hidden, weight, bias, target, params)
     return (logp, ent) if return_entropy else logp
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# selective_log_softmax: the same statistics over given logits
-
-
-def selective_log_softmax_fwd_torch(logits, target, p: LogprobParams):
-    """Row-chunked torch forward over (N, V) logits; (logp, entropy or None, lse), each (N,) fp32."""
-    n_tok = logits.shape[0]
-    dev = logits.device
-    m = torch.full((n_tok,), -math.inf, device=dev)
-    s = torch.zeros(n_tok, device=dev)
-    sz = torch.zeros(n_tok, device=dev)
-    zy = torch.zeros(n_tok, device=dev)
-    for n0 in range(0, n_tok, TORCH_BLOCK_N):
-        sl = slice(n0, min(n0 + TORCH_BLOCK_N, n_tok))
-        _fold_tile_torch(logits[sl].float(), target[sl], 0, m[sl], s[sl], sz[sl], zy[sl], p, p.return_entropy)
-    return finish_row_stats(m, s, sz, zy, target, p.return_entropy)
-
-
-def selective_log_softmax_bwd_torch(logits, target, lse, ent, g_lp, g_ent, p):
-    """Row-chunked torch backward; returns d_logits (N, V) in the dtype of ``logits``."""
-    out = torch.empty_like(logits)
-    for n0 in range(0, logits.shape[0], TORCH_BLOCK_N):
-        sl = slice(n0, min(n0 + TORCH_BLOCK_N, logits.shape[0]))
-        out[sl] = _grad_tile_torch(
-            logits[sl].float(),
-            target[sl],
-            0,
-            lse[sl],
-            None if ent is None else ent[sl],
-            None if g_lp is None else g_lp[sl],
-            None if g_ent is None else g_ent[sl],
-            p,
-        )
-    return out
-
-
-def selective_log_softmax_fwd_cpp(logits, target, p: LogprobParams):
-    """C++ forward (``torch.ops.grpo_mem.selective_log_softmax_fwd``); returns as the torch forward."""
-    logp, ent, lse = torch.ops.grpo_mem.selective_log_softmax_fwd(
-        logits, target, p.inv_t, p.return_entropy, CPP_BLOCK_V
-    )
-    return logp, (ent if p.return_entropy else None), lse
-
-
-def selective_log_softmax_bwd_cpp(logits, target, lse, ent, g_lp, g_ent, p):
-    """C++ backward (``torch.ops.grpo_mem.selective_log_softmax_bwd``): d_logits in the dtype of ``logits``."""
-    return torch.ops.grpo_mem.selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p.inv_t, CPP_BLOCK_V)
-
-
-SLS_BACKENDS = {
-    "torch": (selective_log_softmax_fwd_torch, selective_log_softmax_bwd_torch),
-    "cpp": (selective_log_softmax_fwd_cpp, selective_log_softmax_bwd_cpp),
-    "triton": (
-        lazy("logprobs_triton", "selective_log_softmax_fwd"),
-        lazy("logprobs_triton", "selective_log_softmax_bwd"),
-    ),
-}
-"""Backend name -> ``(forward, backward)`` of :func:`selective_log_softmax`: ``forward(logits, target, params)`` ->
-``(logp, entropy or None, lse)``; ``backward(logits, target, lse, ent, g_lp, g_ent, params)`` -> d_logits."""
 
 
 class SelectiveLogSoftmaxFunction(torch.autograd.Function):

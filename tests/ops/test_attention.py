@@ -306,10 +306,10 @@ def test_triton_bf16_error_within_twice_naive(case):
 def test_triton_prompt_gradient_is_deterministic(d):
     """Prompt dK/dV are reduced without atomics in a fixed order: two runs agree bit for bit (with the work split over
     24 programs whose fp32 partial sums are added in order), with one head-dim tile (d=64) and with two (d=96)."""
-    from grpo_mem.ops.attention_triton import prefix_dkdv_grid
+    from grpo_mem.ops.attention_triton_launch import region_dkdv_grid
 
     B, Hq, Hkv, C, P, _, idx, plens, clens = TRITON_CASES["c1_gqa8"]  # 3 rows × 8 query heads share one prompt
-    assert prefix_dkdv_grid(B, 1, Hkv, Hq // Hkv, C, P, d, torch.float32, 132)[2] == 24
+    assert region_dkdv_grid(B, 1, Hkv, Hq // Hkv, C, P, d, torch.float32, 132)[2] == 24
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens, seed=3)
     a = run(triton_path, t, pi, pm, km, go, scale=0.125)
     b = run(triton_path, t, pi, pm, km, go, scale=0.125)
@@ -438,7 +438,7 @@ def test_every_kernel_launch_enters_the_tensor_device(monkeypatch):
     B, Hq, Hkv, C, P, d, idx, plens, clens = CASES["mixed_gqa4_d64"]
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
     _run_triton_launchers(t, pi, pm, km, go)
-    assert {name for name, _, _ in rec.launches} >= {"fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix"}
+    assert {name for name, _, _ in rec.launches} >= {"fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region"}
     for name, grid, active in rec.launches:
         assert active == [t["q"].device], f"{name} launched under {active}, not launch_device(q)"
 
@@ -455,20 +455,21 @@ REALISTIC = [
 
 @pytest.mark.parametrize("name, B, U, Hq, Hkv, C, P, d", REALISTIC, ids=[r[0] for r in REALISTIC])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prefix_dkdv_grid_fills_an_h100(name, B, U, Hq, Hkv, C, P, d, dtype):
+def test_region_dkdv_grid_fills_an_h100(name, B, U, Hq, Hkv, C, P, d, dtype):
     """The prompt dK/dV launch has at least 2 programs per SM of a 132-SM H100, and its fp32 partial buffers stay
     within the documented bound."""
-    from grpo_mem.ops.attention_triton import block_config, prefix_dkdv_grid
+    from grpo_mem.ops.attention_triton_launch import region_dkdv_grid
+    from grpo_mem.ops.attention_triton_tiles import block_config
 
-    grid = prefix_dkdv_grid(B, U, Hkv, Hq // Hkv, C, P, d, dtype, sm_count=132)
+    grid = region_dkdv_grid(B, U, Hkv, Hq // Hkv, C, P, d, dtype, sm_count=132)
     programs = grid[0] * grid[1] * grid[2]
     assert programs >= 2 * 132, (grid, programs)
     if grid[2] > 1:
-        block_n = block_config("bwd_dkdv_prefix", d, dtype)["BLOCK_N"]
+        block_n = block_config("bwd_dkdv_region", d, dtype)["BLOCK_N"]
         assert grid[2] * U * Hkv * P * d <= 2 * (2 * 132) * block_n * d
 
 
-def test_prefix_dkdv_launch_is_split_and_reduced(monkeypatch):
+def test_region_dkdv_launch_is_split_and_reduced(monkeypatch):
     """The launcher uses that grid: for the Qwen2.5-1.5B shape (meta tensors, kernels stubbed) the prompt dK/dV kernel
     runs on >= 264 programs and the reduction follows it."""
     rec = LaunchRecorder(monkeypatch)
@@ -487,6 +488,6 @@ def test_prefix_dkdv_launch_is_split_and_reduced(monkeypatch):
     go = torch.empty(B, C, Hq, d, **meta).transpose(1, 2)
     _run_triton_launchers(t, pi, pm, km, go)
     names = [name for name, _, _ in rec.launches]
-    assert names == ["fwd", "bwd_delta", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix", "bwd_prefix_reduce"]
+    assert names == ["fwd", "bwd_delta", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region", "bwd_region_reduce"]
     grid = rec.launches[4][1]
     assert grid[0] * grid[1] * grid[2] >= 2 * 132, grid

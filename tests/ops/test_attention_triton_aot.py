@@ -16,7 +16,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 import aot  # noqa: E402  (tests/aot.py)
-from grpo_mem.ops import attention_triton as spa  # noqa: E402
+from grpo_mem.ops import attention_triton as kernels  # noqa: E402
+from grpo_mem.ops import attention_triton_launch as launch  # noqa: E402
+from grpo_mem.ops.attention_triton_tiles import block_config  # noqa: E402
 
 POINTERS_IN = {"Q", "K", "V", "RK", "RV", "OUT", "DO", "DQ", "DK", "DV"}
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -29,7 +31,7 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 DIVISIBLE_INTS = {"C_PAD", "N", "stride_split"}
 
 
-# Launch variants of the forward and dQ kernels (HAS_REGION, HAS_OWN, HAS_PREV; see attention_triton._launch_plan):
+# Launch variants of the forward and dQ kernels (HAS_REGION, HAS_OWN, HAS_PREV; see attention_triton_launch._launch_plan):
 # "one_region" is the only launch with one region (shared-prefix attention), "last" the last of R >= 2 launches (it
 # also reads the fp32 partial result), "partial" an earlier one (writes the fp32 partial result).
 VARIANTS = {"one_region": (True, True, False), "last": (True, True, True), "partial": (True, False, True)}
@@ -45,7 +47,7 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
         elif arg in ("DRK", "DRV", "DPK", "DPV"):
             # the region kernel writes fp32 partial sums when its work is split (realistic shapes); the reduction
             # writes the gradients in the input dtype
-            types[arg] = "*fp32" if name == "bwd_dkdv_prefix" else f"*{dtype}"
+            types[arg] = "*fp32" if name == "bwd_dkdv_region" else f"*{dtype}"
         elif arg in ("LSE", "DELTA", "PART_K", "PART_V", "PREV"):
             types[arg] = "*fp32"
         elif arg in ("RIDX", "QPOS", "RPOS"):
@@ -64,11 +66,13 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
 def kernel_constexprs(
     name: str, fn, dtype: str, head_dim: int, variant: str = "one_region", softcap: float = 0.0, window: bool = False
 ) -> dict:
-    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
+    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
     has_region, has_own, has_prev = VARIANTS[variant]
     # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
     every = dict(
-        spa._tile_constexprs(name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0, window=window),
+        launch._tile_constexprs(
+            name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0, window=window
+        ),
         REP=REP,
         BLOCK=cfg["BLOCK_M"],
         HAS_KMASK=True,  # the register-heavier variant
@@ -93,7 +97,7 @@ def divisibility_attrs(fn, sig: dict) -> dict:
 
 
 def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, window=False):
-    fn = spa.KERNELS[name]
+    fn = kernels.KERNELS[name]
     cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap, window)
     sig = aot.signature_for(fn, kernel_types(name, fn, dtype, variant), cons)
     return fn, sig, cons, divisibility_attrs(fn, sig)
@@ -101,26 +105,26 @@ def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, window=
 
 def report(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, window=False):
     fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap, window)
-    cfg = spa.block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
+    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
     r = aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs)
     return r, cfg
 
 
 def _compiled_kernels_or_skip():
-    if not isinstance(spa.KERNELS["fwd"], triton.runtime.jit.JITFunction):
+    if not isinstance(kernels.KERNELS["fwd"], triton.runtime.jit.JITFunction):
         pytest.skip("TRITON_INTERPRET=1 was set when triton was imported: kernels are interpreted, not compiled")
 
 
 # bf16 (the training dtype; fp16 ships the same tiles) and fp32 (exact "ieee" dots, own tiles), both architectures,
 # every head dim. The two small kernels do not depend on the dtype's dot tiles: bf16 only.
-SMALL = ("bwd_delta", "bwd_prefix_reduce")
+SMALL = ("bwd_delta", "bwd_region_reduce")
 CASES = [
     (n, t, a, d)
     for t in ("bf16", "fp32")
     for a in (80, 90)
     for d in HEAD_DIMS
-    for n in spa.KERNELS
-    if not (t == "fp32" and n in SMALL) and not (n == "bwd_prefix_reduce" and d != 128)
+    for n in kernels.KERNELS
+    if not (t == "fp32" and n in SMALL) and not (n == "bwd_region_reduce" and d != 128)
 ]
 
 
@@ -171,7 +175,7 @@ def test_aot_multi_region_launches_compile_without_spills(name, variant, dtype, 
 
 # the soft-capped builds (Gemma 2) of the kernels that compute scores, bf16, at Gemma 2's head dims (256) and 128
 SOFTCAP_CASES = [
-    (n, a, d) for n in ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix") for a in (80, 90) for d in (128, 256)
+    (n, a, d) for n in ("fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region") for a in (80, 90) for d in (128, 256)
 ]
 
 
@@ -184,11 +188,11 @@ def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
 # head dims whose tiers have windowed tiles of their own (_BLOCKS_16BIT_WINDOW, _BLOCKS_FP32_WINDOW: 96 stands for the
 # two-tile tier with 80, 256 is Gemma's), soft-capped too (Gemma 2) for the kernels whose 16-bit d=256 tiles depend on
 # both. The other head dims (64, 80, 128) build without spills with the windowless tiles (checked once by a sweep).
-_SCORE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")
+_SCORE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region")
 WINDOW_CASES = [
     (n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS for a in (80, 90)
 ]
-WINDOW_CASES += [("bwd_dkdv_prefix", "fp32", a, 64, 0.0) for a in (80, 90)]
+WINDOW_CASES += [("bwd_dkdv_region", "fp32", a, 64, 0.0) for a in (80, 90)]
 WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in (80, 90)]
 
 
@@ -298,10 +302,10 @@ def test_ttir_checker_finds_an_int32_batch_offset():
     assert i32_scalar_products_in_offsets(text) == ["%off = arith.muli %b, %stride_qb : i32"]
 
 
-OFFSET_CASES = [(n, "one_region", False) for n in spa.KERNELS]
+OFFSET_CASES = [(n, "one_region", False) for n in kernels.KERNELS]
 OFFSET_CASES += [(n, v, False) for n in ("fwd", "bwd_dq") for v in ("last", "partial")]
 # windowed builds: the position pointers QPOS + b·C and RPOS + u·S take int64 row offsets too
-OFFSET_CASES += [(n, "one_region", True) for n in ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix")]
+OFFSET_CASES += [(n, "one_region", True) for n in ("fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region")]
 
 
 @pytest.mark.parametrize(
@@ -340,14 +344,14 @@ def test_dot_work_counts_each_product():
 
 
 @pytest.mark.parametrize("head_dim", (80, 96))
-@pytest.mark.parametrize("name", ("fwd", "bwd_dq", "bwd_dkdv_completion", "bwd_dkdv_prefix"))
+@pytest.mark.parametrize("name", ("fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region"))
 def test_head_dims_80_96_do_no_padded_mma_work(name, head_dim):
     """d=80 and d=96 used to run with one 128-wide head-dim tile (37% and 25% of every product masked padding). The
     launcher now gives them two power-of-two tiles (64 + 16, 64 + 32): the build at the shipped constexprs has no tensor
     128 long in any dimension, and its MMA work (Σ M·N·K over tt.dot, helpers inlined) is exactly d/128 of the same
     kernel built with one 128-wide tile at the same BLOCK_M/BLOCK_N."""
     _compiled_kernels_or_skip()
-    cons = spa._tile_constexprs(name, head_dim, torch.bfloat16, interpret=False)
+    cons = launch._tile_constexprs(name, head_dim, torch.bfloat16, interpret=False)
     assert (cons["BLOCK_D0"], cons["BLOCK_D1"]) == (64, head_dim - 64), cons
     text = ttir(name, "bf16", head_dim, inline=True)
     dims = {int(x) for shape in re.findall(r"tensor<((?:\d+x)+)", text) for x in shape.rstrip("x").split("x")}

@@ -18,6 +18,7 @@ from helpers import REPO, INTERPRETING, FakeKernel, needs_interpreter, recording
 from grpo_mem.ops import _ext
 from grpo_mem.ops._backends import BackendUnavailableError, resolve
 from grpo_mem.ops import logprobs as lp_mod
+from grpo_mem.ops import logprobs_cpp, logprobs_torch  # (importing logprobs_cpp registers the C++ ops' fake kernels)
 from grpo_mem.ops.logprobs import (
     linear_logprobs,
     linear_logprobs_ref,
@@ -138,9 +139,9 @@ def test_linear_logprobs_accuracy(backend, dtype, case):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_crosses_every_block_boundary(backend, monkeypatch):
     # shrink the backend's tiles so 251 x 5003 spans 4 x 6 tiles, none aligned
-    prefix = "TORCH" if backend == "torch" else "CPP"
-    monkeypatch.setattr(lp_mod, f"{prefix}_BLOCK_N", 64)
-    monkeypatch.setattr(lp_mod, f"{prefix}_BLOCK_V", 1000)
+    module, prefix = (logprobs_torch, "TORCH") if backend == "torch" else (logprobs_cpp, "CPP")
+    monkeypatch.setattr(module, f"{prefix}_BLOCK_N", 64)
+    monkeypatch.setattr(module, f"{prefix}_BLOCK_V", 1000)
     check_case(backend, torch.float32, "bias")
     check_case(backend, torch.bfloat16, "softcap")
 
@@ -291,7 +292,7 @@ def test_masked_vocab_selective_log_softmax(backend, dtype, with_entropy):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_masked_vocab_linear_logprobs(backend, monkeypatch):
-    monkeypatch.setattr(lp_mod, "TORCH_BLOCK_V", 128)  # torch backend: leading vocabulary tiles entirely -inf
+    monkeypatch.setattr(logprobs_torch, "TORCH_BLOCK_V", 128)  # torch backend: leading vocabulary tiles entirely -inf
     _masked_linear_case(backend)
 
 
@@ -513,7 +514,8 @@ def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
     inside launch_device(<its tensors>). The kernels are replaced by recorders of the device entered
     at launch time (no kernel runs), launch_device by one that records what it is entered with."""
     pytest.importorskip("triton")
-    from grpo_mem.ops import logprobs_triton as tri
+    from grpo_mem.ops import logprobs_triton as kernels
+    from grpo_mem.ops import logprobs_triton_launch as tri
 
     entered, launches = [], []
 
@@ -523,8 +525,8 @@ def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
         launches.append((name, entered[-1] if entered else None, tensors[0].device))
 
     monkeypatch.setattr(tri, "launch_device", recording_launch_device(entered), raising=False)
-    for name in tri.KERNELS:
-        monkeypatch.setattr(tri, f"_{name}_kernel", FakeKernel(name, record))
+    for name in kernels.KERNELS:
+        monkeypatch.setattr(kernels, f"_{name}_kernel", FakeKernel(name, record))
     (hidden, weight, bias), index = make_inputs(37, 16, 300, torch.float32, bias=True)
     target = lp_mod._targets(index, 300, -100)
     p = lp_mod.LogprobParams(return_entropy=True, backend="triton")
@@ -534,7 +536,7 @@ def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
     logits = torch.randn(37, 300)
     _, ent, lse = tri.selective_log_softmax_fwd(logits, target.clamp(min=0), p)
     tri.selective_log_softmax_bwd(logits, target.clamp(min=0), lse, ent, g, g, p)
-    assert sorted({n for n, _, _ in launches}) == sorted(tri.KERNELS), launches  # the backward launches per chunk
+    assert sorted({n for n, _, _ in launches}) == sorted(kernels.KERNELS), launches  # the backward launches per chunk
     outside = [(n, dev) for n, inside, dev in launches if inside != dev]
     assert not outside, f"launched outside launch_device(<tensor>): {outside}"
 

@@ -20,7 +20,9 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 import aot  # noqa: E402  (tests/aot.py)
 from helpers import FakeKernel  # noqa: E402
 from grpo_mem.ops import logprobs as lp_mod  # noqa: E402
-from grpo_mem.ops import logprobs_triton as tri  # noqa: E402
+from grpo_mem.ops import logprobs_triton as kernels  # noqa: E402
+from grpo_mem.ops import logprobs_triton_launch as tri  # noqa: E402
+from grpo_mem.ops import logprobs_triton_tiles as tiles  # noqa: E402
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Qwen2.5-7B's head (H=3584, V=152064) scoring 32767 tokens (N not a multiple of 16: the row masks stay general);
@@ -35,15 +37,15 @@ def cuda_launchers(on_launch):
     kernel replaced by a recorder that calls ``on_launch(name, grid, args, kwargs)`` instead of launching."""
 
     with contextlib.ExitStack() as stack:
-        for name in tri.KERNELS:
-            stack.enter_context(mock.patch.object(tri, f"_{name}_kernel", FakeKernel(name, on_launch)))
+        for name in kernels.KERNELS:
+            stack.enter_context(mock.patch.object(kernels, f"_{name}_kernel", FakeKernel(name, on_launch)))
         cuda = torch.device("cuda")
         config, chunk = tri._config, tri._vocab_chunk
         stack.enter_context(mock.patch.object(tri, "_config", lambda device, dt, name: config(cuda, dt, name)))
         stack.enter_context(mock.patch.object(tri, "_vocab_chunk", lambda n, v, h, device: chunk(n, v, h, cuda)))
         stack.enter_context(mock.patch.object(tri, "_num_programs_target", lambda device: 4 * H100_SMS))
         stack.enter_context(mock.patch.object(tri, "_upcast", lambda t: False))
-        stack.enter_context(mock.patch.object(tri, "SLS_INTERPRET_CONFIG", tri.SLS_CUDA_CONFIG))
+        stack.enter_context(mock.patch.object(tri, "SLS_INTERPRET_CONFIG", tiles.SLS_CUDA_CONFIG))
         yield
 
 
@@ -70,14 +72,14 @@ def runtime_launches(dtype: str) -> dict:
         logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device="meta")
         logp, ent, lse = tri.selective_log_softmax_fwd(logits, target, p)
         tri.selective_log_softmax_bwd(logits, target, lse, ent, lse, lse, p)
-    assert sorted(launches) == sorted(tri.KERNELS), sorted(launches)
+    assert sorted(launches) == sorted(kernels.KERNELS), sorted(launches)
     return launches
 
 
 def runtime_build(name: str, dtype: str) -> dict:
     """signature, constexprs, attrs and launch options of the recorded launch of ``name``, specialised as Triton's
     runtime does (``JITFunction.run`` -> ``native_specialize_impl`` -> ``BaseBackend.parse_attr``)."""
-    fn = tri.KERNELS[name]
+    fn = kernels.KERNELS[name]
     args, kwargs = runtime_launches(dtype)[name]
     names = fn.arg_names
     values = dict(zip(names, args))
@@ -106,8 +108,8 @@ def report(name, dtype, arch):
 
 # bf16 (the training dtype; fp16 ships the same tiles) for every kernel on both architectures; fp32 (3xTF32 dots, own
 # block sizes) for the GEMM kernels on both
-CASES = [(name, "bf16", arch) for arch in (80, 90) for name in tri.KERNELS]
-CASES += [(name, "fp32", arch) for arch in (80, 90) for name in tri.KERNELS if name.startswith("linear_logprobs")]
+CASES = [(name, "bf16", arch) for arch in (80, 90) for name in kernels.KERNELS]
+CASES += [(name, "fp32", arch) for arch in (80, 90) for name in kernels.KERNELS if name.startswith("linear_logprobs")]
 
 
 def test_runtime_specialisation():
@@ -140,7 +142,7 @@ def test_aot_compiles_without_spills(name, dtype, arch):
     assert r["spills"] == 0 and r["stack"] == 0, f"{name} spills on sm_{arch}: {r}"
 
 
-@pytest.mark.parametrize("name", list(tri.KERNELS))
+@pytest.mark.parametrize("name", list(kernels.KERNELS))
 def test_no_i32_pointer_offsets(name):
     """No scalar 32-bit product reaches a pointer offset in any head kernel's TTIR (such an offset,
     e.g. ``split * V_PER_SPLIT`` or ``pid * BLOCK_V`` before a widening, wraps past 2**31 elements on the GPU)."""
@@ -164,7 +166,7 @@ def stores_in_loops(ttir_text: str) -> list[str]:
     return found
 
 
-BWD_KERNELS = [n for n in tri.KERNELS if n.startswith("linear_logprobs_bwd")]
+BWD_KERNELS = [n for n in kernels.KERNELS if n.startswith("linear_logprobs_bwd")]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -235,7 +237,7 @@ def test_backward_scratch_memory_and_grid(dtype, n):
     nbytes = sum(x.untyped_storage().nbytes() for x in scratch)
     big = [tuple(x.shape) for x in scratch if x.dtype == torch.float32 and x.numel() >= v * h]
     assert not big, f"(V, H)-sized fp32 scratch allocated: {big}"
-    budget = max(weight.nbytes, n * tri.CHUNK_V_MIN * weight.element_size()) + n * h * 4 + 64 * 2**20
+    budget = max(weight.nbytes, n * tiles.CHUNK_V_MIN * weight.element_size()) + n * h * 4 + 64 * 2**20
     assert nbytes <= budget, f"backward scratch {nbytes / 1e9:.2f} GB > {budget / 1e9:.2f} GB: " + str(
         [(tuple(x.shape), x.dtype) for x in scratch]
     )
@@ -331,4 +333,4 @@ Resource usage:
     with pytest.raises(ValueError, match="_other"):
         aot.parse_resource_usage(text, "_other")
     with pytest.raises(ValueError, match="no type"):
-        aot.signature_for(tri.KERNELS["selective_log_softmax_fwd"], {}, {})
+        aot.signature_for(kernels.KERNELS["selective_log_softmax_fwd"], {}, {})

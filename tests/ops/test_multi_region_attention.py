@@ -186,20 +186,41 @@ def test_one_region_equals_shared_prefix_attention(backend):
         assert torch.equal(a[n], b[n]), n
 
 
-def test_backend_tables_agree():
-    """Every op's preference table (``_backends.TABLE``, read by ``resolve``) names exactly the backends of its
-    (forward, backward) table, so ``resolve`` never returns a backend the op cannot run."""
+def test_backend_table_names_real_functions():
+    """Every backend of every op in ``_backends.TABLE`` (the one table ``resolve`` reads) has a forward and a backward
+    that exist (the lazily imported Triton launchers included), and each op's ``BACKENDS`` view is that table."""
+    import importlib
+
     from grpo_mem.ops import attention, logprobs
     from grpo_mem.ops._backends import TABLE
 
-    tables = {
+    views = {
         "multi_region_attention": attention.BACKENDS,
         "linear_logprobs": logprobs.LINEAR_BACKENDS,
         "selective_log_softmax": logprobs.SLS_BACKENDS,
     }
-    assert set(TABLE) == set(tables)
-    for op, backends in tables.items():
-        assert sorted(name for name, _ in TABLE[op]) == sorted(backends), op
+    assert set(TABLE) == set(views)
+    for op, entries in TABLE.items():
+        assert [e.name for e in entries] == list(views[op]), op
+        assert entries[-1].name == "torch" and entries[-1].dtypes is None, op  # auto always finds one
+        for entry in entries:
+            for fn in (entry.forward, entry.backward):
+                module, name = getattr(fn, "target", (None, None))
+                if module is not None:
+                    fn = getattr(importlib.import_module(f"grpo_mem.ops.{module}"), name)
+                assert callable(fn) and fn.__name__.startswith(op), (op, entry.name, fn)
+
+
+def test_cpu_backend_hands_softcap_to_torch():
+    """The cpu backend lacks soft-capping (a capability of the table): ``resolve`` gives a soft-capped call to the
+    torch backend, asked for by name or by ``auto``; windowed calls stay on cpu; fp64 stays off triton."""
+    from grpo_mem.ops._backends import resolve
+
+    q = torch.zeros(1, 2, 3, 4)
+    op = "multi_region_attention"
+    assert resolve(op, "auto", q) == "cpu" and resolve(op, "cpu", q, {"window"}) == "cpu"
+    assert resolve(op, "auto", q, {"softcap"}) == "torch" and resolve(op, "cpu", q, {"softcap", "window"}) == "torch"
+    assert resolve(op, "torch", q, {"softcap"}) == "torch"
 
 
 def test_no_region_is_causal_attention():
@@ -374,10 +395,10 @@ def test_triton_bf16_error_within_twice_naive():
 def test_triton_one_region_equals_shared_prefix_attention_and_is_deterministic():
     """One region is shared_prefix_attention bit for bit, and region dK/dV (reduced without atomics, here over a
     split of the work into several programs) agree bit for bit between two runs."""
-    from grpo_mem.ops.attention_triton import prefix_dkdv_grid
+    from grpo_mem.ops.attention_triton_launch import region_dkdv_grid
 
     t, meta, km, go = attention_inputs(2, 4, 1, 1, 32, [(1, 24, [0, 0], ("left", [9]))], None, seed=3)
-    assert prefix_dkdv_grid(2, 1, 1, 4, 1, 24, 32, torch.float32, 132)[2] > 1
+    assert region_dkdv_grid(2, 1, 1, 4, 1, 24, 32, torch.float32, 132)[2] > 1
     a = run(backend_path("triton"), t, meta, km, go, scale=0.125)
     b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend="triton")
     for n in a:
@@ -422,12 +443,8 @@ def test_triton_launches_per_region(monkeypatch, n_regions):
     out, lse = fwd(q, k, v, regions, km, params)
     bwd(out, q, k, v, regions, km, out, lse, params)
     names = [name for name, _, _ in rec.launches]
-    region_bwd = ["bwd_dkdv_prefix", "bwd_prefix_reduce"] * n_regions
+    region_bwd = ["bwd_dkdv_region", "bwd_region_reduce"] * n_regions
     assert (
         names
-        == ["fwd"] * max(1, n_regions)
-        + ["bwd_delta"]
-        + ["bwd_dq"] * max(1, n_regions)
-        + ["bwd_dkdv_completion"]
-        + region_bwd
+        == ["fwd"] * max(1, n_regions) + ["bwd_delta"] + ["bwd_dq"] * max(1, n_regions) + ["bwd_dkdv_own"] + region_bwd
     ), names

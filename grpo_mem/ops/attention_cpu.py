@@ -1,0 +1,172 @@
+"""The ``"cpu"`` backend of multi-region attention: the regions of the torch backend (``attention_torch``) run on
+ATen's fused CPU attention kernels, whose forward returns the log-sum-exp and whose backward takes the merged output
+and log-sum-exp. One batched call covers every row's own region; each region costs one call per entry that rows read,
+on the queries of those rows folded against the entry's K/V in place. Sliding windows run in the kernels: per entry,
+only the keys in reach of its rows (the span of keys some query sees) with a per-query mask (3.4x less CPU time than
+the torch math for forward + backward of a Gemma-3-like layer, P=2048, W=512; see docs/kernels.md). Soft-capping cannot be
+expressed there: the backend table (``_backends.TABLE``) lists this backend without it, so ``resolve`` hands
+soft-capped calls to the torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_torch import (
+    _acc_dtype,
+    _completion_visibility,
+    _features,
+    _fold,
+    _groups,
+    _merge_,
+    _rep_rows,
+    _unfold,
+    _window_visible,
+)
+
+__all__ = ["aten_cpu_attention", "multi_region_attention_fwd", "multi_region_attention_bwd"]
+
+
+def aten_cpu_attention():
+    """ATen's fused CPU attention kernels ``(forward, backward)`` (the forward returns the log-sum-exp), or None when
+    this torch lacks them."""
+    ops = torch.ops.aten
+    try:
+        return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
+    except (AttributeError, RuntimeError):  # pragma: no cover - present in every torch this package supports
+        return None
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool visibility → additive mask (0 visible, −inf hidden) in ``dtype``, as the ATen CPU kernels take it."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _own_layout(q, k, key_mask, Hkv, window=None):
+    """The own region as one batched attention: queries (B, Hkv, rep·C, d) against each row's own (B, Hkv, C, d) keys,
+    with the (B, 1, rep·C, C) causal-and-padding (and ``window = (W, q_positions)``) additive mask, and the (B, 1, C)
+    bool "query sees a key". Folding the query heads of a kv head avoids repeating K/V."""
+    B, Hq, C, d = q.shape
+    rows = torch.arange(B, device=q.device)
+    visible = _completion_visibility(rows, 0, C, C, Hq // Hkv, key_mask, q.device, window)
+    seen = visible[:, 0, :C].any(-1)[:, None]  # the rep query heads of a position see the same keys
+    return q.reshape(B, Hkv, -1, d), _additive(visible, q.dtype), seen
+
+
+def _entry_keys(mask, u, rows, feat, k_pos, rep, dtype):
+    """What the cpu path reads of entry ``u`` for the folded queries of ``rows``: ``(lo, hi, additive mask
+    (1, 1, n·rep·C or 1, hi − lo), seen (n, 1, C) bool or None)``, with keys ``lo:hi`` the span of every key some query
+    sees; None when no query sees a key. Without a window the whole entry (queries see every real key); with one only
+    the keys in reach, so a long prompt costs O(W + C) keys per query, not O(S)."""
+    if feat.window is None:
+        return (0, mask.shape[1], _additive(mask[u][None, None, None, :], dtype), None) if mask[u].any() else None
+    W, q_pos = feat.window
+    vis = _window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]  # (n, C, S)
+    cols = vis.any(1).any(0).nonzero()
+    if cols.numel() == 0:
+        return None
+    lo, hi = int(cols[0]), int(cols[-1]) + 1
+    vis = vis[..., lo:hi]
+    n, C, _ = vis.shape
+    return lo, hi, _additive(_rep_rows(vis, rep).reshape(1, 1, n * rep * C, hi - lo), dtype), vis.any(-1)[:, None]
+
+
+def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=None):
+    """Forward on ATen's fused CPU kernels: one batched call for the own regions and, per region, one call per entry
+    that rows read (the queries of those rows folded against its K/V in place; entries with no visible key skipped;
+    with a window only the keys in reach of the rows, see :func:`_entry_keys`); merged by LSE. Returns
+    ``(out in q.dtype, lse fp32)``. Raises ValueError for ``params.softcap`` (ATen's fused kernel cannot soft-cap).
+    """
+    if params.softcap is not None:
+        raise ValueError(f"the cpu backend cannot soft-cap scores (softcap={params.softcap}): use backend='torch'")
+    fwd, _ = aten_cpu_attention()
+    B, Hq, C, d = q.shape
+    Hkv = k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    feat, k_pos = _features(params, positions)
+    q_own, mask_own, seen = _own_layout(q, k, key_mask, Hkv, feat.window)
+    o, lse = fwd(q_own, k, v, 0.0, False, attn_mask=mask_own, scale=params.scale)
+    o, lse = o.reshape(B, Hq, C, d).to(acc), lse.reshape(B, Hq, C).to(acc)
+    lse.masked_fill_(~seen, float("-inf"))  # the kernel reports LSE 0, not −inf, for a query that sees no key
+    if regions:
+        o_r, l_r = torch.zeros_like(o), torch.empty_like(lse)
+    for i, (region_k, region_v, index, mask) in enumerate(regions):
+        l_r.fill_(float("-inf"))
+        for u, rows in _groups(index, region_k.shape[0]):
+            keys = _entry_keys(mask, u, rows, feat, k_pos and k_pos[i], Hq // Hkv, q.dtype)
+            if keys is None:
+                continue
+            lo, hi, add, seen_u = keys
+            n = rows.numel()
+            qu = _fold(q.index_select(0, rows), Hkv)[None]  # (1, Hkv, n·rep·C, d)
+            ou, lu = fwd(
+                qu,
+                region_k[u : u + 1, :, lo:hi],
+                region_v[u : u + 1, :, lo:hi],
+                0.0,
+                False,
+                attn_mask=add,
+                scale=params.scale,
+            )
+            lu = _unfold(lu[0, ..., None].to(acc), n, Hq, C)[..., 0]
+            if seen_u is not None:  # (the kernel's output is 0 there)
+                lu.masked_fill_(~seen_u, float("-inf"))
+            o_r.index_copy_(0, rows, _unfold(ou[0].to(acc), n, Hq, C))
+            l_r.index_copy_(0, rows, lu)
+        _merge_(o, lse, o_r, l_r)
+    return o.to(q.dtype), lse
+
+
+def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, params, positions=None):
+    """Backward on ATen's fused CPU kernels: each region's FlashAttention-2 backward given the merged ``out`` and
+    ``lse``, so the kernel's ``D = rowsum(dO ∘ O)`` and ``P = exp(S − L)`` are those of the whole attention (the keys
+    of :func:`_entry_keys` per entry). Returns as ``attention_torch.multi_region_attention_bwd`` (dq fp32, the others
+    in the inputs' dtype)."""
+    _, bwd = aten_cpu_attention()
+    B, Hq, C, d = q.shape
+    Hkv = k.shape[1]
+    feat, k_pos = _features(params, positions)
+    lse = torch.where(torch.isinf(lse), 0.0, lse).to(_acc_dtype(q.dtype))  # no key: all P = exp(−inf) = 0
+    dout = dout.contiguous()
+    dq = torch.zeros(B, Hq, C, d, dtype=_acc_dtype(q.dtype), device=q.device)
+    dregions = []
+    for i, (region_k, region_v, index, mask) in enumerate(regions):
+        drk, drv = torch.zeros_like(region_k), torch.zeros_like(region_v)
+        for u, rows in _groups(index, region_k.shape[0]):
+            keys = _entry_keys(mask, u, rows, feat, k_pos and k_pos[i], Hq // Hkv, q.dtype)
+            if keys is None:
+                continue
+            lo, hi, add, _ = keys
+            n = rows.numel()
+            fold = lambda x: _fold(x.index_select(0, rows), Hkv)[None]  # noqa: E731
+            fold_l = _fold(lse.index_select(0, rows)[..., None], Hkv)[None, ..., 0]
+            g = bwd(
+                fold(dout),
+                fold(q),
+                region_k[u : u + 1, :, lo:hi],
+                region_v[u : u + 1, :, lo:hi],
+                fold(out),
+                fold_l,
+                0.0,
+                False,
+                attn_mask=add,
+                scale=params.scale,
+            )
+            dq.index_add_(0, rows, _unfold(g[0][0].to(dq.dtype), n, Hq, C))
+            drk[u, :, lo:hi], drv[u, :, lo:hi] = g[1][0], g[2][0]
+        dregions.append((drk, drv))
+    q_own, mask_own, _ = _own_layout(q, k, key_mask, Hkv, feat.window)
+    g = bwd(
+        dout.reshape(B, Hkv, -1, d),
+        q_own,
+        k,
+        v,
+        out.reshape(B, Hkv, -1, d),
+        lse.reshape(B, Hkv, -1),
+        0.0,
+        False,
+        attn_mask=mask_own,
+        scale=params.scale,
+    )
+    dq += g[0].reshape(B, Hq, C, d)
+    return dq, g[1], g[2], dregions
