@@ -5,7 +5,7 @@
     python benchmarks/docs_tables.py --check   # exit 1, naming the blocks, if a page differs from its CSVs
 
 Each table is the one the benchmark script prints with ``--table`` (its own ``table`` functions, called on its
-default CSV); the architecture table is the sweep's CSV (``tests/test_architectures.py`` writes it) in the rows
+default CSV); the architecture table is the sweep's CSV (``tests/model/test_architectures.py`` writes it) in the rows
 that script prints. A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->``
 and is replaced whole; the text around it is not touched.
 """
@@ -36,7 +36,7 @@ def _script(name: str):
 
 
 def architecture_table(path: str = os.path.join(RESULTS, "architectures.csv")) -> str:
-    """The support table of every causal LM type, as ``python tests/test_architectures.py`` prints it."""
+    """The support table of every causal LM type, as ``python tests/model/test_architectures.py`` prints it."""
     lines = ["| model type | class | path | cause |", "|---|---|---|---|"]
     with open(path, newline="") as f:
         for r in csv.DictReader(f):

@@ -56,7 +56,7 @@ def test_relative_links_resolve(page):
 
 def test_sections_the_code_cites_exist():
     assert "prefix-trees" in _anchors("docs/how-it-works.md")  # grpo_mem/ops/attention.py
-    assert "sharded-training-on-cpu" in _anchors("docs/distributed.md")  # tests/dist_worker.py
+    assert "sharded-training-on-cpu" in _anchors("docs/distributed.md")  # tests/distributed/dist_worker.py
     assert "triton-head-kernels-resources-at-the-shipped-block-sizes-aot-compiled-without-a-gpu" in _anchors(
         "docs/kernels.md"
     )  # grpo_mem/ops/logprobs_triton.py

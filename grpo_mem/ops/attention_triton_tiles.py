@@ -18,7 +18,7 @@ __all__ = ["block_config", "head_dim_tiles"]
 # fp32 inputs use the exact (FMA, not tf32) dot, which needs far smaller tiles to stay within the register file.
 # bwd_delta has no key tiles (BLOCK_N unused); bwd_region_reduce is elementwise (BLOCK_M elements per program).
 # Registers, spills and shared memory of each build for sm_80 and sm_90, compiled with the argument attributes of the
-# run-time specialisation, are checked and printed by tests/test_attention_triton_aot.py.
+# run-time specialisation, are checked and printed by tests/ops/test_attention_triton_aot.py.
 _BLOCKS_16BIT = {
     "fwd": ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 3)),
     "bwd_delta": ((64, 0, 4, 1), (32, 0, 4, 1), (16, 0, 4, 1), (32, 0, 4, 1)),
@@ -81,7 +81,7 @@ def block_config(
     soft-capped build; ``window``: the sliding-window build).
 
     Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_80 and sm_90 builds have no
-    register spills (checked by ``tests/test_attention_triton_aot.py``).
+    register spills (checked by ``tests/ops/test_attention_triton_aot.py``).
     Raises ValueError for an unknown name or a head dim outside [1, 256].
     """
     if name not in _BLOCKS_16BIT:

@@ -12,7 +12,7 @@ __all__ = ["CUDA_CONFIGS", "CHUNK_V_MIN", "SHIPPED_CONFIGS", "SLS_CUDA_CONFIG"]
 
 # Shipped block sizes on CUDA, per kernel and operand dtype (bf16 and fp16 share tiles; fp32 operands use 3xTF32
 # dots and smaller tiles). Chosen on the builds that run (runtime divisibility attributes, sm_80 and sm_90): no spills,
-# checked by tests/test_logprobs_triton_aot.py, whose printout is docs/kernels.md's resource table. Not timed (no GPU here):
+# checked by tests/ops/test_logprobs_triton_aot.py, whose printout is docs/kernels.md's resource table. Not timed (no GPU here):
 # the bf16 choices rest on registers and shared memory per SM (65536 registers; 163 / 227 KB shared on sm_80 / sm_90).
 # fwd (64 x 128 x 32, 2 stages) sits at 127-128 registers, the limit for 2 CTAs of 8 warps per SM: BLOCK_H=64 or a
 # third stage gives 141-174 (one CTA), so it keeps its tile. The d_logits kernel stays at 128 registers with BLOCK_H=64

@@ -17,7 +17,7 @@ The bounds depend on the precision (the constants below; :class:`Bounds` groups 
   (weights cast to fp32 in place and back, which is exact), in Cut Cross-Entropy's style: grpo_mem's error against
   fp32 must stay within stock's own (``within_stock_error``, ``grad_within_stock_error``; RMS and mean <= stock's +
   1e-3, max <= 2 x stock's + 1e-3, per parameter a relative gradient error <= stock's + 1e-2), the criterion
-  ``tests/test_precision.py`` applies on a SmolLM2-shaped model.
+  ``tests/model/test_precision.py`` applies on a SmolLM2-shaped model.
 
 :func:`truth_failures` applies them to the runs :mod:`grpo_mem.patches.verify` makes; :class:`VerifyReport` is what
 ``verify`` returns and prints.
@@ -83,7 +83,7 @@ def within_stock_error(
     + ``tol`` and its max within ``max_factor`` x stock's + ``tol`` (defaults: the bf16 bounds).
 
     Whole-tensor statistics rather than elementwise: at trained-like peaked logits both computations carry bf16
-    errors of a few 1e-2 rounded independently, so one element can be worse for either (tests/test_precision.py).
+    errors of a few 1e-2 rounded independently, so one element can be worse for either (tests/model/test_precision.py).
     Returns (ok, the first violated statistic or "").
     """
     ours, stock = error_stats(err_ours), error_stats(err_stock)

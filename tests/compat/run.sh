@@ -13,7 +13,7 @@
 #
 # The venv is a fresh one (not --system-site-packages, which would see the TRL installed next to it): torch 2.13.0
 # (CPU wheel), triton, the pinned transformers, trl==TRL_VERSION and the test dependencies (requests too: TRL
-# 1.10-1.14 import it from trl.generation.vllm_client without declaring it; liger-kernel for tests/test_liger.py, as
+# 1.10-1.14 import it from trl.generation.vllm_client without declaring it; liger-kernel for tests/patches/test_liger.py, as
 # TRL and transformers refuse use_liger_kernel without it), then this repository
 # installed editable without dependencies and without building the C++ extension (GRPO_MEM_SKIP_EXT=1: the parity
 # tests run the torch paths then). Runs the tests that exercise TRL (COMPAT_TESTS to override), with the "slow"
@@ -30,7 +30,7 @@ TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.23.0}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 FULL=
 [ "${COMPAT_TESTS:-}" = all ] && FULL=1
-TESTS=${COMPAT_TESTS:-tests/test_patch_trl.py tests/test_group_forward.py tests/test_tree.py tests/test_verify.py tests/test_flash_attention.py tests/test_liger.py}
+TESTS=${COMPAT_TESTS:-tests/patches/test_patch_trl.py tests/model/test_group_sharing.py tests/model/test_tree_sharing.py tests/patches/test_verify.py tests/ops/test_flash_attention.py tests/patches/test_liger.py}
 VENV=${COMPAT_VENV:-$(mktemp -d -t "grpo-mem-trl-$TRL_VERSION-XXXX")}
 LOG=$VENV/compat.log
 start=$(date +%s)

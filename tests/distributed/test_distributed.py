@@ -140,14 +140,14 @@ def test_fsdp2_prompt_once_matches_unsharded(tmp_path):
 
 
 # (stack, sharing mode): one patched run each against its stock run, both modes across the stacks (both modes of
-# this run are checked in one process by tests/test_vlm.py)
+# this run are checked in one process by tests/vlm/test_vlm.py)
 IMAGE_RUNS = [("ddp", "group"), ("fsdp2", "tree"), ("zero3", "tree")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stack, sharing", IMAGE_RUNS)
 def test_image_prompts_train_like_stock(tmp_path, stack, sharing):
-    """2 processes (gloo), 3 GRPOTrainer steps on the tiny Qwen2.5-VL of ``tests/test_vlm.py`` with images of three
+    """2 processes (gloo), 3 GRPOTrainer steps on the tiny Qwen2.5-VL of ``tests/vlm/test_vlm.py`` with images of three
     sizes, under DDP, FSDP2 (every parameter a DTensor, vision tower included) and ZeRO-3 (every parameter
     partitioned), patched in one sharing mode against stock: every rank's training micro-batches take the path of
     the sharing mode with no fallback, and the grad norms and final weights, vision tower included, are stock's

@@ -12,7 +12,7 @@ build is one the runtime cannot confirm and refuses. Types that cannot be built 
 reason.
 
 The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The support table of
-docs/supported-models.md is this sweep's output: ``python tests/test_architectures.py`` writes
+docs/supported-models.md is this sweep's output: ``python tests/model/test_architectures.py`` writes
 ``benchmarks/results/architectures.csv`` and prints the markdown rows; ``python benchmarks/docs_tables.py`` writes them
 into the page.
 """

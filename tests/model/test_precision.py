@@ -113,7 +113,7 @@ def _image_run(model, method, ids, mask, C, extras, w, autocast):
 
 @pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
 def test_bf16_image_prompts_error_within_stock_error(mode):
-    """The criterion above (initial logits) on image prompts: the tiny Qwen2.5-VL of ``tests/test_vlm.py`` (vision
+    """The criterion above (initial logits) on image prompts: the tiny Qwen2.5-VL of ``tests/vlm/test_vlm.py`` (vision
     tower included), TRL's own scoring method in fp64 as the truth, and in the precision under test as stock."""
     from test_vlm import PROMPTS, TEMPERATURE, _stock_method, tiny_vlm, vlm_batch
     from trl.trainer.utils import add_fused_lm_head

@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import aot  # noqa: E402  (tests/aot.py)
+import aot  # noqa: E402  (tests/ops/aot.py)
 from grpo_mem.ops import attention_triton as kernels  # noqa: E402
 from grpo_mem.ops import attention_triton_launch as launch  # noqa: E402
 from grpo_mem.ops.attention_triton_tiles import block_config  # noqa: E402

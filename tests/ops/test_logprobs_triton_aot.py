@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
-import aot  # noqa: E402  (tests/aot.py)
+import aot  # noqa: E402  (tests/ops/aot.py)
 from helpers import FakeKernel  # noqa: E402
 from grpo_mem.ops import logprobs as lp_mod  # noqa: E402
 from grpo_mem.ops import logprobs_triton as kernels  # noqa: E402

@@ -30,7 +30,7 @@ def run(fn, tensors, meta, key_mask, grad_out, dtype=None, **kw):
 
 
 def check_fp32_against_truth(res, truth):
-    """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient| (as tests/test_attention.py)."""
+    """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient| (as tests/ops/test_attention.py)."""
     assert_close(res["out"], truth["out"], 1e-5, "out")
     for n in truth:
         if n != "out":
@@ -334,7 +334,7 @@ def test_bad_input_raises():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Triton kernels under the interpreter (TRITON_INTERPRET=1 runs them on CPU tensors; see tests/test_attention.py)
+# Triton kernels under the interpreter (TRITON_INTERPRET=1 runs them on CPU tensors; see tests/ops/test_attention.py)
 # ----------------------------------------------------------------------------------------------------------------------
 
 # Small shapes: the interpreter runs every program in numpy. fp32 key tiles are 16 wide: S=20 with 16 left-padding
