@@ -52,7 +52,7 @@ class Decision:
     What the run takes (not compared, not shown): ``window`` (the ``Window`` that runs it), ``model`` (as given to
     ``decide``) and its unwrapped ``causal_lm``, ``input_ids``/``attention_mask`` (B, P + C), ``options``
     (``forward.ScoreOptions``), ``lockstep`` (ranks make the same module calls), ``images`` (the bound image inputs,
-    ``multimodal.VisionPasses``, or None) and ``autocast`` (a context factory entered around the prompt-once path's
+    ``vision_passes.VisionPasses``, or None) and ``autocast`` (a context factory entered around the prompt-once path's
     model call, or None).
     """
 

@@ -455,13 +455,5 @@ def shared_prompt_logprobs(
             unknown ``sharing``.
         TypeError: non-integer ids or ``logits_to_keep``.
     """
-    session = SharingSession(sharing, confirm=confirm)
-    return session.score(
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-    )
+    options = dict(temperature=temperature, compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    return SharingSession(sharing, confirm=confirm).score(model, input_ids, attention_mask, logits_to_keep, **options)

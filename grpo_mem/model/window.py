@@ -259,7 +259,7 @@ class Window:
         )
 
     def _pass_inputs(self, spec: PassSpec, width: int) -> dict:
-        """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
+        """Extra backbone kwargs of a pass from the micro-batch's input provider (``vision_passes.VisionPasses``: image
         features, the model's positions), asked for each node's span (``spans``)."""
         if self._inputs is None or not spec.nodes:
             return {}
@@ -414,7 +414,7 @@ class Window:
         None), whose backward also backpropagates every pass released in this micro-batch.
 
         ``inputs``: the micro-batch's input provider, or None: what its passes add to their backbone calls
-        (``multimodal.VisionPasses``: image features and the model's own positions, per node span).
+        (``vision_passes.VisionPasses``: image features and the model's own positions, per node span).
 
         ``lockstep``: make the module calls of ranks whose micro-batches differ (with C == 1 the completion pass still
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
