@@ -267,3 +267,21 @@ def test_decision_is_one_value_run_once():
     assert_close(session.run(last)[0], ref, 1e-5, "log-probs", mask=shared[1][:, -C:])
     assert session.window.pending == 0 and not session.in_window
     session.close_window()
+
+
+def test_run_hidden_gives_the_backbones_hidden_states():
+    """``run_hidden`` runs the decision's prompt-once path up to the head: the backbone's final hidden states at the
+    positions that predict the completion tokens, as a full-sequence forward gives them; the stock path is the
+    caller's."""
+    model = tiny_model()
+    C = 4
+    ids, mask = make_batch([5, 7], G=2, C=C, seed=5)[:2]
+    with torch.no_grad():
+        ref = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -C - 1 : -1]
+    session = SharingSession("tree", min_shared_tokens=2)
+    decision = session.decide(model, ids, mask, C)
+    hidden = session.run_hidden(decision, stock=lambda: None)
+    assert hidden.shape == ref.shape and decision.path == "tree"
+    assert_close(hidden, ref, 1e-5, "hidden states", mask=mask[:, -C:, None])
+    stock = session.decide(model, ids, mask, C, cause="the caller's own")
+    assert session.run_hidden(stock, stock=lambda: ref) is ref and stock.kind.name == "FALLBACK"
