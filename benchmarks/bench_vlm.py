@@ -16,7 +16,7 @@ object's ``_get_per_token_logps_and_entropies`` (the batch in one chunk, tempera
 - ``trl``: TRL's own method, ``GRPOTrainer._get_per_token_logps_and_entropies``, on the model given TRL's fused head
   (``add_fused_lm_head``): every row sends its copy of the image through the vision tower and its 1152 tokens through
   the language model.
-- ``grpo_mem``: the same method patched (``grpo_mem.patches.trl.patched_logps_method``, group sharing): the image
+- ``grpo_mem``: the same method patched (``grpo_mem.bench.vision.scoring_method``, group sharing): the image
   once through the vision tower, the prompt once through the language model, the completions attending to its K/V.
 
 Ideal ratio (tokens through vision tower + language model, grpo_mem over stock, with Nv = 4096 patch rows per image,
@@ -38,11 +38,8 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
-import types
-from contextlib import nullcontext
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # the checkout's grpo_mem: the script measures the code beside it
@@ -155,39 +152,22 @@ def make_batch(G: int, C: int, grid: tuple[int, int, int], text_before: int, tex
     return ids, torch.ones_like(ids), extras
 
 
-class _Trainer(types.SimpleNamespace):
-    """What the scoring method reads of a trainer; hashable (the patch keeps a sharing session per trainer)."""
-
-    __hash__ = object.__hash__
-
-
 def worker(args: dict) -> dict:
     """One provider in a fresh process (target of ``harness.run_isolated``): build, measure once, return the
     measurement dict plus ``log_probs`` (G, C) as lists, ``grad_norm``, ``vision_patch_rows`` (patch rows the vision
     tower encoded in the measured call), ``fallbacks`` (grpo_mem's recorded fallbacks) and ``version``."""
-    from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
     from grpo_mem.bench.group import grad_norm
+    from grpo_mem.bench.vision import scoring_method
     from grpo_mem.model.support import recording_fallbacks
-    from grpo_mem.patches.trl import PatchHandle, patched_logps_method
 
+    if args["provider"] not in PROVIDERS:
+        raise ValueError(f"provider must be one of {PROVIDERS}, got {args['provider']!r}")
+    method, trainer, _ = scoring_method(args["provider"])
     model = build_model()
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
     ids, mask, extras = make_batch(SHAPE["G"], SHAPE["C"], SHAPE["grid"], SHAPE["text_before"], SHAPE["text_after"])
-    method = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
-    if args["provider"] == "grpo_mem":
-        method = patched_logps_method(
-            method, PatchHandle(("bench_vlm",), group_shuffle=False, sharing="group", log_metrics=False)
-        )
-    elif args["provider"] != "trl":
-        raise ValueError(f"provider must be one of {PROVIDERS}, got {args['provider']!r}")
-    trainer = _Trainer(
-        accelerator=types.SimpleNamespace(autocast=nullcontext),
-        temperature=1.0,
-        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
-        _metrics=None,
-    )
     last, encoded = {}, []
     model.model.visual.register_forward_hook(
         lambda mod, a, kw, out: encoded.append(int(kw["grid_thw"].prod(-1).sum())), with_kwargs=True

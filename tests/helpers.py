@@ -221,10 +221,10 @@ def stock_window(model, batches, C):
     return ref, ref_grads
 
 
-def begin_window(session, model, batches, C):
+def begin_window(session, batches, C):
     """Plan ``session``'s window over ``batches`` ((input_ids, attention_mask) each; prompts: all but the last C
     columns)."""
-    session.begin_window(model, [ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
+    session.begin_window([ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
 
 
 def weighted_backward(logps, entropies, seed=1):

@@ -275,7 +275,7 @@ def make_window_fn(
 
     def fn(input_ids, attention_mask):
         if state["calls"] % n_micro == 0:  # the window's first micro-batch opens it
-            session.begin_window(model, prompt_ids, prompt_masks)
+            session.begin_window(prompt_ids, prompt_masks)
         state["calls"] += 1
         state["inside"] = True
         try:

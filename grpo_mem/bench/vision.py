@@ -9,7 +9,7 @@ image, as TRL 1.16 repeats it per row. The prompt length P counts the N + 2 imag
 The op per provider is TRL 1.16's own scoring method, ``GRPOTrainer._get_per_token_logps_and_entropies``, on the
 model given TRL's fused head, one call per micro-batch (its multimodal keyword arguments sliced per micro-batch as
 TRL slices them), each followed by its backward: ``trl`` as TRL ships it, ``grpo_mem`` patched
-(``grpo_mem.patches.trl.patched_logps_method``, group sharing) with one sharing window over the micro-batches, as
+(``grpo_mem.patches.trl.patched_method``, group sharing; ``scoring_method`` builds either) with one sharing window over the micro-batches, as
 the patch opens it in ``_prepare_inputs`` (each prompt and its image forwarded once for the whole call).
 """
 
@@ -125,6 +125,35 @@ class _Trainer(types.SimpleNamespace):
     __hash__ = object.__hash__
 
 
+def scoring_method(provider: str):
+    """``(method, trainer, handle)``: TRL 1.16's scoring method ``GRPOTrainer._get_per_token_logps_and_entropies``
+    as TRL ships it (``provider`` ``"trl"``; handle None) or patched (``"grpo_mem"``: ``grpo_mem.patches.trl.
+    patched_method``, group sharing, no metrics; ``handle.session(trainer)`` is its session), and the trainer stand-in
+    it is called on (temperature 1, no autocast, no fused-head fp32 cast), as ``method(trainer, model, input_ids,
+    attention_mask, C, batch_size=..., compute_entropy=..., **images)``.
+
+    Raises:
+        ValueError: ``provider`` not in :data:`IMAGE_PROVIDERS`.
+    """
+    from trl import GRPOTrainer
+
+    from grpo_mem.patches.trl import patched_method
+
+    if provider not in IMAGE_PROVIDERS:
+        raise ValueError(f"an image run's provider must be one of {IMAGE_PROVIDERS}, got {provider!r}")
+    method = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
+    trainer = _Trainer(
+        accelerator=types.SimpleNamespace(autocast=nullcontext),
+        temperature=1.0,
+        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
+        _metrics=None,
+    )
+    if provider == "trl":
+        return method, trainer, None
+    method, handle = patched_method(method, sharing="group")
+    return method, trainer, handle
+
+
 def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras: dict, micro: int):
     """``fn(input_ids, attention_mask) -> (log_probs (B, C) fp32, entropies (B, C) fp32)``, with gradients, called
     once per micro-batch of ``micro`` rows, in order, over and over: TRL's scoring method (``provider`` ``"trl"``) or
@@ -138,31 +167,17 @@ def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras:
     Raises:
         ValueError: ``provider`` not in :data:`IMAGE_PROVIDERS`.
     """
-    from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
-    from grpo_mem.model.multimodal import VisionInputs
-    from grpo_mem.patches.trl import PatchHandle, patched_logps_method
+    from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs
 
-    if provider not in IMAGE_PROVIDERS:
-        raise ValueError(f"an image run's provider must be one of {IMAGE_PROVIDERS}, got {provider!r}")
+    method, trainer, handle = scoring_method(provider)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    method = inspect.unwrap(GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"])
-    trainer = _Trainer(
-        accelerator=types.SimpleNamespace(autocast=nullcontext),
-        temperature=1.0,
-        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
-        _metrics=None,
-    )
-    handle = None
-    if provider == "grpo_mem":
-        handle = PatchHandle(("grpo-mem bench",), group_shuffle=False, sharing="group", log_metrics=False)
-        method = patched_logps_method(method, handle)
-    rows, P = prompt_ids.shape
+    rows = prompt_ids.shape[0]
     extras = {k: v.to(model.device) if hasattr(v, "to") else v for k, v in extras.items()}
     extras["pixel_values"] = extras["pixel_values"].to(model.dtype)
     starts = range(0, rows, micro)
-    chunks = [VisionInputs.of_chunk(extras, s, s + micro, rows) for s in starts]
+    chunks = [chunk_images(extras, s, s + micro, rows) for s in starts]
     calls, encoded = [0], [0]
     model.base_model.visual.register_forward_hook(
         lambda mod, a, kw, out: encoded.__setitem__(0, encoded[0] + int(kw["grid_thw"].prod(-1).sum())),
@@ -176,10 +191,7 @@ def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras:
             encoded[0] = 0
         if handle is not None and j == 0:
             handle.session(trainer).begin_window(
-                model,
-                [prompt_ids[s : s + micro] for s in starts],
-                [prompt_mask[s : s + micro] for s in starts],
-                [c.row_keys(P) for c in chunks],
+                [prompt_ids[s : s + micro] for s in starts], [prompt_mask[s : s + micro] for s in starts], chunks
             )
         lp, ent, _ = method(
             trainer,
@@ -189,7 +201,7 @@ def make_image_fn(provider: str, model, C: int, prompt_ids, prompt_mask, extras:
             C,
             batch_size=input_ids.size(0),
             compute_entropy=True,
-            **chunks[j].as_kwargs(),
+            **chunk_kwargs(chunks[j]),
         )
         if j == len(chunks) - 1:
             fn.vision_patch_rows = encoded[0]

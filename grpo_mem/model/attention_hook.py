@@ -25,14 +25,16 @@ import itertools
 import sys
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops.attention import multi_region_attention
-from . import linear_attention
-from .linear_attention import LinearContext
+
+if TYPE_CHECKING:
+    from .linear_attention import LinearContext
 
 PREFIX = "grpo_mem_"
 CTX_KWARG = "grpo_mem_ctx"
@@ -306,6 +308,15 @@ def inner_implementation(model) -> str:
     return impl[len(PREFIX) :] if impl.startswith(PREFIX) else impl
 
 
+_LINEAR: weakref.WeakSet = weakref.WeakSet()  # models taken over that have linear-attention layers
+
+
+def has_linear(model) -> bool:
+    """Whether ``model`` (taken over by ``take_over``) has linear-attention layers the hook serves
+    (``linear_attention``): only then do its passes carry a ``LinearContext``."""
+    return model in _LINEAR
+
+
 def take_over(model) -> str | None:
     """Switch ``model`` (a transformers ``PreTrainedModel``) to the hook; return the implementation it had, or None
     when it already ran the hook. The switch is exact for every call without a grpo_mem context."""
@@ -315,7 +326,10 @@ def take_over(model) -> str | None:
     name = ensure_registered(impl)
     _switch(model, name, flash=_is_flash(impl))
     _SERVED.update((language_model_of(model.base_model)[1] or model).modules())
-    linear_attention.install(model, _lookup, CTX_KWARG)
+    from . import linear_attention
+
+    if linear_attention.install(model, _lookup, CTX_KWARG):
+        _LINEAR.add(model)
     _USERS.setdefault(name, weakref.WeakSet()).add(model)
     return impl
 
@@ -326,7 +340,11 @@ def give_back(model, impl: str) -> None:
     _switch(model, impl, flash=_is_flash(impl))
     for module in model.modules():
         _SERVED.discard(module)
-    linear_attention.remove(model)
+    if model in _LINEAR:
+        from . import linear_attention
+
+        linear_attention.remove(model)
+        _LINEAR.discard(model)
     name = hook_name(impl)
     users = _USERS.get(name)
     if users is not None:

@@ -327,7 +327,7 @@ def _scores(model, ids, mask, C, weights, *, sharing: str | None, aux: bool):
     else:
         with _isolated_fallbacks() as causes:
             session = SharingSession(sharing, min_shared_tokens=_MIN_SHARED_TOKENS, confirm=False)
-            session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
+            session.begin_window([ids[:, :-C]], [mask[:, :-C]])
             out = session.score(
                 model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True, compute_aux_loss=aux
             )
@@ -390,17 +390,28 @@ def _compare(cls_name: str, model, ids, mask, C, generator, aux: bool) -> tuple[
     return None, None
 
 
-def _key(causal_lm, cls) -> tuple[tuple, object | None, str | None]:
-    """(verdict key, tiny config or None, why the tiny config could not be made)."""
-    impl, checkpointed = _implementation(causal_lm), _checkpointed(causal_lm)
+def _tiny(config) -> tuple[object | None, str]:
+    """(the tiny config of ``config``, its architecture fields as JSON), or (None, "unbuilt: " and why it could not
+    be made)."""
     try:
-        config = tiny_config(causal_lm.config)
-        fields = {k: v for k, v in config.to_dict().items() if k not in _NOT_ARCHITECTURE}
-        text = json.dumps(fields, sort_keys=True, default=str)
+        tiny = tiny_config(config)
+        fields = {k: v for k, v in tiny.to_dict().items() if k not in _NOT_ARCHITECTURE}
+        return tiny, json.dumps(fields, sort_keys=True, default=str)
     except Exception as e:  # transformers' config validation at the tiny values
-        config, text = None, f"unbuilt: {type(e).__name__}: {e}"
-    error = text[len("unbuilt: ") :] if config is None else None
-    return (f"{cls.__module__}.{cls.__qualname__}", impl, checkpointed, text), config, error
+        return None, f"unbuilt: {type(e).__name__}: {e}"
+
+
+_TEXTS: dict[str, str] = {}  # ``support.config_state`` -> its tiny config's text (``_tiny``), made once per config
+
+
+def _key(causal_lm, cls) -> tuple:
+    """The verdict key of ``causal_lm``: class, attention implementation, checkpointing, tiny config text."""
+    impl, checkpointed = _implementation(causal_lm), _checkpointed(causal_lm)
+    state = support.config_state(causal_lm.config)
+    text = _TEXTS.get(state)
+    if text is None:
+        text = _TEXTS[state] = _tiny(causal_lm.config)[1]
+    return (f"{cls.__module__}.{cls.__qualname__}", impl, checkpointed, text)
 
 
 def confirmation(causal_lm) -> Verdict:
@@ -409,10 +420,12 @@ def confirmation(causal_lm) -> Verdict:
     from .router import router_loss_reason
 
     cls = attn_hook.own_class(causal_lm)
-    key, config, error = _key(causal_lm, cls)
+    key = _key(causal_lm, cls)
     verdict = _VERDICTS.get(key)
     if verdict is not None:
         return verdict
+    config, text = _tiny(causal_lm.config)
+    error = text[len("unbuilt: ") :] if config is None else None
     wall, cpu = time.perf_counter(), time.process_time()
     generator = torch.Generator().manual_seed(SEED)
     cause = router_cause = None

@@ -6,10 +6,13 @@ from __future__ import annotations
 import sys
 
 import torch
+from transformers import PreTrainedModel
 
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers causal LM inside DDP/DeepSpeed/FSDP/compile wrappers and a PEFT model."""
+    if isinstance(model, PreTrainedModel) and "_orig_mod" not in model.__dict__:
+        return model  # no wrapper (accelerate's unwrap would return it unchanged, after a package-metadata lookup)
     from accelerate.utils import extract_model_from_parallel
 
     model = extract_model_from_parallel(model)

@@ -146,14 +146,19 @@ _CALLS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CALL_IDS = itertools.count()
 
 
-def run_in_forward(model, causal_lm, fn, input_ids, attention_mask):
+def run_in_forward(model, causal_lm, fn, input_ids, attention_mask, *, autocast=None):
     """Run ``fn(causal_lm, input_ids, attention_mask)`` inside one call of ``model`` (the wrapper around
-    ``causal_lm``, or ``causal_lm`` itself); returns its (log-probs, entropies | None, aux loss | None)."""
+    ``causal_lm``, or ``causal_lm`` itself); returns its (log-probs, entropies | None, aux loss | None).
+
+    Autocast is entered here only: ``autocast()`` (a context factory, e.g. accelerate's ``Accelerator.autocast``; None:
+    none) around the call of ``model``, and inside it the autocast contexts ``causal_lm``'s own forward was wrapped in
+    (``install_forward``)."""
     install_forward(causal_lm)
     call = _Call(fn)
     token = f"grpo_mem:call:{next(_CALL_IDS)}"
     _CALLS[token] = call
-    out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=token)
+    with autocast() if autocast is not None else contextlib.nullcontext():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=token)
     clear_zero3_grads_before_first_backward(model)  # a window's later backward may reach parameters this one does not
     return out.log_probs, out.entropy, out.aux_loss
 

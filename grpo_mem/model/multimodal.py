@@ -1,15 +1,11 @@
 """Image prompts on the prompt-once path: a micro-batch's images, which rows share them, and what each pass adds.
 
-TRL 1.16 hands the scoring method a generation batch's images with ``num_images`` (images per row) in one of several
-layouts, and slices them per chunk of rows: ``pixel_values`` as patch rows with ``image_grid_thw`` (a (t, h, w) grid
-per image: Qwen2-VL/2.5-VL/3-VL), one entry per image (LLaVA, Gemma 3, Mistral 3; ``image_sizes`` per image:
-LLaVA-NeXT), per tile (``num_tiles`` per row: InternVL; with ``pixel_attention_mask`` and ``spatial_shapes`` per tile:
-LFM2-VL) or per row (with ``pixel_attention_mask`` per row: Idefics3, SmolVLM); token types per token of prompt +
-completion (``mm_token_type_ids`` for Qwen, ``token_type_ids`` for Gemma 3; 0 text). Stock TRL repeats a prompt's
-images for each of its G rows, so the vision tower runs G times per prompt. Here:
+A micro-batch's images (per row: its image tensors and token types, as the TRL patch slices them,
+``grpo_mem.patches.trl_images``) are one value, ``VisionInputs``, built once per micro-batch and used both to plan the
+window and to decide and run the micro-batch. Stock TRL repeats a prompt's images for each of its G rows, so the vision
+tower runs G times per prompt. Here:
 
-- ``VisionInputs`` holds one chunk's image inputs (``VisionInputs.of_chunk`` slices TRL's arguments as TRL does: each
-  image tensor's dim-0 entries per row) and keys each row by its images (``RowImages``), so that rows group by
+- ``VisionInputs`` keys each row by its images (``RowImages``, once per value: ``row_keys``), so that rows group by
   (prompt ids, images) (``PromptGrouping.of(..., extra=...)``) and, in tree sharing, the trie tells images apart
   (``trie_keys``: an image token is keyed by its image, so prompts share a span while their images are equal and part
   at the first image token where they differ; a shared text prefix before the images, e.g. a system prompt, is a
@@ -17,59 +13,24 @@ images for each of its G rows, so the vision tower runs G times per prompt. Here
   with ``mm_token_type_ids`` (Qwen), and one entry per image located as one run of the model's image token id per
   image (LLaVA, LLaVA-NeXT, Mistral 3, Aya Vision); other image prompts take group sharing
   (``VisionInputs.tree_cause``).
-- ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``VisionPasses``). On a model with
-  multi-axis positions a pass gets the image features of the images whose tokens it holds (the model's own
-  ``get_image_features``, once per pass entry: a unique prompt in group sharing, a trie node in tree sharing), which
-  the model's own forward merges into the embeddings (``mm_encoder_outputs``: its ``get_placeholder_mask`` checks the
-  image-token count and raises its own error), and the positions the model's own ``compute_3d_position_ids`` gives
-  the whole row (M-RoPE over prompt + completion), of which each pass takes its tokens' columns (a node's columns are
-  equal on every row through it: they depend on the prefix only). On a model with 1D positions a prompt pass gets
-  its rows' own image inputs (a trie node: the entries of the images whose first token it holds) and prompt token
-  types, and the model's forward encodes, merges and masks (Gemma 3's bidirectional image blocks) as it does for
-  stock, at the pass's own positions (1D RoPE: a node's positions continue its prefix's, as the row's do).
+- ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``vision_passes.VisionPasses``).
 
 Which models take this path is decided in ``support.vision_language_reason``. This module knows transformers, not TRL.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = [
-    "SERVED_INPUTS",
-    "RowImages",
-    "VisionInputs",
-    "VisionPasses",
-    "image_token_id",
-    "input_cause",
-    "trie_keys",
-    "warn_tree_to_group",
-]
+from .content_hash import image_keys
+from .vision_passes import VisionPasses, prompt_columns
 
-# the scoring method's multimodal arguments this path takes, in every layout TRL 1.16 slices (patch rows with a grid per
-# image; one entry per image; per tile; per row; token types per row); any other one is a named cause for the stock path
-SERVED_INPUTS = frozenset(
-    {
-        "pixel_values",
-        "image_grid_thw",
-        "num_images",
-        "mm_token_type_ids",
-        "image_sizes",
-        "pixel_attention_mask",
-        "token_type_ids",
-        "num_tiles",
-        "spatial_shapes",
-    }
-)
-# (B, T) inputs with one entry per token of prompt + completion, 0 for text
-TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
+__all__ = ["RowImages", "VisionInputs", "image_token_id", "trie_keys", "warn_tree_to_group"]
+
 TREE_TO_GROUP = "these image prompts cannot be split into trie nodes: their micro-batches use group sharing"
 
 _warned_tree = [False]
@@ -81,178 +42,6 @@ def warn_tree_to_group(cause: str) -> None:
     if not _warned_tree[0]:
         _warned_tree[0] = True
         warnings.warn(f"grpo_mem: {TREE_TO_GROUP} ({cause})", stacklevel=3)
-
-
-def input_cause(extras: dict) -> str | None:
-    """Why the scoring method's multimodal arguments ``extras`` (name -> value, None when not given) cannot take the
-    prompt-once path, or None (no image input at all, or only ``SERVED_INPUTS``, images counted by ``num_images``,
-    tiles with spatial shapes by ``num_tiles``)."""
-    used = sorted(k for k, v in extras.items() if v is not None)
-    other = [k for k in used if k not in SERVED_INPUTS]
-    if other:
-        return f"multimodal or token-type inputs {other}"
-    if extras.get("pixel_values") is not None and extras.get("num_images") is None:
-        return "pixel_values without num_images (images not counted per row)"
-    if extras.get("spatial_shapes") is not None and extras.get("num_tiles") is None:
-        return "spatial_shapes without num_tiles (tiles not counted per row)"
-    return None
-
-
-_GOLDEN = 0x9E3779B9 - (1 << 32)  # 2**32 / golden ratio (Knuth's multiplicative hashing) as a signed int32
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat integer tensor on its device, no copy for a contiguous ``t`` (int32 words for
-    elements of 4 bytes or more, int16 or uint8 otherwise): equal words exactly when the bytes are equal."""
-    flat = t.detach().contiguous().view(-1)
-    size = flat.element_size()
-    return flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8)
-
-
-def _weights(n: int, device: torch.device, cache: dict) -> torch.Tensor:
-    """(n,) odd int32 position weights on ``device`` (z xor z >> 16 | 1, z = i·φ mod 2**32, i = 1 … n), computed
-    once per call of ``image_keys`` (``cache``) for its longest tensor."""
-    have = cache.get(device)
-    if have is None or have.numel() < n:
-        z = torch.arange(1, n + 1, dtype=torch.int32, device=device) * _GOLDEN
-        cache[device] = have = (z ^ (z >> 16)) | 1
-    return have[:n]
-
-
-def _fingerprint(t: torch.Tensor, cache: dict) -> torch.Tensor:
-    """0-d int64 on ``t``'s device: Σ_i word_i · w_i, products wrapping in int32 (``_weights``). Equal tensors give
-    equal values; different ones may collide (``image_keys`` then tells them apart exactly)."""
-    words = _words(t)
-    words = words if words.dtype == torch.int32 else words.to(torch.int32)
-    return (words * _weights(words.numel(), words.device, cache)).sum(dtype=torch.int64)
-
-
-# (multiplier of the word, multiplier of its index, finalizer) per 64-bit lane of ``_digest``, as signed int64
-_LANES = tuple(
-    tuple(c - (1 << 64) if c >> 63 else c for c in lane)
-    for lane in (
-        (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
-        (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB),
-    )
-)
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _on_host(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes are in host memory (hashed in place by ``_digest``)."""
-    return t.device.type == "cpu"
-
-
-def _digest(row: list[torch.Tensor]) -> tuple:
-    """A 128-bit digest per tensor of ``row``: equal tensors give equal digests; different ones collide with a chance
-    of about 2**-128 per pair (what keeps the keys of one image equal across calls of ``image_keys``, whose own
-    comparisons are exact). A CPU tensor's bytes go through blake2b in place; any other tensor is digested on its
-    device, two 64-bit sums (wrapping) of each word and its index mixed by a multiply-xorshift finalizer, one lane per
-    constant set (``_LANES``), and only the sums cross to the host."""
-    if all(_on_host(t) for t in row):
-        return tuple(hashlib.blake2b(_words(t).numpy().tobytes(), digest_size=16).digest() for t in row)
-    out = []
-    for t in row:
-        words = _words(t).to(torch.int64)
-        index = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
-        for word_mul, index_mul, final in _LANES:
-            x = words * word_mul + index * index_mul
-            x = (x ^ _shr(x, 31)) * final
-            out.append((x ^ _shr(x, 29)).sum())
-    return tuple(torch.stack(out).tolist())
-
-
-def image_keys(parts: list[list[torch.Tensor]]) -> list[bytes]:
-    """Per row b, a key of its image tensors ``parts[b]`` (patch rows, grids, token types, in a fixed order): rows
-    whose tensors are equal (shapes, dtypes and bytes) get equal keys, rows with other tensors other keys; a row
-    without tensors gets ``b""``.
-
-    Within one call the keys are exact: rows are bucketed by a cheap on-device fingerprint of each tensor
-    (``_fingerprint``; shapes and dtypes too) and compared bytewise on device (``torch.equal``) with the first row of
-    each distinct content in their bucket, so no collision merges two images. Across calls (a window's micro-batches
-    are keyed one at a time) a key is a function of the content only: the first row of each distinct content is
-    digested on device (``_digest``, 128 bits), and the key holds that digest (and, should two distinct contents of
-    one call share it, the later one's rank). Host traffic: the fingerprints (one int64 per tensor), one boolean per
-    comparison and one digest per distinct content; no tensor is copied to the host.
-    """
-    tensors = [t for row in parts for t in row]
-    if not tensors:
-        return [b""] * len(parts)
-    device, cache = tensors[0].device, {}
-    values = iter(torch.stack([_fingerprint(t, cache).to(device) for t in tensors]).tolist())
-    buckets: dict[tuple, list[tuple[int, tuple, bytes]]] = {}  # fingerprints -> (first row, digest, key) per content
-    keys = []
-    for b, row in enumerate(parts):
-        if not row:
-            keys.append(b"")
-            continue
-        head = tuple((tuple(t.shape), str(t.dtype), next(values)) for t in row)
-        seen = buckets.setdefault(head, [])
-        key = next(
-            (k for r, _, k in seen if all(torch.equal(_words(x), _words(y)) for x, y in zip(parts[r], row))), None
-        )
-        if key is None:
-            shape = tuple((tuple(t.shape), str(t.dtype)) for t in row)
-            digest = _digest(row)
-            same = sum(1 for _, d, _ in seen if d == digest)
-            key = hashlib.blake2b(repr((shape, digest, same)).encode(), digest_size=16).digest()
-            seen.append((b, digest, key))
-        keys.append(key)
-    return keys
-
-
-def _layout(extras: dict, images: list[int], tiles: list[int] | None, rows: int) -> dict[str, list[int]]:
-    """Per image tensor TRL 1.16's scoring method hands the model, its dim-0 entries of each of the ``rows`` rows, in
-    the order of TRL's own slicing rules (``images``/``tiles``: ``num_images``/``num_tiles``)."""
-    pixel_values, grid = extras.get("pixel_values"), extras.get("image_grid_thw")
-    spans: dict[str, list[int]] = {}
-    if pixel_values is not None:
-        if grid is not None:  # patch rows, a (t, h, w) grid per image (Qwen)
-            if grid.shape[0] != sum(images):
-                raise ValueError(f"num_images counts {sum(images)} images but image_grid_thw has {grid.shape[0]} grids")
-            cells = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
-            firsts = [0, *itertools.accumulate(images)]
-            spans["pixel_values"] = [cells[firsts[b + 1]] - cells[firsts[b]] for b in range(rows)]
-            spans["image_grid_thw"] = images
-        elif extras.get("spatial_shapes") is not None:  # tiles with their own masks and shapes (LFM2-VL)
-            spans.update(dict.fromkeys(("pixel_values", "pixel_attention_mask", "spatial_shapes"), tiles))
-        elif tiles is not None:  # tiles (InternVL)
-            spans["pixel_values"] = tiles
-        elif pixel_values.shape[0] == sum(images):  # one entry per image (LLaVA, Gemma 3, LLaVA-NeXT)
-            spans["pixel_values"] = images
-        else:  # one entry per row, padded with empty images (Idefics3, SmolVLM)
-            spans["pixel_values"] = [1] * rows
-    if extras.get("pixel_attention_mask") is not None and "pixel_attention_mask" not in spans:
-        spans["pixel_attention_mask"] = [1] * rows
-    if extras.get("image_sizes") is not None:
-        spans["image_sizes"] = images
-    for name, counts in spans.items():
-        held = extras[name].shape[0]
-        if held != sum(counts):
-            source = (
-                "image_grid_thw holds {} patch rows"
-                if name == "pixel_values" and grid is not None
-                else "num_images counts {} images"
-                if counts is images
-                else "num_tiles counts {} tiles"
-                if counts is tiles
-                else f"num_images counts {sum(images)} images and the batch has {{}} rows"
-            )
-            raise ValueError(f"{source.format(sum(counts))} but {name} has {held}")
-    return spans
-
-
-@functools.lru_cache(maxsize=None)
-def _no_cache(method) -> dict:
-    """The keyword that tells ``method`` (a model class's method) it has no cache: ``cache=None`` from transformers 5.24
-    on (where some models' ``compute_3d_position_ids`` require it), ``past_key_values=None`` before; read from its
-    signature."""
-    params = inspect.signature(method).parameters
-    return {name: None for name in ("cache", "past_key_values") if name in params}
 
 
 def image_token_id(causal_lm) -> int | None:
@@ -277,17 +66,15 @@ def _runs(image: torch.Tensor, counts) -> tuple[list[list[tuple[int, int]]], str
     return runs, bad
 
 
-def prompt_columns(
-    t: torch.Tensor, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor, prompt_width: int
-) -> torch.Tensor:
-    """``t`` (..., B, T)'s prompt columns of ``spans`` right-padded to ``width`` with zeros, (..., len(spans),
-    width): entry i holds tokens ``first … end − 1`` of row b's unpadded prompt, ``(b, first, end) = spans[i]``
-    (``attention_mask`` (B, T) left-pads the first ``prompt_width`` columns)."""
-    out = t.new_zeros(*t.shape[:-2], len(spans), width)
-    for i, (b, first, end) in enumerate(spans):
-        start = prompt_width - int(attention_mask[b, :prompt_width].sum())
-        out[..., i, : end - first] = t[..., b, start + first : start + end]
-    return out
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same memory the same way (hence hold the same values)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 @dataclass(frozen=True)
@@ -356,6 +143,7 @@ class VisionInputs:
     token_types: dict
     located: tuple | None = None
     located_cause: str | None = None
+    _keys: dict = field(default_factory=dict, repr=False)  # prompt width -> ``row_keys``, computed once
 
     @property
     def pixel_values(self) -> torch.Tensor | None:
@@ -370,65 +158,37 @@ class VisionInputs:
         return self.token_types.get("mm_token_type_ids")
 
     @classmethod
-    def of_chunk(
+    def make(
         cls,
-        extras: dict,
-        start: int,
-        end: int,
-        rows: int,
+        tensors: dict,
+        spans: dict,
+        num_images: tuple[int, ...],
+        num_tiles: tuple[int, ...] | None,
+        token_types: dict,
+        *,
+        per_image: bool = False,
         prompt_ids: torch.Tensor | None = None,
         image_token: int | None = None,
-    ) -> VisionInputs | None:
-        """Rows ``start … end − 1`` of the inputs ``extras`` that TRL passes for ``rows`` rows (``input_cause`` is
-        None for them), sliced as TRL's own method slices them per chunk; None when no row has an image input.
-        ``prompt_ids`` (rows, P) left-padded prompts and ``image_token`` (``image_token_id``): in the layout of one
-        entry per image without token types, each image's tokens are located as the runs of that id (``located``).
-
-        Raises:
-            ValueError: ``num_images``/``num_tiles`` not one count per row, or counts that the image tensors do not
-                hold (naming both numbers).
-        """
-        types = {k: extras[k][start:end] for k in TOKEN_TYPE_INPUTS if extras.get(k) is not None}
-        if extras.get("pixel_values") is None and not types:
-            return None
-        counts = {}
-        for name in ("num_images", "num_tiles"):
-            given = extras.get(name)
-            counts[name] = None if given is None else [int(n) for n in given]
-            if given is not None and len(counts[name]) != rows:
-                raise ValueError(f"{name} must give one count per row ({rows} rows), got {len(counts[name])} counts")
-        images = counts["num_images"] or [0] * rows
-        spans = _layout(extras, images, counts["num_tiles"], rows)
-        tensors = {}
-        for name, per_row in spans.items():
-            firsts = [0, *itertools.accumulate(per_row)]
-            tensors[name] = extras[name][firsts[start] : firsts[end]]
-        tiles = counts["num_tiles"]
+    ) -> VisionInputs:
+        """The value of these fields (see the class); ``per_image``: the layout is one entry per image, whose tokens
+        are then located as the runs of ``image_token`` in ``prompt_ids`` (B, P) left-padded prompts when both are
+        given and there are no token types (``located``)."""
         located, located_cause = None, None
-        # one entry per image: ``_layout`` gives pixel_values the image counts themselves
-        per_image = spans.get("pixel_values") is images and set(spans) <= {"pixel_values", "image_sizes"}
-        if per_image and not types and prompt_ids is not None and image_token is not None:
-            found, located_cause = _runs(prompt_ids[start:end] == image_token, images[start:end])
+        if per_image and not token_types and prompt_ids is not None and image_token is not None:
+            found, located_cause = _runs(prompt_ids == image_token, num_images)
             located = tuple(tuple(r) for r in found)
             located_cause = located_cause and f"{located_cause} (id {image_token}: one run per image is needed)"
-        return cls(
-            tensors,
-            {k: tuple(v[start:end]) for k, v in spans.items()},
-            tuple(images[start:end]),
-            None if tiles is None else tuple(tiles[start:end]),
-            types,
-            located,
-            located_cause,
-        )
+        return cls(tensors, spans, num_images, num_tiles, token_types, located, located_cause)
 
-    def as_kwargs(self) -> dict:
-        """The chunk as keyword arguments of TRL's scoring method (its stock path)."""
-        kwargs = dict(self.tensors, **self.token_types)
-        if self.tensors:
-            kwargs["num_images"] = list(self.num_images)
-        if self.num_tiles is not None:
-            kwargs["num_tiles"] = list(self.num_tiles)
-        return kwargs
+    def holds(self, other: VisionInputs) -> bool:
+        """Whether ``other`` holds the very tensors of this value (the same memory, shapes and strides) and counts:
+        a chunk sliced again from the arguments this value was built from, whose ``row_keys`` are this value's."""
+        if self is other:
+            return True
+        if (self.num_images, self.num_tiles, self.located) != (other.num_images, other.num_tiles, other.located):
+            return False
+        mine, theirs = dict(self.tensors, **self.token_types), dict(other.tensors, **other.token_types)
+        return mine.keys() == theirs.keys() and all(_same_tensor(mine[k], theirs[k]) for k in mine)
 
     def _entries(self, name: str, rows: list[int]) -> list[int]:
         """The dim-0 indices of ``tensors[name]`` that belong to ``rows`` (indices into the chunk), in that order."""
@@ -531,6 +291,8 @@ class VisionInputs:
         Raises:
             ValueError: as ``image_runs``.
         """
+        if prompt_width in self._keys:
+            return self._keys[prompt_width]
         B = len(self.num_images)
         types = image_keys([[t[b, :prompt_width] for t in self.token_types.values()] for b in range(B)])
         runs, cause = self.image_runs(prompt_width), self.tree_cause()
@@ -538,6 +300,7 @@ class VisionInputs:
         for b, own in enumerate(self._image_digests()):
             spans = tuple((prompt_width - first, end - first) for first, end in runs[b])
             keys.append(RowImages(types[b], own, spans, cause if own else None) if types[b] or own else b"")
+        self._keys[prompt_width] = keys
         return keys
 
     def tree_cause(self) -> str | None:
@@ -606,101 +369,3 @@ class VisionInputs:
         """What the passes of the micro-batch ``input_ids``/``attention_mask`` (B, T), whose prompts are the first
         ``prompt_width`` columns, add on ``causal_lm`` (a model ``support.vision_language_reason`` admits)."""
         return VisionPasses(self, causal_lm.base_model, input_ids, attention_mask, prompt_width)
-
-
-@dataclass
-class VisionPasses:
-    """The image features and positions the passes of one micro-batch take (built by ``VisionInputs.bind``).
-
-    Attributes:
-        inputs: the micro-batch's ``VisionInputs``.
-        base: the model's base model (vision tower, merge, language model).
-        input_ids, attention_mask: (B, T) the micro-batch.
-        prompt_width: P, the prompt columns of the micro-batch (left-padded prompts, then completions).
-    """
-
-    inputs: VisionInputs
-    base: torch.nn.Module
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    prompt_width: int
-    _positions: tuple = ()
-    _runs: tuple = ()
-
-    @property
-    def multi_axis(self) -> bool:
-        """Whether the model computes multi-axis positions of its own (``compute_3d_position_ids``: M-RoPE)."""
-        return callable(getattr(self.base, "compute_3d_position_ids", None))
-
-    def positions(self) -> torch.Tensor | None:
-        """(3, B, T) int64 positions the model computes for the rows (prompt + completion), as its forward does, or
-        None when the model would use ``arange(T)`` (no token types given, or a model with 1D positions), which the
-        passes' own positions are."""
-        if not self._positions:
-            types = self.inputs.mm_token_type_ids if self.multi_axis else None
-            self._positions = (
-                None
-                if types is None
-                else self.base.compute_3d_position_ids(
-                    input_ids=self.input_ids,
-                    image_grid_thw=self.inputs.image_grid_thw,
-                    video_grid_thw=None,
-                    inputs_embeds=None,
-                    attention_mask=self.attention_mask,
-                    mm_token_type_ids=types,
-                    **_no_cache(type(self.base).compute_3d_position_ids),
-                ),
-            )
-        return self._positions[0]
-
-    def prompt_pass(self, spans: list[tuple[int, int, int]], width: int) -> dict:
-        """Extra keyword arguments of the backbone call of a prompt pass whose entry i holds tokens ``first … end-1``
-        of row b's unpadded prompt, ``(b, first, end) = spans[i]`` (a whole prompt in group sharing, a trie node in
-        tree sharing), right-padded to ``width`` tokens. A model with multi-axis positions (``compute_3d_position_ids``)
-        gets ``mm_encoder_outputs`` (the features of the images whose first token the entries hold, computed here
-        once) and ``position_ids`` (3, n, width), each only where needed; any other model the rows' own image inputs
-        and the spans' token types (``VisionInputs.prompt_inputs``): its forward encodes the images once per pass,
-        merges them and builds its own mask from the token types (Gemma 3's bidirectional image blocks), at the pass's
-        own positions.
-
-        Raises:
-            ValueError: the model's own (``get_placeholder_mask``), when the entries' image tokens do not match their
-                image features; with multi-axis positions checked before them, as they assume a match.
-        """
-        images = self.images_of(spans)
-        if not self.multi_axis:
-            return self.inputs.prompt_inputs(spans, images, width, self.attention_mask, self.prompt_width)
-        kwargs, P = {}, self.prompt_width
-        if images:
-            starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
-            pixel_values, grid = self.inputs.images_at(images)
-            features = self.base.get_image_features(pixel_values, grid, return_dict=True)
-            merged = torch.cat(features.pooler_output, dim=0)
-            ids = torch.cat([self.input_ids[b, s + first : s + end] for (b, first, end), s in zip(spans, starts)])
-            self.base.get_placeholder_mask(ids[None], inputs_embeds=merged[:1], image_features=merged)
-            kwargs["mm_encoder_outputs"] = {"image": features}
-        positions = self.positions()
-        if positions is not None:
-            kwargs["position_ids"] = prompt_columns(positions, spans, width, self.attention_mask, P)
-        return kwargs
-
-    def images_of(self, spans: list[tuple[int, int, int]]) -> list[int]:
-        """The chunk's indices of the images whose first token the prompt-pass entries ``spans`` (as ``prompt_pass``)
-        hold: the images the pass encodes (none: the pass does not run the vision tower)."""
-        P = self.prompt_width
-        starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
-        return [i for (b, first, end), s in zip(spans, starts) for i in self._images_in(b, s + first, s + end)]
-
-    def _images_in(self, b: int, first: int, end: int) -> list[int]:
-        """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end-1``
-        (``VisionInputs.images_in``, the runs computed once per micro-batch)."""
-        if self.inputs.pixel_values is None:
-            return []
-        if not self._runs:
-            self._runs = (self.inputs.image_runs(self.prompt_width),)
-        return self.inputs.images_in(self._runs[0], b, first, end)
-
-    def completion_positions(self, width: int) -> torch.Tensor | None:
-        """(3, B, width) positions of completion tokens 0 … width − 1, or None (the passes' own positions)."""
-        positions = self.positions()
-        return None if positions is None else positions[:, :, self.prompt_width : self.prompt_width + width]

@@ -2,61 +2,44 @@
 
 Within one optimizer step the parameters do not change, so a prompt (or a span several prompts share) read by several
 micro-batches needs one forward and one backward, not one per micro-batch. A ``SharingSession`` owns what that takes:
-the window's ``WindowPlan`` and the ``Window`` executing it. For every micro-batch it takes one ``Decision``: whether
+the ``Window`` executing the window's plan. For every micro-batch it takes one ``Decision`` (``decision.py``): whether
 the prompt-once path serves the model exactly (and if not, why), what ranks in lockstep agree on (one collective),
-whether the micro-batch shares anything, and the passes it runs. Lifecycle::
+whether the micro-batch shares anything, and the passes it runs; the decision carries all its run needs. Lifecycle::
 
     session = SharingSession()
-    session.begin_window(model, [prompt_ids_1, ...], [prompt_mask_1, ...])   # the window's micro-batches, in order
+    session.begin_window([prompt_ids_1, ...], [prompt_mask_1, ...])   # the window's micro-batches, in order
     for micro_batch in window:
         logps, ent = session.score(model, input_ids, attention_mask, logits_to_keep)   # then backward
     session.close_window()
 
-A caller with a stock path of its own (the TRL patch) splits ``score`` into ``decide`` and ``run`` and passes it in.
-This module knows transformers, not TRL.
+A caller with a stock path of its own (the TRL patch) splits ``score`` into ``decide`` and ``run(decision,
+stock=...)``. This module knows transformers, not TRL.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from .distributed import agree, lockstep, unwrap_causal_lm
-from .forward import ScoreOptions, run_in_forward, validate_inputs
-from .multimodal import RowImages, VisionInputs, trie_keys, warn_tree_to_group
-from .plan import PromptGrouping, WindowPlan, check_sharing
 from .confirm import confirm_reason
 from .confirm import enabled as confirm_enabled
-from .router import router_loss_reason
+from .decision import Decision, Kind
+from .distributed import agree, lockstep, unwrap_causal_lm
+from .forward import ScoreOptions, run_in_forward, validate_inputs
+from .plan import PromptGrouping, WindowPlan, check_sharing
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
 from .window import Window
 
-__all__ = ["Decision", "SharingSession", "shared_prompt_logprobs"]
+if TYPE_CHECKING:
+    from .multimodal import VisionInputs
+
+__all__ = ["UNSHARED", "Decision", "Kind", "SharingSession", "shared_prompt_logprobs"]
 
 UNSHARED = "a micro-batch holds no repeated prompt and shares no prompt pass with another micro-batch"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """How one micro-batch is scored, decided once by ``SharingSession.decide``.
-
-    Attributes:
-        path: ``"tree"`` or ``"group"`` (the prompt-once path in that sharing mode), or ``"stock"``.
-        cause: why the path is ``"stock"``, else None.
-        micro_batch: the micro-batch's index in the session's window, or None when it is scored on its own.
-        rows: B, the micro-batch's rows.
-        backbone_tokens: tokens the chosen path runs through the backbone (padded widths counted).
-        stock_tokens: tokens stock TRL runs through the backbone for it, B x (P + C).
-    """
-
-    path: str
-    cause: str | None
-    micro_batch: int | None
-    rows: int
-    backbone_tokens: int
-    stock_tokens: int
+"""The cause of a ``Kind.UNSHARED`` decision."""
 
 
 class SharingSession:
@@ -73,7 +56,7 @@ class SharingSession:
             unless the environment sets ``GRPO_MEM_CONFIRM=0``.
 
     Attributes:
-        window: the open window's ``Window`` (its plan and cursor), or None.
+        window: the open window's ``Window`` (its plan, cursor and kept passes: ``window.pending``), or None.
         last_decision: the ``Decision`` ``decide`` took last.
 
     Raises:
@@ -87,14 +70,8 @@ class SharingSession:
         self.confirm = confirm
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
-        # the decision, its window, lockstep, whether the router loss is asked for, the image inputs
-        self._pending: tuple[Decision, Window, bool, bool, VisionInputs | None] | None = None
         self.last_decision: Decision | None = None
-
-    @property
-    def pending(self) -> int:
-        """Prompt passes kept for a later micro-batch of the open window (0 outside a window)."""
-        return len(self.window.store) if self.window is not None else 0
+        self._images: list | None = None  # per micro-batch of the open window, its planned ``VisionInputs`` or None
 
     @property
     def in_window(self) -> bool:
@@ -103,41 +80,47 @@ class SharingSession:
 
     def begin_window(
         self,
-        model,
         prompt_ids: list[torch.Tensor],
         prompt_masks: list[torch.Tensor],
-        row_keys: list[list] | None = None,
+        images: list[VisionInputs | None] | None = None,
     ) -> None:
         """Plan a window of ``len(prompt_ids)`` micro-batches; closes the previous window if one is open.
 
         Args:
-            model: the model the window trains (unused; kept for callers that pass it).
             prompt_ids: per micro-batch, (B_i, P_i) int64 left-padded prompt ids, in the order they will be scored.
             prompt_masks: per micro-batch, (B_i, P_i) 0/1 prompt masks.
-            row_keys: per micro-batch, its rows' image keys (``VisionInputs.row_keys``; ``b""`` for a row without
-                image inputs), or None for text prompts. In tree mode the trie keys image tokens by their images;
-                image prompts that cannot be split into nodes (``VisionInputs.tree_cause``) plan the window in group
-                mode (warned once, ``multimodal.TREE_TO_GROUP``).
+            images: per micro-batch, its image inputs (``multimodal.VisionInputs``, None for a micro-batch without),
+                or None for text prompts. Rows group by prompt and images; in tree mode the trie keys image tokens by
+                their images, and image prompts that cannot be split into nodes (``VisionInputs.tree_cause``) plan the
+                window in group mode (warned once, ``multimodal.TREE_TO_GROUP``). ``decide`` reuses these values
+                (their row keys are computed once) for chunks that hold the same tensors.
 
         Raises:
             ValueError: no micro-batch, lists of different lengths, a prompt with no real token.
         """
         self.close_window()
         groupings = None
-        if row_keys is not None:
-            groupings = [PromptGrouping.of(i, m, k) for i, m, k in zip(prompt_ids, prompt_masks, row_keys)]
+        if images is not None and any(v is not None for v in images):
+            groupings = [
+                PromptGrouping.of(i, m, None if v is None else v.row_keys(i.shape[1]))
+                for i, m, v in zip(prompt_ids, prompt_masks, images)
+            ]
         self.window = Window(self._plan(prompt_ids, prompt_masks, groupings))
+        self._images = None if groupings is None else list(images)
 
     def _plan(self, prompt_ids, prompt_masks, groupings: list[PromptGrouping] | None) -> WindowPlan:
         """The plan of these micro-batches in the session's mode; with image keys (``PromptGrouping.extra``), the
         trie keys image tokens by their images, and image prompts with a tree cause take group mode (warned once)."""
-        extras = [k for g in groupings or () if g.extra is not None for k in g.extra]
-        mode = self.mode
-        cause = next((k.tree_cause for k in extras if isinstance(k, RowImages) and k.tree_cause), None)
-        if cause is not None and mode == "tree":
-            warn_tree_to_group(cause)
-            mode = "group"
-        keyed = trie_keys if extras and mode == "tree" else None
+        extras = [k for g in groupings or () if g.extra is not None for k in g.extra if k]
+        mode, keyed = self.mode, None
+        if extras:
+            from .multimodal import trie_keys, warn_tree_to_group
+
+            cause = next((k.tree_cause for k in extras if k.tree_cause), None)
+            if cause is not None and mode == "tree":
+                warn_tree_to_group(cause)
+                mode = "group"
+            keyed = trie_keys if mode == "tree" else None
         return WindowPlan.build(
             mode,
             prompt_ids,
@@ -151,14 +134,14 @@ class SharingSession:
         """Make the next micro-batch the window's last (the optimizer steps after it, earlier than planned): what is
         pending is completed in its backward."""
         if self.in_window:
-            self.window.plan.end_after(self.window.current)
+            self.window.end_after_next()
 
     def close_window(self) -> None:
         """End the current window. Raises RuntimeError if prompt passes are still pending (a planned micro-batch was
         never scored), since their graphs would never be backpropagated."""
-        window, self.window, self._pending = self.window, None, None
-        if window is not None and len(window.store):
-            pending = window.store.discard()
+        window, self.window, self._images = self.window, None, None
+        if window is not None and window.pending:
+            pending = window.discard()
             raise RuntimeError(
                 f"window closed with {pending} prompt passes pending: a planned micro-batch was not scored"
             )
@@ -168,7 +151,7 @@ class SharingSession:
         micro-batch, i.e. whether its decision would take the prompt-once path when a stock path is available."""
         if not self.in_window:
             return PromptGrouping.of(prompt_ids, prompt_mask).repeats
-        return self.window.plan.shares(self.window.current)
+        return self.window.shares()
 
     # ------------------------------------------------------------------------------------------------------------------
 
@@ -180,14 +163,30 @@ class SharingSession:
         """
         if not (self.in_window and torch.is_grad_enabled()):
             return None
-        planned = self.window.plan.keys[self.window.current]
-        if grouping.keys != planned:
-            raise ValueError(
-                f"micro-batch {self.window.current} of the window does not hold the prompts planned for it "
-                f"({len(set(grouping.keys))} unique prompts in {len(grouping.keys)} rows, planned "
-                f"{len(set(planned))} in {len(planned)})"
-            )
+        self.window.check_prompts(grouping.keys)
         return self.window
+
+    def _planned(self, vision: VisionInputs | None) -> VisionInputs | None:
+        """The window's planned image value for its next micro-batch when ``vision`` holds its tensors (its row keys
+        are computed already), else ``vision``."""
+        if vision is None or not self._images or not self.in_window:
+            return vision
+        planned = self._images[self.window.current]
+        return planned if planned is not None and planned.holds(vision) else vision
+
+    def _cause(self, causal_lm, options: ScoreOptions, cause: str | None, vision, prompt_width: int) -> str | None:
+        """Why the prompt-once path cannot serve the micro-batch exactly, or None: the caller's ``cause``, the model
+        (``unsupported_reason``, the router loss, the confirmation on a tiny copy), its image inputs."""
+        reason = cause or unsupported_reason(causal_lm)
+        if reason is None and options.compute_aux_loss:
+            from .router import router_loss_reason
+
+            reason = router_loss_reason(causal_lm)
+        if reason is None and confirm_enabled(self.confirm):  # the same verdict on every rank: no collective
+            reason = confirm_reason(causal_lm, compute_aux_loss=options.compute_aux_loss)
+        if reason is None and vision is not None:
+            reason = vision.cause(causal_lm, prompt_width)
+        return reason
 
     def decide(
         self,
@@ -197,107 +196,30 @@ class SharingSession:
         logits_to_keep: int,
         *,
         temperature: float = 1.0,
+        compute_entropy: bool = False,
+        cast_lm_head_to_fp32: bool = False,
+        compute_aux_loss: bool = False,
         cause: str | None = None,
         stock_available: bool = False,
-        compute_aux_loss: bool = False,
         vision: VisionInputs | None = None,
+        autocast: Callable | None = None,
     ) -> Decision:
-        """Decide how the micro-batch ``input_ids``/``attention_mask`` is scored; ``run`` must follow.
+        """Decide how the micro-batch ``input_ids``/``attention_mask`` (B, P + C) is scored; ``run`` (or
+        ``run_hidden``) must follow, with the decision only. Scoring options as ``shared_prompt_logprobs``;
+        ``compute_aux_loss``: ``run`` also returns the MoE router loss (a router loss the prompt-once path does not
+        reproduce is a cause, ``router.router_loss_reason``).
 
         ``cause``: a reason of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
-        take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it.
-        ``compute_aux_loss``: ``run`` will be asked for the MoE router loss too (a router loss the prompt-once path
-        does not reproduce is a cause, ``router_loss_reason``). ``vision``: the micro-batch's image inputs (rows group
-        by prompt and images; in tree sharing the trie keys image tokens by their images), or None.
+        take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it
+        (``Kind.UNSHARED``). ``vision``: the micro-batch's image inputs (rows group by prompt and images; in tree
+        sharing the trie keys image tokens by their images), or None. ``autocast``: a context factory (e.g.
+        accelerate's ``Accelerator.autocast``) entered around the prompt-once path's model call.
         Ranks in lockstep decide together: every rank must call ``decide`` once per micro-batch (one collective).
 
         Raises:
             ValueError/TypeError: as ``shared_prompt_logprobs``; prompts that are not the ones planned.
         """
         validate_inputs(input_ids, attention_mask, logits_to_keep, temperature)
-        B, T = input_ids.shape
-        P = T - logits_to_keep
-        extra = None if vision is None else vision.row_keys(P)
-        grouping = PromptGrouping.of(input_ids[:, :P], attention_mask[:, :P], extra)
-        window = self._window_for(grouping)
-        if window is None:
-            window = Window(self._plan([input_ids[:, :P]], [attention_mask[:, :P]], [grouping]))
-            j = None
-        else:
-            j = window.current
-        causal_lm = unwrap_causal_lm(model)
-        reason = cause or unsupported_reason(causal_lm)
-        if reason is None and compute_aux_loss:
-            reason = router_loss_reason(causal_lm)
-        if reason is None and confirm_enabled(self.confirm):  # the same verdict on every rank: no collective
-            reason = confirm_reason(causal_lm, compute_aux_loss=compute_aux_loss)
-        if reason is None and vision is not None:
-            reason = vision.cause(causal_lm, P)
-        in_lockstep = lockstep(model)
-        current = window.current
-        if in_lockstep:
-            passes = window.plan.passes_at(current)
-            image_passes = None
-            if vision is not None:  # the passes that will run the vision tower
-                reader = vision.bind(causal_lm, input_ids, attention_mask, P)
-                image_passes = [p.key for p in passes if p.nodes and reader.images_of(window.spans(p))]
-            reason, keys = agree(reason, [p.key for p in passes], image_passes)
-            window.plan.align({k for k in keys if k[0] == current})
-        elif reason is None and stock_available and not window.plan.shares(current):
-            reason = UNSHARED
-        width = logits_to_keep - 1 if logits_to_keep > 1 or not in_lockstep else 1
-        width = logits_to_keep if compute_aux_loss else width  # the router loss counts the last completion token
-        stock_tokens = B * T
-        tokens = stock_tokens if reason else window.plan.tokens_at(current, width)
-        decision = Decision(
-            path="stock" if reason else window.plan.mode,
-            cause=reason,
-            micro_batch=j,
-            rows=B,
-            backbone_tokens=tokens,
-            stock_tokens=stock_tokens,
-        )
-        self._pending = (decision, window, in_lockstep, compute_aux_loss, vision)
-        self.last_decision = decision
-        return decision
-
-    def run(
-        self,
-        decision: Decision,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep: int,
-        *,
-        temperature=1.0,
-        compute_entropy=False,
-        cast_lm_head_to_fp32=False,
-        compute_aux_loss=False,
-        stock=None,
-    ):
-        """Score the micro-batch ``decide`` just decided on. Returns (B, C) fp32 log-probs and entropies (or None),
-        zero where the completion mask is 0; in a window, each followed by its backward. With ``compute_aux_loss``
-        (which ``decide`` must have been told), a third value: the 0-d fp32 MoE router load-balancing loss of the
-        micro-batch as the model computes it over its full rows (``grpo_mem.model.router``).
-
-        ``stock``: the caller's stock path, ``stock() -> (log_probs, entropies | None, aux_loss | None)``, run when
-        the decision says ``"stock"`` (default: the model's own full-sequence computation, ``full_sequence_logprobs``).
-
-        Raises:
-            RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already, or
-                ``compute_aux_loss`` differs from what ``decide`` was told.
-            ValueError: a stock decision for a micro-batch with image inputs and no ``stock`` (the default does not
-                take images).
-        """
-        refused = (
-            None
-            if decision.path != "stock" or stock is not None
-            else (
-                f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no stock path taking "
-                "them"
-            )
-        )
-        window, in_lockstep, vision = self._take(decision, compute_aux_loss, refused)
         options = ScoreOptions(
             logits_to_keep,
             float(temperature),
@@ -305,30 +227,115 @@ class SharingSession:
             bool(cast_lm_head_to_fp32),
             bool(compute_aux_loss),
         )
+        decision = self._decision(model, input_ids, attention_mask, options, cause, stock_available, vision, autocast)
+        self.last_decision = decision
+        return decision
+
+    def _decision(self, model, input_ids, attention_mask, options, cause, stock_available, vision, autocast):
+        """``decide``'s decision, its inputs validated."""
+        logits_to_keep = options.logits_to_keep
+        B, T = input_ids.shape
+        P = T - logits_to_keep
+        vision = self._planned(vision)
+        grouping = PromptGrouping.of(
+            input_ids[:, :P], attention_mask[:, :P], None if vision is None else vision.row_keys(P)
+        )
+        window = self._window_for(grouping)
+        j = None if window is None else window.current
+        if window is None:
+            window = Window(self._plan([input_ids[:, :P]], [attention_mask[:, :P]], [grouping]))
         causal_lm = unwrap_causal_lm(model)
-        if decision.path == "stock":
-            warn_fallback(decision.cause)
-            if stock is None:
-                logps, entropy, aux_loss = run_in_forward(
-                    model,
-                    causal_lm,
-                    lambda m, ids, mask: full_sequence_logprobs(m, ids, mask, options),
-                    input_ids,
-                    attention_mask,
-                )
-            else:
-                logps, entropy, aux_loss = stock()
-            logps = self._end_sharing(decision, window, logps)
-        else:
+        reason = self._cause(causal_lm, options, cause, vision, P)
+        images = None if vision is None else vision.bind(causal_lm, input_ids, attention_mask, P)
+        in_lockstep = lockstep(model)
+        kind = Kind.FALLBACK if reason else Kind.SHARED
+        if in_lockstep:
+            keys, image_keys = window.pass_keys(images)
+            reason, agreed = agree(reason, keys, image_keys)
+            kind = Kind.FALLBACK if reason else Kind.SHARED
+            window.align(agreed)
+        elif reason is None and stock_available and not window.shares():
+            reason, kind = UNSHARED, Kind.UNSHARED
+        stock_tokens = B * T
+        tokens = (
+            stock_tokens
+            if reason
+            else window.tokens(logits_to_keep, lockstep=in_lockstep, router=options.compute_aux_loss)
+        )
+        decision = Decision(
+            kind,
+            reason,
+            j,
+            tokens,
+            stock_tokens,
+            window.mode,
+            window=window,
+            model=model,
+            causal_lm=causal_lm,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            options=options,
+            lockstep=in_lockstep,
+            images=images,
+            autocast=autocast,
+        )
+        return decision
+
+    def _take(self, decision: Decision, refused: str | None) -> None:
+        """Check that ``decision`` can run now, and mark it run: not run before, and in a window, the window's next
+        micro-batch. ``refused``: the ValueError's message if the decision has image inputs; raised before the
+        decision is marked, so the caller can still run it."""
+        if decision.ran:
+            raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once: it was run")
+        if decision.micro_batch is not None and (
+            decision.window is not self.window or decision.window.current != decision.micro_batch
+        ):
+            raise RuntimeError(
+                f"run() takes the decision decide() returned for this micro-batch, once: it was taken for micro-batch "
+                f"{decision.micro_batch} of a window that has moved on"
+            )
+        if decision.images is not None and refused is not None:
+            raise ValueError(refused)
+        decision.mark_run()
+
+    def run(self, decision: Decision, *, stock: Callable | None = None):
+        """Score the micro-batch ``decision`` was taken for. Returns (B, C) fp32 log-probs and entropies (or None),
+        zero where the completion mask is 0; in a window, each followed by its backward. With ``compute_aux_loss``
+        (told ``decide``), a third value: the 0-d fp32 MoE router loss of the micro-batch as the model computes it
+        over its full rows (``grpo_mem.model.router``).
+
+        ``stock``: the caller's stock path, ``stock() -> (log_probs, entropies | None, aux_loss | None)``, run when
+        the decision says ``"stock"`` (default: the model's own full-sequence computation, ``full_sequence_logprobs``).
+
+        Raises:
+            RuntimeError: ``decision`` was run already, or is not for the window's next micro-batch.
+            ValueError: a stock decision for a micro-batch with image inputs and no ``stock`` (the default does not
+                take images).
+        """
+        refused = None
+        if decision.kind is not Kind.SHARED and stock is None:
+            refused = (
+                f"a micro-batch with image inputs falls back ({decision.cause}) but run() was given no stock path "
+                "taking them"
+            )
+        self._take(decision, refused)
+        d, options = decision, decision.options
+        if d.kind is Kind.SHARED:
 
             def compute(m, ids, mask):
-                inputs = None if vision is None else vision.bind(m, ids, mask, ids.shape[1] - logits_to_keep)
-                return window.run(m, ids, mask, options, lockstep=in_lockstep, inputs=inputs)
+                return d.window.run(m, ids, mask, options, lockstep=d.lockstep, inputs=d.images)
 
-            logps, entropy, aux_loss = run_in_forward(model, causal_lm, compute, input_ids, attention_mask)
-        return (logps, entropy, aux_loss) if compute_aux_loss else (logps, entropy)
+            out = run_in_forward(d.model, d.causal_lm, compute, d.input_ids, d.attention_mask, autocast=d.autocast)
+        else:
+            warn_fallback(d.cause)
+            if stock is None:
+                out = run_in_forward(d.model, d.causal_lm, _full_sequence(options), d.input_ids, d.attention_mask)
+            else:
+                out = stock()
+            out = (self._end_sharing(d, out[0]), *out[1:])
+        return out if options.compute_aux_loss else out[:2]
 
-    def run_hidden(self, decision: Decision, model, input_ids, attention_mask, logits_to_keep: int, *, stock):
+    def run_hidden(self, decision: Decision, *, stock: Callable):
         """Like ``run``, but return the LM head's input instead of log-probs: (B, C, H) final hidden states (final norm
         applied, the backbone's dtype) at the positions that predict the C = ``logits_to_keep`` completion tokens, as
         ``model.base_model(input_ids, attention_mask).last_hidden_state[:, -C - 1 : -1]`` gives them; in a window, its
@@ -339,38 +346,25 @@ class SharingSession:
         ``"stock"`` (warned once per cause).
 
         Raises:
-            RuntimeError: ``decision`` is not the one ``decide`` returned last, or was run already.
+            RuntimeError: ``decision`` was run already, or is not for the window's next micro-batch.
+            ValueError: ``decision`` has image inputs.
         """
-        window, in_lockstep, _ = self._take(
-            decision, refused="run_hidden() does not take image inputs: decide() them with vision=None and a cause"
-        )
-        if decision.path == "stock":
-            warn_fallback(decision.cause)
-            return self._end_sharing(decision, window, stock())
-        return window.hidden_states(
-            unwrap_causal_lm(model), input_ids, attention_mask, logits_to_keep, lockstep=in_lockstep
-        )
-
-    def _take(self, decision: Decision, compute_aux_loss: bool = False, refused: str | None = None):
-        """(window, lockstep flag, image inputs) ``decide`` kept for ``decision``; the decision can be run once,
-        asking for the router loss as ``decide`` was told. ``refused``: the ValueError's message if the decision has
-        image inputs; raised before the decision is taken, so the caller can still run it."""
-        if self._pending is None or self._pending[0] is not decision:
-            raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once")
-        _, window, in_lockstep, decided_aux, vision = self._pending
-        if bool(compute_aux_loss) != decided_aux:
-            raise RuntimeError(f"run(compute_aux_loss={compute_aux_loss}) after decide(compute_aux_loss={decided_aux})")
-        if vision is not None and refused is not None:
-            raise ValueError(refused)
-        self._pending = None
-        return window, in_lockstep, vision
+        self._take(decision, "run_hidden() does not take image inputs: decide() them with vision=None and a cause")
+        d = decision
+        if d.kind is not Kind.SHARED:
+            warn_fallback(d.cause)
+            return self._end_sharing(d, stock())
+        C = d.options.logits_to_keep
+        return d.window.hidden_states(d.causal_lm, d.input_ids, d.attention_mask, C, lockstep=d.lockstep)
 
     @staticmethod
-    def _end_sharing(decision: Decision, window: Window, anchor: torch.Tensor) -> torch.Tensor:
-        """After a stock micro-batch of a window: sharing ends there, what is pending goes into ``anchor``'s backward."""
+    def _end_sharing(decision: Decision, anchor: torch.Tensor) -> torch.Tensor:
+        """After a stock micro-batch of a window: an unshared one is passed over, a fallback ends sharing; what is
+        pending goes into ``anchor``'s backward."""
         if decision.micro_batch is None:
             return anchor
-        return window.skip(anchor) if decision.cause == UNSHARED else window.abandon(anchor)
+        window = decision.window
+        return window.skip(anchor) if decision.kind is Kind.UNSHARED else window.abandon(anchor)
 
     def score(
         self,
@@ -392,10 +386,6 @@ class SharingSession:
             ValueError: the micro-batch's prompts are not the ones planned for it by ``begin_window``.
         """
         decision = self.decide(
-            model, input_ids, attention_mask, logits_to_keep, temperature=temperature, compute_aux_loss=compute_aux_loss
-        )
-        return self.run(
-            decision,
             model,
             input_ids,
             attention_mask,
@@ -405,6 +395,12 @@ class SharingSession:
             cast_lm_head_to_fp32=cast_lm_head_to_fp32,
             compute_aux_loss=compute_aux_loss,
         )
+        return self.run(decision)
+
+
+def _full_sequence(options: ScoreOptions):
+    """The model's own full-sequence computation as a ``run_in_forward`` function (the default stock path)."""
+    return lambda causal_lm, ids, mask: full_sequence_logprobs(causal_lm, ids, mask, options)
 
 
 def shared_prompt_logprobs(
@@ -459,13 +455,5 @@ def shared_prompt_logprobs(
             unknown ``sharing``.
         TypeError: non-integer ids or ``logits_to_keep``.
     """
-    session = SharingSession(sharing, confirm=confirm)
-    return session.score(
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-    )
+    options = dict(temperature=temperature, compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    return SharingSession(sharing, confirm=confirm).score(model, input_ids, attention_mask, logits_to_keep, **options)

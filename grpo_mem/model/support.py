@@ -3,7 +3,7 @@
 ``unsupported_reason`` names why a model (or a call) cannot take the prompt-once path; ``warn_fallback`` reports the
 fallback once per cause; ``full_sequence_logprobs`` is the fallback: the model's own forward over the whole sequence.
 Support is decided from the model as built (its modules, their forward methods, its config), not from a list of model
-types; ``tests/test_architectures.py`` checks the decision on every causal LM type transformers ships. This module
+types; ``tests/model/test_architectures.py`` checks the decision on every causal LM type transformers ships. This module
 knows transformers, not TRL.
 """
 
@@ -17,6 +17,7 @@ import re
 import sys
 import textwrap
 import warnings
+import weakref
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -358,7 +359,35 @@ def vision_language_reason(causal_lm) -> str | None:
     return None
 
 
+def config_state(config) -> str:
+    """A transformers config's fields (nested configs' too) as one string: equal while the config is unchanged."""
+    items = ((k, config_state(v) if hasattr(v, "get_text_config") else v) for k, v in vars(config).items())
+    return repr((type(config).__module__, type(config).__qualname__, tuple(items)))
+
+
+def _build_of(causal_lm) -> tuple:
+    """What ``architecture_reason`` depends on, as a comparable value: every module's class and parameter names,
+    and the config's fields."""
+    return tuple((type(m), tuple(m._parameters)) for m in causal_lm.modules()), config_state(causal_lm.config)
+
+
+_ARCHITECTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # causal LM -> (its build, its reason)
+
+
 def architecture_reason(causal_lm) -> str | None:
+    """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None
+    (``_architecture_reason``); computed again only when its modules' classes, their parameter names or its config
+    changed since the last call (``_build_of``), not per micro-batch."""
+    build = _build_of(causal_lm)
+    cached = _ARCHITECTURES.get(causal_lm)
+    if cached is not None and cached[0] == build:
+        return cached[1]
+    reason = _architecture_reason(causal_lm)
+    _ARCHITECTURES[causal_lm] = (build, reason)
+    return reason
+
+
+def _architecture_reason(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer

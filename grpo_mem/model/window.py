@@ -22,14 +22,22 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention_hook as attn_hook
-from . import router
 from .distributed import fsdp_wrapped
 from .head import completion_head
-from .linear_attention import LinearContext
 from .plan import PassSpec, WindowPlan
 from .store import PromptStates, PromptStore
 
-__all__ = ["Window"]
+__all__ = ["Window", "completion_width"]
+
+
+def completion_width(logits_to_keep: int, *, lockstep: bool, router: bool) -> int:
+    """Completion tokens the completion pass runs for C = ``logits_to_keep``: C − 1 (the last one predicts nothing);
+    all C when the MoE router loss is asked for (``router``: stock's loss counts the last token's router logits); 1
+    when C == 1 in ``lockstep`` (ranks whose micro-batches differ make the same module calls; tied in with zero
+    gradient), else 0 then."""
+    if router:
+        return logits_to_keep
+    return logits_to_keep - 1 if logits_to_keep > 1 or not lockstep else 1
 
 
 class _Tie(torch.autograd.Function):
@@ -103,10 +111,63 @@ class Window:
     _node_pass: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (pass id, row)
     _ids: itertools.count = field(default_factory=itertools.count)
     _inputs: object = None  # the current micro-batch's input provider (``run``'s ``inputs``)
+    _linear_layers: bool = False  # whether the model being run has linear-attention layers
 
     @property
     def done(self) -> bool:
+        """Whether every micro-batch of the window was scored (or the window was abandoned)."""
         return self.current > self.plan.last
+
+    @property
+    def mode(self) -> str:
+        """The plan's sharing mode, ``"tree"`` or ``"group"``."""
+        return self.plan.mode
+
+    @property
+    def pending(self) -> int:
+        """Kept prompt passes waiting for a later micro-batch's backward."""
+        return len(self.store)
+
+    def check_prompts(self, keys: tuple) -> None:
+        """Raise ValueError unless ``keys`` (``PromptGrouping.keys``) are the prompts planned for the next
+        micro-batch."""
+        planned = self.plan.keys[self.current]
+        if keys != planned:
+            raise ValueError(
+                f"micro-batch {self.current} of the window does not hold the prompts planned for it "
+                f"({len(set(keys))} unique prompts in {len(keys)} rows, planned {len(set(planned))} in {len(planned)})"
+            )
+
+    def shares(self) -> bool:
+        """Whether the next micro-batch shares a prompt pass with another row or micro-batch (``WindowPlan.shares``)."""
+        return self.plan.shares(self.current)
+
+    def tokens(self, logits_to_keep: int, *, lockstep: bool, router: bool) -> int:
+        """Tokens the backbone runs for the next micro-batch on the prompt-once path (``WindowPlan.tokens_at``)."""
+        width = completion_width(logits_to_keep, lockstep=lockstep, router=router)
+        return self.plan.tokens_at(self.current, width)
+
+    def pass_keys(self, images=None) -> tuple[list, list | None]:
+        """The keys of the next micro-batch's passes, and of those that run the vision tower given its bound image
+        inputs ``images`` (``VisionPasses``; None: no image inputs, and None for the second list)."""
+        passes = self.plan.passes_at(self.current)
+        keys = [p.key for p in passes]
+        if images is None:
+            return keys, None
+        return keys, [p.key for p in passes if p.nodes and images.images_of(self.spans(p))]
+
+    def align(self, keys) -> None:
+        """Add stand-in passes so that the next micro-batch runs a pass of every key in ``keys`` (the union over
+        ranks in lockstep) of this micro-batch (``WindowPlan.align``)."""
+        self.plan.align({k for k in keys if k[0] == self.current})
+
+    def end_after_next(self) -> None:
+        """Make the next micro-batch the window's last (``WindowPlan.end_after``)."""
+        self.plan.end_after(self.current)
+
+    def discard(self) -> int:
+        """Drop every kept pass unbackpropagated; returns how many there were."""
+        return self.store.discard()
 
     def _release(self, p: _Pass) -> int:
         """A pass's release micro-batch, moved earlier if the window was cut short (``WindowPlan.end_after``)."""
@@ -182,9 +243,14 @@ class Window:
             for pass_id, items in by_pass.items()
         ]
 
-    @staticmethod
-    def _linear(batch: int, lengths: list[int] | None, sources) -> LinearContext:
-        """The context of a pass's linear-attention layers: rows start from the ``sources`` nodes' states."""
+    def _linear(self, batch: int, lengths: list[int] | None, nodes: list[int | None], release: int, views):
+        """The context of a pass's linear-attention layers, whose rows start from the states of ``nodes`` (one per
+        row; None: from zero, ``_sources``), or None when the model has no such layers."""
+        if not self._linear_layers:
+            return None
+        from .linear_attention import LinearContext
+
+        sources = self._sources(nodes, release, views)
         return LinearContext(
             batch=batch,
             lengths=lengths,
@@ -193,7 +259,7 @@ class Window:
         )
 
     def _pass_inputs(self, spec: PassSpec, width: int) -> dict:
-        """Extra backbone kwargs of a pass from the micro-batch's input provider (``multimodal.VisionPasses``: image
+        """Extra backbone kwargs of a pass from the micro-batch's input provider (``vision_passes.VisionPasses``: image
         features, the model's positions), asked for each node's span (``spans``)."""
         if self._inputs is None or not spec.nodes:
             return {}
@@ -222,7 +288,7 @@ class Window:
         if self.record_router:
             extra["output_router_logits"] = True
         if spec.depth == 0 or not spec.nodes:
-            ctx = attn_hook.PromptCapture(linear=self._linear(len(lengths), lengths, []))
+            ctx = attn_hook.PromptCapture(linear=self._linear(len(lengths), lengths, [], spec.release, views))
             out = backbone(
                 input_ids=ids,
                 attention_mask=mask.long(),
@@ -236,7 +302,6 @@ class Window:
             parents = [self.plan.trie.path(n)[-2] for n in spec.nodes]
             ancestors = [self.plan.trie.path(n)[:-1] for n in spec.nodes]
             regions = self._regions(ancestors, spec.release, views, device)
-            sources = self._sources(parents, spec.release, views)
             last = max(self.plan.trie.nodes[n].start + length - 1 for n, length in zip(spec.nodes, lengths))
             ctx = attn_hook.CompletionContext(
                 regions=regions,
@@ -244,7 +309,7 @@ class Window:
                 positions=positions,
                 span=self._span(ancestors, last),
                 capture={},
-                linear=self._linear(len(lengths), lengths, sources),
+                linear=self._linear(len(lengths), lengths, parents, spec.release, views),
             )
             out = backbone(
                 input_ids=ids,
@@ -256,9 +321,10 @@ class Window:
             kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
         # whatever reads this pass (its K/V, its states, its last hidden state) holds its context, which the replay of
         # its checkpointed layers in backward looks up (a root pass's attention needs none; its linear layers do)
-        keeper = ctx if isinstance(ctx, attn_hook.CompletionContext) or ctx.linear.capture else None
+        captured = ctx.linear.capture if ctx.linear is not None else {}
+        keeper = ctx if isinstance(ctx, attn_hook.CompletionContext) or captured else None
         hidden = out.last_hidden_state if keeper is None else attn_hook.keep_alive(out.last_hidden_state, keeper)
-        linear = {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in ctx.linear.capture.items()}
+        linear = {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in captured.items()}
         last = hidden[torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device) - 1]
         router_logits = self._router_logits(out, ids.numel(), keeper) if self.record_router else ()
         states = PromptStates(
@@ -284,6 +350,8 @@ class Window:
     @staticmethod
     def _router_logits(out, tokens: int, ctx) -> tuple[torch.Tensor, ...]:
         """A pass's per-layer router logits, holding its completion context ``ctx`` (if any) like its other outputs."""
+        from . import router
+
         logits = router.router_logits_of(out, tokens)
         return logits if ctx is None else tuple(attn_hook.keep_alive(z, ctx) for z in logits)
 
@@ -301,7 +369,7 @@ class Window:
             key_mask=completion_mask[:, :width].bool(),
             positions=positions,
             span=self._span(paths, max(trie.nodes[leaf].end for leaf in leaves) + width - 1),
-            linear=self._linear(len(leaves), None, self._sources(leaves, self.current, views)),
+            linear=self._linear(len(leaves), None, leaves, self.current, views),
         )
         rope_positions = None if self._inputs is None else self._inputs.completion_positions(width)
         if rope_positions is None:  # the model's own positions (M-RoPE) if the input provider gives them
@@ -320,6 +388,8 @@ class Window:
     def _router_loss(self, causal_lm, leaves, views, completion_logits, completion_mask) -> torch.Tensor:
         """The micro-batch's MoE router loss: each pass it reads, its tokens weighted by how many of its rows' prompts
         pass through their node; the completion tokens (all C) by the completion mask (``grpo_mem.model.router``)."""
+        from . import router
+
         counts: dict[int, torch.Tensor] = {}
         for leaf in leaves:
             for node in self.plan.trie.path(leaf):
@@ -344,7 +414,7 @@ class Window:
         None), whose backward also backpropagates every pass released in this micro-batch.
 
         ``inputs``: the micro-batch's input provider, or None: what its passes add to their backbone calls
-        (``multimodal.VisionPasses``: image features and the model's own positions, per node span).
+        (``vision_passes.VisionPasses``: image features and the model's own positions, per node span).
 
         ``lockstep``: make the module calls of ranks whose micro-batches differ (with C == 1 the completion pass still
         runs, on token 1, tied in with zero gradient; stand-in passes are tied in likewise).
@@ -374,13 +444,13 @@ class Window:
         leaves = self.plan.leaves(self.current)
         backbone = causal_lm.base_model
         attn_hook.take_over(causal_lm)
+        self._linear_layers = attn_hook.has_linear(causal_lm)
         views: dict[int, PromptStates] = {}  # kept passes released in this micro-batch
         self._inputs = inputs
         for spec in self.plan.passes_at(self.current):
             self._forward_pass(backbone, spec, views, input_ids.device)
         hidden = [self._leaf_hidden(leaves, views).unsqueeze(1)]
-        # the last completion token predicts nothing, but stock's router loss counts its router logits
-        width = C if aux else C - 1 if C > 1 or not lockstep else 1
+        width = completion_width(C, lockstep=lockstep, router=aux)
         if width:
             out, completion_router = self._completion_pass(
                 backbone, leaves, completion_ids, completion_mask, width, views

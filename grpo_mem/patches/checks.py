@@ -9,6 +9,8 @@ import contextlib
 import importlib
 import inspect
 
+from .trl_images import IMAGE_INPUTS
+
 MIN_TRL = (1, 10)
 # Releases refused by name although their signatures pass, as (major, minor[, micro]) -> why. Empty: every release
 # from 1.10 to 1.16 passes the checks below and the parity tests (docs/compatibility.md, "TRL releases tested").
@@ -24,16 +26,7 @@ LOGPS_PARAMS = (
     "batch_size",
     "compute_entropy",
     "compute_aux_loss",
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
+    *IMAGE_INPUTS,
 )
 PREPARE_PARAMS = ("self", "generation_batch")
 # TRL 1.10-1.13 with use_liger_kernel: compute_loss -> compute_liger_loss, which takes the policy's final hidden states

@@ -8,7 +8,7 @@ on TRL 1.10-1.13 a third, are replaced by reference, on the class or on one trai
   model, PEFT reference with the adapter disabled) is scored chunk by chunk through the trainer's
   ``SharingSession``, which takes one decision per chunk (``SharingSession.decide``: prompt-once in tree or group
   mode, or TRL's own method with the cause, warned once per cause) and runs it. Inputs only TRL's own method takes
-  (image inputs outside ``multimodal.SERVED_INPUTS``) are a cause the patch names; the MoE router aux loss is
+  (image inputs outside ``trl_images.SERVED_INPUTS``) are a cause the patch names; the MoE router aux loss is
   returned per chunk as TRL computes it (``grpo_mem.model.router``). For the policy's training
   micro-batches, the decision's token counts and path go into TRL's logged metrics (``grpo_mem/...``).
 - ``_prepare_inputs``: TRL shuffles the generation batch row by row before splitting it into micro-batches, so a
@@ -30,7 +30,6 @@ trainer; before touching anything it checks what it relies on (``grpo_mem.patche
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import types
 import weakref
@@ -38,11 +37,11 @@ import weakref
 import torch
 
 from ..model.distributed import unwrap_causal_lm
-from ..model.multimodal import SERVED_INPUTS, VisionInputs, image_token_id, input_cause
 from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
 from ..model.support import warn_fallback
+from . import trl_images
 from .checks import (
     _MARK,
     HIDDEN_METHOD,
@@ -58,24 +57,15 @@ from .checks import (
 )
 
 METRIC_PREFIX = "grpo_mem/"
-# the scoring method's other multimodal arguments (a buffered batch holding one is scored by TRL's own method)
-_OTHER_INPUTS = (
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "image_position_ids",
-)
 PATHS = ("tree", "group", "stock")
 
 
-def group_shuffle(seq_dict: dict, batch_size: int) -> dict:
+def group_shuffle(seq_dict: dict) -> dict:
     """Shuffle a TRL generation batch by whole groups: groups in random order, rows in random order within a group.
 
     Groups are rows with identical prompts (``prompt_ids``/``prompt_mask``, padding ignored). With the rows laid out
-    group after group, splitting into micro-batches of ``batch_size`` keeps a group whole whenever ``batch_size`` is
-    a multiple of its size, and spreads it over consecutive micro-batches when ``batch_size`` is smaller. Values that
+    group after group, splitting into micro-batches of B rows keeps a group whole whenever B is a multiple of its
+    size, and spreads it over consecutive micro-batches when B is smaller. Values that
     are not sequences (0-d tensors, None) are kept as they are; lists and tensors are permuted in unison.
     Randomness comes from ``torch.randperm``, as in TRL's ``shuffle_sequence_dict``.
     """
@@ -115,6 +105,37 @@ def log_decision(trainer, decision: Decision) -> None:
         train[f"{METRIC_PREFIX}path/{path}"].append(float(decision.path == path))
 
 
+def _image_inputs(extras: dict, model, prompt_ids) -> tuple[str | None, dict]:
+    """(why the prompt-once path does not take the image arguments ``extras``, or None; ``chunk_images``' keyword
+    arguments for them, empty when none is given): the text path opens no image code."""
+    if all(v is None for v in extras.values()):
+        return None, {}
+    cause = trl_images.input_cause(extras)
+    from ..model.multimodal import image_token_id
+
+    return cause, dict(prompt_ids=prompt_ids, image_token=image_token_id(unwrap_causal_lm(model)))
+
+
+def _stock_call(original, trainer, model, ids, mask, logits_to_keep, chunk_size, options, extras):
+    """TRL's own method ``original`` on one chunk, as a ``SharingSession.run`` stock path."""
+
+    def stock():
+        out = original(
+            trainer,
+            model,
+            ids,
+            mask,
+            logits_to_keep,
+            batch_size=chunk_size,
+            compute_entropy=options["compute_entropy"],
+            compute_aux_loss=options["compute_aux_loss"],
+            **extras,
+        )
+        return out[0], out[1], (out[2] if len(out) > 2 else None)
+
+    return stock
+
+
 def patched_logps_method(original, handle: PatchHandle):
     """The patched ``_get_per_token_logps_and_entropies`` around TRL's ``original``, keeping its state on ``handle``."""
 
@@ -129,7 +150,7 @@ def patched_logps_method(original, handle: PatchHandle):
         compute_aux_loss=False,
         **extras,
     ):
-        cause = input_cause(extras)  # inputs the prompt-once path does not take: TRL's own method scores them
+        cause, located = _image_inputs(extras, model, input_ids[:, : input_ids.shape[1] - logits_to_keep])
         B = input_ids.size(0)
         # inputs the prompt-once path does not take: the call is one decision, scored by TRL whole (it slices them)
         step = B if cause is not None else (batch_size or B)
@@ -140,72 +161,53 @@ def patched_logps_method(original, handle: PatchHandle):
             temperature=self.temperature,
             compute_entropy=compute_entropy,
             cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+            compute_aux_loss=compute_aux_loss,
         )
-        all_logps, all_entropies, all_aux = [], [], []
-        prompts = dict(
-            prompt_ids=input_ids[:, : input_ids.shape[1] - logits_to_keep],
-            image_token=image_token_id(unwrap_causal_lm(model)),
-        )  # locate images by their token id
+        outs = []
         for start in range(0, B, step):
             ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
+            vision = None
+            if located and cause is None:
+                vision = trl_images.chunk_images(extras, start, start + ids.shape[0], B, **located)
+            chunk_extras = extras if vision is None else trl_images.chunk_kwargs(vision)
             chunk_size = batch_size if cause is not None else ids.shape[0]
-            vision = (
-                None if cause is not None else VisionInputs.of_chunk(extras, start, start + ids.shape[0], B, **prompts)
-            )
-            chunk_extras = extras if vision is None else vision.as_kwargs()
 
-            def stock(ids=ids, mask=mask, chunk_size=chunk_size, chunk_extras=chunk_extras):
-                out = original(
-                    self,
-                    model,
-                    ids,
-                    mask,
-                    logits_to_keep,
-                    batch_size=chunk_size,
-                    compute_entropy=compute_entropy,
-                    compute_aux_loss=compute_aux_loss,
-                    **chunk_extras,
-                )
-                return out[0], out[1], (out[2] if len(out) > 2 else None)
-
+            stock = _stock_call(original, self, model, ids, mask, logits_to_keep, chunk_size, options, chunk_extras)
             decision = session.decide(
                 model,
                 ids,
                 mask,
                 logits_to_keep,
-                temperature=self.temperature,
+                **options,
                 cause=cause,
                 stock_available=True,
-                compute_aux_loss=compute_aux_loss,
                 vision=vision,
+                autocast=self.accelerator.autocast,
             )
-            autocast = self.accelerator.autocast() if decision.path != "stock" else contextlib.nullcontext()
-            with autocast:
-                out = session.run(
-                    decision,
-                    model,
-                    ids,
-                    mask,
-                    logits_to_keep,
-                    **options,
-                    compute_aux_loss=compute_aux_loss,
-                    stock=stock,
-                )
+            outs.append(session.run(decision, stock=stock))
             if training and handle.log_metrics:
                 log_decision(self, decision)
-            all_logps.append(out[0])
-            all_entropies.append(out[1])
-            if compute_aux_loss:
-                all_aux.append(out[2])
-        logps = torch.cat(all_logps, dim=0)
-        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        logps = torch.cat([o[0] for o in outs], dim=0)
+        entropies = torch.cat([o[1] for o in outs], dim=0) if compute_entropy else None
         # TRL's own method: the mean of the per-chunk losses (a stock call scored whole returned that mean already)
-        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
+        aux_loss = torch.stack([o[2] for o in outs]).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
 
     _get_per_token_logps_and_entropies.__wrapped_original__ = original
     setattr(_get_per_token_logps_and_entropies, _MARK, True)
     return _get_per_token_logps_and_entropies
+
+
+def patched_method(original, *, sharing: str = "tree", confirm: bool | None = None, log_metrics: bool = False):
+    """TRL's scoring method ``original`` (an unbound ``_get_per_token_logps_and_entropies``) patched on a private
+    ``PatchHandle`` (installed on no class or trainer; ``group_shuffle`` off): the one way to call the patched method
+    directly, e.g. ``method(trainer, model, input_ids, attention_mask, logits_to_keep, ...)``. Returns ``(method,
+    handle)``; ``handle.session(trainer)`` is the trainer's ``SharingSession`` (to open a window with
+    ``begin_window``). Raises ValueError for an unknown ``sharing``."""
+    handle = PatchHandle(
+        None, group_shuffle=False, sharing=check_sharing(sharing), log_metrics=log_metrics, confirm=confirm
+    )
+    return patched_logps_method(original, handle), handle
 
 
 def patched_hidden_method(original, handle: PatchHandle):
@@ -234,10 +236,6 @@ def patched_hidden_method(original, handle: PatchHandle):
         )
         hidden = session.run_hidden(
             decision,
-            unwrapped_model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
             stock=lambda: original(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **extras),
         )
         if torch.is_grad_enabled() and unwrapped_model.training and handle.log_metrics:
@@ -249,21 +247,9 @@ def patched_hidden_method(original, handle: PatchHandle):
     return _get_last_hidden_state
 
 
-def _image_keys(batch: dict, prompt_width: int, image_token: int | None) -> list[bytes] | None:
-    """Per row of a buffered micro-batch, the image key the patched method's decision will give it (``VisionInputs.
-    row_keys``; ``image_token``: the model's image token id), or None when its scoring calls take no image inputs on
-    the prompt-once path."""
-    extras = {k: batch.get(k) for k in SERVED_INPUTS} | {k: batch.get(k) for k in _OTHER_INPUTS}
-    if input_cause(extras) is not None:
-        return None
-    rows = batch["prompt_ids"].shape[0]
-    vision = VisionInputs.of_chunk(extras, 0, rows, rows, batch["prompt_ids"], image_token)
-    return None if vision is None else vision.row_keys(prompt_width)
-
-
 def _window_prompts(trainer) -> tuple[list, list, list | None]:
-    """Prompt ids, masks and image keys (None if no micro-batch has images) of the micro-batches from the current
-    one to the end of its gradient-accumulation window (windows start where ``_step`` is a multiple of the
+    """Prompt ids, masks and image inputs (``VisionInputs`` or None per micro-batch; None if no micro-batch has
+    images) of the micro-batches from the current one to the end of its gradient-accumulation window (windows start where ``_step`` is a multiple of the
     accumulation steps), within the current generation buffer."""
     buffered = trainer._buffered_inputs
     spg = trainer.args.steps_per_generation
@@ -271,29 +257,31 @@ def _window_prompts(trainer) -> tuple[list, list, list | None]:
     step = trainer._step
     window_end = step - step % trainer.current_gradient_accumulation_steps
     window_end += trainer.current_gradient_accumulation_steps
-    ids, masks, keys = [], [], []
-    image_token = image_token_id(unwrap_causal_lm(trainer.model))
+    ids, masks, images = [], [], []
     while True:
         batch = buffered[step % spg]
         P = batch["prompt_ids"].shape[1]
         ids.append(batch["prompt_ids"])
         masks.append(batch["prompt_mask"][:, :P])
-        keys.append(_image_keys(batch, P, image_token))
+        extras = {k: batch.get(k) for k in trl_images.IMAGE_INPUTS}
+        cause, located = _image_inputs(extras, trainer.model, batch["prompt_ids"])
+        images.append(
+            None
+            if cause is not None or not located
+            else trl_images.chunk_images(extras, 0, len(ids[-1]), len(ids[-1]), **located)
+        )
         step += 1
         # stop at the window's end, and where the buffer wraps or is regenerated
         if step >= window_end or step % spg == 0 or step % generate_every == 0:
-            if all(k is None for k in keys):
-                return ids, masks, None
-            return ids, masks, [[b""] * len(i) if k is None else k for i, k in zip(ids, keys)]
+            return ids, masks, None if all(v is None for v in images) else images
 
 
 def _make_prepare(original, handle: PatchHandle):
     def _prepare_inputs(self, generation_batch):
         module = importlib.import_module(type(self).__module__)
-        batch_size = self.args.per_device_train_batch_size
         stock_shuffle = module.shuffle_sequence_dict
         if handle.group_shuffle:
-            module.shuffle_sequence_dict = lambda seq_dict: group_shuffle(seq_dict, batch_size)
+            module.shuffle_sequence_dict = group_shuffle
         try:
             inputs = original(self, generation_batch)
         finally:
@@ -305,7 +293,7 @@ def _make_prepare(original, handle: PatchHandle):
         if self.model.training and self._buffered_inputs:
             session = handle.session(self)
             if self._step % self.current_gradient_accumulation_steps == 0 or not session.in_window:
-                session.begin_window(getattr(self, "model_wrapped", None) or self.model, *_window_prompts(self))
+                session.begin_window(*_window_prompts(self))
             if self.accelerator.sync_gradients:  # the Trainer steps after this micro-batch (a short last window)
                 session.end_after_next()
         return inputs
@@ -424,7 +412,7 @@ def _repatch(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bo
     differ = _differences(handle, group_shuffle, sharing, confirm)
     if not differ:
         return handle
-    if any(session.in_window or session.pending for session in handle.sessions.values()):
+    if any(session.in_window for session in handle.sessions.values()):
         raise ValueError(
             f"the patch of {', '.join(handle.targets)} has {differ}, and a sharing window is open "
             "(mid-step): call patch_trl again between optimizer steps, or revert the handle first"

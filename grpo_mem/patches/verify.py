@@ -42,7 +42,7 @@ from ..model.distributed import unwrap_causal_lm
 from ..model.forward import installed, own_forward, restore, validate_inputs
 from ..model.plan import PromptGrouping
 from .checks import LOGPS_METHOD, LOGPS_PARAMS
-from .trl import PatchHandle, active_handle, group_shuffle, patched_logps_method
+from .trl import active_handle, group_shuffle, patched_method
 from .verify_criteria import (
     BF16_BOUNDS,
     BF16_GRAD_TOL,
@@ -184,7 +184,7 @@ def _trainer_batch(trainer) -> dict:
             del accelerator._dataloaders[n_loaders:]
     handle = active_handle(trainer)
     if handle is not None and handle.group_shuffle:
-        return group_shuffle(batch, trainer.args.per_device_train_batch_size)
+        return group_shuffle(batch)
     module = sys.modules[type(trainer).__module__]
     return module.shuffle_sequence_dict(batch) if hasattr(module, "shuffle_sequence_dict") else batch
 
@@ -405,8 +405,7 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     stock = score_with(setup.stock_fn)
     timings["stock"] = time.perf_counter() - t
     # grpo_mem: the patched method, on a private handle (nothing installed on a class or the trainer)
-    handle = PatchHandle(None, group_shuffle=False, log_metrics=False)
-    ours_fn = patched_logps_method(setup.stock_fn, handle)
+    ours_fn, handle = patched_method(setup.stock_fn)
     session = handle.session(setup.self_obj)
     prompt_ids, prompt_mask = setup.ids[:, : setup.P], setup.mask[:, : setup.P]
     decisions = []
@@ -414,9 +413,7 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     def before_call(i):
         if i % setup.window == 0:
             window = setup.slices[i : i + setup.window]
-            session.begin_window(
-                setup.model, [prompt_ids[lo:hi] for lo, hi in window], [prompt_mask[lo:hi] for lo, hi in window]
-            )
+            session.begin_window([prompt_ids[lo:hi] for lo, hi in window], [prompt_mask[lo:hi] for lo, hi in window])
 
     t = time.perf_counter()
     try:

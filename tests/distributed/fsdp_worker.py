@@ -97,14 +97,14 @@ def check(reshard: bool, checkpointing: bool, mesh, rank: int) -> dict:
     session = SharingSession()
     micro_batches = ([0, 1, 4, 5], [2, 3], [6, 7])
     P = split_ids.shape[1] - C
-    session.begin_window(model, [split_ids[r, :P] for r in micro_batches], [split_mask[r, :P] for r in micro_batches])
+    session.begin_window([split_ids[r, :P] for r in micro_batches], [split_mask[r, :P] for r in micro_batches])
     parts, kept = [], []
     for rows in micro_batches:
         lp, _ = session.score(model, split_ids[rows], split_mask[rows], C)
         (lp * w_split[rows]).sum().backward()
         parts.append(lp.detach())
-        kept.append(session.pending)
-    store_left = session.pending
+        kept.append(session.window.pending)
+    store_left = session.window.pending
     session.close_window()
     split_grads = _full_grads(model)
     order = torch.tensor(sum(micro_batches, []))

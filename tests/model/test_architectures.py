@@ -100,7 +100,7 @@ def _ours(model, ids, mask, C, sharing):
             )
         else:  # a window of one micro-batch whose trie has the 4-token prefix as a node of its own
             session = SharingSession("tree", min_shared_tokens=MIN_SHARED_TOKENS)
-            session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
+            session.begin_window([ids[:, :-C]], [mask[:, :-C]])
             logps, entropy = session.score(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
     return logps, entropy, causes
 

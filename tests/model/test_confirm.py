@@ -85,7 +85,7 @@ def _batch():
 def _tree(model, ids, mask, C, confirm_first):
     """Tree-mode scores of one window whose trie has the shared prefix as a node, and the fallback causes."""
     session = SharingSession("tree", min_shared_tokens=3, confirm=confirm_first)
-    session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
+    session.begin_window([ids[:, :-C]], [mask[:, :-C]])
     with support.recording_fallbacks() as causes, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logps, entropy = session.score(model, ids, mask, C, compute_entropy=True)

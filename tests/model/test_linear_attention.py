@@ -168,7 +168,7 @@ def _check(model, ids, mask, C, sharing, monkeypatch=None):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="grpo_mem: falling back")
         session = SharingSession(sharing, min_shared_tokens=2)
-        session.begin_window(model, [ids[:, :-C]], [mask[:, :-C]])
+        session.begin_window([ids[:, :-C]], [mask[:, :-C]])
         ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
     assert_close(ours, ref, 1e-5, "log-probs")
     assert_close(ours_e, ref_e, 1e-5, "entropies")
@@ -212,7 +212,7 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
     ref, ref_grads = stock_window(model, batches, C)
     count = CountPasses(monkeypatch)
     session = SharingSession(min_shared_tokens=2)
-    begin_window(session, model, batches, C)
+    begin_window(session, batches, C)
     for (ids, mask), (r, re) in zip(batches, ref):
         logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
         assert_close(logps, r, 1e-5, "log-probs")

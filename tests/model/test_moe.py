@@ -159,13 +159,13 @@ def test_groups_split_over_micro_batches(sharing):
         ref_aux.append(aux.detach())
     ref_total = grads(model)
     session = SharingSession(sharing, min_shared_tokens=4)
-    session.begin_window(model, [ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
+    session.begin_window([ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
     for rows, w, expected in zip(parts, weights, ref_aux):
         logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
         assert session.last_decision.path == sharing, session.last_decision.cause
         assert_close(aux.detach(), expected, 1e-6, "micro-batch aux loss")
         ((logps * w).sum() + 10 * aux).backward()
-    assert session.pending == 0
+    assert session.window.pending == 0
     session.close_window()
     assert_grads_close(grads(model), ref_total, 1e-4)
 
@@ -190,7 +190,7 @@ def test_lockstep_schedule_keeps_the_router_loss(monkeypatch, C):
         ref_aux.append(aux.detach())
     ref_total = grads(model)
     session = SharingSession("group")
-    session.begin_window(model, [ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
+    session.begin_window([ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
     for rows, expected in zip(parts, ref_aux):
         logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
         assert session.last_decision.path == "group", session.last_decision.cause

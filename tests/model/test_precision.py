@@ -119,7 +119,7 @@ def test_bf16_image_prompts_error_within_stock_error(mode):
     from trl.trainer.utils import add_fused_lm_head
 
     from grpo_mem.model.support import recording_fallbacks
-    from grpo_mem.patches.trl import PatchHandle, patched_logps_method
+    from grpo_mem.patches.trl import patched_method
 
     ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=5, seed=2)
     w = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -129,9 +129,7 @@ def test_bf16_image_prompts_error_within_stock_error(mode):
         add_fused_lm_head(m, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
     truth = _image_run(truth_model, _stock_method(), ids, mask, C, extras, w, autocast=False)
     stock = _image_run(model, _stock_method(), ids, mask, C, extras, w, autocast=mode == "autocast")
-    patched = patched_logps_method(
-        _stock_method(), PatchHandle(("test_precision",), group_shuffle=False, sharing="group")
-    )
+    patched, _ = patched_method(_stock_method(), sharing="group")
     with recording_fallbacks() as fallbacks:
         ours = _image_run(model, patched, ids, mask, C, extras, w, autocast=mode == "autocast")
     assert fallbacks == []

@@ -184,7 +184,7 @@ def test_window_forwards_each_node_once_and_sums_gradients(monkeypatch, checkpoi
 
     count = CountPasses(monkeypatch)
     session = SharingSession(min_shared_tokens=32)
-    begin_window(session, model, batches, C)
+    begin_window(session, batches, C)
     outputs = []
     for j, (ids, mask) in enumerate(scored):
         if truncate and j == 2:
@@ -232,3 +232,56 @@ def test_patched_training_with_a_system_prompt_matches_stock(tmp_path, monkeypat
     for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
         assert_grads_close(g_ours, g_stock, 1e-4)
     assert_weights_close(ours.model, stock.model, 1e-5)
+
+
+def test_decision_is_one_value_run_once():
+    """A decision carries what its run needs and runs once, for the window's next micro-batch only; its kind says
+    what it does: shared (the log-probs of stock), unshared (the caller's stock path; the window passes over it and
+    goes on sharing) or fallback (the window stops sharing)."""
+    from grpo_mem.model.sharing import UNSHARED, Kind
+
+    model = tiny_model()
+    C = 4
+    shared = make_batch([5, 7], G=2, C=C, seed=3)[:2]
+    unshared = make_batch([6, 8], G=1, C=C, seed=4)[:2]
+    ref, _ = stock_logps(model, *shared, C)
+    session = SharingSession("group")
+    begin_window(session, [shared, unshared, shared], C)
+    first = session.decide(model, *shared, C, compute_entropy=True)
+    again = session.decide(model, *shared, C)  # decided twice: only one of them can run
+    assert first == again and first.kind is Kind.SHARED and first.path == "group" and first.micro_batch == 0
+    logps, ent = session.run(first)
+    assert_close(logps, ref, 1e-5, "log-probs", mask=shared[1][:, -C:])
+    assert ent is not None and session.window.pending == 1  # the prompts are read again by micro-batch 2
+    with pytest.raises(RuntimeError, match="once: it was run"):
+        session.run(first)
+    with pytest.raises(RuntimeError, match="window that has moved on"):
+        session.run(again)
+    (logps.sum() + ent.sum()).backward()
+    skipped = session.decide(model, *unshared, C, stock_available=True)
+    assert (skipped.kind, skipped.cause, skipped.path, skipped.micro_batch) == (Kind.UNSHARED, UNSHARED, "stock", 1)
+    stock = torch.full((2, C), -1.0, requires_grad=True)
+    assert session.run(skipped, stock=lambda: (stock, None, None))[0] is stock
+    last = session.decide(model, *shared, C)
+    assert last.kind is Kind.SHARED and last.backbone_tokens < last.stock_tokens
+    assert_close(session.run(last)[0], ref, 1e-5, "log-probs", mask=shared[1][:, -C:])
+    assert session.window.pending == 0 and not session.in_window
+    session.close_window()
+
+
+def test_run_hidden_gives_the_backbones_hidden_states():
+    """``run_hidden`` runs the decision's prompt-once path up to the head: the backbone's final hidden states at the
+    positions that predict the completion tokens, as a full-sequence forward gives them; the stock path is the
+    caller's."""
+    model = tiny_model()
+    C = 4
+    ids, mask = make_batch([5, 7], G=2, C=C, seed=5)[:2]
+    with torch.no_grad():
+        ref = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -C - 1 : -1]
+    session = SharingSession("tree", min_shared_tokens=2)
+    decision = session.decide(model, ids, mask, C)
+    hidden = session.run_hidden(decision, stock=lambda: None)
+    assert hidden.shape == ref.shape and decision.path == "tree"
+    assert_close(hidden, ref, 1e-5, "hidden states", mask=mask[:, -C:, None])
+    stock = session.decide(model, ids, mask, C, cause="the caller's own")
+    assert session.run_hidden(stock, stock=lambda: ref) is ref and stock.kind.name == "FALLBACK"

@@ -84,7 +84,7 @@ def test_window_of_micro_batches_with_split_groups(arch):
         ref.append(logps)
         ref_grads = g if ref_grads is None else {k: v + g[k] for k, v in ref_grads.items()}
     session = SharingSession()
-    session.begin_window(model, [ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
+    session.begin_window([ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
     for (ids, mask), r in zip(batches, ref):
         logps, _ = session.score(model, ids, mask, C)
         assert_close(logps.detach(), r, 1e-5, "log-probs")

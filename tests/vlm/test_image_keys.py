@@ -1,4 +1,4 @@
-"""``multimodal.image_keys``: rows keyed by their image tensors exactly, on the tensors' device.
+"""``content_hash.image_keys``: rows keyed by their image tensors exactly, on the tensors' device.
 
 Equal tensors (in different rows, as separate copies) share a key; different tensors never do, even when every
 fingerprint collides (forced here), and an image's key does not depend on what else its call keys; no image tensor is
@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_mem.model import multimodal
-from grpo_mem.model.multimodal import VisionInputs, image_keys
+from grpo_mem.model import content_hash
+from grpo_mem.model.content_hash import image_keys
+from grpo_mem.patches.trl_images import chunk_images
 
 
 def _rows():
@@ -51,7 +52,7 @@ def _check(keys):
 def digest_path(request, monkeypatch):
     """Both digests of ``image_keys``: blake2b on host bytes, and the on-device one (forced on CPU tensors)."""
     if request.param == "device":
-        monkeypatch.setattr(multimodal, "_on_host", lambda t: False)
+        monkeypatch.setattr(content_hash, "_on_host", lambda t: False)
     return request.param
 
 
@@ -65,7 +66,7 @@ def test_equal_images_share_a_key_and_different_ones_do_not(digest_path):
 
 def test_forced_fingerprint_collisions_still_separate_different_images(monkeypatch, digest_path):
     monkeypatch.setattr(
-        multimodal, "_fingerprint", lambda t, cache: torch.zeros((), dtype=torch.int64, device=t.device)
+        content_hash, "_fingerprint", lambda t, cache: torch.zeros((), dtype=torch.int64, device=t.device)
     )
     keys = image_keys(_rows())
     _check(keys)
@@ -104,10 +105,10 @@ def test_image_tensors_are_never_copied_to_the_host(monkeypatch):
 
     ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=4)
     P = ids.shape[1] - C
-    monkeypatch.setattr(multimodal, "_on_host", lambda t: False)  # as on an accelerator
+    monkeypatch.setattr(content_hash, "_on_host", lambda t: False)  # as on an accelerator
     watched = dict(extras, pixel_values=extras["pixel_values"].as_subclass(_HostWatch))  # what is derived from it too
     rows = ids.shape[0]
-    vision = VisionInputs.of_chunk(watched, 0, rows, rows)
+    vision = chunk_images(watched, 0, rows, rows)
     _HostWatch.transfers.clear()
     keys = vision.row_keys(P)
     # What crosses of the images: their fingerprints and, per distinct content, a 128-bit digest; never an image

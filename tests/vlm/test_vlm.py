@@ -22,10 +22,10 @@ import torch
 from helpers import assert_close, assert_grads_close, grads_of
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from grpo_mem.model.multimodal import VisionInputs
-from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.sharing import Kind, SharingSession
 from grpo_mem.model.support import recording_fallbacks
-from grpo_mem.patches.trl import PatchHandle, patched_logps_method
+from grpo_mem.patches.trl import patched_method
+from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs
 
 IMAGE, VISION_START, VISION_END = 120, 118, 119
 TEMPERATURE = 0.7
@@ -143,7 +143,7 @@ def vlm_batch(prompts, G: int, C: int, *, seed: int = 0, image_seeds=None):
 
 def reorder(extras: dict, order: torch.Tensor) -> dict:
     """TRL's multimodal keyword arguments of a batch for its rows taken in ``order``."""
-    whole = VisionInputs.of_chunk(extras, 0, len(order), len(order))
+    whole = chunk_images(extras, 0, len(order), len(order))
     images = [whole.of_rows([int(b)]) for b in order]
     return dict(
         pixel_values=torch.cat([i["pixel_values"] for i in images]),
@@ -223,9 +223,10 @@ def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     ref_grads = grads_of(model, ref_logps, ref_ent)
     assert sum(encoded) == sum(extras["num_images"])
     encoded.clear()
-    handle = PatchHandle(("test_vlm",), group_shuffle=False, sharing="group")
     with recording_fallbacks() as fallbacks:
-        logps, ent = _score(patched_logps_method(_stock_method(), handle), model, ids, mask, C, extras, batch_size)
+        logps, ent = _score(
+            patched_method(_stock_method(), sharing="group")[0], model, ids, mask, C, extras, batch_size
+        )
     grads = grads_of(model, logps, ent)
     assert fallbacks == []
     chunks = [range(s, min(s + batch_size, ids.shape[0])) for s in range(0, ids.shape[0], batch_size)]
@@ -247,7 +248,7 @@ def test_text_only_batch_on_a_served_model(vlm, sharing):
     ref_grads = grads_of(model, ref_logps, ref_ent)
     encoded.clear()
     with recording_fallbacks() as fallbacks:
-        method = patched_logps_method(_stock_method(), PatchHandle(("test_vlm",), group_shuffle=False, sharing=sharing))
+        method, _ = patched_method(_stock_method(), sharing=sharing)
         logps, ent = _score(method, model, ids, mask, C, {}, 4)
     assert fallbacks == [] and encoded == []
     assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
@@ -266,11 +267,11 @@ def test_window_forwards_each_image_prompt_once(vlm, sharing):
     order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # rows 2i, 2i + 1 are prompt i's
     ids, mask = ids[order], mask[order]
     extras = reorder(extras, order)
-    halves = [VisionInputs.of_chunk(extras, s, s + 4, 8) for s in (0, 4)]
+    halves = [chunk_images(extras, s, s + 4, 8) for s in (0, 4)]
     P = ids.shape[1] - C
     ref_logps = []
     for s, half in zip((0, 4), halves):
-        logps, ent = _score(_stock_method(), model, ids[s : s + 4], mask[s : s + 4], C, half.as_kwargs(), 4)
+        logps, ent = _score(_stock_method(), model, ids[s : s + 4], mask[s : s + 4], C, chunk_kwargs(half), 4)
         ref_logps.append(logps)
         (logps.sum() + ent.sum()).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -279,16 +280,14 @@ def test_window_forwards_each_image_prompt_once(vlm, sharing):
     session = SharingSession(sharing)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        session.begin_window(
-            model, [ids[:4, :P], ids[4:, :P]], [mask[:4, :P], mask[4:, :P]], row_keys=[h.row_keys(P) for h in halves]
-        )
+        session.begin_window([ids[:4, :P], ids[4:, :P]], [mask[:4, :P], mask[4:, :P]], images=halves)
     for s, half in zip((0, 4), halves):
         chunk_ids, chunk_mask = ids[s : s + 4], mask[s : s + 4]
-        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=half)
-        assert decision.path == sharing
-        logps, ent = session.run(
-            decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True
+        decision = session.decide(
+            model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True, vision=half
         )
+        assert decision.path == sharing
+        logps, ent = session.run(decision)
         assert_close(logps, ref_logps[s // 4], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
     session.close_window()
@@ -298,24 +297,55 @@ def test_window_forwards_each_image_prompt_once(vlm, sharing):
     assert_grads_close(grads, ref_grads)
 
 
+def test_images_are_keyed_once_per_micro_batch(vlm, monkeypatch):
+    """The image value a window is planned with is the one its micro-batch is decided with: a chunk sliced again from
+    the same arguments (as the patched method slices each call's) reuses its row keys (no hashing in ``decide``),
+    and decides as a chunk keyed afresh does; bound once, in the decision."""
+    from grpo_mem.model import multimodal
+
+    model, _ = vlm
+    ids, mask, C, extras = vlm_batch(PROMPTS, G=2, C=4, seed=1)
+    P, B = ids.shape[1] - C, ids.shape[0]
+    planned = chunk_images(extras, 0, B, B)
+    calls = []
+    keys = multimodal.image_keys
+    monkeypatch.setattr(multimodal, "image_keys", lambda parts: calls.append(len(parts)) or keys(parts))
+    session = SharingSession("group")
+    session.begin_window([ids[:, :P]], [mask[:, :P]], images=[planned])
+    planned_calls = len(calls)
+    again = chunk_images(extras, 0, B, B)
+    assert again is not planned and planned.holds(again)
+    decision = session.decide(model, ids, mask, C, vision=again)
+    assert planned_calls == 2 and len(calls) == planned_calls  # token types and images, once each
+    fresh = SharingSession("group").decide(model, ids, mask, C, vision=chunk_images(extras, 0, B, B))
+    assert len(calls) == 2 * planned_calls
+    assert (decision.path, decision.backbone_tokens, decision.stock_tokens) == (
+        "group",
+        fresh.backbone_tokens,
+        B * ids.shape[1],
+    )
+    assert decision.images.inputs is planned and decision.kind is Kind.SHARED
+    session.close_window()
+
+
 def test_image_tokens_in_completion_are_a_named_cause(vlm):
     """An image token type in a completion (images a tool returned), image inputs given to a text model: the decision
     is the stock path, with its cause."""
     model, _ = vlm
     ids, mask, C, extras = vlm_batch(PROMPTS[:2], G=2, C=4, seed=2)
     extras["mm_token_type_ids"][0, -C] = 1
-    vision = VisionInputs.of_chunk(extras, 0, 4, 4)
+    vision = chunk_images(extras, 0, 4, 4)
     session = SharingSession("group")
     decision = session.decide(model, ids, mask, C, vision=vision, stock_available=True)
     cause = "image or video tokens in a completion (images returned by a tool)"
     assert (decision.path, decision.cause) == ("stock", cause)
     # the default stock path takes no images: refused, and the decision is still there to run with one that does
     with pytest.raises(ValueError, match="no stock path taking them"):
-        session.run(decision, model, ids, mask, C)
+        session.run(decision)
     with pytest.raises(ValueError, match="run_hidden.. does not take image inputs"):
-        session.run_hidden(decision, model, ids, mask, C, stock=lambda: None)
+        session.run_hidden(decision, stock=lambda: None)
     sentinel = torch.zeros(4, C)
-    assert session.run(decision, model, ids, mask, C, stock=lambda: (sentinel, None, None))[0] is sentinel
+    assert session.run(decision, stock=lambda: (sentinel, None, None))[0] is sentinel
     from helpers import tiny_model
 
     text_model = tiny_model("qwen2", vocab_size=128)  # image inputs given to a model without a vision tower
@@ -331,7 +361,7 @@ def test_bad_image_inputs_get_clear_errors(vlm):
     first_image = (ids == IMAGE).int().argmax(1)
     ids[torch.arange(ids.shape[0]), first_image] = 9  # one image token of every row becomes text
     extras["mm_token_type_ids"][torch.arange(ids.shape[0]), first_image] = 0
-    method = patched_logps_method(_stock_method(), PatchHandle(("test_vlm",), group_shuffle=False))
+    method, _ = patched_method(_stock_method())
     with pytest.raises(ValueError, match="Image features and image tokens do not match") as stock_error:
         _score(_stock_method(), model, ids, mask, C, extras, 4)
     with pytest.raises(ValueError, match="Image features and image tokens do not match") as our_error:

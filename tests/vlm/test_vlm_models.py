@@ -25,10 +25,10 @@ from test_vlm import TEMPERATURE, _score, _stock_method
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
-from grpo_mem.model.multimodal import VisionInputs, input_cause
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import architecture_reason, recording_fallbacks
-from grpo_mem.patches.trl import PatchHandle, patched_logps_method
+from grpo_mem.patches.trl import patched_method
+from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs, input_cause
 
 IMAGE, BOI, EOI = 120, 118, 119
 _PINPOINTS = [[8, 8], [8, 16], [16, 8]]
@@ -295,9 +295,7 @@ def _encoded(model_type: str, prompts: list[int]) -> int:
 
 
 def _patched():
-    return patched_logps_method(
-        _stock_method(), PatchHandle(("test_vlm_models",), group_shuffle=False, sharing="group")
-    )
+    return patched_method(_stock_method(), sharing="group")[0]
 
 
 @pytest.mark.parametrize(
@@ -358,7 +356,7 @@ def test_window_forwards_each_image_prompt_once():
     ids, mask, extras = vlm_batch("gemma3")
     B, P = ids.shape[0], ids.shape[1] - C
     order = sorted(range(B), key=lambda b: (b % G, b))  # micro-batch i: row i of every group
-    whole = VisionInputs.of_chunk(extras, 0, B, B)
+    whole = chunk_images(extras, 0, B, B)
     ids, mask = ids[order], mask[order]
     extras = dict(
         whole.of_rows(order),
@@ -366,10 +364,10 @@ def test_window_forwards_each_image_prompt_once():
         token_type_ids=extras["token_type_ids"][order],
     )
     size = B // G
-    chunks = [VisionInputs.of_chunk(extras, s, s + size, B) for s in range(0, B, size)]
+    chunks = [chunk_images(extras, s, s + size, B) for s in range(0, B, size)]
     ref_logps = []
     for s, chunk in zip(range(0, B, size), chunks):
-        logps, ent = _score(_stock_method(), model, ids[s : s + size], mask[s : s + size], C, chunk.as_kwargs(), size)
+        logps, ent = _score(_stock_method(), model, ids[s : s + size], mask[s : s + size], C, chunk_kwargs(chunk), size)
         ref_logps.append(logps)
         (logps.sum() + ent.sum()).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -377,18 +375,17 @@ def test_window_forwards_each_image_prompt_once():
     encoded.clear()
     session = SharingSession("group")
     session.begin_window(
-        model,
         [ids[s : s + size, :P] for s in range(0, B, size)],
         [mask[s : s + size, :P] for s in range(0, B, size)],
-        row_keys=[c.row_keys(P) for c in chunks],
+        images=chunks,
     )
     for s, chunk in zip(range(0, B, size), chunks):
         chunk_ids, chunk_mask = ids[s : s + size], mask[s : s + size]
-        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=chunk)
-        assert decision.path == "group"
-        logps, ent = session.run(
-            decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True
+        decision = session.decide(
+            model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True, vision=chunk
         )
+        assert decision.path == "group"
+        logps, ent = session.run(decision)
         assert_close(logps, ref_logps[s // size], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
     session.close_window()
@@ -428,16 +425,16 @@ def test_layouts_slice_as_trl_and_key_rows_by_their_images():
     """Per row (Idefics3) and per image (LLaVA) layouts: a chunk's tensors are TRL's slices; rows of one prompt share
     a key, equal ids with other images do not; counts the tensors do not hold are a ValueError naming both."""
     ids, mask, extras = vlm_batch("idefics3")
-    chunk = VisionInputs.of_chunk(extras, 4, 8, ids.shape[0])
+    chunk = chunk_images(extras, 4, 8, ids.shape[0])
     assert torch.equal(chunk.tensors["pixel_values"], extras["pixel_values"][4:8])
     assert torch.equal(chunk.tensors["pixel_attention_mask"], extras["pixel_attention_mask"][4:8])
     ids, mask, extras = vlm_batch("llava")
-    chunk = VisionInputs.of_chunk(extras, 4, 8, ids.shape[0])
+    chunk = chunk_images(extras, 4, 8, ids.shape[0])
     assert torch.equal(chunk.tensors["pixel_values"], extras["pixel_values"][5:9])  # rows 4-7: images 5-8
-    keys = VisionInputs.of_chunk(extras, 0, ids.shape[0], ids.shape[0]).row_keys(ids.shape[1] - C)
+    keys = chunk_images(extras, 0, ids.shape[0], ids.shape[0]).row_keys(ids.shape[1] - C)
     assert keys[0] == keys[2] != keys[9] and keys[6] == b"" and keys[3] != keys[0]
     with pytest.raises(ValueError, match="counts 19 images and the batch has 15 rows but pixel_values has 18"):
-        VisionInputs.of_chunk(dict(extras, num_images=[2] + extras["num_images"][1:]), 0, 15, 15)
+        chunk_images(dict(extras, num_images=[2] + extras["num_images"][1:]), 0, 15, 15)
     assert input_cause(dict(extras, image_position_ids=torch.zeros(1))) == (
         "multimodal or token-type inputs ['image_position_ids']"
     )

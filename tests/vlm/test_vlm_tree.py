@@ -18,8 +18,21 @@ from collections import defaultdict
 import pytest
 import torch
 from helpers import assert_close, assert_grads_close, grads_of
-from test_vlm import _TEXT, CHANNELS, IMAGE, PATCH, TEMPERATURE, VISION_END, VISION_START, _score
-from test_vlm import _stock_method, _trainer, _vlm, reorder, vlm_batch
+from test_vlm import (
+    _TEXT,
+    CHANNELS,
+    IMAGE,
+    PATCH,
+    TEMPERATURE,
+    VISION_END,
+    VISION_START,
+    _score,
+    _stock_method,
+    _trainer,
+    _vlm,
+    reorder,
+    vlm_batch,
+)
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from grpo_mem.model import multimodal
@@ -27,7 +40,8 @@ from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import recording_fallbacks
 from grpo_mem.model.trie import PromptTrie
-from grpo_mem.patches.trl import METRIC_PREFIX, PatchHandle, patched_logps_method
+from grpo_mem.patches.trl import METRIC_PREFIX, patched_method
+from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs
 
 SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47]
 X, Y, Z = (1, 4, 4), (1, 4, 8), (1, 4, 4)  # 4, 8 and 4 image tokens after the 2x2 merge
@@ -118,11 +132,10 @@ def _model(model_type: str):
 
 def _patched(session: SharingSession):
     """TRL's scoring method patched, scoring with ``session``; returns (method, the trainer's metrics)."""
-    handle = PatchHandle(("test_vlm_tree",), group_shuffle=False, sharing=session.mode)
+    method, handle = patched_method(_stock_method(), sharing=session.mode, log_metrics=True)
     trainer = _trainer()
     trainer._metrics = {"train": defaultdict(list)}
     handle.sessions[trainer] = session
-    method = patched_logps_method(_stock_method(), handle)
     return (lambda _self, *args, **kwargs: method(trainer, *args, **kwargs)), trainer._metrics["train"]
 
 
@@ -186,7 +199,7 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
     ids, mask, C, extras = vlm_batch(TREE_PROMPTS, G=2, C=4, seed=6, image_seeds=IMAGE_SEEDS)
     order = torch.cat([torch.arange(0, 12, 2), torch.arange(1, 12, 2)])  # rows 2i, 2i + 1 are prompt i's
     ids, mask, extras = ids[order], mask[order], reorder(extras, order)
-    halves = [VisionInputs.of_chunk(extras, s, s + 6, 12) for s in (0, 6)]
+    halves = [chunk_images(extras, s, s + 6, 12) for s in (0, 6)]
     P = ids.shape[1] - C
     ref_logps, ref_grads = stock_window(model, ids, mask, C, halves)
     asked = []  # per decision: (its pass keys, the keys of those that run the vision tower)
@@ -200,9 +213,7 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
         monkeypatch.setattr(sharing, "agree", agree)
     encoded.clear()
     session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
-    session.begin_window(
-        model, [ids[:6, :P], ids[6:, :P]], [mask[:6, :P], mask[6:, :P]], row_keys=[h.row_keys(P) for h in halves]
-    )
+    session.begin_window([ids[:6, :P], ids[6:, :P]], [mask[:6, :P], mask[6:, :P]], images=halves)
     tokens, grads = tree_window(session, model, ids, mask, C, halves, ref_logps)
     assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
     assert tokens == _passes_tokens(12, C) + in_lockstep  # every node in micro-batch 0; a stand-in is one token
@@ -240,7 +251,7 @@ def stock_window(model, ids, mask, C: int, chunks: list) -> tuple[list, dict]:
     for chunk in chunks:
         rows = len(chunk.num_images)
         logps, ent = _score(
-            _stock_method(), model, ids[start : start + rows], mask[start : start + rows], C, chunk.as_kwargs(), rows
+            _stock_method(), model, ids[start : start + rows], mask[start : start + rows], C, chunk_kwargs(chunk), rows
         )
         refs.append((logps, ent))
         (logps.sum() + ent.sum()).backward()
@@ -257,12 +268,12 @@ def tree_window(session: SharingSession, model, ids, mask, C: int, chunks: list,
     for chunk, (ref, ref_ent) in zip(chunks, refs):
         chunk_ids, chunk_mask = ids[start : start + len(chunk.num_images)], mask[start : start + len(chunk.num_images)]
         start += len(chunk.num_images)
-        decision = session.decide(model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, vision=chunk)
+        decision = session.decide(
+            model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True, vision=chunk
+        )
         assert decision.path == "tree", decision.cause
         tokens += decision.backbone_tokens
-        logps, ent = session.run(
-            decision, model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True
-        )
+        logps, ent = session.run(decision)
         assert_close(logps, ref, 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         assert_close(ent, ref_ent, 1e-5, "entropies", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
@@ -309,7 +320,7 @@ def test_trie_parts_rows_at_the_first_image_that_differs():
     prompts = [(SYSTEM, [X, Y], [9]), (SYSTEM, [X, Z], [9]), (SYSTEM, [X, Y], [9])]
     ids, mask, C, extras = vlm_batch(prompts, G=1, C=2, image_seeds=[[1, 2], [1, 3], [4, 2]])
     P = ids.shape[1] - C
-    vision = VisionInputs.of_chunk(extras, 0, 3, 3)
+    vision = chunk_images(extras, 0, 3, 3)
     keys = vision.row_keys(P)
     assert keys[0].images[0] == keys[1].images[0] != keys[2].images[0]  # X, X, then another image of X's grid
     # (tokens from the image's first token to the prompt's end, image tokens): 8 system tokens, then VS X VE VS Y VE 9
@@ -323,6 +334,6 @@ def test_trie_parts_rows_at_the_first_image_that_differs():
     assert trie.path(trie.leaf[0])[1] == trie.path(trie.leaf[1])[1] != trie.path(trie.leaf[2])[1]
     bad = dict(extras, num_images=[3, 2, 1], image_grid_thw=extras["image_grid_thw"])
     with pytest.raises(ValueError, match="row 0 has 3 images \\(num_images\\) but its prompt holds 2 runs"):
-        VisionInputs.of_chunk(bad, 0, 3, 3).row_keys(P)
+        chunk_images(bad, 0, 3, 3).row_keys(P)
     with pytest.raises(ValueError, match="keys must give one key per token"):
         PromptTrie(real, keys=[k[:-1] for k in real])

@@ -20,9 +20,10 @@ from test_vlm_models import BOI, EOI, FAMILIES, IMAGE, C, G, _vlm, _without_key_
 from test_vlm_tree import MIN_SHARED, _patched, stock_and_shared, stock_window, tree_window
 
 from grpo_mem.model import multimodal
-from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
+from grpo_mem.model.multimodal import TREE_TO_GROUP
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.patches.trl import METRIC_PREFIX
+from grpo_mem.patches.trl_images import chunk_images
 
 SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47]
 SIZE = (8, 8)
@@ -109,7 +110,7 @@ def test_adjacent_images_take_group_sharing_warned(monkeypatch):
     ids, mask, extras = tree_batch("llava", PROMPTS[3:], same=[])
     ids, mask = _join_images(ids, mask)
     P = ids.shape[1] - C
-    vision = VisionInputs.of_chunk(extras, 0, ids.shape[0], ids.shape[0], ids[:, :P], IMAGE)
+    vision = chunk_images(extras, 0, ids.shape[0], ids.shape[0], ids[:, :P], IMAGE)
     assert vision.tree_cause() == (
         "row 3 has 2 images (num_images) but its prompt holds 1 runs of image tokens "
         f"(id {IMAGE}: one run per image is needed)"
@@ -129,14 +130,14 @@ def test_runs_key_each_image_and_locate_its_tokens():
     image), spans at the runs of the image token id; without the id the images are not located (a tree cause)."""
     ids, mask, extras = tree_batch("llava")
     B, P = ids.shape[0], ids.shape[1] - C
-    keys = VisionInputs.of_chunk(extras, 0, B, B, ids[:, :P], IMAGE).row_keys(P)
+    keys = chunk_images(extras, 0, B, B, ids[:, :P], IMAGE).row_keys(P)
     a = keys[0].images[0]
     assert keys[3 * G] == b"" and [len(keys[b * G].images) for b in (0, 1, 2, 4, 5)] == [1, 1, 1, 2, 2]
     assert keys[2 * G].images[0] == keys[4 * G].images[0] == keys[5 * G].images[0] == a != keys[G].images[0]
     assert keys[4 * G].images[1] != keys[5 * G].images[1]
     assert keys[0].spans == ((16 + 1 + 2, 16),)  # from the image's first token: 16 image tokens, EOI, 8 9
     assert keys[4 * G].spans == ((16 + 2 + 16 + 2, 16), (16 + 2, 16))  # A EOI BOI C EOI 9; C EOI 9
-    whole = VisionInputs.of_chunk(extras, 0, B, B)
+    whole = chunk_images(extras, 0, B, B)
     assert whole.located is None and "per image, tile or row" in whole.tree_cause()
 
 
@@ -149,17 +150,16 @@ def test_window_of_three_micro_batches_shares_image_nodes():
     B, P, size = ids.shape[0], ids.shape[1] - C, ids.shape[0] // G
     order = [b * G + i for i in range(G) for b in range(size)]  # micro-batch i: row i of every group
     ids, mask = ids[order], mask[order]
-    rows = VisionInputs.of_chunk(extras, 0, B, B)
+    rows = chunk_images(extras, 0, B, B)
     extras = dict(rows.of_rows(order), num_images=[rows.num_images[b] for b in order])
-    chunks = [VisionInputs.of_chunk(extras, s, s + size, B, ids[:, :P], IMAGE) for s in range(0, B, size)]
+    chunks = [chunk_images(extras, s, s + size, B, ids[:, :P], IMAGE) for s in range(0, B, size)]
     refs, ref_grads = stock_window(model, ids, mask, C, chunks)
     encoded.clear()
     session = SharingSession("tree", min_shared_tokens=MIN_SHARED)
     session.begin_window(
-        model,
         [ids[s : s + size, :P] for s in range(0, B, size)],
         [mask[s : s + size, :P] for s in range(0, B, size)],
-        row_keys=[c.row_keys(P) for c in chunks],
+        images=chunks,
     )
     tokens, grads = tree_window(session, model, ids, mask, C, chunks, refs)
     assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
