@@ -19,7 +19,7 @@ import torch
 
 def main(stack: str, sharing: str, patch: str, out: str, rows: str = "2") -> None:
     from dist_worker import _is_sharded, gathered_weights, stack_args
-    from test_vlm import _train
+    from vlm_helpers import _train
 
     # 2 rows per rank's micro-batch: the generation batch is the single-process test's 8 rows (2 prompts x 4)
     trainer, fallbacks, _ = _train(

@@ -256,7 +256,7 @@ def test_dory_head_and_hunyuan_norms_are_caught_without_the_rules(monkeypatch):
 @pytest.mark.parametrize("kind", ["vlm", "gated_deltanet"])
 def test_vision_language_text_config_and_gated_deltanet_are_confirmed(kind):
     if kind == "vlm":
-        from test_vlm import tiny_vlm
+        from vlm_helpers import tiny_vlm
 
         model = tiny_vlm("qwen2_5_vl")
     else:

@@ -100,7 +100,7 @@ def test_prepared_model_direct_call_runs_in_the_models_precision():
 def _image_run(model, method, ids, mask, C, extras, w, autocast):
     """Log-probs, entropies (fp64, 0 where masked) and gradients of TRL's scoring method (or the patched one) on the
     image batch, under bf16 autocast or not, one chunk of 4 rows at a time (groups of 3 split over chunks)."""
-    from test_vlm import _score
+    from vlm_helpers import _score
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
@@ -115,7 +115,7 @@ def _image_run(model, method, ids, mask, C, extras, w, autocast):
 def test_bf16_image_prompts_error_within_stock_error(mode):
     """The criterion above (initial logits) on image prompts: the tiny Qwen2.5-VL of ``tests/vlm/test_vlm.py`` (vision
     tower included), TRL's own scoring method in fp64 as the truth, and in the precision under test as stock."""
-    from test_vlm import PROMPTS, TEMPERATURE, _stock_method, tiny_vlm, vlm_batch
+    from vlm_helpers import PROMPTS, TEMPERATURE, _stock_method, tiny_vlm, vlm_batch
     from trl.trainer.utils import add_fused_lm_head
 
     from grpo_mem.model.support import recording_fallbacks

@@ -13,35 +13,37 @@ counted with a forward hook (each image once per unique prefix that holds it).
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 
 import pytest
 import torch
-from helpers import assert_close, assert_grads_close, grads_of
-from test_vlm import (
-    _TEXT,
+from helpers import assert_close, assert_grads_close
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from vlm_helpers import (
     CHANNELS,
     IMAGE,
     PATCH,
-    TEMPERATURE,
     VISION_END,
     VISION_START,
+    MIN_SHARED,
+    TEMPERATURE,
+    _TEXT,
+    _patched,
     _score,
     _stock_method,
-    _trainer,
     _vlm,
     reorder,
+    stock_and_shared,
+    stock_window,
+    tree_window,
     vlm_batch,
 )
-from transformers import AutoConfig, AutoModelForImageTextToText
-
 from grpo_mem.model import multimodal
 from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.support import recording_fallbacks
 from grpo_mem.model.trie import PromptTrie
-from grpo_mem.patches.trl import METRIC_PREFIX, patched_method
-from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs
+from grpo_mem.patches.trl import METRIC_PREFIX
+from grpo_mem.patches.trl_images import chunk_images
 
 SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47]
 X, Y, Z = (1, 4, 4), (1, 4, 8), (1, 4, 4)  # 4, 8 and 4 image tokens after the 2x2 merge
@@ -58,7 +60,6 @@ IMAGE_SEEDS = [[100], [101], [100], [], [100, 101], [100, 102]]
 # the vision tower's images: X once (its node holds it for prompts 0, 2, 4, 5), Y once after the system prompt
 # (prompt 1) and once after X (prompt 4), Z once; stock encodes every row's
 UNIQUE_IMAGE_PREFIXES = 4
-MIN_SHARED = 4
 
 
 def _passes_tokens(rows: int, C: int) -> int:
@@ -128,29 +129,6 @@ def _model(model_type: str):
         )
         _QWEN3_5["model"] = (model, encoded)
     return _QWEN3_5["model"]
-
-
-def _patched(session: SharingSession):
-    """TRL's scoring method patched, scoring with ``session``; returns (method, the trainer's metrics)."""
-    method, handle = patched_method(_stock_method(), sharing=session.mode, log_metrics=True)
-    trainer = _trainer()
-    trainer._metrics = {"train": defaultdict(list)}
-    handle.sessions[trainer] = session
-    return (lambda _self, *args, **kwargs: method(trainer, *args, **kwargs)), trainer._metrics["train"]
-
-
-def stock_and_shared(model, encoded: list, ids, mask, C: int, extras: dict, batch_size: int, sharing: str):
-    """(log-probs, entropies, gradients) of stock TRL's method, then of the patched one scoring with a ``sharing``
-    session (no fallback, no tree-to-group warning; ``encoded`` cleared before it), and the patched run's metrics."""
-    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
-    ref = (ref_logps, ref_ent, grads_of(model, ref_logps, ref_ent))
-    encoded.clear()
-    method, metrics = _patched(SharingSession(sharing, min_shared_tokens=MIN_SHARED))
-    with recording_fallbacks() as fallbacks, warnings.catch_warnings():
-        warnings.simplefilter("error")  # no tree-to-group warning
-        logps, ent = _score(method, model, ids, mask, C, extras, batch_size)
-    assert fallbacks == []
-    return ref, (logps, ent, grads_of(model, logps, ent)), metrics
 
 
 @pytest.mark.parametrize(
@@ -242,45 +220,6 @@ def test_ranks_running_the_vision_tower_in_other_passes_fall_back(monkeypatch):
     assert run((keys, [(0, 1, 0)]), (None, keys, None)) == IMAGE_PASSES_DIFFER  # no image input on the other rank
     assert run((keys, [(0, 1, 0)]), (None, keys[:1], [])) == IMAGE_PASSES_DIFFER  # a stand-in on this rank
     assert run((keys, None), (None, keys[:1], None)) is None  # text: stand-ins serve
-
-
-def stock_window(model, ids, mask, C: int, chunks: list) -> tuple[list, dict]:
-    """Stock TRL's (log-probs, entropies) of each micro-batch of ``ids``/``mask`` (consecutive, one per ``chunks``
-    entry: its ``VisionInputs``), and its gradients summed over them (the model's zeroed after)."""
-    refs, start = [], 0
-    for chunk in chunks:
-        rows = len(chunk.num_images)
-        logps, ent = _score(
-            _stock_method(), model, ids[start : start + rows], mask[start : start + rows], C, chunk_kwargs(chunk), rows
-        )
-        refs.append((logps, ent))
-        (logps.sum() + ent.sum()).backward()
-        start += rows
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return refs, grads
-
-
-def tree_window(session: SharingSession, model, ids, mask, C: int, chunks: list, refs: list) -> tuple[int, dict]:
-    """The micro-batches of ``stock_window`` scored in ``session``'s open window: each on the tree path, with stock's
-    log-probs and entropies ``refs``; returns their backbone tokens and gradients summed (the model's zeroed after)."""
-    tokens, start = 0, 0
-    for chunk, (ref, ref_ent) in zip(chunks, refs):
-        chunk_ids, chunk_mask = ids[start : start + len(chunk.num_images)], mask[start : start + len(chunk.num_images)]
-        start += len(chunk.num_images)
-        decision = session.decide(
-            model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True, vision=chunk
-        )
-        assert decision.path == "tree", decision.cause
-        tokens += decision.backbone_tokens
-        logps, ent = session.run(decision)
-        assert_close(logps, ref, 1e-5, "log-probs", mask=chunk_mask[:, -C:])
-        assert_close(ent, ref_ent, 1e-5, "entropies", mask=chunk_mask[:, -C:])
-        (logps.sum() + ent.sum()).backward()
-    session.close_window()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return tokens, grads
 
 
 @pytest.fixture

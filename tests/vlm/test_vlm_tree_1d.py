@@ -15,9 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_close, assert_grads_close
-from test_vlm import _score, _stock_method
-from test_vlm_models import BOI, EOI, FAMILIES, IMAGE, C, G, _vlm, _without_key_biases, vlm_batch
-from test_vlm_tree import MIN_SHARED, _patched, stock_and_shared, stock_window, tree_window
+from vlm_families import BOI, EOI, FAMILIES, IMAGE, C, G, _vlm, _without_key_biases, vlm_batch
+from vlm_helpers import MIN_SHARED, _patched, _score, _stock_method, stock_and_shared, stock_window, tree_window
 
 from grpo_mem.model import multimodal
 from grpo_mem.model.multimodal import TREE_TO_GROUP
