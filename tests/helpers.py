@@ -305,6 +305,38 @@ def length_reward(completions, **kwargs):
     return [-abs(len(c) - 5) / 5.0 for c in completions]
 
 
+_TRAINER_DEFAULTS = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    bf16=False,
+)
+"""``make_trainer``'s GRPOConfig/RLOOConfig arguments unless the test gives its own."""
+
+
+def _saved(model, output_dir) -> str:
+    """Save ``model`` under ``output_dir`` and return the path (a path, so that TRL can load a separate reference
+    model when beta > 0). No rank may read a directory another is still writing: with a process group already up
+    (DeepSpeed), only rank 0 writes (transformers saves on rank 0 only), then all wait; without one (DDP/FSDP start
+    theirs later), each rank writes its own copy."""
+    if torch.distributed.is_initialized():
+        model_dir = f"{output_dir}/model"
+        model.save_pretrained(model_dir)
+        torch.distributed.barrier()
+    else:
+        model_dir = f"{output_dir}/model{os.environ.get('RANK', '')}"
+        model.save_pretrained(model_dir)
+    return model_dir
+
+
 def make_trainer(
     kind="grpo",
     *,
@@ -331,33 +363,9 @@ def make_trainer(
     set_seed(seed)
     model = tiny_model(arch, seed=seed, **(model_args or {}))
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
-    defaults = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        seed=seed,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        bf16=False,
-    )
+    defaults = dict(_TRAINER_DEFAULTS, output_dir=str(output_dir), seed=seed)
     defaults.update(args)
-    # A path, so that TRL can load a separate reference model when beta > 0. No rank may read a directory another
-    # is still writing: with a process group already up (DeepSpeed), only rank 0 writes (transformers saves on rank 0
-    # only), then all wait; without one (DDP/FSDP start theirs later), each rank writes its own copy.
-    if torch.distributed.is_initialized():
-        model_dir = f"{output_dir}/model"
-        model.save_pretrained(model_dir)
-        torch.distributed.barrier()
-    else:
-        model_dir = f"{output_dir}/model{os.environ.get('RANK', '')}"
-        model.save_pretrained(model_dir)
+    model_dir = _saved(model, output_dir)
     trainer = trainer_cls(
         model=model_dir,
         reward_funcs=length_reward,

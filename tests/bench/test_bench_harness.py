@@ -109,7 +109,8 @@ def test_percentiles_match_numpy():
     assert all(math.isnan(x) for x in harness.percentiles([]))
 
 
-def test_csv_schema_plot_and_table(tmp_path):
+def _written_csv(tmp_path) -> tuple[str, list]:
+    """Rows of two measured configurations and one skipped one, written to a CSV: (its path, the rows)."""
     m = harness.Measurement(
         times_s=[1.0, 2.0, 3.0],
         cpu_times_s=[2.0, 4.0, 6.0],
@@ -124,25 +125,18 @@ def test_csv_schema_plot_and_table(tmp_path):
     rows += harness.skipped_rows("group", "grpo_mem", "full", "P", 512, {"G": 4, "model": "llama"}, "too big")
     path = tmp_path / "r.csv"
     harness.write_csv(rows, str(path))
+    return str(path), rows
+
+
+CSV_COLUMNS = ["op", "provider", "mode", "metric", "unit", "x_name", "x_value", "p50", "p20", "p80", "config"]
+CSV_COLUMNS += ["device", "timestamp", "version"]
+
+
+def test_csv_schema(tmp_path):
+    path, rows = _written_csv(tmp_path)
     with open(path, newline="") as f:
-        header = next(csv.reader(f))
-    assert header == [
-        "op",
-        "provider",
-        "mode",
-        "metric",
-        "unit",
-        "x_name",
-        "x_value",
-        "p50",
-        "p20",
-        "p80",
-        "config",
-        "device",
-        "timestamp",
-        "version",
-    ]
-    back = harness.read_csv(str(path))
+        assert next(csv.reader(f)) == CSV_COLUMNS
+    back = harness.read_csv(path)
     assert len(back) == 2 * 4 + 4  # 4 metrics for each of 2 measured configurations, 4 skipped metrics
     by = {(r["provider"], r["metric"], r["x_value"]): r for r in back}
     t = by[("trl", "wall_time", "256")]
@@ -157,15 +151,18 @@ def test_csv_schema_plot_and_table(tmp_path):
     for key in ("grpo_mem=", ";torch=", ";transformers=", ";trl="):
         assert key in t["version"]
     with pytest.raises(ValueError, match="mode must be one of"):
-        harness.measurement_rows("group", "trl", "fwdbwd", "P", 1, m, {})
-    harness.write_csv(rows[:1], str(path), append=True)
-    assert len(harness.read_csv(str(path))) == 13
+        harness.measurement_rows("group", "trl", "fwdbwd", "P", 1, harness.Measurement(times_s=[1.0]), {})
+    harness.write_csv(rows[:1], path, append=True)
+    assert len(harness.read_csv(path)) == 13
     with open(path, newline="") as f:
         skipped = [r for r in csv.DictReader(f) if r["provider"] == "grpo_mem"]
     assert skipped and all(r["p50"] == r["p20"] == r["p80"] == "" for r in skipped)
 
+
+def test_plot_and_table(tmp_path):
+    path, _ = _written_csv(tmp_path)
     png = tmp_path / "r.png"
-    harness.plot_csv(str(path), str(png), op="group", panel_keys=("model", "G"))
+    harness.plot_csv(path, str(png), op="group", panel_keys=("model", "G"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     table = harness.markdown_table(
@@ -180,30 +177,32 @@ def test_csv_schema_plot_and_table(tmp_path):
     ]
 
 
-def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
-    """The one sweep runner: each cell launched in order, compared with the ``trl`` cell of its configuration (or an
-    earlier reference), skipped cells recorded as such, per-rank rows for a multi-process launch, and a CSV merge
-    that replaces only the rows re-measured."""
-    from grpo_mem.bench.sweep import Cell, Sweep, merge_csv
+def _sweep_result(lp, ent, norm, **extra) -> dict:
+    m = harness.Measurement(
+        times_s=[1.0], cpu_times_s=[2.0], peak_rss_above_base_bytes=[3 * 10**6], peak_tensor_bytes=[10**6]
+    )
+    return dict(m.to_dict(), log_probs=lp, entropies=ent, grad_norm=norm, **extra)
 
-    def result(lp, ent, norm, **extra):
-        m = harness.Measurement(
-            times_s=[1.0], cpu_times_s=[2.0], peak_rss_above_base_bytes=[3 * 10**6], peak_tensor_bytes=[10**6]
-        )
-        return dict(m.to_dict(), log_probs=lp, entropies=ent, grad_norm=norm, **extra)
 
-    results = {
-        "trl": result([[-1.0, -2.0]], [[0.5, 0.25]], 4.0, n_params=10),
-        "grpo_mem": result(
-            [[-1.0, -2.5]], [[0.5, 0.5]], 5.0, fallback_warnings=["grpo_mem: fell back"], prompt_passes_per_call=1.0
-        ),
-        "late": result([[0.0]], [[0.0]], 3.0),
-    }
+_SWEEP_RESULTS = {
+    "trl": _sweep_result([[-1.0, -2.0]], [[0.5, 0.25]], 4.0, n_params=10),
+    "grpo_mem": _sweep_result(
+        [[-1.0, -2.5]], [[0.5, 0.5]], 5.0, fallback_warnings=["grpo_mem: fell back"], prompt_passes_per_call=1.0
+    ),
+    "late": _sweep_result([[0.0]], [[0.0]], 3.0),
+}
+
+
+def _sweep() -> tuple[list, list, list]:
+    """A sweep of 4 cells (trl, grpo_mem, a skipped one, one compared with an earlier reference):
+    (its results, the cells launched, the lines reported)."""
+    from grpo_mem.bench.sweep import Cell, Sweep
+
     launched, lines = [], []
 
     def launch(args):
         launched.append(args["provider"])
-        return results[args["provider"]]
+        return _SWEEP_RESULTS[args["provider"]]
 
     cells = [
         Cell("trl", 8, {"P": 8}, {"provider": "trl"}, key="a"),
@@ -214,14 +213,17 @@ def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
     sweep = Sweep(
         "op", "P", launch, device="cpu", version="v", references={"c": {"grad_norm": 2.0}}, report=lines.append
     )
-    out = sweep.run(cells)
+    return sweep.run(cells), launched, lines
+
+
+def test_sweep_compares_with_trl_and_skips():
+    """The one sweep runner: each cell launched in order, compared with the ``trl`` cell of its configuration (or an
+    earlier reference), skipped cells recorded as such."""
+    out, launched, lines = _sweep()
     assert launched == ["trl", "grpo_mem", "late"]  # the skipped cell is never launched
     c = out[1].config
-    assert (c["logp_max_abs_diff_vs_trl"], c["entropy_max_abs_diff_vs_trl"], c["grad_norm_rel_diff_vs_trl"]) == (
-        0.5,
-        0.25,
-        0.25,
-    )
+    diffs = (c["logp_max_abs_diff_vs_trl"], c["entropy_max_abs_diff_vs_trl"], c["grad_norm_rel_diff_vs_trl"])
+    assert diffs == (0.5, 0.25, 0.25)
     assert c["fallback"] == ["grpo_mem: fell back"] and c["prompt_passes_per_call"] == 1.0 and c["grad_norm"] == 5.0
     assert out[0].config == {"P": 8, "grad_norm": 4.0, "n_params": 10}  # the reference is not compared with itself
     assert out[3].config["grad_norm_rel_diff_vs_trl"] == 0.5 and "logp_max_abs_diff_vs_trl" not in out[3].config
@@ -229,20 +231,22 @@ def test_sweep_compares_with_trl_skips_and_merges(tmp_path):
     assert "SKIPPED (too big)" in lines[2] and "grad-norm rel diff vs trl 2.5e-01" in lines[1]
     assert len(out[1].rows) == 4 and {r["x_value"] for r in out[1].rows} == {8}
 
-    ranks = Sweep(
-        "op",
-        "G",
-        lambda args: {"ranks": [results["trl"], results["trl"]]},
-        device="cpu",
-        version="v",
-        report=lines.append,
-    ).run([Cell("trl", 2, {"G": 2}, {})])[0]
-    assert sorted(
-        (json.loads(r["config"])["rank"], json.loads(r["config"])["world"])
-        for r in ranks.rows
-        if r["metric"] == "wall_time"
-    ) == [(0, 2), (1, 2)]
 
+def test_sweep_rows_per_rank_of_a_multi_process_launch():
+    from grpo_mem.bench.sweep import Cell, Sweep
+
+    launch = lambda args: {"ranks": [_SWEEP_RESULTS["trl"], _SWEEP_RESULTS["trl"]]}  # noqa: E731
+    ranks = Sweep("op", "G", launch, device="cpu", version="v", report=lambda line: None).run(
+        [Cell("trl", 2, {"G": 2}, {})]
+    )[0]
+    configs = [json.loads(r["config"]) for r in ranks.rows if r["metric"] == "wall_time"]
+    assert sorted((c["rank"], c["world"]) for c in configs) == [(0, 2), (1, 2)]
+
+
+def test_sweep_csv_merge_replaces_only_the_rows_re_measured(tmp_path):
+    from grpo_mem.bench.sweep import merge_csv
+
+    out, _, _ = _sweep()
     path = str(tmp_path / "m.csv")
     key = lambda r: (r["provider"], r["x_value"], r["metric"])  # noqa: E731
     merge_csv(out[0].rows + out[1].rows, path, key)

@@ -200,9 +200,8 @@ def gathered_weights(trainer) -> dict:
     }
 
 
-def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", arch: str = "llama") -> None:
-    from helpers import make_trainer
-
+def _scenario_args(scenario: str) -> dict:
+    """GRPOConfig arguments of ``scenario`` (see the module docstring)."""
     args = dict(
         max_steps=3,
         gradient_accumulation_steps=2,
@@ -232,8 +231,43 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
             prompts=TREE_PROMPTS,
             max_completion_length=6,
         )
+    return args
+
+
+def _result(trainer, record, kept: list, summaries: list, weights: dict) -> dict:
+    """What rank 0 writes: the run's accounting, grpo_mem's passes on every rank, and the final weights."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "global_step": trainer.state.global_step,
+        "lrs": record.lrs,
+        "epochs": [h.get("epoch") for h in trainer.state.log_history],
+        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+        "grpo_mem_used": "_grpo_mem_previous_forward" in model.__dict__,
+        "sharded": _is_sharded(trainer),
+        "wrapped_layers": wrapped_layers(trainer),
+        "prompts_kept": kept[0],
+        # windows whose own pass structures differed between the ranks (aligned by stand-in passes)
+        "passes_differ": sum(
+            len({repr(k) for k in per_window}) > 1 for per_window in zip(*(r["own_keys"] for r in summaries))
+        ),
+        "stand_ins": [r["stand_ins"] for r in summaries],
+        "system_passes": [r["system_passes"] for r in summaries],
+        "weights": weights,
+    }
+
+
+def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", arch: str = "llama") -> None:
+    from helpers import make_trainer
+
     trainer, handle = make_trainer(
-        kind, patch=patch == "patch", arch=arch, output_dir=out + ".run", **args, **stack_args(stack)
+        kind,
+        patch=patch == "patch",
+        arch=arch,
+        output_dir=out + ".run",
+        **_scenario_args(scenario),
+        **stack_args(stack),
     )
     record = _Record()
     trainer.add_callback(record)
@@ -244,28 +278,8 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
     summaries = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(summaries, _pass_summary(passes))
     if trainer.accelerator.is_main_process:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        result = {
-            "world_size": trainer.accelerator.num_processes,
-            "distributed_type": str(trainer.accelerator.distributed_type),
-            "global_step": trainer.state.global_step,
-            "lrs": record.lrs,
-            "epochs": [h.get("epoch") for h in trainer.state.log_history],
-            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
-            "grpo_mem_used": "_grpo_mem_previous_forward" in model.__dict__,
-            "sharded": _is_sharded(trainer),
-            "wrapped_layers": wrapped_layers(trainer),
-            "prompts_kept": kept[0],
-            # windows whose own pass structures differed between the ranks (aligned by stand-in passes)
-            "passes_differ": sum(
-                len({repr(k) for k in per_window}) > 1 for per_window in zip(*(r["own_keys"] for r in summaries))
-            ),
-            "stand_ins": [r["stand_ins"] for r in summaries],
-            "system_passes": [r["system_passes"] for r in summaries],
-            "weights": weights,
-        }
         with open(out, "w") as f:
-            json.dump(result, f)
+            json.dump(_result(trainer, record, kept, summaries, weights), f)
     if handle is not None:
         handle.revert()
     torch.distributed.barrier()

@@ -85,6 +85,24 @@ def build_assets(cache: Path) -> None:
         offline_assets.build_datasets(cache)
 
 
+def _env(mode: str, cache: Path, report: Path, group_shuffle: bool, fp32: bool) -> dict:
+    """The pytest process's environment: offline, the stand-in cache, and the plugin's settings."""
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_CACHE=str(cache / "hub"),
+        HF_HOME=str(cache / "hf_home"),
+        GRPO_MEM_UPSTREAM_MODE=mode,
+        GRPO_MEM_UPSTREAM_CACHE=str(cache),
+        GRPO_MEM_UPSTREAM_REPORT=str(report),
+        GRPO_MEM_UPSTREAM_GROUP_SHUFFLE=str(int(group_shuffle)),
+        GRPO_MEM_UPSTREAM_FP32=str(int(fp32)),
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(HERE)]),
+    )
+
+
 def run_mode(
     mode: str,
     root: Path,
@@ -99,33 +117,12 @@ def run_mode(
     time ("123 s wall, 200 s CPU")."""
     report = cache / f"report-{mode}.json"
     report.unlink(missing_ok=True)
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HUB_CACHE=str(cache / "hub"),
-        HF_HOME=str(cache / "hf_home"),
-        GRPO_MEM_UPSTREAM_MODE=mode,
-        GRPO_MEM_UPSTREAM_CACHE=str(cache),
-        GRPO_MEM_UPSTREAM_REPORT=str(report),
-        GRPO_MEM_UPSTREAM_GROUP_SHUFFLE=str(int(group_shuffle)),
-        GRPO_MEM_UPSTREAM_FP32=str(int(fp32)),
-        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(HERE)]),
-    )
+    env = _env(mode, cache, report, group_shuffle, fp32)
     ini = cache / "pytest.ini"
     ini.write_text("[pytest]\n")
     expr = " and ".join([SELECT] + [f"not {key}" for key in DESELECTED if deselect] + [f"({keyword})"] * bool(keyword))
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-p",
-        "trl_offline_plugin",
-        "-p",
-        "no:cacheprovider",
-        "-c",
-        str(ini),
+    cmd = [sys.executable, "-m", "pytest", "-p", "trl_offline_plugin", "-p", "no:cacheprovider", "-c", str(ini)]
+    cmd += [
         "--rootdir",
         str(root),
         "-q",

@@ -232,20 +232,8 @@ def _char_sum_reward(completions, **kwargs):
     return [float(sum(map(ord, str(c))) % 7) for c in completions]
 
 
-def _train(tmp_path, patch: bool, sharing: str = "group", **trainer_args):
-    """3 GRPOTrainer steps on the tiny Qwen2.5-VL with the in-memory processor, patched in the ``sharing`` mode or
-    stock (``trainer_args``: more GRPOConfig arguments, e.g. a DDP backend); returns (trainer, recorded fallbacks,
-    initial weights)."""
-    import numpy as np
-    from datasets import Dataset
-    from PIL import Image
-    from transformers import set_seed
-    from trl import GRPOConfig, GRPOTrainer
-
-    import grpo_mem
-
-    set_seed(0)
-    processor = _processor()
+def _trainer_vlm(processor):
+    """The tiny Qwen2.5-VL matching ``processor``'s special tokens, fp32, SDPA, seeded."""
     vision_start, vision_end, image, video = processor.tokenizer.convert_tokens_to_ids(_SPECIAL)
     eos, pad = processor.tokenizer.eos_token_id, processor.tokenizer.pad_token_id
     config = AutoConfig.for_model(
@@ -262,40 +250,61 @@ def _train(tmp_path, patch: bool, sharing: str = "group", **trainer_args):
         pad_token_id=pad,
     )
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float()
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float()
+
+
+def _image_dataset():
+    """Three chat prompts, each one random image (8x8, 8x16, 16x8 pixels) and a short text."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
     rng = np.random.default_rng(0)
     images = [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in [(8, 8), (8, 16), (16, 8)]]
     texts = ["what?", "count", "say a"]
     prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t}]}] for t in texts]
-    args = GRPOConfig(
-        **dict(
-            output_dir=str(tmp_path),
-            per_device_train_batch_size=4,
-            num_generations=4,
-            max_completion_length=6,
-            max_steps=3,
-            gradient_accumulation_steps=2,
-            learning_rate=1e-2,
-            optim="sgd",
-            report_to="none",
-            use_cpu=True,
-            seed=0,
-            save_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            bf16=False,
-            beta=0.0,
-            logging_steps=1,
-        )
-        | trainer_args
-    )
+    return Dataset.from_dict({"prompt": prompts, "image": images})
+
+
+_TRAIN_ARGS = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=6,
+    max_steps=3,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-2,
+    optim="sgd",
+    report_to="none",
+    use_cpu=True,
+    seed=0,
+    save_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    bf16=False,
+    beta=0.0,
+    logging_steps=1,
+)
+
+
+def _train(tmp_path, patch: bool, sharing: str = "group", **trainer_args):
+    """3 GRPOTrainer steps on the tiny Qwen2.5-VL with the in-memory processor, patched in the ``sharing`` mode or
+    stock (``trainer_args``: more GRPOConfig arguments, e.g. a DDP backend); returns (trainer, recorded fallbacks,
+    initial weights)."""
+    from transformers import set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo_mem
+
+    set_seed(0)
+    processor = _processor()
+    model = _trainer_vlm(processor)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=_char_sum_reward,
-        args=args,
+        args=GRPOConfig(**dict(_TRAIN_ARGS, output_dir=str(tmp_path)) | trainer_args),
         processing_class=processor,
-        train_dataset=Dataset.from_dict({"prompt": prompts, "image": images}),
+        train_dataset=_image_dataset(),
     )
     handle = grpo_mem.patch_trl(trainer, group_shuffle=False, sharing=sharing) if patch else None
     try:
