@@ -226,6 +226,20 @@ class _Call:
         """:func:`_tile_constexprs` of kernel ``name`` in this call's build."""
         return _tile_constexprs(name, self.head_dim, self.dtype, self.interpret, self.softcap > 0, self.has_window)
 
+    def region_constexprs(self, flags) -> dict:
+        """The constexprs of a forward or dQ launch over one region: ``flags`` (HAS_REGION, HAS_OWN, HAS_PREV) and
+        this call's head repetition, own-key mask, soft-cap and window."""
+        has_region, has_own, has_prev = flags
+        return dict(
+            REP=self.rep,
+            HAS_KMASK=self.has_kmask,
+            HAS_REGION=has_region,
+            HAS_OWN=has_own,
+            HAS_PREV=has_prev,
+            SOFTCAP=self.softcap,
+            HAS_WINDOW=self.has_window,
+        )
+
     def launch(self, name, grid, args, **constexprs):
         """:func:`_launch` of kernel ``name`` for this call's head dim and dtype."""
         _launch(name, grid, args, self.head_dim, self.dtype, self.interpret, **constexprs)
@@ -335,13 +349,7 @@ def _fwd_launch(call, q, k, v, region, flags, dst, lse, partial):
             call.Hkv,
             call.window,
         ),
-        REP=call.rep,
-        HAS_KMASK=call.has_kmask,
-        HAS_REGION=has_region,
-        HAS_OWN=has_own,
-        HAS_PREV=has_prev,
-        SOFTCAP=call.softcap,
-        HAS_WINDOW=call.has_window,
+        **call.region_constexprs(flags),
         **meta,
     )
 
@@ -438,13 +446,7 @@ def _dq_launch(call, grads_in, region, flags, dst, partial):
             call.Hkv,
             call.window,
         ),
-        REP=call.rep,
-        HAS_KMASK=call.has_kmask,
-        HAS_REGION=has_region,
-        HAS_OWN=has_own,
-        HAS_PREV=has_prev,
-        SOFTCAP=call.softcap,
-        HAS_WINDOW=call.has_window,
+        **call.region_constexprs(flags),
         **meta,
     )
 
