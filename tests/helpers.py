@@ -584,3 +584,17 @@ class HostSyncsAndCopies(TorchDispatchMode):
                 if fresh and o.numel() >= self.big:
                     self.copies.append((name, tuple(o.shape)))
         return out
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """``n`` random token ids in [4, VOCAB) (clear of the special ids), from ``seed``."""
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_fp32_against_truth(res: dict, truth: dict) -> None:
+    """An op's fp32 results against its fp64 truth (dicts of tensors; ``"out"`` and gradients): values <= 1e-5
+    absolute, each gradient <= 1e-4 x max|its truth|."""
+    assert_close(res["out"], truth["out"], 1e-5, "out")
+    for n in truth:
+        if n != "out":
+            assert_close(res[n], truth[n], 1e-4 * max(truth[n].abs().max().item(), 1e-6), n)

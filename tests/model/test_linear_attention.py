@@ -14,6 +14,7 @@ from helpers import (
     begin_window,
     grads_of,
     make_batch,
+    random_tokens,
     stock_logps,
     stock_window,
     tiny_model,
@@ -28,21 +29,16 @@ from grpo_mem.model.linear_attention import LinearContext, hands_off_state
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import unsupported_reason
 
-
-def _tokens(n, seed):
-    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-SYSTEM, SHOTS_A, SHOTS_B = _tokens(40, 1), _tokens(11, 2), _tokens(2, 3)
+SYSTEM, SHOTS_A, SHOTS_B = random_tokens(40, 1), random_tokens(11, 2), random_tokens(2, 3)
 # own parts of 1 and 2 tokens are shorter than the convolution's K − 1 = 3: their continuations convolve with tokens of
 # the node above (and, after a 2-token block, of the system prompt), crossing two node boundaries
 TREES = {
-    "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(1, 12), SYSTEM],
+    "system": [SYSTEM + random_tokens(5, 10), SYSTEM + random_tokens(9, 11), SYSTEM + random_tokens(1, 12), SYSTEM],
     "three_levels": [
-        SYSTEM + SHOTS_A + _tokens(4, 20),
-        SYSTEM + SHOTS_A + _tokens(1, 21),
-        SYSTEM + SHOTS_B + _tokens(2, 22),
-        SYSTEM + SHOTS_B + _tokens(6, 23),
+        SYSTEM + SHOTS_A + random_tokens(4, 20),
+        SYSTEM + SHOTS_A + random_tokens(1, 21),
+        SYSTEM + SHOTS_B + random_tokens(2, 22),
+        SYSTEM + SHOTS_B + random_tokens(6, 23),
     ],
 }
 PASSES = {"system": [[40], [1, 5, 9]], "three_levels": [[40], [2, 11], [1, 2, 4, 6]]}
@@ -127,7 +123,7 @@ def test_node_states_are_the_models_own_states_at_each_rows_last_token():
     """A root pass over right-padded rows of 1 to 9 tokens records, per linear layer and row, the model's own cache
     states after the row's last real token: padding neither decays the recurrent state nor enters the convolution's."""
     model = tiny_model("qwen3_5", layers=3).eval()
-    rows = [_tokens(n, 40 + n) for n in (9, 1, 5, 2)]
+    rows = [random_tokens(n, 40 + n) for n in (9, 1, 5, 2)]
     S = max(map(len, rows))
     ids = torch.tensor([r + [7] * (S - len(r)) for r in rows])  # junk padding
     mask = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in rows])

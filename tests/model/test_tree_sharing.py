@@ -5,7 +5,6 @@ import warnings
 import pytest
 import torch
 from helpers import (
-    VOCAB,
     CountPasses,
     assert_close,
     assert_grads_close,
@@ -13,6 +12,7 @@ from helpers import (
     begin_window,
     grads_of,
     make_batch,
+    random_tokens,
     stock_logps,
     stock_window,
     tiny_model,
@@ -24,13 +24,8 @@ import grpo_mem
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.trie import PromptTrie
 
-
-def _tokens(n, seed):
-    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-SYSTEM = _tokens(70, 1)
-SHOTS_A, SHOTS_B = _tokens(68, 2), _tokens(66, 3)
+SYSTEM = random_tokens(70, 1)
+SHOTS_A, SHOTS_B = random_tokens(68, 2), random_tokens(66, 3)
 
 
 def _shape(trie):
@@ -105,16 +100,16 @@ def test_trie_bad_input(prompts, kwargs, match):
 
 TREES = {
     # a shared 70-token system prompt, own parts of different lengths (left padding), one prompt equal to the system prompt
-    "system": [SYSTEM + _tokens(5, 10), SYSTEM + _tokens(9, 11), SYSTEM + _tokens(2, 12), SYSTEM],
+    "system": [SYSTEM + random_tokens(5, 10), SYSTEM + random_tokens(9, 11), SYSTEM + random_tokens(2, 12), SYSTEM],
     # system prompt -> two few-shot blocks -> questions
     "three_levels": [
-        SYSTEM + SHOTS_A + _tokens(4, 20),
-        SYSTEM + SHOTS_A + _tokens(7, 21),
-        SYSTEM + SHOTS_B + _tokens(3, 22),
-        SYSTEM + SHOTS_B + _tokens(6, 23),
+        SYSTEM + SHOTS_A + random_tokens(4, 20),
+        SYSTEM + SHOTS_A + random_tokens(7, 21),
+        SYSTEM + SHOTS_B + random_tokens(3, 22),
+        SYSTEM + SHOTS_B + random_tokens(6, 23),
     ],
     # nothing in common: one node per prompt, the group path's work
-    "no_common_prefix": [_tokens(6, 30), _tokens(9, 31), _tokens(4, 32)],
+    "no_common_prefix": [random_tokens(6, 30), random_tokens(9, 31), random_tokens(4, 32)],
 }
 PASSES = {
     "system": [[70], [2, 5, 9]],

@@ -10,6 +10,7 @@ from helpers import (
     LaunchRecorder,
     assert_close,
     attention_inputs,
+    check_fp32_against_truth,
     needs_interpreter,
     run_under_interpreter,
 )
@@ -43,14 +44,6 @@ def run(fn, tensors, prefix_index, prefix_mask, key_mask, grad_out, dtype=None, 
     res = {"out": out.detach()}
     res.update({"d" + n: gr for n, gr in zip(GRAD_NAMES, grads)})
     return res
-
-
-def check_fp32_against_truth(res, truth):
-    """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient|."""
-    assert_close(res["out"], truth["out"], 1e-5, "out")
-    for n in GRAD_NAMES:
-        want = truth["d" + n]
-        assert_close(res["d" + n], want, 1e-4 * max(want.abs().max().item(), 1e-6), "d" + n)
 
 
 def torch_path(q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask, *, scale, chunk_elems=1 << 20):

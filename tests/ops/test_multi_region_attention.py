@@ -8,6 +8,7 @@ from helpers import (
     LaunchRecorder,
     assert_close,
     attention_inputs,
+    check_fp32_against_truth,
     needs_interpreter,
     run_under_interpreter,
 )
@@ -27,14 +28,6 @@ def run(fn, tensors, meta, key_mask, grad_out, dtype=None, **kw):
     res = {"out": out.detach()}
     res.update({"d" + n: gr for n, gr in zip(leaves, grads)})
     return res
-
-
-def check_fp32_against_truth(res, truth):
-    """Values ≤ 1e-5 absolute, gradients ≤ 1e-4 × max|truth gradient| (as tests/ops/test_attention.py)."""
-    assert_close(res["out"], truth["out"], 1e-5, "out")
-    for n in truth:
-        if n != "out":
-            assert_close(res[n], truth[n], 1e-4 * max(truth[n].abs().max().item(), 1e-6), n)
 
 
 def check_bf16_against_truth(res, truth, naive):
