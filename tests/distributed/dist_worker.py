@@ -286,4 +286,7 @@ def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", a
 
 
 if __name__ == "__main__":
+    from launch import end_worker
+
     main(*sys.argv[1:])
+    end_worker()

@@ -135,4 +135,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from launch import end_worker
+
     main(sys.argv[1])
+    end_worker()

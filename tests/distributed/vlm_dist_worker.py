@@ -51,4 +51,7 @@ def main(stack: str, sharing: str, patch: str, out: str, rows: str = "2") -> Non
 
 
 if __name__ == "__main__":
+    from launch import end_worker
+
     main(*sys.argv[1:])
+    end_worker()
