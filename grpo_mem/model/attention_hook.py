@@ -32,6 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops.attention import multi_region_attention
+from .sequence_parallel import SequenceParallel, gather_kv
 
 if TYPE_CHECKING:
     from .linear_attention import LinearContext
@@ -91,6 +92,41 @@ class CompletionContext:
     span: int
     capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     linear: LinearContext | None = None  # the pass's linear-attention layers (``linear_attention``)
+    shards: Shards | None = None
+
+
+@dataclass
+class Shards:
+    """A pass split along the sequence over a sequence-parallel group (``sequence_parallel``): the queries and own
+    keys of the pass's context are this rank's shard; ``mask`` and ``positions`` (n, size·L) cover every shard (the
+    layout of the gathered K/V, which the context's ``capture`` records).
+
+    Attributes:
+        sp: the ``SequenceParallel`` group.
+        mask: (n, size·L) bool, real key positions of the whole pass.
+        positions: (n, size·L) int64, positions of the whole pass's tokens.
+    """
+
+    sp: SequenceParallel
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+    def regions(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
+        """All-gather this layer's K/V (n, Hkv, L, d) over the group, record the gathered pair in ``capture`` (first
+        forward only), and return the region of shards ``0 … rank − 1``, read in place.
+
+        Rank 0 has no earlier shard; it gets shard 0 as a region that no row reads (index −1), so that every rank's
+        attention takes the gathered K/V as an input: the autograd graphs of the ranks then have the same shape and
+        run their backward collectives (the all-gather's reduce-scatter) in the same order."""
+        k_all, v_all = gather_kv(key, value, self.sp)
+        if capture is not None:
+            capture.setdefault(layer, (k_all, v_all))
+        L = key.shape[2]
+        end = max(self.sp.rank, 1) * L
+        index = torch.arange(key.shape[0], device=key.device)
+        if self.sp.rank == 0:
+            index = torch.full_like(index, -1)
+        return [(k_all[:, :, :end], v_all[:, :, :end], index, self.mask[:, :end], self.positions[:, :end])]
 
 
 # token -> live context. Entries go away with their context: a prompt capture lives for its pass; a completion context
@@ -215,9 +251,12 @@ def _make_hook(inner: str):
             if ctx is not None:
                 ctx.kv.setdefault(layer, (key, value))
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
-        if ctx.capture is not None:
+        shard_regions = []
+        if ctx.shards is not None:
+            shard_regions = ctx.shards.regions(key, value, layer, ctx.capture)
+        elif ctx.capture is not None:
             ctx.capture.setdefault(layer, (key, value))
-        region_kv = [t for r in ctx.regions for t in r.kv[layer]]
+        region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for r in shard_regions for t in r[:2]]
         tensors = (query, key, value, *region_kv)
         device = query.device.type
         if torch.is_autocast_enabled(device):
@@ -232,7 +271,8 @@ def _make_hook(inner: str):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
         regions = [
-            (tensors[3 + 2 * i], tensors[4 + 2 * i], r.index, r.mask, r.positions) for i, r in enumerate(ctx.regions)
+            (tensors[3 + 2 * i], tensors[4 + 2 * i], *r[2:])
+            for i, r in enumerate([(None, None, r.index, r.mask, r.positions) for r in ctx.regions] + shard_regions)
         ]
         features = layer_features(kwargs)
         if features["sliding_window"] is not None and features["sliding_window"] > ctx.span:

@@ -52,8 +52,9 @@ class Decision:
     What the run takes (not compared, not shown): ``window`` (the ``Window`` that runs it), ``model`` (as given to
     ``decide``) and its unwrapped ``causal_lm``, ``input_ids``/``attention_mask`` (B, P + C), ``options``
     (``forward.ScoreOptions``), ``lockstep`` (ranks make the same module calls), ``images`` (the bound image inputs,
-    ``vision_passes.VisionPasses``, or None) and ``autocast`` (a context factory entered around the prompt-once path's
-    model call, or None).
+    ``vision_passes.VisionPasses``, or None), ``autocast`` (a context factory entered around the prompt-once path's
+    model call, or None) and ``sp`` (the ``sequence_parallel.SequenceParallel`` group the micro-batch is split over, or
+    None).
     """
 
     kind: Kind
@@ -71,6 +72,7 @@ class Decision:
     lockstep: bool = field(repr=False, compare=False, default=False)
     images: Any = field(repr=False, compare=False, default=None)
     autocast: Callable | None = field(repr=False, compare=False, default=None)
+    sp: Any = field(repr=False, compare=False, default=None)
     _runs: _Runs = field(repr=False, compare=False, default_factory=_Runs)
 
     @property

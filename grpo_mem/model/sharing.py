@@ -29,6 +29,7 @@ from .decision import Decision, Kind
 from .distributed import agree, lockstep, unwrap_causal_lm
 from .forward import ScoreOptions, run_in_forward, validate_inputs
 from .plan import PromptGrouping, WindowPlan, check_sharing
+from .sequence_parallel import SP_CAUSES, SequenceParallel
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
 from .window import Window
@@ -54,6 +55,11 @@ class SharingSession:
         confirm: confirm what the capability rule admits on a tiny copy of the model, once per class and
             architecture and process (``grpo_mem.model.confirm``); a difference is a fallback cause. None: on
             unless the environment sets ``GRPO_MEM_CONFIRM=0``.
+        sequence_parallel: a ``torch.distributed`` process group (or a ``sequence_parallel.SequenceParallel``) whose
+            ranks hold the same micro-batches and split every pass along the sequence (``sequence_parallel``); the
+            log-probs come back whole on every rank, each rank's parameter gradients are its shard's part (they sum
+            over the group to the gradient without sequence parallelism). None: no sequence parallelism. Under it a
+            micro-batch the path cannot serve raises instead of falling back (there is no stock path to fall back to).
 
     Attributes:
         window: the open window's ``Window`` (its plan, cursor and kept passes: ``window.pending``), or None.
@@ -61,12 +67,20 @@ class SharingSession:
 
     Raises:
         ValueError: unknown ``sharing``.
+        RuntimeError: ``sequence_parallel`` given without ``torch.distributed`` initialised.
     """
 
     def __init__(
-        self, sharing: str = "tree", *, min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS, confirm: bool | None = None
+        self,
+        sharing: str = "tree",
+        *,
+        min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
+        confirm: bool | None = None,
+        sequence_parallel=None,
     ):
         self.mode = check_sharing(sharing)
+        sp = sequence_parallel
+        self.sp = sp if sp is None or isinstance(sp, SequenceParallel) else SequenceParallel.of(sp)
         self.confirm = confirm
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
@@ -188,6 +202,19 @@ class SharingSession:
             reason = vision.cause(causal_lm, prompt_width)
         return reason
 
+    def _sp_cause(self, causal_lm, options: ScoreOptions, vision, input_ids, attention_mask) -> str | None:
+        """Why the micro-batch cannot be split over the session's sequence-parallel group (``SP_CAUSES``), or None.
+        Every rank of the group calls it (one collective: whether the ranks hold the same micro-batch)."""
+        if not self.sp.same_inputs(input_ids, attention_mask):
+            return SP_CAUSES["differ"]
+        if vision is not None:
+            return SP_CAUSES["images"]
+        if options.compute_aux_loss:
+            return SP_CAUSES["router"]
+        from .linear_attention import linear_layers
+
+        return SP_CAUSES["linear"] if linear_layers(causal_lm.base_model) else None
+
     def decide(
         self,
         model,
@@ -245,6 +272,8 @@ class SharingSession:
         if window is None:
             window = Window(self._plan([input_ids[:, :P]], [attention_mask[:, :P]], [grouping]))
         causal_lm = unwrap_causal_lm(model)
+        if self.sp is not None and self.sp.size > 1:
+            self._refuse(self._sp_cause(causal_lm, options, vision, input_ids, attention_mask))
         reason = self._cause(causal_lm, options, cause, vision, P)
         images = None if vision is None else vision.bind(causal_lm, input_ids, attention_mask, P)
         in_lockstep = lockstep(model)
@@ -254,8 +283,10 @@ class SharingSession:
             reason, agreed = agree(reason, keys, image_keys)
             kind = Kind.FALLBACK if reason else Kind.SHARED
             window.align(agreed)
-        elif reason is None and stock_available and not window.shares():
+        elif reason is None and stock_available and not window.shares() and self.sp is None:
             reason, kind = UNSHARED, Kind.UNSHARED
+        if self.sp is not None and self.sp.size > 1:
+            self._refuse(reason)
         stock_tokens = B * T
         tokens = (
             stock_tokens
@@ -278,8 +309,17 @@ class SharingSession:
             lockstep=in_lockstep,
             images=images,
             autocast=autocast,
+            sp=self.sp if self.sp is not None and self.sp.size > 1 else None,
         )
         return decision
+
+    def _refuse(self, reason: str | None) -> None:
+        """Under sequence parallelism, raise ``reason`` (the prompt-once path cannot serve the micro-batch, and there
+        is no stock path to fall back to)."""
+        if reason is not None:
+            if self.in_window:
+                self.window.discard()
+            raise ValueError(f"grpo_mem cannot score this micro-batch with sequence parallelism: {reason}")
 
     def _take(self, decision: Decision, refused: str | None) -> None:
         """Check that ``decision`` can run now, and mark it run: not run before, and in a window, the window's next
@@ -323,6 +363,7 @@ class SharingSession:
         if d.kind is Kind.SHARED:
 
             def compute(m, ids, mask):
+                d.window.sp = d.sp
                 return d.window.run(m, ids, mask, options, lockstep=d.lockstep, inputs=d.images)
 
             out = run_in_forward(d.model, d.causal_lm, compute, d.input_ids, d.attention_mask, autocast=d.autocast)
@@ -351,6 +392,8 @@ class SharingSession:
         """
         self._take(decision, "run_hidden() does not take image inputs: decide() them with vision=None and a cause")
         d = decision
+        if d.sp is not None:
+            raise ValueError(f"grpo_mem cannot score this micro-batch with sequence parallelism: {SP_CAUSES['hidden']}")
         if d.kind is not Kind.SHARED:
             warn_fallback(d.cause)
             return self._end_sharing(d, stock())
@@ -414,6 +457,7 @@ def shared_prompt_logprobs(
     cast_lm_head_to_fp32: bool = False,
     sharing: str = "tree",
     confirm: bool | None = None,
+    sequence_parallel=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs (and entropies) with each unique prompt forwarded once.
 
@@ -445,6 +489,8 @@ def shared_prompt_logprobs(
         confirm: the first time a model class (and architecture) is scored in the process, confirm the capability
             rule's decision on a tiny copy of it (``grpo_mem.model.confirm``; about a second of CPU); a difference
             falls back with its cause. None: on unless the environment sets ``GRPO_MEM_CONFIRM=0``.
+        sequence_parallel: a ``torch.distributed`` process group whose ranks all call with the same inputs; every
+            pass is split along the sequence over them (``SharingSession``, ``grpo_mem.model.sequence_parallel``).
 
     Returns:
         log_probs: (B, C) fp32, zero where the completion mask is 0.
@@ -452,8 +498,9 @@ def shared_prompt_logprobs(
 
     Raises:
         ValueError: shape mismatch, ``logits_to_keep`` out of range, ``temperature <= 0``, right-padded prompts,
-            unknown ``sharing``.
+            unknown ``sharing``; under sequence parallelism, a micro-batch the path cannot serve (the cause named).
         TypeError: non-integer ids or ``logits_to_keep``.
     """
     options = dict(temperature=temperature, compute_entropy=compute_entropy, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
-    return SharingSession(sharing, confirm=confirm).score(model, input_ids, attention_mask, logits_to_keep, **options)
+    session = SharingSession(sharing, confirm=confirm, sequence_parallel=sequence_parallel)
+    return session.score(model, input_ids, attention_mask, logits_to_keep, **options)

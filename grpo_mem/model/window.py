@@ -25,6 +25,7 @@ from . import attention_hook as attn_hook
 from .distributed import fsdp_wrapped
 from .head import completion_head
 from .plan import PassSpec, WindowPlan
+from .sequence_parallel import SequenceParallel, gather_scores
 from .store import PromptStates, PromptStore
 
 __all__ = ["Window", "completion_width"]
@@ -82,13 +83,15 @@ def tie(x: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class _Pass:
-    """A pass forwarded in this window: its spec, key mask and positions (n, S), and its states while it belongs to
-    the current micro-batch (a kept pass's states live in the store)."""
+    """A pass forwarded in this window: its spec, key mask and positions (n, S) (under sequence parallelism, of all
+    shards: (n, size·L)), and its states while it belongs to the current micro-batch (a kept pass's states live in the
+    store)."""
 
     spec: PassSpec
     mask: torch.Tensor
     positions: torch.Tensor
     states: PromptStates | None = None
+    owner: torch.Tensor | None = None  # sequence parallelism: (n,) the rank holding each row's last token
 
 
 @dataclass
@@ -101,17 +104,22 @@ class Window:
         store: kept passes, until their release.
         record_router: whether the passes of the micro-batch being run record their router logits (the MoE router
             loss is asked for).
+        sp: the sequence-parallel group the micro-batch being run is split over (``sequence_parallel``), or None.
     """
 
     plan: WindowPlan
     current: int = 0
     store: PromptStore = field(default_factory=PromptStore)
     record_router: bool = False
+    sp: SequenceParallel | None = None
     _passes: dict[int, _Pass] = field(default_factory=dict)
     _node_pass: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (pass id, row)
     _ids: itertools.count = field(default_factory=itertools.count)
     _inputs: object = None  # the current micro-batch's input provider (``run``'s ``inputs``)
     _linear_layers: bool = False  # whether the model being run has linear-attention layers
+    _owned: torch.Tensor | None = (
+        None  # sequence parallelism: (B,) whether this rank holds each row's last prompt token
+    )
 
     @property
     def done(self) -> bool:
@@ -283,6 +291,9 @@ class Window:
         """Forward one pass of the schedule; register its nodes (in the store if kept), with its router logits when
         ``record_router``."""
         ids, mask, positions, lengths = self._layout(spec.nodes, device)
+        if self.sp is not None:
+            self._forward_shard(backbone, spec, views, (ids, mask, positions, lengths))
+            return
         extra = self._pass_inputs(spec, ids.shape[1])
         rope_positions = extra.pop("position_ids", positions)  # the model's own (e.g. M-RoPE) positions, if given
         if self.record_router:
@@ -330,12 +341,55 @@ class Window:
         states = PromptStates(
             kv={i: kv[i] for i in sorted(kv)}, last_hidden=last, linear=linear, router_logits=router_logits
         )
+        self._register(_Pass(spec=spec, mask=mask, positions=positions), states)
+
+    def _register(self, p: _Pass, states: PromptStates) -> None:
+        """Make a forwarded pass readable: its nodes point to it, its states are its own or (kept) the store's."""
         pass_id = next(self._ids)
-        self._passes[pass_id] = _Pass(spec=spec, mask=mask, positions=positions, states=None if spec.kept else states)
-        if spec.kept:
-            self.store.keep(pass_id, states, spec.release)
-        for row, n in enumerate(spec.nodes):
+        p.states = None if p.spec.kept else states
+        self._passes[pass_id] = p
+        if p.spec.kept:
+            self.store.keep(pass_id, states, p.spec.release)
+        for row, n in enumerate(p.spec.nodes):
             self._node_pass[n] = (pass_id, row)
+
+    def _forward_shard(self, backbone, spec: PassSpec, views, layout) -> None:
+        """``_forward_pass`` under sequence parallelism: this rank's shard of the pass's tokens through the backbone,
+        attending to its ancestors, to the earlier shards and causally to its own (``sequence_parallel``); the
+        gathered K/V of all shards are recorded. A row's last hidden state is kept by the rank holding that token
+        (zero elsewhere, ``_Pass.owner``)."""
+        ids, mask, positions, lengths = layout
+        sp, device = self.sp, ids.device
+        L = sp.shard(ids.shape[1])
+        full_positions = positions[:, :1] + torch.arange(sp.size * L, device=device)
+        paths = [self.plan.trie.path(n) for n in spec.nodes]
+        ancestors = [path[:-1] for path in paths]
+        regions = self._regions(ancestors, spec.release, views, device) if spec.depth > 0 and spec.nodes else []
+        span = int(positions[:, 0].max() + max(lengths) - 1 - positions[:, 0].min())
+        if regions:
+            span = self._span(ancestors, int((positions[:, 0] + torch.tensor(lengths, device=device)).max()) - 1)
+        ctx = attn_hook.CompletionContext(
+            regions=regions,
+            key_mask=sp.local(mask, L, False),
+            positions=sp.local(full_positions, L),
+            span=span,
+            capture={},
+            shards=attn_hook.Shards(sp, sp.padded(mask, L, False), full_positions),
+        )
+        out = backbone(
+            input_ids=sp.local(ids, L),
+            position_ids=ctx.positions,
+            use_cache=False,
+            grpo_mem_ctx=attn_hook.context_token(ctx),
+        )
+        kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
+        hidden = attn_hook.keep_alive(out.last_hidden_state, ctx)
+        last = torch.tensor(lengths, device=device) - 1
+        owner = last // L
+        picked = hidden[torch.arange(len(lengths), device=device), last % L]
+        picked = picked * (owner == sp.rank).to(picked.dtype)[:, None]
+        states = PromptStates(kv={i: kv[i] for i in sorted(kv)}, last_hidden=picked)
+        self._register(_Pass(spec=spec, mask=ctx.shards.mask, positions=full_positions, owner=owner), states)
 
     def _leaf_hidden(self, leaves: list[int], views) -> torch.Tensor:
         """(B, H) final hidden state of each row's last prompt token (its leaf node's last token)."""
@@ -362,27 +416,36 @@ class Window:
         device = completion_ids.device
         trie = self.plan.trie
         ends = torch.tensor([trie.nodes[leaf].end for leaf in leaves], dtype=torch.long, device=device)
-        positions = ends[:, None] + torch.arange(width, device=device)
+        ids, key_mask, shards = completion_ids[:, :width], completion_mask[:, :width].bool(), None
+        if self.sp is not None:  # this rank's shard of the completion tokens (``sequence_parallel``)
+            sp, L = self.sp, self.sp.shard(width)
+            positions = ends[:, None] + torch.arange(sp.size * L, device=device)
+            shards = attn_hook.Shards(sp, sp.padded(key_mask, L, False), positions)
+            ids, key_mask, positions = sp.local(ids, L), sp.local(key_mask, L, False), sp.local(positions, L)
+            width = sp.size * L
+        else:
+            positions = ends[:, None] + torch.arange(width, device=device)
         paths = [trie.path(leaf) for leaf in leaves]
         ctx = attn_hook.CompletionContext(
             regions=self._regions(paths, self.current, views, device),
-            key_mask=completion_mask[:, :width].bool(),
+            key_mask=key_mask,
             positions=positions,
             span=self._span(paths, max(trie.nodes[leaf].end for leaf in leaves) + width - 1),
             linear=self._linear(len(leaves), None, leaves, self.current, views),
+            shards=shards,
         )
         rope_positions = None if self._inputs is None else self._inputs.completion_positions(width)
         if rope_positions is None:  # the model's own positions (M-RoPE) if the input provider gives them
             rope_positions = positions
         extra = {"output_router_logits": True} if self.record_router else {}
         out = backbone(
-            input_ids=completion_ids[:, :width],
+            input_ids=ids,
             position_ids=rope_positions,
             use_cache=False,
             grpo_mem_ctx=attn_hook.context_token(ctx),
             **extra,
         )
-        router_logits = self._router_logits(out, completion_ids[:, :width].numel(), ctx) if self.record_router else ()
+        router_logits = self._router_logits(out, ids.numel(), ctx) if self.record_router else ()
         return attn_hook.keep_alive(out.last_hidden_state, ctx), router_logits
 
     def _router_loss(self, causal_lm, leaves, views, completion_logits, completion_mask) -> torch.Tensor:
@@ -423,8 +486,33 @@ class Window:
         hidden, aux_loss = self._micro_batch(
             causal_lm, input_ids, attention_mask, C, lockstep, options.compute_aux_loss, inputs
         )
-        logps, entropy = completion_head(causal_lm, hidden, input_ids[:, -C:], attention_mask[:, -C:], options)
-        return logps, entropy, aux_loss
+        ids, mask = input_ids[:, -C:], attention_mask[:, -C:]
+        if self.sp is None:
+            logps, entropy = completion_head(causal_lm, hidden, ids, mask, options)
+            return logps, entropy, aux_loss
+        return (*self._sharded_head(causal_lm, hidden, ids, mask, options), aux_loss)
+
+    def _sharded_head(self, causal_lm, hidden, ids, mask, options):
+        """Under sequence parallelism: this rank's completion positions through the head (position 0 where this rank
+        holds the row's last prompt token, then its shard of positions 1 … C − 1), then the (B, C) log-probs and
+        entropies of every rank (``sequence_parallel.gather_scores``)."""
+        sp, C = self.sp, ids.shape[1]
+        owned = self._owned.to(mask.device)
+        first_mask = mask[:, :1] * owned[:, None].to(mask.dtype)
+        L = hidden.shape[1] - 1
+        ids = torch.cat([ids[:, :1], sp.local(ids[:, 1:], L)], dim=1) if L else ids[:, :1]
+        mask = torch.cat([first_mask, sp.local(mask[:, 1:], L)], dim=1) if L else first_mask
+        logps, entropy = completion_head(causal_lm, hidden, ids, mask, options)
+        entropy = None if entropy is None else gather_scores(entropy, sp, C)
+        return gather_scores(logps, sp, C), entropy
+
+    def _leaf_owned(self, leaves: list[int]) -> torch.Tensor:
+        """(B,) bool: whether this rank holds each row's last prompt token (its leaf pass's ``owner``)."""
+        owned = []
+        for leaf in leaves:
+            pass_id, row = self._node_pass[leaf]
+            owned.append(bool(self._passes[pass_id].owner[row] == self.sp.rank))
+        return torch.tensor(owned)
 
     def hidden_states(self, causal_lm, input_ids, attention_mask, logits_to_keep: int, *, lockstep: bool = False):
         """The LM head's input for the window's next micro-batch: (B, C, H) final hidden states (the backbone's
@@ -456,7 +544,7 @@ class Window:
                 backbone, leaves, completion_ids, completion_mask, width, views
             )
             if C > 1:
-                hidden.append(out[:, : C - 1])
+                hidden.append(out if self.sp is not None else out[:, : C - 1])
             else:
                 hidden[0] = tie(hidden[0], [out])
         stand_ins = [p.states.last_hidden for p in self._passes.values() if not p.spec.nodes and not p.spec.kept]
@@ -473,6 +561,8 @@ class Window:
                 hidden, [p.states.last_hidden for p in self._passes.values() if p.spec.nodes and not p.spec.kept]
             )
         hidden = self._flush(hidden)
+        if self.sp is not None:
+            self._owned = self._leaf_owned(leaves)
         aux_loss = self._router_loss(causal_lm, leaves, views, completion_router, completion_mask) if aux else None
         self._finish_micro_batch()
         return hidden, aux_loss

@@ -1,0 +1,172 @@
+"""Sequence parallelism of the prompt-once path: every pass's tokens split along the sequence over the ranks of a
+sequence-parallel (SP) group, the attention exchanging K/V inside grpo_mem's attention hook.
+
+The ranks of an SP group hold the same micro-batch. Each pass (a trie node pass, or the completion pass) of T tokens is
+cut into ``size`` contiguous shards of L = ceil(T / size) tokens (the last ones padded); rank r runs tokens
+``r·L … r·L + L − 1`` of every row through the backbone. Everything but attention is token-local. In attention, rank
+r's queries see three kinds of keys, merged exactly by log-sum-exp (``grpo_mem.ops.multi_region_attention``):
+
+* the K/V of the passes on the row's path (a deeper trie node's ancestors; the completions' prompt nodes), recorded
+  whole: each pass all-gathers its K/V over the SP group, layer by layer, and records the gathered (n, Hkv, size·L, d)
+  tensors for its readers;
+* the same pass's K/V of shards 0 … r − 1 (fully visible to every local query: they sit at earlier positions), read
+  in place from that all-gather;
+* its own shard's K/V, causally.
+
+So a pass is still forwarded once per group, only split across the ranks, and its readers attend to all of its K/V.
+The all-gather's backward is a reduce-scatter (gloo has none: an all-to-all and a sum), which returns to each rank the
+gradient that every rank's queries sent to its keys and values.
+
+The head scores each rank's share of the completion positions: position 0 (predicted by the last prompt token) on the
+rank whose shard holds that token, position j ≥ 1 (predicted by completion token j − 1) on the rank holding that
+token. One all-gather assembles the (B, C) log-probs on every rank (``gather_scores``). Its backward keeps this rank's
+columns of the incoming gradient: every rank computes the same loss from the same (B, C) values, so that gradient is
+the same on every rank, and each rank's parameter gradient is its shard's part of the whole. The parts sum over the SP
+group to the gradient of the loss without SP: DeepSpeed under SP sums gradients over the SP group and averages them
+over data-parallel ranks (ZeRO 1-3 divide the all-reduce by ``world / sp_size``).
+
+The split along the sequence and the LSE merge across it are the construction of Ulysses/ring attention (DeepSpeed
+Ulysses, arXiv 2309.14509; ring attention, arXiv 2310.01889); here K/V are all-gathered rather than exchanged over
+heads, because the recorded prompt K/V must stay readable by every later pass anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SequenceParallel", "SP_CAUSES", "gather_kv", "gather_scores"]
+
+SP_CAUSES = {
+    "linear": "sequence parallelism: the model has linear-attention (recurrent) layers, whose state runs along the "
+    "sequence and is not exchanged between the ranks of a sequence-parallel group",
+    "router": "sequence parallelism: the MoE router loss (load-balancing statistics over all tokens of the micro-batch) "
+    "is not computed across the shards of a sequence-parallel group",
+    "images": "sequence parallelism: image inputs are not split along the sequence",
+    "hidden": "sequence parallelism: the LM head's input (TRL's Liger loss, use_liger_kernel=True) is not assembled "
+    "across the shards of a sequence-parallel group",
+    "differ": "sequence parallelism: the ranks of the sequence-parallel group were given different micro-batches "
+    "(they must hold the same generation batch)",
+}
+"""Why a micro-batch cannot be scored with sequence parallelism, by case. There is no stock path to fall back to under
+sequence parallelism (stock TRL has none), so these are raised, never warned."""
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """A sequence-parallel group as the prompt-once path uses it.
+
+    Attributes:
+        group: the ``torch.distributed`` process group of the SP ranks (None: the default, whole-world group).
+        rank: this process's rank within ``group``.
+        size: the number of ranks in ``group`` (>= 1).
+    """
+
+    group: object
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group) -> SequenceParallel:
+        """The SP group ``group`` (a ``ProcessGroup``, or None for the whole world) with this process's rank in it.
+
+        Raises:
+            RuntimeError: ``torch.distributed`` is not initialised.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("sequence parallelism needs torch.distributed initialised (a process group)")
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def shard(self, length: int) -> int:
+        """L, the tokens of one shard of a pass of ``length`` tokens: ceil(length / size), at least 1."""
+        return max(1, math.ceil(length / self.size))
+
+    def local(self, t: torch.Tensor, L: int, fill=0) -> torch.Tensor:
+        """This rank's shard, along dim 1, of ``t`` (n, T, ...) padded with ``fill`` to ``size · L`` tokens."""
+        pad = self.size * L - t.shape[1]
+        if pad:
+            t = torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], dim=1)
+        return t[:, self.rank * L : (self.rank + 1) * L]
+
+    def padded(self, t: torch.Tensor, L: int, fill=0) -> torch.Tensor:
+        """``t`` (n, T, ...) padded along dim 1 with ``fill`` to ``size · L`` tokens: the layout of a gathered pass."""
+        pad = self.size * L - t.shape[1]
+        return torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], dim=1) if pad else t
+
+    def same_inputs(self, *tensors: torch.Tensor) -> bool:
+        """Whether every rank of the group holds the same ``tensors`` (shapes and values): one all-gather of a
+        fingerprint (shapes, and int64 sums of the values weighted by two position-dependent sequences)."""
+        parts = []
+        for t in tensors:
+            flat = t.detach().reshape(-1).long()
+            i = torch.arange(flat.numel(), device=flat.device)
+            parts += [*t.shape, int((flat * (i % 1009 + 1)).sum()), int((flat * (i % 997 + 7) * (i % 13 + 1)).sum())]
+        mine = torch.tensor(parts, dtype=torch.long)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.group)
+        if len({int(s) for s in sizes}) > 1:
+            return False
+        everyone = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return all(torch.equal(e, mine) for e in everyone)
+
+
+def _all_gather(x: torch.Tensor, sp: SequenceParallel) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(sp.size)]
+    dist.all_gather(parts, x.contiguous(), group=sp.group)
+    return parts
+
+
+class _GatherKV(torch.autograd.Function):
+    """(2, n, Hkv, L, d) stacked K/V of this rank's shard -> (2, n, Hkv, size·L, d) of all shards in order. Backward:
+    the reduce-scatter of the gradient (each rank gets the sum over ranks of its shard's slice)."""
+
+    @staticmethod
+    def forward(ctx, kv, sp):
+        ctx.sp = sp
+        return torch.cat(_all_gather(kv, sp), dim=3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sp = ctx.sp
+        L = grad.shape[3] // sp.size
+        send = torch.stack(grad.split(L, dim=3)).contiguous()  # (size, 2, n, Hkv, L, d): slice s goes to rank s
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=sp.group)
+        return received.sum(0), None
+
+
+def gather_kv(key: torch.Tensor, value: torch.Tensor, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every shard of a pass, from this rank's ``key``/``value`` (n, Hkv, L, d): (n, Hkv, size·L, d) each,
+    shard s at tokens ``s·L … s·L + L − 1``; differentiable (gradients return to the ranks that own the tokens). One
+    collective per call; every rank of the group must call it in the same order."""
+    kv = _GatherKV.apply(torch.stack([key, value]), sp)
+    return kv[0], kv[1]
+
+
+class _GatherScores(torch.autograd.Function):
+    """(n, m) per-rank values -> (size, n, m) of every rank. Backward: this rank's slice of the gradient (every rank
+    computes the same loss from the gathered values, see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, sp):
+        ctx.rank = sp.rank
+        return torch.stack(_all_gather(x, sp))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank], None
+
+
+def gather_scores(local: torch.Tensor, sp: SequenceParallel, C: int) -> torch.Tensor:
+    """(B, C) values of a micro-batch from every rank's ``local`` (B, 1 + L) head output: column 0 (completion position
+    0, scored by the rank holding the last prompt token of the row, zero elsewhere) summed over ranks, columns
+    ``1 … L`` of rank r at positions ``1 + r·L …`` (``SequenceParallel`` shards of the C − 1 completion tokens).
+    Differentiable with the backward described in the module docstring."""
+    parts = _GatherScores.apply(local, sp)  # (size, B, 1 + L)
+    first = parts[:, :, :1].sum(0)
+    rest = parts[:, :, 1:].transpose(0, 1).reshape(local.shape[0], -1)
+    return torch.cat([first, rest], dim=1)[:, :C]

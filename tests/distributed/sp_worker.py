@@ -1,0 +1,97 @@
+"""Worker of the sequence-parallel scoring tests (2 ranks, gloo): every pass split along the sequence over the ranks,
+against stock TRL's scoring on one process.
+
+Usage: ``sp_worker.py ARCH SHARING [checkpointing]`` (``tests/distributed/test_sequence_parallel.py`` launches it). Every rank builds
+the same tiny model and the same window of micro-batches (a long shared system prompt of odd length, groups split over
+micro-batches), scores it with ``SharingSession(sequence_parallel=world)``, computes the same loss from the gathered
+log-probs and entropies, and backpropagates. Asserted on every rank: the log-probs and entropies equal stock TRL's on
+the whole sequence (one process, computed here too), and the parameter gradients summed over the ranks equal stock's.
+Then the ranks are given different micro-batches: both raise the named cause, neither hangs.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from helpers import (
+    assert_close,
+    assert_grads_close,
+    make_batch,
+    random_tokens,
+    stock_window,
+    tiny_model,
+    weighted_backward,
+)
+from launch import end_worker
+
+from grpo_mem import SharingSession
+from grpo_mem.model.sequence_parallel import SP_CAUSES
+
+ARCHS = {
+    "llama": {},
+    "mistral": {"sliding_window": 24},  # a window shorter than the prompts: the earlier shard's keys fall out of it
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 24},  # sinks, windows, MoE
+    "gemma2": {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0, "query_pre_attn_scalar": 12},
+}
+
+
+def window_batches(C: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Three micro-batches: prompts sharing a 71-token system prompt (tree sharing makes it one node), one prompt's
+    group split over the first two micro-batches, prompt widths odd and even."""
+    system = random_tokens(71, seed=5)
+    prompts = [system + random_tokens(n, seed=10 + n) for n in (9, 14, 5, 22)]
+    ids, mask, _, _ = make_batch(None, 3, C, prompts=prompts, seed=3)  # 12 rows, groups of 3
+    cuts = [(0, 5), (5, 8), (8, 12)]  # the first group straddles micro-batches 0 and 1
+    return [(ids[a:b], mask[a:b]) for a, b in cuts]
+
+
+def assert_refused(model, ids, mask, C, sharing, case, **options) -> None:
+    """Scoring ``ids``/``mask`` with sequence parallelism raises ValueError naming ``SP_CAUSES[case]``."""
+    session = SharingSession(sharing, sequence_parallel=dist.group.WORLD, confirm=False)
+    try:
+        session.score(model, ids, mask, C, **options)
+    except ValueError as exc:
+        assert SP_CAUSES[case] in str(exc), exc
+    else:
+        raise AssertionError(f"not refused under sequence parallelism: {case}")
+
+
+def main(arch: str, sharing: str, checkpointing: str = "") -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    C = 9
+    batches = window_batches(C)
+    stock = tiny_model(arch, **ARCHS[arch])
+    ref, ref_grads = stock_window(stock, batches, C)
+
+    model = tiny_model(arch, **ARCHS[arch])
+    if checkpointing:  # TRL's default: layers re-run in backward, and with them the hook's all-gathers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    session = SharingSession(sharing, sequence_parallel=dist.group.WORLD, confirm=False)
+    session.begin_window([ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
+    for (ids, mask), (ref_logps, ref_ent) in zip(batches, ref):
+        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
+        keep = mask[:, -C:]
+        assert_close(logps, ref_logps, 1e-5, f"{arch}/{sharing} log-probs, rank {rank}", keep)
+        assert_close(ent, ref_ent, 1e-5, f"{arch}/{sharing} entropies, rank {rank}", keep)
+        weighted_backward(logps, ent, seed=ids.shape[1])  # the same loss on every rank, as TRL computes it
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        dist.all_reduce(g)  # what DeepSpeed does under sequence parallelism: the sum over the group
+    assert_grads_close(grads, ref_grads, rel=1e-5)
+    model.zero_grad(set_to_none=True)
+
+    ids, mask = batches[rank % len(batches)]  # each rank another micro-batch: refused on both, no hang
+    assert_refused(model, ids, mask, C, sharing, "differ")
+    if arch == "llama":  # what the path refuses under sequence parallelism, by its named cause
+        ids, mask = batches[0]
+        assert_refused(model, ids, mask, C, sharing, "router", compute_aux_loss=True)
+        assert_refused(tiny_model("qwen3_5"), ids, mask, C, sharing, "linear")
+    dist.barrier()
+    end_worker()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
