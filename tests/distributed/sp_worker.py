@@ -1,7 +1,8 @@
 """Worker of the sequence-parallel scoring tests (2 ranks, gloo): every pass split along the sequence over the ranks,
 against stock TRL's scoring on one process.
 
-Usage: ``sp_worker.py ARCH SHARING [checkpointing]`` (``tests/distributed/test_sequence_parallel.py`` launches it). Every rank builds
+Usage: ``sp_worker.py ARCH SHARING [checkpointing]`` on 2 ranks (one SP group) or 4 (two SP groups of 2, data
+parallel over them, each with its own window) (``tests/distributed/test_sequence_parallel.py`` launches it). Every rank builds
 the same tiny model and the same window of micro-batches (a long shared system prompt of odd length, groups split over
 micro-batches), scores it with ``SharingSession(sequence_parallel=world)``, computes the same loss from the gathered
 log-probs and entropies, and backpropagates. Asserted on every rank: the log-probs and entropies equal stock TRL's on
@@ -35,19 +36,20 @@ ARCHS = {
 }
 
 
-def window_batches(C: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Three micro-batches: prompts sharing a 71-token system prompt (tree sharing makes it one node), one prompt's
-    group split over the first two micro-batches, prompt widths odd and even."""
-    system = random_tokens(71, seed=5)
-    prompts = [system + random_tokens(n, seed=10 + n) for n in (9, 14, 5, 22)]
-    ids, mask, _, _ = make_batch(None, 3, C, prompts=prompts, seed=3)  # 12 rows, groups of 3
+def window_batches(C: int, dp: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Three micro-batches: prompts sharing a system prompt of 71 tokens (tree sharing makes it one node; 60 on data-
+    parallel rank ``dp`` 1), one prompt's group split over the first two micro-batches, prompt widths odd and even."""
+    system = random_tokens(71 - 11 * dp, seed=5 + dp)
+    prompts = [system + random_tokens(n, seed=10 + n + dp) for n in (9, 14, 5, 22)]
+    ids, mask, _, _ = make_batch(None, 3, C, prompts=prompts, seed=3 + dp)  # 12 rows, groups of 3
     cuts = [(0, 5), (5, 8), (8, 12)]  # the first group straddles micro-batches 0 and 1
     return [(ids[a:b], mask[a:b]) for a, b in cuts]
 
 
-def assert_refused(model, ids, mask, C, sharing, case, **options) -> None:
-    """Scoring ``ids``/``mask`` with sequence parallelism raises ValueError naming ``SP_CAUSES[case]``."""
-    session = SharingSession(sharing, sequence_parallel=dist.group.WORLD, confirm=False)
+def assert_refused(model, ids, mask, C, sharing, group, case, **options) -> None:
+    """Scoring ``ids``/``mask`` with sequence parallelism over ``group`` raises ValueError naming
+    ``SP_CAUSES[case]``."""
+    session = SharingSession(sharing, sequence_parallel=group, confirm=False)
     try:
         session.score(model, ids, mask, C, **options)
     except ValueError as exc:
@@ -56,12 +58,22 @@ def assert_refused(model, ids, mask, C, sharing, case, **options) -> None:
         raise AssertionError(f"not refused under sequence parallelism: {case}")
 
 
+def sp_group() -> tuple[object, int]:
+    """(this rank's SP group, its data-parallel index): the whole world on 2 ranks; on 4, SP groups {0, 1} and
+    {2, 3}, data-parallel over the two."""
+    if dist.get_world_size() == 2:
+        return dist.group.WORLD, 0
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    return groups[dist.get_rank() // 2], dist.get_rank() // 2
+
+
 def main(arch: str, sharing: str, checkpointing: str = "") -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    group, dp = sp_group()
     torch.manual_seed(0)
     C = 9
-    batches = window_batches(C)
+    batches = window_batches(C, dp)
     stock = tiny_model(arch, **ARCHS[arch])
     ref, ref_grads = stock_window(stock, batches, C)
 
@@ -69,7 +81,7 @@ def main(arch: str, sharing: str, checkpointing: str = "") -> None:
     if checkpointing:  # TRL's default: layers re-run in backward, and with them the hook's all-gathers
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    session = SharingSession(sharing, sequence_parallel=dist.group.WORLD, confirm=False)
+    session = SharingSession(sharing, sequence_parallel=group, confirm=False)
     session.begin_window([ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
     for (ids, mask), (ref_logps, ref_ent) in zip(batches, ref):
         logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
@@ -79,16 +91,16 @@ def main(arch: str, sharing: str, checkpointing: str = "") -> None:
         weighted_backward(logps, ent, seed=ids.shape[1])  # the same loss on every rank, as TRL computes it
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     for g in grads.values():
-        dist.all_reduce(g)  # what DeepSpeed does under sequence parallelism: the sum over the group
+        dist.all_reduce(g, group=group)  # what DeepSpeed does under sequence parallelism: the sum over the group
     assert_grads_close(grads, ref_grads, rel=1e-5)
     model.zero_grad(set_to_none=True)
 
     ids, mask = batches[rank % len(batches)]  # each rank another micro-batch: refused on both, no hang
-    assert_refused(model, ids, mask, C, sharing, "differ")
+    assert_refused(model, ids, mask, C, sharing, group, "differ")
     if arch == "llama":  # what the path refuses under sequence parallelism, by its named cause
         ids, mask = batches[0]
-        assert_refused(model, ids, mask, C, sharing, "router", compute_aux_loss=True)
-        assert_refused(tiny_model("qwen3_5"), ids, mask, C, sharing, "linear")
+        assert_refused(model, ids, mask, C, sharing, group, "router", compute_aux_loss=True)
+        assert_refused(tiny_model("qwen3_5"), ids, mask, C, sharing, group, "linear")
     dist.barrier()
     end_worker()
 

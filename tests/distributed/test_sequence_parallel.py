@@ -1,4 +1,4 @@
-"""Sequence parallelism of the prompt-once path on 2 ranks (gloo, CPU): every pass split along the sequence, exact.
+"""Sequence parallelism of the prompt-once path on 2 and 4 ranks (gloo, CPU): every pass split along the sequence, exact.
 
 Each run (``sp_worker.py``) scores a window of three micro-batches (a 71-token shared system prompt, a group split over
 two micro-batches, prompt widths odd and even) on both ranks of a sequence-parallel group and asserts that the log-probs
@@ -22,3 +22,9 @@ CASES = [
 @pytest.mark.parametrize("arch,sharing,checkpointing", CASES, ids=["-".join(filter(None, c)) for c in CASES])
 def test_sequence_parallel_scoring_matches_stock(arch, sharing, checkpointing):
     launch("sp_worker.py", arch, sharing, *([checkpointing] if checkpointing else []))
+
+
+def test_sequence_parallel_groups_with_data_parallelism():
+    """4 ranks: SP groups {0, 1} and {2, 3}, data parallel over them with different windows (other system-prompt
+    lengths, so the groups' passes differ); each group's log-probs and summed gradients equal stock's on its data."""
+    launch("sp_worker.py", "llama", "tree", nproc=4)
