@@ -1,4 +1,4 @@
-"""Sequence parallelism of the prompt-once path on 2 and 4 ranks (gloo, CPU): every pass split along the sequence, exact.
+"""Sequence parallelism of the prompt-once path on 2 and 4 ranks (gloo, CPU): every pass split along the sequence.
 
 Each run (``sp_worker.py``) scores a window of three micro-batches (a 71-token shared system prompt, a group split over
 two micro-batches, prompt widths odd and even) on both ranks of a sequence-parallel group and asserts that the log-probs
