@@ -30,6 +30,7 @@ trainer; before touching anything it checks what it relies on (``grpo_mem.patche
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 import weakref
@@ -41,7 +42,7 @@ from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
 from ..model.support import warn_fallback
-from . import trl_images
+from . import trl_images, trl_sp
 from .checks import (
     _MARK,
     HIDDEN_METHOD,
@@ -283,7 +284,8 @@ def _make_prepare(original, handle: PatchHandle):
         if handle.group_shuffle:
             module.shuffle_sequence_dict = group_shuffle
         try:
-            inputs = original(self, generation_batch)
+            with trl_sp.data_parallel(self):  # an SP group generates and scores as one data-parallel rank
+                inputs = original(self, generation_batch)
         finally:
             module.shuffle_sequence_dict = stock_shuffle
         if getattr(self.args, "use_liger_kernel", False):
@@ -339,6 +341,15 @@ class PatchHandle:
             session = self.sessions[trainer] = SharingSession(self.sharing, confirm=self.confirm)
         return session
 
+    def remember(self, owner, name: str, value) -> None:
+        """Set ``owner``'s attribute ``name`` (a class, module or instance) to ``value`` for as long as the patch is
+        active: ``revert`` restores what it was (idempotent per owner and name)."""
+        if any(o is owner and n == name for o, n, _ in self._entries):
+            return
+        previous = vars(owner).get(name, _MISSING)
+        setattr(owner, name, value)
+        self._entries.append((owner, name, previous))
+
     def unserved_liger(self, trainer) -> str | None:
         """Why ``trainer``'s Liger loss path (``use_liger_kernel=True`` on TRL 1.10-1.13) is TRL's own, or None."""
         for owner, cause in self.liger_causes.items():
@@ -368,7 +379,8 @@ class PatchHandle:
 
     @property
     def targets(self):
-        return sorted({getattr(o, "__name__", type(o).__name__) for o, _, _ in self._entries})
+        trainers = [o for o, _, _ in self._entries if hasattr(o, LOGPS_METHOD)]  # not configs, modules, accelerators
+        return sorted({getattr(o, "__name__", type(o).__name__) for o in trainers})
 
     def __enter__(self):
         return self
@@ -517,6 +529,16 @@ def _install(handle: PatchHandle, owner) -> None:
         methods.append((HIDDEN_METHOD, patched_hidden_method))
     elif cause is not None:
         handle.liger_causes[owner] = cause
+    # sequence parallelism (``trl_sp``): trainer methods, TRL's configs' refusal, the per-rank seed
+    methods += [
+        (name, functools.partial(trl_sp.make_method, name)) for name in trl_sp.SP_METHODS if hasattr(owner, name)
+    ]
+    for config in trl_sp.config_classes(owner):
+        handle.remember(config, "__post_init__", trl_sp.patched_post_init(config.__dict__["__post_init__"]))
+    for module, name, replacement in trl_sp.module_patches(owner):
+        handle.remember(module, name, replacement)
+    if not isinstance(owner, type):
+        trl_sp.reseed(owner)  # built before the patch: seeded per process, not per data-parallel rank
     for name, make in methods:
         previous = owner.__dict__.get(name, _MISSING)
         if isinstance(owner, type):

@@ -1,0 +1,71 @@
+"""Sequence parallelism through TRL (``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after
+``grpo_mem.patch_trl()``), 2 CPU processes over gloo: the two ranks of the SP group act as one data-parallel rank.
+
+The data path only: on every rank and every micro-batch, the inputs TRL's loss receives (prompt and completion ids
+and masks, advantages, old and reference log-probs, the token count) equal the other SP rank's and those of a
+one-process run of the same configuration without SP, bit for bit. Scoring is TRL's own on the whole sequence here.
+"""
+
+import json
+
+import pytest
+from launch import launch
+
+FLOAT_KEYS = ("advantages", "old_per_token_logps", "ref_per_token_logps")
+
+
+def _run(tmp_path, kind, stage, mode) -> dict:
+    out = tmp_path / f"{kind}-{stage}-{mode}.json"
+    launch("trl_trl_sp_worker.py", kind, stage, mode, out, nproc=2 if mode == "sp" else 1)
+    return json.loads(out.read_text())
+
+
+def _max_diff(a, b) -> float:
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b)
+        return max((_max_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    return abs(a - b)
+
+
+def _assert_same_records(ours: list, ref: list) -> None:
+    assert len(ours) == len(ref) == 6  # 3 optimizer steps of 2 micro-batches
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert sorted(a) == sorted(b), (step, sorted(a), sorted(b))
+        for key in a:
+            if key in FLOAT_KEYS:
+                assert _max_diff(a[key], b[key]) <= 1e-6, (step, key, _max_diff(a[key], b[key]))
+            else:
+                assert a[key] == b[key], (step, key)
+
+
+CASES = [("grpo", "zero2"), ("grpo", "zero3"), ("rloo", "zero2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,stage", CASES, ids=[f"{k}-{s}" for k, s in CASES])
+def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
+    """Per micro-batch: the two SP ranks' inputs are equal and equal the one-process run's, over 2 generation
+    batches (the second one generated after an optimizer step: the gradient, summed by ZeRO-2 / averaged by ZeRO-3
+    over the SP group, is the one-process gradient); DeepSpeed's Ulysses attention override is undone and its
+    dataloader adapter skipped; the batch arithmetic and the seeds are the data-parallel run's; ``revert()`` brings
+    TRL's refusal back."""
+    pytest.importorskip("deepspeed")
+    ref = _run(tmp_path, kind, stage, "ref")
+    sp = _run(tmp_path, kind, stage, "sp")
+    assert ref["world_size"] == 1 and sp["world_size"] == 2
+    (r,) = ref["ranks"]
+    if kind == "grpo":  # steps_per_generation 4 > accumulation 2, beta > 0
+        assert "old_per_token_logps" in r["records"][0] and "ref_per_token_logps" in r["records"][0]
+    assert [s["sp_group"] for s in sp["ranks"]] == [[0, 2], [1, 2]]
+    expected = {"sum": "zero2", "mean": "zero3"}
+    for s in sp["ranks"]:
+        _assert_same_records(s["records"], r["records"])
+        for key in ("generation_batch_size", "steps_per_generation", "global_step", "seed_after_init"):
+            assert s[key] == r[key], (key, s[key], r[key])
+        for a, b in zip(s["grad_norms"], r["grad_norms"], strict=True):
+            assert abs(a - b) <= 1e-6 * max(1.0, b), (s["grad_norms"], r["grad_norms"])
+        assert expected[s["gradient_reduction"]] == stage
+        assert s["attention"]["core_impl"] == "sdpa" and s["attention"]["core"], s["attention"]
+        assert not s["attention"]["ulysses"], s["attention"]
+        assert s["adapter_skipped"] and s["adapter_restored"]
+        assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]

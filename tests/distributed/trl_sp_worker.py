@@ -1,0 +1,151 @@
+"""One rank of the sequence-parallel data-path runs, launched by test_sequence_parallel.py.
+
+Usage: sp_worker.py KIND STAGE MODE OUT_JSON
+
+- KIND: grpo | rloo. STAGE: zero2 | zero3 (DeepSpeed on CPU/gloo, as dist_worker.py runs it).
+- MODE ``sp``: 2 processes, ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after ``grpo_mem.patch_trl()``
+  (one data-parallel rank). MODE ``ref``: 1 process, the same configuration without ``parallelism_config``.
+
+Every micro-batch TRL's loss receives (prompt and completion ids and masks, advantages, old and reference log-probs,
+the token count) is recorded on every rank. The scoring is TRL's own, on the whole sequence on each rank (grpo_mem's
+sequence-sharded scoring is not part of this run): each SP rank's loss is divided by sp_size, so that DeepSpeed's
+sum of gradients over the SP group is the one-process gradient and later generations stay comparable. Rank 0 writes
+every rank's records, the trainer's batch arithmetic, what the attention registry holds after the model was
+prepared, and whether TRL's refusal is back after ``revert()``.
+"""
+
+import json
+import os
+import sys
+import types
+
+import torch
+
+SP = 2
+ARGS = dict(
+    max_steps=3,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    gradient_accumulation_steps=2,
+    steps_per_generation=4,  # generation every 4 micro-batches, optimizer step every 2: old log-probs are computed
+    max_completion_length=6,
+    beta=0.04,  # a reference model: its log-probs are scored too
+    scale_rewards="batch",  # the std over the whole generation batch: duplicated ranks would change it
+    optim="sgd",
+    learning_rate=0.1,
+    logging_steps=1,
+)
+
+
+def _record(trainer, divide: int) -> list:
+    """Record every micro-batch's inputs to TRL's loss; divide the loss by ``divide`` (see the module docstring)."""
+    records = []
+    compute_loss = type(trainer).compute_loss
+
+    def recorded(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        records.append(
+            {
+                k: (v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v)
+                for k, v in inputs.items()
+                if k
+                in (
+                    "prompt_ids",
+                    "prompt_mask",
+                    "completion_ids",
+                    "completion_mask",
+                    "advantages",
+                    "old_per_token_logps",
+                    "ref_per_token_logps",
+                    "num_items_in_batch",
+                )
+            }
+        )
+        loss = compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return loss / divide
+
+    trainer.compute_loss = types.MethodType(recorded, trainer)
+    return records
+
+
+def _attention_state(trainer) -> dict:
+    """The model's attention implementation and whether the registry maps it to DeepSpeed's Ulysses wrapper."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from grpo_mem.patches.trl_sp import _ulysses_of
+
+    impl = trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation
+    core = impl.removeprefix("grpo_mem_")  # grpo_mem's hook wraps the model's own implementation
+    return {
+        "impl": impl,
+        "core_impl": core,
+        "ulysses": any(_ulysses_of(fn) is not None for fn in ALL_ATTENTION_FUNCTIONS._local_mapping.values()),
+        "core": ALL_ATTENTION_FUNCTIONS[core] is ALL_ATTENTION_FUNCTIONS._global_mapping[core],
+    }
+
+
+def _refused_after_revert(config_cls, pc) -> str:
+    """TRL's error for an SP config once the patch is reverted ("" if none)."""
+    try:
+        config_cls(output_dir="unused", parallelism_config=pc, report_to="none", bf16=False)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def main(kind: str, stage: str, mode: str, out: str) -> None:
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from dist_worker import stack_args
+    from helpers import make_trainer
+    from trl import GRPOConfig, RLOOConfig
+
+    import grpo_mem
+    from grpo_mem.patches import trl_sp
+
+    args = dict(ARGS, **stack_args(stage))
+    handle = grpo_mem.patch_trl()  # before the config: the patch lifts TRL's refusal of sp_size > 1
+    pc = ParallelismConfig(
+        sp_size=SP, sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+    )
+    if kind == "rloo":
+        args.pop("scale_rewards")
+    if mode == "sp":
+        args["parallelism_config"] = pc
+    trainer, _ = make_trainer(kind, patch=False, output_dir=out + ".run", **args)
+    seed_after_init = torch.initial_seed()
+    # each SP rank scores the whole batch: its loss is the DP rank's; DeepSpeed sums (ZeRO-2) or averages (ZeRO-3)
+    loss_scale = {"sum": SP, "mean": 1, None: 1}[trl_sp.sp_gradient_reduction(trainer)]
+    records = _record(trainer, loss_scale)
+    trainer.train()
+    found = trl_sp.sp_group(trainer)
+    result = {
+        "records": records,
+        "seed_after_init": seed_after_init,
+        "generation_batch_size": trainer.args.generation_batch_size,
+        "steps_per_generation": trainer.args.steps_per_generation,
+        "global_step": trainer.state.global_step,
+        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+        "gradient_reduction": trl_sp.sp_gradient_reduction(trainer),
+        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+        "attention": _attention_state(trainer),
+        "sp_group": None if found is None else list(found[1:]),
+        "adapter_skipped": "deepspeed_ulysses_dl_adapter" in trainer.accelerator.__dict__,
+    }
+    handle.revert()
+    config_cls = GRPOConfig if kind == "grpo" else RLOOConfig
+    result["refused_after_revert"] = _refused_after_revert(config_cls, pc)
+    result["adapter_restored"] = "deepspeed_ulysses_dl_adapter" not in trainer.accelerator.__dict__
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, result)
+    if torch.distributed.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"world_size": len(gathered), "ranks": gathered}, f)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    from launch import end_worker
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main(*sys.argv[1:])
+    end_worker()

@@ -1,0 +1,58 @@
+"""The configuration side of sequence parallelism, in one process: ``patch_trl`` lifts TRL's refusal of
+``sp_size > 1`` (``sp_backend="deepspeed"``) for GRPOConfig and RLOOConfig while active, keeps ``cp_size > 1``
+refused, refuses with a named cause what it cannot serve, and ``revert()`` brings the refusal back. The 2-process
+data path is in tests/distributed/test_sequence_parallel.py."""
+
+import pytest
+import torch
+
+REFUSAL = "does not support sequence-dim parallelism"
+
+
+def _config(cls, tmp_path, **kwargs):
+    from accelerate import ParallelismConfig
+
+    pc = kwargs.pop("pc", None) or ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    return cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, parallelism_config=pc, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["GRPOConfig", "RLOOConfig"])
+def test_refusal_lifted_only_for_deepspeed_sp_while_patched(tmp_path, name):
+    import trl
+    from accelerate import ParallelismConfig
+
+    import grpo_mem
+
+    cls = getattr(trl, name)
+    stock = cls.__dict__["__post_init__"]
+    with pytest.raises(ValueError, match=REFUSAL):
+        _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+    handle = grpo_mem.patch_trl()
+    try:
+        # past TRL's refusal: one process cannot hold an SP group of 2
+        with pytest.raises(ValueError, match="sp_size=2 does not divide the world size 1"):
+            _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+        with pytest.raises(ValueError, match=r"sp_size=2 runs through DeepSpeed Ulysses: pass a ZeRO config"):
+            _config(cls, tmp_path)
+        with pytest.raises(ValueError, match=r"use_liger_kernel=True with sp_size=2"):
+            _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}}, use_liger_kernel=True)
+        with pytest.raises(ValueError, match=r"use_vllm=True with sp_size=2"):
+            _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}}, use_vllm=True)
+        with pytest.raises(ValueError, match=REFUSAL):  # context parallelism stays TRL's refusal
+            _config(cls, tmp_path, pc=ParallelismConfig(cp_size=2))
+        plain = _config(cls, tmp_path, pc=ParallelismConfig())  # no SP: TRL's own arithmetic
+        assert plain.generation_batch_size == plain.per_device_train_batch_size * plain.steps_per_generation
+    finally:
+        handle.revert()
+    assert cls.__dict__["__post_init__"] is stock
+    with pytest.raises(ValueError, match=REFUSAL):
+        _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+
+
+def test_keep_leaders_is_the_data_parallel_gather():
+    """An all-rank gather of 4 ranks (SP groups {0, 1}, {2, 3}) keeps ranks 0 and 2, in order."""
+    from grpo_mem.patches.trl_sp import Layout, keep_leaders
+
+    per_rank = [torch.full((3, 2), float(r)) for r in range(4)]
+    kept = keep_leaders(torch.cat(per_rank), Layout(sp_size=2, sp_rank=0, dp_size=2, dp_rank=0))
+    assert torch.equal(kept, torch.cat([per_rank[0], per_rank[2]]))
