@@ -22,8 +22,10 @@ rank whose shard holds that token, position j ≥ 1 (predicted by completion tok
 token. One all-gather assembles the (B, C) log-probs on every rank (``gather_scores``). Its backward keeps this rank's
 columns of the incoming gradient: every rank computes the same loss from the same (B, C) values, so that gradient is
 the same on every rank, and each rank's parameter gradient is its shard's part of the whole. The parts sum over the SP
-group to the gradient of the loss without SP: DeepSpeed under SP sums gradients over the SP group and averages them
-over data-parallel ranks (ZeRO 1-3 divide the all-reduce by ``world / sp_size``).
+group to the gradient of the loss without SP: DeepSpeed ZeRO 0-2 under SP sum gradients over the SP group and average
+them over data-parallel ranks (they divide the all-reduce by ``world / sp_size``); ZeRO-3's default reduce-scatter
+divides by the world size, averaging over the SP group too, so there each share is scaled by ``size``
+(``SequenceParallel.grad_scale``).
 
 The split along the sequence and the LSE merge across it are the construction of Ulysses/ring attention (DeepSpeed
 Ulysses, arXiv 2309.14509; ring attention, arXiv 2310.01889); here K/V are all-gathered rather than exchanged over
@@ -63,14 +65,18 @@ class SequenceParallel:
         group: the ``torch.distributed`` process group of the SP ranks (None: the default, whole-world group).
         rank: this process's rank within ``group``.
         size: the number of ranks in ``group`` (>= 1).
+        grad_scale: the factor on each rank's share of the gradient (``gather_scores``' backward): 1 when the
+            ranks' gradients are summed over the group (DeepSpeed ZeRO 0-2), ``size`` when they are averaged (ZeRO-3
+            with its default ``reduce_scatter``).
     """
 
     group: object
     rank: int
     size: int
+    grad_scale: float = 1.0
 
     @classmethod
-    def of(cls, group) -> SequenceParallel:
+    def of(cls, group, grad_scale: float = 1.0) -> SequenceParallel:
         """The SP group ``group`` (a ``ProcessGroup``, or None for the whole world) with this process's rank in it.
 
         Raises:
@@ -78,7 +84,7 @@ class SequenceParallel:
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("sequence parallelism needs torch.distributed initialised (a process group)")
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), float(grad_scale))
 
     def shard(self, length: int) -> int:
         """L, the tokens of one shard of a pass of ``length`` tokens: ceil(length / size), at least 1."""
@@ -153,12 +159,13 @@ class _GatherScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, sp):
-        ctx.rank = sp.rank
+        ctx.rank, ctx.scale = sp.rank, sp.grad_scale
         return torch.stack(_all_gather(x, sp))
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.rank], None
+        own = grad[ctx.rank]
+        return (own if ctx.scale == 1.0 else own * ctx.scale), None
 
 
 def gather_scores(local: torch.Tensor, sp: SequenceParallel, C: int) -> torch.Tensor:

@@ -338,7 +338,8 @@ class PatchHandle:
         """The trainer's ``SharingSession`` (created on first use, in the handle's sharing mode)."""
         session = self.sessions.get(trainer)
         if session is None:
-            session = self.sessions[trainer] = SharingSession(self.sharing, confirm=self.confirm)
+            sp = trl_sp.sequence_parallel(trainer)  # the SP group, when the trainer trains with one
+            session = self.sessions[trainer] = SharingSession(self.sharing, confirm=self.confirm, sequence_parallel=sp)
         return session
 
     def remember(self, owner, name: str, value) -> None:

@@ -137,6 +137,23 @@ def sp_group(trainer) -> tuple | None:
     return group, rank, size
 
 
+def sequence_parallel(trainer):
+    """The ``SequenceParallel`` group grpo_mem's scoring splits ``trainer``'s passes over (``sp_group``, with the
+    gradient scale ``sp_gradient_reduction`` asks for), or None without sequence parallelism.
+
+    Raises:
+        RuntimeError: as ``sp_group``.
+    """
+    found = sp_group(trainer)
+    if found is None:
+        return None
+    from ..model.sequence_parallel import SequenceParallel
+
+    group, rank, size = found
+    scale = {"sum": 1.0, "mean": float(size)}[sp_gradient_reduction(trainer)]
+    return SequenceParallel(group, rank, size, scale)
+
+
 # ---------------------------------------------------------------------------------------------------- configuration
 
 

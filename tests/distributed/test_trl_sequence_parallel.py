@@ -1,9 +1,10 @@
 """Sequence parallelism through TRL (``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after
 ``grpo_mem.patch_trl()``), 2 CPU processes over gloo: the two ranks of the SP group act as one data-parallel rank.
 
-The data path only: on every rank and every micro-batch, the inputs TRL's loss receives (prompt and completion ids
-and masks, advantages, old and reference log-probs, the token count) equal the other SP rank's and those of a
-one-process run of the same configuration without SP, bit for bit. Scoring is TRL's own on the whole sequence here.
+Against stock TRL on one process with the same configuration without SP: on every rank and every micro-batch, the
+inputs TRL's loss receives (prompt and completion ids and masks, the token count) equal bit for bit, advantages and
+old and reference log-probs (scored by grpo_mem with every pass split over the two ranks) within 1e-6; grad norms
+within 1e-6 relative and the weights after 3 optimizer steps within 1e-5.
 """
 
 import json
@@ -16,7 +17,7 @@ FLOAT_KEYS = ("advantages", "old_per_token_logps", "ref_per_token_logps")
 
 def _run(tmp_path, kind, stage, mode) -> dict:
     out = tmp_path / f"{kind}-{stage}-{mode}.json"
-    launch("trl_trl_sp_worker.py", kind, stage, mode, out, nproc=2 if mode == "sp" else 1)
+    launch("trl_sp_worker.py", kind, stage, mode, out, nproc=2 if mode == "sp" else 1)
     return json.loads(out.read_text())
 
 
@@ -66,6 +67,11 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
             assert abs(a - b) <= 1e-6 * max(1.0, b), (s["grad_norms"], r["grad_norms"])
         assert expected[s["gradient_reduction"]] == stage
         assert s["attention"]["core_impl"] == "sdpa" and s["attention"]["core"], s["attention"]
+        assert s["decisions"]["grpo_mem/path/tree"] > 0 and s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
         assert not s["attention"]["ulysses"], s["attention"]
         assert s["adapter_skipped"] and s["adapter_restored"]
         assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]
+    ours, stock = sp["ranks"][0]["weights"], r["weights"]
+    for name, ref_w in stock.items():
+        err = max(abs(a - b) for a, b in zip(ours[name], ref_w, strict=True))
+        assert err <= 1e-5, f"{name}: weights differ by {err:.3e} after 3 steps"

@@ -1,17 +1,16 @@
 """One rank of the sequence-parallel data-path runs, launched by test_sequence_parallel.py.
 
-Usage: sp_worker.py KIND STAGE MODE OUT_JSON
+Usage: trl_sp_worker.py KIND STAGE MODE OUT_JSON
 
 - KIND: grpo | rloo. STAGE: zero2 | zero3 (DeepSpeed on CPU/gloo, as dist_worker.py runs it).
 - MODE ``sp``: 2 processes, ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after ``grpo_mem.patch_trl()``
-  (one data-parallel rank). MODE ``ref``: 1 process, the same configuration without ``parallelism_config``.
+  (one data-parallel rank): grpo_mem scores every pass split along the sequence over the two ranks. MODE ``ref``:
+  stock TRL (not patched), 1 process, the same configuration without ``parallelism_config``.
 
 Every micro-batch TRL's loss receives (prompt and completion ids and masks, advantages, old and reference log-probs,
-the token count) is recorded on every rank. The scoring is TRL's own, on the whole sequence on each rank (grpo_mem's
-sequence-sharded scoring is not part of this run): each SP rank's loss is divided by sp_size, so that DeepSpeed's
-sum of gradients over the SP group is the one-process gradient and later generations stay comparable. Rank 0 writes
-every rank's records, the trainer's batch arithmetic, what the attention registry holds after the model was
-prepared, and whether TRL's refusal is back after ``revert()``.
+the token count) is recorded on every rank. Rank 0 writes every rank's records, the trainer's batch arithmetic, the
+final weights (gathered), what the attention registry holds after the model was prepared, and whether TRL's refusal is
+back after ``revert()``.
 """
 
 import json
@@ -37,8 +36,8 @@ ARGS = dict(
 )
 
 
-def _record(trainer, divide: int) -> list:
-    """Record every micro-batch's inputs to TRL's loss; divide the loss by ``divide`` (see the module docstring)."""
+def _record(trainer) -> list:
+    """Record every micro-batch's inputs to TRL's loss."""
     records = []
     compute_loss = type(trainer).compute_loss
 
@@ -60,8 +59,7 @@ def _record(trainer, divide: int) -> list:
                 )
             }
         )
-        loss = compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        return loss / divide
+        return compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
     trainer.compute_loss = types.MethodType(recorded, trainer)
     return records
@@ -83,6 +81,14 @@ def _attention_state(trainer) -> dict:
     }
 
 
+def _paths(trainer) -> dict:
+    """grpo_mem's logged paths, summed over the logged steps (empty for stock TRL)."""
+    return {
+        k: sum(h[k] for h in trainer.state.log_history if k in h)
+        for k in ("grpo_mem/path/tree", "grpo_mem/path/group", "grpo_mem/path/stock")
+    }
+
+
 def _refused_after_revert(config_cls, pc) -> str:
     """TRL's error for an SP config once the patch is reverted ("" if none)."""
     try:
@@ -95,7 +101,7 @@ def _refused_after_revert(config_cls, pc) -> str:
 def main(kind: str, stage: str, mode: str, out: str) -> None:
     from accelerate import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
-    from dist_worker import stack_args
+    from dist_worker import gathered_weights, stack_args
     from helpers import make_trainer
     from trl import GRPOConfig, RLOOConfig
 
@@ -103,7 +109,7 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     from grpo_mem.patches import trl_sp
 
     args = dict(ARGS, **stack_args(stage))
-    handle = grpo_mem.patch_trl()  # before the config: the patch lifts TRL's refusal of sp_size > 1
+    handle = grpo_mem.patch_trl() if mode == "sp" else None  # before the config: it lifts TRL's refusal of sp_size > 1
     pc = ParallelismConfig(
         sp_size=SP, sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
     )
@@ -113,10 +119,9 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
         args["parallelism_config"] = pc
     trainer, _ = make_trainer(kind, patch=False, output_dir=out + ".run", **args)
     seed_after_init = torch.initial_seed()
-    # each SP rank scores the whole batch: its loss is the DP rank's; DeepSpeed sums (ZeRO-2) or averages (ZeRO-3)
-    loss_scale = {"sum": SP, "mean": 1, None: 1}[trl_sp.sp_gradient_reduction(trainer)]
-    records = _record(trainer, loss_scale)
+    records = _record(trainer)
     trainer.train()
+    weights = gathered_weights(trainer)
     found = trl_sp.sp_group(trainer)
     result = {
         "records": records,
@@ -130,11 +135,14 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
         "attention": _attention_state(trainer),
         "sp_group": None if found is None else list(found[1:]),
         "adapter_skipped": "deepspeed_ulysses_dl_adapter" in trainer.accelerator.__dict__,
+        "weights": weights if torch.distributed.get_rank() == 0 else None,
+        "decisions": _paths(trainer),
     }
-    handle.revert()
-    config_cls = GRPOConfig if kind == "grpo" else RLOOConfig
-    result["refused_after_revert"] = _refused_after_revert(config_cls, pc)
-    result["adapter_restored"] = "deepspeed_ulysses_dl_adapter" not in trainer.accelerator.__dict__
+    if handle is not None:
+        handle.revert()
+        config_cls = GRPOConfig if kind == "grpo" else RLOOConfig
+        result["refused_after_revert"] = _refused_after_revert(config_cls, pc)
+        result["adapter_restored"] = "deepspeed_ulysses_dl_adapter" not in trainer.accelerator.__dict__
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, result)
     if torch.distributed.get_rank() == 0:
