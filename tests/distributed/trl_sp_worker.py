@@ -101,8 +101,8 @@ def _refused_after_revert(config_cls, pc) -> str:
 def main(kind: str, stage: str, mode: str, out: str) -> None:
     from accelerate import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
-    from dist_worker import gathered_weights, stack_args
-    from helpers import make_trainer
+    from dist_worker import SYSTEM, gathered_weights, stack_args
+    from helpers import PROMPTS, make_trainer
     from trl import GRPOConfig, RLOOConfig
 
     import grpo_mem
@@ -117,7 +117,9 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
         args.pop("scale_rewards")
     if mode == "sp":
         args["parallelism_config"] = pc
-    trainer, _ = make_trainer(kind, patch=False, output_dir=out + ".run", **args)
+    # a 74-token system prompt before every prompt: one trie node, forwarded once per window and split over the ranks
+    prompts = [SYSTEM + p for p in PROMPTS]
+    trainer, _ = make_trainer(kind, patch=False, output_dir=out + ".run", prompts=prompts, **args)
     seed_after_init = torch.initial_seed()
     records = _record(trainer)
     trainer.train()
