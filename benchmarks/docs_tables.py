@@ -1,7 +1,7 @@
 """Write the generated tables of docs/ from the committed CSVs in benchmarks/results/.
 
-    python benchmarks/docs_tables.py           # rewrite every generated block of docs/benchmarks.md and
-                                               # docs/supported-models.md
+    python benchmarks/docs_tables.py           # rewrite every generated block of docs/benchmarks.md,
+                                               # docs/supported-models.md and docs/distributed.md
     python benchmarks/docs_tables.py --check   # exit 1, naming the blocks, if a page differs from its CSVs
 
 Each table is the one the benchmark script prints with ``--table`` (its own ``table`` functions, called on its
@@ -25,6 +25,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 BENCHMARKS_PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 MODELS_PAGE = os.path.join(ROOT, "docs", "supported-models.md")
+DISTRIBUTED_PAGE = os.path.join(ROOT, "docs", "distributed.md")
 
 
 def _script(name: str):
@@ -57,6 +58,7 @@ def blocks() -> dict[str, dict[str, Callable[[], str]]]:
     """Page -> {block name: function returning the block's text}."""
     group, tree, vlm = _script("bench_group"), _script("bench_tree"), _script("bench_vlm")
     attention, head, fsdp = _script("bench_attention"), _script("bench_head"), _script("bench_fsdp")
+    sp, longest = _script("bench_sp"), _script("longest_prompt")
     return {
         BENCHMARKS_PAGE: {
             "group": lambda: group.table(),
@@ -69,7 +71,9 @@ def blocks() -> dict[str, dict[str, Callable[[], str]]]:
             "head": lambda: head.table(),
             "fsdp": lambda: fsdp.table(),
             "fsdp-tree": lambda: fsdp.window_table(),
+            "sp": lambda: sp.table(),
         },
+        DISTRIBUTED_PAGE: {"sp-estimate": lambda: longest.table(longest.rows())},
         MODELS_PAGE: {"architectures": architecture_table, "architecture-counts": architecture_counts},
     }
 

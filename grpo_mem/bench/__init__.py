@@ -9,7 +9,8 @@
 - ``grpo_mem.bench.group``: the group-scoring op (models from a config, inputs, the stock TRL and grpo_mem providers,
   the worker measuring one provider).
 - ``grpo_mem.bench.presets``: model shapes (published configurations, the benchmark scripts' models, a local
-  ``config.json``); ``grpo_mem.bench.estimate``: stock TRL's estimated peak memory against what is available.
+  ``config.json``); ``grpo_mem.bench.estimate``: stock TRL's estimated peak memory against what is available, and a
+  GRPO step's peak memory per GPU on paper (stock TRL, grpo_mem, grpo_mem with sequence parallelism).
 
 Nothing is imported here, so the child of every isolated run (``grpo_mem.bench.isolate``'s worker entry) starts clean.
 """

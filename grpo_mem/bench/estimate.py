@@ -2,10 +2,15 @@
 
 ``grpo-mem bench`` refuses a shape whose estimate does not fit (:func:`check_fits`) instead of swapping. Units:
 bytes (GB = 10**9 bytes in messages).
+
+:func:`estimate_grpo_step` estimates, on paper, the peak memory per GPU of a whole GRPO training step (ZeRO-3, gradient
+checkpointing, bf16) for stock TRL, grpo_mem, and grpo_mem with sequence parallelism; :func:`longest_prompt` searches
+the longest prompt that fits a device under it. No GPU measured these: they are estimates, each assumption stated.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +83,13 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     )
 
 
+def activation_elements(shape: ModelShape) -> int:
+    """Elements one token saves for backward in one decoder layer, ``8·hidden + 4·q_dim + 6·kv_dim +
+    5·intermediate``: norm inputs and outputs, q/k/v before and after RoPE, the attention output and its log-sum-exp,
+    the MLP's gate, up, activation and product (fitted to CPU peaks, see :func:`estimate_stock_memory`)."""
+    return 8 * shape.hidden + 4 * shape.q_dim + 6 * shape.kv_dim + 5 * shape.intermediate
+
+
 @dataclass
 class MemoryEstimate:
     """Estimated peak of stock TRL's scoring step, in bytes, by part."""
@@ -136,7 +148,7 @@ def estimate_stock_memory(
         )
     width = 4 if dtype == "fp32" else 2
     tokens = micro * (P + C)
-    per_token_layer = 8 * shape.hidden + 4 * shape.q_dim + 6 * shape.kv_dim + 5 * shape.intermediate
+    per_token_layer = activation_elements(shape)
     head_rows = min(tokens if device == "cpu" else micro * C, TRL_HEAD_TILE)
     patch_rows = micro * image_tokens * shape.rows_per_token
     per_row_block = 18 * shape.vision_hidden + 5 * shape.vision_intermediate
@@ -183,3 +195,258 @@ def check_fits(estimate: MemoryEstimate, available: float, where: str) -> str | 
         "activations grow with it), --prompt-length or --max-completion-length, use --dtype bf16, or pick a "
         "smaller --model."
     )
+
+
+# ------------------------------------------------------------------------------ a GRPO training step on GPUs (paper)
+METHODS = ("trl", "grpo_mem")
+"""Scoring methods of :func:`estimate_grpo_step`: stock TRL (every row forwards its prompt) and grpo_mem (each prompt
+forwarded once per group, its K/V read in place by the group's completions)."""
+ZERO3_BYTES_PER_PARAM = 16
+"""Model-state bytes per parameter before ZeRO-3 shards them: bf16 weight (2) and gradient (2), fp32 master weight and
+Adam's two moments (4 + 4 + 4); mixed-precision Adam as the ZeRO paper counts it (arXiv 1910.02054, section 3.1)."""
+H100_BYTES = 80 * GB
+"""The budget of one H100 80GB (it holds 80 GiB = 85.9·10**9 bytes; the difference is left as a margin)."""
+DEVICE_RESERVE_BYTES = 8 * GB
+"""Device memory besides the step's tensors: CUDA context and kernels, NCCL buffers, allocator fragmentation. A guess:
+10 % of an 80 GB device."""
+HEAD_WORKSPACE_BYTES = 2 * 4096 * 32768 * 4
+"""The fused LM head's workspace: two fp32 tiles of 4096 positions by 32768 vocabulary columns (TRL 1.16's
+``TOKEN_CHUNK_SIZE`` and ``_CHUNKED_LOGPROB_CHUNK_SIZE``); grpo_mem's fused head, which builds no logits either, is
+taken at the same size."""
+QWEN3_8B_CONFIG = {
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+}
+"""Qwen3-8B's sizes, from ``config.json`` of the Hugging Face Hub repository ``Qwen/Qwen3-8B``."""
+
+
+def _check_step(method: str, P: int, C: int, G: int, sp_size: int, world: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    for name, v in (("P", P), ("C", C), ("G", G), ("sp_size", sp_size), ("world", world)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if method == "trl" and sp_size != 1:
+        raise ValueError(f"stock TRL's GRPOTrainer refuses sequence parallelism: sp_size must be 1, got {sp_size}")
+    if world % sp_size:
+        raise ValueError(f"sp_size must divide world={world}, got {sp_size}")
+
+
+def rank_tokens(method: str, P: int, C: int, G: int, sp_size: int = 1) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) one rank runs through the trunk for one group of G completions of C tokens
+    after a prompt of P tokens. Stock TRL: G·P and G·C (one pass of G rows). grpo_mem: ceil(P / k) and G·ceil(C / k),
+    with k = ``sp_size`` (each pass split along the sequence into k shards of ceil(T / k) tokens,
+    ``grpo_mem.model.sequence_parallel``). Raises ValueError as :func:`estimate_grpo_step`."""
+    _check_step(method, P, C, G, sp_size, sp_size)
+    if method == "trl":
+        return G * P, G * C
+    return math.ceil(P / sp_size), G * math.ceil(C / sp_size)
+
+
+def kv_layer_bytes(shape: ModelShape, tokens: int, width: int) -> float:
+    """Bytes of one layer's K and V for ``tokens`` tokens: ``2 · kv_dim · tokens · width``."""
+    return 2 * shape.kv_dim * tokens * width
+
+
+def activation_bytes(
+    shape: ModelShape,
+    *,
+    method: str,
+    P: int,
+    C: int,
+    G: int,
+    sp_size: int = 1,
+    width: int = 2,
+    checkpointing: bool = True,
+) -> dict[str, float]:
+    """Activation memory of one rank at the peak of a group's scoring forward + backward, in bytes, by part.
+
+    With T = this rank's prompt + completion tokens (:func:`rank_tokens`) and E = :func:`activation_elements`:
+
+    - ``layer_inputs``: with ``checkpointing`` (transformers' non-reentrant gradient checkpointing, TRL's default),
+      each layer's input and the final norm's, ``(layers + 1) · hidden · T`` elements; without it every layer's
+      saved activations, ``layers · E · T``;
+    - ``layer_activations``: with ``checkpointing``, one layer's activations recomputed in backward for the tokens of
+      one pass (stock: T; grpo_mem: the larger of the prompt and completion passes), ``E`` per token; 0 without;
+    - ``prompt_kv`` (grpo_mem): the prompt pass records every layer's K/V for the completion pass; under
+      checkpointing they are kept outside the checkpointed layers, and their gradients, which the completion pass's
+      backward accumulates for every layer before the prompt pass's backward consumes them, are as large: twice
+      ``layers`` prompt K/V. Without checkpointing the K/V are among the saved activations, and only their gradients
+      count. Under sequence parallelism (``sp_size`` k > 1) the recorded K/V are the gathered ones, the whole prompt
+      (k·ceil(P / k) tokens) on every rank: this part does not shrink with k;
+    - ``kv_transient`` (k > 1): with checkpointing, the all-gathered K/V of the layer being run (or re-run in
+      backward) and its gradient, for the larger pass; without checkpointing, the completion pass's gathered K/V of
+      every layer (the prompt's are in ``prompt_kv``), saved for its backward.
+
+    Attention is taken as a flash-style kernel (SDPA or FlashAttention: no P × P matrix is stored).
+
+    Args:
+        shape: the model's sizes (:func:`model_shape`).
+        method: ``"trl"`` or ``"grpo_mem"``.
+        P, C, G: prompt tokens, completion tokens, completions per prompt (one group per micro-batch).
+        sp_size: sequence-parallel group size (grpo_mem only).
+        width: bytes per activation element (2: bf16, 4: fp32).
+        checkpointing: gradient checkpointing on.
+
+    Raises:
+        ValueError: an unknown ``method``, a size below 1, ``sp_size`` > 1 with ``"trl"``.
+    """
+    tp, tc = rank_tokens(method, P, C, G, sp_size)
+    E = activation_elements(shape)
+    k = sp_size
+    out = dict(layer_inputs=0.0, layer_activations=0.0, prompt_kv=0.0, kv_transient=0.0)
+    if checkpointing:
+        out["layer_inputs"] = (shape.layers + 1) * shape.hidden * (tp + tc) * width
+        out["layer_activations"] = E * width * ((tp + tc) if method == "trl" else max(tp, tc))
+    else:
+        out["layer_inputs"] = shape.layers * E * (tp + tc) * width
+    if method == "grpo_mem":
+        prompt_layer = kv_layer_bytes(shape, k * tp, width)  # k·ceil(P/k): the whole (padded) prompt
+        completion_layer = kv_layer_bytes(shape, k * tc, width)
+        out["prompt_kv"] = shape.layers * prompt_layer * (2 if checkpointing or k > 1 else 1)
+        if k > 1:
+            if checkpointing:
+                out["kv_transient"] = 2 * max(prompt_layer, completion_layer)
+            else:
+                out["kv_transient"] = shape.layers * completion_layer
+    return out
+
+
+@dataclass
+class StepEstimate:
+    """Estimated peak memory per GPU of one GRPO training step, in bytes, by part (:func:`estimate_grpo_step`)."""
+
+    method: str
+    sp_size: int
+    P: int
+    C: int
+    G: int
+    model_states: float
+    gathered_weights: float
+    layer_inputs: float
+    layer_activations: float
+    prompt_kv: float
+    kv_transient: float
+    head: float
+    reserve: float
+
+    PARTS = (
+        "model_states",
+        "gathered_weights",
+        "layer_inputs",
+        "layer_activations",
+        "prompt_kv",
+        "kv_transient",
+        "head",
+        "reserve",
+    )
+
+    def parts(self) -> dict[str, float]:
+        """``{part: bytes}`` in the order of ``PARTS``."""
+        return {p: getattr(self, p) for p in self.PARTS}
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts().values())
+
+
+def estimate_grpo_step(
+    shape: ModelShape,
+    *,
+    method: str,
+    P: int,
+    C: int,
+    G: int,
+    sp_size: int = 1,
+    world: int = 8,
+    reserve: float = DEVICE_RESERVE_BYTES,
+) -> StepEstimate:
+    """Peak memory per GPU of one GRPO training step, in bytes: an estimate on paper (no GPU measured it).
+
+    Setting: ``world`` GPUs under DeepSpeed ZeRO-3 (weights, gradients and Adam states sharded over all of them,
+    sequence-parallel ranks included, as DeepSpeed's ALST does), bf16 weights and activations, gradient checkpointing
+    on (TRL's default), ``beta = 0`` (TRL's default: no reference model), ``per_device_train_batch_size`` = one group
+    (G completions of one prompt). Generation (vLLM or ``generate``) is not counted: its memory is that of the
+    inference engine, the same for every method here. Parts:
+
+    - ``model_states``: ``n_params · ZERO3_BYTES_PER_PARAM / world``;
+    - ``gathered_weights``: ZeRO-3's working set, the bf16 weights and gradients of two decoder layers (the one running
+      and the one prefetched) and of the LM head, gathered whole;
+    - ``layer_inputs``, ``layer_activations``, ``prompt_kv``, ``kv_transient``: :func:`activation_bytes` (bf16,
+      checkpointing on);
+    - ``head``: ``HEAD_WORKSPACE_BYTES``, the fused LM head's tiles (no (tokens, vocab) logits, stock or grpo_mem);
+    - ``reserve``: CUDA context, NCCL buffers, fragmentation (``DEVICE_RESERVE_BYTES`` by default).
+
+    Args:
+        shape: the model's sizes (:func:`model_shape`; ``QWEN3_8B_CONFIG`` for Qwen3-8B).
+        method: ``"trl"`` (stock: every row forwards prompt + completion) or ``"grpo_mem"`` (the prompt forwarded once
+            per group, its K/V shared in place, the fused head on completion positions).
+        P, C, G: prompt tokens, completion tokens, completions per prompt.
+        sp_size: sequence-parallel group size k (grpo_mem only): each rank runs 1/k of every pass's tokens and holds
+            the whole prompt's gathered K/V.
+        world: GPUs the model states are sharded over; ``sp_size`` must divide it.
+        reserve: bytes set aside besides tensors.
+
+    Raises:
+        ValueError: an unknown ``method``, a size below 1, ``sp_size`` > 1 with ``"trl"``, ``sp_size`` not dividing
+            ``world``.
+    """
+    _check_step(method, P, C, G, sp_size, world)
+    width = 2
+    layer_params = 2 * shape.hidden * (shape.q_dim + shape.kv_dim) + 3 * shape.hidden * shape.intermediate
+    gathered = 2 * (2 * layer_params + shape.vocab * shape.hidden) * width
+    act = activation_bytes(shape, method=method, P=P, C=C, G=G, sp_size=sp_size, width=width, checkpointing=True)
+    return StepEstimate(
+        method=method,
+        sp_size=sp_size,
+        P=P,
+        C=C,
+        G=G,
+        model_states=shape.n_params * ZERO3_BYTES_PER_PARAM / world,
+        gathered_weights=gathered,
+        head=HEAD_WORKSPACE_BYTES,
+        reserve=reserve,
+        **act,
+    )
+
+
+def longest_prompt(
+    shape: ModelShape,
+    *,
+    method: str,
+    C: int,
+    G: int,
+    sp_size: int = 1,
+    world: int = 8,
+    budget: float = H100_BYTES,
+    reserve: float = DEVICE_RESERVE_BYTES,
+    limit: int = 1 << 24,
+) -> int:
+    """The largest prompt length P (tokens, at most ``limit``) whose :func:`estimate_grpo_step` total fits in
+    ``budget`` bytes; 0 if not even P = 1 fits. Bisection: the estimate grows with P.
+
+    Raises:
+        ValueError: as :func:`estimate_grpo_step`.
+    """
+
+    def fits(P: int) -> bool:
+        est = estimate_grpo_step(shape, method=method, P=P, C=C, G=G, sp_size=sp_size, world=world, reserve=reserve)
+        return est.total <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit + 1  # fits(lo), and hi is the first length assumed not to fit
+    if fits(limit):
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
