@@ -27,10 +27,7 @@ Beside them, the analytic expectation (``expected``): saved activations of the r
 head's workspace is not counted). Under sp_size k the activations fall to about 1/k, except the gathered K/V: every
 rank holds every layer's K/V of the whole prompt and of the whole completion pass, and the gradients of the prompt's
 K/V; ``gathered_kv`` is that part (``prompt_kv + kv_transient`` of ``activation_bytes``) and the table gives its share
-of the expectation. On CPU one more term does not shrink as fast: grpo_mem's ``"cpu"`` attention backend runs a
-shard's causal attention to itself on ATen's fused kernel with an explicit (Hq / Hkv)·L × L mask (6 bytes per
-element with the bool masks it is built from; L = ceil(P / k)), quadratic in the shard, where the one-process prompt pass runs the model's own SDPA without a
-mask; ``cpu_mask`` is that transient, part of the expectation (GPU kernels tile it away). Each run saves its (G, C) log-probs; the sp_size k log-probs are compared with sp_size 1's (max
+of the expectation. Each run saves its (G, C) log-probs; the sp_size k log-probs are compared with sp_size 1's (max
 |diff| in the ``config`` column and the table), and so is the norm of the gradient summed over the ranks.
 
 Rows go to ``benchmarks/results/sp.csv`` (the harness's long format, one set per rank; a re-run of the same shape
@@ -108,24 +105,17 @@ def make_inputs(P: int, C: int, G: int, vocab: int, seed: int = 0):
 def expected(P: int, C: int, G: int, sp_size: int) -> dict[str, float]:
     """The analytic expectation of one rank's peak, in bytes: ``activations`` (``activation_bytes``'s parts for this
     model, fp32, checkpointing off), of which ``gathered_kv`` (``prompt_kv + kv_transient``: the gathered K/V, full
-    size on every rank, and the prompt K/V's gradients); ``gradients`` (the parameters', fp32); and, under sequence
-    parallelism, ``cpu_mask``: the transient masks of grpo_mem's ``"cpu"`` attention backend for a shard's causal
-    attention to itself (``ops.attention_cpu._own_layout``), (Hq / Hkv)·L × L elements with L = ceil(P / sp_size),
-    6 bytes each at the peak (the bool visibility, its negation and the fp32 additive mask): quadratic in the shard,
-    where the one-process prompt pass runs the model's own SDPA, which builds no mask."""
+    size on every rank, and the prompt K/V's gradients); ``gradients`` (the parameters', fp32)."""
     from grpo_mem.bench.estimate import activation_bytes, model_shape
 
     shape = model_shape(model_spec(P, C))
     parts = activation_bytes(shape, method="grpo_mem", P=P, C=C, G=G, sp_size=sp_size, width=4, checkpointing=False)
-    L = math.ceil(P / sp_size)
-    rep = shape.q_dim // shape.kv_dim
     out = {
         "activations": sum(parts.values()),
         "gathered_kv": parts["prompt_kv"] + parts["kv_transient"],
         "gradients": shape.n_params * 4,
-        "cpu_mask": rep * L * L * (1 + 1 + 4) if sp_size > 1 else 0,
     }
-    out["total"] = out["activations"] + out["gradients"] + out["cpu_mask"]
+    out["total"] = out["activations"] + out["gradients"]
     return out
 
 
@@ -256,7 +246,6 @@ def run(P: int, C: int, G: int, sp_sizes, *, tensors: bool, busy: bool, csv_path
                     grad_norm=saved["grad_norm"],
                     expected_mb=round(exp["total"] / harness.MB, 1),
                     expected_gathered_kv_mb=round(exp["gathered_kv"] / harness.MB, 1),
-                    expected_cpu_mask_mb=round(exp["cpu_mask"] / harness.MB, 1),
                 )
                 rows += harness.measurement_rows(OP, f"sp{k}", "full", "P", P, m, config)
 
@@ -291,7 +280,6 @@ def table(path: str = CSV_PATH) -> str:
                 v.get("peak_tensor"),
                 c["expected_mb"],
                 f"{c['expected_gathered_kv_mb']:.0f} ({c['expected_gathered_kv_mb'] / c['expected_mb']:.0%})",
-                f"{c['expected_cpu_mask_mb']:.0f}",
                 f"{rss / base:.2f}",
                 f"{c['logp_max_abs_diff_vs_sp1']:.1e}",
                 "busy" if c.get("busy") else "quiet",
@@ -307,7 +295,6 @@ def table(path: str = CSV_PATH) -> str:
         "live tensors (MB)",
         "expected (MB)",
         "of which gathered K/V (MB)",
-        "of which CPU causal mask (MB)",
         "RSS / sp1",
         "max |logp diff| vs sp1",
         "machine",

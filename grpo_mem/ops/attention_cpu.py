@@ -53,6 +53,75 @@ def _own_layout(q, k, key_mask, Hkv, window=None):
     return q.reshape(B, Hkv, -1, d), _additive(visible, q.dtype), seen
 
 
+def _prefix_lengths(key_mask, window, batch: int, C: int, device) -> torch.Tensor | None:
+    """(B,) int64, the real keys of each row, when the own region needs no mask tensor: no window, and each row's real
+    keys a prefix of it (right padding only, or no mask); else None.
+
+    Then the kernel's own ``is_causal`` serves the queries of real positions, and each row's padding queries (which
+    see all of the row's real keys and nothing else) take one unmasked call against those keys. The (B, 1, rep·C, C)
+    mask of ``_own_layout`` would cost 6 bytes per element, quadratic in C (805 MB for a sequence-parallel shard of
+    8192 tokens with rep 2)."""
+    if window is not None:
+        return None
+    if key_mask is None:
+        return torch.full((batch,), C, dtype=torch.long, device=device)
+    if C > 1 and bool((key_mask[:, 1:] & ~key_mask[:, :-1]).any()):
+        return None  # a real key after a padding one (left padding)
+    return key_mask.sum(1)
+
+
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """(B, Hkv, C, d) → (B, Hkv·rep, C, d), each kv head repeated for its query heads."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _padded_rows(lengths: torch.Tensor, C: int) -> list[tuple[int, int]]:
+    """``(row, real keys)`` of the rows with padding queries."""
+    return [(b, n) for b, n in enumerate(lengths.tolist()) if n < C]
+
+
+def _own_causal_fwd(fwd, q, k, v, lengths, scale, acc):
+    """The own region without a mask tensor (``_prefix_lengths``): ``(o acc (B, Hq, C, d), lse acc (B, Hq, C))``;
+    a row with no real key gets zero output and −inf LSE."""
+    C = q.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+    o, lse = fwd(q, k, v, 0.0, True, scale=scale)
+    o, lse = o.to(acc), lse.to(acc)
+    for b, n in _padded_rows(lengths, C):
+        if n == 0:
+            o[b], lse[b] = 0, float("-inf")
+            continue
+        ob, lb = fwd(q[b : b + 1, :, n:], k[b : b + 1, :, :n], v[b : b + 1, :, :n], 0.0, False, scale=scale)
+        o[b, :, n:], lse[b, :, n:] = ob[0].to(acc), lb[0].to(acc)
+    return o, lse
+
+
+def _own_causal_bwd(bwd, dout, q, k, v, out, lse, lengths, scale):
+    """Backward of ``_own_causal_fwd``, given the merged ``out`` and ``lse``: ``(dq, dk, dv)``."""
+    B, Hkv, C, d = k.shape
+    rep = q.shape[1] // Hkv
+    k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+    padded = _padded_rows(lengths, C)
+    causal_dout = dout
+    if padded:
+        causal_dout = dout.clone()
+        for b, n in padded:
+            causal_dout[b, :, n:] = 0  # with dO = 0 (and so D = 0) nothing flows from these queries here
+    dq, dk, dv = bwd(causal_dout, q, k, v, out, lse, 0.0, True, scale=scale)[:3]
+    for b, n in padded:
+        if n == 0:
+            continue
+        tail = slice(b, b + 1), slice(None), slice(n, None)
+        head = slice(b, b + 1), slice(None), slice(None, n)
+        g = bwd(dout[tail], q[tail], k[head], v[head], out[tail], lse[tail], 0.0, False, scale=scale)
+        dq[tail] += g[0]
+        dk[head] += g[1]
+        dv[head] += g[2]
+    fold = lambda x: x.reshape(B, Hkv, rep, C, d).sum(2) if rep > 1 else x  # noqa: E731
+    return dq, fold(dk), fold(dv)
+
+
 def _entry_keys(mask, u, rows, feat, k_pos, rep, dtype):
     """What the cpu path reads of entry ``u`` for the folded queries of ``rows``: ``(lo, hi, additive mask
     (1, 1, n·rep·C or 1, hi − lo), seen (n, 1, C) bool or None)``, with keys ``lo:hi`` the span of every key some query
@@ -84,10 +153,14 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
     Hkv = k.shape[1]
     acc = _acc_dtype(q.dtype)
     feat, k_pos = _features(params, positions)
-    q_own, mask_own, seen = _own_layout(q, k, key_mask, Hkv, feat.window)
-    o, lse = fwd(q_own, k, v, 0.0, False, attn_mask=mask_own, scale=params.scale)
-    o, lse = o.reshape(B, Hq, C, d).to(acc), lse.reshape(B, Hq, C).to(acc)
-    lse.masked_fill_(~seen, float("-inf"))  # the kernel reports LSE 0, not −inf, for a query that sees no key
+    lengths = _prefix_lengths(key_mask, feat.window, B, C, q.device)
+    if lengths is not None:
+        o, lse = _own_causal_fwd(fwd, q, k, v, lengths, params.scale, acc)
+    else:
+        q_own, mask_own, seen = _own_layout(q, k, key_mask, Hkv, feat.window)
+        o, lse = fwd(q_own, k, v, 0.0, False, attn_mask=mask_own, scale=params.scale)
+        o, lse = o.reshape(B, Hq, C, d).to(acc), lse.reshape(B, Hq, C).to(acc)
+        lse.masked_fill_(~seen, float("-inf"))  # the kernel reports LSE 0, not −inf, for a query that sees no key
     if regions:
         o_r, l_r = torch.zeros_like(o), torch.empty_like(lse)
     for i, (region_k, region_v, index, mask) in enumerate(regions):
@@ -155,6 +228,10 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
             dq.index_add_(0, rows, _unfold(g[0][0].to(dq.dtype), n, Hq, C))
             drk[u, :, lo:hi], drv[u, :, lo:hi] = g[1][0], g[2][0]
         dregions.append((drk, drv))
+    lengths = _prefix_lengths(key_mask, feat.window, B, C, q.device)
+    if lengths is not None:
+        dq_own, dk, dv = _own_causal_bwd(bwd, dout, q, k, v, out, lse, lengths, params.scale)
+        return dq + dq_own.to(dq.dtype), dk, dv, dregions
     q_own, mask_own, _ = _own_layout(q, k, key_mask, Hkv, feat.window)
     g = bwd(
         dout.reshape(B, Hkv, -1, d),
