@@ -6,7 +6,7 @@ micro-batches.
 Against stock TRL on one process with the same configuration without SP: on every rank and every micro-batch, the
 inputs TRL's loss receives (prompt and completion ids and masks, the token count) equal bit for bit, advantages and
 old and reference log-probs (scored by grpo_mem with every pass split over the two ranks) within 1e-6; grad norms
-within 1e-6 relative and the weights after 3 optimizer steps within 1e-5.
+within 1e-5 relative and the weights after 3 optimizer steps within 1e-5.
 """
 
 import json
@@ -66,7 +66,7 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
         for key in ("generation_batch_size", "steps_per_generation", "global_step", "seed_after_init"):
             assert s[key] == r[key], (key, s[key], r[key])
         for a, b in zip(s["grad_norms"], r["grad_norms"], strict=True):
-            assert abs(a - b) <= 1e-6 * max(1.0, b), (s["grad_norms"], r["grad_norms"])
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (s["grad_norms"], r["grad_norms"])
         assert expected[s["gradient_reduction"]] == stage
         assert s["attention"]["core_impl"] == "sdpa" and s["attention"]["core"], s["attention"]
         assert s["decisions"]["grpo_mem/path/tree"] > 0 and s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
