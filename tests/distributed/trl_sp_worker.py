@@ -1,11 +1,12 @@
-"""One rank of the sequence-parallel data-path runs, launched by test_sequence_parallel.py.
+"""One rank of the sequence-parallel TRL runs, launched by test_trl_sequence_parallel.py.
 
 Usage: trl_sp_worker.py KIND STAGE MODE OUT_JSON
 
 - KIND: grpo | rloo. STAGE: zero2 | zero3 (DeepSpeed on CPU/gloo, as dist_worker.py runs it).
-- MODE ``sp``: 2 processes, ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after ``grpo_mem.patch_trl()``
-  (one data-parallel rank): grpo_mem scores every pass split along the sequence over the two ranks. MODE ``ref``:
-  stock TRL (not patched), 1 process, the same configuration without ``parallelism_config``.
+- MODE ``sp``: ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after ``grpo_mem.patch_trl()`` on 2 processes
+  (one data-parallel rank) or 4 (two, ``dp_replicate_size=2``): grpo_mem scores every pass split along the sequence
+  over the two ranks of a group. MODE ``ref``: stock TRL (not patched), the same configuration without
+  ``parallelism_config`` on 1 process (or 2: data parallel).
 
 Every micro-batch TRL's loss receives (prompt and completion ids and masks, advantages, old and reference log-probs,
 the token count) is recorded on every rank. Rank 0 writes every rank's records, the trainer's batch arithmetic, the
@@ -110,8 +111,13 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
 
     args = dict(ARGS, **stack_args(stage))
     handle = grpo_mem.patch_trl() if mode == "sp" else None  # before the config: it lifts TRL's refusal of sp_size > 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     pc = ParallelismConfig(
-        sp_size=SP, sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+        sp_size=SP,
+        sp_backend="deepspeed",
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+        # accelerate sizes DeepSpeed's train_batch_size by the data-parallel size it is told (1 unless given)
+        dp_replicate_size=max(1, world // SP) if mode == "sp" else 1,
     )
     if kind == "rloo":
         args.pop("scale_rewards")
