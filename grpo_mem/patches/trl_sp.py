@@ -196,7 +196,7 @@ def patched_post_init(original):
 
     Raises:
         ValueError: what ``unserved`` names (no DeepSpeed config, vLLM, Liger's loss), ``sp_size`` not dividing the
-            world size, ZeRO-3 with ``reduce_scatter=False`` (DeepSpeed then reduces SP gradients inconsistently),
+            world size, several SP groups without ``dp_replicate_size`` saying how many, ZeRO-3 with ``reduce_scatter=False`` (DeepSpeed then reduces SP gradients inconsistently),
             and whatever TRL's own ``__post_init__`` raises.
     """
 
@@ -216,6 +216,13 @@ def patched_post_init(original):
         finally:
             self.__class__ = cls
             self.parallelism_config = pc
+        groups = self.world_size // sp if self.world_size % sp == 0 else None
+        if groups is not None and groups > 1 and pc.data_parallel_size != groups:
+            raise ValueError(
+                f"sequence parallelism with sp_size={sp} on {self.world_size} processes makes {groups} data-parallel "
+                f"groups, but parallelism_config has data_parallel_size={pc.data_parallel_size}: pass "
+                f"ParallelismConfig(..., dp_replicate_size={groups}) (accelerate sizes DeepSpeed's batch by it)"
+            )
         zero = _zero_config(self)
         if zero.get("stage") == 3 and not zero.get("reduce_scatter", True):
             raise ValueError(

@@ -49,6 +49,20 @@ def test_refusal_lifted_only_for_deepspeed_sp_while_patched(tmp_path, name):
         _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
 
 
+def test_sp_groups_with_data_parallelism_need_the_data_parallel_size(tmp_path, monkeypatch):
+    """On 4 processes with sp_size=2 (two data-parallel groups) the config must say dp_replicate_size=2, which
+    accelerate sizes DeepSpeed's batch by; without it DeepSpeed would fail later on a batch-size assertion."""
+    import trl
+    from accelerate import ParallelismConfig
+
+    import grpo_mem
+
+    monkeypatch.setattr(trl.GRPOConfig, "world_size", property(lambda self: 4))
+    with grpo_mem.patch_trl():
+        with pytest.raises(ValueError, match=r"makes 2 data-parallel groups.*dp_replicate_size=2"):
+            _config(trl.GRPOConfig, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+
+
 def test_keep_leaders_is_the_data_parallel_gather():
     """An all-rank gather of 4 ranks (SP groups {0, 1}, {2, 3}) keeps ranks 0 and 2, in order."""
     from grpo_mem.patches.trl_sp import Layout, keep_leaders
