@@ -201,12 +201,18 @@ def patched_logps_method(original, handle: PatchHandle):
 
 def patched_method(original, *, sharing: str = "tree", confirm: bool | None = None, log_metrics: bool = False):
     """TRL's scoring method ``original`` (an unbound ``_get_per_token_logps_and_entropies``) patched on a private
-    ``PatchHandle`` (installed on no class or trainer; ``group_shuffle`` off): the one way to call the patched method
-    directly, e.g. ``method(trainer, model, input_ids, attention_mask, logits_to_keep, ...)``. Returns ``(method,
-    handle)``; ``handle.session(trainer)`` is the trainer's ``SharingSession`` (to open a window with
-    ``begin_window``). Raises ValueError for an unknown ``sharing``."""
+        ``PatchHandle`` (installed on no class or trainer; ``group_shuffle`` off): the one way to call the patched method
+        directly, e.g. ``method(trainer, model, input_ids, attention_mask, logits_to_keep, ...)``. Returns ``(method,
+        handle)``; ``handle.session(trainer)`` is the trainer's ``SharingSession`` (to open a window with
+        ``begin_window``). It scores on this process alone, without the trainer's sequence parallelism (``verify`` compares
+    the local computation). Raises ValueError for an unknown ``sharing``."""
     handle = PatchHandle(
-        None, group_shuffle=False, sharing=check_sharing(sharing), log_metrics=log_metrics, confirm=confirm
+        None,
+        group_shuffle=False,
+        sharing=check_sharing(sharing),
+        log_metrics=log_metrics,
+        confirm=confirm,
+        sequence_parallel=False,
     )
     return patched_logps_method(original, handle), handle
 
@@ -317,11 +323,20 @@ class PatchHandle:
         log_metrics: whether training micro-batches' decisions go into the trainer's logged metrics.
         confirm: whether the sessions confirm each admitted model on a tiny copy first (``grpo_mem.model.confirm``;
             None: unless ``GRPO_MEM_CONFIRM=0``).
+        sequence_parallel: whether a session of a trainer with sequence parallelism splits its passes over the SP
+            group (``trl_sp.sequence_parallel``); False for ``patched_method``'s private handles.
         active: False once reverted.
     """
 
     def __init__(
-        self, key, *, group_shuffle: bool, sharing: str = "tree", log_metrics: bool = True, confirm: bool | None = None
+        self,
+        key,
+        *,
+        group_shuffle: bool,
+        sharing: str = "tree",
+        log_metrics: bool = True,
+        confirm: bool | None = None,
+        sequence_parallel: bool = True,
     ):
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
@@ -331,14 +346,19 @@ class PatchHandle:
         self.sharing = sharing
         self.log_metrics = log_metrics
         self.confirm = confirm
+        self.sequence_parallel = sequence_parallel
         self.liger_causes: dict = {}  # owner -> why its Liger loss path is not served (``checks.liger_support``)
         self.active = True
 
     def session(self, trainer) -> SharingSession:
-        """The trainer's ``SharingSession`` (created on first use, in the handle's sharing mode)."""
+        """The trainer's ``SharingSession`` (created on first use, in the handle's sharing mode; again when the
+        trainer's sequence-parallel groups come into being at the start of ``train()``)."""
+        # the SP group, when the trainer trains with one and its groups exist (``trl_sp``; before ``train()`` the
+        # ranks score on their own) and the handle serves training
+        split = self.sequence_parallel and trl_sp.ready(trainer)
         session = self.sessions.get(trainer)
-        if session is None:
-            sp = trl_sp.sequence_parallel(trainer)  # the SP group, when the trainer trains with one
+        if session is None or (session.sp is not None) != split:
+            sp = trl_sp.sequence_parallel(trainer) if split else None
             session = self.sessions[trainer] = SharingSession(self.sharing, confirm=self.confirm, sequence_parallel=sp)
         return session
 

@@ -111,6 +111,19 @@ def layout(trainer_or_args) -> Layout | None:
     return Layout(sp_size=sp, sp_rank=rank % sp, dp_size=world // sp, dp_rank=rank // sp)
 
 
+def _groups_built() -> bool:
+    """Whether DeepSpeed's sequence-parallel groups exist (accelerate builds them when it prepares the model)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None
+
+
+def ready(trainer) -> bool:
+    """Whether ``trainer`` trains with sequence parallelism and its SP groups exist (from the start of ``train()``;
+    before it, e.g. in ``grpo_mem.verify``, its ranks score on their own)."""
+    return layout(trainer) is not None and _groups_built()
+
+
 def sp_group(trainer) -> tuple | None:
     """``(group, rank, size)``: DeepSpeed's sequence-parallel process group of this rank (the one accelerate passed to
     DeepSpeed as ``mpu``, over which ZeRO sums gradients), this rank's index in it and its size; None when
@@ -125,7 +138,7 @@ def sp_group(trainer) -> tuple | None:
         return None
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:
+    if not _groups_built():
         raise RuntimeError(
             "the sequence-parallel groups do not exist yet: accelerate builds them when it prepares the model for "
             "DeepSpeed (at the start of train())"
@@ -491,10 +504,11 @@ def _set_rng_states(states: dict) -> None:
 def share_generation(trainer, outputs):
     """``outputs`` (``_generate``'s) of this SP group's leader on every rank of the group, and the leader's random
     states (Python, NumPy, torch CPU and the accelerator's device) on every rank; ``outputs`` unchanged without
-    sequence parallelism. A collective of the SP group (``broadcast_object_list``)."""
-    found = sp_group(trainer)
-    if found is None:
+    sequence parallelism, and before ``train()`` built the SP groups (``grpo_mem.verify`` generating on an unprepared
+    trainer: the ranks are no group yet). A collective of the SP group (``broadcast_object_list``)."""
+    if layout(trainer) is None or not _groups_built():
         return outputs
+    found = sp_group(trainer)
     group, rank, _ = found
     device = trainer.accelerator.device
     payload = [outputs, _rng_states(device)]

@@ -79,6 +79,7 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
         assert not s["attention"]["ulysses"], s["attention"]
         assert s["adapter_skipped"] and s["adapter_restored"]
         assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]
+        assert s["verified"] is (True if stage == "zero2" else None)  # grpo_mem.verify(trainer) before train()
     _assert_same_weights(sp["ranks"][0]["weights"], r["weights"])
 
 

@@ -127,6 +127,9 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     prompts = [SYSTEM + p for p in PROMPTS]
     trainer, _ = make_trainer(kind, patch=False, output_dir=out + ".run", prompts=prompts, **args)
     seed_after_init = torch.initial_seed()
+    # before training (the model not yet prepared): verify compares the local computation on each rank (under ZeRO-3
+    # the parameters are partitions until DeepSpeed's engine gathers them, so verify cannot run there before train())
+    verified = grpo_mem.verify(trainer).passed if handle is not None and stage == "zero2" else None
     records = _record(trainer)
     trainer.train()
     weights = gathered_weights(trainer)
@@ -145,6 +148,7 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
         "adapter_skipped": "deepspeed_ulysses_dl_adapter" in trainer.accelerator.__dict__,
         "weights": weights if torch.distributed.get_rank() == 0 else None,
         "decisions": _paths(trainer),
+        "verified": verified,
     }
     if handle is not None:
         handle.revert()
