@@ -1,7 +1,7 @@
 """Worker of the sequence-parallel scoring tests (2 ranks, gloo): every pass split along the sequence over the ranks,
 against stock TRL's scoring on one process.
 
-Usage: ``sp_worker.py ARCH SHARING [checkpointing]`` on 2 ranks (one SP group) or 4 (two SP groups of 2, data
+Usage: ``sp_worker.py ARCH SHARING [checkpointing] [causal]`` on 2 ranks (one SP group) or 4 (two SP groups of 2, data
 parallel over them, each with its own window) (``tests/distributed/test_sequence_parallel.py`` launches it). Every rank builds
 the same tiny model and the same window of micro-batches (a long shared system prompt of odd length, groups split over
 micro-batches), scores it with ``SharingSession(sequence_parallel=world)``, computes the same loss from the gathered
@@ -67,7 +67,7 @@ def sp_group() -> tuple[object, int]:
     return groups[dist.get_rank() // 2], dist.get_rank() // 2
 
 
-def main(arch: str, sharing: str, checkpointing: str = "") -> None:
+def main(arch: str, sharing: str, *flags: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     group, dp = sp_group()
@@ -78,7 +78,11 @@ def main(arch: str, sharing: str, checkpointing: str = "") -> None:
     ref, ref_grads = stock_window(stock, batches, C)
 
     model = tiny_model(arch, **ARCHS[arch])
-    if checkpointing:  # TRL's default: layers re-run in backward, and with them the hook's all-gathers
+    if "causal" in flags:  # the cpu backend's own region without a mask tensor, as it runs on long shards
+        from grpo_mem.ops import attention_cpu
+
+        attention_cpu.MASK_BYTES_LIMIT = -1
+    if "checkpointing" in flags:  # TRL's default: layers re-run in backward, and with them the hook's all-gathers
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     session = SharingSession(sharing, sequence_parallel=group, confirm=False)

@@ -72,15 +72,21 @@ def cpu_path(*args, scale):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("path", ["torch", "torch_chunk300", "cpu"])
-def test_torch_path_matches_reference(case, path):
+@pytest.mark.parametrize("path", ["torch", "torch_chunk300", "cpu", "cpu_causal"])
+def test_torch_path_matches_reference(case, path, monkeypatch):
+    """``cpu_causal``: the cpu backend's own region without a mask tensor (``is_causal`` plus one call per row for
+    its padding queries), which it takes for masks above ``MASK_BYTES_LIMIT`` (forced here at these small sizes)."""
     B, Hq, Hkv, C, P, d, idx, plens, clens = CASES[case]
+    if path == "cpu_causal":
+        from grpo_mem.ops import attention_cpu
+
+        monkeypatch.setattr(attention_cpu, "MASK_BYTES_LIMIT", -1)
     t, pi, pm, km, go = make_inputs(B, Hq, Hkv, C, P, d, idx, plens, clens)
     scale = d**-0.5
     truth = run(shared_prefix_attention_ref, t, pi, pm, km, go, dtype=torch.float64, scale=scale)
     naive32 = run(shared_prefix_attention_ref, t, pi, pm, km, go, scale=scale)
     check_fp32_against_truth(naive32, truth)  # the reference itself is exact in fp32
-    if path == "cpu":
+    if path.startswith("cpu"):
         res = run(cpu_path, t, pi, pm, km, go, scale=scale)
     else:
         res = run(torch_path, t, pi, pm, km, go, scale=scale, chunk_elems=300 if path == "torch_chunk300" else 1 << 20)
