@@ -54,26 +54,29 @@ def _own_layout(q, k, key_mask, Hkv, window=None):
 
 
 MASK_BYTES_LIMIT = 64 * 2**20
-"""The largest own-region mask (bytes, ``_own_layout``'s 6 per element) built before ``_prefix_lengths`` takes the
-mask-free path instead. Below it the one batched masked call is faster than the per-row calls for padding queries
-(forward + backward, 2 threads: 0.17 against 0.23 s for 16 rows of 256 tokens, rep 4); above it the mask's memory,
-quadratic in the pass, is what matters (and the mask-free path was faster too: 0.71 against 0.80 s at 8 rows of
-1024 tokens)."""
+"""The largest own-region mask (bytes, ``_own_layout``'s 6 per element) built for rows with padding before
+``_prefix_lengths`` takes the mask-free path instead. Below it the one batched masked call is faster than the per-row
+calls for padding queries (forward + backward, 2 threads: 0.17 against 0.23 s for 16 rows of 256 tokens, rep 4);
+above it the mask's memory, quadratic in the pass, is what matters (and the mask-free path was faster too: 0.71
+against 0.80 s at 8 rows of 1024 tokens). Without padding the mask-free path makes no per-row call and is taken at
+any size."""
 
 
 def _prefix_lengths(key_mask, window, batch: int, C: int, rep: int, device) -> torch.Tensor | None:
-    """(B,) int64, the real keys of each row, when the own region takes the path without a mask tensor: its mask
-    would exceed ``MASK_BYTES_LIMIT``, no window, and each row's real keys a prefix of it (right padding only, or no
-    mask); else None.
+    """(B,) int64, the real keys of each row, when the own region takes the path without a mask tensor: no window,
+    each row's real keys a prefix of it (right padding only, or no mask), and no padding at all or a mask that would
+    exceed ``MASK_BYTES_LIMIT``; else None.
 
     Then the kernel's own ``is_causal`` serves the queries of real positions, and each row's padding queries (which
     see all of the row's real keys and nothing else) take one unmasked call against those keys. The (B, 1, rep·C, C)
     mask of ``_own_layout`` would cost 6 bytes per element, quadratic in C (805 MB for a sequence-parallel shard of
     8192 tokens with rep 2)."""
-    if window is not None or 6 * batch * rep * C * C <= MASK_BYTES_LIMIT:
+    if window is not None:
         return None
-    if key_mask is None:
+    if key_mask is None or bool(key_mask.all()):
         return torch.full((batch,), C, dtype=torch.long, device=device)
+    if 6 * batch * rep * C * C <= MASK_BYTES_LIMIT:
+        return None
     if C > 1 and bool((key_mask[:, 1:] & ~key_mask[:, :-1]).any()):
         return None  # a real key after a padding one (left padding)
     return key_mask.sum(1)
