@@ -309,14 +309,20 @@ def activation_bytes(
     else:
         out["layer_inputs"] = shape.layers * E * (tp + tc) * width
     if method == "grpo_mem":
-        prompt_layer = kv_layer_bytes(shape, k * tp, width)  # k·ceil(P/k): the whole (padded) prompt
-        completion_layer = kv_layer_bytes(shape, k * tc, width)
-        out["prompt_kv"] = shape.layers * prompt_layer * (2 if checkpointing or k > 1 else 1)
-        if k > 1:
-            if checkpointing:
-                out["kv_transient"] = 2 * max(prompt_layer, completion_layer)
-            else:
-                out["kv_transient"] = shape.layers * completion_layer
+        out.update(_kv_parts(shape, tp, tc, k, width, checkpointing))
+    return out
+
+
+def _kv_parts(shape: ModelShape, tp: int, tc: int, k: int, width: int, checkpointing: bool) -> dict[str, float]:
+    """``prompt_kv`` and ``kv_transient`` of :func:`activation_bytes` for grpo_mem, from this rank's prompt and
+    completion tokens ``tp``, ``tc`` and the sequence-parallel size ``k``."""
+    prompt_layer = kv_layer_bytes(shape, k * tp, width)  # k·ceil(P/k): the whole (padded) prompt
+    completion_layer = kv_layer_bytes(shape, k * tc, width)
+    out = {"prompt_kv": shape.layers * prompt_layer * (2 if checkpointing or k > 1 else 1), "kv_transient": 0.0}
+    if k > 1:
+        out["kv_transient"] = (
+            2 * max(prompt_layer, completion_layer) if checkpointing else shape.layers * completion_layer
+        )
     return out
 
 

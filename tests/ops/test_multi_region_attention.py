@@ -398,6 +398,37 @@ def test_triton_one_region_equals_shared_prefix_attention_and_is_deterministic()
         assert torch.equal(a[n], b[n]), n
 
 
+@needs_interpreter
+def test_triton_region_read_through_a_strided_view():
+    """Sequence parallelism hands the kernels the earlier shards' K/V as a slice of the all-gathered (B, Hkv, size·L,
+    d) tensor (``model.sequence_parallel``): read in place with its strides, the output and gradients (into the whole
+    gathered tensor) equal the fp64 reference's."""
+    g = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, C, d, L = 3, 4, 2, 5, 32, 6
+    leaves = {
+        "q": torch.randn(B, Hq, C, d, generator=g),
+        "k": torch.randn(B, Hkv, C, d, generator=g),
+        "v": torch.randn(B, Hkv, C, d, generator=g),
+        "k_all": torch.randn(B, Hkv, 2 * L, d, generator=g),
+        "v_all": torch.randn(B, Hkv, 2 * L, d, generator=g),
+    }
+    mask = torch.ones(B, 2 * L, dtype=torch.bool)
+    mask[1, 4:] = False
+    key_mask = torch.ones(B, C, dtype=torch.bool)
+    key_mask[2, 3:] = False
+    weights = torch.randn(B, Hq, C, d, generator=g)
+
+    def result(fn, dtype, **kw):
+        x = {n: t.to(dtype).requires_grad_(True) for n, t in leaves.items()}
+        region = (x["k_all"][:, :, :L], x["v_all"][:, :, :L], torch.arange(B), mask[:, :L])
+        out = fn(x["q"], x["k"], x["v"], [region], key_mask, scale=d**-0.5, **kw)
+        grads = torch.autograd.grad((out * weights.to(dtype)).sum(), list(x.values()))
+        return {"out": out.detach(), **{"d" + n: gr for n, gr in zip(x, grads)}}
+
+    truth = result(multi_region_attention_ref, torch.float64)
+    check_fp32_against_truth(result(multi_region_attention, torch.float32, backend="triton"), truth)
+
+
 def test_triton_kernels_under_interpreter():
     if INTERPRETING:
         pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
