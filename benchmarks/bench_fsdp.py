@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 sys.path.insert(0, _ROOT)  # the checkout's grpo_mem: the script measures the code beside it
 
-from grpo_mem.bench import harness  # noqa: E402
+from grpo_mem.bench import harness, isolate  # noqa: E402
 from grpo_mem.bench.sweep import Cell, Sweep  # noqa: E402
 
 OP = "group_logprobs_fsdp2"
@@ -147,12 +146,6 @@ def window_worker(provider: str, S: int, repeats: int, out: str) -> None:
     _gather_to(out, m.to_dict())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: dict) -> dict:
     """Run ``worker`` (or, with ``args["window_s"]``, ``window_worker``) on 2 fresh processes (``args``: provider, P,
     C, G, repeats); ``{"ranks": [each rank's harness.Measurement as a dict]}``, or ``{"skipped": reason,
@@ -166,7 +159,7 @@ def launch(args: dict) -> dict:
             "torch.distributed.run",
             f"--nproc_per_node={WORLD}",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={isolate.free_port()}",
             os.path.abspath(__file__),
             "--worker",
             args["provider"],

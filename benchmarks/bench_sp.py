@@ -48,7 +48,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 sys.path.insert(0, _ROOT)  # the checkout's grpo_mem: the script measures the code beside it
 
-from grpo_mem.bench import harness  # noqa: E402
+from grpo_mem.bench import harness, isolate  # noqa: E402
 from grpo_mem.bench.sweep import merge_csv  # noqa: E402
 
 OP = "sp_scoring_step"
@@ -179,12 +178,6 @@ def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str) ->
 
 
 # ---------------------------------------------------------------------------------------------------------- parent
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, timeout: float | None = None) -> None:
     """Run ``worker`` in ``sp_size`` fresh processes (one plain process for sp_size 1, ``torch.distributed.run``
     otherwise), one thread each; results land in ``out_dir``.
@@ -200,7 +193,7 @@ def launch(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, ti
         cmd = [sys.executable, *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp_size}"]
-        cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", *script]
+        cmd += ["--master_addr=127.0.0.1", f"--master_port={isolate.free_port()}", *script]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"sp_size {sp_size} run exited with code {proc.returncode}:\n{proc.stderr[-3000:]}")

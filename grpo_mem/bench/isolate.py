@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,14 @@ from typing import Callable, Sequence
 import torch
 
 from grpo_mem.bench.measure import MB, PAGE_BYTES
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (``torch.distributed.run``'s ``--master_port`` for a
+    multi-process benchmark or test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _load_target(target: str) -> Callable[[dict], dict]:

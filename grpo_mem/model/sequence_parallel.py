@@ -92,10 +92,7 @@ class SequenceParallel:
 
     def local(self, t: torch.Tensor, L: int, fill=0) -> torch.Tensor:
         """This rank's shard, along dim 1, of ``t`` (n, T, ...) padded with ``fill`` to ``size · L`` tokens."""
-        pad = self.size * L - t.shape[1]
-        if pad:
-            t = torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], dim=1)
-        return t[:, self.rank * L : (self.rank + 1) * L]
+        return self.padded(t, L, fill)[:, self.rank * L : (self.rank + 1) * L]
 
     def padded(self, t: torch.Tensor, L: int, fill=0) -> torch.Tensor:
         """``t`` (n, T, ...) padded along dim 1 with ``fill`` to ``size · L`` tokens: the layout of a gathered pass."""

@@ -8,12 +8,13 @@ calling test after ``timeout`` seconds instead of stalling the suite. The CPU wo
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from grpo_mem.bench.isolate import free_port
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 420  # seconds per 2-process run; a healthy one takes 15-60 s on 2 shared cores
@@ -30,13 +31,6 @@ def end_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env() -> dict:
