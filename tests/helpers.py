@@ -349,11 +349,13 @@ def make_trainer(
     sharing="tree",
     model_args=None,
     peft_config=None,
+    backend=None,
     **args,
 ):
     """A tiny GRPOTrainer/RLOOTrainer on CPU: a random ``tiny_model(arch, **model_args)`` (Llama with a tied head by
     default), character tokenizer, string prompts (default: the 8 of ``PROMPTS``), the trainer's PEFT adapter from
-    ``peft_config`` if given. ``group_shuffle=None`` patches with ``patch_trl``'s default."""
+    ``peft_config`` if given. ``group_shuffle=None`` patches with ``patch_trl``'s default; ``backend`` is passed to
+    ``patch_trl`` when given."""
     from datasets import Dataset
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -375,6 +377,8 @@ def make_trainer(
         **({} if peft_config is None else {"peft_config": peft_config}),
     )
     options = dict(sharing=sharing) if group_shuffle is None else dict(sharing=sharing, group_shuffle=group_shuffle)
+    if backend is not None:
+        options["backend"] = backend
     handle = grpo_mem.patch_trl(trainer, **options) if patch else None
     return trainer, handle
 

@@ -11,6 +11,14 @@ anywhere and computes everything.
 
 Triton runs on CUDA, or on CPU tensors under its interpreter, which works only if ``TRITON_INTERPRET=1`` was set
 before triton was first imported (``triton.language``'s helpers are wrapped for the interpreter at import time).
+
+The way back from the kernels: a process-wide preference (``GRPO_MEM_BACKEND=auto|triton|torch|cpp`` in the
+environment, or ``patch_trl(backend=...)``, which takes precedence while its patch is active) that every call left at
+``backend="auto"`` follows (``preferred``). ``"torch"`` runs every op through torch operations only, on any device
+(Triton is then never imported by this package); ``"cpp"`` names the CPU kernels (this package's C++ head, ATen's
+fused CPU attention); a preference that cannot run a call's tensors (``"triton"`` on CPU tensors without the
+interpreter, ``"cpp"`` on CUDA tensors, fp64) leaves that call to ``auto``'s choice. ``RESOLVED`` records the backend
+each op last resolved to, which ``verify`` reports.
 """
 
 from __future__ import annotations
@@ -24,7 +32,35 @@ import torch
 
 from . import _ext, attention_cpu, attention_torch, logprobs_cpp, logprobs_torch
 
-__all__ = ["Backend", "BackendUnavailableError", "TABLE", "lazy", "resolve", "triton_status"]
+__all__ = [
+    "BACKEND_ENV",
+    "CHOICES",
+    "Backend",
+    "BackendUnavailableError",
+    "RESOLVED",
+    "TABLE",
+    "check_choice",
+    "lazy",
+    "preferred",
+    "resolve",
+    "set_preference",
+    "triton_status",
+]
+
+BACKEND_ENV = "GRPO_MEM_BACKEND"
+"""The environment variable naming the preferred backend of every op (one of ``CHOICES``; unset or empty: auto)."""
+
+CHOICES = ("auto", "triton", "torch", "cpp")
+"""What ``GRPO_MEM_BACKEND`` and ``patch_trl(backend=...)`` accept."""
+
+_OP_NAME = {"cpp": {"multi_region_attention": "cpu"}}
+"""Preference -> op -> that op's backend of the same kind where its name differs (the CPU kernels of attention are
+ATen's, named ``"cpu"`` in the table)."""
+
+_PINNED: str | None = None  # set_preference's value (patch_trl's backend=); None: the environment decides
+
+RESOLVED: dict[str, str] = {}
+"""op -> the backend its latest call resolved to (what ran), for reports."""
 
 
 def lazy(module: str, name: str):
@@ -155,10 +191,50 @@ def _why_not(entry: Backend, tensor: torch.Tensor) -> str:
     return why
 
 
+def check_choice(name, source: str = "backend") -> str:
+    """``name`` if it is one of ``CHOICES``, else ValueError naming ``source``, the value and the choices."""
+    if name not in CHOICES:
+        raise ValueError(f"{source} must be one of {list(CHOICES)}, got {name!r}")
+    return name
+
+
+def set_preference(name: str | None) -> str | None:
+    """Make ``name`` (one of ``CHOICES``) every op's preferred backend in this process, over ``GRPO_MEM_BACKEND``;
+    None gives the decision back to the environment. Returns the previous pinned value (None when there was none), to
+    restore it. Process-wide on purpose: a backward or a checkpointed layer's recomputation runs in autograd's threads
+    and must resolve as its forward did.
+
+    Raises:
+        ValueError: ``name`` is not None and not one of ``CHOICES``.
+    """
+    global _PINNED
+    if name is not None:
+        check_choice(name)
+    previous, _PINNED = _PINNED, name
+    return previous
+
+
+def preferred() -> tuple[str, str]:
+    """The preferred backend of every op and where it comes from: ``(name, "patch_trl")`` when pinned by
+    ``set_preference``, else ``(GRPO_MEM_BACKEND's value, "GRPO_MEM_BACKEND")``, else ``("auto", "default")``.
+
+    Raises:
+        ValueError: ``GRPO_MEM_BACKEND`` holds a value that is not one of ``CHOICES`` (read at every call, so a bad
+            value fails the first op instead of being ignored).
+    """
+    if _PINNED is not None:
+        return _PINNED, "patch_trl"
+    value = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if not value:
+        return "auto", "default"
+    return check_choice(value, BACKEND_ENV), BACKEND_ENV
+
+
 def resolve(op: str, backend: str, tensor: torch.Tensor, needs: frozenset[str] | set[str] = frozenset()) -> str:
     """The backend that runs ``op`` on ``tensor`` (its device and dtype decide) with the optional features ``needs``.
 
-    ``auto`` takes the first backend of ``TABLE[op]`` that runs ``tensor`` and computes every feature in ``needs``
+    ``auto`` follows the process's preference (``preferred``) where that backend can run ``tensor``; otherwise, and
+    without a preference, it takes the first backend of ``TABLE[op]`` that runs ``tensor`` and computes every feature in ``needs``
     (never Triton's interpreter). An explicitly requested backend that cannot run ``tensor`` raises; one that runs it
     but lacks a feature is passed over for the next backend of the table that has it (the cpu attention backend
     without soft-capping hands such calls to the torch backend).
@@ -170,9 +246,22 @@ def resolve(op: str, backend: str, tensor: torch.Tensor, needs: frozenset[str] |
         needs: optional features the call asks for (a subset of what the op's last backend computes).
 
     Raises:
-        ValueError: unknown ``op`` or ``backend``.
+        ValueError: unknown ``op`` or ``backend``; a ``GRPO_MEM_BACKEND`` that is not one of ``CHOICES``.
         BackendUnavailableError: an explicitly requested backend cannot run ``tensor`` here.
     """
+    name = _resolve(op, backend, tensor, needs)
+    RESOLVED[op] = name
+    return name
+
+
+def _resolve(op: str, backend: str, tensor: torch.Tensor, needs) -> str:
+    if backend == "auto" and op in TABLE:
+        preference = preferred()[0]
+        if preference != "auto":
+            try:
+                return _resolve(op, _OP_NAME.get(preference, {}).get(op, preference), tensor, needs)
+            except BackendUnavailableError:
+                pass  # the preferred backend cannot run these tensors: auto's choice
     if op not in TABLE:
         raise ValueError(f"op must be one of {sorted(TABLE)}, got {op!r}")
     names = [entry.name for entry in TABLE[op]]

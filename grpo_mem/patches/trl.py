@@ -42,6 +42,7 @@ from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
 from ..model.support import warn_fallback
+from ..ops._backends import check_choice, set_preference
 from . import trl_images, trl_sp
 from .checks import (
     _MARK,
@@ -325,6 +326,8 @@ class PatchHandle:
             None: unless ``GRPO_MEM_CONFIRM=0``).
         sequence_parallel: whether a session of a trainer with sequence parallelism splits its passes over the SP
             group (``trl_sp.sequence_parallel``); False for ``patched_method``'s private handles.
+        backend: the kernels' backend this patch pins process-wide while active (``"triton"``, ``"torch"``,
+            ``"cpp"``, ``"auto"``), or None: ``GRPO_MEM_BACKEND`` decides (``grpo_mem.ops._backends.preferred``).
         active: False once reverted.
     """
 
@@ -337,6 +340,7 @@ class PatchHandle:
         log_metrics: bool = True,
         confirm: bool | None = None,
         sequence_parallel: bool = True,
+        backend: str | None = None,
     ):
         self._key = key
         self._entries = []  # (owner, name, previous value or _MISSING)
@@ -347,6 +351,7 @@ class PatchHandle:
         self.log_metrics = log_metrics
         self.confirm = confirm
         self.sequence_parallel = sequence_parallel
+        self.backend = backend
         self.liger_causes: dict = {}  # owner -> why its Liger loss path is not served (``checks.liger_support``)
         self.active = True
 
@@ -397,6 +402,7 @@ class PatchHandle:
         self.sessions.clear()
         _ACTIVE.pop(self._key, None)
         self.active = False
+        _pin_backend()
 
     @property
     def targets(self):
@@ -429,20 +435,41 @@ def active_handle(trainer) -> PatchHandle | None:
     return None
 
 
-def _differences(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None) -> str:
+def _pin_backend() -> None:
+    """Pin the kernels' backend (``_backends.set_preference``) to the one the active handles ask for, or give the
+    decision back to ``GRPO_MEM_BACKEND`` when none asks (``patch_trl`` keeps the active handles' requests equal)."""
+    asked = {h.backend for h in _ACTIVE.values() if h.backend is not None}
+    set_preference(asked.pop() if asked else None)
+
+
+def _check_backend(key, backend: str | None) -> None:
+    """ValueError when another active handle pins a different backend (the pin is process-wide)."""
+    if backend is None:
+        return
+    check_choice(backend)
+    for other_key, other in _ACTIVE.items():
+        if other_key != key and other.backend not in (None, backend):
+            raise ValueError(
+                f"the patch of {', '.join(other.targets)} pins backend={other.backend!r}, got backend={backend!r}: "
+                "the kernels' backend is process-wide; revert that handle first, or patch with the same backend"
+            )
+
+
+def _differences(
+    handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None = None
+) -> str:
     """ "" if ``handle`` has these options, else what differs: ``"sharing='tree', got sharing='group'"``."""
-    differ = [
-        (name, getattr(handle, name), value)
-        for name, value in (("sharing", sharing), ("group_shuffle", group_shuffle), ("confirm", confirm))
-        if getattr(handle, name) != value
-    ]
+    options = (("sharing", sharing), ("group_shuffle", group_shuffle), ("confirm", confirm), ("backend", backend))
+    differ = [(name, getattr(handle, name), value) for name, value in options if getattr(handle, name) != value]
     return "; ".join(f"{name}={old!r}, got {name}={new!r}" for name, old, new in differ)
 
 
-def _repatch(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None) -> PatchHandle:
+def _repatch(
+    handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None
+) -> PatchHandle:
     """``handle`` with these options: unchanged if they agree; else, if no sharing window is open, the new options
     and no sessions (each trainer's next window starts a session in the new mode); else ValueError."""
-    differ = _differences(handle, group_shuffle, sharing, confirm)
+    differ = _differences(handle, group_shuffle, sharing, confirm, backend)
     if not differ:
         return handle
     if any(session.in_window for session in handle.sessions.values()):
@@ -450,8 +477,10 @@ def _repatch(handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bo
             f"the patch of {', '.join(handle.targets)} has {differ}, and a sharing window is open "
             "(mid-step): call patch_trl again between optimizer steps, or revert the handle first"
         )
-    handle.group_shuffle, handle.sharing, handle.confirm = group_shuffle, sharing, confirm
+    _check_backend(handle._key, backend)
+    handle.group_shuffle, handle.sharing, handle.confirm, handle.backend = group_shuffle, sharing, confirm, backend
     handle.sessions.clear()
+    _pin_backend()
     return handle
 
 
@@ -462,7 +491,12 @@ def _default_targets():
 
 
 def patch_trl(
-    target=None, *, group_shuffle: bool = False, sharing: str = "tree", confirm: bool | None = None
+    target=None,
+    *,
+    group_shuffle: bool = False,
+    sharing: str = "tree",
+    confirm: bool | None = None,
+    backend: str | None = None,
 ) -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
@@ -487,16 +521,22 @@ def patch_trl(
             collective, the user's parameters and random streams untouched); a difference falls back with its
             cause (``grpo_mem.model.confirm``). False: the capability rule alone decides. None: on unless the
             environment sets ``GRPO_MEM_CONFIRM=0``.
+        backend: the kernels every op runs while the patch is active, process-wide, over the ``GRPO_MEM_BACKEND``
+            environment variable: ``"auto"`` (Triton on CUDA; the C++/ATen kernels on CPU), ``"triton"``,
+            ``"torch"`` (torch operations only, on any device: the way back if a compiled kernel misbehaves on your
+            GPU), ``"cpp"`` (the CPU kernels). A backend that cannot run a call's tensors (Triton on CPU, cpp on
+            CUDA) leaves that call to ``"auto"``. None (default): ``GRPO_MEM_BACKEND`` decides, else auto.
+            ``grpo_mem.verify`` reports which backends ran.
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
         ``patch_trl`` again on a patched target returns the same active handle, re-patched with the new
-        ``group_shuffle``, ``sharing`` and ``confirm`` if they differ (its sharing sessions start again in the new mode); an
+        ``group_shuffle``, ``sharing``, ``confirm`` and ``backend`` if they differ (its sharing sessions start again in the new mode); an
         instance of a patched class gets its class's handle when the options agree.
 
     Raises:
         RuntimeError: the installed TRL is older than 1.10 or a release refused by name (``KNOWN_BAD_TRL``).
-        ValueError: unknown ``sharing``; or options that differ from the active patch's (naming both values) where
+        ValueError: unknown ``sharing`` or ``backend``; another active patch pinning a different ``backend``; or options that differ from the active patch's (naming both values) where
             they cannot be changed: a sharing window is open (mid-step: prompt passes planned or pending), or the
             target is an instance of a patched class (the class's patch would change for every instance).
         TypeError: a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
@@ -504,26 +544,32 @@ def patch_trl(
     """
     check_trl_version()
     check_sharing(sharing)
+    if backend is not None:
+        check_choice(backend)
     owners = _default_targets() if target is None else [target]
     key = tuple(id(o) for o in owners)
     if key in _ACTIVE:
-        return _repatch(_ACTIVE[key], group_shuffle, sharing, confirm)
+        return _repatch(_ACTIVE[key], group_shuffle, sharing, confirm, backend)
     for owner in owners:
         check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
         check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
-        covering = _covering_handle(owner, group_shuffle, sharing, confirm)
+        covering = _covering_handle(owner, group_shuffle, sharing, confirm, backend)
         if covering is not None:
             return covering
         check_trainer_attrs(owner)
+    _check_backend(key, backend)
 
-    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing, confirm=confirm)
+    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing, confirm=confirm, backend=backend)
     for owner in owners:
         _install(handle, owner)
     _ACTIVE[key] = handle
+    _pin_backend()
     return handle
 
 
-def _covering_handle(owner, group_shuffle: bool, sharing: str, confirm: bool | None) -> PatchHandle | None:
+def _covering_handle(
+    owner, group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None
+) -> PatchHandle | None:
     """The active handle that already routes ``owner`` through grpo_mem (``owner`` an instance of a patched class),
     or None. Raises ValueError when its options differ from these: the class's patch would change for every
     instance."""
@@ -532,7 +578,7 @@ def _covering_handle(owner, group_shuffle: bool, sharing: str, confirm: bool | N
     covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
     if not covering:
         return None
-    differ = _differences(covering[0], group_shuffle, sharing, confirm)
+    differ = _differences(covering[0], group_shuffle, sharing, confirm, backend)
     if differ:
         raise ValueError(
             f"this {type(owner).__name__} is covered by the patch of {', '.join(covering[0].targets)}, "
