@@ -138,3 +138,27 @@ def test_torch_backend_needs_no_triton(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preference", ["torch", "auto"])
+def test_cuda_backends_score_like_stock(monkeypatch, preference):
+    """On CUDA (fp32 weights, tree sharing): the torch backends and auto's Triton kernels each give stock TRL's
+    log-probs, entropies and gradients, and RESOLVED names the backend that ran."""
+    monkeypatch.setenv(BACKEND_ENV, preference)
+    model = tiny_model(layers=2).cuda()
+    system = list(range(5, 17))
+    ids, mask, C, _ = make_batch(None, 3, 4, prompts=[system + [20, 21], system + [30, 31, 32]], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    RESOLVED.clear()
+    lp, ent = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, compute_entropy=True, sharing="tree")
+    want = "torch" if preference == "torch" else "triton"
+    assert RESOLVED == {"multi_region_attention": want, "linear_logprobs": want}
+    ours = grads_of(model, lp, ent)
+    ref_lp, ref_ent = stock_logps(model, ids, mask, C, compute_entropy=True)
+    ref = grads_of(model, ref_lp, ref_ent)
+    keep = mask[:, -C:]
+    assert_close(lp * keep, ref_lp, 1e-4, "log-probs")
+    assert_close(ent * keep, ref_ent, 1e-4, "entropies")
+    for name in ref:
+        assert_close(ours[name], ref[name], 1e-4 * max(1.0, ref[name].abs().max().item()), name)
