@@ -74,7 +74,7 @@ def is_tested(package: str, version: str | None = None) -> bool:
     return _in_range(TESTED[package], installed(package) if version is None else version)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _in_range(spec: str, version: str) -> bool:
     from packaging.specifiers import SpecifierSet
 
