@@ -23,6 +23,17 @@ def read_version() -> str:
     return match.group(1)
 
 
+def tested_minimum(package: str) -> str:
+    """The lower bound of ``package``'s tested range in ``grpo_mem/versions.py`` (``TESTED``, the range's one
+    definition), as a requirement: ``"transformers>=5.23"``. No upper bound: pip must never replace a user's
+    transformers or TRL; a newer release is served as ``grpo_mem.versions`` says."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_mem", "versions.py")) as f:
+        match = re.search(rf'^    "{package}": "(>=[0-9.]+),<[0-9.]+",$', f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f'grpo_mem/versions.py has no TESTED line "{package}": ">=X,<Y",')
+    return package + match.group(1)
+
+
 ext_modules = []
 cmdclass = {}
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
@@ -58,14 +69,25 @@ setup(
     version=read_version(),
     description="Memory- and time-efficient GRPO-family scoring for Hugging Face TRL: prompt-once group forward, "
     "shared-prefix attention and fused selective log-softmax.",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=find_packages(include=["grpo_mem", "grpo_mem.*"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",
-        # the releases the whole suite was run on (docs/compatibility.md, "transformers releases tested"); a release installed
-        # outside this range serves only the model classes the run-time confirmation passes
-        "transformers>=5.23,<5.25",
-        "trl>=1.10,<1.17",  # 1.10-1.16 pass the parity tests (docs/compatibility.md, "TRL releases tested"); CI runs 1.16
+        # the lowest releases of the tested ranges (grpo_mem.versions.TESTED; docs/compatibility.md), no upper bound: a
+        # newer release installed warns once and serves only what the run-time confirmation and the patch's
+        # signature checks pass; CI and the README's fresh-machine command pin the tested releases (constraints.txt)
+        tested_minimum("transformers"),
+        tested_minimum("trl"),
         "accelerate>=1.0",
         "triton; platform_system == 'Linux'",
     ],

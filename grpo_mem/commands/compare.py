@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from grpo_mem.commands.flags import to_argv
-from grpo_mem.commands.report import fmt, plot_token_ratio, prompt_text, token_ratio_mean
+from grpo_mem.commands.report import fmt, memory_figure, plot_token_ratio, prompt_text, token_ratio_mean
 
 RUNS = ("stock", "patched")
 """Run names, in the order they run; also the subdirectories of the output directory."""
@@ -60,7 +60,8 @@ def compare_runs(stock: dict, patched: dict) -> dict:
     stock|), ``reward_max_abs_diff``, ``rewards_identical`` (bool), ``loss_max_abs_diff``,
     ``grad_norm_max_rel_diff``, and ``ratios``: ``peak_rss_mb`` (max step peak), ``peak_rss_median_mb`` (median
     step peak over steps 2..), ``peak_rss_above_start_mb`` (max step peak minus the RSS before training),
-    ``ru_maxrss_mb``, ``step_time_median_s``, ``step_time_mean_s``, ``train_time_s``. A ratio is NaN when a figure
+    ``ru_maxrss_mb``, on CUDA ``peak_cuda_allocated_mb`` (max step peak of ``torch.cuda.max_memory_allocated``),
+    ``step_time_median_s``, ``step_time_mean_s``, ``train_time_s``. A ratio is NaN when a figure
     is missing or zero. ``token_ratio_mean``: the patched run's mean over steps of the backbone's tokens over stock
     TRL's, as its patch logged them (None when it logged none; the stock run logs none).
     """
@@ -106,6 +107,11 @@ def compare_runs(stock: dict, patched: dict) -> dict:
             "peak_rss_median_mb": _ratio(median_peak(patched), median_peak(stock)),
             "peak_rss_above_start_mb": _ratio(above(patched), above(stock)),
             "ru_maxrss_mb": _ratio(patched["ru_maxrss_mb"], stock["ru_maxrss_mb"]),
+            **(
+                {"peak_cuda_allocated_mb": _ratio(pt["peak_cuda_allocated_mb"], st["peak_cuda_allocated_mb"])}
+                if "peak_cuda_allocated_mb" in pt and "peak_cuda_allocated_mb" in st
+                else {}
+            ),
             "step_time_median_s": _ratio(pt["step_time_median_s"], st["step_time_median_s"]),
             "step_time_mean_s": _ratio(pt["step_time_mean_s"], st["step_time_mean_s"]),
             "train_time_s": _ratio(patched["train_time_s"], stock["train_time_s"]),
@@ -126,10 +132,11 @@ def format_compare(summary: dict) -> str:
     stock, patched = summary["runs"]["stock"], summary["runs"]["patched"]
     by_step = {r["step"]: r for r in patched["steps"]}
     tokens = summary.get("token_ratio_mean") is not None
+    key, label = memory_figure(stock)
     lines = [
         f"grpo-mem train --compare: {Path(stock['model']).name} on {stock['task']}, "
         f"G={stock['settings']['num_generations']}, prompts: {prompt_text(stock)}",
-        f"{'':>5} {'reward':^15} {'peak RSS MB':^15} {'step time s':^15}",
+        f"{'':>5} {'reward':^15} {label + ' MB':^15} {'step time s':^15}",
         f"{'step':>5} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7} {'stock':>7} {'patched':>7}"
         + ("  patched tokens / stock" if tokens else ""),
     ]
@@ -137,11 +144,13 @@ def format_compare(summary: dict) -> str:
         p = by_step.get(s["step"], {})
         lines.append(
             f"{s['step']:>5} {fmt(s['reward'], '7.3f')} {fmt(p.get('reward'), '7.3f')} "
-            f"{fmt(s['peak_rss_mb'], '7.0f')} {fmt(p.get('peak_rss_mb'), '7.0f')} "
+            f"{fmt(s.get(key), '7.0f')} {fmt(p.get(key), '7.0f')} "
             f"{fmt(s['step_time_s'], '7.2f')} {fmt(p.get('step_time_s'), '7.2f')}"
             + (f"  {fmt(p.get('token_ratio'), '.3f')}" if tokens else "")
         )
     r = summary["ratios"]
+    if key != "peak_rss_mb":
+        lines.append(f"patched / stock: {label} {fmt(r.get(key), '.3f')}x (max over steps)")
     lines += [
         f"patched / stock: peak RSS {fmt(r['peak_rss_mb'], '.3f')}x (max over steps; "
         f"{fmt(r['peak_rss_above_start_mb'], '.3f')}x above the RSS before training), "
@@ -181,7 +190,7 @@ def plot_compare(summary: dict, path: Path | str) -> None:
     for name, run in (("stock", stock), ("patched", patched)):
         steps = [r["step"] for r in run["steps"]]
         ax_r.plot(steps, [r["reward"] if r["reward"] is not None else math.nan for r in run["steps"]], **style[name])
-        ax_m.plot(steps, [r["peak_rss_mb"] for r in run["steps"]], **style[name])
+        ax_m.plot(steps, [r[memory_figure(stock)[0]] for r in run["steps"]], **style[name])
         ax_t.plot(steps, [r["step_time_s"] for r in run["steps"]], **style[name])
     _annotate(axes, summary, style["patched"])
     for ax in axes:
@@ -209,11 +218,14 @@ def _annotate(axes, summary: dict, patched_style: dict) -> None:
     ax_r.set_ylabel("mean reward")
     ax_r.set_ylim(-0.05, 1.05)
     note(ax_r, _reward_diff_text(summary))
-    ax_m.set_ylabel("peak RSS in step (MB)")
+    key, label = memory_figure(summary["runs"]["stock"])
+    ax_m.set_ylabel(f"{label} in step (MB)")
     note(
         ax_m,
         f"patched / stock: {fmt(r['peak_rss_mb'], '.2f')}x max step peak, "
-        f"{fmt(r['peak_rss_above_start_mb'], '.2f')}x above RSS before training",
+        f"{fmt(r['peak_rss_above_start_mb'], '.2f')}x above RSS before training"
+        if key == "peak_rss_mb"
+        else f"patched / stock: {fmt(r.get(key), '.2f')}x max step peak",
     )
     ax_t.set_ylabel("step time (s)")
     note(

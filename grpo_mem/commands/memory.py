@@ -1,4 +1,4 @@
-"""Per-step peak resident memory (RSS) and wall time of a training run.
+"""Per-step peak resident memory (RSS), peak CUDA allocation (on CUDA) and wall time of a training run.
 
 The process RSS is sampled from ``/proc/self/statm`` by a background thread every ``interval_s`` seconds (default
 5 ms); a :class:`StepStatsCallback` resets the running maximum at each optimizer-step boundary, so each step's peak
@@ -101,13 +101,21 @@ class RssSampler:
         self.stop()
 
 
-def make_step_stats_callback(sampler: RssSampler):
-    """A ``transformers.TrainerCallback`` recording, per optimizer step, its wall time and peak RSS.
+def make_step_stats_callback(sampler: RssSampler, cuda: bool = False):
+    """A ``transformers.TrainerCallback`` recording, per optimizer step, its wall time and peak RSS, and with
+    ``cuda`` the step's peak CUDA allocation.
 
     The returned callback has ``records``: a list of dicts ``{"step": int, "step_time_s": float, "peak_rss_mb":
-    float}``, one per optimizer step (what the trainer logged at that step is in ``trainer.state.log_history``).
+    float}``, one per optimizer step (what the trainer logged at that step is in ``trainer.state.log_history``); with
+    ``cuda`` also ``"peak_cuda_allocated_mb"``: ``torch.cuda.max_memory_allocated()`` of the current device (MB,
+    tensors the caching allocator handed out, not the memory it reserved), its peak statistics reset at each step's
+    start, read after a ``torch.cuda.synchronize()`` at its end; the step time is taken after that synchronisation
+    too.
     """
     from transformers import TrainerCallback
+
+    if cuda:
+        import torch
 
     class StepStatsCallback(TrainerCallback):
         def __init__(self):
@@ -115,12 +123,20 @@ def make_step_stats_callback(sampler: RssSampler):
             self._t0: float | None = None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             sampler.reset()
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
-            self.records.append({"step": state.global_step, "step_time_s": elapsed, "peak_rss_mb": sampler.peak_mb()})
+            record = {"step": state.global_step, "step_time_s": elapsed, "peak_rss_mb": sampler.peak_mb()}
+            if cuda:
+                record["peak_cuda_allocated_mb"] = torch.cuda.max_memory_allocated() / _MB
+            self.records.append(record)
             self._t0 = None
 
     return StepStatsCallback()

@@ -35,6 +35,19 @@ TOKEN_METRICS = {
 }
 """The patch's token counts in TRL's logs (logged name -> summary name)."""
 
+MEMORY = {
+    "cpu": ("peak_rss_mb", "peak RSS"),
+    "cuda": ("peak_cuda_allocated_mb", "peak CUDA alloc"),
+}
+"""A run's device -> (the per-step memory figure's key in its rows and totals, its label): the process's resident set
+on CPU, ``torch.cuda.max_memory_allocated`` on CUDA (:mod:`grpo_mem.commands.memory`)."""
+
+
+def memory_figure(summary: dict) -> tuple[str, str]:
+    """(key, label) of ``summary``'s memory figure (:data:`MEMORY`); a summary without ``device`` ran on CPU."""
+    return MEMORY[summary.get("device", "cpu")]
+
+
 PATH_PREFIX = "grpo_mem/path/"
 """Logged name prefix of the fraction of micro-batches that took each scoring path."""
 
@@ -73,7 +86,8 @@ def saving_text(saving: dict) -> str:
 
 
 def step_rows(records: list[dict], log_history: list[dict]) -> list[dict]:
-    """One row per optimizer step: ``step``, ``step_time_s`` and ``peak_rss_mb`` from ``records`` (the step stats
+    """One row per optimizer step: ``step``, ``step_time_s``, ``peak_rss_mb`` and (on CUDA) ``peak_cuda_allocated_mb``
+    from ``records`` (the step stats
     callback's, :func:`grpo_mem.commands.memory.make_step_stats_callback`), then the :data:`LOGGED` metrics (None when
     not logged) and the :func:`token_saving` keys from the ``log_history`` entries (``trainer.state.log_history``)
     whose ``step`` is that step."""
@@ -85,6 +99,8 @@ def step_rows(records: list[dict], log_history: list[dict]) -> list[dict]:
     for rec in records:
         logs = logged.get(rec["step"], {})
         row = {"step": rec["step"], "step_time_s": rec["step_time_s"], "peak_rss_mb": rec["peak_rss_mb"]}
+        if "peak_cuda_allocated_mb" in rec:
+            row["peak_cuda_allocated_mb"] = rec["peak_cuda_allocated_mb"]
         row.update({dst: _number(logs.get(src)) for src, dst in LOGGED.items()})
         row.update(token_saving(logs))
         rows.append(row)
@@ -114,23 +130,30 @@ def format_summary(summary: dict) -> str:
     """The end-of-run text report: one line per step (with the backbone's tokens over stock TRL's when the patch
     logged them), then totals."""
     with_tokens = any(r.get("token_ratio") is not None for r in summary["steps"])
+    key, label = memory_figure(summary)
+    where = f", {summary['device']} {summary['dtype']}" if "device" in summary else ""
     lines = [
         f"grpo-mem train: {summary['model']} on {summary['task']} "
-        f"({'grpo_mem patch' if summary['patched'] else 'stock TRL, --no-patch'})",
+        f"({'grpo_mem patch' if summary['patched'] else 'stock TRL, --no-patch'}{where})",
         f"prompts: {prompt_text(summary)}",
-        f"{'step':>5} {'reward':>7} {'std':>6} {'len':>5} {'peak RSS MB':>12} {'time s':>7}"
+        f"{'step':>5} {'reward':>7} {'std':>6} {'len':>5} {label + ' MB':>12} {'time s':>7}"
         + ("  backbone tokens / stock" if with_tokens else ""),
     ]
     for r in summary["steps"]:
         line = (
             f"{r['step']:>5} {fmt(r['reward'], '7.3f')} {fmt(r['reward_std'], '6.3f')} "
-            f"{fmt(r['completion_mean_length'], '5.1f')} {r['peak_rss_mb']:>12.0f} {r['step_time_s']:>7.2f}"
+            f"{fmt(r['completion_mean_length'], '5.1f')} {r[key]:>12.0f} {r['step_time_s']:>7.2f}"
         )
         lines.append(line + (f"  {saving_text(r) or '-'}" if with_tokens else ""))
     t = summary["totals"]
     lines += [
         f"reward: first {t['reward_first']:.3f}, last {t['reward_last']:.3f}, "
         f"mean of first half {t['reward_first_half']:.3f}, second half {t['reward_second_half']:.3f}",
+        *(
+            [f"peak CUDA allocated (torch.cuda.max_memory_allocated): max over steps {t[key]:.0f} MB"]
+            if key != "peak_rss_mb"
+            else []
+        ),
         f"peak RSS: max over steps {t['peak_rss_mb']:.0f} MB (before training {summary['rss_before_train_mb']:.0f} MB), "
         f"ru_maxrss {summary['ru_maxrss_mb']:.0f} MB",
         f"step time: mean {t['step_time_mean_s']:.2f} s, median {t['step_time_median_s']:.2f} s; "
@@ -165,7 +188,7 @@ def plot_token_ratio(ax, runs: list[tuple[list[dict], dict]]) -> bool:
 
 
 def plot_summary(summary: dict, path: Path) -> None:
-    """Write a PNG with mean reward and peak RSS per step, and the backbone's tokens over stock TRL's per step when
+    """Write a PNG with mean reward and peak memory (RSS on CPU, CUDA allocation on CUDA) per step, and the backbone's tokens over stock TRL's per step when
     the patch logged them (matplotlib, Agg backend), to ``path``."""
     import matplotlib
 
@@ -197,10 +220,12 @@ def plot_summary(summary: dict, path: Path) -> None:
         f" · {label}\nprompts: {prompt_text(summary)}",
         fontsize=10,
     )
-    ax_m.plot(steps, [r["peak_rss_mb"] for r in rows], marker="o", ms=3, color="tab:red", label="peak RSS in step")
-    ax_m.axhline(summary["ru_maxrss_mb"], color="tab:red", ls=":", lw=1, label="ru_maxrss (whole process)")
-    ax_m.axhline(summary["rss_before_train_mb"], color="gray", ls="--", lw=1, label="RSS before training")
-    ax_m.set_ylabel("RSS (MB)")
+    key, label = memory_figure(summary)
+    ax_m.plot(steps, [r[key] for r in rows], marker="o", ms=3, color="tab:red", label=f"{label} in step")
+    if key == "peak_rss_mb":
+        ax_m.axhline(summary["ru_maxrss_mb"], color="tab:red", ls=":", lw=1, label="ru_maxrss (whole process)")
+        ax_m.axhline(summary["rss_before_train_mb"], color="gray", ls="--", lw=1, label="RSS before training")
+    ax_m.set_ylabel(f"{'RSS' if key == 'peak_rss_mb' else 'CUDA allocated'} (MB)")
     ax_m.legend(loc="lower right", fontsize=8)
     if with_tokens:
         plot_token_ratio(

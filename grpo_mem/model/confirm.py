@@ -22,7 +22,9 @@ is not confirmed here). Not confirmed: a copy that cannot be built from the conf
 that the capability rule itself refuses, is a fallback cause (``UNBUILT``, named); flash-attention models are
 confirmed with SDPA (the copy runs on CPU in fp32, which flash kernels do not take). Cost: about 0.1-0.6 s of CPU
 per (class, architecture) on one thread (``Verdict.cpu_s``). Off: ``confirm=False`` (``patch_trl``,
-``SharingSession``, ``shared_prompt_logprobs``) or ``GRPO_MEM_CONFIRM=0``. This module knows torch and
+``SharingSession``, ``shared_prompt_logprobs``) or ``GRPO_MEM_CONFIRM=0``, except with a transformers release outside
+the tested range (``grpo_mem.versions.TESTED``), where it is always on: such a release serves only the model classes
+the confirmation passes. This module knows torch and
 transformers, not TRL.
 """
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import versions
 from . import attention_hook as attn_hook
 from . import support
 from .forward import ScoreOptions, restore
@@ -429,7 +432,7 @@ def confirmation(causal_lm) -> Verdict:
     wall, cpu = time.perf_counter(), time.process_time()
     generator = torch.Generator().manual_seed(SEED)
     cause = router_cause = None
-    with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread():
+    with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread(), _confirming():
         model = None
         if config is not None:
             try:
@@ -463,6 +466,18 @@ def _has_router(model) -> bool:
     )
 
 
+_CONFIRMING: list[bool] = []  # non-empty while a confirmation runs (``enabled`` is then False)
+
+
+@contextlib.contextmanager
+def _confirming():
+    _CONFIRMING.append(True)
+    try:
+        yield
+    finally:
+        _CONFIRMING.pop()
+
+
 @contextlib.contextmanager
 def _one_thread():
     """Tiny ops on one intra-op thread: the copy's matrices are too small to split, and the threads of a busy machine
@@ -485,7 +500,13 @@ def _no_autocast():
 
 
 def enabled(option: bool | None) -> bool:
-    """Whether to confirm: ``option`` when given, else on unless the environment sets ``GRPO_MEM_CONFIRM=0``."""
+    """Whether to confirm: always with a transformers release outside the tested range (``grpo_mem.versions``:
+    warned once, and only what the confirmation passes takes the prompt-once path); else ``option`` when given, else
+    on unless the environment sets ``GRPO_MEM_CONFIRM=0``."""
+    if _CONFIRMING:  # the tiny copy's own scoring (``_scores``) is what confirms: never confirmed itself
+        return False
+    if not versions.check_tested("transformers"):
+        return True
     return bool(option) if option is not None else os.environ.get(ENV, "1").strip() != "0"
 
 

@@ -9,9 +9,10 @@ import contextlib
 import importlib
 import inspect
 
+from .. import versions
 from .trl_images import IMAGE_INPUTS
 
-MIN_TRL = (1, 10)
+MIN_TRL = versions.minimum("trl")  # the lower bound of the tested range (grpo_mem.versions.TESTED)
 # Releases refused by name although their signatures pass, as (major, minor[, micro]) -> why. Empty: every release
 # from 1.10 to 1.16 passes the checks below and the parity tests (docs/compatibility.md, "TRL releases tested").
 KNOWN_BAD_TRL: dict[tuple[int, ...], str] = {}
@@ -63,8 +64,10 @@ def _trl_version() -> tuple[tuple[int, ...], str]:
 def check_trl_version() -> None:
     """Raise ``RuntimeError`` for TRL older than ``MIN_TRL`` or a release in ``KNOWN_BAD_TRL``.
 
-    Newer releases are not refused by number: ``patch_trl`` checks the methods' signatures and the trainer attributes
-    it reads instead, and refuses (``TypeError``) a release that changed them.
+    Newer releases are not refused by number: a release outside the tested range (``grpo_mem.versions.TESTED``) is
+    warned about once (``UntestedReleaseWarning``), and ``patch_trl`` checks the methods' signatures and the trainer
+    attributes it reads instead, and refuses (``TypeError``) a release that changed them. An installed transformers
+    outside its tested range is warned about here too (before any model is scored).
     """
     release, full = _trl_version()
     if release[:2] < MIN_TRL:
@@ -75,6 +78,8 @@ def check_trl_version() -> None:
     for bad, why in KNOWN_BAD_TRL.items():
         if release[: len(bad)] == bad:
             raise RuntimeError(f"grpo_mem does not patch trl {full}: {why}")
+    versions.check_tested("trl")
+    versions.check_tested("transformers")
 
 
 def check_signature(owner, name: str, expected: tuple[str, ...]) -> None:

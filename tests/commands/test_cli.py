@@ -267,6 +267,8 @@ def _train(model_dir, out_dir, *extra):
         "-m",
         "grpo_mem.cli",
         "train",
+        "--device",  # the CPU path (auto would take a GPU where there is one)
+        "cpu",
         "--model",
         str(model_dir),
         "--steps",
@@ -299,6 +301,7 @@ def _train(model_dir, out_dir, *extra):
 
 def _check_summary(s, patched, few_shot):
     assert s["patched"] is patched
+    assert (s["device"], s["dtype"]) == ("cpu", "fp32") and "peak_cuda_allocated_mb" not in s["totals"]
     assert s["task"] == "chain_sum" and s["settings"]["num_generations"] == 8
     assert s["few_shot"] == few_shot and s["settings"]["few_shot"] == few_shot
     assert s["system_prompt"].count("\nQuestion: ") == few_shot
