@@ -273,13 +273,14 @@ def run_phase(args, phase: str, work: str, limit: float, log: Log) -> tuple[str,
     log.write(f"\n===== {phase} (limit {limit:.0f} s): {' '.join(cmd)}")
     start = time.perf_counter()
     with open(out_path, "w") as out:
+        # its own process group, so that a timeout also ends what it started (xdist workers, bench's children)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc = subprocess.run(
-                cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=limit, start_new_session=True
-            )
-            status = "ok" if proc.returncode == 0 else f"FAILED({proc.returncode})"
+            rc = proc.wait(timeout=limit)
+            status = "ok" if rc == 0 else f"FAILED({rc})"
         except subprocess.TimeoutExpired:
             status = "TIMEOUT"
+            _kill_group(proc)
     seconds = time.perf_counter() - start
     with open(out_path, errors="replace") as f:
         lines = f.read().splitlines()
@@ -291,6 +292,22 @@ def run_phase(args, phase: str, work: str, limit: float, log: Log) -> tuple[str,
         log.write(f"kernels.csv: {merged} rows")
     log.write(f"===== {phase}: {status} in {seconds:.1f} s")
     return status, seconds
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group, SIGKILL 10 s later if it is still there."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def merge_kernel_csvs(work: str, dest: str) -> int:

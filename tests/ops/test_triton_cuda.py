@@ -201,7 +201,10 @@ def write_csv():
         return
     rows = list(ROWS)
     if CUDA:
-        rows += _kernel_rows()
+        try:
+            rows += _kernel_rows()
+        except Exception as exc:  # noqa: BLE001 - a triton release with other internals: keep the error rows
+            rows.append({"kind": "kernel", "case": f"reading the device caches failed: {exc!r}"[:300]})
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     path = f"{path}.{worker}" if worker else path
     with open(path, "w", newline="") as f:
