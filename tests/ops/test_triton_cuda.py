@@ -162,10 +162,13 @@ def _kernel_rows() -> list[dict]:
 
 def _constants(kernel) -> str:
     """The kernel's constexpr values (tile sizes, head dim, features), compactly."""
-    consts = getattr(getattr(kernel, "src", None), "constants", None) or {}
+    src = getattr(kernel, "src", None)
+    consts = getattr(src, "constants", None) or {}
+    names = getattr(getattr(src, "fn", None), "arg_names", None) or []
     items = []
     for k, v in consts.items():
-        k = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+        k = k[0] if isinstance(k, tuple) and len(k) == 1 else k  # triton 3.x keys constants by (argument index,)
+        k = names[k] if isinstance(k, int) and k < len(names) else k
         if isinstance(v, (int, float, bool)) or v is None:
             items.append(f"{k}={v}")
     return " ".join(items)
@@ -485,8 +488,10 @@ def test_head_no_host_sync_and_deterministic():
         assert torch.equal(a, b), f"{name} differs between two identical runs"
 
 
+@pytest.mark.slow
 def test_triton_cuda_cases_under_interpreter():
-    """The cases above at toy shapes in a fresh TRITON_INTERPRET=1 process (CPU CI; on CUDA they ran directly)."""
+    """The cases above at toy shapes in a fresh TRITON_INTERPRET=1 process (CPU CI; on CUDA they ran directly): about
+    a minute of CPU time, hence slow-marked (CI runs it)."""
     if INTERPRETING or CUDA:
         pytest.skip("the cases above ran in this process")
     run_under_interpreter(
