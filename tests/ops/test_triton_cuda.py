@@ -107,6 +107,7 @@ def check_against_truth(case: str, dtype: torch.dtype, ours: dict, naive: dict, 
             failures.append(
                 f"{name}: error {err:.3e} > {FACTOR[dtype]} x naive {naive_err:.3e} + {eps:.1e} x {scale:.3e}"
             )
+    write_csv()
     assert not failures, f"{case} {dtype}: " + "; ".join(failures)
 
 
@@ -194,16 +195,15 @@ COLUMNS = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def write_csv():
-    """After the module: ``ROWS`` and (CUDA) the compiled kernels into ``$GPU_CHECK_CSV`` (suffixed with the xdist
-    worker's name), when that variable is set."""
-    yield
+def write_csv(with_kernels: bool = False) -> None:
+    """``ROWS`` and (``with_kernels``, CUDA) the compiled kernels into ``$GPU_CHECK_CSV`` (suffixed with the xdist
+    worker's name), when that variable is set; rewritten after every case, so a run stopped at its time limit keeps
+    what it measured."""
     path = os.environ.get("GPU_CHECK_CSV")
     if not path:
         return
     rows = list(ROWS)
-    if CUDA:
+    if CUDA and with_kernels:
         try:
             rows += _kernel_rows()
         except Exception as exc:  # noqa: BLE001 - a triton release with other internals: keep the error rows
@@ -214,6 +214,13 @@ def write_csv():
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_into_csv():
+    """After the module: the compiled kernels' resources join the CSV."""
+    yield
+    write_csv(with_kernels=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
