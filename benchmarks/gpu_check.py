@@ -239,6 +239,8 @@ def phase_command(args, phase: str, work: str) -> list[str]:
     """The command line of ``phase``: pytest for kernels, this script with ``--run-phase`` for the others."""
     if phase == "kernels":
         cmd = [sys.executable, "-m", "pytest", os.path.join(REPO, "tests/ops/test_triton_cuda.py"), "-q", "-rfE"]
+        if args.device == "cuda":  # the model-level check of the way back: torch and Triton backends against stock
+            cmd.insert(4, os.path.join(REPO, "tests/ops/test_backend_choice.py::test_cuda_backends_score_like_stock"))
         cmd += ["-p", "no:cacheprovider", "--durations=15", f"--junitxml={os.path.join(args.out, 'kernels.xml')}"]
         cmd += ["-o", f"cache_dir={os.path.join(work, 'pytest_cache')}"]
         select = args.select or "not under_interpreter"
