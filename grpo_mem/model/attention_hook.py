@@ -417,7 +417,7 @@ class _TakenOver:
     of them; a copy's configs would still name the hook, which is unregistered when the last model taken over gives it
     back (and was never registered in a process that only loads the copy). So a copy made by ``copy.deepcopy`` or
     ``pickle``/``torch.save`` (``__reduce__``) renames its own copies of these configs back to the implementation each
-    wrapped (``_plain_copies``) and keeps no marker: it is a model grpo_mem has not taken over, computing what it
+    wrapped (``_plain_copies``), and its marker is None: it is a model grpo_mem has not taken over, computing what it
     computed before, and is taken over like any other when scored."""
 
     __slots__ = ("configs",)

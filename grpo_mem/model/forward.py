@@ -205,7 +205,8 @@ def own_forward(causal_lm):
 
 def restore(causal_lm, *, forward: bool = True) -> None:
     """Undo ``install_forward`` (unless ``forward=False``) and the attention take-over on ``causal_lm``; no-op on an
-    untouched model."""
+    untouched model. On a copy of a scored model (``copy.deepcopy``, ``pickle``) it removes the pass-through forwards
+    the copy carries (bound to the copy), leaving no grpo_mem state on it."""
     if forward and _FORWARD_MARK in causal_lm.__dict__:
         previous = causal_lm.__dict__.pop(_FORWARD_MARK)
         if previous is None:
