@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from transformers.configuration_utils import PretrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from ..ops.attention import multi_region_attention
 from .sequence_parallel import SequenceParallel, gather_kv
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 PREFIX = "grpo_mem_"
 CTX_KWARG = "grpo_mem_ctx"
+TAKEN = "_grpo_mem_attention"  # instance attribute of a taken-over model: its ``_TakenOver`` (a copy's: None)
 
 
 @dataclass
@@ -359,12 +361,19 @@ def has_linear(model) -> bool:
 
 def take_over(model) -> str | None:
     """Switch ``model`` (a transformers ``PreTrainedModel``) to the hook; return the implementation it had, or None
-    when it already ran the hook. The switch is exact for every call without a grpo_mem context."""
+    when it already ran the hook. The switch is exact for every call without a grpo_mem context.
+
+    A model whose config already names the hook without having been taken over (one built from a taken-over model's
+    config, e.g. a reference model loaded with its policy's ``attn_implementation``) is taken over here: its
+    implementation is the one the name wraps. A copy of a taken-over model (``copy.deepcopy``, ``pickle``) names its own
+    implementation again (``_TakenOver``) and is taken over like any model when scored."""
     impl = model.config._attn_implementation or "eager"
-    if impl.startswith(PREFIX):
+    if impl.startswith(PREFIX) and taken_over(model):
         return None
+    impl = impl[len(PREFIX) :] if impl.startswith(PREFIX) else impl
     name = ensure_registered(impl)
     _switch(model, name, flash=_is_flash(impl))
+    model.__dict__[TAKEN] = _TakenOver(_configs_of(model))
     _SERVED.update((language_model_of(model.base_model)[1] or model).modules())
     from . import linear_attention
 
@@ -374,10 +383,16 @@ def take_over(model) -> str | None:
     return impl
 
 
+def taken_over(model) -> bool:
+    """Whether ``take_over`` switched ``model`` itself to the hook (and ``give_back`` has not undone it)."""
+    return isinstance(model.__dict__.get(TAKEN), _TakenOver)
+
+
 def give_back(model, impl: str) -> None:
     """Restore the attention implementation ``impl`` that ``take_over`` returned; the hook is unregistered once no
     model runs it."""
     _switch(model, impl, flash=_is_flash(impl))
+    model.__dict__.pop(TAKEN, None)
     for module in model.modules():
         _SERVED.discard(module)
     if model in _LINEAR:
@@ -392,6 +407,55 @@ def give_back(model, impl: str) -> None:
         if not users:
             del _USERS[name]
             _unregister(name)
+
+
+class _TakenOver:
+    """What ``take_over`` changed on a model that a copy of the model must not keep: the configs (the model's and its
+    sub-models', at any depth) whose attention implementation now names the hook.
+
+    The hook's registries (``_SERVED``, ``_LINEAR``, ``_USERS``) hold the taken-over model and its modules, not a copy
+    of them; a copy's configs would still name the hook, which is unregistered when the last model taken over gives it
+    back (and was never registered in a process that only loads the copy). So a copy made by ``copy.deepcopy`` or
+    ``pickle``/``torch.save`` (``__reduce__``) renames its own copies of these configs back to the implementation each
+    wrapped (``_plain_copies``), and its marker is None: it is a model grpo_mem has not taken over, computing what it
+    computed before, and is taken over like any other when scored."""
+
+    __slots__ = ("configs",)
+
+    def __init__(self, configs: list):
+        self.configs = configs
+
+    def __reduce__(self):
+        return _plain_copies, (self.configs,)
+
+
+def _configs_of(model) -> list:
+    """The distinct config objects of ``model`` and of every transformers sub-model in it."""
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(module, PreTrainedModel) and config is not None:
+            configs.setdefault(id(config), config)
+    return list(configs.values())
+
+
+def _plain_copies(configs: list) -> None:
+    """Rename every attention implementation of ``configs`` (copies, made with the model that holds them) and of their
+    sub-configs that names the hook back to the implementation it wraps; a copied model's ``TAKEN`` becomes None."""
+    stack, seen = list(configs), set()
+    while stack:
+        config = stack.pop()
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        impl = config.__dict__.get("_attn_implementation_internal")
+        if isinstance(impl, str) and impl.startswith(PREFIX):
+            config._attn_implementation_internal = impl[len(PREFIX) :]
+        for key in getattr(config, "sub_configs", None) or {}:
+            sub = getattr(config, key, None)
+            if isinstance(sub, PretrainedConfig):
+                stack.append(sub)
+    return None
 
 
 def _switch(model, impl: str, *, flash: bool) -> None:

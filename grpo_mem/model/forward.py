@@ -10,9 +10,8 @@ FSDP2's root pre-forward hook rebuilds containers it finds in kwargs. This modul
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import itertools
-import types
 import weakref
 from dataclasses import dataclass
 
@@ -107,28 +106,57 @@ def install_forward(causal_lm) -> None:
     Without that kwarg the model's previous forward (TRL's fused head, if installed) runs unchanged. With it, the named
     computation runs inside the forward call, under the autocast the previous forward was wrapped in (accelerate's
     mixed precision), so grpo_mem and the stock path compute in the same precision.
+
+    The forward is a ``_Forward`` bound to ``causal_lm`` that closes over nothing else: the previous forward stays in
+    the instance's ``__dict__`` and is read at each call, so ``copy.deepcopy``, ``pickle`` and ``torch.save`` give a
+    copy whose forward is bound to the copy and runs the copy's own previous forward (its own weights).
     """
     if _FORWARD_MARK in causal_lm.__dict__:
         return
     previous = causal_lm.__dict__.get("forward")
-    inner_forward = causal_lm.forward
-    autocasts = [(a.device, a.fast_dtype, a._enabled, a._cache_enabled) for a in _autocasts_of(previous)]
+    causal_lm.forward = _Forward(causal_lm)
+    causal_lm.__dict__[_FORWARD_MARK] = previous
 
-    @functools.wraps(type(causal_lm).forward)
-    def forward(self, *args, grpo_mem: str | None = None, **kwargs):
+
+class _Forward:
+    """grpo_mem's pass-through forward of one causal LM (``install_forward``): ``__call__(*args, grpo_mem=None,
+    **kwargs)``.
+
+    Everything it uses is looked up on ``module`` at call time (the previous instance forward under ``_FORWARD_MARK``,
+    else the class's forward), and a copy of it (``copy.deepcopy``, ``pickle``: ``__reduce__``) is bound to the copy
+    of ``module`` made in the same operation. A bound method of a closure, as before, kept calling the original.
+    ``inspect.signature`` reports the class forward's signature, as ``functools.wraps`` did: ``generate`` and TRL
+    validate model kwargs against it."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = module
+
+    def __reduce__(self):
+        return _Forward, (self.module,)
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __call__(self, *args, grpo_mem: str | None = None, **kwargs):
+        causal_lm = self.module
+        previous = causal_lm.__dict__.get(_FORWARD_MARK)
         if grpo_mem is None:
-            return inner_forward(*args, **kwargs)
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return type(causal_lm).forward(causal_lm, *args, **kwargs)
         compute = _CALLS.get(grpo_mem)
         if compute is None:
             raise RuntimeError(f"grpo_mem: unknown or finished computation {grpo_mem!r}")
         with contextlib.ExitStack() as stack:
-            for device, dtype, enabled, cache in autocasts:
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
-            logps, entropy, aux_loss = compute(self, kwargs["input_ids"], kwargs["attention_mask"])
+            for a in _autocasts_of(previous):
+                stack.enter_context(
+                    torch.autocast(a.device, dtype=a.fast_dtype, enabled=a._enabled, cache_enabled=a._cache_enabled)
+                )
+            logps, entropy, aux_loss = compute(causal_lm, kwargs["input_ids"], kwargs["attention_mask"])
         return LogprobsOutput(log_probs=logps, entropy=entropy, aux_loss=aux_loss)
-
-    causal_lm.forward = types.MethodType(forward, causal_lm)
-    causal_lm.__dict__[_FORWARD_MARK] = previous
 
 
 class _Call:
@@ -177,7 +205,8 @@ def own_forward(causal_lm):
 
 def restore(causal_lm, *, forward: bool = True) -> None:
     """Undo ``install_forward`` (unless ``forward=False``) and the attention take-over on ``causal_lm``; no-op on an
-    untouched model."""
+    untouched model. On a copy of a scored model (``copy.deepcopy``, ``pickle``) it removes the pass-through forwards
+    the copy carries (bound to the copy), leaving no grpo_mem state on it."""
     if forward and _FORWARD_MARK in causal_lm.__dict__:
         previous = causal_lm.__dict__.pop(_FORWARD_MARK)
         if previous is None:
@@ -187,3 +216,8 @@ def restore(causal_lm, *, forward: bool = True) -> None:
     impl = causal_lm.config._attn_implementation or ""
     if impl.startswith(attn_hook.PREFIX):
         attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
+    else:  # a copy of a taken-over model: its linear-attention layers' pass-through forwards (bound to the copy)
+        from . import linear_attention
+
+        linear_attention.remove(causal_lm)
+    causal_lm.__dict__.pop(attn_hook.TAKEN, None)  # a copy's marker (None)

@@ -251,14 +251,36 @@ class LinearContext:
 # the forward wrapper
 
 
-def _make_forward(module: torch.nn.Module, original: Callable, lookup: Callable, kwarg: str) -> Callable:
-    cache_name = cache_parameter(_own_class(module))
+class _LayerForward:
+    """The forward ``install`` gives a linear-attention layer: ``__call__(hidden_states, *args, **kwargs)``.
 
-    def forward(hidden_states, *args, **kwargs):
-        token = kwargs.pop(kwarg, None)
+    Bound to ``module`` and closing over nothing else (the layer's previous instance forward stays in its
+    ``__dict__`` under ``_ORIGINAL``, read at each call; ``lookup`` and ``kwarg`` are module-level names), so that
+    ``copy.deepcopy`` and ``pickle`` (``__reduce__``) give a copy of the layer whose forward is bound to the copy and
+    computes with the copy's weights."""
+
+    __slots__ = ("module", "lookup", "kwarg")
+
+    def __init__(self, module: torch.nn.Module, lookup: Callable, kwarg: str):
+        self.module, self.lookup, self.kwarg = module, lookup, kwarg
+
+    def __reduce__(self):
+        return _LayerForward, (self.module, self.lookup, self.kwarg)
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self._original())
+
+    def _original(self) -> Callable:
+        own = self.module.__dict__.get(_ORIGINAL)
+        return own if own is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        module, original = self.module, self._original()
+        token = kwargs.pop(self.kwarg, None)
         if token is None:
             return original(hidden_states, *args, **kwargs)
-        ctx = lookup(token)
+        ctx = self.lookup(token)
         linear = getattr(ctx, "linear", None)
         if not isinstance(linear, LinearContext):
             raise RuntimeError(
@@ -269,13 +291,12 @@ def _make_forward(module: torch.nn.Module, original: Callable, lookup: Callable,
             raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
         for name in (*_CACHE_PARAMETERS, "attention_mask"):
             kwargs.pop(name, None)
+        cache_name = cache_parameter(_own_class(module))
 
         def layer_call(x, cache, attention_mask):
             return original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
 
         return linear.run(layer_call, module.layer_idx, hidden_states)
-
-    return forward
 
 
 def install(model: torch.nn.Module, lookup: Callable, kwarg: str) -> int:
@@ -286,9 +307,8 @@ def install(model: torch.nn.Module, lookup: Callable, kwarg: str) -> int:
     for module in layers:
         if _ORIGINAL in module.__dict__:
             continue
-        own = module.__dict__.get("forward")
-        module.__dict__[_ORIGINAL] = own
-        module.forward = _make_forward(module, own if own is not None else module.forward, lookup, kwarg)
+        module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+        module.forward = _LayerForward(module, lookup, kwarg)
     return len(layers)
 
 
