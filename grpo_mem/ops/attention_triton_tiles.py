@@ -93,6 +93,22 @@ _BLOCKS_FP32_SM86 = {
 }
 
 
+# Triton releases before 3.9 (checked: 3.6.0, the GPU image's, which runs its prefetch pass on every architecture)
+# build other code; on sm_8x these tiles differ there (over the sm_86 ones), each spilled with the 3.9 tile under
+# 3.6.0: 16-bit fwd at d=64 (4 spill stores on sm_80; 175 registers with 8 warps), 16-bit bwd_dkdv_own at d=64 (1 and
+# 3 stores on sm_80 / sm_86; 110 registers with 32×32) and d=80 (5 stores on sm_86; 255 registers, no spill, with
+# 32×32), fp32 bwd_dq at d=80/96 (2 stores on sm_80 at d=96; 72 registers with 4 warps), fp32 bwd_dkdv_own at
+# d=80/96 (4 stores windowed on sm_86; 80 to 114 registers with 16×16 in 4 warps and 2 stages).
+_OLD_TRITON = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
+_SM8X = frozenset({(8, 0), (8, 6), (8, 9)})
+_BLOCKS_16BIT_SM8X_OLD_TRITON = {
+    ("fwd", 0): (64, 64, 8, 2),
+    ("bwd_dkdv_own", 0): (32, 32, 8, 2),
+    ("bwd_dkdv_own", 3): (32, 32, 8, 2),
+}
+_BLOCKS_FP32_SM8X_OLD_TRITON = {("bwd_dq", 3): (16, 16, 4, 2), ("bwd_dkdv_own", 3): (16, 16, 4, 2)}
+
+
 _TIER = {64: 0, 128: 1, 256: 2}
 
 
@@ -113,7 +129,8 @@ def block_config(
     ``capability=None`` (Triton's interpreter, or an unknown device) gives the sm_80 / sm_90 tiles; sm_86 and sm_89
     (99 KB of shared memory per block: ``SHARED_MEMORY_LIMIT``) get their own where those need more or spill.
     Returns a dict with BLOCK_M, BLOCK_N, num_warps, num_stages. Chosen so that the sm_80, sm_86/89 and sm_90 builds
-    have no register spills and fit the architecture's shared memory under triton 3.9 and 3.6 (checked by
+    have no register spills and fit the architecture's shared memory under triton 3.9 and 3.6 (some depend on the
+    triton release: ``_BLOCKS_*_SM8X_OLD_TRITON``; checked by
     ``tests/ops/test_attention_triton_aot.py``). Raises ValueError for an unknown name or a head dim outside [1, 256].
     """
     if name not in _BLOCKS_16BIT:
@@ -124,6 +141,9 @@ def block_config(
     block_m, block_n, warps, stages = (_BLOCKS_FP32 if dtype == torch.float32 else _BLOCKS_16BIT)[name][tier]
     if capability is not None and tuple(capability) in _SM86:
         table = _BLOCKS_FP32_SM86 if dtype == torch.float32 else _BLOCKS_16BIT_SM86
+        block_m, block_n, warps, stages = table.get((name, tier), (block_m, block_n, warps, stages))
+    if _OLD_TRITON and capability is not None and tuple(capability) in _SM8X:
+        table = _BLOCKS_FP32_SM8X_OLD_TRITON if dtype == torch.float32 else _BLOCKS_16BIT_SM8X_OLD_TRITON
         block_m, block_n, warps, stages = table.get((name, tier), (block_m, block_n, warps, stages))
     if softcap and dtype != torch.float32:
         block_m, block_n, warps, stages = _BLOCKS_16BIT_SOFTCAP.get((name, tier), (block_m, block_n, warps, stages))

@@ -539,6 +539,21 @@ def test_tiles_follow_the_device_capability(monkeypatch, capability, block_n):
             assert cfg == block_config(name, 256, torch.bfloat16), f"{name} changed its tiles on {capability}"
 
 
+def test_tiles_follow_the_triton_release(monkeypatch):
+    """Triton releases before 3.9 (the GPU image's 3.6.0) spilled with some sm_8x tiles that 3.9 builds without
+    spilling: block_config takes other tiles for them there (sm_80, sm_86, sm_89 only; sm_90 and the interpreter keep
+    theirs)."""
+    from grpo_mem.ops import attention_triton_tiles as tiles
+
+    for old in (False, True):
+        monkeypatch.setattr(tiles, "_OLD_TRITON", old)
+        sm80 = tiles.block_config("bwd_dkdv_own", 64, capability=(8, 0))
+        assert (sm80["BLOCK_M"], sm80["BLOCK_N"]) == ((32, 32) if old else (32, 64))
+        assert tiles.block_config("bwd_dq", 96, torch.float32, capability=(8, 6))["num_warps"] == (4 if old else 8)
+        for capability in ((9, 0), None):
+            assert tiles.block_config("bwd_dkdv_own", 64, capability=capability)["BLOCK_N"] == 64
+
+
 def test_capability_of_a_tensor_device():
     """CUDA devices report their compute capability; the interpreter's and meta tensors get None (the default tiles)."""
     from grpo_mem.ops.attention_triton_launch import _capability
