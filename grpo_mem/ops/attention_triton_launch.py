@@ -31,8 +31,20 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _I32_MAX = 2**31 - 1
 
 
+_GRID_YZ_MAX = 65535  # CUDA's limit on a launch grid's y and z dimensions
+
+
 def region_dkdv_grid(
-    B: int, U: int, Hkv: int, rep: int, C: int, P: int, head_dim: int, dtype: torch.dtype, sm_count: int
+    B: int,
+    U: int,
+    Hkv: int,
+    rep: int,
+    C: int,
+    P: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sm_count: int,
+    capability: tuple[int, int] | None = None,
 ) -> tuple[int, int, int]:
     """Launch grid ``(key blocks, U·Hkv, splits)`` of the region dK/dV kernel for a region of U entries of P keys.
 
@@ -42,8 +54,10 @@ def region_dkdv_grid(
     (never more than the average work items of a prompt). Each range's fp32 sum goes to its own slice of a partial
     buffer, reduced in slice order: deterministic, no atomics. The buffer holds 2·splits·U·Hkv·P·d fp32 values, under
     2·(2·_PROGRAMS_PER_SM·sm_count)·BLOCK_N·d values whenever splits > 1 (35 MB for 132 SMs at d=128).
+    ``capability``: the GPU's ``(major, minor)`` compute capability, whose tiles (``block_config``) the grid follows;
+    None for the interpreter's.
     """
-    cfg = block_config("bwd_dkdv_region", head_dim, dtype)
+    cfg = block_config("bwd_dkdv_region", head_dim, dtype, capability=capability)
     n_blocks = triton.cdiv(P, cfg["BLOCK_N"])
     base = n_blocks * U * Hkv
     if base == 0 or B == 0:
@@ -60,20 +74,47 @@ def _sm_count(device: torch.device) -> int:
     return _DEFAULT_SM_COUNT
 
 
-def _launch(name, grid, args, head_dim, dtype, interpret, **constexprs):
-    """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device)."""
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability ``(major, minor)`` of a CUDA device (cached by torch, no synchronisation), which picks the
+    tiles (``block_config``); None for any other device (the interpreter's tiles)."""
+    if device.type == "cuda":
+        return tuple(torch.cuda.get_device_capability(device))
+    return None
+
+
+def _check_grid_rows(n: int, heads: int, what: str):
+    """Raise ValueError if ``n``·``heads`` programs, one per (batch entry or prompt, head), exceed the 65535 CUDA allows
+    on a grid's y axis, where the kernels put them (``what`` names ``n`` and the heads in the message)."""
+    if n * heads > _GRID_YZ_MAX:
+        raise ValueError(
+            f"the Triton attention kernels launch one program row per {what}: {n}·{heads} = {n * heads} rows, over "
+            f"CUDA's grid limit of {_GRID_YZ_MAX} on axis y; score at most {_GRID_YZ_MAX // heads} at a time "
+            "(smaller micro-batches), or use backend='torch'"
+        )
+
+
+def _launch(name, grid, args, head_dim, dtype, interpret, capability=None, **constexprs):
+    """Launch kernel ``name`` on the device of its first tensor argument (Triton launches on the current device) with
+    the tiles of ``capability`` (see ``block_config``)."""
     if 0 in grid:
         return
-    cfg = block_config(name, head_dim, dtype, constexprs.get("SOFTCAP", 0.0) > 0, constexprs.get("HAS_WINDOW", False))
+    cfg = block_config(
+        name,
+        head_dim,
+        dtype,
+        constexprs.get("SOFTCAP", 0.0) > 0,
+        constexprs.get("HAS_WINDOW", False),
+        capability,
+    )
     opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     with launch_device(args[0]):
         kernels.KERNELS[name][grid](*args, **constexprs, **opts)
 
 
-def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False, window=False) -> dict:
+def _tile_constexprs(name, head_dim, dtype, interpret, softcap=False, window=False, capability=None) -> dict:
     """HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N and EMULATE_BF16 of the attention kernels (``softcap``,
-    ``window``: of the soft-capped, windowed build)."""
-    cfg = block_config(name, head_dim, dtype, softcap, window)
+    ``window``: of the soft-capped, windowed build; ``capability``: the GPU's, see ``block_config``)."""
+    cfg = block_config(name, head_dim, dtype, softcap, window, capability)
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts;
     # EMULATE_BF16 gives its dots fp32 copies (exact: products of bf16 values are exact in fp32, and the compiled
     # kernels accumulate in fp32 too) and rounds to nearest-even bf16 wherever the GPU build rounds.
@@ -204,12 +245,14 @@ def _launch_plan(regions):
 
 @dataclass(frozen=True)
 class _Call:
-    """What every launch of one forward or backward shares: the tile key (head dim, dtype, interpreter), the shape
-    constants, the scale and soft-cap, the own-key mask and the window (placeholders, unread, when absent)."""
+    """What every launch of one forward or backward shares: the tile key (head dim, dtype, interpreter, the GPU's
+    compute capability), the shape constants, the scale and soft-cap, the own-key mask and the window (placeholders,
+    unread, when absent)."""
 
     head_dim: int
     dtype: torch.dtype
     interpret: bool
+    capability: tuple[int, int] | None
     rep: int
     Hkv: int
     C: int
@@ -224,7 +267,9 @@ class _Call:
 
     def tiles(self, name: str) -> dict:
         """:func:`_tile_constexprs` of kernel ``name`` in this call's build."""
-        return _tile_constexprs(name, self.head_dim, self.dtype, self.interpret, self.softcap > 0, self.has_window)
+        return _tile_constexprs(
+            name, self.head_dim, self.dtype, self.interpret, self.softcap > 0, self.has_window, self.capability
+        )
 
     def region_constexprs(self, flags) -> dict:
         """The constexprs of a forward or dQ launch over one region: ``flags`` (HAS_REGION, HAS_OWN, HAS_PREV) and
@@ -242,7 +287,7 @@ class _Call:
 
     def launch(self, name, grid, args, **constexprs):
         """:func:`_launch` of kernel ``name`` for this call's head dim and dtype."""
-        _launch(name, grid, args, self.head_dim, self.dtype, self.interpret, **constexprs)
+        _launch(name, grid, args, self.head_dim, self.dtype, self.interpret, self.capability, **constexprs)
 
 
 def _call(q, k, key_mask, params, positions, args) -> _Call:
@@ -256,6 +301,7 @@ def _call(q, k, key_mask, params, positions, args) -> _Call:
         d,
         q.dtype,
         q.device.type == "cpu",
+        _capability(q.device),
         Hq // Hkv,
         Hkv,
         C,
@@ -289,7 +335,8 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
     Returns ``(out, lse)``: out (B, Hq, C, d) in q's dtype, with q's strides when q is dense (transformers' transposed
     layout, so ``out.transpose(1, 2)`` is contiguous); lse (B, Hq, C) fp32, a view of a (B, Hq, C rounded up to 16)
     buffer, the natural-log log-sum-exp of the scaled scores over all visible keys (−inf for a query with none).
-    Raises ValueError for fp64 inputs or strides too large for int32 offsets within one batch entry.
+    Raises ValueError for fp64 inputs, strides too large for int32 offsets within one batch entry, or more than 65535
+    (batch entry, kv head) pairs (CUDA's grid limit on the axis they are launched on).
     """
     _check_dtype(q)
     q, k, v = (_kernel_view(x) for x in (q, k, v))
@@ -303,6 +350,7 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
         lse = torch.empty(B, Hq, c_pad, dtype=torch.float32, device=q.device)[..., :C]
     if B == 0 or C == 0:
         return out, lse
+    _check_grid_rows(B, k.shape[1], "(batch entry, kv head)")
     args = _region_args(regions, q, positions)
     _check_offsets(q=q, k=k, v=v, out=out, **_named_regions(regions, args))
     call = _call(q, k, key_mask, params, positions, args)
@@ -363,7 +411,8 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     ``D = rowsum(dO ∘ O)`` is computed in fp32 by a small kernel into a (B, Hq, C) tensor; dQ is accumulated over the
     launches of ``_launch_plan`` (with two regions or more, in an fp32 (B, Hq, C, d) buffer). No value is read back
     to the host and no input is copied (see ``_kernel_view``). Raises ValueError as
-    :func:`multi_region_attention_fwd`.
+    :func:`multi_region_attention_fwd`, and for more than 65535 (batch entry, query head) pairs or (region entry, kv
+    head) pairs.
     """
     _check_dtype(q)
     q, k, v, out, dout = (_kernel_view(x) for x in (q, k, v, out, dout))
@@ -372,6 +421,9 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     if B == 0 or C == 0:
         zeros = [tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in r[:2]) for r in regions]
         return dq.zero_(), dk.zero_(), dv.zero_(), zeros
+    _check_grid_rows(B, Hq, "(batch entry, query head)")  # the delta kernel's; the others have B·Hkv <= B·Hq
+    for r in regions:
+        _check_grid_rows(r[0].shape[0], r[0].shape[1], "(region entry, kv head)")
     args = _region_args(regions, q, positions)
     _check_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, **_named_regions(regions, args))
     call = _call(q, k, key_mask, params, positions, args)
@@ -392,7 +444,7 @@ def _bwd_delta(call, out, dout):
     """``D = rowsum(dO ∘ O)`` in fp32, (B, Hq, C) in a buffer of rows padded to ``call.c_pad``."""
     B, Hq = out.shape[:2]
     delta = torch.empty(B, Hq, call.c_pad, dtype=torch.float32, device=out.device)
-    meta = _tile_constexprs("bwd_delta", call.head_dim, call.dtype, call.interpret)
+    meta = call.tiles("bwd_delta")
     call.launch(
         "bwd_delta",
         (triton.cdiv(call.C, meta["BLOCK_M"]), B * Hq),
@@ -498,7 +550,7 @@ def _region_dkdv(call, grads_in, region):
     region_k, region_v, index = region[:3]
     U, Hkv, S, d = region_k.shape
     drk, drv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (region_k, region_v))
-    grid = region_dkdv_grid(q.shape[0], U, Hkv, call.rep, call.C, S, d, q.dtype, _sm_count(q.device))
+    grid = region_dkdv_grid(q.shape[0], U, Hkv, call.rep, call.C, S, d, q.dtype, _sm_count(q.device), call.capability)
     n_split, n_elems = grid[2], U * Hkv * S * d
     if n_split == 1:
         part_k, part_v = drk, drv
@@ -506,7 +558,7 @@ def _region_dkdv(call, grads_in, region):
         part_k, part_v = (torch.empty((n_split, U, Hkv, S, d), dtype=torch.float32, device=q.device) for _ in "kv")
     _dkdv_region_launch(call, grads_in, region, _region_rows(index, U), grid, (part_k, part_v))
     if n_split > 1:
-        block = block_config("bwd_region_reduce", d, q.dtype)["BLOCK_M"]
+        block = block_config("bwd_region_reduce", d, q.dtype, capability=call.capability)["BLOCK_M"]
         call.launch(
             "bwd_region_reduce",
             (triton.cdiv(n_elems, block),),

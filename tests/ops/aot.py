@@ -3,8 +3,8 @@
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` builds PTX and a cubin on
 any machine; the register count and spills (local memory) are then read from the cubin with the ``cuobjdump`` that
 Triton ships (``triton/backends/nvidia/bin``), since ``n_regs`` / ``n_spills`` need a GPU to load the kernel.
-Test-only tooling: used by the AOT kernel tests (tests/test_*_aot.py) to show that the shipped block sizes compile
-for sm_80 / sm_90 and do not spill.
+Test-only tooling: used by the AOT kernel tests (tests/ops/test_*_aot.py) to show that the shipped block sizes compile
+for sm_80, sm_86/89 and sm_90 within each one's shared memory and do not spill.
 
 ``ttir`` gives a kernel's Triton IR after inlining (no GPU either) and ``i32_pointer_offsets`` finds the 32-bit scalar
 products that reach a pointer offset in it: an offset such as ``b * stride_b`` computed in i32 wraps once it passes
@@ -84,7 +84,15 @@ def signature_for(fn, types: dict, constexprs: dict) -> dict:
 
 
 def compile_report(
-    fn, signature: dict, constexprs: dict, arch: int, *, num_warps: int = 4, num_stages: int = 3, attrs=None
+    fn,
+    signature: dict,
+    constexprs: dict,
+    arch: int,
+    *,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    attrs=None,
+    asm: bool = False,
 ) -> dict:
     """AOT-compile ``fn`` (a ``triton.jit`` function) for ``sm_<arch>`` and report its resources.
 
@@ -96,6 +104,7 @@ def compile_report(
             ``ASTSource`` so the build matches the one that runs; None for none.
         arch: compute capability as an int, e.g. 80 or 90.
         num_warps, num_stages: launch options the kernel ships with.
+        asm: also return the build's TTGIR and PTX text (keys ``ttgir``, ``ptx``).
 
     Returns:
         dict(regs=registers per thread, spills=bytes of local memory per thread (spill stores land there; 0 means no
@@ -137,6 +146,7 @@ def compile_report(
         arch=arch,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"ttgir": compiled.asm["ttgir"], "ptx": compiled.asm["ptx"]} if asm else {}),
     )
 
 

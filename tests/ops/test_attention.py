@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import (
     INTERPRETING,
+    FakeKernel,
     HostSyncsAndCopies,
     LaunchRecorder,
     assert_close,
@@ -490,3 +491,94 @@ def test_region_dkdv_launch_is_split_and_reduced(monkeypatch):
     assert names == ["fwd", "bwd_delta", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region", "bwd_region_reduce"]
     grid = rec.launches[4][1]
     assert grid[0] * grid[1] * grid[2] >= 2 * 132, grid
+
+
+def _meta_inputs(B, U, Hq, Hkv, C, P, d, dtype=torch.bfloat16):
+    """Inputs of ``_run_triton_launchers`` as meta tensors (no memory): q/k/v and the gradient in transformers'
+    transposed layout, one region of U prompts of P keys."""
+    meta = dict(device="meta", dtype=dtype)
+    t = {
+        "q": torch.empty(B, C, Hq, d, **meta).transpose(1, 2),
+        "k": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+        "v": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
+        "prefix_k": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
+        "prefix_v": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
+    }
+    pi = torch.zeros(B, dtype=torch.int64, device="meta")
+    pm = torch.empty(U, P, dtype=torch.bool, device="meta")
+    km = torch.empty(B, C, dtype=torch.bool, device="meta")
+    go = torch.empty(B, C, Hq, d, **meta).transpose(1, 2)
+    return t, pi, pm, km, go
+
+
+@pytest.mark.parametrize("capability, block_n", [((8, 0), 32), ((8, 6), 16), ((8, 9), 16), ((9, 0), 32), (None, 32)])
+def test_tiles_follow_the_device_capability(monkeypatch, capability, block_n):
+    """The launchers take the tiles of the GPU the tensors are on (its compute capability, read at launch): bwd_dq in
+    bf16 at d=256 needs 102400 B of shared memory with its 64×32 tiles, over the 101376 B a block gets on sm_86/sm_89
+    (A10G, L4, L40S: Triton raises OutOfResources there), so it runs 64×16 tiles there (83968 B) and keeps 64×32 on
+    sm_80/sm_90 and under the interpreter (capability None). The other kernels keep their tiles; every launch carries
+    the tiles, warps and stages of block_config for that capability."""
+    from grpo_mem.ops import attention_triton as kernels
+    from grpo_mem.ops import attention_triton_launch as launch
+    from grpo_mem.ops.attention_triton_tiles import block_config
+
+    launches = {}
+    record = lambda name, grid, args, kwargs: launches.setdefault(name, kwargs)  # noqa: E731
+    monkeypatch.setattr(kernels, "KERNELS", {n: FakeKernel(n, record) for n in kernels.KERNELS})
+    seen = []
+    monkeypatch.setattr(launch, "_capability", lambda device: seen.append(device) or capability)
+    _run_triton_launchers(*_meta_inputs(8, 1, 8, 4, 64, 48, 256))
+    assert seen and all(dev.type == "meta" for dev in seen)
+    assert launches["bwd_dq"]["BLOCK_N"] == block_n and launches["bwd_dq"]["BLOCK_M"] == 64
+    for name, kwargs in launches.items():
+        cfg = block_config(name, 256, torch.bfloat16, capability=capability)
+        assert (kwargs["num_warps"], kwargs["num_stages"]) == (cfg["num_warps"], cfg["num_stages"]), name
+        if "BLOCK_N" in kwargs and name != "bwd_delta":
+            assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) == (cfg["BLOCK_M"], cfg["BLOCK_N"]), name
+        if name != "bwd_dq":
+            assert cfg == block_config(name, 256, torch.bfloat16), f"{name} changed its tiles on {capability}"
+
+
+def test_tiles_follow_the_triton_release(monkeypatch):
+    """Triton releases before 3.9 (the GPU image's 3.6.0) spilled with some sm_8x tiles that 3.9 builds without
+    spilling: block_config takes other tiles for them there (sm_80, sm_86, sm_89 only; sm_90 and the interpreter keep
+    theirs)."""
+    from grpo_mem.ops import attention_triton_tiles as tiles
+
+    for old in (False, True):
+        monkeypatch.setattr(tiles, "_OLD_TRITON", old)
+        sm80 = tiles.block_config("bwd_dkdv_own", 64, capability=(8, 0))
+        assert (sm80["BLOCK_M"], sm80["BLOCK_N"]) == ((32, 32) if old else (32, 64))
+        assert tiles.block_config("bwd_dq", 96, torch.float32, capability=(8, 6))["num_warps"] == (4 if old else 8)
+        for capability in ((9, 0), None):
+            assert tiles.block_config("bwd_dkdv_own", 64, capability=capability)["BLOCK_N"] == 64
+
+
+def test_capability_of_a_tensor_device():
+    """CUDA devices report their compute capability; the interpreter's and meta tensors get None (the default tiles)."""
+    from grpo_mem.ops.attention_triton_launch import _capability
+
+    assert _capability(torch.device("cpu")) is None and _capability(torch.device("meta")) is None
+
+
+@pytest.mark.parametrize(
+    "B, U, Hq, Hkv, what",
+    [
+        (16384, 1, 4, 4, "16384·4 = 65536"),  # forward: B·Hkv on grid axis y
+        (8192, 1, 8, 1, "8192·8 = 65536"),  # backward only: the delta kernel's B·Hq
+        (2, 65536, 2, 1, "65536·1 = 65536"),  # backward only: the region dK/dV kernel's U·Hkv
+    ],
+)
+def test_grid_rows_over_cuda_limit_are_refused(monkeypatch, B, U, Hq, Hkv, what):
+    """The kernels put (batch entry, head) pairs on grid axis y, where CUDA allows 65535 programs: more raise a
+    ValueError naming the sizes before any launch (a bare "invalid argument" from the driver otherwise); 65535 pass."""
+    rec = LaunchRecorder(monkeypatch)
+    t, pi, pm, km, go = _meta_inputs(B, U, Hq, Hkv, 1, 16, 16)
+    with pytest.raises(ValueError, match=rf"{what} rows, over CUDA's grid limit of 65535 on axis y"):
+        _run_triton_launchers(t, pi, pm, km, go)
+    assert B * Hkv > 65535 or {name for name, _, _ in rec.launches} == {"fwd"}
+    rec.launches.clear()
+    t, pi, pm, km, go = _meta_inputs(65535 // Hq, min(U, 65535), Hq, Hkv, 1, 16, 16)
+    _run_triton_launchers(t, pi, pm, km, go)
+    assert max(grid[i] for _, grid, _ in rec.launches for i in (1, 2) if i < len(grid)) <= 65535
+    assert {"fwd", "bwd_delta", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region"} <= {n for n, _, _ in rec.launches}

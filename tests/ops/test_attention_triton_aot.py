@@ -1,9 +1,12 @@
-"""The multi-region (and shared-prefix) attention kernels, compiled ahead of time for sm_80 and sm_90 without a GPU:
+"""The multi-region (and shared-prefix) attention kernels, compiled ahead of time for sm_80, sm_86 (which sm_89 shares)
+and sm_90 without a GPU:
 
-* at their shipped block sizes, for head dims 64, 80, 96, 128 and 256, in bf16 and fp32, with the argument attributes
-  Triton's launcher specialises on at run time (pointers 16-byte aligned, integer arguments that are multiples of 16
-  marked so): no spill (no STL store to local memory in the SASS), registers and shared memory within the SM's
-  limits. Prints one table row per build (-s).
+* at their shipped block sizes for that architecture, for head dims 64, 80, 96, 128 and 256, in bf16 and fp32, with
+  the argument attributes Triton's launcher specialises on at run time (pointers 16-byte aligned, integer arguments
+  that are multiples of 16 marked so): no spill (no STL store to local memory in the SASS), at most 255 registers and
+  shared memory within the architecture's limit per block (``SHARED_MEMORY_LIMIT``). Prints one table row per build
+  (-s).
+* sm_89's build is sm_86's: the same TTGIR and PTX but for the ``.target`` line, the same registers.
 * their TTIR has no int32 scalar product in a pointer offset (each overflows once a batch entry or prompt starts past
   2**31 elements).
 """
@@ -18,7 +21,7 @@ triton = pytest.importorskip("triton")
 import aot  # noqa: E402  (tests/ops/aot.py)
 from grpo_mem.ops import attention_triton as kernels  # noqa: E402
 from grpo_mem.ops import attention_triton_launch as launch  # noqa: E402
-from grpo_mem.ops.attention_triton_tiles import block_config  # noqa: E402
+from grpo_mem.ops.attention_triton_tiles import SHARED_MEMORY_LIMIT, block_config  # noqa: E402
 
 POINTERS_IN = {"Q", "K", "V", "RK", "RV", "OUT", "DO", "DQ", "DK", "DV"}
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -29,6 +32,11 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 # completion and a region's length: arbitrary, so unmarked (the general case; a multiple of 16 only adds information).
 # N and stride_split (U·Hkv·S·d) are multiples of 16 when d is.
 DIVISIBLE_INTS = {"C_PAD", "N", "stride_split"}
+# Architectures built: sm_80 (A100; 163 KB of shared memory per block), sm_86 (A10G, A40, RTX 30; 99 KB) and sm_90
+# (H100, H200; 227 KB). sm_89 (L4, L40S, RTX 40; 99 KB) gets sm_86's tiles and Triton builds it as sm_86 but for the
+# PTX target (test_sm89_builds_as_sm86), so it is not built again.
+ARCHS = (80, 86, 90)
+CAPABILITY = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0)}
 
 
 # Launch variants of the forward and dQ kernels (HAS_REGION, HAS_OWN, HAS_PREV; see attention_triton_launch._launch_plan):
@@ -64,14 +72,27 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
 
 
 def kernel_constexprs(
-    name: str, fn, dtype: str, head_dim: int, variant: str = "one_region", softcap: float = 0.0, window: bool = False
+    name: str,
+    fn,
+    dtype: str,
+    head_dim: int,
+    variant: str = "one_region",
+    softcap: float = 0.0,
+    window: bool = False,
+    arch: int = 90,
 ) -> dict:
-    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
+    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window, CAPABILITY[arch])
     has_region, has_own, has_prev = VARIANTS[variant]
     # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
     every = dict(
         launch._tile_constexprs(
-            name, head_dim, TORCH_DTYPE[dtype], interpret=False, softcap=softcap > 0, window=window
+            name,
+            head_dim,
+            TORCH_DTYPE[dtype],
+            interpret=False,
+            softcap=softcap > 0,
+            window=window,
+            capability=CAPABILITY[arch],
         ),
         REP=REP,
         BLOCK=cfg["BLOCK_M"],
@@ -96,16 +117,16 @@ def divisibility_attrs(fn, sig: dict) -> dict:
     }
 
 
-def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, window=False):
+def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, window=False, arch=90):
     fn = kernels.KERNELS[name]
-    cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap, window)
+    cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap, window, arch)
     sig = aot.signature_for(fn, kernel_types(name, fn, dtype, variant), cons)
     return fn, sig, cons, divisibility_attrs(fn, sig)
 
 
 def report(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, window=False):
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap, window)
-    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window)
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap, window, arch)
+    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window, CAPABILITY[arch])
     r = aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs)
     return r, cfg
 
@@ -115,13 +136,13 @@ def _compiled_kernels_or_skip():
         pytest.skip("TRITON_INTERPRET=1 was set when triton was imported: kernels are interpreted, not compiled")
 
 
-# bf16 (the training dtype; fp16 ships the same tiles) and fp32 (exact "ieee" dots, own tiles), both architectures,
+# bf16 (the training dtype; fp16 ships the same tiles) and fp32 (exact "ieee" dots, own tiles), every architecture,
 # every head dim. The two small kernels do not depend on the dtype's dot tiles: bf16 only.
 SMALL = ("bwd_delta", "bwd_region_reduce")
 CASES = [
     (n, t, a, d)
     for t in ("bf16", "fp32")
-    for a in (80, 90)
+    for a in ARCHS
     for d in HEAD_DIMS
     for n in kernels.KERNELS
     if not (t == "fp32" and n in SMALL) and not (n == "bwd_region_reduce" and d != 128)
@@ -143,7 +164,8 @@ def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0,
         f"| shared {r['shared']} B |"
     )
     assert 0 < r["regs"] <= 255
-    assert r["shared"] <= (227 if arch == 90 else 163) * 1024, f"shared memory {r['shared']} B exceeds sm_{arch}"
+    limit = SHARED_MEMORY_LIMIT[CAPABILITY[arch]]
+    assert r["shared"] <= limit, f"{name} d={head_dim} {dtype}: shared memory {r['shared']} B > sm_{arch}'s {limit} B"
     # a spill is a store to local memory (STL); stack bytes alone are a call frame (fp32 division slow path)
     assert r["spill_stores"] == 0 and r["local"] == 0, f"{name} d={head_dim} {dtype} spills on sm_{arch}: {r}"
 
@@ -153,13 +175,45 @@ def test_aot_compiles_without_spills(name, dtype, arch, head_dim):
     _check_build(name, dtype, arch, head_dim)
 
 
+def test_sm89_builds_as_sm86():
+    """sm_89 is not in the matrix: Triton's NVIDIA pipeline gives it sm_86's TTGIR and PTX but for the PTX ``.target``
+    line (its passes test ``capability // 10``; ``>= 89`` only admits fp8 types, ``== 80`` turns off LLVM's SLP
+    vectoriser, so sm_80 is built on its own), and ptxas gives the two the same registers, spills and shared memory.
+    Shown on the build nearest its limits (bwd_dq bf16 d=256 at sm_86's tiles)."""
+    _compiled_kernels_or_skip()
+    try:
+        aot.cuobjdump_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert block_config("bwd_dq", 256, capability=(8, 9)) == block_config("bwd_dq", 256, capability=(8, 6))
+    assert SHARED_MEMORY_LIMIT[(8, 9)] == SHARED_MEMORY_LIMIT[(8, 6)]
+    builds = {}
+    for arch in (86, 89):
+        fn, sig, cons, attrs = build_args("bwd_dq", "bf16", 256, arch=arch)
+        cfg = block_config("bwd_dq", 256, torch.bfloat16, capability=CAPABILITY[arch])
+        r = aot.compile_report(
+            fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs, asm=True
+        )
+        builds[arch] = dict(
+            r,
+            arch=None,
+            ptx=re.sub(r"\.target sm_\d+", "", r["ptx"]),
+            ttgir=r["ttgir"].replace(f"cuda:{arch}", "cuda:N"),
+        )
+    assert builds[86]["ttgir"] == builds[89]["ttgir"]
+    assert builds[86]["ptx"] == builds[89]["ptx"]
+    assert builds[86] == builds[89], {
+        a: {k: v for k, v in b.items() if k not in ("ptx", "ttgir")} for a, b in builds.items()
+    }
+
+
 # the other launches of the forward and dQ kernels with two regions or more (see VARIANTS)
 MULTI_CASES = [
     (n, v, t, a, d)
     for n in ("fwd", "bwd_dq")
     for v in ("last", "partial")
     for t in ("bf16", "fp32")
-    for a in (80, 90)
+    for a in ARCHS
     for d in (64, 128)
 ]
 
@@ -175,7 +229,7 @@ def test_aot_multi_region_launches_compile_without_spills(name, variant, dtype, 
 
 # the soft-capped builds (Gemma 2) of the kernels that compute scores, bf16, at Gemma 2's head dims (256) and 128
 SOFTCAP_CASES = [
-    (n, a, d) for n in ("fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region") for a in (80, 90) for d in (128, 256)
+    (n, a, d) for n in ("fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region") for a in ARCHS for d in (128, 256)
 ]
 
 
@@ -189,11 +243,9 @@ def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
 # two-tile tier with 80, 256 is Gemma's), soft-capped too (Gemma 2) for the kernels whose 16-bit d=256 tiles depend on
 # both. The other head dims (64, 80, 128) build without spills with the windowless tiles (checked once by a sweep).
 _SCORE_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region")
-WINDOW_CASES = [
-    (n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS for a in (80, 90)
-]
-WINDOW_CASES += [("bwd_dkdv_region", "fp32", a, 64, 0.0) for a in (80, 90)]
-WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in (80, 90)]
+WINDOW_CASES = [(n, t, a, d, 0.0) for t in ("bf16", "fp32") for d in (96, 256) for n in _SCORE_KERNELS for a in ARCHS]
+WINDOW_CASES += [("bwd_dkdv_region", "fp32", a, 64, 0.0) for a in ARCHS]
+WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in ARCHS]
 
 
 @pytest.mark.parametrize(
