@@ -84,8 +84,16 @@ inline float transform_row(float* a, int64_t c, const Head& hd) {
   return std::max(smax, hmax(vmax));
 }
 
+// Elements per partial sum of fold_row: each lane adds at most FOLD_CHUNK / kLanes terms in fp32 before the chunk's
+// lanes go into a double accumulator. One long fp32 sum per lane (6144 terms per lane for SmolLM2's 49152 entries in
+// one block) rounded the row's sum-exp to a relative error of a few 1e-6, which every log-prob, entropy and
+// gradient of the head inherits; chunked, it is a few 1e-7, as close to the exact sum as ATen's cascade sum (see
+// docs/kernels.md, "fp32 accuracy").
+constexpr int64_t FOLD_CHUNK = 32 * kLanes;
+
 // Fold one transformed row z[0:c) into the running statistics (m, s, sz):
 // s = sum exp(z - m), sz = sum exp(z - m) * (z - m), so that entropy = log s - sz / s without cancellation.
+// The block's sums are formed in chunks of FOLD_CHUNK elements (vector fp32 partial sums) added in double.
 // z may hold -inf (masked vocabulary): while a row has no finite value, nm = -inf and 0 is subtracted instead
 // (-inf - (-inf) is NaN); d is clamped to -FLT_MAX so that e = 0 and e * d = 0 rather than 0 * (-inf) = NaN.
 inline void fold_row(const float* z, int64_t c, float zmax, float& m, float& s, float& sz, bool want_entropy) {
@@ -93,34 +101,38 @@ inline void fold_row(const float* z, int64_t c, float zmax, float& m, float& s, 
   const float ref = nm == kNegInf ? 0.f : nm;
   const float lowest = std::numeric_limits<float>::lowest();
   const Vec vnm(ref), vlow(lowest);
-  Vec vs(0.f), vsz(0.f);
-  float ts = 0.f, tsz = 0.f;
-  int64_t j = 0;
-  if (want_entropy) {
-    for (; j + kLanes <= c; j += kLanes) {
-      Vec d = at::vec::maximum(Vec::loadu(z + j) - vnm, vlow);
-      Vec e = d.exp();
-      vs = vs + e;
-      vsz = at::vec::fmadd(e, d, vsz);
+  double ts = 0.0, tsz = 0.0;
+  for (int64_t c0 = 0; c0 < c; c0 += FOLD_CHUNK) {
+    const int64_t c1 = std::min(c, c0 + FOLD_CHUNK);
+    Vec vs(0.f), vsz(0.f);
+    float rs = 0.f, rsz = 0.f;
+    int64_t j = c0;
+    if (want_entropy) {
+      for (; j + kLanes <= c1; j += kLanes) {
+        Vec d = at::vec::maximum(Vec::loadu(z + j) - vnm, vlow);
+        Vec e = d.exp();
+        vs = vs + e;
+        vsz = at::vec::fmadd(e, d, vsz);
+      }
+      for (; j < c1; ++j) {
+        float d = std::max(z[j] - ref, lowest), e = std::exp(d);
+        rs += e;
+        rsz += e * d;
+      }
+      tsz += double(hsum(vsz)) + double(rsz);
+    } else {
+      for (; j + kLanes <= c1; j += kLanes) vs = vs + (Vec::loadu(z + j) - vnm).exp();
+      for (; j < c1; ++j) rs += std::exp(z[j] - ref);
     }
-    for (; j < c; ++j) {
-      float d = std::max(z[j] - ref, lowest), e = std::exp(d);
-      ts += e;
-      tsz += e * d;
-    }
-  } else {
-    for (; j + kLanes <= c; j += kLanes) vs = vs + (Vec::loadu(z + j) - vnm).exp();
-    for (; j < c; ++j) ts += std::exp(z[j] - ref);
+    ts += double(hsum(vs)) + double(rs);
   }
-  ts += hsum(vs);
-  tsz += hsum(vsz);
   if (s > 0.f) {  // s == 0 while m = -inf (before the first block, or while every value so far was -inf)
     const float alpha = std::exp(m - nm);
-    if (want_entropy) sz = alpha * (sz + (m - nm) * s) + tsz;
-    s = alpha * s + ts;
+    if (want_entropy) sz = alpha * (sz + (m - nm) * s) + float(tsz);
+    s = alpha * s + float(ts);
   } else {
-    if (want_entropy) sz = tsz;
-    s = ts;
+    if (want_entropy) sz = float(tsz);
+    s = float(ts);
   }
   m = nm;
 }

@@ -60,6 +60,7 @@ def test_sections_the_code_cites_exist():
     assert "triton-head-kernels-resources-at-the-shipped-block-sizes-aot-compiled-without-a-gpu" in _anchors(
         "docs/kernels.md"
     )  # grpo_mem/ops/logprobs_triton.py
+    assert "fp32-accuracy" in _anchors("docs/kernels.md")  # csrc/linear_logprobs.cpp, tests/model/test_precision.py
 
 
 def test_readme_is_short_and_keeps_its_test_command():
