@@ -97,14 +97,17 @@ def grad_errors(grads: dict, ref: dict) -> tuple[float, str, float, dict[str, fl
     """Relative gradient differences of ``grads`` against ``ref`` (both {name: tensor}, the same names).
 
     Returns (||Δg|| / ||g|| over all parameters, the worst parameter's name, its ||Δg_p|| / ||g_p||, and every
-    parameter's relative difference). Differences in fp32, norms accumulated in fp64; a parameter whose reference
+    parameter's relative difference). Differences in fp32 (fp64 if either is fp64: sketches), norms accumulated in
+    fp64; a parameter whose reference
     gradient is 0 is measured against 1e-30 (so any difference there is reported as large).
     """
     total_diff = total_ref = 0.0
     per = {}
     for name, r in ref.items():
-        r = r.float()
-        d = float(torch.linalg.vector_norm(grads[name].float() - r, dtype=torch.float64))
+        a = grads[name]
+        dtype = torch.promote_types(torch.promote_types(a.dtype, r.dtype), torch.float32)
+        r = r.to(dtype)
+        d = float(torch.linalg.vector_norm(a.to(dtype) - r, dtype=torch.float64))
         n = float(torch.linalg.vector_norm(r, dtype=torch.float64))
         total_diff += d * d
         total_ref += n * n
@@ -146,7 +149,8 @@ class VerifyReport:
     errors against it ({"grpo_mem": stats, "stock": stats} with stats {"max", "rms", "mean"} for values; relative
     norms for gradients, None when the truth ran without gradients), and ``passed`` follows them; without a truth it
     follows the direct differences. ``failures`` says which bound failed. ``seconds``: wall time of the whole call;
-    ``timings``: wall seconds of each run ("stock", "grpo_mem", "truth").
+    ``timings``: wall seconds of each run ("grpo_mem", "stock", "truth"), the device synchronised before each clock
+    read. ``peak_memory_mb``: verify's peak above its start, ``memory_kind`` "CUDA allocated" or "RSS".
     """
 
     passed: bool
@@ -169,9 +173,16 @@ class VerifyReport:
     grad_vs_truth: dict[str, float] | None = None  # grpo_mem / stock overall relative error, worst excess
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    peak_memory_mb: float = 0.0  # verify's own peak above its start (memory_kind: "RSS" or "CUDA allocated")
+    memory_kind: str = ""
+    row_chunks: dict[str, int] = field(default_factory=dict)  # rows per call of the stock-path runs
+    truth_mode: str = ""  # how the truth widened the model: "per module" or "whole model"
+    backend: str = ""  # the kernel backend in use (a line of the report when set)
 
     def __str__(self) -> str:
-        lines = [self._headline()]
+        lines = [self._headline(), self._cost()]
+        if self.backend:
+            lines.append(f"kernel backend: {self.backend}")
         lines += _table([("quantity", "grpo_mem vs stock", "bound", "ok")] + self._direct_rows() + self._truth_rows())
         lines.append("")
         lines += _table(
@@ -187,11 +198,19 @@ class VerifyReport:
         """The first line: the verdict, the precision, the batch's layout and the time taken."""
         verdict = "PASSED" if self.passed else "FAILED"
         n_mb = len(self.micro_batches)
-        runs = ", ".join(f"{k} {v:.1f}" for k, v in self.timings.items())
         return (
             f"grpo_mem.verify: {verdict} ({self.precision}; {self.rows} rows in {n_mb} micro-batch"
-            f"{'es' if n_mb != 1 else ''}, prompt width {self.prompt_len}, completion width {self.completion_len}; "
-            f"{self.seconds:.1f} s{f' (runs: {runs} s)' if runs else ''})"
+            f"{'es' if n_mb != 1 else ''}, prompt width {self.prompt_len}, completion width {self.completion_len})"
+        )
+
+    def _cost(self) -> str:
+        """verify's own cost: wall seconds of each run, peak memory, how the stock-path runs were split."""
+        runs = ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
+        chunks = ", ".join(f"{k} {v} row{'s' if v != 1 else ''}" for k, v in self.row_chunks.items())
+        return (
+            f"verify's cost: {self.seconds:.1f} s ({runs}); peak memory {self.peak_memory_mb:.0f} MB above its start "
+            f"({self.memory_kind or '-'}); stock-path calls of at most {chunks or '-'}"
+            + (f"; truth widened {self.truth_mode}" if self.truth_mode else "")
         )
 
     def _ok(self, name: str) -> str:

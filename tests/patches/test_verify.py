@@ -127,7 +127,7 @@ def test_broken_path_fails_loudly(monkeypatch):
     assert report.grad_vs_truth is None  # gradients within their direct bound: the truth ran forward only
     assert [f.split(":")[0] for f in report.failures] == ["log-prob vs fp64"], report.failures
     with pytest.raises(
-        VerificationError, match=r"FAILED(.|\n)*ours 1\.000e-03(.|\n)*log-prob vs fp64: rms error 0\.00017"
+        VerificationError, match=r"FAILED(.|\n)*ours (1\.000e-03|9\.99\de-04)(.|\n)*log-prob vs fp64: rms error 0\.00017"
     ):
         grpo_mem.verify(model, batch, raise_on_mismatch=True, print_report=False)
     _assert_restored(model, before)
