@@ -38,6 +38,7 @@ FP32_MAX_FACTOR = 2.0  # k for the max value error and the gradient errors (flas
 BF16_GRAD_TOL = 1e-2  # relative gradient error: ours <= stock's + this
 BF16_STAT_TOL = 1e-3  # RMS and mean error: ours <= stock's + this
 BF16_MAX_FACTOR = 2.0  # max error: ours <= 2 x stock's + BF16_STAT_TOL (k = 2, as flash-attention's tests)
+FP32_FLOOR_FACTOR = 8.0  # fp32: the error scale is the larger of stock's and this x the fp32-storage floor's
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,13 @@ def error_stats(err: torch.Tensor) -> dict[str, float]:
 
 
 def within_stock_error(
-    err_ours: torch.Tensor, err_stock: torch.Tensor, *, tol: float = BF16_STAT_TOL, max_factor: float = BF16_MAX_FACTOR
+    err_ours: torch.Tensor,
+    err_stock: torch.Tensor,
+    *,
+    tol: float = BF16_STAT_TOL,
+    max_factor: float = BF16_MAX_FACTOR,
+    err_floor: torch.Tensor | None = None,
+    floor_factor: float = 1.0,
 ) -> tuple[bool, str]:
     """Criterion on one tensor: with errors ``err_ours``, ``err_stock`` (the same shape, any dtype) against a truth
     of higher precision (fp32 for bf16/fp16 runs, fp64 for fp32 runs), grpo_mem's RMS and mean error within stock's
@@ -84,12 +91,18 @@ def within_stock_error(
 
     Whole-tensor statistics rather than elementwise: at trained-like peaked logits both computations carry bf16
     errors of a few 1e-2 rounded independently, so one element can be worse for either (tests/model/test_precision.py).
+    ``err_floor`` (the same shape): the errors of the fp32-storage floor run; each statistic of stock's is then
+    replaced by the larger of it and ``floor_factor`` x the floor's (:data:`FP32_FLOOR_FACTOR`).
     Returns (ok, the first violated statistic or "").
     """
     ours, stock = error_stats(err_ours), error_stats(err_stock)
+    floor = error_stats(err_floor) if err_floor is not None else None
     for stat, k in (("rms", 1.0), ("mean", 1.0), ("max", max_factor)):
-        if not ours[stat] <= k * stock[stat] + tol:
-            return False, f"{stat} error {ours[stat]:.3g} > {k:g} x stock's {stock[stat]:.3g} + {tol:g}"
+        ref, what = stock[stat], "stock's"
+        if floor is not None and floor_factor * floor[stat] > ref:
+            ref, what = floor_factor * floor[stat], f"{floor_factor:g} x the fp32 floor's"
+        if not ours[stat] <= k * ref + tol:
+            return False, f"{stat} error {ours[stat]:.3g} > {k:g} x {what} {ref:.3g} + {tol:g}"
     return True, ""
 
 
@@ -117,13 +130,21 @@ def grad_errors(grads: dict, ref: dict) -> tuple[float, str, float, dict[str, fl
 
 
 def grad_within_stock_error(
-    ours: dict[str, float], stock: dict[str, float], *, tol: float = BF16_GRAD_TOL, factor: float = 1.0
+    ours: dict[str, float],
+    stock: dict[str, float],
+    *,
+    tol: float = BF16_GRAD_TOL,
+    factor: float = 1.0,
+    floor: dict[str, float] | None = None,
+    floor_factor: float = 1.0,
 ) -> tuple[bool, str, float]:
     """Gradient criterion: per parameter, grpo_mem's relative error against the truth within ``factor`` x stock's +
     ``tol`` (defaults: the bf16 bound, stock's + ``BF16_GRAD_TOL``). ``ours``/``stock``: {name: relative error}
     (``grad_errors``' last return). Returns (ok, the parameter with the largest excess over ``factor`` x stock's,
-    that excess)."""
-    excess = {n: ours[n] - factor * stock[n] for n in stock}
+    that excess). ``floor``: the fp32-storage floor run's relative errors; stock's are then replaced by the larger of
+    them and ``floor_factor`` x the floor's."""
+    ref = {n: max(stock[n], floor_factor * floor[n]) if floor is not None else stock[n] for n in stock}
+    excess = {n: ours[n] - factor * ref[n] for n in stock}
     worst = max(excess, key=excess.get) if excess else ""
     return excess.get(worst, 0.0) <= tol, worst, excess.get(worst, 0.0)
 
@@ -167,6 +188,7 @@ class VerifyReport:
     micro_batches: list[MicroBatchPath]
     failures: list[str] = field(default_factory=list)
     truth: str = ""
+    floor: bool = False  # fp32: the fp32-storage floor was run (stock's error alone did not cover grpo_mem's)
     exceeded: list[str] = field(default_factory=list)  # fp32: direct bounds exceeded, judged against the truth
     logp_vs_truth: dict[str, dict[str, float]] | None = None  # {"grpo_mem": stats, "stock": stats}
     entropy_vs_truth: dict[str, dict[str, float]] | None = None
@@ -240,12 +262,16 @@ class VerifyReport:
             o, s = stats["grpo_mem"], stats["stock"]
             key = f"{name} vs {self.truth}"
             both = f"ours {o['max']:.3e}/{o['rms']:.3e}, stock {s['max']:.3e}/{s['rms']:.3e}"
+            if "fp32 floor" in stats:
+                f = stats["fp32 floor"]
+                both += f", fp32 floor {f['max']:.3e}/{f['rms']:.3e}"
             rows.append((f"{key} (max/rms)", both, self.bounds[key], self._ok(key)))
         g = self.grad_vs_truth
         if g is not None:
             key = f"gradient vs {self.truth}"
+            floor = f", fp32 floor {g['fp32 floor']:.3e}" if "fp32 floor" in g else ""
             both = (
-                f"ours {g['grpo_mem']:.3e}, stock {g['stock']:.3e}; worst excess {g['worst_excess']:.2e} "
+                f"ours {g['grpo_mem']:.3e}, stock {g['stock']:.3e}{floor}; worst excess {g['worst_excess']:.2e} "
                 f"({g['worst_param']})"
             )
             rows.append((key, both, self.bounds[key], self._ok(key)))
@@ -259,12 +285,16 @@ def _table(rows) -> list[str]:
     return out
 
 
-def truth_failures(report: VerifyReport, ours, stock, truth, sel, common, truth_name: str, bounds: Bounds) -> list[str]:
+def truth_failures(
+    report: VerifyReport, ours, stock, truth, sel, common, truth_name: str, bounds: Bounds, floor=None
+) -> list[str]:
     """Judge grpo_mem's run ``ours`` against a stock run ``truth`` of higher precision (``truth_name``: "fp32" for
     bf16/fp16, "fp64" for fp32): its error within stock's own (:func:`within_stock_error`,
     :func:`grad_within_stock_error` with ``bounds``). Runs (``ours``, ``stock``, ``truth``) carry ``logps``,
     ``entropies`` (rows, C) compared where ``sel`` (rows, C) bool holds, and ``grads`` ({name: tensor}) compared over
-    the names of ``common`` (None: values only). Records the bounds and errors in ``report``; returns the failures."""
+    the names of ``common`` (None: values only). ``floor``: a run of the fp32-storage floor (fp32 runs: the truth with
+    every module's output rounded to fp32), whose error against ``truth`` then counts as an error fp32 itself causes
+    (:data:`FP32_FLOOR_FACTOR`). Records the bounds and errors in ``report``; returns the failures."""
     report.truth = truth_name
     report.bounds.update(_truth_bounds(truth_name, bounds))
     report.logp_vs_truth, report.entropy_vs_truth = {}, {}
@@ -275,12 +305,23 @@ def truth_failures(report: VerifyReport, ours, stock, truth, sel, common, truth_
     ):
         err_ours = (getattr(ours, attr) - getattr(truth, attr))[sel]
         err_stock = (getattr(stock, attr) - getattr(truth, attr))[sel]
+        err_floor = (getattr(floor, attr) - getattr(truth, attr))[sel] if floor is not None else None
         out["grpo_mem"], out["stock"] = error_stats(err_ours), error_stats(err_stock)
-        ok, why = within_stock_error(err_ours, err_stock, tol=bounds.stat_tol, max_factor=bounds.max_factor)
+        if floor is not None:
+            out["fp32 floor"] = error_stats(err_floor)
+        ok, why = within_stock_error(
+            err_ours,
+            err_stock,
+            tol=bounds.stat_tol,
+            max_factor=bounds.max_factor,
+            err_floor=err_floor,
+            floor_factor=FP32_FLOOR_FACTOR,
+        )
         if not ok:
             failures.append(f"{name} vs {truth_name}: {why}")
     if common is not None:
-        failures += _grad_failures(report, ours, stock, truth, common, truth_name, bounds)
+        failures += _grad_failures(report, ours, stock, truth, common, truth_name, bounds, floor)
+    report.floor = floor is not None
     return failures
 
 
@@ -296,14 +337,24 @@ def _truth_bounds(truth_name: str, b: Bounds) -> dict[str, str]:
     return {f"log-prob vs {truth_name}": stat, f"entropy vs {truth_name}": stat, f"gradient vs {truth_name}": grad}
 
 
-def _grad_failures(report: VerifyReport, ours, stock, truth, common, truth_name: str, b: Bounds) -> list[str]:
+def _grad_failures(
+    report: VerifyReport, ours, stock, truth, common, truth_name: str, b: Bounds, floor=None
+) -> list[str]:
     """:func:`truth_failures`' gradient part: relative errors against the truth over the names of ``common``."""
     truth_grads = {n: truth.grads[n] for n in common if n in truth.grads}
     rel_ours, _, _, per_ours = grad_errors(ours.grads, truth_grads)
     rel_stock, _, _, per_stock = grad_errors(stock.grads, truth_grads)
-    ok, worst_p, excess = grad_within_stock_error(per_ours, per_stock, tol=b.param_grad_tol, factor=b.grad_factor)
+    per_floor, rel_ref = None, rel_stock
+    if floor is not None:
+        rel_floor, _, _, per_floor = grad_errors(floor.grads, truth_grads)
+        rel_ref = max(rel_stock, FP32_FLOOR_FACTOR * rel_floor)
+    ok, worst_p, excess = grad_within_stock_error(
+        per_ours, per_stock, tol=b.param_grad_tol, factor=b.grad_factor, floor=per_floor, floor_factor=FP32_FLOOR_FACTOR
+    )
     report.grad_vs_truth = {"grpo_mem": rel_ours, "stock": rel_stock, "worst_param": worst_p, "worst_excess": excess}
-    if ok and rel_ours <= b.grad_factor * rel_stock + b.grad_tol:
+    if floor is not None:
+        report.grad_vs_truth["fp32 floor"] = rel_floor
+    if ok and rel_ours <= b.grad_factor * rel_ref + b.grad_tol:
         return []
     k = f"{b.grad_factor:g} x " if b.grad_factor != 1 else ""
     return [

@@ -127,7 +127,8 @@ def test_broken_path_fails_loudly(monkeypatch):
     assert report.grad_vs_truth is None  # gradients within their direct bound: the truth ran forward only
     assert [f.split(":")[0] for f in report.failures] == ["log-prob vs fp64"], report.failures
     with pytest.raises(
-        VerificationError, match=r"FAILED(.|\n)*ours (1\.000e-03|9\.99\de-04)(.|\n)*log-prob vs fp64: rms error 0\.00017"
+        VerificationError,
+        match=r"FAILED(.|\n)*ours (1\.000e-03|9\.99\de-04)(.|\n)*log-prob vs fp64: rms error 0\.00017",
     ):
         grpo_mem.verify(model, batch, raise_on_mismatch=True, print_report=False)
     _assert_restored(model, before)
@@ -221,3 +222,58 @@ def test_smollm2_shape_bf16_autocast():
     assert report.grad_vs_truth["stock"] > 0 and report.exceeded == [], str(report)
     assert report.passed, str(report)
     assert next(model.parameters()).dtype == torch.float32  # cast back after the fp32 run
+
+
+def _patched_step_peak(model, batch, micro):
+    """Peak tensor bytes of the patched training step verify checks: the patched method over the micro-batches of one
+    gradient-accumulation window (prompt passes shared through its session), each followed by the loss's backward."""
+    import trl
+
+    from grpo_mem.bench.measure import TensorMemoryTracker
+    from grpo_mem.patches.trl import patched_method
+
+    self_obj = verify_module._Scorer(model, 1.0)
+    fn, handle = patched_method(_stock_method(trl.GRPOTrainer))
+    session = handle.session(self_obj)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    P, C, B = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1], ids.shape[0]
+    slices = [(lo, min(lo + micro, B)) for lo in range(0, B, micro)]
+    model.zero_grad(set_to_none=True)
+    with TensorMemoryTracker() as tracker:
+        session.begin_window([ids[lo:hi, :P] for lo, hi in slices], [mask[lo:hi, :P] for lo, hi in slices])
+        for lo, hi in slices:
+            logps, ent, _ = fn(self_obj, model, ids[lo:hi], mask[lo:hi], C, batch_size=hi - lo, compute_entropy=True)
+            m = batch["completion_mask"][lo:hi].float()
+            (-(m * logps.float()).sum() - 0.1 * (m * ent.float()).sum()).backward()
+        session.close_window()
+        del logps, ent
+    model.zero_grad(set_to_none=True)
+    return tracker.peak_bytes
+
+
+def test_peak_memory_within_the_patched_step():
+    """bf16 weights, a 240-token system prompt shared by 2 prompts x 4 completions of 4 tokens, micro-batches of 4:
+    verify's peak tensor memory (stock and the fp32 truth in one-row chunks with their decoder layers checkpointed, the
+    truth widened per module, gradients sketched) stays within the patched step's plus the one buffer a single call
+    of stock TRL's fused head takes on CPU whatever verify does: a (P + C - 1) x 32768 bf16 logit tile (TRL scores
+    every position of a row on CPU, in vocabulary tiles of 32768 columns even for this 101-token vocabulary). Stock
+    TRL's method over one whole micro-batch (what verify ran before) takes more than 3x that."""
+    from grpo_mem.bench.measure import TensorMemoryTracker
+
+    model = tiny_model(layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128)
+    system = torch.randint(4, 101, (240,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = _batch((250, 246), G=4, C=4, prompts=[system + [5] * 10, system + [6] * 6])
+    step = _patched_step_peak(model, batch, 4)
+    with TensorMemoryTracker() as tracker:
+        report = grpo_mem.verify(model, batch, micro_batch_size=4, print_report=False)
+    assert report.passed and report.truth == "fp32" and report.truth_mode == "per module", str(report)
+    assert report.row_chunks == {"stock": 1, "fp32 truth": 1}, report.row_chunks
+    width = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+    trl_tile = (width - 1) * 32768 * 2
+    assert tracker.peak_bytes <= step + trl_tile, (tracker.peak_bytes, step, trl_tile)
+    # the old way: stock TRL's method over one whole micro-batch of 4 rows, with its backward
+    with TensorMemoryTracker() as whole:
+        setup = verify_module._setup(model, batch, 4, 1.0, 0)
+        verify_module._score(setup.stock_fn, setup, 0.1, chunks=[(0, 4)])
+    assert whole.peak_bytes > 3 * (step + trl_tile), (whole.peak_bytes, step, trl_tile)
