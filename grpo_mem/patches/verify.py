@@ -17,6 +17,23 @@ reads them).
 grpo_mem's log-probs, entropies and gradients must stay within stock TRL's own error against a run of higher
 precision (fp64 for fp32, fp32 for bf16/fp16); the bounds and the report: :mod:`grpo_mem.patches.verify_criteria`.
 
+Memory: verify is for the user whose training runs out of memory, so no run holds more than the patched training
+step it checks (besides one call of stock TRL's own fused head, see below):
+
+- grpo_mem's path runs first, exactly as in training, with nothing else held.
+- Stock TRL's method runs in row chunks: as many whole rows (P + C tokens each) as fit in the most backbone tokens
+  grpo_mem ran in one micro-batch (usually 1 row with a long shared prompt), its decoder layers checkpointed
+  (non-reentrant ``torch.utils.checkpoint``: the same values, one layer's activations at a time in the backward).
+  The loss is a sum over rows, so the chunks' gradients add up to the micro-batch's. One call of TRL's fused head
+  on CPU still takes a (P + C - 1) x 32768 logit tile (TRL scores every position of a row on CPU; on CUDA only the
+  completion's).
+- The truth (fp32 for a bf16/fp16 run, fp64 for fp32) is stock TRL's method on the model widened one module at a
+  time (``_upcast_per_module``: no whole copy in the wider dtype; a copy a backward formula saves is re-widened when
+  read), in row chunks sized for the wider activations, checkpointed, its gradients in the wider dtype streamed into
+  sketches as its backward produces them (no ``.grad`` buffer).
+- Gradients are compared through linear count sketches (``_Sketcher``: small parameters exactly, large ones as
+  8192 fp64 bucket sums, norms of differences to about 1%), so no run's gradients are held while another runs.
+
 The model's gradients (every ``.grad``, the same tensor objects), the train/eval mode of every module, the RNG states
 (Python, NumPy, torch CPU and CUDA), the trainer's logged metrics, and every method and forward are as they were
 afterwards; nothing is patched that was not before. If ``patch_trl`` was already applied, the stock side still runs
@@ -84,6 +101,9 @@ __all__ = [
 ]
 
 ENTROPY_COEF = 0.1
+ALWAYS_FLOOR = False
+"""fp32: run the fp32-storage floor whenever the fp64 truth runs, not only when stock's own error does not cover
+grpo_mem's (``benchmarks/verify_real.py --floor`` sets it, to record the floor's numbers)."""
 REQUIRED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 EXTRA_KEYS = LOGPS_PARAMS[LOGPS_PARAMS.index("pixel_values") :]
 
@@ -826,7 +846,7 @@ def _fp32_failures(report, setup, ours, stock, sel, common, seed) -> list[str]:
         ]
     grads = common if with_grads else None
     failures = truth_failures(report, ours, stock, truth, sel, grads, "fp64", FP32_BOUNDS)
-    if not failures:
+    if not failures and not ALWAYS_FLOOR:
         return []
     # beyond stock's own error: judged again with the error fp32 storage alone causes on this model as the yardstick
     floor = _truth(setup, torch.float64, stock.entropy_coef, seed, with_grads, report.timings, round_to=torch.float32)

@@ -296,7 +296,7 @@ def truth_failures(
     every module's output rounded to fp32), whose error against ``truth`` then counts as an error fp32 itself causes
     (:data:`FP32_FLOOR_FACTOR`). Records the bounds and errors in ``report``; returns the failures."""
     report.truth = truth_name
-    report.bounds.update(_truth_bounds(truth_name, bounds))
+    report.bounds.update(_truth_bounds(truth_name, bounds, floor is not None))
     report.logp_vs_truth, report.entropy_vs_truth = {}, {}
     failures = []
     for name, attr, out in (
@@ -325,14 +325,15 @@ def truth_failures(
     return failures
 
 
-def _truth_bounds(truth_name: str, b: Bounds) -> dict[str, str]:
-    """The report's bound texts of the comparisons against the truth."""
-    stat = f"ours rms, mean <= stock's + {b.stat_tol:g}; max <= {b.max_factor:g} x stock's + {b.stat_tol:g}"
+def _truth_bounds(truth_name: str, b: Bounds, floor: bool = False) -> dict[str, str]:
+    """The report's bound texts of the comparisons against the truth (``floor``: with the fp32-storage floor)."""
+    ref = f"max(stock's, {FP32_FLOOR_FACTOR:g} x floor's)" if floor else "stock's"
+    stat = f"ours rms, mean <= {ref} + {b.stat_tol:g}; max <= {b.max_factor:g} x {ref} + {b.stat_tol:g}"
     k = f"{b.grad_factor:g} x " if b.grad_factor != 1 else ""
     grad = (
-        f"per param: ours <= {k}stock's + {b.param_grad_tol:g}"
+        f"per param: ours <= {k}{ref} + {b.param_grad_tol:g}"
         if b.grad_tol == b.param_grad_tol
-        else f"ours <= {k}stock's + {b.grad_tol:g}, per param + {b.param_grad_tol:g}"
+        else f"ours <= {k}{ref} + {b.grad_tol:g}, per param + {b.param_grad_tol:g}"
     )
     return {f"log-prob vs {truth_name}": stat, f"entropy vs {truth_name}": stat, f"gradient vs {truth_name}": grad}
 
