@@ -12,6 +12,21 @@ The bounds depend on the precision (the constants below; :class:`Bounds` groups 
   (values) and 1e-4 (||Δg|| / ||g|| over all parameters and for the worst one) implies the criterion (triangle
   inequality), so the fp64 run is made only for what exceeds it: forward only when the gradients are within. A model
   with an op that refuses fp64 (the grouped matmul of MoE experts) is judged by the direct bounds.
+
+  Stock's error alone is one sample of what fp32 does on this model: a correct implementation with another
+  summation order (grpo_mem's prompt-once attention merges regions, its head sums vocabulary chunks) can be a few
+  times off it, and on a deep model that exceeds the fixed 1e-5. So when stock's error does not cover grpo_mem's,
+  a second yardstick is measured: the **fp32-storage floor**, the fp64 truth rerun with every module's outputs (and,
+  in the backward, the gradients into them) rounded to fp32. That is the error an implementation would have if it
+  stored every intermediate in fp32 and computed everything else exactly; it grows with the model's depth and width
+  as rounding errors do, and every fp32 implementation has at least it. A real one rounds a few times more per
+  module (inside each matmul's accumulation, softmax, norms), so the error scale becomes the larger of stock's and
+  ``FP32_FLOOR_FACTOR`` = 8 x the floor's, each statistic separately. Measured on SmolLM2-135M (fp32, 8 rows of a
+  230-token prompt with a 200-token system message, 12-token completions; ``benchmarks/results/verify_real.csv``):
+  log-prob error rms/max floor 9.0e-7/2.9e-6, stock 3.8e-6/1.4e-5 (4.2x/5.0x the floor), grpo_mem 5.3e-6/1.8e-5
+  (5.9x/6.1x). A bug is not of that size: one log-prob off by 1e-3, or gradients off by 1%, fails on every model
+  measured (the tests and ``verify_real.py --perturb``); noise of 3e-5 on every log-prob of a 2-layer model whose
+  floor is below 1e-7 fails too.
 - bf16/fp16 (autocast, e.g. TRL's ``bf16=True``, or low-precision weights): both paths carry rounding errors of a few
   1e-2 that are rounded independently, so they are compared against a third run, stock TRL on the same model in fp32
   (weights cast to fp32 in place and back, which is exact), in Cut Cross-Entropy's style: grpo_mem's error against
