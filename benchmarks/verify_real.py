@@ -71,14 +71,17 @@ def system_text(tokenizer, n: int) -> str:
     return tokenizer.decode(ids)
 
 
-def perturb_head(size: float) -> None:
-    """grpo_mem's completion head adds ``size`` to the log-prob of row 0's first completion token."""
+def perturb_head(size: float, model) -> None:
+    """grpo_mem's completion head adds ``size`` to the log-prob of row 0's first completion token of ``model`` (not
+    of the tiny model grpo_mem's run-time confirmation scores, which would catch it and fall back to stock)."""
     import grpo_mem.model.window as window
 
     head = window.completion_head
 
-    def perturbed(*args, **kwargs):
-        logps, entropy = head(*args, **kwargs)
+    def perturbed(causal_lm, *args, **kwargs):
+        logps, entropy = head(causal_lm, *args, **kwargs)
+        if causal_lm is not model:
+            return logps, entropy
         bump = logps.new_zeros(logps.shape)
         bump[0, 0] = size
         return logps + bump, entropy
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     if args.perturb:
-        perturb_head(args.perturb)
+        perturb_head(args.perturb, model)
     if args.floor:
         import grpo_mem.patches.verify as verify_module
 

@@ -505,9 +505,12 @@ def _setup(trainer_or_model, batch, micro_batch_size, temperature, seed) -> _Set
 def _row_chunk(setup: _Setup, scale: float) -> int:
     """Rows per chunk of a stock-path run whose activations take ``scale`` x the bytes per token of the model's own
     dtype: as many full rows (P + C tokens each) as fit in the most tokens grpo_mem's path ran through the backbone in
-    one micro-batch, at least 1, at most the micro-batch."""
-    width = setup.ids.shape[1]
-    return max(1, min(max(hi - lo for lo, hi in setup.slices), int(setup.budget_tokens / (scale * width))))
+    one micro-batch, at least 1, at most the micro-batch. Whole micro-batches where the loss is not a sum over rows
+    (the MoE router loss, computed over the call's tokens) or the call carries multimodal inputs."""
+    width, mb = setup.ids.shape[1], max(hi - lo for lo, hi in setup.slices)
+    if setup.aux_coef != 0.0 or setup.extras:
+        return mb
+    return max(1, min(mb, int(setup.budget_tokens / (scale * width))))
 
 
 def _act_bytes(setup: _Setup) -> int:
