@@ -18,19 +18,22 @@ grpo_mem's log-probs, entropies and gradients must stay within stock TRL's own e
 precision (fp64 for fp32, fp32 for bf16/fp16); the bounds and the report: :mod:`grpo_mem.patches.verify_criteria`.
 
 Memory: verify is for the user whose training runs out of memory, so no run holds more than the patched training
-step it checks (besides one call of stock TRL's own fused head, see below):
+step it checks (measured: ``benchmarks/results/verify_memory.csv``):
 
 - grpo_mem's path runs first, exactly as in training, with nothing else held.
 - Stock TRL's method runs in row chunks: as many whole rows (P + C tokens each) as fit in the most backbone tokens
   grpo_mem ran in one micro-batch (usually 1 row with a long shared prompt), its decoder layers checkpointed
   (non-reentrant ``torch.utils.checkpoint``: the same values, one layer's activations at a time in the backward).
-  The loss is a sum over rows, so the chunks' gradients add up to the micro-batch's. One call of TRL's fused head
-  on CPU still takes a (P + C - 1) x 32768 logit tile (TRL scores every position of a row on CPU; on CUDA only the
-  completion's).
+  The loss is a sum over rows, so the chunks' gradients add up to the micro-batch's. TRL's own fused head runs
+  with a narrower vocabulary tile (``_trl_head_tile``: TRL's tile-width constant, at most 4 MiB of fp32 logits per
+  tile; the same code, sums over the vocabulary in another order: 1-2 fp32 ulps). With TRL's 32768 columns, one
+  call on CPU (where TRL scores every position of a row) took a (P + C - 1) x 32768 tile and several fp32 copies
+  of it, more than the patched step's whole peak.
 - The truth (fp32 for a bf16/fp16 run, fp64 for fp32) is stock TRL's method on the model widened one module at a
   time (``_upcast_per_module``: no whole copy in the wider dtype; a copy a backward formula saves is re-widened when
-  read), in row chunks sized for the wider activations, checkpointed, its gradients in the wider dtype streamed into
-  sketches as its backward produces them (no ``.grad`` buffer).
+  read; of an embedding table only the rows the batch uses), in row chunks sized for the wider activations,
+  checkpointed, its gradients in the wider dtype streamed into sketches as its backward produces them (no ``.grad``
+  buffer).
 - Gradients are compared through linear count sketches (``_Sketcher``: small parameters exactly, large ones as
   8192 fp64 bucket sums, norms of differences to about 1%), so no run's gradients are held while another runs.
 
@@ -345,6 +348,29 @@ class _Sketcher:
             bucket = (idx[:m] + h) & (SKETCH_BUCKETS - 1)
             out.index_add_(0, bucket, xb.mul_(sign[:m]).mul_(1.0 if h & 1 << 20 else -1.0))
 
+    def add_rows(self, acc: dict, name: str, grad: torch.Tensor, rows: torch.Tensor, shape: tuple) -> None:
+        """``add`` of the gradient of a parameter of ``shape`` (rows, width) that is zero but in rows ``rows``
+        (distinct int64 indices), given as ``grad`` (len(rows), width): the same sketch as ``add`` of the dense
+        gradient, without building it."""
+        n_rows, width = shape
+        if n_rows * width <= SKETCH_BUCKETS:
+            dense = grad.new_zeros(shape)
+            dense[rows] = grad
+            self.add(acc, name, dense)
+            return
+        out = acc.get(name)
+        if out is None:
+            out = acc[name] = torch.zeros(SKETCH_BUCKETS, dtype=torch.float64, device=grad.device)
+        idx, sign = self._pattern(grad.device)
+        flat = (rows.to(grad.device)[:, None] * width + torch.arange(width, device=grad.device)).reshape(-1)
+        block, offset = flat // _SKETCH_BLOCK, flat % _SKETCH_BLOCK
+        blocks = block.unique()
+        shift = torch.tensor([zlib.crc32(f"{name}:{int(b)}".encode()) for b in blocks], device=grad.device)
+        h = shift[torch.searchsorted(blocks, block)]
+        bucket = (idx[offset] + h) & (SKETCH_BUCKETS - 1)
+        block_sign = torch.where(h & (1 << 20) != 0, 1.0, -1.0).double()
+        out.index_add_(0, bucket, grad.detach().reshape(-1).double() * sign[offset] * block_sign)
+
     def take_grads(self, named, acc: dict | None = None) -> dict:
         """Sketch every ``.grad`` of ``named`` ((name, parameter) pairs) into ``acc`` and drop the ``.grad``s."""
         acc = {} if acc is None else acc
@@ -554,7 +580,7 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     timings["grpo_mem"] = time.perf_counter() - t
     setup.budget_tokens = max(d.stock_tokens if d.path == "stock" else d.backbone_tokens for d in decisions)
     t = time.perf_counter()
-    with _checkpointed_layers(unwrap_causal_lm(setup.model)):
+    with _checkpointed_layers(unwrap_causal_lm(setup.model)), _trl_head_tile(setup, _row_chunk(setup, 1.0)):
         stock = score_with(
             setup.stock_fn, entropy_coef=ours.entropy_coef, chunks=_chunks(setup, _row_chunk(setup, 1.0))
         )
@@ -562,6 +588,44 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     timings["stock"] = time.perf_counter() - t
     truth = _truth(setup, torch.float32, stock.entropy_coef, seed, True, timings) if low else None
     return stock, ours, truth, decisions
+
+
+HEAD_TILE_BYTES = 4 << 20
+"""The most bytes of one fp32 logit tile of TRL's fused head in stock's calls (``_trl_head_tile``)."""
+
+
+@contextlib.contextmanager
+def _trl_head_tile(setup: _Setup, rows: int):
+    """TRL's fused head (``trl.trainer.utils.add_fused_lm_head``) with vocabulary tiles of at most
+    ``HEAD_TILE_BYTES`` in fp32 over a call's positions (``rows`` x (P + C - 1): TRL scores every position of a row
+    on CPU), in multiples of 128 columns, at least 128, at most the vocabulary rounded up to 128 (one tile, the same
+    sums as TRL's, where the vocabulary fits) and at most TRL's own width (its module constant
+    ``_CHUNKED_LOGPROB_CHUNK_SIZE``, 32768 in 1.16, which it passes as ``chunk_size`` to its
+    ``_ChunkedLogProbFunction``). The same code path of TRL's: its kernel folds each tile into online log-sum-exp
+    statistics, so a narrower tile changes only the order of the fp32 sums over the vocabulary (measured in
+    ``tests/patches/test_verify.py::test_trl_head_tile_changes_only_summation_order``). On CPU TRL allocates the full
+    tile width even for a smaller vocabulary, and its torch fallback keeps several fp32 copies of a tile at once
+    (forward and backward), which made stock's call peak above the patched step's. TRL releases without the
+    constant: nothing changes."""
+    import importlib
+
+    try:
+        utils = importlib.import_module("trl.trainer.utils")
+    except ImportError:
+        utils = None
+    own = getattr(utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", None)
+    if not isinstance(own, int):
+        yield
+        return
+    head = unwrap_causal_lm(setup.model).get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None and head.weight.dim() == 2 else own
+    positions = max(1, rows * (setup.ids.shape[1] - 1))
+    columns = max(128, min(HEAD_TILE_BYTES // (4 * positions), -(-vocab // 128) * 128) // 128 * 128)
+    utils._CHUNKED_LOGPROB_CHUNK_SIZE = min(own, columns)
+    try:
+        yield
+    finally:
+        utils._CHUNKED_LOGPROB_CHUNK_SIZE = own
 
 
 class _Upcast(torch.autograd.Function):
@@ -579,14 +643,31 @@ class _Upcast(torch.autograd.Function):
         return None, None, None, None
 
 
+class _UpcastRows(torch.autograd.Function):
+    """Rows ``rows`` of ``p`` (an embedding table) in ``dtype``; their gradient goes to
+    ``sink(name, grad, rows, p.shape)`` instead of ``p.grad``."""
+
+    @staticmethod
+    def forward(ctx, p, rows, dtype, sink, name):
+        ctx.sink, ctx.name, ctx.rows, ctx.shape = sink, name, rows, tuple(p.shape)
+        return p.detach()[rows].to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink(ctx.name, grad, ctx.rows, ctx.shape)
+        return None, None, None, None, None
+
+
 @contextlib.contextmanager
 def _upcast_per_module(model, dtype: torch.dtype, sink):
     """The model's floating parameters and buffers seen in ``dtype`` by each module only while it runs: a forward
     pre-hook puts copies in ``dtype`` in the module's ``_parameters``/``_buffers`` (exact: bf16/fp16 -> fp32 and
     fp32 -> fp64 are widenings), the forward hook puts the originals back. A copy a backward formula saves (a linear
     layer's weight) is not kept: saved-tensor hooks store the original parameter and widen it again when the backward
-    reads it. So at most one module's weights exist in ``dtype`` at a time, besides the activations. Gradients
-    (``dtype``) go to ``sink(name, grad)``, not to ``.grad``. Everything is put back on exit, also after an error."""
+    reads it. So at most one module's weights exist in ``dtype`` at a time, besides the activations. An
+    ``nn.Embedding`` (without ``max_norm``) called with its ids widens only the rows the ids use, and its ids are
+    renumbered into them (a vocabulary table in fp64 is what it avoids: 1.3 GB for Gemma 3's). Gradients (``dtype``)
+    go to ``sink(name, grad)`` (an embedding's: ``sink(name, rows_grad, rows, shape)``), not to ``.grad``. Everything is put back on exit, also after an error."""
     names = {id(p): n for n, p in model.named_parameters()}
     copies: dict[int, tuple] = {}  # id(copy) -> (weakref(copy), original)
     stacks: dict[int, list] = {}
@@ -599,6 +680,32 @@ def _upcast_per_module(model, dtype: torch.dtype, sink):
             w = t.detach().to(dtype)
         copies[id(w)] = (weakref.ref(w), t)
         return w
+
+    def pre_embedding(module, args):
+        """An ``nn.Embedding`` called with its token ids: only the rows the ids use, widened, and the ids renumbered
+        into them (the same values and gradients; a whole vocabulary table in fp64 is what this avoids)."""
+        weight = module._parameters.get("weight")
+        ids = args[0] if args else None
+        if not (isinstance(ids, torch.Tensor) and weight is not None and weight.dtype != dtype):
+            return pre(module, args)
+        rows, local = torch.unique(ids, return_inverse=True)
+        if weight.requires_grad and torch.is_grad_enabled():
+            compact = _UpcastRows.apply(weight, rows, dtype, sink, names.get(id(weight), ""))
+        else:
+            compact = weight.detach()[rows].to(dtype)
+        swapped = [(module._parameters, "weight", weight)]
+        module._parameters["weight"] = compact
+        pad = module.padding_idx
+        if pad is not None:
+            hit = (rows == pad).nonzero()
+            module.padding_idx = int(hit[0, 0]) if len(hit) else None
+            swapped.append((module.__dict__, "padding_idx", pad))
+        for key, t in list(module._buffers.items()):
+            if t is not None and t.is_floating_point() and t.dtype != dtype:
+                module._buffers[key] = t.to(dtype)
+                swapped.append((module._buffers, key, t))
+        stacks.setdefault(id(module), []).append(swapped)
+        return (local, *args[1:])
 
     def pre(module, args):
         swapped = []
@@ -626,7 +733,8 @@ def _upcast_per_module(model, dtype: torch.dtype, sink):
 
     for module in model.modules():
         if module._parameters or module._buffers:
-            handles.append(module.register_forward_pre_hook(pre))
+            plain = not isinstance(module, torch.nn.Embedding) or module.max_norm is not None
+            handles.append(module.register_forward_pre_hook(pre if plain else pre_embedding))
             handles.append(module.register_forward_hook(post))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -732,8 +840,11 @@ def _truth(
     chunks = _chunks(setup, rows)
     sink: dict = {}
 
-    def add(name, grad):
-        setup.sketcher.add(sink, name, grad)
+    def add(name, grad, rows=None, shape=None):
+        if rows is None:
+            setup.sketcher.add(sink, name, grad)
+        else:
+            setup.sketcher.add_rows(sink, name, grad, rows, shape)
 
     def rounding():
         return _rounded_outputs(setup.model, round_to) if round_to is not None else contextlib.nullcontext()
