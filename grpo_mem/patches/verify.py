@@ -25,8 +25,8 @@ step it checks (measured: ``benchmarks/results/verify_memory.csv``):
   grpo_mem ran in one micro-batch (usually 1 row with a long shared prompt), its decoder layers checkpointed
   (non-reentrant ``torch.utils.checkpoint``: the same values, one layer's activations at a time in the backward).
   The loss is a sum over rows, so the chunks' gradients add up to the micro-batch's. TRL's own fused head runs
-  with a narrower vocabulary tile (``_trl_head_tile``: TRL's tile-width constant, at most 4 MiB of fp32 logits per
-  tile; the same code, sums over the vocabulary in another order: 1-2 fp32 ulps). With TRL's 32768 columns, one
+  with a narrower vocabulary tile (``_trl_head_tile``: TRL's tile-width constant, as many columns as the hidden
+  size; the same code, sums over the vocabulary in another order: 1-2 fp32 ulps). With TRL's 32768 columns, one
   call on CPU (where TRL scores every position of a row) took a (P + C - 1) x 32768 tile and several fp32 copies
   of it, more than the patched step's whole peak.
 - The truth (fp32 for a bf16/fp16 run, fp64 for fp32) is stock TRL's method on the model widened one module at a
@@ -580,7 +580,7 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     timings["grpo_mem"] = time.perf_counter() - t
     setup.budget_tokens = max(d.stock_tokens if d.path == "stock" else d.backbone_tokens for d in decisions)
     t = time.perf_counter()
-    with _checkpointed_layers(unwrap_causal_lm(setup.model)), _trl_head_tile(setup, _row_chunk(setup, 1.0)):
+    with _checkpointed_layers(unwrap_causal_lm(setup.model)), _trl_head_tile(setup):
         stock = score_with(
             setup.stock_fn, entropy_coef=ours.entropy_coef, chunks=_chunks(setup, _row_chunk(setup, 1.0))
         )
@@ -590,23 +590,19 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     return stock, ours, truth, decisions
 
 
-HEAD_TILE_BYTES = 4 << 20
-"""The most bytes of one fp32 logit tile of TRL's fused head in stock's calls (``_trl_head_tile``)."""
-
-
 @contextlib.contextmanager
-def _trl_head_tile(setup: _Setup, rows: int):
-    """TRL's fused head (``trl.trainer.utils.add_fused_lm_head``) with vocabulary tiles of at most
-    ``HEAD_TILE_BYTES`` in fp32 over a call's positions (``rows`` x (P + C - 1): TRL scores every position of a row
-    on CPU), in multiples of 128 columns, at least 128, at most the vocabulary rounded up to 128 (one tile, the same
-    sums as TRL's, where the vocabulary fits) and at most TRL's own width (its module constant
-    ``_CHUNKED_LOGPROB_CHUNK_SIZE``, 32768 in 1.16, which it passes as ``chunk_size`` to its
-    ``_ChunkedLogProbFunction``). The same code path of TRL's: its kernel folds each tile into online log-sum-exp
-    statistics, so a narrower tile changes only the order of the fp32 sums over the vocabulary (measured in
-    ``tests/patches/test_verify.py::test_trl_head_tile_changes_only_summation_order``). On CPU TRL allocates the full
-    tile width even for a smaller vocabulary, and its torch fallback keeps several fp32 copies of a tile at once
-    (forward and backward), which made stock's call peak above the patched step's. TRL releases without the
-    constant: nothing changes."""
+def _trl_head_tile(setup: _Setup):
+    """TRL's fused head (``trl.trainer.utils.add_fused_lm_head``) with vocabulary tiles as wide as the head's input
+    (the hidden size, rounded down to a multiple of 128, at least 128; at most the vocabulary rounded up to 128, where
+    the vocabulary fits in one tile: the same sums as TRL's; at most TRL's own width), so that a tile of fp32 logits
+    takes no more than the call's hidden states in fp32. TRL's own code path: its module constant
+    ``_CHUNKED_LOGPROB_CHUNK_SIZE`` (32768 in 1.16), which it passes as ``chunk_size`` to its
+    ``_ChunkedLogProbFunction``. Its kernel folds each tile into online log-sum-exp statistics, so a narrower tile
+    changes only the order of the fp32 sums over the vocabulary (1-2 ulps measured:
+    ``tests/patches/test_verify.py::test_trl_head_tile_changes_only_summation_order``). Why: on CPU TRL scores
+    every position of a row (P + C - 1 per row), allocates its full tile width whatever the
+    vocabulary, and its torch fallback holds about 9 fp32 copies of a tile at once in the backward, which made
+    stock's call peak above the patched step's. TRL releases without the constant: nothing changes."""
     import importlib
 
     try:
@@ -618,9 +614,12 @@ def _trl_head_tile(setup: _Setup, rows: int):
         yield
         return
     head = unwrap_causal_lm(setup.model).get_output_embeddings()
-    vocab = head.weight.shape[0] if head is not None and head.weight.dim() == 2 else own
-    positions = max(1, rows * (setup.ids.shape[1] - 1))
-    columns = max(128, min(HEAD_TILE_BYTES // (4 * positions), -(-vocab // 128) * 128) // 128 * 128)
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        yield
+        return
+    vocab, hidden = weight.shape
+    columns = min(max(128, hidden // 128 * 128), -(-vocab // 128) * 128)
     utils._CHUNKED_LOGPROB_CHUNK_SIZE = min(own, columns)
     try:
         yield
