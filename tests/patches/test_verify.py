@@ -263,9 +263,10 @@ def test_peak_memory_within_the_patched_step():
     decoder layers checkpointed, stock's TRL head in vocabulary tiles as wide as the hidden size, the truth widened
     per module and only in the embedding rows used, gradients sketched) is at most the patched step's plus verify's
     per-row bookkeeping (measured 3,966,508 B vs the step's 3,966,312 B: its peak is grpo_mem's own run, the same
-    step, plus 196 B of advantages and masks; stock's run peaks at 3.71 MB, the truth's at 3.76 MB). Stock TRL's method over one whole micro-batch (what
-    verify ran before) takes more than 3x that. Not so for a 101-token vocabulary, where one row's activations
-    outweigh the parameters: there the fp32 truth's one 254-token row peaks at 2.82 MB vs the step's 2.02 MB."""
+    step, plus 196 B of advantages and masks; stock's run peaks at 3.71 MB, the truth's at 3.76 MB). Stock TRL's
+    method over one whole micro-batch (what verify ran before) takes more than 3x that. Not so for a 101-token
+    vocabulary, where one row's activations outweigh the parameters: there the fp32 truth's one 254-token row peaks
+    at 2.82 MB vs the step's 2.02 MB (without its 33 KB input concatenation)."""
     from grpo_mem.bench.measure import TensorMemoryTracker
 
     model = tiny_model(layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, vocab_size=4096)
@@ -290,7 +291,8 @@ def test_trl_head_tile_changes_only_summation_order():
     each tile into online log-sum-exp statistics, so the log-probs, entropies and gradients differ from TRL's 32768-
     column tile only by the order of fp32 sums. fp32, a 40000-token vocabulary (two tiles of TRL's, 313 of 128 columns
     here), 2 rows of 64 tokens: measured max |difference| 1.9e-06 in log-probs (values about -10.6), 1.9e-06 in
-    entropies (about 10.6), 3.4e-07 relative in the gradient (2 ulps of fp32 at those values); bounded here at 1e-5 / 1e-5 / 1e-5. The tile is restored after."""
+    entropies (about 10.6), 3.4e-07 relative in the gradient (2 ulps of fp32 at those values); bounded here at
+    1e-5 / 1e-5 / 1e-5. The tile is restored after."""
     import trl.trainer.utils as trl_utils
     from trl.trainer.utils import add_fused_lm_head
 
