@@ -665,8 +665,9 @@ def _upcast_per_module(model, dtype: torch.dtype, sink):
     layer's weight) is not kept: saved-tensor hooks store the original parameter and widen it again when the backward
     reads it. So at most one module's weights exist in ``dtype`` at a time, besides the activations. An
     ``nn.Embedding`` (without ``max_norm``) called with its ids widens only the rows the ids use, and its ids are
-    renumbered into them (a vocabulary table in fp64 is what it avoids: 1.3 GB for Gemma 3's). Gradients (``dtype``)
-    go to ``sink(name, grad)`` (an embedding's: ``sink(name, rows_grad, rows, shape)``), not to ``.grad``. Everything is put back on exit, also after an error."""
+    renumbered into them (what it avoids: a vocabulary table in fp64, Gemma 3's 262144 x 640 x 8 B = 1.3 GB, and
+    as much for its gradient). Gradients (``dtype``) go to ``sink(name, grad)`` (an embedding's:
+    ``sink(name, rows_grad, rows, shape)``), not to ``.grad``. Everything is put back on exit, also after an error."""
     names = {id(p): n for n, p in model.named_parameters()}
     copies: dict[int, tuple] = {}  # id(copy) -> (weakref(copy), original)
     stacks: dict[int, list] = {}
