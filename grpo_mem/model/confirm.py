@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import versions
+from ..ops._backends import RESOLVED
 from . import attention_hook as attn_hook
 from . import support
 from .forward import ScoreOptions, restore
@@ -430,6 +431,7 @@ def confirmation(causal_lm) -> Verdict:
     config, text = _tiny(causal_lm.config)
     error = text[len("unbuilt: ") :] if config is None else None
     wall, cpu = time.perf_counter(), time.process_time()
+    resolved = dict(RESOLVED)
     generator = torch.Generator().manual_seed(SEED)
     cause = router_cause = None
     with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread(), _confirming():
@@ -454,6 +456,9 @@ def confirmation(causal_lm) -> Verdict:
                     cause = f"not confirmed: scoring a tiny {cls.__name__} raised {type(e).__name__}: {e}"[:300]
                 finally:
                     restore(model)  # the attention hook is registered only while models run it
+        # the tiny copy's ops ran on CPU: what the user's model ran stays the record (``verify`` reports it)
+        RESOLVED.clear()
+        RESOLVED.update(resolved)
     verdict = Verdict(cause, router_cause, time.process_time() - cpu, time.perf_counter() - wall)
     _VERDICTS[key] = verdict
     return verdict

@@ -64,6 +64,7 @@ from ..model import support
 from ..model.distributed import unwrap_causal_lm
 from ..model.forward import installed, own_forward, restore, validate_inputs
 from ..model.plan import PromptGrouping
+from ..ops._backends import RESOLVED, preferred
 from .checks import LOGPS_METHOD, LOGPS_PARAMS
 from .trl import active_handle, group_shuffle, patched_method
 from .verify_criteria import (
@@ -474,6 +475,7 @@ class _Setup:
     aux_coef: float  # the trainer's router_aux_loss_coef when it asks for the MoE router loss, else 0
     window: int
     sketcher: _Sketcher = field(default_factory=_Sketcher)
+    backends: dict = field(default_factory=dict)  # op -> the backend grpo_mem's run resolved it to
     budget_tokens: int = 0  # the most backbone tokens grpo_mem's path ran in one micro-batch (set by its run)
     low_dtype: torch.dtype | None = None  # the autocast dtype of a mixed-precision run
     truth_mode: str = ""  # how the truth widened the model: "per module" or "whole model"
@@ -571,6 +573,7 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
 
     _sync(device)
     t = time.perf_counter()
+    RESOLVED.clear()
     try:
         ours = score_with(ours_fn, before_call, None, lambda: decisions.append(session.last_decision))
     finally:
@@ -578,6 +581,7 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
             session.close_window()
     _sync(device)
     timings["grpo_mem"] = time.perf_counter() - t
+    setup.backends = dict(RESOLVED)  # what grpo_mem's kernels ran on (empty: every micro-batch took stock's path)
     setup.budget_tokens = max(d.stock_tokens if d.path == "stock" else d.backbone_tokens for d in decisions)
     t = time.perf_counter()
     with _checkpointed_layers(unwrap_causal_lm(setup.model)), _trl_head_tile(setup):
@@ -1090,7 +1094,7 @@ def verify(
     report.truth_mode = setup.truth_mode
     report.row_chunks = {"stock": _row_chunk(setup, 1.0), **setup.truth_rows}
     report.peak_memory_mb, report.memory_kind = peak.peak_mb, peak.kind
-    report.backend = _backend_line()
+    report.backend = _backend_line(setup.backends)
     _sync(device)
     report.seconds = time.perf_counter() - start
     if print_report:
@@ -1104,9 +1108,16 @@ def _is_trainer(obj) -> bool:
     return hasattr(obj, "accelerator") and hasattr(obj, "model")
 
 
-def _backend_line() -> str:
-    """The kernel backend line of the report ("" until the backend choice exists: nothing printed)."""
-    return ""
+def _backend_line(backends: dict) -> str:
+    """The report's kernel backend line: what each op of grpo_mem's run resolved to and where the preference came
+    from, e.g. ``"attention torch, head torch (GRPO_MEM_BACKEND=torch)"``."""
+    preference, source = preferred()
+    names = {"multi_region_attention": "attention", "linear_logprobs": "head", "selective_log_softmax": "head"}
+    ran = ", ".join(sorted(f"{names.get(op, op)} {name}" for op, name in backends.items())) or "no grpo_mem kernel ran"
+    origin = {"default": "auto", "patch_trl": f"patch_trl(backend={preference!r})"}.get(
+        source, f"{source}={preference}"
+    )
+    return f"{ran} ({origin})"
 
 
 class _PeakMemory:

@@ -243,10 +243,10 @@ class VerifyReport:
     def _cost(self) -> str:
         """verify's own cost: wall seconds of each run, peak memory, how the stock-path runs were split."""
         runs = ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
-        chunks = ", ".join(f"{k} {v} row{'s' if v != 1 else ''}" for k, v in self.row_chunks.items())
+        chunks = ", ".join(f"{v} row{'s' if v != 1 else ''} ({k})" for k, v in self.row_chunks.items())
         return (
             f"verify's cost: {self.seconds:.1f} s ({runs}); peak memory {self.peak_memory_mb:.0f} MB above its start "
-            f"({self.memory_kind or '-'}); stock-path calls of at most {chunks or '-'}"
+            f"({self.memory_kind or '-'}); calls of at most {chunks or '-'}"
             + (f"; truth widened {self.truth_mode}" if self.truth_mode else "")
         )
 

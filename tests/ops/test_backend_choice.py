@@ -98,11 +98,14 @@ def test_torch_backend_scores_like_stock_and_is_what_ran(monkeypatch):
 def test_patched_trainer_runs_the_pinned_backend(tmp_path):
     trainer, handle = make_trainer(patch=True, output_dir=tmp_path, backend="torch")
     ids, mask, C, _ = make_batch([4, 6], 2, 3)
-    RESOLVED.clear()
-    with torch.no_grad():
-        ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
-    assert set(RESOLVED.values()) == {"torch"}
-    handle.revert()
+    with handle:  # reverted (and the pin given back) even if an assertion fails
+        RESOLVED.clear()
+        with torch.no_grad():
+            ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        assert set(RESOLVED.values()) == {"torch"}
+        report = grpo_mem.verify(trainer, print_report=False)
+        assert report.passed, str(report)
+        assert report.backend == "attention torch, head torch (patch_trl(backend='torch'))", str(report)
     assert preferred()[1] != "patch_trl"
     with torch.no_grad():
         stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)

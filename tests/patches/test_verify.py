@@ -74,6 +74,9 @@ def test_trainer_passes_and_leaves_no_trace(tmp_path):
     assert support._warned == warned
     assert LOGPS_METHOD not in trainer.__dict__
     assert "PASSED" in str(report) and "max |Δ log-prob|" in str(report)
+    # what grpo_mem's kernels ran on (CPU: ATen's attention, the C++ head where the extension is built)
+    head = "cpp" if grpo_mem.ops.HAS_EXT else "torch"
+    assert f"kernel backend: attention cpu, head {head} (auto)" in str(report), str(report)
 
 
 def test_already_patched_trainer_compares_against_true_stock(tmp_path):
@@ -191,6 +194,7 @@ def test_fallback_is_reported_with_its_cause():
     assert report.passed, str(report)
     assert [m.path for m in report.micro_batches] == ["stock fallback"] * 2
     assert report.micro_batches[0].why == UNSHARED
+    assert report.backend == "no grpo_mem kernel ran (auto)"  # the run-time confirmation's tiny copy is not counted
     assert UNSHARED not in support._warned
 
 
