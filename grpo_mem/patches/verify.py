@@ -271,24 +271,14 @@ def _cast(model, trainer, dtype: torch.dtype):
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
     dtypes = [t.dtype for t in tensors]
     device_type = tensors[0].device.type if tensors else "cpu"
-    accelerator = getattr(trainer, "accelerator", None)
-    had_autocast = accelerator is not None and "autocast" in accelerator.__dict__
-    previous = accelerator.__dict__.get("autocast") if accelerator is not None else None
     for t in tensors:
         t.data = t.data.to(dtype)
-    if accelerator is not None:
-        accelerator.autocast = lambda *a, **k: torch.autocast(device_type, enabled=False)
     try:
-        with torch.autocast(device_type, enabled=False):
+        with _no_autocast(trainer, device_type):
             yield
     finally:
         for t, dtype in zip(tensors, dtypes):
             t.data = t.data.to(dtype)
-        if accelerator is not None:
-            if had_autocast:
-                accelerator.autocast = previous
-            else:
-                del accelerator.autocast
 
 
 # ---------------------------------------------------------------------------------------------------------------------

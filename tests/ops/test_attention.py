@@ -473,20 +473,7 @@ def test_region_dkdv_launch_is_split_and_reduced(monkeypatch):
     """The launcher uses that grid: for the Qwen2.5-1.5B shape (meta tensors, kernels stubbed) the prompt dK/dV kernel
     runs on >= 264 programs and the reduction follows it."""
     rec = LaunchRecorder(monkeypatch)
-    B, U, Hq, Hkv, C, P, d = REALISTIC[0][1:]
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    t = {
-        "q": torch.empty(B, C, Hq, d, **meta).transpose(1, 2),
-        "k": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
-        "v": torch.empty(B, C, Hkv, d, **meta).transpose(1, 2),
-        "prefix_k": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
-        "prefix_v": torch.empty(U, P, Hkv, d, **meta).transpose(1, 2),
-    }
-    pi = torch.zeros(B, dtype=torch.int64, device="meta")
-    pm = torch.empty(U, P, dtype=torch.bool, device="meta")
-    km = torch.empty(B, C, dtype=torch.bool, device="meta")
-    go = torch.empty(B, C, Hq, d, **meta).transpose(1, 2)
-    _run_triton_launchers(t, pi, pm, km, go)
+    _run_triton_launchers(*_meta_inputs(*REALISTIC[0][1:]))
     names = [name for name, _, _ in rec.launches]
     assert names == ["fwd", "bwd_delta", "bwd_dq", "bwd_dkdv_own", "bwd_dkdv_region", "bwd_region_reduce"]
     grid = rec.launches[4][1]
