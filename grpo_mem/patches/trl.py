@@ -443,10 +443,10 @@ def _pin_backend() -> None:
 
 
 def _check_backend(key, backend: str | None) -> None:
-    """ValueError when another active handle pins a different backend (the pin is process-wide)."""
+    """ValueError when another active handle pins a different backend (the pin is process-wide); ``backend`` was
+    validated by ``patch_trl``."""
     if backend is None:
         return
-    check_choice(backend)
     for other_key, other in _ACTIVE.items():
         if other_key != key and other.backend not in (None, backend):
             raise ValueError(

@@ -662,31 +662,61 @@ def _upcast_per_module(model, dtype: torch.dtype, sink):
     renumbered into them (what it avoids: a vocabulary table in fp64, Gemma 3's 262144 x 640 x 8 B = 1.3 GB, and
     as much for its gradient). Gradients (``dtype``) go to ``sink(name, grad)`` (an embedding's:
     ``sink(name, rows_grad, rows, shape)``), not to ``.grad``. Everything is put back on exit, also after an error."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    copies: dict[int, tuple] = {}  # id(copy) -> (weakref(copy), original)
-    stacks: dict[int, list] = {}
+    widener = _Widener(model, dtype, sink)
     handles = []
+    for module in model.modules():
+        if module._parameters or module._buffers:
+            plain = not isinstance(module, torch.nn.Embedding) or module.max_norm is not None
+            handles.append(module.register_forward_pre_hook(widener.pre if plain else widener.pre_embedding))
+            handles.append(module.register_forward_hook(widener.post))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(widener.pack, widener.unpack):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        widener.put_back()
 
-    def widen(t, grad):
+
+class _Widener:
+    """The hooks of ``_upcast_per_module`` and what they share: the widened copies alive (id -> (weakref, original))
+    and, per module, the stack of what its pre-hooks swapped in (a module may run re-entrantly)."""
+
+    def __init__(self, model, dtype: torch.dtype, sink):
+        self.dtype, self.sink = dtype, sink
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.copies: dict[int, tuple] = {}
+        self.stacks: dict[int, list] = {}
+
+    def widen(self, t, grad: bool):
         if grad and t.requires_grad and torch.is_grad_enabled():
-            w = _Upcast.apply(t, dtype, sink, names.get(id(t), ""))
+            w = _Upcast.apply(t, self.dtype, self.sink, self.names.get(id(t), ""))
         else:
-            w = t.detach().to(dtype)
-        copies[id(w)] = (weakref.ref(w), t)
+            w = t.detach().to(self.dtype)
+        self.copies[id(w)] = (weakref.ref(w), t)
         return w
 
-    def pre_embedding(module, args):
+    def pre(self, module, args):
+        swapped = []
+        for store, grad in ((module._parameters, True), (module._buffers, False)):
+            for key, t in list(store.items()):
+                if t is not None and t.is_floating_point() and t.dtype != self.dtype:
+                    store[key] = self.widen(t, grad)
+                    swapped.append((store, key, t))
+        self.stacks.setdefault(id(module), []).append(swapped)
+
+    def pre_embedding(self, module, args):
         """An ``nn.Embedding`` called with its token ids: only the rows the ids use, widened, and the ids renumbered
         into them (the same values and gradients; a whole vocabulary table in fp64 is what this avoids)."""
         weight = module._parameters.get("weight")
         ids = args[0] if args else None
-        if not (isinstance(ids, torch.Tensor) and weight is not None and weight.dtype != dtype):
-            return pre(module, args)
+        if not (isinstance(ids, torch.Tensor) and weight is not None and weight.dtype != self.dtype):
+            return self.pre(module, args)
         rows, local = torch.unique(ids, return_inverse=True)
         if weight.requires_grad and torch.is_grad_enabled():
-            compact = _UpcastRows.apply(weight, rows, dtype, sink, names.get(id(weight), ""))
+            compact = _UpcastRows.apply(weight, rows, self.dtype, self.sink, self.names.get(id(weight), ""))
         else:
-            compact = weight.detach()[rows].to(dtype)
+            compact = weight.detach()[rows].to(self.dtype)
         swapped = [(module._parameters, "weight", weight)]
         module._parameters["weight"] = compact
         pad = module.padding_idx
@@ -695,52 +725,34 @@ def _upcast_per_module(model, dtype: torch.dtype, sink):
             module.padding_idx = int(hit[0, 0]) if len(hit) else None
             swapped.append((module.__dict__, "padding_idx", pad))
         for key, t in list(module._buffers.items()):
-            if t is not None and t.is_floating_point() and t.dtype != dtype:
-                module._buffers[key] = t.to(dtype)
+            if t is not None and t.is_floating_point() and t.dtype != self.dtype:
+                module._buffers[key] = t.to(self.dtype)
                 swapped.append((module._buffers, key, t))
-        stacks.setdefault(id(module), []).append(swapped)
+        self.stacks.setdefault(id(module), []).append(swapped)
         return (local, *args[1:])
 
-    def pre(module, args):
-        swapped = []
-        for store, grad in ((module._parameters, True), (module._buffers, False)):
-            for key, t in list(store.items()):
-                if t is not None and t.is_floating_point() and t.dtype != dtype:
-                    store[key] = widen(t, grad)
-                    swapped.append((store, key, t))
-        stacks.setdefault(id(module), []).append(swapped)
-
-    def post(module, args, out):
-        for store, key, t in stacks[id(module)].pop():
+    def post(self, module, args, out):
+        for store, key, t in self.stacks[id(module)].pop():
             store[key] = t
 
-    def pack(t):
-        entry = copies.get(id(t))
+    def pack(self, t):
+        entry = self.copies.get(id(t))
         if entry is not None and entry[0]() is t:
             return ("widened", entry[1])
         return t
 
-    def unpack(packed):
+    def unpack(self, packed):
         if isinstance(packed, tuple) and len(packed) == 2 and packed[0] == "widened":
-            return packed[1].detach().to(dtype)
+            return packed[1].detach().to(self.dtype)
         return packed
 
-    for module in model.modules():
-        if module._parameters or module._buffers:
-            plain = not isinstance(module, torch.nn.Embedding) or module.max_norm is not None
-            handles.append(module.register_forward_pre_hook(pre if plain else pre_embedding))
-            handles.append(module.register_forward_hook(post))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-    finally:
-        for h in handles:
-            h.remove()
-        for stack in stacks.values():
+    def put_back(self) -> None:
+        """Every original back in its module (also those of modules whose forward raised before their post-hook)."""
+        for stack in self.stacks.values():
             for swapped in stack:
                 for store, key, t in swapped:
                     store[key] = t
-        copies.clear()
+        self.copies.clear()
 
 
 class _Round(torch.autograd.Function):
