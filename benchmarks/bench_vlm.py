@@ -160,7 +160,7 @@ def worker(args: dict) -> dict:
 
     from grpo_mem.bench.group import grad_norm
     from grpo_mem.bench.vision import scoring_method
-    from grpo_mem.model.support import recording_fallbacks
+    from grpo_mem.model.fallback import recording_fallbacks
 
     if args["provider"] not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS}, got {args['provider']!r}")

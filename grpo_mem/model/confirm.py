@@ -1,14 +1,16 @@
 """Numerical confirmation of what the capability rule admits: admitted means confirmed.
 
-``support.unsupported_reason`` decides from the model's code and config whether the prompt-once path is exact. The
+``support.unsupported_cause`` decides from the model's code and config whether the prompt-once path is exact. The
 first time a model class is scored with a given architecture (its config's architecture-relevant fields), this
 module confirms that decision on numbers: it builds a tiny random model of the same class from the user's config
 (``tiny_config``: 2 layers, or enough to hold every kind of layer a per-layer list names; small hidden size, head
 counts and vocabulary; the same flags; fp32; the same attention implementation), scores one small batch of prompts
 sharing a prefix (left padding, 2 completions each) on the prompt-once path (tree and group sharing) and with the
 model's own forward, and compares log-probs, entropies, every parameter's gradient and, for a model whose router
-loss the path reproduces, that loss and its gradients. A difference is a fallback cause (``warn_fallback``); the
-verdict is kept per process, keyed by (class, attention implementation, checkpointing, the tiny config).
+loss the path reproduces, that loss and its gradients. A difference is a fallback cause; the verdict is kept per
+process, keyed by (class, attention implementation, checkpointing, the tiny config). The prompt-once path is run as
+the session runs a shared micro-batch, without the session (``_prompt_once``: a ``Window`` over a one-micro-batch
+``WindowPlan``): this module sits below ``sharing``.
 
 What the confirmation never does: touch the user's parameters (the copy is built from the config), change the
 user's random streams (the copy is built inside ``torch.random.fork_rng`` from a fixed seed, its weights are drawn
@@ -24,8 +26,7 @@ confirmed with SDPA (the copy runs on CPU in fp32, which flash kernels do not ta
 per (class, architecture) on one thread (``Verdict.cpu_s``). Off: ``confirm=False`` (``patch_trl``,
 ``SharingSession``, ``shared_prompt_logprobs``) or ``GRPO_MEM_CONFIRM=0``, except with a transformers release outside
 the tested range (``grpo_mem.versions.TESTED``), where it is always on: such a release serves only the model classes
-the confirmation passes. This module knows torch and
-transformers, not TRL.
+the confirmation passes. This module knows torch and transformers, not TRL.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import contextlib
 import json
 import os
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +43,15 @@ from .. import versions
 from ..ops._backends import RESOLVED
 from . import attention_hook as attn_hook
 from . import support
-from .forward import ScoreOptions, restore
+from .fallback import forward_params, full_sequence_logprobs
+from .forward import ScoreOptions, config_state, forget_causes, restore, run_in_forward
+from .plan import WindowPlan
+from .window import Window
 
 __all__ = [
     "ENV",
     "Verdict",
-    "confirm_reason",
+    "confirm_cause",
     "confirmation",
     "enabled",
     "forget",
@@ -241,33 +244,10 @@ def verdicts() -> dict[tuple, Verdict]:
 
 
 def forget() -> None:
-    """Drop every verdict (the next scoring call of each model confirms again)."""
+    """Drop every verdict and every model's kept cause (``forward.model_cause``): the next scoring call of each model
+    decides and confirms again."""
     _VERDICTS.clear()
-
-
-@contextlib.contextmanager
-def _isolated_fallbacks():
-    """Within the block, ``warn_fallback`` neither warns nor reaches the caller's ``recording_fallbacks`` blocks; it
-    records into the list yielded."""
-    records, warned = list(support._fallback_records), set(support._warned)
-    support._fallback_records[:] = []
-    try:
-        with warnings.catch_warnings(), support.recording_fallbacks() as causes:
-            warnings.simplefilter("ignore")
-            yield causes
-    finally:
-        support._fallback_records[:] = records
-        support._warned.clear()
-        support._warned.update(warned)
-
-
-def _implementation(causal_lm) -> str:
-    inner = attn_hook.inner_implementation(causal_lm)
-    return "sdpa" if attn_hook._is_flash(inner) else inner
-
-
-def _checkpointed(causal_lm) -> bool:
-    return any(getattr(m, "gradient_checkpointing", False) for m in causal_lm.modules())
+    forget_causes()
 
 
 def _build(cls, config, impl: str, checkpointed: bool, generator: torch.Generator):
@@ -319,23 +299,28 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _scores(model, ids, mask, C, weights, *, sharing: str | None, aux: bool):
-    """(log-probs, entropies, gradients of the weighted sum, aux loss | None, its gradients | None, fallback causes)
-    of ``model`` on the prompt-once path in mode ``sharing`` (None: the model's own forward)."""
-    from .sharing import SharingSession
+def _prompt_once(model, ids, mask, options: ScoreOptions, sharing: str):
+    """(log-probs, entropies, aux loss | None) of ``model`` on the prompt-once path in mode ``sharing``, as
+    ``SharingSession.run`` computes a shared micro-batch: a ``Window`` over the plan of one micro-batch, run inside
+    one call of the model's forward (``run_in_forward``)."""
+    C = options.logits_to_keep
+    plan = WindowPlan.build(sharing, [ids[:, :-C]], [mask[:, :-C]], min_shared_tokens=_MIN_SHARED_TOKENS)
+    window = Window(plan)
 
-    causes: list[str] = []
+    def compute(causal_lm, input_ids, attention_mask):
+        return window.run(causal_lm, input_ids, attention_mask, options, lockstep=False, inputs=None)
+
+    return run_in_forward(model, model, compute, ids, mask)
+
+
+def _scores(model, ids, mask, C, weights, *, sharing: str | None, aux: bool):
+    """(log-probs, entropies, gradients of the weighted sum, aux loss | None, its gradients | None) of ``model`` on
+    the prompt-once path in mode ``sharing`` (None: the model's own forward)."""
+    options = ScoreOptions(logits_to_keep=C, temperature=TEMPERATURE, compute_entropy=True, compute_aux_loss=aux)
     if sharing is None:
-        request = ScoreOptions(logits_to_keep=C, temperature=TEMPERATURE, compute_entropy=True, compute_aux_loss=aux)
-        logps, entropy, aux_loss = support.full_sequence_logprobs(model, ids, mask, request)
+        logps, entropy, aux_loss = full_sequence_logprobs(model, ids, mask, options)
     else:
-        with _isolated_fallbacks() as causes:
-            session = SharingSession(sharing, min_shared_tokens=_MIN_SHARED_TOKENS, confirm=False)
-            session.begin_window([ids[:, :-C]], [mask[:, :-C]])
-            out = session.score(
-                model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True, compute_aux_loss=aux
-            )
-            logps, entropy, aux_loss = out if aux else (*out, None)
+        logps, entropy, aux_loss = _prompt_once(model, ids, mask, options, sharing)
     loss = (logps * weights[0]).sum() + (entropy * weights[1]).sum()
     loss.backward(retain_graph=aux)
     grads = _grads(model)
@@ -343,7 +328,7 @@ def _scores(model, ids, mask, C, weights, *, sharing: str | None, aux: bool):
     if aux:
         aux_loss.backward()
         aux_grads = _grads(model)
-    return logps.detach(), entropy.detach(), grads, aux_loss, aux_grads, list(causes)
+    return logps.detach(), entropy.detach(), grads, aux_loss, aux_grads
 
 
 def grad_difference(ours: dict, ref: dict, rtol: float = GRAD_RTOL) -> str | None:
@@ -373,8 +358,6 @@ def _compare(cls_name: str, model, ids, mask, C, generator, aux: bool) -> tuple[
     for sharing in ("tree", "group"):
         ours = _scores(model, ids, mask, C, weights, sharing=sharing, aux=aux)
         where = f"not confirmed: a tiny {cls_name} on the prompt-once path ({sharing} sharing)"
-        if ours[5]:
-            return f"{where} takes the stock path ({ours[5][0]})", None
         for what, i in (("log-probs", 0), ("entropies", 1)):
             err = float(((ours[i] - ref[i]).abs() * keep).max())
             if not err <= LOGP_ATOL:
@@ -405,13 +388,16 @@ def _tiny(config) -> tuple[object | None, str]:
         return None, f"unbuilt: {type(e).__name__}: {e}"
 
 
-_TEXTS: dict[str, str] = {}  # ``support.config_state`` -> its tiny config's text (``_tiny``), made once per config
+_TEXTS: dict[str, str] = {}  # ``forward.config_state`` -> its tiny config's text (``_tiny``), made once per config
 
 
 def _key(causal_lm, cls) -> tuple:
-    """The verdict key of ``causal_lm``: class, attention implementation, checkpointing, tiny config text."""
-    impl, checkpointed = _implementation(causal_lm), _checkpointed(causal_lm)
-    state = support.config_state(causal_lm.config)
+    """The verdict key of ``causal_lm``: class, attention implementation (SDPA for flash attention: the copy runs on
+    CPU), gradient checkpointing, tiny config text."""
+    impl = attn_hook.inner_implementation(causal_lm)
+    impl = "sdpa" if attn_hook._is_flash(impl) else impl
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in causal_lm.modules())
+    state = config_state(causal_lm.config)
     text = _TEXTS.get(state)
     if text is None:
         text = _TEXTS[state] = _tiny(causal_lm.config)[1]
@@ -421,8 +407,6 @@ def _key(causal_lm, cls) -> tuple:
 def confirmation(causal_lm) -> Verdict:
     """The verdict for ``causal_lm`` (an unwrapped transformers causal LM the capability rule admits): computed on a
     tiny copy the first time its (class, architecture) is seen in this process, then taken from the cache."""
-    from .router import router_loss_reason
-
     cls = attn_hook.own_class(causal_lm)
     key = _key(causal_lm, cls)
     verdict = _VERDICTS.get(key)
@@ -434,7 +418,7 @@ def confirmation(causal_lm) -> Verdict:
     resolved = dict(RESOLVED)
     generator = torch.Generator().manual_seed(SEED)
     cause = router_cause = None
-    with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread(), _confirming():
+    with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread():
         model = None
         if config is not None:
             try:
@@ -444,12 +428,12 @@ def confirmation(causal_lm) -> Verdict:
         if model is None:
             cause = UNBUILT.format(cls=cls.__name__, error=" ".join(str(error).split())[:160])
         else:
-            reason = support.unsupported_reason(model)
-            if reason is not None:
-                cause = f"not confirmed: a tiny {cls.__name__} is not admitted ({reason})"
+            admitted = support.unsupported_cause(model)
+            if admitted is not None:
+                cause = f"not confirmed: a tiny {cls.__name__} is not admitted ({admitted})"
             else:
                 ids, mask, C = _batch(generator, model.config.get_text_config().vocab_size)
-                aux = router_loss_reason(model) is None and _has_router(model)
+                aux = _router_confirmable(model)
                 try:
                     cause, router_cause = _compare(cls.__name__, model, ids, mask, C, generator, aux)
                 except Exception as e:  # the tiny model's own forward or the path fails: nothing confirmed
@@ -464,23 +448,16 @@ def confirmation(causal_lm) -> Verdict:
     return verdict
 
 
-def _has_router(model) -> bool:
-    """Whether the model's forward can return a router loss (``output_router_logits``)."""
-    return "output_router_logits" in support._forward_params(type(model)) or hasattr(
+def _router_confirmable(model) -> bool:
+    """Whether the model's forward can return a router loss (``output_router_logits``) that the prompt-once path
+    reproduces (``router.router_loss_cause``); the router module is imported only for such a model."""
+    if "output_router_logits" not in forward_params(type(model)) and not hasattr(
         model.config.get_text_config(), "output_router_logits"
-    )
+    ):
+        return False
+    from .router import router_loss_cause
 
-
-_CONFIRMING: list[bool] = []  # non-empty while a confirmation runs (``enabled`` is then False)
-
-
-@contextlib.contextmanager
-def _confirming():
-    _CONFIRMING.append(True)
-    try:
-        yield
-    finally:
-        _CONFIRMING.pop()
+    return router_loss_cause(model) is None
 
 
 @contextlib.contextmanager
@@ -497,6 +474,7 @@ def _one_thread():
 
 @contextlib.contextmanager
 def _no_autocast():
+    """Autocast off (CPU and CUDA) within the block: the tiny copy runs in fp32."""
     with contextlib.ExitStack() as stack:
         for device in ("cpu", "cuda"):
             if torch.is_autocast_enabled(device):
@@ -508,14 +486,12 @@ def enabled(option: bool | None) -> bool:
     """Whether to confirm: always with a transformers release outside the tested range (``grpo_mem.versions``:
     warned once, and only what the confirmation passes takes the prompt-once path); else ``option`` when given, else
     on unless the environment sets ``GRPO_MEM_CONFIRM=0``."""
-    if _CONFIRMING:  # the tiny copy's own scoring (``_scores``) is what confirms: never confirmed itself
-        return False
     if not versions.check_tested("transformers"):
         return True
     return bool(option) if option is not None else os.environ.get(ENV, "1").strip() != "0"
 
 
-def confirm_reason(causal_lm, *, compute_aux_loss: bool = False) -> str | None:
+def confirm_cause(causal_lm, *, compute_aux_loss: bool = False) -> str | None:
     """Why the numerical confirmation refuses ``causal_lm`` (``confirmation``), or None; with ``compute_aux_loss``
     also a router loss that was not confirmed."""
     verdict = confirmation(causal_lm)

@@ -65,25 +65,25 @@ IMAGE_PASSES_DIFFER = (
 )
 
 
-def agree(reason: str | None, pass_keys: list, image_passes: list | None = None) -> tuple[str | None, set]:
+def agree(cause: str | None, pass_keys: list, image_passes: list | None = None) -> tuple[str | None, set]:
     """What every rank in lockstep decides for a micro-batch, from one ``all_gather_object`` (every rank calls it once
-    per micro-batch): the fallback reason and the union of the ranks' pass keys (``PassSpec.key``) for the micro-batch.
+    per micro-batch): the fallback cause and the union of the ranks' pass keys (``PassSpec.key``) for the micro-batch.
 
-    The reason is this rank's, one naming another rank when only another rank falls back, ``IMAGE_PASSES_DIFFER``
+    The cause is this rank's, one naming another rank when only another rank falls back, ``IMAGE_PASSES_DIFFER``
     when some rank has image inputs (``image_passes``: the keys of its passes that run the vision tower, None without
     image inputs) and the ranks' pass keys or image-pass keys differ, or None when no rank falls back."""
     import torch.distributed as dist
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (reason, list(pass_keys), image_passes))
+    dist.all_gather_object(gathered, (cause, list(pass_keys), image_passes))
     union = {tuple(k) for _, keys, _ in gathered for k in keys}
-    if reason is None and any(r is not None for r, _, _ in gathered):
-        reason = "another rank falls back, and sharded ranks must run the same module calls"
-    if reason is None and any(images is not None for _, _, images in gathered):
+    if cause is None and any(r is not None for r, _, _ in gathered):
+        cause = "another rank falls back, and sharded ranks must run the same module calls"
+    if cause is None and any(images is not None for _, _, images in gathered):
         plans = {(frozenset(map(tuple, keys)), frozenset(map(tuple, images or ()))) for _, keys, images in gathered}
         if len(plans) > 1:
-            reason = IMAGE_PASSES_DIFFER
-    return reason, union
+            cause = IMAGE_PASSES_DIFFER
+    return cause, union
 
 
 def clear_zero3_grads_before_first_backward(model: torch.nn.Module) -> None:

@@ -1,5 +1,6 @@
-"""The model-forward plumbing of grpo_mem: the options of one scoring call, input checks, and the pass-through forward
-through which every grpo_mem computation runs inside one call of the (possibly wrapped) model.
+"""The model-forward plumbing of grpo_mem: the options of one scoring call and the ``Decision`` it is decided into
+(``SharingSession.decide``), input checks, a model's fallback cause kept until its state changes, and the pass-through
+forward through which every grpo_mem computation runs inside one call of the (possibly wrapped) model.
 
 Running inside the model's forward matters: DDP, DeepSpeed and FSDP hooks of a wrapping module fire once per call, as
 they do for stock TRL, and accelerate's mixed-precision autocast applies. The computation itself (a ``Window``'s
@@ -10,16 +11,25 @@ FSDP2's root pre-forward hook rebuilds containers it finds in kwargs. This modul
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import itertools
+import sys
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.modeling_outputs import ModelOutput
 
 from . import attention_hook as attn_hook
 from .distributed import clear_zero3_grads_before_first_backward
+
+if TYPE_CHECKING:
+    from .sequence_parallel import SequenceParallel
+    from .vision_passes import VisionPasses
+    from .window import Window
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,64 @@ class ScoreOptions:
     compute_entropy: bool = False
     cast_lm_head_to_fp32: bool = False
     compute_aux_loss: bool = False
+
+
+class Kind(enum.Enum):
+    """What a decision does with its micro-batch.
+
+    - ``SHARED``: the prompt-once path, in the window's sharing mode.
+    - ``UNSHARED``: the caller's stock path, because the micro-batch shares nothing (no repeated prompt, no prompt pass
+      read by another micro-batch): the window passes over it and goes on sharing.
+    - ``FALLBACK``: the stock path, because the prompt-once path cannot serve the micro-batch exactly (the cause says
+      why): the window stops sharing there.
+    """
+
+    SHARED = "shared"
+    UNSHARED = "unshared"
+    FALLBACK = "fallback"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one micro-batch is scored, decided once by ``SharingSession.decide`` and run once by ``run`` (or
+    ``run_hidden``); the session, not the decision, records what was run.
+
+    Attributes:
+        kind: ``Kind.SHARED``, ``UNSHARED`` or ``FALLBACK``.
+        cause: why the micro-batch takes the stock path (``kind`` not ``SHARED``), else None.
+        micro_batch: the micro-batch's index in the session's window, or None when it is scored on its own.
+        backbone_tokens: tokens the chosen path runs through the backbone (padded widths counted).
+        stock_tokens: tokens stock TRL runs through the backbone for it, B x (P + C).
+        mode: the window's sharing mode, ``"tree"`` or ``"group"``.
+
+    What the run takes (not compared, not shown): ``window`` (the ``Window`` that runs it), ``model`` (as given to
+    ``decide``) and its unwrapped ``causal_lm``, ``input_ids``/``attention_mask`` (B, P + C), ``options``, ``lockstep``
+    (ranks make the same module calls), ``images`` (the bound image inputs, or None), ``autocast`` (a context factory
+    entered around the prompt-once path's model call, or None) and ``sp`` (the group the micro-batch is split over, or
+    None).
+    """
+
+    kind: Kind
+    cause: str | None
+    micro_batch: int | None
+    backbone_tokens: int
+    stock_tokens: int
+    mode: str
+    window: Window = field(repr=False, compare=False)
+    model: torch.nn.Module = field(repr=False, compare=False)
+    causal_lm: torch.nn.Module = field(repr=False, compare=False)
+    input_ids: torch.Tensor = field(repr=False, compare=False)
+    attention_mask: torch.Tensor = field(repr=False, compare=False)
+    options: ScoreOptions = field(repr=False, compare=False)
+    lockstep: bool = field(repr=False, compare=False)
+    images: VisionPasses | None = field(repr=False, compare=False)
+    autocast: Callable | None = field(repr=False, compare=False)
+    sp: SequenceParallel | None = field(repr=False, compare=False)
+
+    @property
+    def path(self) -> str:
+        """``"tree"`` or ``"group"`` (the prompt-once path in that sharing mode), or ``"stock"``."""
+        return self.mode if self.kind is Kind.SHARED else "stock"
 
 
 @dataclass
@@ -70,6 +138,69 @@ def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> N
         raise ValueError(
             f"prompts must be left-padded (a 1 in the prompt mask followed by a 0), rows {rows[:8]} are not"
         )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# a model's fallback cause, kept per model until what it depends on changes
+
+_IMPLEMENTATION_FIELD = "_attn_implementation_internal"  # the hook's take-over renames it (``model_state`` reads past)
+
+
+def config_state(config) -> str:
+    """A transformers config's fields (nested configs' too, the attention implementation field left out) as one
+    string: equal while the config is unchanged."""
+    items = (
+        (k, config_state(v) if hasattr(v, "get_text_config") else v)
+        for k, v in vars(config).items()
+        if k != _IMPLEMENTATION_FIELD
+    )
+    return repr((type(config).__module__, type(config).__qualname__, tuple(items)))
+
+
+def model_state(causal_lm) -> tuple:
+    """What a model's fallback cause (``SharingSession``, ``support.unsupported_cause``) depends on that can change
+    between calls on the same model object, as a hashable value: each module's class, parameter names, training mode,
+    dropout probability (``p``) and gradient-checkpointing setting; the config's fields (``config_state``); the
+    attention implementation the model runs without grpo_mem's hook; whether gradients are on. Not in it: attributes a
+    module's forward reads as a dropout probability (``self.attention_dropout``; set from the config at construction)."""
+    modules = tuple(
+        (
+            type(m),
+            tuple(m._parameters),
+            m.training,
+            m.__dict__.get("p"),
+            getattr(m, "gradient_checkpointing", None),
+            m.__dict__.get("_gradient_checkpointing_func"),
+        )
+        for m in causal_lm.modules()
+    )
+    implementation = attn_hook.inner_implementation(causal_lm)
+    return modules, config_state(causal_lm.config), implementation, torch.is_grad_enabled()
+
+
+_CAUSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # causal LM -> {key: its cause (str | None)}
+_MAX_KEYS = 8  # per model (training and no-grad scoring alternate: two keys in a run)
+
+
+def model_cause(causal_lm, setting: tuple, compute: Callable[[], str | None]) -> str | None:
+    """``causal_lm``'s fallback cause under ``setting`` (what else the cause depends on: the call's options, the
+    confirmation's setting) and its current ``model_state``: ``compute()`` the first time, then the kept value, until
+    ``forget_causes``."""
+    key = (model_state(causal_lm), setting)
+    kept = _CAUSES.get(causal_lm)
+    if kept is None:
+        kept = _CAUSES[causal_lm] = {}
+    if key in kept:
+        return kept[key]
+    if len(kept) >= _MAX_KEYS:
+        kept.clear()
+    cause = kept[key] = compute()
+    return cause
+
+
+def forget_causes() -> None:
+    """Drop every kept model cause (the next call of each model decides again)."""
+    _CAUSES.clear()
 
 
 _FORWARD_MARK = "_grpo_mem_previous_forward"
@@ -187,7 +318,8 @@ def run_in_forward(model, causal_lm, fn, input_ids, attention_mask, *, autocast=
     _CALLS[token] = call
     with autocast() if autocast is not None else contextlib.nullcontext():
         out = model(input_ids=input_ids, attention_mask=attention_mask, grpo_mem=token)
-    clear_zero3_grads_before_first_backward(model)  # a window's later backward may reach parameters this one does not
+    if "deepspeed" in sys.modules:  # a window's later backward may reach parameters this one does not
+        clear_zero3_grads_before_first_backward(model)
     return out.log_probs, out.entropy, out.aux_loss
 
 

@@ -15,7 +15,7 @@ tower runs G times per prompt. Here:
   (``VisionInputs.tree_cause``).
 - ``VisionInputs.bind`` gives a ``Window`` what its passes add for one micro-batch (``vision_passes.VisionPasses``).
 
-Which models take this path is decided in ``support.vision_language_reason``. This module knows transformers, not TRL.
+Which models take this path is decided in ``support.vision_language_cause``. This module knows transformers, not TRL.
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ class VisionInputs:
         return kwargs
 
     def cause(self, causal_lm, prompt_width: int) -> str | None:
-        """Why the chunk cannot take the prompt-once path on ``causal_lm``, a model ``support.unsupported_reason``
+        """Why the chunk cannot take the prompt-once path on ``causal_lm``, a model ``support.unsupported_cause``
         serves: image inputs given to a model without a vision tower, or image tokens in a completion."""
         if causal_lm.config.get_text_config() is causal_lm.config:
             return "image inputs given to a text-only model"
@@ -367,5 +367,5 @@ class VisionInputs:
 
     def bind(self, causal_lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> VisionPasses:
         """What the passes of the micro-batch ``input_ids``/``attention_mask`` (B, T), whose prompts are the first
-        ``prompt_width`` columns, add on ``causal_lm`` (a model ``support.vision_language_reason`` admits)."""
+        ``prompt_width`` columns, add on ``causal_lm`` (a model ``support.vision_language_cause`` admits)."""
         return VisionPasses(self, causal_lm.base_model, input_ids, attention_mask, prompt_width)

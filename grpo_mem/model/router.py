@@ -38,7 +38,7 @@ __all__ = [
     "load_balancing_loss",
     "reproduces_loss",
     "router_logits_of",
-    "router_loss_reason",
+    "router_loss_cause",
     "router_loss_shape",
 ]
 
@@ -99,7 +99,7 @@ def router_loss_shape(causal_lm) -> RouterLossShape:
     return RouterLossShape(*values)
 
 
-def router_loss_reason(causal_lm) -> str | None:
+def router_loss_cause(causal_lm) -> str | None:
     """Why the prompt-once path cannot give ``causal_lm``'s router aux loss as stock computes it, or None.
 
     Recognised: the model's modeling module defines ``load_balancing_loss_func`` with the source of Mixtral's (up to

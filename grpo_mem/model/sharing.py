@@ -2,9 +2,10 @@
 
 Within one optimizer step the parameters do not change, so a prompt (or a span several prompts share) read by several
 micro-batches needs one forward and one backward, not one per micro-batch. A ``SharingSession`` owns what that takes:
-the ``Window`` executing the window's plan. For every micro-batch it takes one ``Decision`` (``decision.py``): whether
-the prompt-once path serves the model exactly (and if not, why), what ranks in lockstep agree on (one collective),
-whether the micro-batch shares anything, and the passes it runs; the decision carries all its run needs. Lifecycle::
+the ``Window`` executing the window's plan. For every micro-batch it takes one ``Decision``: whether the prompt-once
+path serves the model exactly (and if not, the cause), what ranks in lockstep agree on (one collective), whether the
+micro-batch shares anything, and the passes it runs; the decision carries all its run needs. A model's cause is kept
+per model state (``forward.model_cause``): a micro-batch of an unchanged model runs no capability check. Lifecycle::
 
     session = SharingSession()
     session.begin_window([prompt_ids_1, ...], [prompt_mask_1, ...])   # the window's micro-batches, in order
@@ -18,19 +19,23 @@ stock=...)``. This module knows transformers, not TRL.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import weakref
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+import transformers
+from transformers import PreTrainedModel
 
-from .confirm import confirm_reason
-from .confirm import enabled as confirm_enabled
-from .decision import Decision, Kind
+from . import causes
+from .confirm import ENV as CONFIRM_ENV
 from .distributed import agree, lockstep, unwrap_causal_lm
-from .forward import ScoreOptions, run_in_forward, validate_inputs
+from .fallback import full_sequence_logprobs, warn_fallback
+from .forward import Decision, Kind, ScoreOptions, model_cause, run_in_forward, validate_inputs
 from .plan import PromptGrouping, WindowPlan, check_sharing
-from .sequence_parallel import SP_CAUSES, SequenceParallel
-from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
 from .trie import DEFAULT_MIN_SHARED_TOKENS
 from .window import Window
 
@@ -56,14 +61,12 @@ class SharingSession:
             architecture and process (``grpo_mem.model.confirm``); a difference is a fallback cause. None: on
             unless the environment sets ``GRPO_MEM_CONFIRM=0``.
         sequence_parallel: a ``torch.distributed`` process group (or a ``sequence_parallel.SequenceParallel``) whose
-            ranks hold the same micro-batches and split every pass along the sequence (``sequence_parallel``); the
-            log-probs come back whole on every rank, each rank's parameter gradients are its shard's part (they sum
-            over the group to the gradient without sequence parallelism). None: no sequence parallelism. Under it a
-            micro-batch the path cannot serve raises instead of falling back (there is no stock path to fall back to).
+            ranks hold the same micro-batches and split every pass along the sequence; log-probs come back whole on
+            every rank, each rank's parameter gradients are its shard's part (they sum over the group to the gradient
+            without it). None: none. A micro-batch the path cannot serve then raises (no stock path to fall back to).
 
     Attributes:
         window: the open window's ``Window`` (its plan, cursor and kept passes: ``window.pending``), or None.
-        last_decision: the ``Decision`` ``decide`` took last.
 
     Raises:
         ValueError: unknown ``sharing``.
@@ -79,13 +82,24 @@ class SharingSession:
         sequence_parallel=None,
     ):
         self.mode = check_sharing(sharing)
-        sp = sequence_parallel
-        self.sp = sp if sp is None or isinstance(sp, SequenceParallel) else SequenceParallel.of(sp)
+        self.sp = None if sequence_parallel is None else causes.sequence_parallel_of(sequence_parallel)
         self.confirm = confirm
         self.min_shared_tokens = min_shared_tokens
         self.window: Window | None = None
-        self.last_decision: Decision | None = None
+        self._ran: weakref.ref | None = None  # the decision ``run`` (or ``run_hidden``) took last
+        self._records: list[list[Decision]] = []  # the lists of the open ``recording`` blocks
         self._images: list | None = None  # per micro-batch of the open window, its planned ``VisionInputs`` or None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[Decision]]:
+        """Within the block, every ``Decision`` ``decide`` returns is appended to the list yielded, in order
+        (``grpo_mem.verify`` reports per micro-batch which path ran, why, and its token counts)."""
+        record: list[Decision] = []
+        self._records.append(record)
+        try:
+            yield record
+        finally:
+            self._records.remove(record)
 
     @property
     def in_window(self) -> bool:
@@ -188,33 +202,6 @@ class SharingSession:
         planned = self._images[self.window.current]
         return planned if planned is not None and planned.holds(vision) else vision
 
-    def _cause(self, causal_lm, options: ScoreOptions, cause: str | None, vision, prompt_width: int) -> str | None:
-        """Why the prompt-once path cannot serve the micro-batch exactly, or None: the caller's ``cause``, the model
-        (``unsupported_reason``, the router loss, the confirmation on a tiny copy), its image inputs."""
-        reason = cause or unsupported_reason(causal_lm)
-        if reason is None and options.compute_aux_loss:
-            from .router import router_loss_reason
-
-            reason = router_loss_reason(causal_lm)
-        if reason is None and confirm_enabled(self.confirm):  # the same verdict on every rank: no collective
-            reason = confirm_reason(causal_lm, compute_aux_loss=options.compute_aux_loss)
-        if reason is None and vision is not None:
-            reason = vision.cause(causal_lm, prompt_width)
-        return reason
-
-    def _sp_cause(self, causal_lm, options: ScoreOptions, vision, input_ids, attention_mask) -> str | None:
-        """Why the micro-batch cannot be split over the session's sequence-parallel group (``SP_CAUSES``), or None.
-        Every rank of the group calls it (one collective: whether the ranks hold the same micro-batch)."""
-        if not self.sp.same_inputs(input_ids, attention_mask):
-            return SP_CAUSES["differ"]
-        if vision is not None:
-            return SP_CAUSES["images"]
-        if options.compute_aux_loss:
-            return SP_CAUSES["router"]
-        from .linear_attention import linear_layers
-
-        return SP_CAUSES["linear"] if linear_layers(causal_lm.base_model) else None
-
     def decide(
         self,
         model,
@@ -234,9 +221,9 @@ class SharingSession:
         """Decide how the micro-batch ``input_ids``/``attention_mask`` (B, P + C) is scored; ``run`` (or
         ``run_hidden``) must follow, with the decision only. Scoring options as ``shared_prompt_logprobs``;
         ``compute_aux_loss``: ``run`` also returns the MoE router loss (a router loss the prompt-once path does not
-        reproduce is a cause, ``router.router_loss_reason``).
+        reproduce is a cause, ``router.router_loss_cause``).
 
-        ``cause``: a reason of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
+        ``cause``: a cause of the caller's own to take the stock path (e.g. inputs the prompt-once path does not
         take). ``stock_available``: the caller has a stock path, so a micro-batch that shares nothing takes it
         (``Kind.UNSHARED``). ``vision``: the micro-batch's image inputs (rows group by prompt and images; in tree
         sharing the trie keys image tokens by their images), or None. ``autocast``: a context factory (e.g.
@@ -255,7 +242,8 @@ class SharingSession:
             bool(compute_aux_loss),
         )
         decision = self._decision(model, input_ids, attention_mask, options, cause, stock_available, vision, autocast)
-        self.last_decision = decision
+        for record in self._records:
+            record.append(decision)
         return decision
 
     def _decision(self, model, input_ids, attention_mask, options, cause, stock_available, vision, autocast):
@@ -271,34 +259,38 @@ class SharingSession:
         j = None if window is None else window.current
         if window is None:
             window = Window(self._plan([input_ids[:, :P]], [attention_mask[:, :P]], [grouping]))
-        causal_lm = unwrap_causal_lm(model)
-        if self.sp is not None and self.sp.size > 1:
-            self._refuse(self._sp_cause(causal_lm, options, vision, input_ids, attention_mask))
-        reason = self._cause(causal_lm, options, cause, vision, P)
+        plain = isinstance(model, PreTrainedModel) and "_orig_mod" not in model.__dict__  # no wrapper to look into
+        causal_lm = model if plain else unwrap_causal_lm(model)
+        split = self.sp if self.sp is not None and self.sp.size > 1 else None
+        if split is not None:
+            self._refuse(causes.sp_cause(split, causal_lm, options.compute_aux_loss, vision, input_ids, attention_mask))
+        if cause is None:  # the model's cause, decided once per model state and confirmation setting
+            aux, confirm = options.compute_aux_loss, self.confirm
+            setting = (aux, confirm, os.environ.get(CONFIRM_ENV), transformers.__version__)
+            cause = model_cause(causal_lm, setting, lambda: causes.model_cause(causal_lm, aux, confirm))
+        if cause is None and vision is not None:
+            cause = vision.cause(causal_lm, P)
         images = None if vision is None else vision.bind(causal_lm, input_ids, attention_mask, P)
-        in_lockstep = lockstep(model)
-        kind = Kind.FALLBACK if reason else Kind.SHARED
+        in_lockstep = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and lockstep(model)
+        kind = Kind.FALLBACK if cause else Kind.SHARED
         if in_lockstep:
             keys, image_keys = window.pass_keys(images)
-            reason, agreed = agree(reason, keys, image_keys)
-            kind = Kind.FALLBACK if reason else Kind.SHARED
+            cause, agreed = agree(cause, keys, image_keys)
+            kind = Kind.FALLBACK if cause else Kind.SHARED
             window.align(agreed)
-        elif reason is None and stock_available and not window.shares() and self.sp is None:
-            reason, kind = UNSHARED, Kind.UNSHARED
-        if self.sp is not None and self.sp.size > 1:
-            self._refuse(reason)
-        stock_tokens = B * T
+        elif cause is None and stock_available and not window.shares() and self.sp is None:
+            cause, kind = UNSHARED, Kind.UNSHARED
+        if split is not None:
+            self._refuse(cause)
         tokens = (
-            stock_tokens
-            if reason
-            else window.tokens(logits_to_keep, lockstep=in_lockstep, router=options.compute_aux_loss)
+            B * T if cause else window.tokens(logits_to_keep, lockstep=in_lockstep, router=options.compute_aux_loss)
         )
-        decision = Decision(
+        return Decision(
             kind,
-            reason,
+            cause,
             j,
             tokens,
-            stock_tokens,
+            B * T,
             window.mode,
             window=window,
             model=model,
@@ -309,40 +301,41 @@ class SharingSession:
             lockstep=in_lockstep,
             images=images,
             autocast=autocast,
-            sp=self.sp if self.sp is not None and self.sp.size > 1 else None,
+            sp=split,
         )
-        return decision
 
-    def _refuse(self, reason: str | None) -> None:
-        """Under sequence parallelism, raise ``reason`` (the prompt-once path cannot serve the micro-batch, and there
+    def _refuse(self, cause: str | None) -> None:
+        """Under sequence parallelism, raise ``cause`` (the prompt-once path cannot serve the micro-batch, and there
         is no stock path to fall back to)."""
-        if reason is not None:
+        if cause is not None:
             if self.in_window:
                 self.window.discard()
-            raise ValueError(f"grpo_mem cannot score this micro-batch with sequence parallelism: {reason}")
+            raise ValueError(f"grpo_mem cannot score this micro-batch with sequence parallelism: {cause}")
 
     def _take(self, decision: Decision, refused: str | None) -> None:
-        """Check that ``decision`` can run now, and mark it run: not run before, and in a window, the window's next
-        micro-batch. ``refused``: the ValueError's message if the decision has image inputs; raised before the
-        decision is marked, so the caller can still run it."""
-        if decision.ran:
-            raise RuntimeError("run() takes the decision decide() returned for this micro-batch, once: it was run")
+        """Check that ``decision`` can run now, and record it as run: not the decision run last, and in a window,
+        the window's next micro-batch (outside one, a shared decision's own window not run). ``refused``: the
+        ValueError's message if the decision has image inputs; raised before the decision is recorded, so the caller
+        can still run it."""
+        once = "run() takes the decision decide() returned for this micro-batch, once"
+        ran = self._ran is not None and self._ran() is decision
+        if ran or (decision.micro_batch is None and decision.kind is Kind.SHARED and decision.window.done):
+            raise RuntimeError(f"{once}: it was run")
         if decision.micro_batch is not None and (
             decision.window is not self.window or decision.window.current != decision.micro_batch
         ):
             raise RuntimeError(
-                f"run() takes the decision decide() returned for this micro-batch, once: it was taken for micro-batch "
-                f"{decision.micro_batch} of a window that has moved on"
+                f"{once}: it was taken for micro-batch {decision.micro_batch} of a window that has moved on"
             )
         if decision.images is not None and refused is not None:
             raise ValueError(refused)
-        decision.mark_run()
+        self._ran = weakref.ref(decision)
 
     def run(self, decision: Decision, *, stock: Callable | None = None):
-        """Score the micro-batch ``decision`` was taken for. Returns (B, C) fp32 log-probs and entropies (or None),
-        zero where the completion mask is 0; in a window, each followed by its backward. With ``compute_aux_loss``
-        (told ``decide``), a third value: the 0-d fp32 MoE router loss of the micro-batch as the model computes it
-        over its full rows (``grpo_mem.model.router``).
+        """Score the micro-batch ``decision`` was taken for. Returns (log-probs, entropies | None, aux loss | None):
+        (B, C) fp32 log-probs and entropies (entropies with ``compute_entropy``), zero where the completion mask is 0;
+        in a window, each followed by its backward; with ``compute_aux_loss`` (told ``decide``) the 0-d fp32 MoE
+        router loss of the micro-batch as the model computes it over its full rows (``grpo_mem.model.router``).
 
         ``stock``: the caller's stock path, ``stock() -> (log_probs, entropies | None, aux_loss | None)``, run when
         the decision says ``"stock"`` (default: the model's own full-sequence computation, ``full_sequence_logprobs``).
@@ -370,11 +363,13 @@ class SharingSession:
         else:
             warn_fallback(d.cause)
             if stock is None:
-                out = run_in_forward(d.model, d.causal_lm, _full_sequence(options), d.input_ids, d.attention_mask)
+                full = lambda causal_lm, ids, mask: full_sequence_logprobs(causal_lm, ids, mask, options)
+                out = run_in_forward(d.model, d.causal_lm, full, d.input_ids, d.attention_mask)
             else:
                 out = stock()
             out = (self._end_sharing(d, out[0]), *out[1:])
-        return out if options.compute_aux_loss else out[:2]
+        logps, entropies, aux_loss = out
+        return logps, entropies, aux_loss if options.compute_aux_loss else None
 
     def run_hidden(self, decision: Decision, *, stock: Callable):
         """Like ``run``, but return the LM head's input instead of log-probs: (B, C, H) final hidden states (final norm
@@ -393,7 +388,8 @@ class SharingSession:
         self._take(decision, "run_hidden() does not take image inputs: decide() them with vision=None and a cause")
         d = decision
         if d.sp is not None:
-            raise ValueError(f"grpo_mem cannot score this micro-batch with sequence parallelism: {SP_CAUSES['hidden']}")
+            cause = causes.sequence_parallel_cause("hidden")
+            raise ValueError(f"grpo_mem cannot score this micro-batch with sequence parallelism: {cause}")
         if d.kind is not Kind.SHARED:
             warn_fallback(d.cause)
             return self._end_sharing(d, stock())
@@ -438,12 +434,8 @@ class SharingSession:
             cast_lm_head_to_fp32=cast_lm_head_to_fp32,
             compute_aux_loss=compute_aux_loss,
         )
-        return self.run(decision)
-
-
-def _full_sequence(options: ScoreOptions):
-    """The model's own full-sequence computation as a ``run_in_forward`` function (the default stock path)."""
-    return lambda causal_lm, ids, mask: full_sequence_logprobs(causal_lm, ids, mask, options)
+        logps, entropies, aux_loss = self.run(decision)
+        return (logps, entropies, aux_loss) if compute_aux_loss else (logps, entropies)
 
 
 def shared_prompt_logprobs(
@@ -475,7 +467,7 @@ def shared_prompt_logprobs(
 
     Side effect: the first call gives the underlying causal LM a pass-through forward and attention implementation
     (``grpo_mem_<impl>``); calls without grpo_mem compute exactly what they did. ``grpo_mem.restore(model)`` undoes it.
-    Where the path cannot be exact (see ``unsupported_reason``) it warns once and runs the model's own computation.
+    Where the path cannot be exact (see ``support.unsupported_cause``) it warns once and runs the model's own computation.
 
     Args:
         model: transformers causal LM, possibly PEFT- and DDP/DeepSpeed/FSDP-wrapped.

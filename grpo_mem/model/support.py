@@ -1,8 +1,8 @@
-"""Whether the prompt-once path serves a model exactly, and what runs when it does not.
+"""Whether the prompt-once path serves a model exactly.
 
-``unsupported_reason`` names why a model (or a call) cannot take the prompt-once path; ``warn_fallback`` reports the
-fallback once per cause; ``full_sequence_logprobs`` is the fallback: the model's own forward over the whole sequence.
-Support is decided from the model as built (its modules, their forward methods, its config), not from a list of model
+``unsupported_cause`` names why a model (or a call) cannot take the prompt-once path, the fallback's cause (what
+runs then, and the warning: ``grpo_mem.model.fallback``). The session keeps a model's cause until the model's state
+changes (``forward.model_state``), so none of this runs per micro-batch. Support is decided from the model as built (its modules, their forward methods, its config), not from a list of model
 types; ``tests/model/test_architectures.py`` checks the decision on every causal LM type transformers ships. This module
 knows transformers, not TRL.
 """
@@ -10,51 +10,22 @@ knows transformers, not TRL.
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import inspect
 import re
 import sys
 import textwrap
-import warnings
-import weakref
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.logprobs import selective_log_softmax
 from . import attention_hook as attn_hook
 from .attention_hook import language_model_of
-from .linear_attention import linear_layers
+from .fallback import forward_params
 
 # RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
-
-_warned: set[str] = set()
-_fallback_records: list[list[str]] = []
-
-
-def warn_fallback(cause: str) -> None:
-    """Warn once per process and cause that the stock path is used (and tell ``recording_fallbacks`` blocks)."""
-    for record in _fallback_records:
-        record.append(cause)
-    if cause not in _warned:
-        _warned.add(cause)
-        warnings.warn(f"grpo_mem: falling back to the stock full-sequence path: {cause}", stacklevel=3)
-
-
-@contextlib.contextmanager
-def recording_fallbacks():
-    """Within the block, collect every cause ``warn_fallback`` is given (each time, not once per process) into the
-    list it yields: ``grpo_mem.verify`` reports per micro-batch which path ran and why."""
-    record: list[str] = []
-    _fallback_records.append(record)
-    try:
-        yield record
-    finally:
-        _fallback_records.remove(record)
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # what the model is made of
@@ -109,7 +80,7 @@ _HEAD_LINES = (
 _ASSIGNMENT = re.compile(r"^(lm_)?(hidden_states|logits)(\[[^=]*\])? [-+*/]?= ")  # not `logits=logits,`
 
 
-def _head_reason(causal_lm) -> str | None:
+def _head_cause(causal_lm) -> str | None:
     """Why the completion head (one linear layer on the backbone's last hidden state, then logit scale and softcap)
     would not compute ``causal_lm``'s own logits, or None."""
     base, head = causal_lm.base_model, causal_lm.get_output_embeddings()
@@ -145,7 +116,7 @@ _QK_ASSIGNMENT = re.compile(r"^\(?(q|k|query|key)\w*(, \w+)*\)? (\*|/)?= ")
 _SELF_ATTRIBUTE = re.compile(r"\bself\.(\w+)")
 
 
-def _after_rope_reason(module) -> str | None:
+def _after_rope_cause(module) -> str | None:
     """Why the attention ``module`` transforms its queries or keys after RoPE with learned parameters, or None.
 
     The prompt-once passes may place a prompt at other positions than stock TRL (tree mode keeps position
@@ -195,11 +166,12 @@ _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|p
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d)
 
 
-def _layers_reason(base, features: dict[str, str]) -> str | None:
+def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     """Why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", or None.
 
     ``features``: keyword -> what the config asks of the attention (``sliding_window`` for a window, ``softcap`` for
     score softcapping); each attention module must hand it to the attention interface, where the hook reads it.
+    ``handed``: the Gated DeltaNet layers whose states are handed on (``_handed_layers``).
     """
     attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
     if not attention:
@@ -211,7 +183,7 @@ def _layers_reason(base, features: dict[str, str]) -> str | None:
         return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
     if len(set(indices)) != len(indices):
         return "several attention modules share one layer_idx (a block shared between layers)"
-    handed = {id(m) for m in linear_layers(base)}  # Gated DeltaNet layers: their states are handed on
+    handed = {id(m) for m in handed}
     within = [n + "." for n, m in base.named_modules() if id(m) in handed]
     for name, module in base.named_modules():
         if isinstance(module, _CONVOLUTIONS) and not name.startswith(tuple(within)):
@@ -239,9 +211,9 @@ def _layers_reason(base, features: dict[str, str]) -> str | None:
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"
-        reason = _after_rope_reason(module)
-        if reason is not None:
-            return reason
+        cause = _after_rope_cause(module)
+        if cause is not None:
+            return cause
         needs = dict(features)
         if any(p.endswith("sinks") for p, _ in module.named_parameters()):
             needs["s_aux"] = "attention sinks"
@@ -251,17 +223,28 @@ def _layers_reason(base, features: dict[str, str]) -> str | None:
     return None
 
 
-def _attention_features(config, base) -> tuple[str | None, dict[str, str]]:
+def _handed_layers(config, base) -> list:
+    """The Gated DeltaNet layers of ``base`` whose states grpo_mem hands on (``linear_attention.linear_layers``), for
+    a config whose ``layer_types`` name ``linear_attention`` layers; none otherwise (the linear-attention module is
+    then not imported)."""
+    if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
+        return []
+    from .linear_attention import linear_layers
+
+    return linear_layers(base)
+
+
+def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:
     """(why the config's attention is out of reach, or None; the features the attention modules must pass on).
 
     Sliding-window layers (per-layer ``layer_types`` or a global ``sliding_window``) and attention-logit softcapping
     are served by the hook from what each module passes the attention interface; ``linear_attention`` layers when
-    ``base`` has Gated DeltaNet layers whose states are handed on (each checked in ``_layers_reason``); chunked and
-    other layer types are not.
+    the backbone has Gated DeltaNet layers whose states are handed on (``handed``, each checked in
+    ``_layers_cause``); chunked and other layer types are not.
     """
     layer_types = set(getattr(config, "layer_types", None) or [])
     other = layer_types - {"full_attention", "sliding_attention"}
-    if "linear_attention" in other and linear_layers(base):
+    if "linear_attention" in other and handed:
         other.discard("linear_attention")
     if other:
         return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)", {}
@@ -274,7 +257,7 @@ def _attention_features(config, base) -> tuple[str | None, dict[str, str]]:
     return None, features
 
 
-def _positions_reason(config, base) -> str | None:
+def _positions_cause(config, base) -> str | None:
     """Why the model's positions are not RoPE (or none) over ``position_ids`` independent of the sequence length."""
     try:
         inputs = base.get_input_embeddings()
@@ -321,9 +304,9 @@ _LANGUAGE_MODEL_ARGS = frozenset(
 _OWN_POSITIONS = re.compile(r"^\s*position_ids(\[[^\]]*\])? = ", re.MULTILINE)  # assigned, not a keyword
 
 
-def vision_language_reason(causal_lm) -> str | None:
+def vision_language_cause(causal_lm) -> str | None:
     """Why the vision-language model ``causal_lm`` (a multi-config transformers model) cannot score image prompts on
-    the prompt-once path, or None; its language model is then checked as a text model (``architecture_reason``).
+    the prompt-once path, or None; its language model is then checked as a text model (``architecture_cause``).
 
     In: a base model with ``get_image_features`` and a language model (``language_model``/``text_model``), whose
     forward takes ``input_ids``, ``position_ids``, ``attention_mask`` and precomputed image features
@@ -345,7 +328,7 @@ def vision_language_reason(causal_lm) -> str | None:
     if missing:
         return f"vision-language model without {', '.join(missing)} (the interface grpo_mem drives)"
     cls = attn_hook.own_class(base)
-    absent = sorted(_VISION_FORWARD_PARAMS - _forward_params(cls))
+    absent = sorted(_VISION_FORWARD_PARAMS - forward_params(cls))
     if absent:
         return f"vision-language model whose forward takes no {', '.join(absent)}"
     source = _forward_source(cls)
@@ -359,35 +342,7 @@ def vision_language_reason(causal_lm) -> str | None:
     return None
 
 
-def config_state(config) -> str:
-    """A transformers config's fields (nested configs' too) as one string: equal while the config is unchanged."""
-    items = ((k, config_state(v) if hasattr(v, "get_text_config") else v) for k, v in vars(config).items())
-    return repr((type(config).__module__, type(config).__qualname__, tuple(items)))
-
-
-def _build_of(causal_lm) -> tuple:
-    """What ``architecture_reason`` depends on, as a comparable value: every module's class and parameter names,
-    and the config's fields."""
-    return tuple((type(m), tuple(m._parameters)) for m in causal_lm.modules()), config_state(causal_lm.config)
-
-
-_ARCHITECTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # causal LM -> (its build, its reason)
-
-
-def architecture_reason(causal_lm) -> str | None:
-    """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None
-    (``_architecture_reason``); computed again only when its modules' classes, their parameter names or its config
-    changed since the last call (``_build_of``), not per micro-batch."""
-    build = _build_of(causal_lm)
-    cached = _ARCHITECTURES.get(causal_lm)
-    if cached is not None and cached[0] == build:
-        return cached[1]
-    reason = _architecture_reason(causal_lm)
-    _ARCHITECTURES[causal_lm] = (build, reason)
-    return reason
-
-
-def _architecture_reason(causal_lm) -> str | None:
+def architecture_cause(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
@@ -405,9 +360,9 @@ def _architecture_reason(causal_lm) -> str | None:
         return f"remote code ({cls.__module__}.{cls.__name__})"
     base = causal_lm.base_model
     if config.get_text_config() is not config:
-        reason = vision_language_reason(causal_lm)
-        if reason is not None:
-            return reason
+        cause = vision_language_cause(causal_lm)
+        if cause is not None:
+            return cause
         config, base = config.get_text_config(), language_model_of(base)[1]
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder model"
@@ -415,8 +370,9 @@ def _architecture_reason(causal_lm) -> str | None:
         return "an encoder run as a decoder (is_decoder, BERT-style)"
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
-    reason, features = _attention_features(config, base)
-    return reason or _positions_reason(config, base) or _layers_reason(base, features) or _head_reason(causal_lm)
+    handed = _handed_layers(config, base)
+    cause, features = _attention_features(config, handed)
+    return cause or _positions_cause(config, base) or _layers_cause(base, features, handed) or _head_cause(causal_lm)
 
 
 def _reentrant_checkpointing(model) -> bool:
@@ -457,7 +413,7 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def dropout_reason(causal_lm) -> str | None:
+def dropout_cause(causal_lm) -> str | None:
     """Why dropout makes the prompt-once path differ from stock for ``causal_lm`` in its current mode, or None.
 
     Stock forwards every row's prompt and draws a dropout mask per row; a prompt forwarded once for its group draws
@@ -492,13 +448,13 @@ def dropout_reason(causal_lm) -> str | None:
     return None
 
 
-def unsupported_reason(causal_lm) -> str | None:
+def unsupported_cause(causal_lm) -> str | None:
     """Why the prompt-once path cannot be exact for ``causal_lm`` (an unwrapped transformers causal LM), or None:
-    ``architecture_reason``, then what depends on its current state (attention implementation, active dropout:
-    ``dropout_reason``, reentrant checkpointing)."""
-    reason = architecture_reason(causal_lm)
-    if reason is not None:
-        return reason
+    ``architecture_cause``, then what depends on its current state (attention implementation, active dropout:
+    ``dropout_cause``, reentrant checkpointing)."""
+    cause = architecture_cause(causal_lm)
+    if cause is not None:
+        return cause
     config = causal_lm.config
     inner = attn_hook.inner_implementation(causal_lm)
     if inner not in SUPPORTED_ATTENTION:
@@ -509,61 +465,9 @@ def unsupported_reason(causal_lm) -> str | None:
                 return f"eager attention of {type(module).__name__} is not its modeling file's eager_attention_forward"
     if causal_lm.training and getattr(config, "attention_dropout", 0.0):
         return "attention dropout is active"
-    reason = dropout_reason(causal_lm)
-    if reason is not None:
-        return reason
+    cause = dropout_cause(causal_lm)
+    if cause is not None:
+        return cause
     if _reentrant_checkpointing(causal_lm):
         return "reentrant gradient checkpointing drops gradients of tensors passed as kwargs"
     return None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# the fallback
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_params(cls: type) -> frozenset:
-    return frozenset(inspect.signature(cls.forward).parameters)
-
-
-def full_sequence_logprobs(causal_lm, input_ids, attention_mask, request):
-    """The model's own computation: its class forward over the whole (B, P+C) sequence, logits of the C positions
-    that predict the completion divided by the temperature, then log-probs (and entropies) as TRL 1.16 computes them
-    from logits. Returns (log-probs, entropies | None, aux loss | None): (B, C) fp32 each, zero where the completion
-    mask is 0, and with ``request.compute_aux_loss`` the model's own MoE router loss (its ``aux_loss`` output).
-
-    The class forward is called directly (not the module): this runs inside the model's own forward call, whose
-    wrappers' hooks have fired already; instance-level forward replacements (TRL's fused head, grpo_mem's) are not
-    the model's computation.
-    """
-    C = request.logits_to_keep
-    params = _forward_params(type(causal_lm))
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if "use_cache" in params:
-        kwargs["use_cache"] = False
-    if "logits_to_keep" in params:
-        kwargs["logits_to_keep"] = C + 1
-    if request.compute_aux_loss:
-        kwargs["output_router_logits"] = True
-    out = type(causal_lm).forward(causal_lm, **kwargs)
-    logits = out.logits[:, -C - 1 : -1]
-    targets = input_ids[:, -C:].to(logits.device)
-    result = selective_log_softmax(
-        logits, targets, temperature=request.temperature, return_entropy=request.compute_entropy
-    )
-    logps, entropy = result if request.compute_entropy else (result, None)
-    keep = attention_mask[:, -C:].bool().to(logps.device)
-    logps = logps.masked_fill(~keep, 0.0)
-    aux_loss = out.aux_loss if request.compute_aux_loss else None
-    return logps, (None if entropy is None else entropy.masked_fill(~keep, 0.0)), aux_loss
-
-
-@contextlib.contextmanager
-def restoring_warnings():
-    """Within the block fallbacks warn as usual; afterwards the causes first warned inside it are forgotten, so that
-    they still warn once later (``grpo_mem.verify`` runs before training)."""
-    before = set(_warned)
-    try:
-        yield
-    finally:
-        _warned.intersection_update(before)

@@ -41,7 +41,7 @@ from ..model.distributed import unwrap_causal_lm
 from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision, SharingSession
-from ..model.support import warn_fallback
+from ..model.fallback import warn_fallback
 from ..ops._backends import check_choice, set_preference
 from . import trl_images, trl_sp
 from .checks import (

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model import support
+from ..model import fallback
 from ..model.distributed import unwrap_causal_lm
 from ..model.forward import installed, own_forward, restore, validate_inputs
 from ..model.plan import PromptGrouping
@@ -237,7 +237,7 @@ def _preserved(model):
     for p in params:
         p.grad = None
     try:
-        with warnings.catch_warnings(), support.restoring_warnings():
+        with warnings.catch_warnings(), fallback.restoring_warnings():
             warnings.filterwarnings("ignore", message="grpo_mem: falling back")
             yield
     finally:
@@ -565,7 +565,8 @@ def _score_both(setup: _Setup, low: str | None, seed: int, timings: dict):
     t = time.perf_counter()
     RESOLVED.clear()
     try:
-        ours = score_with(ours_fn, before_call, None, lambda: decisions.append(session.last_decision))
+        with session.recording() as decided:  # each call's last decision: its micro-batch's
+            ours = score_with(ours_fn, before_call, None, lambda: decisions.append(decided[-1]))
     finally:
         with contextlib.suppress(RuntimeError):
             session.close_window()

@@ -2,14 +2,14 @@
 
 For each type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny random model (fp32, train mode, non-reentrant gradient
 checkpointing where supported) scores left-padded prompts with a shared prefix, 2 completions each, through the group
-and the tree path. Where ``unsupported_reason`` is None, both must take the prompt-once path and match stock TRL 1.16
+and the tree path. Where ``unsupported_cause`` is None, both must take the prompt-once path and match stock TRL 1.16
 (``_get_per_token_logps_and_entropies``); otherwise both must fall back with that cause and match the model's own
 forward (``model(input_ids, attention_mask).logits``). Log-probs and entropies within 1e-5, every parameter gradient
 within 1e-4 of its scale (elementwise, and as a vector with a floor at 1e-3 of the global norm). Where the rule
 admits a type, the runtime's confirmation (``grpo_mem.model.confirm``, on a copy built from the config with its
 weights perturbed) must agree. The tiny configs are the runtime's (``confirm.shrink``), so a type the sweep cannot
 build is one the runtime cannot confirm and refuses. Types that cannot be built tiny offline are reported with the
-reason.
+cause.
 
 The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The support table of
 docs/supported-models.md is this sweep's output: ``python tests/model/test_architectures.py`` writes
@@ -34,7 +34,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import grpo_mem
 from grpo_mem.model.confirm import confirmation, grad_difference, shrink
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.support import recording_fallbacks, unsupported_reason
+from grpo_mem.model.fallback import isolated_fallbacks
+from grpo_mem.model.support import unsupported_cause
 
 TEMPERATURE = 0.7
 # three prompts of 5-7 tokens sharing a 4-token prefix (left padding, and a trie node in tree mode), 2 completions
@@ -92,8 +93,7 @@ def _own_logps(model, ids, mask, C):
 
 def _ours(model, ids, mask, C, sharing):
     """grpo_mem's scores and the fallback causes recorded while computing them."""
-    with recording_fallbacks() as causes, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with isolated_fallbacks() as causes:
         if sharing == "group":
             logps, entropy = grpo_mem.shared_prompt_logprobs(
                 model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True, sharing="group"
@@ -125,15 +125,15 @@ def _assert_grads_close(what, ours, ref, rel=1e-4):
         assert err <= rel * scale, f"{what}: {name} max |diff| {err:.3e} > {rel} x {scale:.3e}"
 
 
-class _ReasonFailed(Exception):
-    """``unsupported_reason`` itself raised: a grpo_mem failure, never taken for one of the reference."""
+class _CauseFailed(Exception):
+    """``unsupported_cause`` itself raised: a grpo_mem failure, never taken for one of the reference."""
 
 
-def _reason(model):
+def _cause(model):
     try:
-        return unsupported_reason(model)
+        return unsupported_cause(model)
     except Exception as e:
-        raise _ReasonFailed(f"unsupported_reason raised {type(e).__name__}: {e}") from e
+        raise _CauseFailed(f"unsupported_cause raised {type(e).__name__}: {e}") from e
 
 
 def check_architecture(model_type: str) -> Row:
@@ -150,8 +150,8 @@ def check_architecture(model_type: str) -> Row:
         ids, mask, C, _ = make_batch(None, 2, 4, prompts=PROMPTS, shuffle=True, junk_in_padding=True)
         keep = mask[:, -C:].float()
         own, own_e = _own_logps(model, ids, mask, C)
-        reason = _reason(model)
-        if reason is None:  # stock TRL is the reference (and agrees with the model's own forward)
+        cause = _cause(model)
+        if cause is None:  # stock TRL is the reference (and agrees with the model's own forward)
             verdict = confirmation(model)  # and the runtime's confirmation, on a copy built from the config, agrees
             assert verdict.cause is None, f"{model_type}: {verdict.cause}"
             ref, ref_e = stock_logps(model, ids, mask, C, temperature=TEMPERATURE, compute_entropy=True)
@@ -161,21 +161,21 @@ def check_architecture(model_type: str) -> Row:
         ref_g = grads_of(model, ref, ref_e)
     except NotBuilt as e:
         return Row(model_type, "not built", str(e))
-    except (AssertionError, _ReasonFailed):
+    except (AssertionError, _CauseFailed):
         raise
     except Exception as e:  # the reference itself fails at these sizes: nothing to compare with
         message = " ".join(str(e).split())[:120]
         return Row(model_type, "not built", f"its own forward or backward fails tiny: {type(e).__name__}: {message}")
     for sharing in ("group", "tree"):
         logps, entropy, causes = _ours(model, ids, mask, C, sharing)
-        assert causes == ([] if reason is None else [reason]), f"{model_type} {sharing}: fallbacks {causes}"
+        assert causes == ([] if cause is None else [cause]), f"{model_type} {sharing}: fallbacks {causes}"
         what = f"{model_type} {sharing}"
         _assert_close(f"{what} log-probs", logps, ref, keep)
         _assert_close(f"{what} entropies", entropy, ref_e, keep)
         _assert_grads_close(what, grads_of(model, logps, entropy), ref_g)
     grpo_mem.restore(model)
-    status = "prompt-once" if reason is None else "fallback"
-    return Row(model_type, status, reason or "", type(model).__name__)
+    status = "prompt-once" if cause is None else "fallback"
+    return Row(model_type, status, cause or "", type(model).__name__)
 
 
 # every kind of outcome at least once: prompt-once (dense, MoE, logit scale/softcap, QK-norm, partial RoPE, Gated
@@ -226,16 +226,16 @@ def test_remote_code_is_named_and_an_fsdp2_wrapper_class_is_not():
     from torch.distributed.fsdp import FSDPModule
     from transformers import LlamaForCausalLM
 
-    from grpo_mem.model.support import architecture_reason
+    from grpo_mem.model.support import architecture_cause
 
     model = tiny_model("llama")
-    assert architecture_reason(model) is None
+    assert architecture_cause(model) is None
     for module in [model, *model.model.layers]:  # what fully_shard does to each module it shards
         cls = type(module)
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": FSDPModule.__module__})
-    assert architecture_reason(model) is None
+    assert architecture_cause(model) is None
     model.__class__ = type("RemoteLlama", (LlamaForCausalLM,), {"__module__": "transformers_modules.x"})
-    assert architecture_reason(model) == "remote code (transformers_modules.x.RemoteLlama)"
+    assert architecture_cause(model) == "remote code (transformers_modules.x.RemoteLlama)"
 
 
 def write_table(path: str) -> list[Row]:

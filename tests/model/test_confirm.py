@@ -10,7 +10,6 @@ against their own forward).
 
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import pytest
@@ -23,7 +22,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, eager_attention_forward
 
 import grpo_mem
-from grpo_mem.model import confirm, support
+from grpo_mem.model import confirm, fallback, support
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.patches.trl import patch_trl
 
@@ -86,8 +85,7 @@ def _tree(model, ids, mask, C, confirm_first):
     """Tree-mode scores of one window whose trie has the shared prefix as a node, and the fallback causes."""
     session = SharingSession("tree", min_shared_tokens=3, confirm=confirm_first)
     session.begin_window([ids[:, :-C]], [mask[:, :-C]])
-    with support.recording_fallbacks() as causes, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with fallback.isolated_fallbacks() as causes:
         logps, entropy = session.score(model, ids, mask, C, compute_entropy=True)
     return logps, entropy, causes
 
@@ -102,7 +100,7 @@ def fresh_verdicts(monkeypatch):
 
 def test_a_broken_class_the_rule_admits_is_caught_by_its_gradient():
     model = _broken()
-    assert support.unsupported_reason(model) is None  # the rule does not see the scale
+    assert support.unsupported_cause(model) is None  # the rule does not see the scale
     ids, mask, C = _batch()
     ref, ref_e = stock_logps(model, ids, mask, C, compute_entropy=True)
     ref_g = grads_of(model, ref, ref_e)
@@ -131,7 +129,7 @@ def test_a_supported_model_is_confirmed_once_per_class_and_architecture(monkeypa
     monkeypatch.setattr(confirm, "_compare", lambda *a: runs.append(a[0]) or compare(*a))
     ref, _ = stock_logps(model, ids, mask, C)
     for _ in range(2):
-        with support.recording_fallbacks() as causes:
+        with fallback.recording_fallbacks() as causes:
             logps, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, sharing="group")
         assert causes == [] and float((logps - ref).abs().max()) < 1e-5
     other = tiny_model("llama", seed=1)  # other weights, same architecture: the same verdict
@@ -148,11 +146,11 @@ def test_a_supported_model_is_confirmed_once_per_class_and_architecture(monkeypa
 def test_confirm_false_leaves_the_rule_alone(monkeypatch):
     model = _broken()
     ids, mask, C = _batch()
-    with support.recording_fallbacks() as causes:
+    with fallback.recording_fallbacks() as causes:
         grpo_mem.shared_prompt_logprobs(model, ids, mask, C, confirm=False)
     assert causes == [] and confirm.verdicts() == {}
     monkeypatch.setenv(confirm.ENV, "0")  # the environment's switch, where no option is given
-    with support.recording_fallbacks() as causes:
+    with fallback.recording_fallbacks() as causes:
         grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
     assert causes == [] and confirm.verdicts() == {}
 
@@ -239,16 +237,16 @@ def test_types_admitted_wrongly_before_fall_back_by_name(model_type):
 
 def test_dory_head_and_hunyuan_norms_are_caught_without_the_rules(monkeypatch):
     """The confirmation is the backstop: with the rule's new checks off, it still refuses both, by name."""
-    monkeypatch.setattr(support, "_after_rope_reason", lambda module: None)
+    monkeypatch.setattr(support, "_after_rope_cause", lambda module: None)
     monkeypatch.setattr(support, "_reruns_layers", lambda base, lists: False)
     for model_type in ("hunyuan_v1_dense", "dory"):
         _needs(model_type)
         model = build_tiny(model_type)
         if model_type == "dory":
-            assert support._head_reason(model).startswith("the output embeddings are a DoryLMHead")
-            monkeypatch.setattr(support, "_head_reason", lambda causal_lm: None)
-        assert support.unsupported_reason(model) is None
-        cause = confirm.confirm_reason(model)
+            assert support._head_cause(model).startswith("the output embeddings are a DoryLMHead")
+            monkeypatch.setattr(support, "_head_cause", lambda causal_lm: None)
+        assert support.unsupported_cause(model) is None
+        cause = confirm.confirm_cause(model)
         assert cause is not None and cause.startswith(f"not confirmed: a tiny {type(model).__name__}"), cause
         assert "differs from its own forward" in cause
 
@@ -261,8 +259,8 @@ def test_vision_language_text_config_and_gated_deltanet_are_confirmed(kind):
         model = tiny_vlm("qwen2_5_vl")
     else:
         model = tiny_model("qwen3_5", layers=3).train()  # linear, full, linear attention
-    reason = support.unsupported_reason(model)
-    if reason is not None:
-        pytest.skip(f"the capability rule refuses {type(model).__name__} on this transformers ({reason})")
+    cause = support.unsupported_cause(model)
+    if cause is not None:
+        pytest.skip(f"the capability rule refuses {type(model).__name__} on this transformers ({cause})")
     verdict = confirm.confirmation(model)
     assert verdict.cause is None, verdict.cause

@@ -294,7 +294,7 @@ def test_active_dropout_is_named(arch, overrides, lora, named):
     after it. Not in eval mode."""
     from trl.trainer.utils import disable_dropout_in_model
 
-    from grpo_mem.model.support import unsupported_reason
+    from grpo_mem.model.support import unsupported_cause
 
     model = tiny_model(arch, **overrides)
     if lora:
@@ -302,10 +302,10 @@ def test_active_dropout_is_named(arch, overrides, lora, named):
         config = peft.LoraConfig(r=4, lora_dropout=lora, target_modules=["q_proj", "v_proj"])
         model = peft.get_peft_model(model, config).get_base_model()
     model.train()
-    assert unsupported_reason(model) is not None and re.search(named, unsupported_reason(model))
+    assert unsupported_cause(model) is not None and re.search(named, unsupported_cause(model))
     model.eval()
-    assert unsupported_reason(model) is None
+    assert unsupported_cause(model) is None
     model.train()
     disable_dropout_in_model(model)
-    reason = unsupported_reason(model)
-    assert reason is None if "forward reads" not in named else re.search(named, reason)
+    cause = unsupported_cause(model)
+    assert cause is None if "forward reads" not in named else re.search(named, cause)

@@ -27,7 +27,7 @@ import grpo_mem
 from grpo_mem.model import attention_hook as attn_hook
 from grpo_mem.model.linear_attention import LinearContext, hands_off_state
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.support import unsupported_reason
+from grpo_mem.model.support import unsupported_cause
 
 SYSTEM, SHOTS_A, SHOTS_B = random_tokens(40, 1), random_tokens(11, 2), random_tokens(2, 3)
 # own parts of 1 and 2 tokens are shorter than the convolution's K − 1 = 3: their continuations convolve with tokens of
@@ -100,7 +100,7 @@ def assert_grads_near(ours: dict, ref: dict, rel=1e-4):
 
 def test_gated_deltanet_models_are_supported_by_capability():
     for model in (tiny_model("qwen3_5", layers=3), qwen3_next()):
-        assert unsupported_reason(model) is None
+        assert unsupported_cause(model) is None
         linear = [m for m in model.modules() if hands_off_state(m)]
         assert [m.layer_idx for m in linear] == [0, 2]
 

@@ -102,8 +102,9 @@ def test_router_loss_and_gradients_match_full_forward(family, sharing):
     ref_logps, ref_aux = full_forward(model, ids, mask, C)
     ref_grads = grads(model, ref_aux)
     session = SharingSession(sharing)
-    logps, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
-    assert session.last_decision.path == sharing, session.last_decision.cause
+    with session.recording() as (decision, *_):
+        logps, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
+    assert decision.path == sharing, decision.cause
     assert_close(aux.detach(), ref_aux.detach(), 1e-6, "aux loss")
     assert_close(logps.detach(), ref_logps.detach(), 1e-5, "log-probs")
     assert_grads_close(grads(model, aux), ref_grads, 1e-4)
@@ -134,9 +135,9 @@ def test_tree_shared_system_prompt():
     ref_logps, ref_aux = full_forward(model, ids, mask, C)
     ref_grads = grads(model, (ref_logps * w).sum() + 10 * ref_aux)
     session = SharingSession("tree", min_shared_tokens=4)
-    logps, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
-    assert session.last_decision.path == "tree"
-    assert session.last_decision.backbone_tokens < session.last_decision.stock_tokens
+    with session.recording() as decisions:
+        logps, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
+    assert decisions[0].path == "tree" and decisions[0].backbone_tokens < decisions[0].stock_tokens
     assert_close(aux.detach(), ref_aux.detach(), 1e-6, "aux loss")
     assert_grads_close(grads(model, (logps * w).sum() + 10 * aux), ref_grads, 1e-4)
 
@@ -161,8 +162,9 @@ def test_groups_split_over_micro_batches(sharing):
     session = SharingSession(sharing, min_shared_tokens=4)
     session.begin_window([ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
     for rows, w, expected in zip(parts, weights, ref_aux):
-        logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
-        assert session.last_decision.path == sharing, session.last_decision.cause
+        with session.recording() as (decision, *_):
+            logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
+        assert decision.path == sharing, decision.cause
         assert_close(aux.detach(), expected, 1e-6, "micro-batch aux loss")
         ((logps * w).sum() + 10 * aux).backward()
     assert session.window.pending == 0
@@ -178,7 +180,7 @@ def test_lockstep_schedule_keeps_the_router_loss(monkeypatch, C):
     from grpo_mem.model import sharing
 
     monkeypatch.setattr(sharing, "lockstep", lambda model: True)
-    monkeypatch.setattr(sharing, "agree", lambda reason, keys, image_passes: (reason, set(keys)))
+    monkeypatch.setattr(sharing, "agree", lambda cause, keys, image_passes: (cause, set(keys)))
     model = moe_model("olmoe")
     ids, mask, C, _ = make_batch([5, 7], G=2, C=C, shuffle=True, seed=3)
     P = ids.shape[1] - C
@@ -192,8 +194,9 @@ def test_lockstep_schedule_keeps_the_router_loss(monkeypatch, C):
     session = SharingSession("group")
     session.begin_window([ids[r, :P] for r in parts], [mask[r, :P] for r in parts])
     for rows, expected in zip(parts, ref_aux):
-        logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
-        assert session.last_decision.path == "group", session.last_decision.cause
+        with session.recording() as (decision, *_):
+            logps, _, aux = session.score(model, ids[rows], mask[rows], C, compute_aux_loss=True)
+        assert decision.path == "group", decision.cause
         assert_close(aux.detach(), expected, 1e-6, "micro-batch aux loss")
         (logps.sum() + 10 * aux).backward()
     session.close_window()
@@ -207,16 +210,16 @@ def test_unrecognised_router_loss_falls_back_by_name(monkeypatch):
     module = sys.modules[type(model).__module__]
     own = module.load_balancing_loss_func
     monkeypatch.setattr(module, "load_balancing_loss_func", lambda *args: 2 * own(*args))
-    reason = router.router_loss_reason(model)
-    assert reason is not None and "modeling_qwen3_moe.load_balancing_loss_func" in reason
+    cause = router.router_loss_cause(model)
+    assert cause is not None and "modeling_qwen3_moe.load_balancing_loss_func" in cause
     ids, mask, C, _ = make_batch([5, 7], G=2, C=4)
     _, ref_aux = full_forward(model, ids, mask, C)
     session = SharingSession("group")
-    with pytest.warns(UserWarning, match="not the router loss grpo_mem reproduces"):
+    with pytest.warns(UserWarning, match="not the router loss grpo_mem reproduces"), session.recording() as decisions:
         _, _, aux = session.score(model, ids, mask, C, compute_aux_loss=True)
-    assert session.last_decision.path == "stock" and session.last_decision.cause == reason
+    assert decisions[0].path == "stock" and decisions[0].cause == cause
     assert_close(aux.detach(), ref_aux.detach(), 0.0, "aux loss")
-    assert "defines no load_balancing_loss_func" in router.router_loss_reason(helpers.tiny_model("llama"))
+    assert "defines no load_balancing_loss_func" in router.router_loss_cause(helpers.tiny_model("llama"))
 
 
 def test_modules_whose_router_loss_is_recognised():

@@ -121,7 +121,7 @@ def test_bf16_image_prompts_error_within_stock_error(mode):
     from vlm_helpers import PROMPTS, TEMPERATURE, _stock_method, tiny_vlm, vlm_batch
     from trl.trainer.utils import add_fused_lm_head
 
-    from grpo_mem.model.support import recording_fallbacks
+    from grpo_mem.model.fallback import recording_fallbacks
     from grpo_mem.patches.trl import patched_method
 
     ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=5, seed=2)

@@ -245,7 +245,7 @@ def test_decision_is_one_value_run_once():
     first = session.decide(model, *shared, C, compute_entropy=True)
     again = session.decide(model, *shared, C)  # decided twice: only one of them can run
     assert first == again and first.kind is Kind.SHARED and first.path == "group" and first.micro_batch == 0
-    logps, ent = session.run(first)
+    logps, ent, _ = session.run(first)
     assert_close(logps, ref, 1e-5, "log-probs", mask=shared[1][:, -C:])
     assert ent is not None and session.window.pending == 1  # the prompts are read again by micro-batch 2
     with pytest.raises(RuntimeError, match="once: it was run"):

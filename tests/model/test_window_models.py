@@ -85,13 +85,14 @@ def test_window_of_micro_batches_with_split_groups(arch):
         ref_grads = g if ref_grads is None else {k: v + g[k] for k, v in ref_grads.items()}
     session = SharingSession()
     session.begin_window([ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
-    for (ids, mask), r in zip(batches, ref):
-        logps, _ = session.score(model, ids, mask, C)
-        assert_close(logps.detach(), r, 1e-5, "log-probs")
-        g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
-        (logps * torch.randn(logps.shape, generator=g)).sum().backward()
+    with session.recording() as decisions:
+        for (ids, mask), r in zip(batches, ref):
+            logps, _ = session.score(model, ids, mask, C)
+            assert_close(logps.detach(), r, 1e-5, "log-probs")
+            g = torch.Generator().manual_seed(ids.shape[1])  # the weighting grads_of uses
+            (logps * torch.randn(logps.shape, generator=g)).sum().backward()
     session.close_window()
-    assert session.last_decision.path == "tree"
+    assert [d.path for d in decisions] == ["tree"] * len(batches)
     ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     assert_grads_close(ours_grads, ref_grads, 1e-4)
 

@@ -28,7 +28,7 @@ from helpers import (
 from transformers import TrainerCallback
 
 import grpo_mem
-from grpo_mem.model import support
+from grpo_mem.model import fallback
 from grpo_mem.model.sharing import SharingSession
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -116,7 +116,7 @@ def test_liger_training_matches_stock_and_forwards_prompts_once(tmp_path, stock_
     equal stock TRL's with the same flag; each step forwards every prompt (group) or the shared system prompt (tree)
     once, and the backbone runs the tokens the logged decision counts."""
     stock, stock_steps = stock_run
-    support._warned.clear()
+    fallback._warned.clear()
     with pytest.warns() as caught:
         ours, our_steps = _train(tmp_path / "ours", patch=True, sharing=sharing, liger_kernel_config=KERNELS_OFF)
     assert not [str(w.message) for w in caught if "grpo_mem" in str(w.message)]  # no fallback, no unserved Liger path
@@ -155,7 +155,7 @@ def test_unserved_liger_loss_warns_once(tmp_path):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by Trainer.train
     batch = next(iter(trainer.get_train_dataloader()))
-    support._warned.clear()
+    fallback._warned.clear()
     with grpo_mem.patch_trl(trainer) as handle, pytest.warns(UserWarning, match="use_liger_kernel=True") as caught:
         assert "_get_last_hidden_state" not in trainer.__dict__
         assert "_get_last_hidden_state" in handle.unserved_liger(trainer)
@@ -197,9 +197,10 @@ def test_liger_rope_kernel_in_the_prompt_once_path(monkeypatch):
     ref_grads = grads_of(model, ref, ref_ent)
     stock_calls, calls["rope"] = calls["rope"], 0
     session = SharingSession("tree", min_shared_tokens=4)
-    ours, ours_ent = session.score(model, ids, mask, C, compute_entropy=True)
+    with session.recording() as (decision,):
+        ours, ours_ent = session.score(model, ids, mask, C, compute_entropy=True)
     # one call a layer and pass: stock's one pass; ours the shared node, the prompts' own parts, the completions
-    assert session.last_decision.path == "tree" and (stock_calls, calls["rope"]) == (2, 6)
+    assert decision.path == "tree" and (stock_calls, calls["rope"]) == (2, 6)
     assert_close(ours, ref, 1e-5, "log-probs", mask=mask[:, -C:])
     assert_close(ours_ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     assert_grads_close(grads_of(model, ours, ours_ent), ref_grads, 1e-4)

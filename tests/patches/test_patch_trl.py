@@ -236,13 +236,15 @@ def test_patching_again_with_other_options_repatches(tmp_path):
     trainer, handle = make_trainer(patch=True, output_dir=tmp_path, sharing="tree", group_shuffle=True)
     ids, mask, C, _ = make_batch([4, 6], 2, 3)
     with torch.no_grad():
-        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
-        assert handle.sessions[trainer].last_decision.path == "tree"
+        with handle.session(trainer).recording() as (tree,):
+            trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        assert tree.path == "tree"
         assert grpo_mem.patch_trl(trainer, sharing="group", group_shuffle=False) is handle
         assert (handle.sharing, handle.group_shuffle, handle.active) == ("group", False, True)
         assert trainer not in handle.sessions  # the tree session is gone
-        ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
-        assert handle.sessions[trainer].mode == "group" and handle.sessions[trainer].last_decision.path == "group"
+        with handle.session(trainer).recording() as (group,):
+            ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        assert handle.sessions[trainer].mode == "group" and group.path == "group"
         handle.revert()
         stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
     assert_close(ours * mask[:, -C:], stock * mask[:, -C:], 1e-5)
@@ -367,10 +369,10 @@ def test_micro_batch_without_repeated_prompt_falls_back_once(tmp_path):
     with torch.no_grad():
         stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
         with grpo_mem.patch_trl(trainer):
-            from grpo_mem.model import support
+            from grpo_mem.model import fallback
             from grpo_mem.model.sharing import UNSHARED
 
-            support._warned.discard(UNSHARED)
+            fallback._warned.discard(UNSHARED)
             with pytest.warns(UserWarning, match="no repeated prompt") as record:
                 ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
                 trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
@@ -453,7 +455,7 @@ def test_active_dropout_falls_back_by_name_with_stock_numbers(tmp_path, case):
     residual dropout): every micro-batch falls back naming it, and training equals stock TRL under the same seed
     bit for bit (the same dropout draws). With TRL's disable_dropout=True (nn.Dropout p set to 0) the prompt-once
     path is taken and matches stock."""
-    from grpo_mem.model.support import recording_fallbacks
+    from grpo_mem.model.fallback import recording_fallbacks
 
     options, cause = DROPOUT[case]
     args = dict(max_steps=1, gradient_accumulation_steps=2, optim="sgd")

@@ -9,7 +9,7 @@ import torch
 from helpers import make_batch, make_trainer, smollm2_shaped, tiny_model
 
 import grpo_mem
-from grpo_mem.model import support
+from grpo_mem.model import fallback
 from grpo_mem.model import window as window_module
 from grpo_mem.model.sharing import UNSHARED
 from grpo_mem.patches.checks import LOGPS_METHOD
@@ -62,7 +62,7 @@ def test_trainer_passes_and_leaves_no_trace(tmp_path):
     _seed_state(model)
     before = _state(model)
     metrics = {k: dict(v) for k, v in trainer._metrics.items()}
-    warned = set(support._warned)
+    warned = set(fallback._warned)
     report = grpo_mem.verify(trainer, print_report=False)
     assert report.passed, str(report)
     assert report.precision == "fp32" and report.rows == 8 and len(report.micro_batches) == 4
@@ -71,7 +71,7 @@ def test_trainer_passes_and_leaves_no_trace(tmp_path):
     assert report.max_logp_diff <= 1e-5 and report.grad_rel_diff <= 1e-4
     _assert_restored(model, before)
     assert {k: dict(v) for k, v in trainer._metrics.items()} == metrics
-    assert support._warned == warned
+    assert fallback._warned == warned
     assert LOGPS_METHOD not in trainer.__dict__
     assert "PASSED" in str(report) and "max |Δ log-prob|" in str(report)
     # what grpo_mem's kernels ran on (CPU: ATen's attention, the C++ head where the extension is built)
@@ -189,13 +189,13 @@ def test_fallback_is_reported_with_its_cause():
     still issued later in training."""
     model = tiny_model()
     batch = _batch((5, 8), G=1, C=4)
-    support._warned.discard(UNSHARED)
+    fallback._warned.discard(UNSHARED)
     report = grpo_mem.verify(model, batch, micro_batch_size=1, print_report=False)
     assert report.passed, str(report)
     assert [m.path for m in report.micro_batches] == ["stock fallback"] * 2
     assert report.micro_batches[0].why == UNSHARED
     assert report.backend == "no grpo_mem kernel ran (auto)"  # the run-time confirmation's tiny copy is not counted
-    assert UNSHARED not in support._warned
+    assert UNSHARED not in fallback._warned
 
 
 def test_bad_batches_are_refused():

@@ -12,7 +12,7 @@ Read from the environment the runner sets:
   default sharing) at session start for the whole session and reverts it at the end.
 - ``GRPO_MEM_UPSTREAM_REPORT``: a JSON file written at the end: per test its outcome, a one-line error, and (patched)
   the mean of each logged ``grpo_mem/path/<name>`` fraction over the test's logged steps plus every fallback cause
-  grpo_mem gave (``support.recording_fallbacks``), so one can tell which tests took the prompt-once path; and the
+  grpo_mem gave (``fallback.recording_fallbacks``), so one can tell which tests took the prompt-once path; and the
   norm of each parameter's gradient at the first trainer's first optimizer step that has a gradient, to set
   the two runs side by side (TRL's tests only check that parameters moved).
 - ``GRPO_MEM_UPSTREAM_FP32``: ``1`` trains in fp32 (``bf16=False`` for every ``GRPOConfig``, whose default is bf16
@@ -198,7 +198,7 @@ def _paths(trainers) -> dict[str, float]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    from grpo_mem.model.support import recording_fallbacks
+    from grpo_mem.model.fallback import recording_fallbacks
 
     _trainers.clear()
     with recording_fallbacks() as causes:

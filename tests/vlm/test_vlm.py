@@ -20,7 +20,7 @@ from helpers import assert_close, assert_grads_close, grads_of
 
 from vlm_helpers import IMAGE, PROMPTS, TEMPERATURE, _score, _stock_method, _train, _vlm, reorder, vlm_batch
 from grpo_mem.model.sharing import Kind, SharingSession
-from grpo_mem.model.support import recording_fallbacks
+from grpo_mem.model.fallback import recording_fallbacks
 from grpo_mem.patches.trl import patched_method
 from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs
 
@@ -114,7 +114,7 @@ def test_window_forwards_each_image_prompt_once(vlm, sharing):
             model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True, vision=half
         )
         assert decision.path == sharing
-        logps, ent = session.run(decision)
+        logps, ent, _ = session.run(decision)
         assert_close(logps, ref_logps[s // 4], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
     session.close_window()

@@ -24,7 +24,8 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from vlm_families import FAMILIES, C, G, IMAGE, PROMPTS, _TEXT, _VISION, _vlm, _without_key_biases, vlm_batch
 from vlm_helpers import TEMPERATURE, _score, _stock_method
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.support import architecture_reason, recording_fallbacks
+from grpo_mem.model.fallback import recording_fallbacks
+from grpo_mem.model.support import architecture_cause
 from grpo_mem.patches.trl import patched_method
 from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs, input_cause
 
@@ -58,7 +59,7 @@ def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
     model, encoded = _vlm(model_type)
-    assert architecture_reason(model) is None
+    assert architecture_cause(model) is None
     ids, mask, extras = vlm_batch(model_type)
     encoded.clear()
     ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
@@ -115,7 +116,7 @@ def test_window_forwards_each_image_prompt_once():
             model, chunk_ids, chunk_mask, C, temperature=TEMPERATURE, compute_entropy=True, vision=chunk
         )
         assert decision.path == "group"
-        logps, ent = session.run(decision)
+        logps, ent, _ = session.run(decision)
         assert_close(logps, ref_logps[s // size], 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
     session.close_window()
@@ -179,4 +180,4 @@ def test_models_that_compute_their_own_positions_are_a_named_cause():
         image_token_id=IMAGE,
     )
     model = AutoModelForImageTextToText.from_config(config)
-    assert architecture_reason(model) == "vision-language model computing its own positions in its forward"
+    assert architecture_cause(model) == "vision-language model computing its own positions in its forward"

@@ -14,7 +14,7 @@ from helpers import assert_close, grads_of
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.support import recording_fallbacks
+from grpo_mem.model.fallback import recording_fallbacks
 from grpo_mem.patches.trl import patched_method
 from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs
 
@@ -371,7 +371,7 @@ def tree_window(session: SharingSession, model, ids, mask, C: int, chunks: list,
         )
         assert decision.path == "tree", decision.cause
         tokens += decision.backbone_tokens
-        logps, ent = session.run(decision)
+        logps, ent, _ = session.run(decision)
         assert_close(logps, ref, 1e-5, "log-probs", mask=chunk_mask[:, -C:])
         assert_close(ent, ref_ent, 1e-5, "entropies", mask=chunk_mask[:, -C:])
         (logps.sum() + ent.sum()).backward()
