@@ -236,15 +236,15 @@ def test_patching_again_with_other_options_repatches(tmp_path):
     trainer, handle = make_trainer(patch=True, output_dir=tmp_path, sharing="tree", group_shuffle=True)
     ids, mask, C, _ = make_batch([4, 6], 2, 3)
     with torch.no_grad():
-        with handle.session(trainer).recording() as (tree,):
+        with handle.session(trainer).recording() as trees:
             trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
-        assert tree.path == "tree"
+        assert [d.path for d in trees] == ["tree"]
         assert grpo_mem.patch_trl(trainer, sharing="group", group_shuffle=False) is handle
         assert (handle.sharing, handle.group_shuffle, handle.active) == ("group", False, True)
         assert trainer not in handle.sessions  # the tree session is gone
-        with handle.session(trainer).recording() as (group,):
+        with handle.session(trainer).recording() as groups:
             ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
-        assert handle.sessions[trainer].mode == "group" and group.path == "group"
+        assert handle.sessions[trainer].mode == "group" and [d.path for d in groups] == ["group"]
         handle.revert()
         stock, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
     assert_close(ours * mask[:, -C:], stock * mask[:, -C:], 1e-5)
