@@ -161,8 +161,8 @@ def model_state(causal_lm) -> tuple:
     """What a model's fallback cause (``SharingSession``, ``support.unsupported_cause``) depends on that can change
     between calls on the same model object, as a hashable value: each module's class, parameter names, training mode,
     dropout probability (``p``) and gradient-checkpointing setting; the config's fields (``config_state``); the
-    attention implementation the model runs without grpo_mem's hook; whether gradients are on. Not in it: attributes a
-    module's forward reads as a dropout probability (``self.attention_dropout``; set from the config at construction)."""
+    attention implementation the model runs without grpo_mem's hook; whether gradients are on. Not in it: attributes
+    a module's forward reads as a dropout probability (``self.attention_dropout``, set from the config when built)."""
     modules = tuple(
         (
             type(m),

@@ -467,7 +467,7 @@ def shared_prompt_logprobs(
 
     Side effect: the first call gives the underlying causal LM a pass-through forward and attention implementation
     (``grpo_mem_<impl>``); calls without grpo_mem compute exactly what they did. ``grpo_mem.restore(model)`` undoes it.
-    Where the path cannot be exact (see ``support.unsupported_cause``) it warns once and runs the model's own computation.
+    Where the path cannot be exact (``support.unsupported_cause``) it warns once and runs the model's own computation.
 
     Args:
         model: transformers causal LM, possibly PEFT- and DDP/DeepSpeed/FSDP-wrapped.

@@ -2,9 +2,9 @@
 
 ``unsupported_cause`` names why a model (or a call) cannot take the prompt-once path, the fallback's cause (what
 runs then, and the warning: ``grpo_mem.model.fallback``). The session keeps a model's cause until the model's state
-changes (``forward.model_state``), so none of this runs per micro-batch. Support is decided from the model as built (its modules, their forward methods, its config), not from a list of model
-types; ``tests/model/test_architectures.py`` checks the decision on every causal LM type transformers ships. This module
-knows transformers, not TRL.
+changes (``forward.model_state``), so none of this runs per micro-batch. Support is decided from the model as built
+(its modules, their forward methods, its config), not from a list of model types; ``tests/model/test_architectures.py``
+checks the decision on every causal LM type transformers ships. This module knows transformers, not TRL.
 """
 
 from __future__ import annotations
