@@ -168,7 +168,7 @@ def model_state(causal_lm) -> tuple:
             type(m),
             tuple(m._parameters),
             m.training,
-            m.__dict__.get("p"),
+            p if isinstance(p := m.__dict__.get("p"), (int, float)) else None,  # a dropout probability
             getattr(m, "gradient_checkpointing", None),
             m.__dict__.get("_gradient_checkpointing_func"),
         )
