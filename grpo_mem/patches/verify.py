@@ -66,7 +66,8 @@ from ..model.forward import installed, own_forward, restore, validate_inputs
 from ..model.plan import PromptGrouping
 from ..ops._backends import RESOLVED, preferred
 from .checks import LOGPS_METHOD, LOGPS_PARAMS
-from .trl import active_handle, group_shuffle, patched_method
+from .handle import active_handle
+from .trl import group_shuffle, patched_method
 from .verify_criteria import (
     BF16_BOUNDS,
     BF16_GRAD_TOL,
