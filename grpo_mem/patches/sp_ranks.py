@@ -200,8 +200,11 @@ def data_parallel(trainer):
     swaps = [
         (m, name, vars(m)[name]) for m in trl_modules(type(trainer)) for name in _MODULE_GATHERS if name in vars(m)
     ]
-    mine = {"state": DataParallelState(accelerator.state, lay), "gather": _bind(_gather, lay)}
-    mine["reduce"] = _bind(_reduce, lay)
+    mine = {
+        "state": DataParallelState(accelerator.state, lay),
+        "gather": _bind(_gather, lay),
+        "reduce": _bind(_reduce, lay),
+    }
     own = {name: accelerator.__dict__[name] for name in mine if name in accelerator.__dict__}
     for module, name, _ in swaps:
         setattr(module, name, _bind(_MODULE_GATHERS[name], lay))

@@ -24,13 +24,14 @@ on TRL 1.10-1.13 a third, are replaced by reference, on the class or on one trai
   alone and a trainer with the flag warns once (``checks.liger_support``). TRL 1.14+ keep the log-prob method under
   the flag and only swap Liger's layer kernels into the model, which the prompt-once path calls like stock.
 
-The patch keeps its state on its ``PatchHandle`` (a session per trainer, the models it touched), never on the
-trainer; before touching anything it checks what it relies on (``grpo_mem.patches.checks``).
+The patch keeps its state on its ``PatchHandle`` (``grpo_mem.patches.handle``: a session per trainer, the models it
+touched), never on the trainer; before touching anything it checks what it relies on (``grpo_mem.patches.checks``).
+Sequence parallelism's hooks (``grpo_mem.patches.trl_sp``) are installed only where it is asked for
+(``grpo_mem.patches.sp_request``); a plain patch does not import them.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
@@ -55,6 +56,7 @@ from .checks import (
     liger_support,
 )
 from .handle import PatchHandle, check_backend, covering_handle, register, registered, repatch
+from .sp_request import install_sequence_parallel, make_init, sequence_parallel_asked
 
 METRIC_PREFIX = "grpo_mem/"
 PATHS = ("tree", "group", "stock")
@@ -200,11 +202,11 @@ def patched_logps_method(original, handle: PatchHandle):
 
 def patched_method(original, *, sharing: str = "tree", confirm: bool | None = None, log_metrics: bool = False):
     """TRL's scoring method ``original`` (an unbound ``_get_per_token_logps_and_entropies``) patched on a private
-        ``PatchHandle`` (installed on no class or trainer; ``group_shuffle`` off): the one way to call the patched method
-        directly, e.g. ``method(trainer, model, input_ids, attention_mask, logits_to_keep, ...)``. Returns ``(method,
-        handle)``; ``handle.session(trainer)`` is the trainer's ``SharingSession`` (to open a window with
-        ``begin_window``). It scores on this process alone, without the trainer's sequence parallelism (``verify`` compares
-    the local computation). Raises ValueError for an unknown ``sharing``."""
+    ``PatchHandle`` (installed on no class or trainer; ``group_shuffle`` off, no sequence-parallel hooks): the one way
+    to call the patched method directly, e.g. ``method(trainer, model, input_ids, attention_mask, logits_to_keep,
+    ...)``. Returns ``(method, handle)``; ``handle.session(trainer)`` is the trainer's ``SharingSession`` (to open a
+    window with ``begin_window``). It scores on this process alone, without the trainer's sequence parallelism
+    (``verify`` compares the local computation). Raises ValueError for an unknown ``sharing``."""
     handle = PatchHandle(
         None, group_shuffle=False, sharing=check_sharing(sharing), log_metrics=log_metrics, confirm=confirm
     )
@@ -376,7 +378,7 @@ def patch_trl(
     """
     options = _checked_options(group_shuffle, sharing, confirm, backend)
     owners = _default_targets() if target is None else [target]
-    with_sp = _sequence_parallel_asked(owners, sequence_parallel)
+    with_sp = sequence_parallel_asked(owners, sequence_parallel)
     key = tuple(id(o) for o in owners)
     handle = registered(key)
     if handle is not None:
@@ -386,7 +388,7 @@ def patch_trl(
             key, owners, options, with_sp, auto=sequence_parallel is None
         )
     if with_sp:
-        _install_sequence_parallel(handle, owners)
+        install_sequence_parallel(handle, owners)
     return handle
 
 
@@ -397,26 +399,6 @@ def _checked_options(group_shuffle: bool, sharing: str, confirm: bool | None, ba
     if backend is not None:
         check_choice(backend)
     return dict(sharing=sharing, group_shuffle=group_shuffle, confirm=confirm, backend=backend)
-
-
-def _asks_for_sequence_parallel(owner) -> bool:
-    """Whether ``owner`` is a trainer whose ``args.parallelism_config`` (accelerate's ``ParallelismConfig``) has
-    ``sp_size > 1``; read without importing ``trl_sp``."""
-    pc = getattr(getattr(owner, "args", None), "parallelism_config", None)
-    return pc is not None and (pc.sp_size or 1) > 1
-
-
-def _sequence_parallel_asked(owners: list, sequence_parallel: bool | None) -> bool:
-    """Whether ``patch_trl`` installs the SP hooks on ``owners`` now. ValueError for ``sequence_parallel=False`` on a
-    trainer whose config asks for it."""
-    asking = [o for o in owners if _asks_for_sequence_parallel(o)]
-    if sequence_parallel is False and asking:
-        raise ValueError(
-            f"sequence_parallel=False, but this {type(asking[0]).__name__}'s parallelism_config has sp_size="
-            f"{asking[0].args.parallelism_config.sp_size}: its ranks would each score whole sequences under DeepSpeed "
-            "Ulysses; pass sequence_parallel=True or None"
-        )
-    return bool(asking) if sequence_parallel is None else sequence_parallel
 
 
 def _covering(owners: list, options: dict) -> PatchHandle | None:
@@ -442,7 +424,7 @@ def _new_handle(key, owners: list, options: dict, with_sp: bool, auto: bool) -> 
         from .trl_sp import check_hooks
 
         for owner in owners:
-            check_hooks(owner)
+            check_hooks(owner)  # before anything is installed
     handle = PatchHandle(key, **options)
     for owner in owners:
         _install(handle, owner, init_hook=auto and isinstance(owner, type))
@@ -452,7 +434,7 @@ def _new_handle(key, owners: list, options: dict, with_sp: bool, auto: bool) -> 
 
 def _install(handle: PatchHandle, owner, init_hook: bool) -> None:
     """Replace ``owner``'s (a trainer class or instance) patched methods with grpo_mem's, bound to ``handle``, which
-    records what each replaced so that ``revert`` restores it; ``init_hook``: also its ``__init__`` (``_make_init``)."""
+    records what each replaced so that ``revert`` restores it; ``init_hook``: also its ``__init__`` (``sp_request.make_init``)."""
     methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
     serve_liger, cause = liger_support(owner)
     if serve_liger:
@@ -460,31 +442,6 @@ def _install(handle: PatchHandle, owner, init_hook: bool) -> None:
     elif cause is not None:
         handle.liger_causes[owner] = cause
     if init_hook:
-        methods.append(("__init__", _make_init))
+        methods.append(("__init__", make_init))
     for name, make in methods:
         handle.replace_method(owner, name, make)
-
-
-def _make_init(original, handle: PatchHandle):
-    """The trainer class's ``__init__`` under a patch made without ``sequence_parallel``: TRL's, then the SP hooks
-    installed on the new trainer if its ``args.parallelism_config`` asks for them (``trl_sp`` imported only then)."""
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if handle.active and _asks_for_sequence_parallel(self):
-            _install_sequence_parallel(handle, [self])
-
-    __init__.__wrapped_original__ = original
-    return __init__
-
-
-def _install_sequence_parallel(handle: PatchHandle, owners: list) -> None:
-    """Install ``trl_sp``'s hooks on ``owners`` through ``handle`` (each checked first: TypeError, nothing changed)."""
-    from . import trl_sp
-
-    for owner in owners:
-        trl_sp.check_hooks(owner)
-    for owner in owners:
-        trl_sp.install(handle, owner)
-    handle.sequence_parallel = True

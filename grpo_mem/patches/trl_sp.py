@@ -401,24 +401,28 @@ def check_hooks(owner) -> None:
         )
 
 
-def install(handle, owner) -> None:
-    """Install the sequence-parallel hooks on ``owner`` (a trainer class or instance) through ``handle`` (the
+def install(handle, owners: list) -> None:
+    """Install the sequence-parallel hooks on ``owners`` (trainer classes or instances) through ``handle`` (the
     ``PatchHandle``, whose ``revert`` restores each): the trainer methods of ``SP_METHODS``, the config classes'
     ``__post_init__`` and TRL's modules' ``set_seed`` for a class; for an instance, its methods and its seed
-    (``reseed``: built before the hooks). Methods already wrapped (a class patched with SP) are left as they are.
+    (``reseed``: built before the hooks). An owner whose methods are wrapped already (a class patched with SP, or
+    one of its trainers) is left as it is.
 
     Raises:
-        TypeError: as ``check_hooks`` (nothing is changed then).
+        TypeError: as ``check_hooks``, for any owner (nothing is changed then).
     """
-    check_hooks(owner)
-    for name in SP_METHODS:
-        if not getattr(getattr(owner, name), _MARK, False):
+    for owner in owners:
+        check_hooks(owner)
+    for owner in owners:
+        if all(getattr(getattr(owner, name), _MARK, False) for name in SP_METHODS):
+            continue
+        for name in SP_METHODS:
             handle.replace_method(owner, name, functools.partial(make_method, name))
-    for config in config_classes(owner):
-        handle.remember(config, "__post_init__", patched_post_init(config.__dict__["__post_init__"]))
-    if isinstance(owner, type):
-        for module in trl_modules(owner):
-            if "set_seed" in vars(module):
-                handle.remember(module, "set_seed", patched_set_seed(vars(module)["set_seed"]))
-    else:
-        reseed(owner)
+        for config in config_classes(owner):
+            handle.remember(config, "__post_init__", patched_post_init(config.__dict__["__post_init__"]))
+        if isinstance(owner, type):
+            for module in trl_modules(owner):
+                if "set_seed" in vars(module):
+                    handle.remember(module, "set_seed", patched_set_seed(vars(module)["set_seed"]))
+        else:
+            reseed(owner)
