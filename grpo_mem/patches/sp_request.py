@@ -21,8 +21,13 @@ def asks_for_sequence_parallel(owner) -> bool:
 
 
 def sequence_parallel_asked(owners: list, sequence_parallel: bool | None) -> bool:
-    """Whether ``patch_trl`` installs the SP hooks on ``owners`` now: ``sequence_parallel`` when given, else whether a
-    target trainer's config asks. ValueError for ``sequence_parallel=False`` on a trainer whose config asks."""
+    """Whether ``patch_trl`` installs the SP hooks on ``owners``: ``sequence_parallel`` when given, else whether a
+    target trainer's config asks. Checked before anything is patched.
+
+    Raises:
+        ValueError: ``sequence_parallel=False`` for a trainer whose config asks for it.
+        TypeError: the answer is yes and a hook's target changed (``trl_sp.check_hooks``).
+    """
     asking = [o for o in owners if asks_for_sequence_parallel(o)]
     if sequence_parallel is False and asking:
         raise ValueError(
@@ -30,7 +35,13 @@ def sequence_parallel_asked(owners: list, sequence_parallel: bool | None) -> boo
             f"{asking[0].args.parallelism_config.sp_size}: its ranks would each score whole sequences under DeepSpeed "
             "Ulysses; pass sequence_parallel=True or None"
         )
-    return bool(asking) if sequence_parallel is None else sequence_parallel
+    wanted = bool(asking) if sequence_parallel is None else sequence_parallel
+    if wanted:
+        from .trl_sp import check_hooks
+
+        for owner in owners:
+            check_hooks(owner)
+    return wanted
 
 
 def install_sequence_parallel(handle: PatchHandle, owners: list) -> None:

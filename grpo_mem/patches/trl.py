@@ -384,9 +384,7 @@ def patch_trl(
     if handle is not None:
         handle = repatch(handle, options)
     else:
-        handle = _covering(owners, options) or _new_handle(
-            key, owners, options, with_sp, auto=sequence_parallel is None
-        )
+        handle = _covering(owners, options) or _new_handle(key, owners, options, auto=sequence_parallel is None)
     if with_sp:
         install_sequence_parallel(handle, owners)
     return handle
@@ -413,18 +411,13 @@ def _covering(owners: list, options: dict) -> PatchHandle | None:
     return None
 
 
-def _new_handle(key, owners: list, options: dict, with_sp: bool, auto: bool) -> PatchHandle:
-    """A new active handle with the patched methods installed on ``owners``, once their attributes, the backend and
-    (``with_sp``) the SP hooks passed their checks; ``auto``: a class's patched ``__init__`` installs the SP hooks on
-    a trainer whose config asks for them."""
+def _new_handle(key, owners: list, options: dict, auto: bool) -> PatchHandle:
+    """A new active handle with the patched methods installed on ``owners``, once their attributes and the backend
+    passed their checks; ``auto``: a class's patched ``__init__`` installs the SP hooks on a trainer whose config asks
+    for them."""
     for owner in owners:
         check_trainer_attrs(owner)
     check_backend(key, options["backend"])
-    if with_sp:
-        from .trl_sp import check_hooks
-
-        for owner in owners:
-            check_hooks(owner)  # before anything is installed
     handle = PatchHandle(key, **options)
     for owner in owners:
         _install(handle, owner, init_hook=auto and isinstance(owner, type))
@@ -434,7 +427,8 @@ def _new_handle(key, owners: list, options: dict, with_sp: bool, auto: bool) -> 
 
 def _install(handle: PatchHandle, owner, init_hook: bool) -> None:
     """Replace ``owner``'s (a trainer class or instance) patched methods with grpo_mem's, bound to ``handle``, which
-    records what each replaced so that ``revert`` restores it; ``init_hook``: also its ``__init__`` (``sp_request.make_init``)."""
+    records what each replaced so that ``revert`` restores it; ``init_hook``: also its ``__init__``
+    (``sp_request.make_init``)."""
     methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
     serve_liger, cause = liger_support(owner)
     if serve_liger:

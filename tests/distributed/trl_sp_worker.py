@@ -76,7 +76,9 @@ def _attention_state(trainer) -> dict:
     return {
         "impl": impl,
         "core_impl": core,
-        "ulysses": any(getattr(fn, "__module__", "").startswith("deepspeed") for _, fn in ALL_ATTENTION_FUNCTIONS.items()),
+        "ulysses": any(
+            getattr(fn, "__module__", "").startswith("deepspeed") for _, fn in ALL_ATTENTION_FUNCTIONS.items()
+        ),
         "core": ALL_ATTENTION_FUNCTIONS[core] is ALL_ATTENTION_FUNCTIONS._global_mapping[core],
     }
 
