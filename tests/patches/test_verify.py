@@ -12,8 +12,8 @@ import grpo_mem
 from grpo_mem.model import support
 from grpo_mem.model import window as window_module
 from grpo_mem.model.sharing import UNSHARED
-from grpo_mem.patches.checks import LOGPS_METHOD
 from grpo_mem.patches import verify_inputs
+from grpo_mem.patches.checks import LOGPS_METHOD
 from grpo_mem.patches.verify_criteria import VerificationError
 from grpo_mem.patches.verify_inputs import Scorer, lay_out, stock_method
 from grpo_mem.patches.verify_runs import score, trl_head_tile
