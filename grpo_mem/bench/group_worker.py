@@ -97,7 +97,7 @@ def measure_group(
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = _measure_op(args, model, op, input_ids.device)
+        res = measure_op(op, lambda: model.zero_grad(set_to_none=True), input_ids.device, args)
     if plain_forward_check:
         ref = _plain_forward_logps(model, input_ids, attention_mask, args["C"]) * cmask
         res["logp_max_abs_diff_vs_plain_forward"] = float((last["lp"] * cmask - ref).abs().max())
@@ -121,13 +121,11 @@ def _warm_up(provider: str, model, device) -> None:
     (lp * tiny_cmask).sum().backward()
 
 
-def _measure_op(args: dict, model, op, device) -> dict:
-    """``op`` measured as :func:`measure_group` says (on CUDA by :mod:`grpo_mem.bench.harness_cuda`, with the device
-    name and absolute peak), parameter gradients dropped before every call; the measurement as a dict."""
+def measure_op(op, setup, device, args: dict) -> dict:
+    """``op()`` measured on ``device`` (a ``torch.device``) with ``setup()`` before every call, as ``args`` says
+    (warmup, repeats, min_repeats, time_budget_s, single_call: see :func:`measure_group`); on CUDA by
+    :mod:`grpo_mem.bench.harness_cuda`, with the device name and absolute peak (MB). The measurement as a dict."""
     from grpo_mem.bench import harness_cuda
-
-    def setup():
-        model.zero_grad(set_to_none=True)
 
     if device.type == "cuda":
         m, absolute = harness_cuda.measure_cuda(
