@@ -24,7 +24,7 @@ import torch
 from helpers import make_batch, smollm2_shaped, stock_logps, tiny_model
 
 import grpo_mem
-from grpo_mem.patches.verify import BF16_GRAD_TOL, grad_errors, grad_within_stock_error, within_stock_error
+from grpo_mem.patches.verify_criteria import BF16_GRAD_TOL, grad_errors, grad_within_stock_error, within_stock_error
 
 TOL = 1e-2  # elementwise margin at initial logits
 
