@@ -12,7 +12,7 @@ random group per rank): log-probs, then ``(log_probs * completion_mask).sum().ba
 the benchmark library's sweep (``grpo_mem.bench.sweep``), which writes one set of CSV rows per rank.
 Measured per rank with ``harness.measure`` (1 warm-up call, timed calls, then one call under ``PeakRSS`` and the
 live-tensor tracker); the table gives the mean over the ranks and the ratio grpo_mem / full_seq against the ideal
-ratio (P + G·C) / (G·(P + C)). The ranks start with glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``,
+ratio (P + G·(C − 1)) / (G·(P + C)) (``grpo_mem.bench.tokens.token_counts``). The ranks start with glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``,
 ``ALLOCATOR_ENV``), timed calls included: fixed only before the memory call (``harness.measure``), it leaves the free
 heap chunks of the earlier calls in place, later allocations reuse them, and the peak RSS then counts freed memory the
 heap keeps resident (about 300 MB per rank for grpo_mem at P=512, C=64, G=16) rather than live memory.
@@ -39,6 +39,7 @@ sys.path.insert(0, _ROOT)  # the checkout's grpo_mem: the script measures the co
 
 from grpo_mem.bench import harness, isolate  # noqa: E402
 from grpo_mem.bench.sweep import Cell, Sweep  # noqa: E402
+from grpo_mem.bench.tokens import token_counts  # noqa: E402
 
 OP = "group_logprobs_fsdp2"
 CSV_PATH = os.path.join(_HERE, "results", "fsdp.csv")
@@ -210,7 +211,7 @@ def table(path: str = CSV_PATH) -> str:
         ratio = ""
         if base and provider == "grpo_mem":
             b = sum(base["peak_rss_above_base"]) / len(base["peak_rss_above_base"])
-            ideal = (P + G * C) / (G * (P + C))
+            ideal = token_counts(G, P, C)["ideal_ratio"]
             r_rss = mean["peak_rss_above_base"] / b
             r_t = mean["peak_tensor"] / (sum(base["peak_tensor"]) / len(base["peak_tensor"]))
             ratio = f"{r_rss:.3f} ({r_rss / ideal:.2f}x ideal {ideal:.3f}); tensors {r_t:.3f} ({r_t / ideal:.2f}x)"

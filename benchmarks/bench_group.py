@@ -21,7 +21,8 @@ Providers:
 - ``grpo_mem``: ``grpo_mem.shared_prompt_logprobs(model, input_ids, attention_mask, C, compute_entropy=True)`` on the
   plain model: each prompt forwarded once, its K/V shared by the group's completions.
 
-Ideal ratio of the token-linear work, grpo_mem over full sequence: rho = (P + G·C) / (G·(P + C)). Each
+Ideal ratio of the token-linear work, grpo_mem over full sequence: rho = (P + G·(C − 1)) / (G·(P + C))
+(``grpo_mem.bench.tokens.token_counts``). Each
 (configuration, provider) runs in a fresh process (``grpo_mem.bench.sweep``) and is warmed up on a tiny group first.
 Wall and CPU time are p50 over the timed calls (up to ``--repeats``); memory is the peak RSS above the process's base
 just before the op (weights and inputs are in the base; the gradients the op creates are not) and the op's own peak
@@ -71,16 +72,16 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # the checkout's grpo_mem: the script measures the code beside it
 
 from grpo_mem.bench import harness, harness_cuda  # noqa: E402
-from grpo_mem.bench.group import ideal_ratio  # noqa: E402
 from grpo_mem.bench.presets import bench_model_config  # noqa: E402
 from grpo_mem.bench.sweep import Cell, Sweep, isolated, merge_csv  # noqa: E402
+from grpo_mem.bench.tokens import token_counts  # noqa: E402
 
 OP = "group_logprobs"
 OP_SPLIT = "group_logprobs_split"
 PROVIDERS = ("trl", "full_seq", "grpo_mem")
 ARCH_MODELS = ("gemma3", "gpt-oss", "qwen3.5")
 """Architecture rows: the llama trunk with sliding windows, sinks and experts, or linear attention."""
-WORKER = "grpo_mem.bench.group:worker"
+WORKER = "grpo_mem.bench.group_worker:worker"
 RESULTS = os.path.join(_HERE, "results")
 CSV_PATH = os.path.join(RESULTS, "group.csv")
 PNG_PATH = os.path.join(RESULTS, "group.png")
@@ -143,7 +144,7 @@ def cells(
         config = {k: v for k, v in cfg.items() if k != "arch"}
         config.update(
             model=cfg["arch"],
-            ideal_ratio=round(ideal_ratio(cfg["G"], cfg["P"], cfg["C"]), 4),
+            ideal_ratio=round(token_counts(cfg["G"], cfg["P"], cfg["C"])["ideal_ratio"], 4),
             threads=threads,
             **(extra or {}),
             **measure_args,
@@ -244,7 +245,7 @@ def _table_row(key: tuple, d: dict) -> list:
         G,
         P,
         groups,
-        ideal_ratio(G, P, C),
+        token_counts(G, P, C)["ideal_ratio"],
         t["trl"],
         t["full_seq"],
         t["grpo_mem"],
@@ -301,7 +302,7 @@ def targets(path: str = CSV_PATH) -> str:
         if any(math.isnan(x) for x in (rt, rc, rm)):
             lines.append(f"- {model} P={P} G={G}: skipped")
             continue
-        rho = ideal_ratio(G, P, C)
+        rho = token_counts(G, P, C)["ideal_ratio"]
         lines.append(
             f"- {model} P={P} G={G} C={C}: ideal ρ={rho:.3f}; wall-time ratio {rt:.3f} = {rt / rho:.2f}× "
             f"ideal ({'meets' if rt / rho <= 1.2 else 'MISSES'} ≤ 1.2×; CPU-time ratio {rc / rho:.2f}× "

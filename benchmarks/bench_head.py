@@ -46,7 +46,7 @@ from typing import Sequence
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # this script (its workers' module) and the checkout's grpo_mem
 
-from grpo_mem.bench import harness, harness_cuda  # noqa: E402
+from grpo_mem.bench import group_worker, harness, harness_cuda  # noqa: E402
 
 OP = "head_logprobs"
 PROVIDERS = ("grpo_mem_cpp", "grpo_mem_torch", "trl", "liger", "naive")
@@ -107,23 +107,6 @@ def _head_fn(provider: str, hidden, weight, target, args: dict):
     return head
 
 
-def _measure(op, setup, device, args: dict) -> dict:
-    """``op`` measured on ``device`` (CUDA: with the device name and absolute peak allocation), as a dict."""
-    if device.type == "cuda":
-        m, absolute = harness_cuda.measure_cuda(
-            op, setup=setup, warmup=max(1, args.get("warmup", 1)), repeats=args.get("repeats", 3)
-        )
-        return dict(m.to_dict(), cuda_device=harness_cuda.cuda_device_name(), cuda_peak_allocated_mb=absolute / 1e6)
-    return harness.measure(
-        op,
-        setup=setup,
-        warmup=args.get("warmup", 1),
-        repeats=args.get("repeats", 3),
-        time_budget_s=args.get("time_budget_s", 60.0),
-        memory_repeats=1,
-    ).to_dict()
-
-
 def worker(args: dict) -> dict:
     """One head configuration (``N``, ``H``, ``V``, ``dtype``) and ``provider`` in a fresh process: time and memory of
     forward + backward, the sum of the log-probs (``checksum``) and the weight gradient's norm and size."""
@@ -151,7 +134,7 @@ def worker(args: dict) -> dict:
         hidden.grad = None
         weight.grad = None
 
-    out = _measure(op, setup, device, args)
+    out = group_worker.measure_op(op, setup, device, dict(args, time_budget_s=args.get("time_budget_s", 60.0)))
     setup()
     checksum = op()
     out.update(

@@ -15,7 +15,7 @@ Providers:
   part once, every level read in place.
 
 Ideal ratio of the token-linear work per window, tree over group (U = groups_per_mb · micro_batches prompts):
-``(S + ΣQ_u + U·G·C) / (U·S + ΣQ_u + U·G·C)``. The worker also counts the tokens the backbone actually forwards per
+``(S + ΣQ_u + U·G·(C − 1)) / (U·S + ΣQ_u + U·G·(C − 1))`` (``grpo_mem.bench.tree.ideal_ratio``). The worker also counts the tokens the backbone actually forwards per
 window (``trunk_tokens``), so the CSV shows the work each mode does, not only its time.
 
 ``--threshold`` measures where a shared span starts to pay for its own pass: the tree mode with the span as a node
@@ -46,7 +46,7 @@ from typing import Sequence
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # the checkout's grpo_mem: the script measures the code beside it
 
-from grpo_mem.bench import group, harness  # noqa: E402
+from grpo_mem.bench import group, group_worker, harness  # noqa: E402
 from grpo_mem.bench.tree import ideal_ratio, make_window, own_lengths, window_fn  # noqa: E402
 from grpo_mem.bench.presets import bench_model_config  # noqa: E402
 from grpo_mem.bench.sweep import Cell, Sweep, isolated, merge_csv  # noqa: E402
@@ -117,7 +117,7 @@ def worker(args: dict) -> dict:
             model, input_ids, attention_mask, cmask_f, last["lp"], rows
         ),
         log_probs=(last["lp"] * cmask_f).tolist(),
-        grad_norm=group.grad_norm(model),
+        grad_norm=group_worker.grad_norm(model),
         Qs=Qs,
         fallback_warnings=sorted({str(w.message) for w in caught if "grpo_mem" in str(w.message)}),
         version=version,
@@ -158,13 +158,18 @@ def threshold_configs() -> list[dict]:
     ]
 
 
+def _ideal(cfg: dict) -> float:
+    """The ideal ratio of tree over group sharing for a configuration's window (``tree.ideal_ratio``)."""
+    U = cfg["groups_per_mb"] * cfg["micro_batches"]
+    return ideal_ratio(cfg["S"], own_lengths(U, cfg["q_min"], cfg["q_max"], 0), cfg["G"], cfg["C"])
+
+
 def _run(cfgs, providers_of, op, csv_path, *, threads, rss_budget_mb, timeout_s, measure_args):
     """Run every (configuration, provider) in a fresh process (stock providers above ``STOCK_MAX_S`` recorded as
     skipped); the CSV, written after each one, keeps the rows of other S values and providers."""
     cells = []
     for cfg in cfgs:
-        U = cfg["groups_per_mb"] * cfg["micro_batches"]
-        rho = ideal_ratio(cfg["S"], own_lengths(U, cfg["q_min"], cfg["q_max"], 0), cfg["G"], cfg["C"])
+        rho = _ideal(cfg)
         for prov, extra in providers_of(cfg):
             config = {k: v for k, v in cfg.items() if k != "arch"}
             config.update(
@@ -238,7 +243,7 @@ def table(path: str = CSV_PATH) -> str:
                     [S, prov, "skipped", "", "", "", "", "", "", wall["config"].get("skipped", "") if wall else ""]
                 )
                 continue
-            rho = wall["config"]["ideal_ratio_tree_over_group"]
+            rho = _ideal(wall["config"])  # the formula of today, not the one recorded with older rows
             ratios = ""
             over = ""
             if prov == "grpo_mem_tree" and group:

@@ -44,7 +44,7 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # the checkout's grpo_mem: the script measures the code beside it
 
-from grpo_mem.bench import harness  # noqa: E402
+from grpo_mem.bench import harness, tokens  # noqa: E402
 from grpo_mem.bench.presets import BENCH_MODELS  # noqa: E402
 
 OP = "vlm_group_logprobs"
@@ -71,12 +71,13 @@ VISION = dict(
 
 
 def token_counts(G: int, C: int, grid: tuple[int, int, int], text: int) -> dict:
-    """Tokens through the vision tower (patch rows) and the language model, per provider, and their ratio rho."""
+    """Tokens through the vision tower (patch rows) and the language model, per provider, and their ratio rho
+    (``grpo_mem.bench.tokens.token_counts`` of one prompt of the grid's image and ``text`` text tokens)."""
     patches = grid[0] * grid[1] * grid[2]
     P = patches // MERGE**2 + text
-    gm = patches + P + G * (C - 1)
-    stock = G * patches + G * (P + C)
-    return dict(P=P, patches=patches, grpo_mem_tokens=gm, trl_tokens=stock, ideal_ratio=gm / stock)
+    c = tokens.token_counts(G, P, C, image_tokens=patches // MERGE**2, rows_per_token=MERGE**2)
+    gm, stock = c["grpo_mem_vision"] + c["grpo_mem_lm"], c["trl_vision"] + c["trl_lm"]
+    return dict(P=P, patches=patches, grpo_mem_tokens=gm, trl_tokens=stock, ideal_ratio=c["ideal_ratio"])
 
 
 def build_model(seed: int = 0):
@@ -158,7 +159,7 @@ def worker(args: dict) -> dict:
     tower encoded in the measured call), ``fallbacks`` (grpo_mem's recorded fallbacks) and ``version``."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from grpo_mem.bench.group import grad_norm
+    from grpo_mem.bench.group_worker import grad_norm
     from grpo_mem.bench.vision import scoring_method
     from grpo_mem.model.fallback import recording_fallbacks
 

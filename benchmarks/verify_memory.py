@@ -81,10 +81,10 @@ def patched_step(model, batch: dict, micro: int, optimizer=None) -> None:
     import trl
 
     from grpo_mem.patches.trl import patched_method
-    from grpo_mem.patches.verify import _Scorer, _stock_method
+    from grpo_mem.patches.verify_inputs import Scorer, stock_method
 
-    self_obj = _Scorer(model, 1.0)
-    fn, handle = patched_method(_stock_method(trl.GRPOTrainer))
+    self_obj = Scorer(model, 1.0)
+    fn, handle = patched_method(stock_method(trl.GRPOTrainer))
     session = handle.session(self_obj)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)

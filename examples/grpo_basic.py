@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     )
 
     # One generation batch scored by stock TRL and by grpo_mem, with gradients; prints a table and raises
-    # grpo_mem.patches.verify.VerificationError on a mismatch. Leaves the trainer as it was.
+    # grpo_mem.patches.verify_criteria.VerificationError on a mismatch. Leaves the trainer as it was.
     report = grpo_mem.verify(trainer, raise_on_mismatch=True)
     print(f"verify: passed={report.passed} max |dlogp|={report.max_logp_diff:.2e} grad rel={report.grad_rel_diff:.2e}")
 

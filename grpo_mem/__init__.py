@@ -25,7 +25,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "PatchHandle": ("grpo_mem.patches.trl", "PatchHandle"),
+    "PatchHandle": ("grpo_mem.patches.handle", "PatchHandle"),
     "patch_trl": ("grpo_mem.patches.trl", "patch_trl"),
     "restore": ("grpo_mem.model.forward", "restore"),
     "SharingSession": ("grpo_mem.model.sharing", "SharingSession"),

@@ -7,6 +7,7 @@ import os
 import sys
 import types
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def length_reward(completions, **kwargs):
     return [-abs(len(c) - 5) / 5.0 for c in completions]
 
 
-_TRAINER_DEFAULTS = dict(
+TRAINER_DEFAULTS = dict(
     per_device_train_batch_size=4,
     num_generations=4,
     max_completion_length=8,
@@ -365,7 +366,7 @@ def make_trainer(
     set_seed(seed)
     model = tiny_model(arch, seed=seed, **(model_args or {}))
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
-    defaults = dict(_TRAINER_DEFAULTS, output_dir=str(output_dir), seed=seed)
+    defaults = dict(TRAINER_DEFAULTS, output_dir=str(output_dir), seed=seed)
     defaults.update(args)
     model_dir = _saved(model, output_dir)
     trainer = trainer_cls(
@@ -602,3 +603,161 @@ def check_fp32_against_truth(res: dict, truth: dict) -> None:
     for n in truth:
         if n != "out":
             assert_close(res[n], truth[n], 1e-4 * max(truth[n].abs().max().item(), 1e-6), n)
+
+
+# The architecture sweep's check (tests/model/test_architectures.py; test_confirm runs it on the types it names): a
+# tiny random model of a causal LM type through both sharing modes, against stock TRL or the model's own forward.
+SWEEP_TEMPERATURE = 0.7
+# three prompts of 5-7 tokens sharing a 4-token prefix (left padding, and a trie node in tree mode), 2 completions
+# each of up to 4 tokens
+SWEEP_PROMPTS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 20], [5, 6, 7, 8, 30, 31, 32]]
+SWEEP_MIN_SHARED_TOKENS = 3
+SWEEP_MAX_PARAMS = 16_000_000
+
+
+class NotBuilt(Exception):
+    """The type cannot be built and run tiny here (the message says why)."""
+
+
+def build_tiny(model_type: str):
+    """A tiny random fp32 ``AutoModelForCausalLM`` of ``model_type``, built offline from its default config.
+
+    Raises:
+        NotBuilt: the config or model cannot be built at tiny sizes, or is still over ``SWEEP_MAX_PARAMS`` parameters.
+    """
+    from grpo_mem.model.confirm import shrink
+
+    try:
+        base = AutoConfig.for_model(model_type)
+        config = type(base).from_dict(shrink(base.to_dict()))
+        with torch.device("meta"):
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if n > SWEEP_MAX_PARAMS:
+            raise NotBuilt(f"{n / 1e6:.0f} M parameters at the tiny sizes (sub-configs keep their full sizes)")
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).float()
+    except NotBuilt:
+        raise
+    except Exception as e:  # any failure of transformers' own config or model code at these sizes
+        raise NotBuilt(f"{type(e).__name__}: {' '.join(str(e).split())[:160]}") from e
+
+
+@dataclass
+class ArchitectureRow:
+    """One type's outcome: ``status`` "prompt-once", "fallback" or "not built"; ``cause`` the fallback's cause or why
+    the type was not built; ``model_class`` the causal LM class built."""
+
+    model_type: str
+    status: str
+    cause: str = ""
+    model_class: str = ""
+
+
+def _own_forward_logps(model, ids, mask, C):
+    """The model's own forward: (B, C) fp32 log-probs and entropies of the completion tokens, zero where masked."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1 : -1].float() / SWEEP_TEMPERATURE
+    logsm = logits.log_softmax(-1)
+    keep = mask[:, -C:].bool()
+    logps = logsm.gather(-1, ids[:, -C:, None])[..., 0].masked_fill(~keep, 0.0)
+    entropy = -(logsm.exp() * logsm).sum(-1).masked_fill(~keep, 0.0)
+    return logps, entropy
+
+
+def _grpo_mem_logps(model, ids, mask, C, sharing):
+    """grpo_mem's scores and the fallback causes recorded while computing them."""
+    import grpo_mem
+    from grpo_mem.model.sharing import SharingSession
+    from grpo_mem.model.fallback import isolated_fallbacks
+
+    with isolated_fallbacks() as causes:
+        if sharing == "group":
+            logps, entropy = grpo_mem.shared_prompt_logprobs(
+                model, ids, mask, C, temperature=SWEEP_TEMPERATURE, compute_entropy=True, sharing="group"
+            )
+        else:  # a window of one micro-batch whose trie has the 4-token prefix as a node of its own
+            session = SharingSession("tree", min_shared_tokens=SWEEP_MIN_SHARED_TOKENS)
+            session.begin_window([ids[:, :-C]], [mask[:, :-C]])
+            logps, entropy = session.score(model, ids, mask, C, temperature=SWEEP_TEMPERATURE, compute_entropy=True)
+    return logps, entropy, causes
+
+
+def _assert_masked_close(what, ours, ref, keep, atol=1e-5):
+    err = ((ours - ref).abs() * keep).max()
+    assert err <= atol, f"{what}: max |diff| {err:.3e} > {atol}"
+
+
+def _assert_grads_close_per_parameter(what, ours, ref, rel=1e-4):
+    """Every parameter's gradient within ``rel`` of its own scale, elementwise (max |diff| against its max) and as a
+    vector (``confirm.grad_difference``: norm of the difference against its norm, floored at 1e-3 of the global
+    norm); a parameter whose exact gradient is zero (e.g. a key bias, which softmax ignores) is measured against
+    1e-3 of the largest gradient instead of its rounding noise."""
+    from grpo_mem.model.confirm import grad_difference
+
+    assert ours.keys() == ref.keys(), f"{what}: gradients of different parameters {sorted(set(ours) ^ set(ref))[:4]}"
+    difference = grad_difference(ours, ref, rel)
+    assert difference is None, f"{what}: {difference}"
+    top = max(float(r.abs().max()) for r in ref.values())
+    for name, r in ref.items():
+        scale = max(float(r.abs().max()), 1e-3 * top, 1e-30)
+        err = float((ours[name] - r).abs().max())
+        assert err <= rel * scale, f"{what}: {name} max |diff| {err:.3e} > {rel} x {scale:.3e}"
+
+
+class _CauseFailed(Exception):
+    """``unsupported_cause`` itself raised: a grpo_mem failure, never taken for one of the reference."""
+
+
+def _unsupported_cause(model):
+    from grpo_mem.model.support import unsupported_cause
+
+    try:
+        return unsupported_cause(model)
+    except Exception as e:
+        raise _CauseFailed(f"unsupported_cause raised {type(e).__name__}: {e}") from e
+
+
+def check_architecture(model_type: str) -> ArchitectureRow:
+    """Build ``model_type`` tiny and check both sharing modes against the right reference (see the module docstring).
+
+    Raises:
+        AssertionError: a wrong number, an unexpected path or cause, or a crash of grpo_mem where the reference runs.
+    """
+    import grpo_mem
+    from grpo_mem.model.confirm import confirmation
+
+    try:
+        model = build_tiny(model_type)
+        model.train()
+        if model.supports_gradient_checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        ids, mask, C, _ = make_batch(None, 2, 4, prompts=SWEEP_PROMPTS, shuffle=True, junk_in_padding=True)
+        keep = mask[:, -C:].float()
+        own, own_e = _own_forward_logps(model, ids, mask, C)
+        cause = _unsupported_cause(model)
+        if cause is None:  # stock TRL is the reference (and agrees with the model's own forward)
+            verdict = confirmation(model)  # and the runtime's confirmation, on a copy built from the config, agrees
+            assert verdict.cause is None, f"{model_type}: {verdict.cause}"
+            ref, ref_e = stock_logps(model, ids, mask, C, temperature=SWEEP_TEMPERATURE, compute_entropy=True)
+            _assert_masked_close(f"{model_type} stock TRL vs own forward", ref.detach(), own.detach(), keep)
+        else:
+            ref, ref_e = own, own_e
+        ref_g = grads_of(model, ref, ref_e)
+    except NotBuilt as e:
+        return ArchitectureRow(model_type, "not built", str(e))
+    except (AssertionError, _CauseFailed):
+        raise
+    except Exception as e:  # the reference itself fails at these sizes: nothing to compare with
+        message = " ".join(str(e).split())[:120]
+        return ArchitectureRow(
+            model_type, "not built", f"its own forward or backward fails tiny: {type(e).__name__}: {message}"
+        )
+    for sharing in ("group", "tree"):
+        logps, entropy, causes = _grpo_mem_logps(model, ids, mask, C, sharing)
+        assert causes == ([] if cause is None else [cause]), f"{model_type} {sharing}: fallbacks {causes}"
+        what = f"{model_type} {sharing}"
+        _assert_masked_close(f"{what} log-probs", logps, ref, keep)
+        _assert_masked_close(f"{what} entropies", entropy, ref_e, keep)
+        _assert_grads_close_per_parameter(what, grads_of(model, logps, entropy), ref_g)
+    grpo_mem.restore(model)
+    status = "prompt-once" if cause is None else "fallback"
+    return ArchitectureRow(model_type, status, cause or "", type(model).__name__)

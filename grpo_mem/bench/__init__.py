@@ -6,8 +6,9 @@
   ``grpo_mem.bench.harness_cuda``: the measurement on a GPU.
 - ``grpo_mem.bench.sweep``: the one sweep runner: (configuration, provider) cells run one after the other, compared
   with stock TRL, turned into CSV rows.
-- ``grpo_mem.bench.group``: the group-scoring op (models from a config, inputs, the stock TRL and grpo_mem providers,
-  the worker measuring one provider).
+- ``grpo_mem.bench.group``: the group-scoring op (models from a config, inputs, the stock TRL and grpo_mem
+  providers); ``grpo_mem.bench.group_worker``: the worker measuring one provider; ``grpo_mem.bench.tokens``: the
+  tokens through the backbone, grpo_mem against stock TRL (the benchmarks' ideal ratios).
 - ``grpo_mem.bench.presets``: model shapes (published configurations, the benchmark scripts' models, a local
   ``config.json``); ``grpo_mem.bench.estimate``: stock TRL's estimated peak memory against what is available, and a
   GRPO step's peak memory per GPU on paper (stock TRL, grpo_mem, grpo_mem with sequence parallelism).

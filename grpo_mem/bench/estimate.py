@@ -10,9 +10,10 @@ the longest prompt that fits a device under it. No GPU measured these: they are 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from grpo_mem.bench.tokens import backbone_tokens
 
 GB = 1e9
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -242,13 +243,14 @@ def _check_step(method: str, P: int, C: int, G: int, sp_size: int, world: int) -
 
 def rank_tokens(method: str, P: int, C: int, G: int, sp_size: int = 1) -> tuple[int, int]:
     """(prompt tokens, completion tokens) one rank runs through the trunk for one group of G completions of C tokens
-    after a prompt of P tokens. Stock TRL: G·P and G·C (one pass of G rows). grpo_mem: ceil(P / k) and G·ceil(C / k),
+    after a prompt of P tokens. Stock TRL: G·P and G·C (one pass of G rows). grpo_mem: ceil(P / k) and
+    G·ceil((C − 1) / k) (:func:`~grpo_mem.bench.tokens.backbone_tokens`: the last completion token predicts nothing),
     with k = ``sp_size`` (each pass split along the sequence into k shards of ceil(T / k) tokens,
     ``grpo_mem.model.sequence_parallel``). Raises ValueError as :func:`estimate_grpo_step`."""
     _check_step(method, P, C, G, sp_size, sp_size)
     if method == "trl":
         return G * P, G * C
-    return math.ceil(P / sp_size), G * math.ceil(C / sp_size)
+    return backbone_tokens(P, 0, C, sp_size=sp_size), backbone_tokens(0, G, C, sp_size=sp_size)
 
 
 def kv_layer_bytes(shape: ModelShape, tokens: int, width: int) -> float:

@@ -138,7 +138,7 @@ def run_isolated(
     child's RSS every ``poll_s`` seconds and kills it once it exceeds ``rss_budget_mb``.
 
     Args:
-        target: ``"module:function"`` (e.g. ``"grpo_mem.bench.group:worker"``, importable in this process) or
+        target: ``"module:function"`` (e.g. ``"grpo_mem.bench.group_worker:worker"``, importable in this process) or
             ``"path/file.py:function"``. The function takes one dict and returns a JSON-serialisable dict.
         args: JSON-serialisable arguments for ``target``.
         timeout_s: wall-clock limit of the child in seconds.

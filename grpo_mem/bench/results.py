@@ -102,9 +102,28 @@ def now_utc() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _check_mode(mode: str) -> None:
+def _row_key(op: str, provider: str, mode: str, x_name: str, x_value: Any, device, version, timestamp) -> dict:
+    """The columns every row of one (configuration, provider) shares; ``device`` a string or a function giving it,
+    ``version``/``timestamp`` None for :func:`versions`/:func:`now_utc`. Raises ValueError for a ``mode`` outside
+    :data:`MODES`."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return dict(
+        op=op,
+        provider=provider,
+        mode=mode,
+        x_name=x_name,
+        x_value=x_value,
+        device=device() if callable(device) else device,
+        timestamp=timestamp or now_utc(),
+        version=version or versions(),
+    )
+
+
+def _row(key: dict, metric: str, unit: str, p50, p20, p80, config: dict) -> dict:
+    """One CSV row (keyed by :data:`CSV_COLUMNS`): ``key``'s shared columns, the metric, its percentiles and
+    ``config`` as sorted JSON."""
+    return dict(key, metric=metric, unit=unit, p50=p50, p20=p20, p80=p80, config=json.dumps(config, sort_keys=True))
 
 
 def measurement_rows(
@@ -125,12 +144,18 @@ def measurement_rows(
     ``config`` is stored as sorted JSON; the number of samples of each metric is added to it as ``"n"``.
     Raises ValueError for a ``mode`` outside :data:`MODES`.
     """
-    _check_mode(mode)
     if isinstance(measurement, dict):
         measurement = Measurement.from_dict(measurement)
-    device = device or device_name(measurement.threads or None)
-    version = version or versions()
-    timestamp = timestamp or now_utc()
+    key = _row_key(
+        op,
+        provider,
+        mode,
+        x_name,
+        x_value,
+        device or (lambda: device_name(measurement.threads or None)),
+        version,
+        timestamp,
+    )
     rows = []
     for metric, (unit, (p50, p20, p80), n) in measurement.metrics().items():
         cfg = dict(config, n=n)
@@ -138,24 +163,7 @@ def measurement_rows(
             cfg["rss_method"] = measurement.rss_method
             cfg["base_rss_mb"] = round(measurement.base_rss_bytes / MB, 1)
             cfg["mmap_threshold_fixed"] = measurement.mmap_threshold_fixed
-        rows.append(
-            dict(
-                op=op,
-                provider=provider,
-                mode=mode,
-                metric=metric,
-                unit=unit,
-                x_name=x_name,
-                x_value=x_value,
-                p50=p50,
-                p20=p20,
-                p80=p80,
-                config=json.dumps(cfg, sort_keys=True),
-                device=device,
-                timestamp=timestamp,
-                version=version,
-            )
-        )
+        rows.append(_row(key, metric, unit, p50, p20, p80, cfg))
     return rows
 
 
@@ -179,31 +187,10 @@ def skipped_rows(
     timestamp: str | None = None,
 ) -> list[dict]:
     """Rows recording that ``provider`` could not run this configuration: empty p-columns, ``"skipped": reason`` in
-    ``config``. ``metrics`` are ``(metric, unit)`` pairs."""
-    _check_mode(mode)
-    device = device or device_name()
-    version = version or versions()
-    timestamp = timestamp or now_utc()
-    cfg = json.dumps(dict(config, skipped=reason), sort_keys=True)
-    return [
-        dict(
-            op=op,
-            provider=provider,
-            mode=mode,
-            metric=metric,
-            unit=unit,
-            x_name=x_name,
-            x_value=x_value,
-            p50="",
-            p20="",
-            p80="",
-            config=cfg,
-            device=device,
-            timestamp=timestamp,
-            version=version,
-        )
-        for metric, unit in metrics
-    ]
+    ``config``. ``metrics`` are ``(metric, unit)`` pairs. Raises ValueError for a ``mode`` outside :data:`MODES`."""
+    key = _row_key(op, provider, mode, x_name, x_value, device or device_name, version, timestamp)
+    cfg = dict(config, skipped=reason)
+    return [_row(key, metric, unit, "", "", "", cfg) for metric, unit in metrics]
 
 
 def write_csv(rows: Iterable[dict], path: str, *, append: bool = False) -> None:

@@ -83,7 +83,7 @@ norm (a parameter whose exact gradient is ~0, e.g. a key bias, is not measured a
 
 def grad_param_difference(sketches: dict[str, list], reference: dict[str, list]) -> tuple[float, str]:
     """(largest relative difference, the parameter it is at) between two results' per-parameter gradient sketches
-    (``group.grad_sketches``: name -> [norm, sketch...]): per parameter, the norm of the sketches' difference (which
+    (``group_worker.grad_sketches``: name -> [norm, sketch...]): per parameter, the norm of the sketches' difference (which
     estimates the gradients' difference) over the larger of the reference gradient's norm and ``GRAD_FLOOR`` x the
     reference's global norm; a parameter with a gradient in one result only differs by its whole norm."""
     total = sum(v[0] ** 2 for v in reference.values()) ** 0.5

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import group
+from .tokens import backbone_tokens
 
 
 def own_lengths(U: int, q_min: int, q_max: int, seed: int) -> list[int]:
@@ -18,9 +19,11 @@ def own_lengths(U: int, q_min: int, q_max: int, seed: int) -> list[int]:
 
 
 def ideal_ratio(S: int, Qs: Sequence[int], G: int, C: int) -> float:
-    """Token-linear work per window, tree over group: (S + ΣQ + U·G·C) / (U·S + ΣQ + U·G·C)."""
+    """Token-linear work per window, tree over group (:func:`~grpo_mem.bench.tokens.backbone_tokens`):
+    (S + ΣQ + U·G·(C − 1)) / (U·S + ΣQ + U·G·(C − 1)), U = len(Qs) prompts of the system prompt (S tokens) and an
+    own part of Q_u tokens, G completions of C tokens each."""
     U = len(Qs)
-    return (S + sum(Qs) + U * G * C) / (U * S + sum(Qs) + U * G * C)
+    return backbone_tokens(S + sum(Qs), U * G, C) / backbone_tokens(U * S + sum(Qs), U * G, C)
 
 
 def make_window(S: int, Qs: Sequence[int], G: int, C: int, groups_per_mb: int, vocab: int, seed: int = 0):

@@ -45,31 +45,6 @@ def image_grid(tokens: int, merge: int = 2) -> tuple[int, int, int]:
     return 1, merge * a, merge * (tokens // a)
 
 
-def token_counts(G: int, P: int, C: int, groups: int = 1, image_tokens: int = 0, rows_per_token: int = 4) -> dict:
-    """Tokens through the vision tower (patch rows) and the language model in one scoring step of ``groups``
-    prompts of P tokens (``image_tokens`` of them image tokens, each ``rows_per_token`` patch rows: 4 with
-    Qwen2.5-VL's 2 x 2 merge) with G completions of C.
-
-    Stock TRL sends every row's image copy and its P + C tokens; grpo_mem each prompt's image and prompt once and
-    each completion's C tokens (the text bench's count, ``grpo_mem.bench.group.ideal_ratio``). Returns a dict:
-    ``patch_rows`` (per image), ``trl_vision``, ``trl_lm``, ``grpo_mem_vision``, ``grpo_mem_lm`` and
-    ``ideal_ratio`` = (vision + LM tokens of grpo_mem) / (those of stock TRL); with no image it is
-    ``ideal_ratio(G, P, C)``.
-    """
-    patches = image_tokens * rows_per_token
-    counts = dict(
-        patch_rows=patches,
-        trl_vision=groups * G * patches,
-        trl_lm=groups * G * (P + C),
-        grpo_mem_vision=groups * patches,
-        grpo_mem_lm=groups * (P + G * C),
-    )
-    counts["ideal_ratio"] = (counts["grpo_mem_vision"] + counts["grpo_mem_lm"]) / (
-        counts["trl_vision"] + counts["trl_lm"]
-    )
-    return counts
-
-
 def add_images(config, input_ids, attention_mask, P: int, image_tokens: int, *, shared_prefix: int = 0, seed: int = 0):
     """One image per prompt put into the rows of ``grpo_mem.bench.group.make_inputs`` (module docstring), for the
     vision-language transformers ``config``: ``input_ids`` (rows, P + C) int64 and ``attention_mask`` (rows, P + C)

@@ -27,7 +27,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from grpo_mem.bench.estimate import (
     DTYPES,
@@ -45,9 +45,8 @@ from grpo_mem.commands.flags import DefaultsFormatter, non_negative_int, positiv
 OP = "group_logprobs"
 """The CSV's ``op``: the same op as ``benchmarks/bench_group.py`` measures."""
 
-WORKER = "grpo_mem.bench.group:worker"
+WORKER = "grpo_mem.bench.group_worker:worker"
 
-HELP = "will grpo_mem help on my model? time and memory of stock TRL vs grpo_mem on one scoring step"
 DESCRIPTION = (
     "One scoring forward + backward (log-probs and entropies of every completion token) of stock TRL 1.16 and of "
     "grpo_mem (each sharing mode), each in a fresh process, on a randomly initialised model of the given shape. "
@@ -152,161 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -------------------------------------------------------------------------------------------------------- running
 def providers_to_run(image_tokens: int = 0) -> list[str]:
-    """Stock TRL first, then every grpo_mem sharing mode this installation offers (only ``grpo_mem`` with images:
+    """Stock TRL first, then every grpo_mem sharing mode (only ``grpo_mem`` with images:
     image prompts take group sharing)."""
-    from grpo_mem.bench.group import PROVIDERS, available_providers
+    from grpo_mem.bench.group import PROVIDERS
     from grpo_mem.bench.vision import IMAGE_PROVIDERS
 
     if image_tokens:
         return list(IMAGE_PROVIDERS)
-    return ["trl"] + [p for p in available_providers() if PROVIDERS[p].sharing is not None]
-
-
-def default_row(image_tokens: int = 0) -> tuple[str, str]:
-    """The provider whose row stands for grpo_mem as ``patch_trl`` runs it by default, and its sharing mode: text
-    prompts, the provider of ``patch_trl``'s default ``sharing`` (``grpo_mem_tree`` for ``"tree"``); image prompts,
-    ``grpo_mem`` (the only patched provider of an image run, group sharing)."""
-    import inspect
-
-    from grpo_mem.bench.group import PROVIDERS
-    from grpo_mem.patches.trl import patch_trl
-
-    if image_tokens:
-        return "grpo_mem", PROVIDERS["grpo_mem"].sharing
-    mode = inspect.signature(patch_trl).parameters["sharing"].default
-    return next(p.name for p in PROVIDERS.values() if p.sharing == mode), mode
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b) else a / b
-
-
-def summarize(outcomes: list, default: str | None = None) -> list[dict]:
-    """Per provider (in order, from the sweep's :class:`~grpo_mem.bench.sweep.Outcome` list): wall and CPU time p50
-    (s), peak memory above base (MB; peak RSS on CPU, peak CUDA allocation on CUDA), ratios to ``trl``, max |Δ
-    log-prob| and |Δ entropy| vs ``trl``, gradient-norm relative difference vs ``trl``, fallback warnings, or the
-    reason it was skipped; ``"default": True`` on the row of provider ``default`` (:func:`default_row`)."""
-    from grpo_mem.bench.measure import Measurement
-
-    out = []
-    for outcome in outcomes:
-        row: dict[str, Any] = {"provider": outcome.cell.provider, "default": outcome.cell.provider == default}
-        if outcome.skipped:
-            out.append(dict(row, skipped=outcome.skipped))
-            continue
-        metrics = Measurement.from_dict(outcome.result).metrics()
-        mem = metrics.get("peak_rss_above_base") or metrics.get("peak_tensor")
-        cpu = metrics.get("cpu_time")
-        row.update(
-            time_s=metrics["wall_time"][1][0],
-            cpu_s=cpu[1][0] if cpu else None,
-            mem_mb=mem[1][0] if mem else None,
-            fallback=outcome.config.get("fallback") or [],
-        )
-        row.update({k: v for k, v in outcome.config.items() if k.endswith("_vs_trl")})
-        out.append(row)
-    base = next((r for r in out if r["provider"] == "trl" and "skipped" not in r), {})
-    for row in out:
-        if "skipped" not in row:
-            row["time_vs_trl"] = _ratio(row["time_s"], base.get("time_s"))
-            row["cpu_vs_trl"] = _ratio(row["cpu_s"], base.get("cpu_s"))
-            row["mem_vs_trl"] = _ratio(row["mem_mb"], base.get("mem_mb"))
-    return out
-
-
-def verdict(summary: list[dict], mode: str, image_tokens: int = 0) -> str:
-    """The line ``grpo-mem bench`` ends with: the default row's peak memory and wall time over stock TRL's (the rows
-    of :func:`summarize`; ``mode``: the default row's sharing mode), or why there is no verdict."""
-    row = next((r for r in summary if r.get("default")), None)
-    for name, r in (("stock TRL", next((r for r in summary if r["provider"] == "trl"), None)), ("grpo_mem", row)):
-        if r is None or "skipped" in r:
-            return f"no verdict: {name} was not measured" + (f" ({r['skipped'][:80]})" if r else "")
-    mem, wall = _times(row["mem_vs_trl"], "the memory"), _times(row["time_vs_trl"], "the time")
-    line = f"on this shape grpo_mem uses {mem} and {wall} of stock TRL"
-    if image_tokens:
-        return line + f"; image prompts run {mode} sharing"
-    return line + f"; the default is {mode} sharing"
-
-
-def _times(ratio: float | None, what: str) -> str:
-    return what if ratio is None else f"{ratio:.2f}x {what}"
-
-
-def table(summary: list[dict]) -> str:
-    """The markdown table printed by ``grpo-mem bench``; the default row (:func:`default_row`) says so."""
-    from grpo_mem.bench.results import markdown_table
-
-    headers = [
-        "provider",
-        "time s",
-        "CPU s",
-        "peak mem MB",
-        "time / trl",
-        "CPU / trl",
-        "mem / trl",
-        "max abs Δlogp vs trl",
-    ]
-    rows = []
-    for r in summary:
-        name = r["provider"] + (" (default)" if r.get("default") else "")
-        if "skipped" in r:
-            rows.append([name, None, None, None, None, None, None, f"skipped: {r['skipped'][:80]}"])
-            continue
-        if r["provider"] == "trl":
-            diff = "(reference)"
-        elif "logp_max_abs_diff_vs_trl" in r:
-            diff = f"{r['logp_max_abs_diff_vs_trl']:.1e}"
-        else:
-            diff = "-"
-        if r["fallback"]:
-            diff += " (fell back to the full sequence)"
-        rows.append(
-            [
-                name,
-                r["time_s"],
-                r["cpu_s"],
-                r["mem_mb"],
-                r["time_vs_trl"],
-                r["cpu_vs_trl"],
-                r["mem_vs_trl"],
-                diff,
-            ]
-        )
-    return markdown_table(headers, rows)
-
-
-def plot(summary: list[dict], png_path: str, title: str) -> None:
-    """Bar chart of wall time, CPU time and peak memory per provider (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in summary if "skipped" not in r]
-    panels = [
-        (k, label)
-        for k, label in (
-            ("time_s", "wall time [s]"),
-            ("cpu_s", "CPU time [s]"),
-            ("mem_mb", "peak memory above base [MB]"),
-        )
-        if any(r.get(k) is not None for r in measured)
-    ]
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(3.6 * len(panels) + 0.5, 3.4), squeeze=False, constrained_layout=True
-    )
-    names = [r["provider"] for r in measured]
-    for ax, (key, label) in zip(axes[0], panels):
-        values = [r.get(key) or 0.0 for r in measured]
-        bars = ax.bar(names, values, color=["0.6" if n == "trl" else "tab:blue" for n in names])
-        ax.bar_label(bars, labels=[f"{v:.0f}" if v >= 1000 else f"{v:.3g}" for v in values], fontsize=8)
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
+    return ["trl"] + [name for name, p in PROVIDERS.items() if p.sharing is not None]
 
 
 @dataclass
@@ -350,8 +202,8 @@ class BenchConfig:
 
     def token_counts(self) -> dict:
         """Tokens through the vision tower and the language model, stock vs grpo_mem, and their ideal ratio
-        (``grpo_mem.bench.vision.token_counts``)."""
-        from grpo_mem.bench.vision import token_counts
+        (:func:`grpo_mem.bench.tokens.token_counts`)."""
+        from grpo_mem.bench.tokens import token_counts
 
         return token_counts(self.G, self.P, self.C, self.groups, self.image_tokens, self.shape.rows_per_token)
 
@@ -490,8 +342,10 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
 
 
 def _write_and_print(cfg: BenchConfig, outcomes: list) -> list[dict]:
-    """bench.csv and bench.png into ``cfg.output``, the table on stdout; returns :func:`summarize`'s rows."""
+    """bench.csv and bench.png into ``cfg.output``, the table on stdout; returns
+    :func:`~grpo_mem.commands.bench_report.summarize`'s rows."""
     from grpo_mem.bench.results import write_csv
+    from grpo_mem.commands.bench_report import default_row, plot, summarize, table, verdict
 
     default, mode = default_row(cfg.image_tokens)
     summary = summarize(outcomes, default)
@@ -519,11 +373,11 @@ def _ideal_line(cfg: BenchConfig) -> str:
     """The token counts and ideal ratio, as printed before the runs."""
     c = cfg.token_counts()
     if not cfg.image_tokens:
-        return f"ideal token ratio (P+G·C)/(G·(P+C)) = {c['ideal_ratio']:.3f}"
+        return f"ideal token ratio (P+G·(C−1))/(G·(P+C)) = {c['ideal_ratio']:.3f}"
     return (
         f"{cfg.image_tokens} image tokens per prompt ({c['patch_rows']} patch rows); vision tower patch rows "
         f"{c['trl_vision']} stock vs {c['grpo_mem_vision']} grpo_mem, language-model tokens {c['trl_lm']} vs "
-        f"{c['grpo_mem_lm']}; ideal ratio (Nv+P+G·C)/(G·(Nv+P+C)) = {c['ideal_ratio']:.3f}"
+        f"{c['grpo_mem_lm']}; ideal ratio (Nv+P+G·(C−1))/(G·(Nv+P+C)) = {c['ideal_ratio']:.3f}"
     )
 
 

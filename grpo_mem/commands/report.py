@@ -15,6 +15,7 @@ and then nothing about them is printed or plotted.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 LOGGED = {
@@ -238,3 +239,35 @@ def plot_summary(summary: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _half_mean(values: list[float], second: bool) -> float:
+    if not values:
+        return math.nan
+    half = len(values) // 2
+    part = values[half:] if second else values[: max(half, 1)]
+    return sum(part) / len(part)
+
+
+def totals(rows: list[dict]) -> dict:
+    """A run's totals over its :func:`step_rows`: first, last and mean reward, the means of its first and second halves,
+    peak RSS (and peak CUDA allocation when every step has one), mean and median step time (s), and
+    :func:`token_ratio_mean`; NaN where a value is missing."""
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    times = [r["step_time_s"] for r in rows]
+    return {
+        "reward_first": rewards[0] if rewards else math.nan,
+        "reward_last": rewards[-1] if rewards else math.nan,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+        "reward_first_half": _half_mean(rewards, second=False),
+        "reward_second_half": _half_mean(rewards, second=True),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in rows) if rows else math.nan,
+        **(
+            {"peak_cuda_allocated_mb": max(r["peak_cuda_allocated_mb"] for r in rows)}
+            if rows and all(r.get("peak_cuda_allocated_mb") is not None for r in rows)
+            else {}
+        ),
+        "step_time_mean_s": sum(times) / len(times) if times else math.nan,
+        "step_time_median_s": statistics.median(times) if times else math.nan,
+        "token_ratio_mean": token_ratio_mean(rows),
+    }

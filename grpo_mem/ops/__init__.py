@@ -1,6 +1,6 @@
 """Kernels and their launchers. Each op family is a public module (``attention``, ``logprobs``: entry points, checks,
 autograd Functions, plain-torch references) beside one module per backend (``<family>_torch``, ``attention_cpu``,
-``logprobs_cpp``) and, for Triton, the ``@triton.jit`` kernels (``<family>_triton``), their tile tables
+``logprobs_cpp``; the CPU backend module also holds what the family's backends share, so a CPU call runs one) and, for Triton, the ``@triton.jit`` kernels (``<family>_triton``), their tile tables
 (``<family>_triton_tiles``) and their launchers (``<family>_triton_launch``). ``_backends.TABLE`` lists every op's
 backends with what each can run; ``_backends.resolve`` picks one.
 

@@ -127,7 +127,7 @@ class Backend:
 
     name: what ``backend=`` selects. forward, backward: the op's two halves on this backend (signatures per op: see
     the op's module). dtypes: the input dtypes it takes (None: any). features: the optional features of the op it
-    computes (``"softcap"``, ``"window"``); ``resolve`` passes over a backend that lacks one the call asks for.
+    computes (``"softcap"``, ``"sliding_window"``); ``resolve`` passes over a backend that lacks one the call asks for.
     why_not: device -> "" when it can run tensors on that device, else the reason. interpreted_on_cpu: it runs CPU
     tensors only under an interpreter (Triton's), a correctness tool that ``auto`` never picks.
     """
@@ -150,7 +150,7 @@ def _backend(name: str, module, op: str, **capabilities) -> Backend:
 
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-_ATTENTION_FEATURES = frozenset({"softcap", "window"})
+_ATTENTION_FEATURES = frozenset({"softcap", "sliding_window"})
 _TRITON = dict(why_not=_triton_here, interpreted_on_cpu=True)
 
 TABLE: dict[str, tuple[Backend, ...]] = {
@@ -164,7 +164,11 @@ TABLE: dict[str, tuple[Backend, ...]] = {
             features=_ATTENTION_FEATURES,
         ),
         _backend(
-            "cpu", attention_cpu, "multi_region_attention", features=frozenset({"window"}), why_not=_aten_cpu_here
+            "cpu",
+            attention_cpu,
+            "multi_region_attention",
+            features=frozenset({"sliding_window"}),
+            why_not=_aten_cpu_here,
         ),
         _backend("torch", attention_torch, "multi_region_attention", features=_ATTENTION_FEATURES),
     ),
@@ -234,8 +238,8 @@ def resolve(op: str, backend: str, tensor: torch.Tensor, needs: frozenset[str] |
     """The backend that runs ``op`` on ``tensor`` (its device and dtype decide) with the optional features ``needs``.
 
     ``auto`` follows the process's preference (``preferred``) where that backend can run ``tensor``; otherwise, and
-    without a preference, it takes the first backend of ``TABLE[op]`` that runs ``tensor`` and computes every feature in ``needs``
-    (never Triton's interpreter). An explicitly requested backend that cannot run ``tensor`` raises; one that runs it
+    without a preference, it takes the first backend of ``TABLE[op]`` that runs ``tensor`` and computes every feature
+    in ``needs`` (never Triton's interpreter). An explicitly requested backend that cannot run ``tensor`` raises; one that runs it
     but lacks a feature is passed over for the next backend of the table that has it (the cpu attention backend
     without soft-capping hands such calls to the torch backend).
 
@@ -246,7 +250,8 @@ def resolve(op: str, backend: str, tensor: torch.Tensor, needs: frozenset[str] |
         needs: optional features the call asks for (a subset of what the op's last backend computes).
 
     Raises:
-        ValueError: unknown ``op`` or ``backend``; a ``GRPO_MEM_BACKEND`` that is not one of ``CHOICES``.
+        ValueError: unknown ``op``, ``backend`` or feature in ``needs``; a ``GRPO_MEM_BACKEND`` that is not one of
+            ``CHOICES``.
         BackendUnavailableError: an explicitly requested backend cannot run ``tensor`` here.
     """
     name = _resolve(op, backend, tensor, needs)
@@ -264,6 +269,8 @@ def _resolve(op: str, backend: str, tensor: torch.Tensor, needs) -> str:
                 pass  # the preferred backend cannot run these tensors: auto's choice
     if op not in TABLE:
         raise ValueError(f"op must be one of {sorted(TABLE)}, got {op!r}")
+    if not set(needs) <= TABLE[op][-1].features:
+        raise ValueError(f"needs for {op} must be a subset of {sorted(TABLE[op][-1].features)}, got {sorted(needs)}")
     names = [entry.name for entry in TABLE[op]]
     if backend != "auto" and backend not in names:
         raise ValueError(f"backend for {op} must be 'auto' or one of {names}, got {backend!r}")

@@ -1,8 +1,8 @@
 """The one place that loads the optional C++ extension ``grpo_mem._C`` (sources in ``csrc/``).
 
-``HAS_EXT`` is True when it loaded; ``C`` is the module (None otherwise) and ``LOAD_ERROR`` the reason it did not.
-Loading it registers its kernels with the dispatcher as ``torch.ops.grpo_mem.*`` (CPU kernels; their fake kernels are
-registered by ``logprobs``), which is how the ops are called; the module itself holds nothing else.
+``HAS_EXT`` is True when it loaded, else ``LOAD_ERROR`` is the reason it did not. Loading it registers its kernels with
+the dispatcher as ``torch.ops.grpo_mem.*`` (CPU kernels; their fake kernels are registered by ``logprobs_cpp``), which
+is how the ops are called; the module itself holds nothing else.
 The package works without it: ``backend="auto"`` then uses the torch paths. Setting ``GRPO_MEM_SKIP_EXT`` in the
 environment skips the build (setup.py) and also skips loading an already built extension at import time.
 """
@@ -13,7 +13,6 @@ import os
 
 import torch  # noqa: F401  (the extension links against libtorch: load torch's libraries first)
 
-C = None
 HAS_EXT = False
 LOAD_ERROR: str | None = None
 
@@ -27,7 +26,7 @@ elif _NEEDS_AVX2 and _CPU_CAPABILITY not in ("AVX2", "AVX512"):
     LOAD_ERROR = f"the extension is built for AVX2 but torch reports CPU capability {_CPU_CAPABILITY}"
 else:
     try:
-        from grpo_mem import _C as C  # type: ignore[attr-defined,no-redef]
+        from grpo_mem import _C  # type: ignore[attr-defined]  # noqa: F401  (registers torch.ops.grpo_mem.*)
     except ImportError as exc:  # not built (pure-Python install) or built against another torch
         LOAD_ERROR = f"{type(exc).__name__}: {exc}"
     else:

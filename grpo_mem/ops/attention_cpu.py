@@ -1,30 +1,126 @@
-"""The ``"cpu"`` backend of multi-region attention: the regions of the torch backend (``attention_torch``) run on
-ATen's fused CPU attention kernels, whose forward returns the log-sum-exp and whose backward takes the merged output
-and log-sum-exp. One batched call covers every row's own region; each region costs one call per entry that rows read,
-on the queries of those rows folded against the entry's K/V in place. Sliding windows run in the kernels: per entry,
-only the keys in reach of its rows (the span of keys some query sees) with a per-query mask (3.4x less CPU time than
-the torch math for forward + backward of a Gemma-3-like layer, P=2048, W=512; see docs/kernels.md). Soft-capping cannot be
-expressed there: the backend table (``_backends.TABLE``) lists this backend without it, so ``resolve`` hands
-soft-capped calls to the torch backend.
+"""The ``"cpu"`` backend of multi-region attention, and the region helpers it shares with the torch backend
+(``attention_torch``) and the references (``attention``): accumulation dtype, sliding-window visibility, the rows of
+each entry, folding the query heads of a kv head into one matrix, the exact log-sum-exp merge. They live here so that
+a CPU call runs one backend module.
+
+The regions of :func:`grpo_mem.ops.attention.multi_region_attention` run on ATen's fused CPU attention kernels, whose
+forward returns the log-sum-exp and whose backward takes the merged output and log-sum-exp. One batched call covers
+every row's own region; each region costs one call per entry that rows read, on the queries of those rows folded
+against the entry's K/V in place. Sliding windows run in the kernels: per entry, only the keys in reach of its rows
+(from the first to the last key some query sees) with a per-query mask (3.4x less CPU time than the torch math for
+forward + backward of a Gemma-3-like layer, P=2048, W=512; see docs/kernels.md). Soft-capping cannot be expressed
+there: the backend table (``_backends.TABLE``) lists this backend without it, so ``resolve`` hands soft-capped calls
+to the torch backend.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .attention_torch import (
-    _acc_dtype,
-    _completion_visibility,
-    _features,
-    _fold,
-    _groups,
-    _merge_,
-    _rep_rows,
-    _unfold,
-    _window_visible,
-)
+__all__ = [
+    "ScoreFeatures",
+    "acc_dtype",
+    "aten_cpu_attention",
+    "completion_visibility",
+    "entry_groups",
+    "fold_heads",
+    "merge_lse_",
+    "multi_region_attention_bwd",
+    "multi_region_attention_fwd",
+    "repeat_rows",
+    "score_features",
+    "sliding_window_visible",
+    "unfold_heads",
+]
 
-__all__ = ["aten_cpu_attention", "multi_region_attention_fwd", "multi_region_attention_bwd"]
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the cpu and torch backends: fp64 for fp64 inputs, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def sliding_window_visible(W: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Bool (..., c, S): ``0 <= q_pos[..., i] - k_pos[..., j] < W`` for int64 q_pos (..., c), k_pos (..., S)
+    (transformers' sliding-window test)."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]
+    return (diff >= 0) & (diff < W)
+
+
+def entry_groups(index: torch.Tensor, U: int) -> list[tuple[int, torch.Tensor]]:
+    """Rows reading each entry of a region: list of ``(u, rows)`` with ``rows`` an int64 tensor of row indices,
+    ascending; entries no row reads are left out, and so are rows with index −1."""
+    order = torch.argsort(index, stable=True)
+    counts = torch.bincount(index + 1, minlength=U + 1).tolist()  # counts[0]: rows that read nothing
+    out, start = [], counts[0]
+    for u, n in enumerate(counts[1:]):
+        if n:
+            out.append((u, order[start : start + n]))
+            start += n
+    return out
+
+
+def fold_heads(x: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(n, Hq, c, d) → (Hkv, n·rep·c, d): the queries of one kv head across rows and its query heads, as one matrix."""
+    n, Hq, c, d = x.shape
+    return x.reshape(n, Hkv, Hq // Hkv, c, d).transpose(0, 1).reshape(Hkv, -1, d)
+
+
+def unfold_heads(x: torch.Tensor, n: int, Hq: int, c: int) -> torch.Tensor:
+    """Inverse of :func:`fold_heads` for a trailing dim of any size: (Hkv, n·rep·c, e) → (n, Hq, c, e)."""
+    Hkv, _, e = x.shape
+    return x.reshape(Hkv, n, Hq // Hkv, c, e).transpose(0, 1).reshape(n, Hq, c, e)
+
+
+def repeat_rows(vis: torch.Tensor, rep: int) -> torch.Tensor:
+    """(n, c, S) → (n, rep·c, S): the same rows for each of the ``rep`` query heads of a kv head (the folded order)."""
+    n, c, S = vis.shape
+    return vis[:, None].expand(n, rep, c, S).reshape(n, rep * c, S)
+
+
+def completion_visibility(rows, c0, c1, C, rep, key_mask, device, sliding_window=None) -> torch.Tensor:
+    """Bool (n, 1, rep·(c1−c0), C): query position i of ``rows`` sees own key j iff j ≤ i and key_mask[row, j] (and,
+    with ``sliding_window = (W, q_positions)``, ``pos_i − pos_j < W``)."""
+    qpos = torch.arange(c0, c1, device=device)
+    vis = torch.arange(C, device=device)[None, :] <= qpos[:, None]  # (c, C)
+    vis = vis.repeat(rep, 1)[None, None]  # (1, 1, rep·c, C)
+    if key_mask is not None:
+        vis = vis & key_mask[rows][:, None, None, :]
+    if sliding_window is not None:
+        W, q_pos = sliding_window
+        pos = q_pos.index_select(0, rows)
+        vis = vis & repeat_rows(sliding_window_visible(W, pos[:, c0:c1], pos), rep)[:, None]
+    return vis
+
+
+def merge_lse_(o, l, o_r, l_r) -> None:
+    """In place, ``(o, l)`` ← the exact LSE merge of the normalised partial attentions ``(o, l)`` and ``(o_r, l_r)``:
+    ``l = logaddexp(l, l_r)``, ``o = e^{l_old − l} o + e^{l_r − l} o_r``. Queries with no visible key in either keep
+    ``o = 0``, ``l = −inf``. ``o_r`` is overwritten (scaled by its weight)."""
+    lse = torch.logaddexp(l, l_r)
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    o.mul_(torch.exp(l - safe)[..., None])  # exp(-inf) = 0 for an empty side
+    o.add_(o_r.mul_(torch.exp(l_r - safe)[..., None]))
+    l.copy_(lse)
+
+
+@dataclass(frozen=True)
+class ScoreFeatures:
+    """Score options of the cpu and torch backends: ``softcap`` c or None; ``sliding_window`` None or
+    ``(W, q_positions (B, C) int64)``."""
+
+    softcap: float | None = None
+    sliding_window: tuple | None = None
+
+
+def score_features(params, positions) -> tuple[ScoreFeatures, tuple | None]:
+    """The :class:`ScoreFeatures` of ``params`` (a ``MultiRegionAttentionParams``) and ``positions`` (``(q_positions,
+    region positions)`` or None), and the region positions (None without a sliding window)."""
+    if params.sliding_window is None:
+        return ScoreFeatures(params.softcap), None
+    q_pos, k_pos = positions
+    return ScoreFeatures(params.softcap, (params.sliding_window, q_pos)), k_pos
 
 
 def aten_cpu_attention():
@@ -42,13 +138,13 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _own_layout(q, k, key_mask, Hkv, window=None):
+def _own_layout(q, key_mask, Hkv, sliding_window=None):
     """The own region as one batched attention: queries (B, Hkv, rep·C, d) against each row's own (B, Hkv, C, d) keys,
-    with the (B, 1, rep·C, C) causal-and-padding (and ``window = (W, q_positions)``) additive mask, and the (B, 1, C)
-    bool "query sees a key". Folding the query heads of a kv head avoids repeating K/V."""
+    with the (B, 1, rep·C, C) causal-and-padding (and ``sliding_window = (W, q_positions)``) additive mask, and the
+    (B, 1, C) bool "query sees a key". Folding the query heads of a kv head avoids repeating K/V."""
     B, Hq, C, d = q.shape
     rows = torch.arange(B, device=q.device)
-    visible = _completion_visibility(rows, 0, C, C, Hq // Hkv, key_mask, q.device, window)
+    visible = completion_visibility(rows, 0, C, C, Hq // Hkv, key_mask, q.device, sliding_window)
     seen = visible[:, 0, :C].any(-1)[:, None]  # the rep query heads of a position see the same keys
     return q.reshape(B, Hkv, -1, d), _additive(visible, q.dtype), seen
 
@@ -62,16 +158,16 @@ against 0.80 s at 8 rows of 1024 tokens). Without padding the mask-free path mak
 any size."""
 
 
-def _prefix_lengths(key_mask, window, batch: int, C: int, rep: int, device) -> torch.Tensor | None:
-    """(B,) int64, the real keys of each row, when the own region takes the path without a mask tensor: no window,
-    each row's real keys a prefix of it (right padding only, or no mask), and no padding at all or a mask that would
-    exceed ``MASK_BYTES_LIMIT``; else None.
+def _prefix_lengths(key_mask, sliding_window, batch: int, C: int, rep: int, device) -> torch.Tensor | None:
+    """(B,) int64, the real keys of each row, when the own region takes the path without a mask tensor: no sliding
+    window, each row's real keys a prefix of it (right padding only, or no mask), and no padding at all or a mask that
+    would exceed ``MASK_BYTES_LIMIT``; else None.
 
     Then the kernel's own ``is_causal`` serves the queries of real positions, and each row's padding queries (which
     see all of the row's real keys and nothing else) take one unmasked call against those keys. The (B, 1, rep·C, C)
     mask of ``_own_layout`` would cost 6 bytes per element, quadratic in C (805 MB for a sequence-parallel shard of
     8192 tokens with rep 2)."""
-    if window is not None:
+    if sliding_window is not None:
         return None
     if key_mask is None or bool(key_mask.all()):
         return torch.full((batch,), C, dtype=torch.long, device=device)
@@ -137,25 +233,25 @@ def _own_causal_bwd(bwd, dout, q, k, v, out, lse, lengths, scale):
 def _entry_keys(mask, u, rows, feat, k_pos, rep, dtype):
     """What the cpu path reads of entry ``u`` for the folded queries of ``rows``: ``(lo, hi, additive mask
     (1, 1, n·rep·C or 1, hi − lo), seen (n, 1, C) bool or None)``, with keys ``lo:hi`` the span of every key some query
-    sees; None when no query sees a key. Without a window the whole entry (queries see every real key); with one only
-    the keys in reach, so a long prompt costs O(W + C) keys per query, not O(S)."""
-    if feat.window is None:
+    sees; None when no query sees a key. Without a sliding window the whole entry (queries see every real key); with
+    one only the keys in reach, so a long prompt costs O(W + C) keys per query, not O(S)."""
+    if feat.sliding_window is None:
         return (0, mask.shape[1], _additive(mask[u][None, None, None, :], dtype), None) if mask[u].any() else None
-    W, q_pos = feat.window
-    vis = _window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]  # (n, C, S)
+    W, q_pos = feat.sliding_window
+    vis = sliding_window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]  # (n, C, S)
     cols = vis.any(1).any(0).nonzero()
     if cols.numel() == 0:
         return None
     lo, hi = int(cols[0]), int(cols[-1]) + 1
     vis = vis[..., lo:hi]
     n, C, _ = vis.shape
-    return lo, hi, _additive(_rep_rows(vis, rep).reshape(1, 1, n * rep * C, hi - lo), dtype), vis.any(-1)[:, None]
+    return lo, hi, _additive(repeat_rows(vis, rep).reshape(1, 1, n * rep * C, hi - lo), dtype), vis.any(-1)[:, None]
 
 
 def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=None):
     """Forward on ATen's fused CPU kernels: one batched call for the own regions and, per region, one call per entry
     that rows read (the queries of those rows folded against its K/V in place; entries with no visible key skipped;
-    with a window only the keys in reach of the rows, see :func:`_entry_keys`); merged by LSE. Returns
+    with a sliding window only the keys in reach of the rows, see :func:`_entry_keys`); merged by LSE. Returns
     ``(out in q.dtype, lse fp32)``. Raises ValueError for ``params.softcap`` (ATen's fused kernel cannot soft-cap).
     """
     if params.softcap is not None:
@@ -163,13 +259,13 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
     fwd, _ = aten_cpu_attention()
     B, Hq, C, d = q.shape
     Hkv = k.shape[1]
-    acc = _acc_dtype(q.dtype)
-    feat, k_pos = _features(params, positions)
-    lengths = _prefix_lengths(key_mask, feat.window, B, C, Hq // Hkv, q.device)
+    acc = acc_dtype(q.dtype)
+    feat, k_pos = score_features(params, positions)
+    lengths = _prefix_lengths(key_mask, feat.sliding_window, B, C, Hq // Hkv, q.device)
     if lengths is not None:
         o, lse = _own_causal_fwd(fwd, q, k, v, lengths, params.scale, acc)
     else:
-        q_own, mask_own, seen = _own_layout(q, k, key_mask, Hkv, feat.window)
+        q_own, mask_own, seen = _own_layout(q, key_mask, Hkv, feat.sliding_window)
         o, lse = fwd(q_own, k, v, 0.0, False, attn_mask=mask_own, scale=params.scale)
         o, lse = o.reshape(B, Hq, C, d).to(acc), lse.reshape(B, Hq, C).to(acc)
         lse.masked_fill_(~seen, float("-inf"))  # the kernel reports LSE 0, not −inf, for a query that sees no key
@@ -177,13 +273,13 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
         o_r, l_r = torch.zeros_like(o), torch.empty_like(lse)
     for i, (region_k, region_v, index, mask) in enumerate(regions):
         l_r.fill_(float("-inf"))
-        for u, rows in _groups(index, region_k.shape[0]):
+        for u, rows in entry_groups(index, region_k.shape[0]):
             keys = _entry_keys(mask, u, rows, feat, k_pos and k_pos[i], Hq // Hkv, q.dtype)
             if keys is None:
                 continue
             lo, hi, add, seen_u = keys
             n = rows.numel()
-            qu = _fold(q.index_select(0, rows), Hkv)[None]  # (1, Hkv, n·rep·C, d)
+            qu = fold_heads(q.index_select(0, rows), Hkv)[None]  # (1, Hkv, n·rep·C, d)
             ou, lu = fwd(
                 qu,
                 region_k[u : u + 1, :, lo:hi],
@@ -193,12 +289,12 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
                 attn_mask=add,
                 scale=params.scale,
             )
-            lu = _unfold(lu[0, ..., None].to(acc), n, Hq, C)[..., 0]
+            lu = unfold_heads(lu[0, ..., None].to(acc), n, Hq, C)[..., 0]
             if seen_u is not None:  # (the kernel's output is 0 there)
                 lu.masked_fill_(~seen_u, float("-inf"))
-            o_r.index_copy_(0, rows, _unfold(ou[0].to(acc), n, Hq, C))
+            o_r.index_copy_(0, rows, unfold_heads(ou[0].to(acc), n, Hq, C))
             l_r.index_copy_(0, rows, lu)
-        _merge_(o, lse, o_r, l_r)
+        merge_lse_(o, lse, o_r, l_r)
     return o.to(q.dtype), lse
 
 
@@ -210,21 +306,21 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     _, bwd = aten_cpu_attention()
     B, Hq, C, d = q.shape
     Hkv = k.shape[1]
-    feat, k_pos = _features(params, positions)
-    lse = torch.where(torch.isinf(lse), 0.0, lse).to(_acc_dtype(q.dtype))  # no key: all P = exp(−inf) = 0
+    feat, k_pos = score_features(params, positions)
+    lse = torch.where(torch.isinf(lse), 0.0, lse).to(acc_dtype(q.dtype))  # no key: all P = exp(−inf) = 0
     dout = dout.contiguous()
-    dq = torch.zeros(B, Hq, C, d, dtype=_acc_dtype(q.dtype), device=q.device)
+    dq = torch.zeros(B, Hq, C, d, dtype=acc_dtype(q.dtype), device=q.device)
     dregions = []
     for i, (region_k, region_v, index, mask) in enumerate(regions):
         drk, drv = torch.zeros_like(region_k), torch.zeros_like(region_v)
-        for u, rows in _groups(index, region_k.shape[0]):
+        for u, rows in entry_groups(index, region_k.shape[0]):
             keys = _entry_keys(mask, u, rows, feat, k_pos and k_pos[i], Hq // Hkv, q.dtype)
             if keys is None:
                 continue
             lo, hi, add, _ = keys
             n = rows.numel()
-            fold = lambda x: _fold(x.index_select(0, rows), Hkv)[None]  # noqa: E731
-            fold_l = _fold(lse.index_select(0, rows)[..., None], Hkv)[None, ..., 0]
+            fold = lambda x: fold_heads(x.index_select(0, rows), Hkv)[None]  # noqa: E731
+            fold_l = fold_heads(lse.index_select(0, rows)[..., None], Hkv)[None, ..., 0]
             g = bwd(
                 fold(dout),
                 fold(q),
@@ -237,14 +333,14 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
                 attn_mask=add,
                 scale=params.scale,
             )
-            dq.index_add_(0, rows, _unfold(g[0][0].to(dq.dtype), n, Hq, C))
+            dq.index_add_(0, rows, unfold_heads(g[0][0].to(dq.dtype), n, Hq, C))
             drk[u, :, lo:hi], drv[u, :, lo:hi] = g[1][0], g[2][0]
         dregions.append((drk, drv))
-    lengths = _prefix_lengths(key_mask, feat.window, B, C, Hq // Hkv, q.device)
+    lengths = _prefix_lengths(key_mask, feat.sliding_window, B, C, Hq // Hkv, q.device)
     if lengths is not None:
         dq_own, dk, dv = _own_causal_bwd(bwd, dout, q, k, v, out, lse, lengths, params.scale)
         return dq + dq_own.to(dq.dtype), dk, dv, dregions
-    q_own, mask_own, _ = _own_layout(q, k, key_mask, Hkv, feat.window)
+    q_own, mask_own, _ = _own_layout(q, key_mask, Hkv, feat.sliding_window)
     g = bwd(
         dout.reshape(B, Hkv, -1, d),
         q_own,

@@ -2,43 +2,73 @@
 :func:`grpo_mem.ops.attention.multi_region_attention` as chunked matmuls on any device, in fp32 (fp64 for fp64 inputs).
 
 Forward: per shared region, the queries of every row reading an entry and the Hq/Hkv query heads of a kv head are
-folded into one matrix against that entry's keys, read once (``_fold``); the own region is per-row causal; the partial
-results merge by log-sum-exp (``_merge_``). Backward: FlashAttention-2's per region with the merged output and LSE.
-Score matrices are cut into chunks of at most ``params.chunk_elems`` elements, so temporaries stay bounded. The cpu
-backend (``attention_cpu``) reuses the folding, grouping, visibility and merge helpers here.
+folded into one matrix against that entry's keys, read once (``attention_cpu.fold_heads``); the own region is per-row
+causal; the partial results merge by log-sum-exp (``attention_cpu.merge_lse_``). Backward: FlashAttention-2's per
+region with the merged output and LSE. Score matrices are cut into chunks of at most ``params.chunk_elems`` elements,
+so temporaries stay bounded. The folding, grouping, visibility and merge helpers are the cpu backend's
+(``attention_cpu``), which a CPU call runs without this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-__all__ = ["multi_region_attention_fwd", "multi_region_attention_bwd"]
+from .attention_cpu import (
+    ScoreFeatures,
+    acc_dtype,
+    completion_visibility,
+    entry_groups,
+    fold_heads,
+    merge_lse_,
+    repeat_rows,
+    score_features,
+    sliding_window_visible,
+    unfold_heads,
+)
+
+__all__ = ["multi_region_attention_fwd", "multi_region_attention_bwd", "reference_attention"]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype of the torch path: fp64 for fp64 inputs, fp32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def reference_attention(q, k, v, regions, positions, key_mask, scale, features):
+    """The math of :func:`grpo_mem.ops.attention.multi_region_attention_ref` on validated inputs: every row's keys
+    ``[regions' entries; own keys]`` materialised, kv heads repeated, one masked softmax, in the inputs' dtype.
 
-
-def _window_visible(W, q_pos, k_pos):
-    """Bool (..., c, S): ``0 <= q_pos[..., i] - k_pos[..., j] < W`` for q_pos (..., c), k_pos (..., S)."""
-    diff = q_pos[..., :, None] - k_pos[..., None, :]
-    return (diff >= 0) & (diff < W)
-
-
-def _groups(index: torch.Tensor, U: int):
-    """Rows reading each entry of a region: list of ``(u, rows)`` with ``rows`` an int64 tensor of row indices,
-    ascending; entries no row reads are left out, and so are rows with index −1."""
-    order = torch.argsort(index, stable=True)
-    counts = torch.bincount(index + 1, minlength=U + 1).tolist()  # counts[0]: rows that read nothing
-    out, start = [], counts[0]
-    for u, n in enumerate(counts[1:]):
-        if n:
-            out.append((u, order[start : start + n]))
-            start += n
-    return out
+    ``regions``: 4-tuples ``(region_k, region_v, index, mask)``; ``positions``: each region's (U_r, S_r) int64 key
+    positions (None without a sliding window); ``features``: ``(sliding_window, sinks, softcap, q_positions)``.
+    Returns (B, Hq, C, d) in q's dtype, differentiable through autograd.
+    """
+    B, Hq, C, d = q.shape
+    rep = Hq // k.shape[1]
+    W, sinks, softcap, q_pos = features
+    keys, values, vis = [], [], []
+    for (region_k, region_v, index, mask), pos in zip(regions, positions):
+        safe = index.clamp(min=0)
+        keys.append(region_k[safe])  # (B, Hkv, S_r, d)
+        values.append(region_v[safe])
+        vis.append((mask[safe] & (index >= 0)[:, None])[:, None, :].expand(B, C, -1))
+        if W is not None:
+            vis[-1] = vis[-1] & sliding_window_visible(W, q_pos, pos[safe])
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril().expand(B, C, C)
+    vis.append(causal if key_mask is None else causal & key_mask[:, None, :])
+    if W is not None:
+        vis[-1] = vis[-1] & sliding_window_visible(W, q_pos, q_pos)
+    keys = torch.cat(keys + [k], dim=2).repeat_interleave(rep, dim=1)  # (B, Hq, ΣS_r + C, d)
+    values = torch.cat(values + [v], dim=2).repeat_interleave(rep, dim=1)
+    visible = torch.cat(vis, dim=2)[:, None]  # (B, 1, C, ΣS_r + C)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if sinks is not None:  # one more key per head: logit sinks[h], value 0, always visible
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(B, Hq, C, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        values = torch.cat([values, values.new_zeros(B, Hq, 1, d)], dim=2)
+        visible = torch.cat([visible, visible.new_ones(B, 1, C, 1)], dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    has_key = visible.any(dim=-1, keepdim=True)
+    # A row without visible keys would be all -inf (NaN softmax); give it zeros instead, with zero gradient.
+    scores = scores.masked_fill(~has_key, 0.0)
+    probs = torch.softmax(scores, dim=-1) * has_key
+    return torch.matmul(probs, values)
 
 
 def _query_chunks(rows: torch.Tensor, per_row: int, C: int, budget: int):
@@ -71,47 +101,6 @@ def _put(x: torch.Tensor, rows: torch.Tensor, c0: int, c1: int, val: torch.Tenso
         x[rows, :, c0:c1] = val
 
 
-def _fold(x: torch.Tensor, Hkv: int) -> torch.Tensor:
-    """(n, Hq, c, d) → (Hkv, n·rep·c, d): the queries of one kv head across rows and its query heads, as one matrix."""
-    n, Hq, c, d = x.shape
-    return x.reshape(n, Hkv, Hq // Hkv, c, d).transpose(0, 1).reshape(Hkv, -1, d)
-
-
-def _unfold(x: torch.Tensor, n: int, Hq: int, c: int) -> torch.Tensor:
-    """Inverse of :func:`_fold` for a trailing dim of any size: (Hkv, n·rep·c, e) → (n, Hq, c, e)."""
-    Hkv, _, e = x.shape
-    return x.reshape(Hkv, n, Hq // Hkv, c, e).transpose(0, 1).reshape(n, Hq, c, e)
-
-
-def _completion_visibility(rows, c0, c1, C, rep, key_mask, device, window=None):
-    """Bool (n, 1, rep·(c1−c0), C): query position i sees own key j iff j ≤ i and key_mask[row, j] (and, with
-    ``window = (W, q_positions)``, ``pos_i − pos_j < W``)."""
-    qpos = torch.arange(c0, c1, device=device)
-    vis = torch.arange(C, device=device)[None, :] <= qpos[:, None]  # (c, C)
-    vis = vis.repeat(rep, 1)[None, None]  # (1, 1, rep·c, C)
-    if key_mask is not None:
-        vis = vis & key_mask[rows][:, None, None, :]
-    if window is not None:
-        W, q_pos = window
-        pos = q_pos.index_select(0, rows)
-        vis = vis & _rep_rows(_window_visible(W, pos[:, c0:c1], pos), rep)[:, None]
-    return vis
-
-
-def _rep_rows(vis, rep):
-    """(n, c, S) → (n, rep·c, S): the same rows for each of the ``rep`` query heads of a kv head (the folded order)."""
-    n, c, S = vis.shape
-    return vis[:, None].expand(n, rep, c, S).reshape(n, rep * c, S)
-
-
-@dataclass(frozen=True)
-class _Features:
-    """Score options of the torch path: ``softcap`` c or None; ``window`` None or ``(W, q_positions (B, C))``."""
-
-    softcap: float | None = None
-    window: tuple | None = None
-
-
 def _scores(qx, kx, scale, softcap, keep_tanh=False):
     """``scale · qx kxᵀ`` in qx's dtype, soft-capped to ``c·tanh(s/c)`` when ``softcap``; with ``keep_tanh`` returns
     ``(s, tanh(s/c) or None)`` (the backward's ``ds/ds_raw = 1 − tanh²``)."""
@@ -125,30 +114,34 @@ def _scores(qx, kx, scale, softcap, keep_tanh=False):
 
 def _region_visible(kmask, feat, k_pos, u, rc, c0, c1, rep):
     """Visible keys of entry ``u`` for the folded queries of rows ``rc``, positions c0:c1: ``kmask`` (S,) alone, or
-    with a window (1, n·rep·c, S)."""
-    if feat.window is None:
+    with a sliding window (1, n·rep·c, S)."""
+    if feat.sliding_window is None:
         return kmask
-    W, q_pos = feat.window
-    vis = _window_visible(W, q_pos.index_select(0, rc)[:, c0:c1], k_pos[u]) & kmask
-    return _rep_rows(vis, rep).reshape(1, -1, kmask.shape[0])
+    W, q_pos = feat.sliding_window
+    vis = sliding_window_visible(W, q_pos.index_select(0, rc)[:, c0:c1], k_pos[u]) & kmask
+    return repeat_rows(vis, rep).reshape(1, -1, kmask.shape[0])
 
 
 def _live_groups(index, mask, feat, k_pos):
-    """:func:`_groups` of a region without the entries whose real keys all lie outside every reader's window (those
-    are never read)."""
-    groups = _groups(index, mask.shape[0])
-    if feat.window is None:
+    """:func:`entry_groups` of a region without the entries whose real keys all lie outside every reader's sliding
+    window (those are never read)."""
+    groups = entry_groups(index, mask.shape[0])
+    if feat.sliding_window is None:
         return groups
-    W, q_pos = feat.window
+    W, q_pos = feat.sliding_window
     return [
-        (u, rows) for u, rows in groups if (_window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]).any()
+        (u, rows)
+        for u, rows in groups
+        if (sliding_window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]).any()
     ]
 
 
-def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, l_acc, feat=_Features(), k_pos=None):
+def _region_fwd(
+    q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, l_acc, feat=ScoreFeatures(), k_pos=None
+):
     """Forward over one shared region. Writes the normalised region output into ``o_acc`` and its LSE into ``l_acc``
-    at the rows of ``groups`` (see :func:`_groups`); other rows are left as they are. ``feat``: soft-capping and
-    window (``k_pos``: the region's (U, S) key positions)."""
+    at the rows of ``groups`` (see :func:`entry_groups`); other rows are left as they are. ``feat``: soft-capping and
+    sliding window (``k_pos``: the region's (U, S) key positions)."""
     B, Hq, C, d = q.shape
     S = region_k.shape[2]
     acc = o_acc.dtype
@@ -158,17 +151,17 @@ def _region_fwd(q, region_k, region_v, mask, groups, Hkv, scale, budget, o_acc, 
         kmask = mask[u]  # (S,)
         for rc, c0, c1 in _query_chunks(rows, Hq * S, C, budget):
             n, c = rc.numel(), c1 - c0
-            qc = _fold(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
+            qc = fold_heads(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
             s = _scores(qc, ku, scale, feat.softcap)  # (Hkv, M, S)
             s.masked_fill_(~_region_visible(kmask, feat, k_pos, u, rc, c0, c1, Hq // Hkv), float("-inf"))
             lse = torch.logsumexp(s, dim=-1)  # (Hkv, M), -inf where no key visible
             s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
             o = torch.matmul(s, vu)  # (Hkv, M, d), normalised
-            _put(o_acc, rc, c0, c1, _unfold(o, n, Hq, c))
-            _put(l_acc, rc, c0, c1, _unfold(lse[..., None], n, Hq, c)[..., 0])
+            _put(o_acc, rc, c0, c1, unfold_heads(o, n, Hq, c))
+            _put(l_acc, rc, c0, c1, unfold_heads(lse[..., None], n, Hq, c)[..., 0])
 
 
-def _own_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc, feat=_Features()):
+def _own_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc, feat=ScoreFeatures()):
     """Forward over the own region (per-row causal). Same outputs as :func:`_region_fwd`, for every row."""
     B, Hq, C, d = q.shape
     rep = Hq // Hkv
@@ -179,32 +172,14 @@ def _own_fwd(q, k, v, key_mask, Hkv, scale, budget, o_acc, l_acc, feat=_Features
         qc = _take(q, rc, c0, c1).to(acc).reshape(n, Hkv, rep * c, d)
         kc, vc = k.index_select(0, rc).to(acc), v.index_select(0, rc).to(acc)  # (n, Hkv, C, d)
         s = _scores(qc, kc, scale, feat.softcap)  # (n, Hkv, rep·c, C)
-        s.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, q.device, feat.window), float("-inf"))
+        s.masked_fill_(
+            ~completion_visibility(rc, c0, c1, C, rep, key_mask, q.device, feat.sliding_window), float("-inf")
+        )
         lse = torch.logsumexp(s, dim=-1)
         s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
         o = torch.matmul(s, vc)  # (n, Hkv, rep·c, d)
         _put(o_acc, rc, c0, c1, o.reshape(n, Hq, c, d))
         _put(l_acc, rc, c0, c1, lse.reshape(n, Hq, c))
-
-
-def _merge_(o, l, o_r, l_r):
-    """In place, ``(o, l)`` ← the exact LSE merge of the normalised partial attentions ``(o, l)`` and ``(o_r, l_r)``:
-    ``l = logaddexp(l, l_r)``, ``o = e^{l_old − l} o + e^{l_r − l} o_r``. Queries with no visible key in either keep
-    ``o = 0``, ``l = −inf``. ``o_r`` is overwritten (scaled by its weight)."""
-    lse = torch.logaddexp(l, l_r)
-    safe = torch.where(torch.isinf(lse), 0.0, lse)
-    o.mul_(torch.exp(l - safe)[..., None])  # exp(-inf) = 0 for an empty side
-    o.add_(o_r.mul_(torch.exp(l_r - safe)[..., None]))
-    l.copy_(lse)
-
-
-def _features(params, positions):
-    """The :class:`_Features` of ``params`` and ``positions`` (``(q_positions, region positions)`` or None), and the
-    region positions (None each without a window)."""
-    if params.sliding_window is None:
-        return _Features(params.softcap), None
-    q_pos, k_pos = positions
-    return _Features(params.softcap, (params.sliding_window, q_pos)), k_pos
 
 
 def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=None):
@@ -213,10 +188,10 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
     ``positions``: ``(q_positions, (positions of each region))`` when ``params.sliding_window`` is set."""
     B, Hq, C, d = q.shape
     Hkv = k.shape[1]
-    dev, acc = q.device, _acc_dtype(q.dtype)
+    dev, acc = q.device, acc_dtype(q.dtype)
     o = torch.zeros(B, Hq, C, d, dtype=acc, device=dev)
     lse = torch.full((B, Hq, C), float("-inf"), dtype=acc, device=dev)
-    feat, k_pos = _features(params, positions)
+    feat, k_pos = score_features(params, positions)
     _own_fwd(q, k, v, key_mask, Hkv, params.scale, params.chunk_elems, o, lse, feat)
     if regions:
         o_r, l_r = torch.zeros_like(o), torch.empty_like(lse)
@@ -237,12 +212,12 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
             feat,
             pos,
         )
-        _merge_(o, lse, o_r, l_r)
+        merge_lse_(o, lse, o_r, l_r)
     return o.to(q.dtype), lse
 
 
 def _region_bwd(
-    q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale, budget, dq, feat=_Features(), k_pos=None
+    q, do, lse, delta, region_k, region_v, mask, groups, Hkv, scale, budget, dq, feat=ScoreFeatures(), k_pos=None
 ):
     """Backward over one shared region with the merged ``lse`` (−inf replaced by 0) and ``delta = rowsum(dO ∘ O)``,
     ``do`` in the accumulation dtype: adds the region's share to ``dq`` and returns ``(dregion_k, dregion_v)``, summed
@@ -257,17 +232,17 @@ def _region_bwd(
         kmask = mask[u]
         for rc, c0, c1 in _query_chunks(rows, Hq * S, C, budget):
             n, c = rc.numel(), c1 - c0
-            qc = _fold(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
-            doc = _fold(_take(do, rc, c0, c1), Hkv)
-            lc = _fold(_take(lse, rc, c0, c1)[..., None], Hkv)  # (Hkv, M, 1)
-            dc = _fold(_take(delta, rc, c0, c1)[..., None], Hkv)
+            qc = fold_heads(_take(q, rc, c0, c1).to(acc), Hkv)  # (Hkv, M, d)
+            doc = fold_heads(_take(do, rc, c0, c1), Hkv)
+            lc = fold_heads(_take(lse, rc, c0, c1)[..., None], Hkv)  # (Hkv, M, 1)
+            dc = fold_heads(_take(delta, rc, c0, c1)[..., None], Hkv)
             p, t = _scores(qc, ku, scale, feat.softcap, keep_tanh=True)  # (Hkv, M, S)
             p.masked_fill_(~_region_visible(kmask, feat, k_pos, u, rc, c0, c1, Hq // Hkv), float("-inf"))
             p.sub_(lc).exp_()
             drv[u] += torch.matmul(p.transpose(1, 2), doc)
             ds = _dscores(torch.matmul(doc, vu.transpose(1, 2)), dc, p, t)
             del p, t
-            _put(dq, rc, c0, c1, _unfold(torch.matmul(ds, ku), n, Hq, c).mul_(scale), accumulate=True)
+            _put(dq, rc, c0, c1, unfold_heads(torch.matmul(ds, ku), n, Hq, c).mul_(scale), accumulate=True)
             drk[u] += torch.matmul(ds.transpose(1, 2), qc).mul_(scale)
     return drk, drv
 
@@ -279,7 +254,7 @@ def _dscores(dp, delta, p, t):
     return ds if t is None else ds.mul_(1 - t.square_())
 
 
-def _own_bwd(q, k, v, do, lse, delta, key_mask, Hkv, scale, budget, dq, feat=_Features()):
+def _own_bwd(q, k, v, do, lse, delta, key_mask, Hkv, scale, budget, dq, feat=ScoreFeatures()):
     """Backward over the own region (arguments as :func:`_region_bwd`): adds to ``dq``, returns ``(dk, dv)``."""
     B, Hq, C, d = q.shape
     rep = Hq // Hkv
@@ -295,7 +270,7 @@ def _own_bwd(q, k, v, do, lse, delta, key_mask, Hkv, scale, budget, dq, feat=_Fe
         dc = _take(delta, rc, c0, c1).reshape(n, Hkv, rep * c, 1)
         kc, vc = k.index_select(0, rc).to(acc), v.index_select(0, rc).to(acc)
         p, t = _scores(qc, kc, scale, feat.softcap, keep_tanh=True)  # (n, Hkv, rep·c, C)
-        p.masked_fill_(~_completion_visibility(rc, c0, c1, C, rep, key_mask, dev, feat.window), float("-inf"))
+        p.masked_fill_(~completion_visibility(rc, c0, c1, C, rep, key_mask, dev, feat.sliding_window), float("-inf"))
         p.sub_(lc).exp_()
         dv.index_add_(0, rc, torch.matmul(p.transpose(-1, -2), doc))
         ds = _dscores(torch.matmul(doc, vc.transpose(-1, -2)), dc, p, t)
@@ -315,12 +290,12 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     B, Hq, C, d = q.shape
     Hkv = k.shape[1]
     scale, budget = params.scale, params.chunk_elems
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     do = dout.to(acc)
     delta = (do * out.to(acc)).sum(-1)  # (B, Hq, C): D = rowsum(dO ∘ O)
     lse_safe = torch.where(torch.isinf(lse), 0.0, lse)  # empty rows: every score is -inf, so P = 0 there
     dq = torch.zeros(B, Hq, C, d, dtype=acc, device=q.device)
-    feat, k_pos = _features(params, positions)
+    feat, k_pos = score_features(params, positions)
     k_pos = k_pos or (None,) * len(regions)
     dregions = [
         _region_bwd(

@@ -120,11 +120,11 @@ def block_config(
     head_dim: int,
     dtype: torch.dtype = torch.bfloat16,
     softcap: bool = False,
-    window: bool = False,
+    sliding_window: bool = False,
     capability: tuple[int, int] | None = None,
 ) -> dict:
     """Shipped launch configuration of kernel ``name`` for ``head_dim`` and input ``dtype`` (``softcap``: the
-    soft-capped build; ``window``: the sliding-window build) on a GPU of compute ``capability`` ``(major, minor)``.
+    soft-capped build; ``sliding_window``: the sliding-window build) on a GPU of compute ``capability`` ``(major, minor)``.
 
     ``capability=None`` (Triton's interpreter, or an unknown device) gives the sm_80 / sm_90 tiles; sm_86 and sm_89
     (99 KB of shared memory per block: ``SHARED_MEMORY_LIMIT``) get their own where those need more or spill.
@@ -147,7 +147,7 @@ def block_config(
         block_m, block_n, warps, stages = table.get((name, tier), (block_m, block_n, warps, stages))
     if softcap and dtype != torch.float32:
         block_m, block_n, warps, stages = _BLOCKS_16BIT_SOFTCAP.get((name, tier), (block_m, block_n, warps, stages))
-    if window:
+    if sliding_window:
         table = _BLOCKS_FP32_WINDOW if dtype == torch.float32 else _BLOCKS_16BIT_WINDOW
         block_m, block_n, warps, stages = table.get((name, tier), (block_m, block_n, warps, stages))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)

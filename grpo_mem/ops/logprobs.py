@@ -18,19 +18,17 @@ backward)``. This module holds the public ops, their checks, the autograd Functi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from ._backends import TABLE, resolve
-from .logprobs_torch import _transform
+from .logprobs_cpp import LogprobParams
+from .logprobs_torch import transform_logits
 
 __all__ = [
     "LINEAR_BACKENDS",
     "SLS_BACKENDS",
     "LinearLogprobsFunction",
-    "LogprobParams",
     "SelectiveLogSoftmaxFunction",
     "linear_logprobs",
     "linear_logprobs_ref",
@@ -39,26 +37,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class LogprobParams:
-    """Non-tensor options of the fused head, shared by every backend.
-
-    ``temperature`` divides the logits (> 0), ``logit_scale`` multiplies them before the soft cap, ``softcap`` is the
-    final logit soft cap (None: no cap), ``return_entropy`` asks for the entropy output, ``backend`` is the resolved
-    backend ("torch", "cpp" or "triton").
-    """
-
-    temperature: float = 1.0
-    logit_scale: float = 1.0
-    softcap: float | None = None
-    return_entropy: bool = False
-    backend: str = "torch"
-
-    @property
-    def inv_t(self) -> float:
-        return 1.0 / self.temperature
 
 
 def _check_float(name: str, value, *, positive: bool) -> float:
@@ -102,7 +80,7 @@ def linear_logprobs_ref(
     with bf16 inputs it is the "same-dtype naive" baseline of the accuracy tests. Outputs are cast to fp32 (fp64 inputs
     give fp64 outputs). Differentiable through autograd. Same arguments as :func:`linear_logprobs`.
     """
-    z = _transform(F.linear(hidden, weight, bias), logit_scale, softcap, 1.0 / temperature)
+    z = transform_logits(F.linear(hidden, weight, bias), logit_scale, softcap, 1.0 / temperature)
     return _select(z, index, return_entropy, ignore_index)
 
 

@@ -1,20 +1,45 @@
 """The ``"cpp"`` backend of the fused selective log-softmax (``grpo_mem.ops.logprobs``): the C++ ops of
 ``csrc/linear_logprobs.cpp`` (loaded by ``_ext``, registered with the dispatcher as ``torch.ops.grpo_mem.*``), their
-fake kernels, and the one tile policy they are called with.
+fake kernels, and the one tile policy they are called with. ``LogprobParams``, the non-tensor options every backend of
+the family takes, lives here, below ``logprobs`` and the torch backend, so that a CPU call runs one backend module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from . import _ext
 
-if TYPE_CHECKING:
-    from .logprobs import LogprobParams
+__all__ = [
+    "LogprobParams",
+    "linear_logprobs_fwd",
+    "linear_logprobs_bwd",
+    "selective_log_softmax_fwd",
+    "selective_log_softmax_bwd",
+]
 
-__all__ = ["linear_logprobs_fwd", "linear_logprobs_bwd", "selective_log_softmax_fwd", "selective_log_softmax_bwd"]
+
+@dataclass(frozen=True)
+class LogprobParams:
+    """Non-tensor options of the fused head, shared by every backend.
+
+    ``temperature`` divides the logits (> 0), ``logit_scale`` multiplies them before the soft cap, ``softcap`` is the
+    final logit soft cap (None: no cap), ``return_entropy`` asks for the entropy output, ``backend`` is the resolved
+    backend ("torch", "cpp" or "triton").
+    """
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    return_entropy: bool = False
+    backend: str = "torch"
+
+    @property
+    def inv_t(self) -> float:
+        return 1.0 / self.temperature
+
 
 # Tile of the cpp backend, its one tile policy (the C++ ops take their tiles as arguments): one fp32 buffer of
 # CPP_BLOCK_N x CPP_BLOCK_V elements (32 MiB); with fewer tokens than CPP_BLOCK_N the vocabulary block widens to keep

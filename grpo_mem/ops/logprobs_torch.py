@@ -1,22 +1,25 @@
 """The ``"torch"`` backend of the fused selective log-softmax (``grpo_mem.ops.logprobs``): the tile math in fp32,
-chunked over tokens (TORCH_BLOCK_N) and vocabulary (TORCH_BLOCK_V), on any device. ``_transform`` is the logit
-transform every backend and the references share.
+chunked over tokens (TORCH_BLOCK_N) and vocabulary (TORCH_BLOCK_V), on any device.
+``transform_logits`` is the logit transform every backend and the references share.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ._rowstats import finish_row_stats
+from .logprobs_cpp import LogprobParams
 
-if TYPE_CHECKING:
-    from .logprobs import LogprobParams
-
-__all__ = ["linear_logprobs_fwd", "linear_logprobs_bwd", "selective_log_softmax_fwd", "selective_log_softmax_bwd"]
+__all__ = [
+    "linear_logprobs_fwd",
+    "linear_logprobs_bwd",
+    "selective_log_softmax_fwd",
+    "selective_log_softmax_bwd",
+    "transform_logits",
+]
 
 # Tile of the torch backend: (TORCH_BLOCK_N tokens) x (TORCH_BLOCK_V vocabulary entries) in fp32 = 16 MiB per temporary.
 TORCH_BLOCK_N = 1024
@@ -25,7 +28,7 @@ TORCH_BLOCK_N = 1024
 TORCH_BLOCK_V = 4096
 
 
-def _transform(a: torch.Tensor, logit_scale: float, softcap: float | None, inv_t: float) -> torch.Tensor:
+def transform_logits(a: torch.Tensor, logit_scale: float, softcap: float | None, inv_t: float) -> torch.Tensor:
     """TRL 1.16's order: scale, soft cap, then multiply by 1/temperature. Same dtype as ``a``."""
     z = a * logit_scale
     if softcap is not None:
@@ -39,7 +42,7 @@ def _fold_tile_torch(a, target, v0, m, s, sz, zy, p: LogprobParams, want_entropy
     ``m`` running max of z, ``s`` = sum exp(z - m), ``sz`` = sum exp(z - m) * (z - m) (entropy = log s - sz / s, which
     avoids the cancellation of LSE - sum p z when |z| is large), ``zy`` the target logit. All (n,) fp32, in place.
     """
-    z = _transform(a, p.logit_scale, p.softcap, p.inv_t)
+    z = transform_logits(a, p.logit_scale, p.softcap, p.inv_t)
     c = z.shape[1]
     local = target - v0
     in_tile = (local >= 0) & (local < c)

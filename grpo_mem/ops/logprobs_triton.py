@@ -50,20 +50,8 @@ __all__ = ["KERNELS"]
 
 @triton.jit
 def _logits_tile(
-    H_BLK,
-    W_BLK,
-    B_BLK,
-    n_rows,
-    n_cols,
-    H,
-    stride_hn,
-    stride_wv,
-    HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    H_BLK, W_BLK, B_BLK, n_rows, n_cols, H, stride_hn, stride_wv, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # (BLOCK_N, BLOCK_V) fp32 tile of h W^T + b (pre-scale logits) for the block whose first hidden row is H_BLK and
     # first weight row is W_BLK (64-bit scalar bases; in-block offsets stay 32-bit). Masked entries hold finite junk.
@@ -157,17 +145,7 @@ def _transform(a, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _row_grads(
-    TARGET,
-    LSE,
-    ENT,
-    GLP,
-    GENT,
-    LOGP,
-    n0,
-    n_rows,
-    v0,
-    HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr,
+    TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, v0, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # per-row saved statistics and upstream gradients of rows [n0, n0 + n_rows); target made tile-local to v0
@@ -190,31 +168,9 @@ def _row_grads(
 
 @triton.jit
 def _linear_logprobs_fwd_kernel(
-    HIDDEN,
-    WEIGHT,
-    BIAS,
-    TARGET,
-    M_OUT,
-    S_OUT,
-    SZ_OUT,
-    ZY_OUT,
-    N,
-    V,
-    H,
-    stride_hn,
-    stride_wv,
-    V_PER_SPLIT,
-    scale,
-    softcap,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    HIDDEN, WEIGHT, BIAS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT, N, V, H, stride_hn, stride_wv, V_PER_SPLIT, scale,
+    softcap, inv_t, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
@@ -235,20 +191,8 @@ def _linear_logprobs_fwd_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         n_cols = tl.minimum(v_end - v0, BLOCK_V).to(tl.int32)
         a = _logits_tile(
-            h_blk,
-            WEIGHT + v0 * stride_wv,
-            BIAS + v0,
-            n_rows,
-            n_cols,
-            H,
-            stride_hn,
-            stride_wv,
-            HAS_BIAS,
-            PRECISION,
-            UPCAST,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_H,
+            h_blk, WEIGHT + v0 * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv, HAS_BIAS, PRECISION,
+            UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         c = tl.arange(0, BLOCK_V)
         valid = (c < n_cols)[None, :]
@@ -281,39 +225,10 @@ def _grouped_tile(pid, n_a, n_b, GROUP: tl.constexpr):
 
 @triton.jit
 def _linear_logprobs_bwd_dlogits_kernel(
-    HIDDEN,
-    WEIGHT,
-    BIAS,
-    TARGET,
-    LSE,
-    ENT,
-    GLP,
-    GENT,
-    LOGP,
-    DLOGITS,
-    DB_PART,
-    N,
-    V_CHUNK,
-    V_OFF,
-    H,
-    stride_hn,
-    stride_wv,
-    stride_dn,
-    stride_db,
-    scale,
-    softcap,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    HAS_DB: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr,
+    HIDDEN, WEIGHT, BIAS, TARGET, LSE, ENT, GLP, GENT, LOGP, DLOGITS, DB_PART, N, V_CHUNK, V_OFF, H, stride_hn,
+    stride_wv, stride_dn, stride_db, scale, softcap, inv_t, HAS_BIAS: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):
     # One (BLOCK_N, BLOCK_V) tile of the vocabulary chunk [V_OFF, V_OFF + V_CHUNK): WEIGHT / BIAS point at the chunk's
     # first row. Recomputes the logits (GEMM over H, fp32 accumulator), forms d_logits in fp32 and stores it once,
@@ -332,38 +247,16 @@ def _linear_logprobs_bwd_dlogits_kernel(
     r_in = r < n_rows
     c_in = c < n_cols
     a = _logits_tile(
-        HIDDEN + n0 * stride_hn,
-        WEIGHT + v0 * stride_wv,
-        BIAS + v0,
-        n_rows,
-        n_cols,
-        H,
-        stride_hn,
-        stride_wv,
-        HAS_BIAS,
-        PRECISION,
-        UPCAST,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_H,
+        HIDDEN + n0 * stride_hn, WEIGHT + v0 * stride_wv, BIAS + v0, n_rows, n_cols, H, stride_hn, stride_wv, HAS_BIAS,
+        PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
     )
     local, lse, ent, glp, gent, lp_y = _row_grads(
         TARGET, LSE, ENT, GLP, GENT, LOGP, n0, n_rows, V_OFF + v0, HAS_GLP, HAS_GENT, BLOCK_N
     )
     is_y = c[None, :] == local[:, None]
     da = _dlogits(
-        a,
-        is_y,
-        lse[:, None],
-        ent[:, None],
-        glp[:, None],
-        gent[:, None],
-        lp_y[:, None],
-        scale,
-        softcap,
-        inv_t,
-        HAS_SOFTCAP,
-        True,
+        a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lp_y[:, None], scale, softcap, inv_t,
+        HAS_SOFTCAP, True,
     )
     msk = r_in[:, None] & c_in[None, :]
     da = tl.where(msk, da, 0.0)
@@ -375,23 +268,33 @@ def _linear_logprobs_bwd_dlogits_kernel(
 
 
 @triton.jit
+def _gemm_tile(A, B, stride_am, stride_ak, stride_bk, m, kk, j, m_in, j_in, K, PRECISION: tl.constexpr,
+               UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    # (len(m), len(j)) fp32 tile of A @ B over k in [0, K): element (m, k) of A at A + m * stride_am + k * stride_ak,
+    # element (k, j) of B at B + k * stride_bk + j, for the index ranges m, kk (= tl.arange(0, BLOCK_K)) and j; rows
+    # m_in of A and columns j_in of B are real (the rest reads 0). The accumulator stays in registers over the whole
+    # reduction. The GEMM of the d_hidden and d_weight kernels (a stride of 1 passed as the literal 1 folds away, so
+    # each builds as if written out).
+    acc = tl.zeros((m.shape[0], j.shape[0]), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k = tl.cast(k_start, tl.int64)
+        k_in = kk < (K - k).to(tl.int32)
+        a = tl.load(A + k * stride_ak + (m[:, None] * stride_am + kk[None, :] * stride_ak),
+                    mask=m_in[:, None] & k_in[None, :], other=0.0)
+        b = tl.load(B + k * stride_bk + (kk[:, None] * stride_bk + j[None, :]), mask=k_in[:, None] & j_in[None, :],
+                    other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _linear_logprobs_bwd_dh_kernel(
-    DLOGITS,
-    WEIGHT,
-    DH_ACC,
-    DH_OUT,
-    N,
-    V_CHUNK,
-    H,
-    stride_dn,
-    stride_wv,
-    ACCUMULATE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr,
+    DLOGITS, WEIGHT, DH_ACC, DH_OUT, N, V_CHUNK, H, stride_dn, stride_wv,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):
     # d_hidden[n-block, h-block] (+)= d_logits[n-block, chunk] @ W[chunk, h-block]: a plain GEMM whose fp32 output tile
     # stays in registers over the whole chunk and is written once. ACCUMULATE adds the fp32 (N, H) DH_ACC of the
@@ -406,22 +309,8 @@ def _linear_logprobs_bwd_dh_kernel(
     ks = tl.arange(0, BLOCK_H)
     r_in = r < n_rows
     k_in = ks < n_ks
-    d_blk = DLOGITS + n0 * stride_dn
-    w_blk = WEIGHT + k0
-    acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-    for v_start in range(0, V_CHUNK, BLOCK_V):
-        v = tl.cast(v_start, tl.int64)
-        c_in = c < (V_CHUNK - v).to(tl.int32)
-        da = tl.load(d_blk + v + (r[:, None] * stride_dn + c[None, :]), mask=r_in[:, None] & c_in[None, :], other=0.0)
-        w = tl.load(
-            w_blk + v * stride_wv + (c[:, None] * stride_wv + ks[None, :]),
-            mask=c_in[:, None] & k_in[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            da = da.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(da, w, acc, input_precision=PRECISION)
+    acc = _gemm_tile(DLOGITS + n0 * stride_dn, WEIGHT + k0, stride_dn, 1, stride_wv, r, c, ks, r_in, k_in, V_CHUNK,
+                     PRECISION, UPCAST, BLOCK_V)
     offs = n0 * H + k0 + (r[:, None] * H + ks[None, :])
     msk = r_in[:, None] & k_in[None, :]
     if ACCUMULATE:
@@ -433,23 +322,14 @@ def _linear_logprobs_bwd_dh_kernel(
 
 @triton.jit
 def _linear_logprobs_bwd_dw_kernel(
-    DLOGITS,
-    HIDDEN,
-    DW,
-    N,
-    V_CHUNK,
-    H,
-    stride_dn,
-    stride_hn,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr,
+    DLOGITS, HIDDEN, DW, N, V_CHUNK, H, stride_dn, stride_hn,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):
     # d_weight[chunk v-block, h-block] = d_logits[:, v-block]^T @ hidden[:, h-block]: the fp32 output tile stays in
-    # registers over all N rows and is stored once, rounded to DW's dtype (DW points at the chunk's first row).
+    # registers over all N rows and is stored once, rounded to DW's dtype (DW points at the chunk's first row). The
+    # d_logits^T tile (BLOCK_V, BLOCK_N) is read straight from the row-major buffer (row stride 1, reduction stride
+    # stride_dn).
     vb, hb = _grouped_tile(tl.program_id(0), tl.cdiv(V_CHUNK, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP)
     v0 = vb * BLOCK_V
     k0 = hb * BLOCK_H
@@ -460,45 +340,15 @@ def _linear_logprobs_bwd_dw_kernel(
     ks = tl.arange(0, BLOCK_H)
     c_in = c < n_cols
     k_in = ks < n_ks
-    d_blk = DLOGITS + v0
-    h_blk = HIDDEN + k0
-    acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
-    for n_start in range(0, N, BLOCK_N):
-        n = tl.cast(n_start, tl.int64)
-        r_in = r < (N - n).to(tl.int32)
-        # d_logits^T tile (BLOCK_V, BLOCK_N) read straight from the row-major buffer
-        da_t = tl.load(
-            d_blk + n * stride_dn + (c[:, None] + r[None, :] * stride_dn), mask=c_in[:, None] & r_in[None, :], other=0.0
-        )
-        h = tl.load(
-            h_blk + n * stride_hn + (r[:, None] * stride_hn + ks[None, :]),
-            mask=r_in[:, None] & k_in[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            da_t = da_t.to(tl.float32)
-            h = h.to(tl.float32)
-        acc = tl.dot(da_t, h, acc, input_precision=PRECISION)
-    tl.store(
-        DW + v0 * H + k0 + (c[:, None] * H + ks[None, :]),
-        acc.to(DW.dtype.element_ty),
-        mask=c_in[:, None] & k_in[None, :],
-    )
+    acc = _gemm_tile(DLOGITS + v0, HIDDEN + k0, 1, stride_dn, stride_hn, c, r, ks, c_in, k_in, N, PRECISION, UPCAST,
+                     BLOCK_N)
+    tl.store(DW + v0 * H + k0 + (c[:, None] * H + ks[None, :]), acc.to(DW.dtype.element_ty),
+             mask=c_in[:, None] & k_in[None, :])
 
 
 @triton.jit
 def _selective_log_softmax_fwd_kernel(
-    LOGITS,
-    TARGET,
-    M_OUT,
-    S_OUT,
-    SZ_OUT,
-    ZY_OUT,
-    V,
-    stride_n,
-    inv_t,
-    HAS_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    LOGITS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT, V, stride_n, inv_t, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # one program per row; statistics as in _linear_logprobs_fwd_kernel with a (1, BLOCK_V) tile
     inv_t = tl.cast(inv_t, tl.float32)
@@ -525,18 +375,7 @@ def _selective_log_softmax_fwd_kernel(
 
 @triton.jit
 def _selective_log_softmax_bwd_kernel(
-    LOGITS,
-    DLOGITS,
-    TARGET,
-    LSE,
-    ENT,
-    GLP,
-    GENT,
-    V,
-    stride_n,
-    inv_t,
-    HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr,
+    LOGITS, DLOGITS, TARGET, LSE, ENT, GLP, GENT, V, stride_n, inv_t, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     inv_t = tl.cast(inv_t, tl.float32)

@@ -24,26 +24,24 @@ on TRL 1.10-1.13 a third, are replaced by reference, on the class or on one trai
   alone and a trainer with the flag warns once (``checks.liger_support``). TRL 1.14+ keep the log-prob method under
   the flag and only swap Liger's layer kernels into the model, which the prompt-once path calls like stock.
 
-The patch keeps its state on its ``PatchHandle`` (a session per trainer, the models it touched), never on the
-trainer; before touching anything it checks what it relies on (``grpo_mem.patches.checks``).
+The patch keeps its state on its ``PatchHandle`` (``grpo_mem.patches.handle``: a session per trainer, the models it
+touched), never on the trainer; before touching anything it checks what it relies on (``grpo_mem.patches.checks``).
+Sequence parallelism's hooks (``grpo_mem.patches.trl_sp``) are installed only where it is asked for
+(``grpo_mem.patches.sp_request``); a plain patch does not import them.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import types
-import weakref
 
 import torch
 
 from ..model.distributed import unwrap_causal_lm
-from ..model.forward import restore
 from ..model.plan import check_sharing, find_groups
-from ..model.sharing import Decision, SharingSession
+from ..model.sharing import Decision
 from ..model.fallback import warn_fallback
-from ..ops._backends import check_choice, set_preference
-from . import trl_images, trl_sp
+from ..ops._backends import check_choice
+from . import trl_images
 from .checks import (
     _MARK,
     HIDDEN_METHOD,
@@ -57,6 +55,8 @@ from .checks import (
     check_trl_version,
     liger_support,
 )
+from .handle import PatchHandle, check_backend, covering_handle, register, registered, repatch
+from .sp_request import install_sequence_parallel, make_init, sequence_parallel_asked
 
 METRIC_PREFIX = "grpo_mem/"
 PATHS = ("tree", "group", "stock")
@@ -202,18 +202,13 @@ def patched_logps_method(original, handle: PatchHandle):
 
 def patched_method(original, *, sharing: str = "tree", confirm: bool | None = None, log_metrics: bool = False):
     """TRL's scoring method ``original`` (an unbound ``_get_per_token_logps_and_entropies``) patched on a private
-        ``PatchHandle`` (installed on no class or trainer; ``group_shuffle`` off): the one way to call the patched method
-        directly, e.g. ``method(trainer, model, input_ids, attention_mask, logits_to_keep, ...)``. Returns ``(method,
-        handle)``; ``handle.session(trainer)`` is the trainer's ``SharingSession`` (to open a window with
-        ``begin_window``). It scores on this process alone, without the trainer's sequence parallelism (``verify`` compares
-    the local computation). Raises ValueError for an unknown ``sharing``."""
+    ``PatchHandle`` (installed on no class or trainer; ``group_shuffle`` off, no sequence-parallel hooks): the one way
+    to call the patched method directly, e.g. ``method(trainer, model, input_ids, attention_mask, logits_to_keep,
+    ...)``. Returns ``(method, handle)``; ``handle.session(trainer)`` is the trainer's ``SharingSession`` (to open a
+    window with ``begin_window``). It scores on this process alone, without the trainer's sequence parallelism
+    (``verify`` compares the local computation). Raises ValueError for an unknown ``sharing``."""
     handle = PatchHandle(
-        None,
-        group_shuffle=False,
-        sharing=check_sharing(sharing),
-        log_metrics=log_metrics,
-        confirm=confirm,
-        sequence_parallel=False,
+        None, group_shuffle=False, sharing=check_sharing(sharing), log_metrics=log_metrics, confirm=confirm
     )
     return patched_logps_method(original, handle), handle
 
@@ -291,7 +286,7 @@ def _make_prepare(original, handle: PatchHandle):
         if handle.group_shuffle:
             module.shuffle_sequence_dict = group_shuffle
         try:
-            with trl_sp.data_parallel(self):  # an SP group generates and scores as one data-parallel rank
+            with handle.data_parallel(self):  # an SP group generates and scores as one data-parallel rank
                 inputs = original(self, generation_batch)
         finally:
             module.shuffle_sequence_dict = stock_shuffle
@@ -312,178 +307,6 @@ def _make_prepare(original, handle: PatchHandle):
     return _prepare_inputs
 
 
-class PatchHandle:
-    """What ``patch_trl`` changed, the state the patched methods keep, and how to undo it. Usable as a context
-    manager (reverts on exit).
-
-    Attributes:
-        sessions: per trainer, the ``SharingSession`` sharing prompt passes across its micro-batches.
-        models: the models the patched methods routed through grpo_mem (``revert`` restores exactly these).
-        group_shuffle: whether ``_prepare_inputs`` shuffles by whole groups.
-        sharing: the sessions' sharing mode, ``"tree"`` or ``"group"``.
-        log_metrics: whether training micro-batches' decisions go into the trainer's logged metrics.
-        confirm: whether the sessions confirm each admitted model on a tiny copy first (``grpo_mem.model.confirm``;
-            None: unless ``GRPO_MEM_CONFIRM=0``).
-        sequence_parallel: whether a session of a trainer with sequence parallelism splits its passes over the SP
-            group (``trl_sp.sequence_parallel``); False for ``patched_method``'s private handles.
-        backend: the kernels' backend this patch pins process-wide while active (``"triton"``, ``"torch"``,
-            ``"cpp"``, ``"auto"``), or None: ``GRPO_MEM_BACKEND`` decides (``grpo_mem.ops._backends.preferred``).
-        active: False once reverted.
-    """
-
-    def __init__(
-        self,
-        key,
-        *,
-        group_shuffle: bool,
-        sharing: str = "tree",
-        log_metrics: bool = True,
-        confirm: bool | None = None,
-        sequence_parallel: bool = True,
-        backend: str | None = None,
-    ):
-        self._key = key
-        self._entries = []  # (owner, name, previous value or _MISSING)
-        self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.models: weakref.WeakSet = weakref.WeakSet()
-        self.group_shuffle = group_shuffle
-        self.sharing = sharing
-        self.log_metrics = log_metrics
-        self.confirm = confirm
-        self.sequence_parallel = sequence_parallel
-        self.backend = backend
-        self.liger_causes: dict = {}  # owner -> why its Liger loss path is not served (``checks.liger_support``)
-        self.active = True
-
-    def session(self, trainer) -> SharingSession:
-        """The trainer's ``SharingSession`` (created on first use, in the handle's sharing mode; again when the
-        trainer's sequence-parallel groups come into being at the start of ``train()``)."""
-        # the SP group, when the trainer trains with one and its groups exist (``trl_sp``; before ``train()`` the
-        # ranks score on their own) and the handle serves training
-        split = self.sequence_parallel and trl_sp.ready(trainer)
-        session = self.sessions.get(trainer)
-        if session is None or (session.sp is not None) != split:
-            sp = trl_sp.sequence_parallel(trainer) if split else None
-            session = self.sessions[trainer] = SharingSession(self.sharing, confirm=self.confirm, sequence_parallel=sp)
-        return session
-
-    def remember(self, owner, name: str, value) -> None:
-        """Set ``owner``'s attribute ``name`` (a class, module or instance) to ``value`` for as long as the patch is
-        active: ``revert`` restores what it was (idempotent per owner and name)."""
-        if any(o is owner and n == name for o, n, _ in self._entries):
-            return
-        previous = vars(owner).get(name, _MISSING)
-        setattr(owner, name, value)
-        self._entries.append((owner, name, previous))
-
-    def unserved_liger(self, trainer) -> str | None:
-        """Why ``trainer``'s Liger loss path (``use_liger_kernel=True`` on TRL 1.10-1.13) is TRL's own, or None."""
-        for owner, cause in self.liger_causes.items():
-            if owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner)):
-                return cause
-        return None
-
-    def revert(self) -> None:
-        """Put every patched method back as it was and give the models this patch touched their own forward and
-        attention back (the attention hook is unregistered once no model runs it); idempotent."""
-        if not self.active:
-            return
-        for owner, name, previous in reversed(self._entries):
-            if previous is _MISSING:
-                if isinstance(owner, type):
-                    delattr(owner, name)
-                else:
-                    owner.__dict__.pop(name, None)
-            else:
-                setattr(owner, name, previous)
-        for model in list(self.models):
-            restore(model)
-        self.models.clear()
-        self.sessions.clear()
-        _ACTIVE.pop(self._key, None)
-        self.active = False
-        _pin_backend()
-
-    @property
-    def targets(self):
-        trainers = [o for o, _, _ in self._entries if hasattr(o, LOGPS_METHOD)]  # not configs, modules, accelerators
-        return sorted({getattr(o, "__name__", type(o).__name__) for o in trainers})
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.revert()
-        return False
-
-    def __repr__(self):
-        return f"PatchHandle(targets={self.targets}, active={self.active})"
-
-
-_MISSING = object()
-_ACTIVE: dict = {}
-
-
-def active_handle(trainer) -> PatchHandle | None:
-    """The active ``PatchHandle`` whose patch covers ``trainer`` (its class or the instance), or None."""
-    for handle in _ACTIVE.values():
-        if any(
-            owner is trainer or (isinstance(owner, type) and isinstance(trainer, owner))
-            for owner, _, _ in handle._entries
-        ):
-            return handle
-    return None
-
-
-def _pin_backend() -> None:
-    """Pin the kernels' backend (``_backends.set_preference``) to the one the active handles ask for, or give the
-    decision back to ``GRPO_MEM_BACKEND`` when none asks (``patch_trl`` keeps the active handles' requests equal)."""
-    asked = {h.backend for h in _ACTIVE.values() if h.backend is not None}
-    set_preference(asked.pop() if asked else None)
-
-
-def _check_backend(key, backend: str | None) -> None:
-    """ValueError when another active handle pins a different backend (the pin is process-wide); ``backend`` was
-    validated by ``patch_trl``."""
-    if backend is None:
-        return
-    for other_key, other in _ACTIVE.items():
-        if other_key != key and other.backend not in (None, backend):
-            raise ValueError(
-                f"the patch of {', '.join(other.targets)} pins backend={other.backend!r}, got backend={backend!r}: "
-                "the kernels' backend is process-wide; revert that handle first, or patch with the same backend"
-            )
-
-
-def _differences(
-    handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None = None
-) -> str:
-    """ "" if ``handle`` has these options, else what differs: ``"sharing='tree', got sharing='group'"``."""
-    options = (("sharing", sharing), ("group_shuffle", group_shuffle), ("confirm", confirm), ("backend", backend))
-    differ = [(name, getattr(handle, name), value) for name, value in options if getattr(handle, name) != value]
-    return "; ".join(f"{name}={old!r}, got {name}={new!r}" for name, old, new in differ)
-
-
-def _repatch(
-    handle: PatchHandle, group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None
-) -> PatchHandle:
-    """``handle`` with these options: unchanged if they agree; else, if no sharing window is open, the new options
-    and no sessions (each trainer's next window starts a session in the new mode); else ValueError."""
-    differ = _differences(handle, group_shuffle, sharing, confirm, backend)
-    if not differ:
-        return handle
-    if any(session.in_window for session in handle.sessions.values()):
-        raise ValueError(
-            f"the patch of {', '.join(handle.targets)} has {differ}, and a sharing window is open "
-            "(mid-step): call patch_trl again between optimizer steps, or revert the handle first"
-        )
-    _check_backend(handle._key, backend)
-    handle.group_shuffle, handle.sharing, handle.confirm, handle.backend = group_shuffle, sharing, confirm, backend
-    handle.sessions.clear()
-    _pin_backend()
-    return handle
-
-
 def _default_targets():
     import trl
 
@@ -497,6 +320,7 @@ def patch_trl(
     sharing: str = "tree",
     confirm: bool | None = None,
     backend: str | None = None,
+    sequence_parallel: bool | None = None,
 ) -> PatchHandle:
     """Route TRL's GRPO/RLOO log-prob computation through grpo_mem's prompt-once path.
 
@@ -527,89 +351,91 @@ def patch_trl(
             GPU), ``"cpp"`` (the CPU kernels). A backend that cannot run a call's tensors (Triton on CPU, cpp on
             CUDA) leaves that call to ``"auto"``. None (default): ``GRPO_MEM_BACKEND`` decides, else auto.
             ``grpo_mem.verify`` reports which backends ran.
+        sequence_parallel: whether to install the sequence-parallel hooks (``grpo_mem.patches.trl_sp``: DeepSpeed
+            Ulysses through accelerate, ``parallelism_config.sp_size > 1``). True: on the targets; for a class, TRL's
+            configs then accept ``sp_size > 1`` while the patch is active (call it before building the config).
+            None (default): only where a configuration asks: a target trainer whose ``args.parallelism_config`` has
+            ``sp_size > 1``, or, under a class patch, a trainer built with such a config (the patched ``__init__``
+            installs them on that trainer). False: never. Without them ``trl_sp`` is not even imported.
 
     Returns:
         A ``PatchHandle``; ``handle.revert()`` (or leaving ``with patch_trl(...):``) restores everything. Calling
         ``patch_trl`` again on a patched target returns the same active handle, re-patched with the new
-        ``group_shuffle``, ``sharing``, ``confirm`` and ``backend`` if they differ (its sharing sessions start again in the new mode); an
-        instance of a patched class gets its class's handle when the options agree.
+        ``group_shuffle``, ``sharing``, ``confirm`` and ``backend`` if they differ (its sharing sessions start again
+        in the new mode), the SP hooks added if asked; an instance of a patched class gets its class's handle when
+        the options agree.
 
     Raises:
         RuntimeError: the installed TRL is older than 1.10 or a release refused by name (``KNOWN_BAD_TRL``).
-        ValueError: unknown ``sharing`` or ``backend``; another active patch pinning a different ``backend``; or options that differ from the active patch's (naming both values) where
-            they cannot be changed: a sharing window is open (mid-step: prompt passes planned or pending), or the
-            target is an instance of a patched class (the class's patch would change for every instance).
+        ValueError: unknown ``sharing`` or ``backend``; another active patch pinning a different ``backend``;
+            ``sequence_parallel=False`` for a trainer whose config asks for it; or options that differ from the
+            active patch's (naming both values) where they cannot be changed: a sharing window is open (mid-step:
+            prompt passes planned or pending), or the target is an instance of a patched class (the class's patch
+            would change for every instance).
         TypeError: a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
-            from TRL 1.16's (nothing is changed then).
+            from TRL 1.16's, or (with sequence parallelism) a hooked TRL/accelerate/transformers function changed
+            (``trl_sp.check_hooks``); nothing is changed then.
     """
+    options = _checked_options(group_shuffle, sharing, confirm, backend)
+    owners = _default_targets() if target is None else [target]
+    with_sp = sequence_parallel_asked(owners, sequence_parallel)
+    key = tuple(id(o) for o in owners)
+    handle = registered(key)
+    if handle is not None:
+        handle = repatch(handle, options)
+    else:
+        handle = _covering(owners, options) or _new_handle(key, owners, options, auto=sequence_parallel is None)
+    if with_sp:
+        install_sequence_parallel(handle, owners)
+    return handle
+
+
+def _checked_options(group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None) -> dict:
+    """The handle's options, once the TRL release, ``sharing`` and ``backend`` passed their checks."""
     check_trl_version()
     check_sharing(sharing)
     if backend is not None:
         check_choice(backend)
-    owners = _default_targets() if target is None else [target]
-    key = tuple(id(o) for o in owners)
-    if key in _ACTIVE:
-        return _repatch(_ACTIVE[key], group_shuffle, sharing, confirm, backend)
+    return dict(sharing=sharing, group_shuffle=group_shuffle, confirm=confirm, backend=backend)
+
+
+def _covering(owners: list, options: dict) -> PatchHandle | None:
+    """Check each owner's patched methods' signatures (TypeError); the active handle already covering one (an instance
+    of a patched class), or None."""
     for owner in owners:
         check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
         check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
-        covering = _covering_handle(owner, group_shuffle, sharing, confirm, backend)
+        covering = covering_handle(owner, options)
         if covering is not None:
             return covering
-        check_trainer_attrs(owner)
-    _check_backend(key, backend)
+    return None
 
-    handle = PatchHandle(key, group_shuffle=group_shuffle, sharing=sharing, confirm=confirm, backend=backend)
+
+def _new_handle(key, owners: list, options: dict, auto: bool) -> PatchHandle:
+    """A new active handle with the patched methods installed on ``owners``, once their attributes and the backend
+    passed their checks; ``auto``: a class's patched ``__init__`` installs the SP hooks on a trainer whose config asks
+    for them."""
     for owner in owners:
-        _install(handle, owner)
-    _ACTIVE[key] = handle
-    _pin_backend()
+        check_trainer_attrs(owner)
+    check_backend(key, options["backend"])
+    handle = PatchHandle(key, **options)
+    for owner in owners:
+        _install(handle, owner, init_hook=auto and isinstance(owner, type))
+    register(handle)
     return handle
 
 
-def _covering_handle(
-    owner, group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None
-) -> PatchHandle | None:
-    """The active handle that already routes ``owner`` through grpo_mem (``owner`` an instance of a patched class),
-    or None. Raises ValueError when its options differ from these: the class's patch would change for every
-    instance."""
-    if not getattr(getattr(owner, LOGPS_METHOD), _MARK, False):
-        return None
-    covering = [h for h in _ACTIVE.values() if any(o in (owner, type(owner)) for o, _, _ in h._entries)]
-    if not covering:
-        return None
-    differ = _differences(covering[0], group_shuffle, sharing, confirm, backend)
-    if differ:
-        raise ValueError(
-            f"this {type(owner).__name__} is covered by the patch of {', '.join(covering[0].targets)}, "
-            f"which has {differ}: revert that handle first, or patch the class with the options you want"
-        )
-    return covering[0]
-
-
-def _install(handle: PatchHandle, owner) -> None:
+def _install(handle: PatchHandle, owner, init_hook: bool) -> None:
     """Replace ``owner``'s (a trainer class or instance) patched methods with grpo_mem's, bound to ``handle``, which
-    records what each replaced so that ``revert`` restores it."""
+    records what each replaced so that ``revert`` restores it; ``init_hook``: also its ``__init__``
+    (``sp_request.make_init``)."""
     methods = [(LOGPS_METHOD, patched_logps_method), (PREPARE_METHOD, _make_prepare)]
     serve_liger, cause = liger_support(owner)
     if serve_liger:
         methods.append((HIDDEN_METHOD, patched_hidden_method))
     elif cause is not None:
         handle.liger_causes[owner] = cause
-    # sequence parallelism (``trl_sp``): trainer methods, TRL's configs' refusal, the per-rank seed
-    methods += [
-        (name, functools.partial(trl_sp.make_method, name)) for name in trl_sp.SP_METHODS if hasattr(owner, name)
-    ]
-    for config in trl_sp.config_classes(owner):
-        handle.remember(config, "__post_init__", trl_sp.patched_post_init(config.__dict__["__post_init__"]))
-    for module, name, replacement in trl_sp.module_patches(owner):
-        handle.remember(module, name, replacement)
-    if not isinstance(owner, type):
-        trl_sp.reseed(owner)  # built before the patch: seeded per process, not per data-parallel rank
+    if init_hook:
+        methods.append(("__init__", make_init))
     for name, make in methods:
-        previous = owner.__dict__.get(name, _MISSING)
-        if isinstance(owner, type):
-            setattr(owner, name, make(getattr(owner, name), handle))
-        else:
-            owner.__dict__[name] = types.MethodType(make(getattr(type(owner), name), handle), owner)
-        handle._entries.append((owner, name, previous))
+        handle.replace_method(owner, name, make)

@@ -262,7 +262,7 @@ def test_sweep_compares_gradients_per_parameter_by_sketch():
     """Gradients of providers run in separate processes are compared per parameter through their sketches: equal
     gradients give ~0, one parameter off by 8 % of its norm is found at that parameter (the global norm hardly
     moves), a tiny parameter is measured against 1e-3 of the global norm, a missing gradient by its whole norm."""
-    from grpo_mem.bench.group import grad_sketches
+    from grpo_mem.bench.group_worker import grad_sketches
     from grpo_mem.bench.sweep import compare_with_reference, grad_param_difference
 
     g = torch.Generator().manual_seed(0)

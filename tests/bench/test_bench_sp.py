@@ -51,13 +51,14 @@ def test_quick_run_writes_rows_and_sp2_scores_as_sp1(tmp_path):
 
 
 def test_bench_expectation_splits_all_but_the_gathered_kv():
-    one, two = bench_sp.expected(4096, 256, 8, 1), bench_sp.expected(4096, 256, 8, 2)
+    one, two = bench_sp.expected(4096, 257, 8, 1), bench_sp.expected(4096, 257, 8, 2)
     assert two["gradients"] == one["gradients"]
-    # without the gathered K/V (and the prompt K/V's gradients), the activations halve exactly (4096, 256 even)
+    # without the gathered K/V (and the prompt K/V's gradients), the activations halve exactly (4096 prompt tokens and
+    # C - 1 = 256 completion tokens a row: the completion pass runs C - 1, grpo_mem.bench.tokens.backbone_tokens)
     assert two["activations"] - two["gathered_kv"] == pytest.approx((one["activations"] - one["gathered_kv"]) / 2)
     shape = estimate.model_shape(bench_sp.model_spec(4096, 256))
     kv = 2 * shape.kv_dim * 4 * shape.layers  # bytes of every layer's K and V per token, fp32
-    assert two["gathered_kv"] == kv * (2 * 4096 + 8 * 256)  # prompt K/V and their gradients, completion K/V
+    assert two["gathered_kv"] == kv * (2 * 4096 + 8 * 256)  # prompt K/V and their gradients, completion K/V (C - 1)
 
 
 @pytest.mark.parametrize(("method", "k"), [("trl", 1), ("grpo_mem", 1), ("grpo_mem", 8)])
@@ -70,7 +71,7 @@ def test_step_estimate_grows_with_the_prompt(method, k):
 
 
 def test_sequence_parallel_divides_all_but_the_prompt_kv():
-    P, C, G = 65536, 1024, 8
+    P, C, G = 65536, 1025, 8  # C - 1 = 1024 completion tokens a row: divisible by every k
     one = estimate.estimate_grpo_step(QWEN3_8B, method="grpo_mem", P=P, C=C, G=G)
     for k in (2, 4, 8):
         sp = estimate.estimate_grpo_step(QWEN3_8B, method="grpo_mem", P=P, C=C, G=G, sp_size=k)

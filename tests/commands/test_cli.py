@@ -14,7 +14,7 @@ import torch
 from helpers import REPO
 
 from grpo_mem.commands.tasks import extract_answer, make_task
-from grpo_mem.commands.train import TrainSettings
+from grpo_mem.commands.train_settings import TrainSettings
 
 # ---------------------------------------------------------------------------------------------------------------
 # Answer extraction and the exact reward
@@ -819,7 +819,7 @@ def _log_history():
 
 
 def _run_summary(rows, patched, out):
-    from grpo_mem.commands.train import _totals
+    from grpo_mem.commands.report import totals
 
     return {
         "model": "/m/tiny",
@@ -829,7 +829,7 @@ def _run_summary(rows, patched, out):
         "settings": {"num_generations": 8},
         "prompt_tokens": {"min": 40, "max": 43, "mean": 41.5, "shared_prefix": 32},
         "steps": rows,
-        "totals": _totals(rows),
+        "totals": totals(rows),
         "rss_before_train_mb": 600.0,
         "ru_maxrss_mb": 1000.0,
         "train_time_s": 9.0,

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from grpo_mem.commands import train
-from grpo_mem.commands.train import TrainSettings, build_parser, grpo_config_kwargs, resolve_device
+from grpo_mem.commands.report import totals
+from grpo_mem.commands.train import build_parser
+from grpo_mem.commands.train_settings import TrainSettings, grpo_config_kwargs, make_grpo_config, resolve_device
 
 
 @pytest.mark.parametrize(
@@ -73,7 +75,7 @@ def test_grpo_config_kwargs_per_device_and_dtype():
 
 def test_without_a_gpu_auto_trains_on_cpu_in_fp32_and_cuda_is_refused(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    config = train.make_grpo_config(TrainSettings(), tmp_path)
+    config = make_grpo_config(TrainSettings(), tmp_path)
     assert config.use_cpu is True and config.bf16 is False and config.fp16 is False
     with pytest.raises(SystemExit) as exit_info:  # refused before anything is loaded
         train.main(["--device", "cuda", "--output-dir", str(tmp_path / "x")])
@@ -125,7 +127,7 @@ def test_cuda_step_memory_is_the_peak_allocation_reported_and_compared(monkeypat
             "settings": {"num_generations": 8},
             "prompt_tokens": {"min": 40, "max": 43, "mean": 41.5, "shared_prefix": 32},
             "steps": rows,
-            "totals": train._totals(rows),
+            "totals": totals(rows),
             "rss_before_train_mb": 600.0,
             "ru_maxrss_mb": 1000.0,
             "train_time_s": 9.0,

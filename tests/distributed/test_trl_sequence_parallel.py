@@ -1,5 +1,5 @@
 """Sequence parallelism through TRL (``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after
-``grpo_mem.patch_trl()``), 2 CPU processes over gloo: the two ranks of the SP group act as one data-parallel rank.
+``grpo_mem.patch_trl(sequence_parallel=True)``), 2 CPU processes over gloo: the two ranks of the SP group act as one data-parallel rank.
 Prompts share a 74-token system prompt (a trie node split over the ranks); TRL's row shuffle splits groups over
 micro-batches.
 

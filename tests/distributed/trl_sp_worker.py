@@ -3,7 +3,8 @@
 Usage: trl_sp_worker.py KIND STAGE MODE OUT_JSON
 
 - KIND: grpo | rloo. STAGE: zero2 | zero3 (DeepSpeed on CPU/gloo, as dist_worker.py runs it).
-- MODE ``sp``: ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after ``grpo_mem.patch_trl()`` on 2 processes
+- MODE ``sp``: ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after ``grpo_mem.patch_trl(sequence_parallel=True)``
+  on 2 processes
   (one data-parallel rank) or 4 (two, ``dp_replicate_size=2``): grpo_mem scores every pass split along the sequence
   over the two ranks of a group. MODE ``ref``: stock TRL (not patched), the same configuration without
   ``parallelism_config`` on 1 process (or 2: data parallel).
@@ -67,17 +68,17 @@ def _record(trainer) -> list:
 
 
 def _attention_state(trainer) -> dict:
-    """The model's attention implementation and whether the registry maps it to DeepSpeed's Ulysses wrapper."""
+    """The model's attention implementation and whether the registry maps any name to DeepSpeed's Ulysses wrapper."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from grpo_mem.patches.trl_sp import _ulysses_of
 
     impl = trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation
     core = impl.removeprefix("grpo_mem_")  # grpo_mem's hook wraps the model's own implementation
     return {
         "impl": impl,
         "core_impl": core,
-        "ulysses": any(_ulysses_of(fn) is not None for fn in ALL_ATTENTION_FUNCTIONS._local_mapping.values()),
+        "ulysses": any(
+            getattr(fn, "__module__", "").startswith("deepspeed") for _, fn in ALL_ATTENTION_FUNCTIONS.items()
+        ),
         "core": ALL_ATTENTION_FUNCTIONS[core] is ALL_ATTENTION_FUNCTIONS._global_mapping[core],
     }
 
@@ -107,10 +108,11 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     from trl import GRPOConfig, RLOOConfig
 
     import grpo_mem
-    from grpo_mem.patches import trl_sp
+    from grpo_mem.patches import sp_ranks, trl_sp
 
     args = dict(ARGS, **stack_args(stage))
-    handle = grpo_mem.patch_trl() if mode == "sp" else None  # before the config: it lifts TRL's refusal of sp_size > 1
+    # before the config: it lifts TRL's refusal of sp_size > 1
+    handle = grpo_mem.patch_trl(sequence_parallel=True) if mode == "sp" else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pc = ParallelismConfig(
         sp_size=SP,
@@ -133,7 +135,7 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     records = _record(trainer)
     trainer.train()
     weights = gathered_weights(trainer)
-    found = trl_sp.sp_group(trainer)
+    found = sp_ranks.sp_group(trainer)
     result = {
         "records": records,
         "seed_after_init": seed_after_init,

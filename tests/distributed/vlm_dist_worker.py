@@ -19,10 +19,10 @@ import torch
 
 def main(stack: str, sharing: str, patch: str, out: str, rows: str = "2") -> None:
     from dist_worker import _is_sharded, gathered_weights, stack_args
-    from vlm_helpers import _train
+    from vlm_fixtures import train_vlm
 
     # 2 rows per rank's micro-batch: the generation batch is the single-process test's 8 rows (2 prompts x 4)
-    trainer, fallbacks, _ = _train(
+    trainer, fallbacks, _ = train_vlm(
         Path(out + ".run"),
         patch == "patch",
         sharing=sharing,

@@ -14,8 +14,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import grads_of, make_batch, stock_logps, tiny_model
-from test_architectures import build_tiny, check_architecture
+from helpers import build_tiny, check_architecture, grads_of, make_batch, stock_logps, tiny_model
 from transformers import LlamaForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama import modeling_llama
@@ -254,7 +253,7 @@ def test_dory_head_and_hunyuan_norms_are_caught_without_the_rules(monkeypatch):
 @pytest.mark.parametrize("kind", ["vlm", "gated_deltanet"])
 def test_vision_language_text_config_and_gated_deltanet_are_confirmed(kind):
     if kind == "vlm":
-        from vlm_helpers import tiny_vlm
+        from vlm_fixtures import tiny_vlm
 
         model = tiny_vlm("qwen2_5_vl")
     else:

@@ -219,7 +219,7 @@ def test_patched_trainer_scores_a_reference_model_built_from_a_scored_policy(tmp
     moved away from them (before: the reference was not taken over, its completions ignored their prompts: 0.18
     off)."""
     from datasets import Dataset
-    from helpers import _TRAINER_DEFAULTS, PROMPTS, char_tokenizer, length_reward
+    from helpers import PROMPTS, TRAINER_DEFAULTS, char_tokenizer, length_reward
     from trl import GRPOConfig, GRPOTrainer
 
     tiny_model("llama").save_pretrained(tmp_path / "model")
@@ -229,7 +229,7 @@ def test_patched_trainer_scores_a_reference_model_built_from_a_scored_policy(tmp
     trainer = GRPOTrainer(
         model=policy,
         reward_funcs=length_reward,
-        args=GRPOConfig(**dict(_TRAINER_DEFAULTS, output_dir=str(tmp_path), beta=0.04)),
+        args=GRPOConfig(**dict(TRAINER_DEFAULTS, output_dir=str(tmp_path), beta=0.04)),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=char_tokenizer(),
     )

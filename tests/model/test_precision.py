@@ -24,7 +24,7 @@ import torch
 from helpers import make_batch, smollm2_shaped, stock_logps, tiny_model
 
 import grpo_mem
-from grpo_mem.patches.verify import BF16_GRAD_TOL, grad_errors, grad_within_stock_error, within_stock_error
+from grpo_mem.patches.verify_criteria import BF16_GRAD_TOL, grad_errors, grad_within_stock_error, within_stock_error
 
 TOL = 1e-2  # elementwise margin at initial logits
 
@@ -103,11 +103,11 @@ def test_prepared_model_direct_call_runs_in_the_models_precision():
 def _image_run(model, method, ids, mask, C, extras, w, autocast):
     """Log-probs, entropies (fp64, 0 where masked) and gradients of TRL's scoring method (or the patched one) on the
     image batch, under bf16 autocast or not, one chunk of 4 rows at a time (groups of 3 split over chunks)."""
-    from vlm_helpers import _score
+    from vlm_fixtures import score
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
-        logps, ent = _score(method, model, ids, mask, C, extras, 4)
+        logps, ent = score(method, model, ids, mask, C, extras, 4)
     ((logps.double() * w).sum() + ent.double().sum() * 0.1).backward()
     grads = {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -118,7 +118,7 @@ def _image_run(model, method, ids, mask, C, extras, w, autocast):
 def test_bf16_image_prompts_error_within_stock_error(mode):
     """The criterion above (initial logits) on image prompts: the tiny Qwen2.5-VL of ``tests/vlm/test_vlm.py`` (vision
     tower included), TRL's own scoring method in fp64 as the truth, and in the precision under test as stock."""
-    from vlm_helpers import PROMPTS, TEMPERATURE, _stock_method, tiny_vlm, vlm_batch
+    from vlm_fixtures import PROMPTS, TEMPERATURE, stock_method, tiny_vlm, vlm_batch
     from trl.trainer.utils import add_fused_lm_head
 
     from grpo_mem.model.fallback import recording_fallbacks
@@ -130,9 +130,9 @@ def test_bf16_image_prompts_error_within_stock_error(mode):
     model = tiny_vlm() if mode == "autocast" else tiny_vlm().to(torch.bfloat16)
     for m in (truth_model, model):
         add_fused_lm_head(m, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
-    truth = _image_run(truth_model, _stock_method(), ids, mask, C, extras, w, autocast=False)
-    stock = _image_run(model, _stock_method(), ids, mask, C, extras, w, autocast=mode == "autocast")
-    patched, _ = patched_method(_stock_method(), sharing="group")
+    truth = _image_run(truth_model, stock_method(), ids, mask, C, extras, w, autocast=False)
+    stock = _image_run(model, stock_method(), ids, mask, C, extras, w, autocast=mode == "autocast")
+    patched, _ = patched_method(stock_method(), sharing="group")
     with recording_fallbacks() as fallbacks:
         ours = _image_run(model, patched, ids, mask, C, extras, w, autocast=mode == "autocast")
     assert fallbacks == []

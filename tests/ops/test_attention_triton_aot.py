@@ -39,7 +39,7 @@ ARCHS = (80, 86, 90)
 CAPABILITY = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0)}
 
 
-# Launch variants of the forward and dQ kernels (HAS_REGION, HAS_OWN, HAS_PREV; see attention_triton_launch._launch_plan):
+# Launch variants of the forward and dQ kernels (HAS_REGION, HAS_OWN, HAS_PREV; see attention_triton_inputs.launch_plan):
 # "one_region" is the only launch with one region (shared-prefix attention), "last" the last of R >= 2 launches (it
 # also reads the fp32 partial result), "partial" an earlier one (writes the fp32 partial result).
 VARIANTS = {"one_region": (True, True, False), "last": (True, True, True), "partial": (True, False, True)}
@@ -66,7 +66,7 @@ def kernel_types(name: str, fn, dtype: str, variant: str = "one_region") -> dict
             types[arg] = "*i1"
         elif arg == "SCALE":
             types[arg] = "fp32"
-        elif arg.startswith("stride_") or arg in ("C", "C_PAD", "S", "HKV", "HQ", "N", "N_SPLIT", "WINDOW"):
+        elif arg.startswith("stride_") or arg in ("C", "C_PAD", "S", "HKV", "HQ", "N", "N_SPLIT", "SLIDING_WINDOW"):
             types[arg] = "i32"
     return types
 
@@ -78,10 +78,10 @@ def kernel_constexprs(
     head_dim: int,
     variant: str = "one_region",
     softcap: float = 0.0,
-    window: bool = False,
+    sliding_window: bool = False,
     arch: int = 90,
 ) -> dict:
-    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window, CAPABILITY[arch])
+    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, sliding_window, CAPABILITY[arch])
     has_region, has_own, has_prev = VARIANTS[variant]
     # the launcher's own tile constexprs (head-dim tiles included), compiled as on a GPU
     every = dict(
@@ -91,7 +91,7 @@ def kernel_constexprs(
             TORCH_DTYPE[dtype],
             interpret=False,
             softcap=softcap > 0,
-            window=window,
+            sliding_window=sliding_window,
             capability=CAPABILITY[arch],
         ),
         REP=REP,
@@ -101,7 +101,7 @@ def kernel_constexprs(
         HAS_OWN=has_own,
         HAS_PREV=has_prev,
         SOFTCAP=softcap,
-        HAS_WINDOW=window,
+        HAS_SLIDING_WINDOW=sliding_window,
     )
     return {n: v for n, v in every.items() if n in fn.arg_names}
 
@@ -117,16 +117,16 @@ def divisibility_attrs(fn, sig: dict) -> dict:
     }
 
 
-def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, window=False, arch=90):
+def build_args(name, dtype, head_dim, variant="one_region", softcap=0.0, sliding_window=False, arch=90):
     fn = kernels.KERNELS[name]
-    cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap, window, arch)
+    cons = kernel_constexprs(name, fn, dtype, head_dim, variant, softcap, sliding_window, arch)
     sig = aot.signature_for(fn, kernel_types(name, fn, dtype, variant), cons)
     return fn, sig, cons, divisibility_attrs(fn, sig)
 
 
-def report(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, window=False):
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap, window, arch)
-    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, window, CAPABILITY[arch])
+def report(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, sliding_window=False):
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, softcap, sliding_window, arch)
+    cfg = block_config(name, head_dim, TORCH_DTYPE[dtype], softcap > 0, sliding_window, CAPABILITY[arch])
     r = aot.compile_report(fn, sig, cons, arch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], attrs=attrs)
     return r, cfg
 
@@ -149,14 +149,14 @@ CASES = [
 ]
 
 
-def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, window=False):
+def _check_build(name, dtype, arch, head_dim, variant="one_region", softcap=0.0, sliding_window=False):
     _compiled_kernels_or_skip()
     try:
         aot.cuobjdump_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    r, cfg = report(name, dtype, arch, head_dim, variant, softcap, window)
-    features = (" softcap" if softcap else "") + (" window" if window else "")
+    r, cfg = report(name, dtype, arch, head_dim, variant, softcap, sliding_window)
+    features = (" softcap" if softcap else "") + (" window" if sliding_window else "")
     print(
         f"\n| {name} | {variant}{features} | {dtype} | sm_{arch} | d={head_dim} | BLOCK_M={cfg['BLOCK_M']} "
         f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} stages={cfg['num_stages']} | regs {r['regs']} "
@@ -238,7 +238,7 @@ def test_aot_softcap_compiles_without_spills(name, arch, head_dim):
     _check_build(name, "bf16", arch, head_dim, softcap=50.0)
 
 
-# the sliding-window builds (HAS_WINDOW: Gemma 2/3, gpt-oss, Mistral layers) of the kernels that compute scores, at the
+# the sliding-window builds (HAS_SLIDING_WINDOW: Gemma 2/3, gpt-oss, Mistral layers) of the kernels that compute scores, at the
 # head dims whose tiers have windowed tiles of their own (_BLOCKS_16BIT_WINDOW, _BLOCKS_FP32_WINDOW: 96 stands for the
 # two-tile tier with 80, 256 is Gemma's), soft-capped too (Gemma 2) for the kernels whose 16-bit d=256 tiles depend on
 # both. The other head dims (64, 80, 128) build without spills with the windowless tiles (checked once by a sweep).
@@ -253,8 +253,8 @@ WINDOW_CASES += [(n, "bf16", a, 256, 50.0) for n in ("fwd", "bwd_dq") for a in A
     WINDOW_CASES,
     ids=[f"{n}-{t}-sm{a}-d{d}{'-softcap' if sc else ''}" for n, t, a, d, sc in WINDOW_CASES],
 )
-def test_aot_window_compiles_without_spills(name, dtype, arch, head_dim, softcap):
-    _check_build(name, dtype, arch, head_dim, softcap=softcap, window=True)
+def test_aot_sliding_window_compiles_without_spills(name, dtype, arch, head_dim, softcap):
+    _check_build(name, dtype, arch, head_dim, softcap=softcap, sliding_window=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def ttir(
     arch: int = 90,
     inline: bool = False,
     variant: str = "one_region",
-    window: bool = False,
+    sliding_window: bool = False,
     **overrides,
 ) -> str:
     """The TTIR text of one kernel, built as ``triton.compile`` builds it (same signature, constexprs and attrs).
@@ -283,7 +283,7 @@ def ttir(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, window=window)
+    fn, sig, cons, attrs = build_args(name, dtype, head_dim, variant, sliding_window=sliding_window)
     unknown = sorted(set(overrides) - set(cons))
     if unknown:
         raise ValueError(f"{name} has no constexprs {unknown}")
@@ -361,11 +361,13 @@ OFFSET_CASES += [(n, "one_region", True) for n in ("fwd", "bwd_dq", "bwd_dkdv_ow
 
 
 @pytest.mark.parametrize(
-    "name, variant, window", OFFSET_CASES, ids=[f"{n}-{v}{'-window' if w else ''}" for n, v, w in OFFSET_CASES]
+    "name, variant, sliding_window",
+    OFFSET_CASES,
+    ids=[f"{n}-{v}{'-window' if w else ''}" for n, v, w in OFFSET_CASES],
 )
-def test_pointer_offsets_are_int64(name, variant, window):
+def test_pointer_offsets_are_int64(name, variant, sliding_window):
     _compiled_kernels_or_skip()
-    text = ttir(name, variant=variant, window=window)
+    text = ttir(name, variant=variant, sliding_window=sliding_window)
     assert "tt.addptr" in text
     bad = i32_scalar_products_in_offsets(text)
     assert bad == [], f"{name}: int32 scalar products in pointer offsets:\n" + "\n".join(bad)

@@ -557,7 +557,7 @@ def test_every_triton_head_launch_enters_the_tensor_device(monkeypatch):
         monkeypatch.setattr(kernels, f"_{name}_kernel", FakeKernel(name, record))
     (hidden, weight, bias), index = make_inputs(37, 16, 300, torch.float32, bias=True)
     target = lp_mod._targets(index, 300, -100)
-    p = lp_mod.LogprobParams(return_entropy=True, backend="triton")
+    p = logprobs_cpp.LogprobParams(return_entropy=True, backend="triton")
     logp, ent, lse = tri.linear_logprobs_fwd(hidden, weight, bias, target, p)
     g = torch.ones_like(lse)
     tri.linear_logprobs_bwd(hidden, weight, bias, target, lse, ent, g, g, p, True, True, True, logp)

@@ -206,14 +206,19 @@ def test_backend_table_names_real_functions():
 
 def test_cpu_backend_hands_softcap_to_torch():
     """The cpu backend lacks soft-capping (a capability of the table): ``resolve`` gives a soft-capped call to the
-    torch backend, asked for by name or by ``auto``; windowed calls stay on cpu; fp64 stays off triton."""
+    torch backend, asked for by name or by ``auto``; sliding-window calls stay on cpu; an unknown feature is refused."""
     from grpo_mem.ops._backends import resolve
 
     q = torch.zeros(1, 2, 3, 4)
     op = "multi_region_attention"
-    assert resolve(op, "auto", q) == "cpu" and resolve(op, "cpu", q, {"window"}) == "cpu"
-    assert resolve(op, "auto", q, {"softcap"}) == "torch" and resolve(op, "cpu", q, {"softcap", "window"}) == "torch"
+    assert resolve(op, "auto", q) == "cpu" and resolve(op, "cpu", q, {"sliding_window"}) == "cpu"
+    assert (
+        resolve(op, "auto", q, {"softcap"}) == "torch"
+        and resolve(op, "cpu", q, {"softcap", "sliding_window"}) == "torch"
+    )
     assert resolve(op, "torch", q, {"softcap"}) == "torch"
+    with pytest.raises(ValueError, match=r"subset of \['sliding_window', 'softcap'\], got \['window'\]"):
+        resolve(op, "auto", q, {"window"})  # the feature's old name
 
 
 def test_no_region_is_causal_attention():

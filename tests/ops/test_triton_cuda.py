@@ -51,7 +51,8 @@ from grpo_mem.ops import (
     selective_log_softmax,
     selective_log_softmax_ref,
 )
-from grpo_mem.ops.logprobs import _select, _transform
+from grpo_mem.ops.logprobs import _select
+from grpo_mem.ops.logprobs_torch import transform_logits
 
 CUDA = torch.cuda.is_available() and not INTERPRETING
 DEVICE = "cuda" if CUDA else "cpu"
@@ -390,7 +391,7 @@ def head_reference(hidden, weight, index, g_lp, g_ent, kw, logits_dtype):
     logp, ent, dh, dw = [], [], [], torch.zeros(weight.shape, dtype=acc, device=weight.device)
     for lo in range(0, hidden.shape[0], TRUTH_ROWS):
         h = hidden[lo : lo + TRUTH_ROWS].detach().to(logits_dtype).requires_grad_(True)
-        z = _transform(F.linear(h, w).to(acc), 1.0, kw.get("softcap"), 1.0 / kw.get("temperature", 1.0))
+        z = transform_logits(F.linear(h, w).to(acc), 1.0, kw.get("softcap"), 1.0 / kw.get("temperature", 1.0))
         lp, en = _select(z, index[lo : lo + TRUTH_ROWS], True, -100)
         gh, gw = torch.autograd.grad(
             (lp * g_lp[lo : lo + TRUTH_ROWS].to(lp.dtype) + en * g_ent[lo : lo + TRUTH_ROWS].to(en.dtype)).sum(), [h, w]

@@ -12,9 +12,11 @@ import grpo_mem
 from grpo_mem.model import fallback
 from grpo_mem.model import window as window_module
 from grpo_mem.model.sharing import UNSHARED
+from grpo_mem.patches import verify_inputs
 from grpo_mem.patches.checks import LOGPS_METHOD
-from grpo_mem.patches import verify as verify_module
-from grpo_mem.patches.verify import VerificationError, _stock_method
+from grpo_mem.patches.verify_criteria import VerificationError
+from grpo_mem.patches.verify_inputs import Scorer, lay_out, stock_method
+from grpo_mem.patches.verify_runs import score, trl_head_tile
 
 
 def _batch(prompt_lens=(5, 9, 7), G=3, C=6, **kw):
@@ -85,7 +87,7 @@ def test_already_patched_trainer_compares_against_true_stock(tmp_path):
     with grpo_mem.patch_trl(GRPOTrainer) as handle:
         trainer, _ = make_trainer(output_dir=tmp_path, per_device_train_batch_size=4)
         patched = GRPOTrainer.__dict__[LOGPS_METHOD]
-        assert _stock_method(trainer) is inspect.unwrap(patched.__wrapped_original__)
+        assert stock_method(trainer) is inspect.unwrap(patched.__wrapped_original__)
         report = grpo_mem.verify(trainer, print_report=False)
         assert report.passed, str(report)
         assert handle.active and GRPOTrainer.__dict__[LOGPS_METHOD] is patched
@@ -146,10 +148,10 @@ def test_fp32_is_judged_against_stocks_own_error(monkeypatch):
     The same 3e-5 on grpo_mem alone, where stock is exact to 1e-6, fails."""
     model = tiny_model()
     batch = _batch()
-    stock_method = verify_module._stock_method
+    own_method = stock_method
 
     def noisy_stock(owner):
-        fn = stock_method(owner)
+        fn = own_method(owner)
 
         def method(self, *args, **kwargs):
             logps, entropies, aux = fn(self, *args, **kwargs)
@@ -161,7 +163,7 @@ def test_fp32_is_judged_against_stocks_own_error(monkeypatch):
 
     _perturb_head(monkeypatch, lambda logps: _noise(logps, 2, 3e-5))
     alone = grpo_mem.verify(model, batch, print_report=False)
-    monkeypatch.setattr(verify_module, "_stock_method", noisy_stock)
+    monkeypatch.setattr(verify_inputs, "stock_method", noisy_stock)
     both = grpo_mem.verify(model, batch, print_report=False)
     assert 5.9e-5 < both.max_logp_diff < 6.1e-5 and both.exceeded == ["log-prob"], str(both)
     assert both.passed and both.truth == "fp64", str(both)
@@ -240,8 +242,8 @@ def _patched_step_peak(model, batch, micro):
     from grpo_mem.bench.measure import TensorMemoryTracker
     from grpo_mem.patches.trl import patched_method
 
-    self_obj = verify_module._Scorer(model, 1.0)
-    fn, handle = patched_method(_stock_method(trl.GRPOTrainer))
+    self_obj = Scorer(model, 1.0)
+    fn, handle = patched_method(stock_method(trl.GRPOTrainer))
     session = handle.session(self_obj)
     P, C, B = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1], batch["prompt_ids"].shape[0]
     slices = [(lo, min(lo + micro, B)) for lo in range(0, B, micro)]
@@ -285,13 +287,13 @@ def test_peak_memory_within_the_patched_step():
     assert tracker.peak_bytes <= step + 1024, (tracker.peak_bytes, step)
     # the old way: stock TRL's method over one whole micro-batch of 4 rows, with its backward
     with TensorMemoryTracker() as whole:
-        setup = verify_module._setup(model, batch, 4, 1.0, 0)
-        verify_module._score(setup.stock_fn, setup, 0.1, chunks=[(0, 4)])
+        setup = lay_out(model, batch, 4, 1.0, 0)
+        score(setup.stock_fn, setup, 0.1, chunks=[(0, 4)])
     assert whole.peak_bytes > 3 * step, (whole.peak_bytes, step)
 
 
 def test_trl_head_tile_changes_only_summation_order():
-    """Stock's calls use TRL's own fused head with a narrower vocabulary tile (``_trl_head_tile``): TRL's kernel folds
+    """Stock's calls use TRL's own fused head with a narrower vocabulary tile (``trl_head_tile``): TRL's kernel folds
     each tile into online log-sum-exp statistics, so the log-probs, entropies and gradients differ from TRL's 32768-
     column tile only by the order of fp32 sums. fp32, a 40000-token vocabulary (two tiles of TRL's, 313 of 128 columns
     here), 2 rows of 64 tokens: measured max |difference| 1.9e-06 in log-probs (values about -10.6), 1.9e-06 in
@@ -307,7 +309,7 @@ def test_trl_head_tile_changes_only_summation_order():
 
     def run(narrow):
         model.zero_grad(set_to_none=True)
-        ctx = verify_module._trl_head_tile(setup) if narrow else contextlib.nullcontext()
+        ctx = trl_head_tile(setup) if narrow else contextlib.nullcontext()
         with ctx:
             if narrow:
                 assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == 128  # the hidden size (32), at least 128

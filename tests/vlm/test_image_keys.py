@@ -101,7 +101,7 @@ class _HostWatch(torch.Tensor):
 
 
 def test_image_tensors_are_never_copied_to_the_host(monkeypatch):
-    from vlm_helpers import PROMPTS, vlm_batch
+    from vlm_fixtures import PROMPTS, vlm_batch
 
     ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=4)
     P = ids.shape[1] - C

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import assert_close, assert_grads_close, grads_of
 
-from vlm_helpers import IMAGE, PROMPTS, TEMPERATURE, _score, _stock_method, _train, _vlm, reorder, vlm_batch
+from vlm_fixtures import IMAGE, PROMPTS, TEMPERATURE, reorder, score, stock_method, train_vlm, vlm_batch, vlm_with_head
 from grpo_mem.model.sharing import Kind, SharingSession
 from grpo_mem.model.fallback import recording_fallbacks
 from grpo_mem.patches.trl import patched_method
@@ -27,8 +27,8 @@ from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs
 
 @pytest.fixture
 def vlm():
-    """The tiny Qwen2.5-VL of ``_vlm`` (the other types run the parity test only, to keep the suite short)."""
-    return _vlm("qwen2_5_vl")
+    """The tiny Qwen2.5-VL of ``vlm_with_head`` (the other types run the parity test only, to keep the suite short)."""
+    return vlm_with_head("qwen2_5_vl")
 
 
 def _unique_images(extras, rows: range) -> int:
@@ -43,17 +43,15 @@ def _unique_images(extras, rows: range) -> int:
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
-    model, encoded = _vlm(model_type)
+    model, encoded = vlm_with_head(model_type)
     ids, mask, C, extras = vlm_batch(PROMPTS, G=3, C=5)
     encoded.clear()
-    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
+    ref_logps, ref_ent = score(stock_method(), model, ids, mask, C, extras, batch_size)
     ref_grads = grads_of(model, ref_logps, ref_ent)
     assert sum(encoded) == sum(extras["num_images"])
     encoded.clear()
     with recording_fallbacks() as fallbacks:
-        logps, ent = _score(
-            patched_method(_stock_method(), sharing="group")[0], model, ids, mask, C, extras, batch_size
-        )
+        logps, ent = score(patched_method(stock_method(), sharing="group")[0], model, ids, mask, C, extras, batch_size)
     grads = grads_of(model, logps, ent)
     assert fallbacks == []
     chunks = [range(s, min(s + batch_size, ids.shape[0])) for s in range(0, ids.shape[0], batch_size)]
@@ -71,12 +69,12 @@ def test_text_only_batch_on_a_served_model(vlm, sharing):
     """No image input at all: the text path (positions as the model's ``arange``), stock's numbers, no vision call."""
     model, encoded = vlm
     ids, mask, C, _ = vlm_batch([PROMPTS[2], ([30, 31], [], [32, 33, 34, 35])], G=2, C=4, seed=4)
-    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, {}, 4)
+    ref_logps, ref_ent = score(stock_method(), model, ids, mask, C, {}, 4)
     ref_grads = grads_of(model, ref_logps, ref_ent)
     encoded.clear()
     with recording_fallbacks() as fallbacks:
-        method, _ = patched_method(_stock_method(), sharing=sharing)
-        logps, ent = _score(method, model, ids, mask, C, {}, 4)
+        method, _ = patched_method(stock_method(), sharing=sharing)
+        logps, ent = score(method, model, ids, mask, C, {}, 4)
     assert fallbacks == [] and encoded == []
     assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
     assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
@@ -98,7 +96,7 @@ def test_window_forwards_each_image_prompt_once(vlm, sharing):
     P = ids.shape[1] - C
     ref_logps = []
     for s, half in zip((0, 4), halves):
-        logps, ent = _score(_stock_method(), model, ids[s : s + 4], mask[s : s + 4], C, chunk_kwargs(half), 4)
+        logps, ent = score(stock_method(), model, ids[s : s + 4], mask[s : s + 4], C, chunk_kwargs(half), 4)
         ref_logps.append(logps)
         (logps.sum() + ent.sum()).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -188,17 +186,17 @@ def test_bad_image_inputs_get_clear_errors(vlm):
     first_image = (ids == IMAGE).int().argmax(1)
     ids[torch.arange(ids.shape[0]), first_image] = 9  # one image token of every row becomes text
     extras["mm_token_type_ids"][torch.arange(ids.shape[0]), first_image] = 0
-    method, _ = patched_method(_stock_method())
+    method, _ = patched_method(stock_method())
     with pytest.raises(ValueError, match="Image features and image tokens do not match") as stock_error:
-        _score(_stock_method(), model, ids, mask, C, extras, 4)
+        score(stock_method(), model, ids, mask, C, extras, 4)
     with pytest.raises(ValueError, match="Image features and image tokens do not match") as our_error:
-        _score(method, model, ids, mask, C, extras, 4)
+        score(method, model, ids, mask, C, extras, 4)
     assert type(our_error.value) is type(stock_error.value)
     ids, mask, C, extras = vlm_batch(PROMPTS[:2], G=2, C=4, seed=3)
     with pytest.raises(ValueError, match="num_images counts 3 images but image_grid_thw has 4 grids"):
-        _score(method, model, ids, mask, C, dict(extras, num_images=[1, 1, 1, 0]), 4)
+        score(method, model, ids, mask, C, dict(extras, num_images=[1, 1, 1, 0]), 4)
     with pytest.raises(ValueError, match="image_grid_thw holds 96 patch rows but pixel_values has 95"):
-        _score(method, model, ids, mask, C, dict(extras, pixel_values=extras["pixel_values"][:-1]), 4)
+        score(method, model, ids, mask, C, dict(extras, pixel_values=extras["pixel_values"][:-1]), 4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -215,9 +213,9 @@ def test_grpo_trainer_three_steps_match_stock(tmp_path, sharing):
     (tree: the window planned from the buffered batches' image keys), and the weights, vision tower included, end
     within 1e-5 of stock's (SGD, so a gradient difference shows as lr x difference)."""
     if not _STOCK_RUN:  # one stock run serves both modes
-        _STOCK_RUN["run"] = _train(tmp_path / "stock", patch=False)
+        _STOCK_RUN["run"] = train_vlm(tmp_path / "stock", patch=False)
     stock, _, initial = _STOCK_RUN["run"]
-    ours, fallbacks, _ = _train(tmp_path / "ours", patch=True, sharing=sharing)
+    ours, fallbacks, _ = train_vlm(tmp_path / "ours", patch=True, sharing=sharing)
     assert fallbacks == []
     metric = f"grpo_mem/path/{sharing}"
     paths = [log[metric] for log in ours.state.log_history if metric in log]

@@ -21,8 +21,21 @@ import torch
 from helpers import assert_close, assert_grads_close, grads_of
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from vlm_families import FAMILIES, C, G, IMAGE, PROMPTS, _TEXT, _VISION, _vlm, _without_key_biases, vlm_batch
-from vlm_helpers import TEMPERATURE, _score, _stock_method
+from vlm_fixtures import (
+    FAMILIES,
+    FAMILY_PROMPTS,
+    FAMILY_TEXT,
+    FAMILY_VISION,
+    IMAGE,
+    TEMPERATURE,
+    C,
+    G,
+    family_batch,
+    score,
+    stock_method,
+    vlm_with_head,
+    without_key_biases,
+)
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.fallback import recording_fallbacks
 from grpo_mem.model.support import architecture_cause
@@ -31,13 +44,13 @@ from grpo_mem.patches.trl_images import chunk_images, chunk_kwargs, input_cause
 
 
 def _encoded(model_type: str, prompts: list[int]) -> int:
-    """What the vision tower encodes for the images of ``prompts`` (indices into ``PROMPTS``): one entry per image,
+    """What the vision tower encodes for the images of ``prompts`` (indices into ``FAMILY_PROMPTS``): one entry per image,
     LLaVA-NeXT and InternVL one per tile."""
-    return sum(FAMILIES[model_type].tiles(size) for p in prompts for size in PROMPTS[p][1])
+    return sum(FAMILIES[model_type].tiles(size) for p in prompts for size in FAMILY_PROMPTS[p][1])
 
 
 def _patched():
-    return patched_method(_stock_method(), sharing="group")[0]
+    return patched_method(stock_method(), sharing="group")[0]
 
 
 @pytest.mark.parametrize(
@@ -58,16 +71,16 @@ def _patched():
 def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     """Whole batch in one chunk, and chunks of 4 rows (groups of 3 split over chunks): numbers and gradients as
     stock; the vision tower encodes each chunk's unique prompts' images once (stock: every row's)."""
-    model, encoded = _vlm(model_type)
+    model, encoded = vlm_with_head(model_type)
     assert architecture_cause(model) is None
-    ids, mask, extras = vlm_batch(model_type)
+    ids, mask, extras = family_batch(model_type)
     encoded.clear()
-    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, batch_size)
+    ref_logps, ref_ent = score(stock_method(), model, ids, mask, C, extras, batch_size)
     ref_grads = grads_of(model, ref_logps, ref_ent)
     assert sum(encoded) == _encoded(model_type, [b // G for b in range(ids.shape[0])])
     encoded.clear()
     with recording_fallbacks() as fallbacks:
-        logps, ent = _score(_patched(), model, ids, mask, C, extras, batch_size)
+        logps, ent = score(_patched(), model, ids, mask, C, extras, batch_size)
     grads = grads_of(model, logps, ent)
     assert fallbacks == []
     chunks = [range(s, min(s + batch_size, ids.shape[0])) for s in range(0, ids.shape[0], batch_size)]
@@ -76,15 +89,15 @@ def test_logprobs_entropies_gradients_match_stock(model_type, batch_size):
     assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     tower = f"model.{FAMILIES[model_type].tower}."
     assert any(name.startswith(tower) for name in grads)
-    assert_grads_close(*_without_key_biases(grads, ref_grads, tower))
+    assert_grads_close(*without_key_biases(grads, ref_grads, tower))
 
 
 def test_window_forwards_each_image_prompt_once():
     """Gemma 3, three micro-batches of one optimizer step, each holding one row of every group: each unique prompt
     (ids, images, token types) goes through the vision tower once in the window; log-probs as stock's per
     micro-batch, gradients as stock's summed over them."""
-    model, encoded = _vlm("gemma3")
-    ids, mask, extras = vlm_batch("gemma3")
+    model, encoded = vlm_with_head("gemma3")
+    ids, mask, extras = family_batch("gemma3")
     B, P = ids.shape[0], ids.shape[1] - C
     order = sorted(range(B), key=lambda b: (b % G, b))  # micro-batch i: row i of every group
     whole = chunk_images(extras, 0, B, B)
@@ -98,7 +111,7 @@ def test_window_forwards_each_image_prompt_once():
     chunks = [chunk_images(extras, s, s + size, B) for s in range(0, B, size)]
     ref_logps = []
     for s, chunk in zip(range(0, B, size), chunks):
-        logps, ent = _score(_stock_method(), model, ids[s : s + size], mask[s : s + size], C, chunk_kwargs(chunk), size)
+        logps, ent = score(stock_method(), model, ids[s : s + size], mask[s : s + size], C, chunk_kwargs(chunk), size)
         ref_logps.append(logps)
         (logps.sum() + ent.sum()).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -122,44 +135,44 @@ def test_window_forwards_each_image_prompt_once():
     session.close_window()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    assert sum(encoded) == _encoded("gemma3", list(range(len(PROMPTS))))
-    assert_grads_close(*_without_key_biases(grads, ref_grads, "model.vision_tower."))
+    assert sum(encoded) == _encoded("gemma3", list(range(len(FAMILY_PROMPTS))))
+    assert_grads_close(*without_key_biases(grads, ref_grads, "model.vision_tower."))
 
 
 def test_gemma3_image_blocks_attend_bidirectionally():
     """The Gemma 3 batch above tests something: without ``token_type_ids`` stock's numbers differ (image tokens
     attend causally), and a window of 4 is shorter than its prompts."""
-    model, _ = _vlm("gemma3")
-    ids, mask, extras = vlm_batch("gemma3", PROMPTS[:2])
+    model, _ = vlm_with_head("gemma3")
+    ids, mask, extras = family_batch("gemma3", FAMILY_PROMPTS[:2])
     assert model.config.text_config.sliding_window < int(mask[:, : ids.shape[1] - C].sum(1).min())
     with torch.no_grad():
-        bidirectional, _ = _score(_stock_method(), model, ids, mask, C, extras, 6)
-        causal, _ = _score(_stock_method(), model, ids, mask, C, dict(extras, token_type_ids=None), 6)
+        bidirectional, _ = score(stock_method(), model, ids, mask, C, extras, 6)
+        causal, _ = score(stock_method(), model, ids, mask, C, dict(extras, token_type_ids=None), 6)
     assert float((bidirectional - causal).abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize("model_type", ["llava", "idefics3"])
 def test_bad_image_inputs_get_the_models_own_error(model_type):
     """Image tokens that do not match the image features: the model's own error, as stock raises it."""
-    model, _ = _vlm(model_type)
-    ids, mask, extras = vlm_batch(model_type, PROMPTS[:2], seed=3)
+    model, _ = vlm_with_head(model_type)
+    ids, mask, extras = family_batch(model_type, FAMILY_PROMPTS[:2], seed=3)
     first_image = (ids == IMAGE).int().argmax(1)
     ids[torch.arange(ids.shape[0]), first_image] = 9  # one image token of every row becomes text
     with pytest.raises(ValueError, match="Image features and image tokens do not match") as stock_error:
-        _score(_stock_method(), model, ids, mask, C, extras, 6)
+        score(stock_method(), model, ids, mask, C, extras, 6)
     with pytest.raises(ValueError, match="Image features and image tokens do not match") as our_error:
-        _score(_patched(), model, ids, mask, C, extras, 6)
+        score(_patched(), model, ids, mask, C, extras, 6)
     assert type(our_error.value) is type(stock_error.value)
 
 
 def test_layouts_slice_as_trl_and_key_rows_by_their_images():
     """Per row (Idefics3) and per image (LLaVA) layouts: a chunk's tensors are TRL's slices; rows of one prompt share
     a key, equal ids with other images do not; counts the tensors do not hold are a ValueError naming both."""
-    ids, mask, extras = vlm_batch("idefics3")
+    ids, mask, extras = family_batch("idefics3")
     chunk = chunk_images(extras, 4, 8, ids.shape[0])
     assert torch.equal(chunk.tensors["pixel_values"], extras["pixel_values"][4:8])
     assert torch.equal(chunk.tensors["pixel_attention_mask"], extras["pixel_attention_mask"][4:8])
-    ids, mask, extras = vlm_batch("llava")
+    ids, mask, extras = family_batch("llava")
     chunk = chunk_images(extras, 4, 8, ids.shape[0])
     assert torch.equal(chunk.tensors["pixel_values"], extras["pixel_values"][5:9])  # rows 4-7: images 5-8
     keys = chunk_images(extras, 0, ids.shape[0], ids.shape[0]).row_keys(ids.shape[1] - C)
@@ -175,8 +188,8 @@ def test_models_that_compute_their_own_positions_are_a_named_cause():
     """PaliGemma places text at 1-based positions of its own: not the passes' positions, so the stock path."""
     config = AutoConfig.for_model(
         "paligemma",
-        text_config=dict(_TEXT, model_type="gemma", head_dim=8),
-        vision_config=dict(_VISION, model_type="siglip_vision_model"),
+        text_config=dict(FAMILY_TEXT, model_type="gemma"),
+        vision_config=dict(FAMILY_VISION, model_type="siglip_vision_model"),
         image_token_id=IMAGE,
     )
     model = AutoModelForImageTextToText.from_config(config)

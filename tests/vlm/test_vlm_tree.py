@@ -17,26 +17,19 @@ import warnings
 import pytest
 import torch
 from helpers import assert_close, assert_grads_close
-from transformers import AutoConfig, AutoModelForImageTextToText
 
-from vlm_helpers import (
-    CHANNELS,
+from vlm_fixtures import (
     IMAGE,
-    PATCH,
-    VISION_END,
-    VISION_START,
     MIN_SHARED,
-    TEMPERATURE,
-    _TEXT,
-    _patched,
-    _score,
-    _stock_method,
-    _vlm,
+    patched_with,
     reorder,
+    score,
     stock_and_shared,
+    stock_method,
     stock_window,
     tree_window,
     vlm_batch,
+    vlm_with_head,
 )
 from grpo_mem.model import multimodal
 from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
@@ -71,66 +64,6 @@ def _passes_tokens(rows: int, C: int) -> int:
     return system + depth1 + depth2 + rows * (C - 1)
 
 
-def _qwen3_5_vlm(seed: int = 0):
-    """A random Qwen3.5 image-text model: Gated DeltaNet, full attention (M-RoPE) text layers, 2 vision blocks."""
-    text = dict(
-        _TEXT,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention"],
-    )
-    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 2], mrope_interleaved=True)
-    vision = dict(
-        depth=2,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=32,
-        num_position_embeddings=64,
-        patch_size=PATCH,
-        spatial_merge_size=2,
-        temporal_patch_size=1,
-        in_channels=CHANNELS,
-    )
-    config = AutoConfig.for_model(
-        "qwen3_5",
-        text_config=text,
-        vision_config=vision,
-        image_token_id=IMAGE,
-        video_token_id=121,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        eos_token_id=3,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().train()
-
-
-_QWEN3_5: dict = {}
-
-
-def _model(model_type: str):
-    """(model with TRL's fused head, list of the image counts of each vision-tower call), built once per type."""
-    if model_type != "qwen3_5":
-        return _vlm(model_type)
-    if not _QWEN3_5:
-        from trl.trainer.utils import add_fused_lm_head
-
-        model = _qwen3_5_vlm()
-        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
-        encoded: list[int] = []
-        model.model.visual.register_forward_hook(
-            lambda m, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
-        )
-        _QWEN3_5["model"] = (model, encoded)
-    return _QWEN3_5["model"]
-
-
 @pytest.mark.parametrize(
     "model_type, batch_size, sharing",
     [
@@ -147,7 +80,7 @@ def test_tree_of_image_prompts_matches_stock(model_type, batch_size, sharing):
     log-probs, entropies and gradients as stock's; every chunk on the tree path. In one chunk: each image encoded once
     per unique prefix holding it, and the backbone tokens are the trie's (the system prompt counted once). Qwen3.5
     with images in group sharing too (each unique prompt's images once: 7)."""
-    model, encoded = _model(model_type)
+    model, encoded = vlm_with_head(model_type)
     ids, mask, C, extras = vlm_batch(TREE_PROMPTS, G=2, C=4, seed=5, image_seeds=IMAGE_SEEDS)
     ref, ours, metrics = stock_and_shared(model, encoded, ids, mask, C, extras, batch_size, sharing)
     (ref_logps, ref_ent, ref_grads), (logps, ent, grads) = ref, ours
@@ -224,7 +157,7 @@ def test_ranks_running_the_vision_tower_in_other_passes_fall_back(monkeypatch):
 
 @pytest.fixture
 def vlm_tree_model():
-    return _model("qwen2_5_vl")
+    return vlm_with_head("qwen2_5_vl")
 
 
 @pytest.mark.parametrize("cause", ["patched", "no token types"])
@@ -240,14 +173,14 @@ def test_tree_cause_plans_group_sharing_warned_once(vlm_tree_model, monkeypatch,
     else:
         extras = dict(extras, mm_token_type_ids=None)
         expected = "image inputs without mm_token_type_ids"
-    ref_logps, _ = _score(_stock_method(), model, ids, mask, C, extras, 6)
+    ref_logps, _ = score(stock_method(), model, ids, mask, C, extras, 6)
     monkeypatch.setattr(multimodal, "_warned_tree", [False])  # warned once per process
-    method, metrics = _patched(SharingSession("tree", min_shared_tokens=MIN_SHARED))
+    method, metrics = patched_with(SharingSession("tree", min_shared_tokens=MIN_SHARED))
     with pytest.warns(UserWarning, match=f"{TREE_TO_GROUP} \\({expected}"):
-        logps, _ = _score(method, model, ids, mask, C, extras, 6)
+        logps, _ = score(method, model, ids, mask, C, extras, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _score(method, model, ids, mask, C, extras, 6)
+        score(method, model, ids, mask, C, extras, 6)
     assert metrics[METRIC_PREFIX + "path/group"] == [1.0, 1.0]
     assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
 

@@ -15,8 +15,24 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_close, assert_grads_close
-from vlm_families import BOI, EOI, FAMILIES, IMAGE, C, G, _vlm, _without_key_biases, vlm_batch
-from vlm_helpers import MIN_SHARED, _patched, _score, _stock_method, stock_and_shared, stock_window, tree_window
+from vlm_fixtures import (
+    BOI,
+    EOI,
+    FAMILIES,
+    IMAGE,
+    MIN_SHARED,
+    C,
+    G,
+    family_batch,
+    patched_with,
+    score,
+    stock_and_shared,
+    stock_method,
+    stock_window,
+    tree_window,
+    vlm_with_head,
+    without_key_biases,
+)
 
 from grpo_mem.model import multimodal
 from grpo_mem.model.multimodal import TREE_TO_GROUP
@@ -39,8 +55,8 @@ UNIQUE_IMAGE_PREFIXES = 4  # A once (prompts 0, 2, 4, 5 share its node), B, C, D
 
 
 def tree_batch(model_type: str, prompts=PROMPTS, same=SAME_AS_A):
-    """``test_vlm_models.vlm_batch`` of ``prompts``, each image ``same`` made equal to prompt 0's first image."""
-    ids, mask, extras = vlm_batch(model_type, prompts, seed=4)
+    """``vlm_fixtures.family_batch`` of ``prompts``, each image ``same`` made equal to prompt 0's first image."""
+    ids, mask, extras = family_batch(model_type, prompts, seed=4)
     entries, i = {}, 0
     for p, (_, sizes, _) in enumerate(prompts):
         for _ in range(G):
@@ -68,7 +84,7 @@ def _tree_tokens(image_tokens: int, rows: int) -> int:
 def test_tree_of_image_prompts_matches_stock(model_type, batch_size):
     """The whole batch in one chunk (the trie's tokens, each image once per unique prefix) and chunks of 4 rows
     (groups of 3 split over chunks): log-probs, entropies and gradients as stock's, every chunk on the tree path."""
-    model, encoded = _vlm(model_type)
+    model, encoded = vlm_with_head(model_type)
     ids, mask, extras = tree_batch(model_type)
     ref, ours, metrics = stock_and_shared(model, encoded, ids, mask, C, extras, batch_size, "tree")
     (ref_logps, ref_ent, ref_grads), (logps, ent, grads) = ref, ours
@@ -83,7 +99,7 @@ def test_tree_of_image_prompts_matches_stock(model_type, batch_size):
     assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     tower = f"model.{FAMILIES[model_type].tower}."
     assert any(name.startswith(tower) for name in grads)
-    assert_grads_close(*_without_key_biases(grads, ref_grads, tower))
+    assert_grads_close(*without_key_biases(grads, ref_grads, tower))
 
 
 def _join_images(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +121,7 @@ def _join_images(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
 def test_adjacent_images_take_group_sharing_warned(monkeypatch):
     """Two images with no token between them are one run of the image token for two images: the chunk has a tree
     cause naming the row, takes group sharing with one warning, and scores as stock."""
-    model, _ = _vlm("llava")
+    model, _ = vlm_with_head("llava")
     ids, mask, extras = tree_batch("llava", PROMPTS[3:], same=[])
     ids, mask = _join_images(ids, mask)
     P = ids.shape[1] - C
@@ -114,11 +130,11 @@ def test_adjacent_images_take_group_sharing_warned(monkeypatch):
         "row 3 has 2 images (num_images) but its prompt holds 1 runs of image tokens "
         f"(id {IMAGE}: one run per image is needed)"
     )
-    ref_logps, ref_ent = _score(_stock_method(), model, ids, mask, C, extras, 9)
+    ref_logps, ref_ent = score(stock_method(), model, ids, mask, C, extras, 9)
     monkeypatch.setattr(multimodal, "_warned_tree", [False])
-    method, metrics = _patched(SharingSession("tree", min_shared_tokens=MIN_SHARED))
+    method, metrics = patched_with(SharingSession("tree", min_shared_tokens=MIN_SHARED))
     with pytest.warns(UserWarning, match=f"{TREE_TO_GROUP} \\(row 3 has 2 images"):
-        logps, ent = _score(method, model, ids, mask, C, extras, 9)
+        logps, ent = score(method, model, ids, mask, C, extras, 9)
     assert metrics[METRIC_PREFIX + "path/group"] == [1.0]
     assert_close(logps, ref_logps, 1e-5, "log-probs", mask=mask[:, -C:])
     assert_close(ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
@@ -144,7 +160,7 @@ def test_window_of_three_micro_batches_shares_image_nodes():
     """LLaVA, three micro-batches of one optimizer step each holding one row of every group (``begin_window`` with
     the rows' located image keys): every node forwarded once in the window, each image once per unique prefix;
     log-probs as stock's per micro-batch, gradients as stock's summed over them."""
-    model, encoded = _vlm("llava")
+    model, encoded = vlm_with_head("llava")
     ids, mask, extras = tree_batch("llava")
     B, P, size = ids.shape[0], ids.shape[1] - C, ids.shape[0] // G
     order = [b * G + i for i in range(G) for b in range(size)]  # micro-batch i: row i of every group
@@ -163,4 +179,4 @@ def test_window_of_three_micro_batches_shares_image_nodes():
     tokens, grads = tree_window(session, model, ids, mask, C, chunks, refs)
     assert sum(encoded) == UNIQUE_IMAGE_PREFIXES
     assert tokens == _tree_tokens(int((ids[0] == IMAGE).sum()), B)  # every node in micro-batch 0
-    assert_grads_close(*_without_key_biases(grads, ref_grads, "model.vision_tower."))
+    assert_grads_close(*without_key_biases(grads, ref_grads, "model.vision_tower."))
