@@ -27,11 +27,10 @@ from .confirm import confirm_reason
 from .confirm import enabled as confirm_enabled
 from .decision import Decision, Kind
 from .distributed import agree, lockstep, unwrap_causal_lm
-from .forward import ScoreOptions, run_in_forward, validate_inputs
-from .plan import PromptGrouping, WindowPlan, check_sharing
+from .forward import ScoreOptions, pass_extensions, run_in_forward, validate_inputs
+from .plan import DEFAULT_MIN_SHARED_TOKENS, PromptGrouping, WindowPlan, check_sharing
 from .sequence_parallel import SP_CAUSES, SequenceParallel
 from .support import full_sequence_logprobs, unsupported_reason, warn_fallback
-from .trie import DEFAULT_MIN_SHARED_TOKENS
 from .window import Window
 
 if TYPE_CHECKING:
@@ -363,8 +362,9 @@ class SharingSession:
         if d.kind is Kind.SHARED:
 
             def compute(m, ids, mask):
-                d.window.sp = d.sp
-                return d.window.run(m, ids, mask, options, lockstep=d.lockstep, inputs=d.images)
+                router = options.compute_aux_loss
+                extensions, layout = pass_extensions(d.model, m, router=router, images=d.images, sp=d.sp)
+                return d.window.run(m, ids, mask, options, lockstep=d.lockstep, extensions=extensions, layout=layout)
 
             out = run_in_forward(d.model, d.causal_lm, compute, d.input_ids, d.attention_mask, autocast=d.autocast)
         else:
@@ -397,8 +397,10 @@ class SharingSession:
         if d.kind is not Kind.SHARED:
             warn_fallback(d.cause)
             return self._end_sharing(d, stock())
-        C = d.options.logits_to_keep
-        return d.window.hidden_states(d.causal_lm, d.input_ids, d.attention_mask, C, lockstep=d.lockstep)
+        C, (extensions, layout) = d.options.logits_to_keep, pass_extensions(d.model, d.causal_lm)
+        return d.window.hidden_states(
+            d.causal_lm, d.input_ids, d.attention_mask, C, lockstep=d.lockstep, extensions=extensions, layout=layout
+        )
 
     @staticmethod
     def _end_sharing(decision: Decision, anchor: torch.Tensor) -> torch.Tensor:
