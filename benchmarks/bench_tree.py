@@ -20,7 +20,7 @@ window (``trunk_tokens``), so the CSV shows the work each mode does, not only it
 
 ``--threshold`` measures where a shared span starts to pay for its own pass: the tree mode with the span as a node
 (``min_shared_tokens=1``) against the same batch with the span forwarded inside each prompt (``min_shared_tokens``
-above S), for S ∈ {8, 16, 32, 64, 128}, one micro-batch of 4 groups; that sets ``grpo_mem.model.trie.
+above S), for S ∈ {8, 16, 32, 64, 128}, one micro-batch of 4 groups; that sets ``grpo_mem.model.plan.
 DEFAULT_MIN_SHARED_TOKENS``.
 
 Each (configuration, provider) runs in a fresh process (``grpo_mem.bench.sweep``); memory is the peak RSS above the

@@ -1,4 +1,4 @@
-"""Memory and CPU time of ``window.touch`` (how a trie node's pass joins the backward under FSDP), one process.
+"""Memory and CPU time of ``store.touch`` (how a trie node's pass joins the backward under FSDP), one process.
 
 Usage: ``python benchmarks/touch_cost.py CKPT TOUCH`` (CKPT, TOUCH: 0 or 1; one fresh process per setting). No FSDP
 here: ``touch`` is forced on or off, so the difference is its own cost. One micro-batch of 4 groups (G=8, C=64,
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-import grpo_mem.model.window as window
+import grpo_mem.model.forward as forward
 from grpo_mem.bench import group, harness
 from grpo_mem.bench.presets import bench_model_config
 from grpo_mem.bench.tree import make_window, own_lengths
@@ -20,7 +20,7 @@ from grpo_mem.bench.tree import make_window, own_lengths
 
 def main(ckpt: bool, on: bool) -> dict:
     torch.set_num_threads(1)
-    window.fsdp_wrapped = lambda model: on
+    forward.fsdp_wrapped = lambda model: on  # what ``forward.pass_extensions`` asks once per model
     model = group.build_model(bench_model_config("llama"))
     if ckpt:
         model.gradient_checkpointing_enable({"use_reentrant": False})

@@ -113,13 +113,13 @@ class CountPasses:
         from grpo_mem.model import window as window_module
 
         self.passes = []
-        original = window_module.Window._forward_pass
+        original = window_module.Window.text_pass
 
-        def spy(window, backbone, spec, views, device):
+        def spy(window, mb, spec):
             self.passes.append(sorted(len(window.plan.trie.nodes[n].tokens) for n in spec.nodes))
-            return original(window, backbone, spec, views, device)
+            return original(window, mb, spec)
 
-        monkeypatch.setattr(window_module.Window, "_forward_pass", spy)
+        monkeypatch.setattr(window_module.Window, "text_pass", spy)
 
 
 def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False, prompts=None):

@@ -25,7 +25,6 @@ import itertools
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.configuration_utils import PretrainedConfig
@@ -33,10 +32,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from ..ops.attention import multi_region_attention
-from .sequence_parallel import SequenceParallel, gather_kv
-
-if TYPE_CHECKING:
-    from .linear_attention import LinearContext
 
 PREFIX = "grpo_mem_"
 CTX_KWARG = "grpo_mem_ctx"
@@ -52,7 +47,7 @@ class PromptCapture:
     """
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    linear: LinearContext | None = None  # the pass's linear-attention layers (``linear_attention``)
+    linear: object = None  # the pass's ``linear_attention.LinearContext``, read by its linear-attention layers
 
 
 @dataclass
@@ -83,52 +78,21 @@ class CompletionContext:
         regions: the K/V read in place, merged exactly with the pass's own causal K/V (log-sum-exp).
         key_mask: (B, T) bool, real positions of the pass's own tokens (right padding).
         positions: (B, T) int64, the positions of the pass's own tokens (its ``position_ids``).
-        span: the largest query-key position difference in the pass (a sliding window wider than it hides nothing
-            and is dropped, so the fused kernels keep serving the pass).
+        reach: the largest query-key position difference in the pass (``plan.WindowPlan.reach``; a sliding window
+            wider than it hides nothing and is dropped, so the fused kernels keep serving the pass).
         capture: per layer, the pass's own post-RoPE K/V (B, kv_heads, T, head_dim) once recorded; None: not kept.
+        linear: the pass's ``linear_attention.LinearContext``, read by its linear-attention layers, or None.
+        shards: under sequence parallelism, the pass's ``sequence_parallel.Shards``: ``shards.regions(key, value,
+            layer, capture)`` gives the regions of the earlier shards (and records the gathered K/V); None: whole.
     """
 
     regions: list[Region]
     key_mask: torch.Tensor
     positions: torch.Tensor
-    span: int
+    reach: int
     capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-    linear: LinearContext | None = None  # the pass's linear-attention layers (``linear_attention``)
-    shards: Shards | None = None
-
-
-@dataclass
-class Shards:
-    """A pass split along the sequence over a sequence-parallel group (``sequence_parallel``): the queries and own
-    keys of the pass's context are this rank's shard; ``mask`` and ``positions`` (n, size·L) cover every shard (the
-    layout of the gathered K/V, which the context's ``capture`` records).
-
-    Attributes:
-        sp: the ``SequenceParallel`` group.
-        mask: (n, size·L) bool, real key positions of the whole pass.
-        positions: (n, size·L) int64, positions of the whole pass's tokens.
-    """
-
-    sp: SequenceParallel
-    mask: torch.Tensor
-    positions: torch.Tensor
-
-    def regions(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
-        """All-gather this layer's K/V (n, Hkv, L, d) over the group, record the gathered pair in ``capture`` (first
-        forward only), and return the region of shards ``0 … rank − 1``, read in place.
-
-        Rank 0 has no earlier shard; it gets shard 0 as a region that no row reads (index −1), so that every rank's
-        attention takes the gathered K/V as an input: the autograd graphs of the ranks then have the same shape and
-        run their backward collectives (the all-gather's reduce-scatter) in the same order."""
-        k_all, v_all = gather_kv(key, value, self.sp)
-        if capture is not None:
-            capture.setdefault(layer, (k_all, v_all))
-        L = key.shape[2]
-        end = max(self.sp.rank, 1) * L
-        index = torch.arange(key.shape[0], device=key.device)
-        if self.sp.rank == 0:
-            index = torch.full_like(index, -1)
-        return [(k_all[:, :, :end], v_all[:, :, :end], index, self.mask[:, :end], self.positions[:, :end])]
+    linear: object = None
+    shards: object = None
 
 
 # token -> live context. Entries go away with their context: a prompt capture lives for its pass; a completion context
@@ -155,7 +119,7 @@ class _KeepAlive(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keep):
         ctx.keep = keep
-        ctx.set_materialize_grads(False)  # no gradient stays none (``window.touch``): nothing computed upstream
+        ctx.set_materialize_grads(False)  # no gradient stays none (``store.touch``): nothing computed upstream
         return x.view_as(x)
 
     @staticmethod
@@ -169,7 +133,10 @@ def keep_alive(x: torch.Tensor, ctx: CompletionContext) -> torch.Tensor:
     return _KeepAlive.apply(x, ctx) if x.requires_grad else x
 
 
-def _lookup(token):
+def lookup_context(token):
+    """The live context named by ``token`` (``context_token``); None for a prompt capture already gone (the replay of
+    a checkpointed layer). Raises TypeError for anything but such a token, RuntimeError for a freed completion
+    context."""
     if not isinstance(token, str) or not token.startswith((_PROMPT_TAG, _COMPLETION_TAG)):
         raise TypeError(f"{CTX_KWARG} must be a token from context_token(), got {type(token).__name__} {token!r}")
     ctx = _CONTEXTS.get(token)
@@ -212,14 +179,14 @@ def layer_features(kwargs) -> dict:
     """The attention features a layer hands the attention interface, as ``multi_region_attention`` keywords.
 
     Modules pass them as keyword arguments, which is what transformers' flash-attention path reads too:
-    ``sliding_window`` (this layer's window W, None for a full-attention layer; a key is visible iff
+    ``sliding_window`` (this layer's sliding window W, None for a full-attention layer; a key is visible iff
     ``0 <= i - j < W``, the test of transformers' sliding-window mask), ``softcap`` (Gemma 2's
     ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's per-head learnable sink logits). The eager and SDPA paths
-    read the window from the mask instead, which the model builds from the same per-layer setting.
+    read the sliding window from the mask instead, which the model builds from the same per-layer setting.
     """
-    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    sliding, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     return {
-        "sliding_window": None if window is None else int(window),
+        "sliding_window": None if sliding is None else int(sliding),
         "softcap": None if softcap is None else float(softcap),
         "sinks": sinks,
     }
@@ -247,7 +214,7 @@ def _make_hook(inner: str):
         if token is None or module not in _SERVED:  # no context, or a vision tower's attention the kwargs reached
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
         layer = module.layer_idx
-        ctx = _lookup(token)
+        ctx = lookup_context(token)
         if not isinstance(ctx, CompletionContext):
             # prompt pass; a capture already gone means the replay of a checkpointed layer, which records nothing
             if ctx is not None:
@@ -277,7 +244,7 @@ def _make_hook(inner: str):
             for i, r in enumerate([(None, None, r.index, r.mask, r.positions) for r in ctx.regions] + shard_regions)
         ]
         features = layer_features(kwargs)
-        if features["sliding_window"] is not None and features["sliding_window"] > ctx.span:
+        if features["sliding_window"] is not None and features["sliding_window"] > ctx.reach:
             features["sliding_window"] = None
         with torch.autocast(device, enabled=False):
             out = multi_region_attention(
@@ -350,13 +317,37 @@ def inner_implementation(model) -> str:
     return impl[len(PREFIX) :] if impl.startswith(PREFIX) else impl
 
 
-_LINEAR: weakref.WeakSet = weakref.WeakSet()  # models taken over that have linear-attention layers
+# model -> whether it has linear-attention layers (``has_linear``), decided once per model
+_LINEAR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# instance attribute of a module whose forward a pass extension wrapped (``linear_attention.install``): the forward it
+# replaced (None: the class's), which ``restore_forwards`` puts back
+WRAPPED_FORWARD = "_grpo_mem_linear_forward"
 
 
 def has_linear(model) -> bool:
-    """Whether ``model`` (taken over by ``take_over``) has linear-attention layers the hook serves
-    (``linear_attention``): only then do its passes carry a ``LinearContext``."""
-    return model in _LINEAR
+    """Whether ``model`` has linear-attention (recurrent-state) layers: modules with an integer ``layer_idx`` and an
+    integer ``conv_kernel_size``, as transformers' Gated DeltaNet layers have (whether grpo_mem can hand their states
+    on is ``linear_attention.hands_off_state``'s test). Decided once per model; its passes then carry the
+    ``linear_attention.LinearState`` extension."""
+    known = _LINEAR.get(model)
+    if known is None:
+        known = _LINEAR[model] = any(
+            isinstance(getattr(m, "layer_idx", None), int) and isinstance(getattr(m, "conv_kernel_size", None), int)
+            for m in model.modules()
+        )
+    return known
+
+
+def restore_forwards(model) -> None:
+    """Give every module of ``model`` whose forward a pass extension wrapped (``WRAPPED_FORWARD``) the forward it
+    had; a no-op on a model without such modules."""
+    for module in model.modules():
+        if WRAPPED_FORWARD in module.__dict__:
+            own = module.__dict__.pop(WRAPPED_FORWARD)
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = own
 
 
 def take_over(model) -> str | None:
@@ -375,10 +366,6 @@ def take_over(model) -> str | None:
     _switch(model, name, flash=_is_flash(impl))
     model.__dict__[TAKEN] = _TakenOver(_configs_of(model))
     _SERVED.update((language_model_of(model.base_model)[1] or model).modules())
-    from . import linear_attention
-
-    if linear_attention.install(model, _lookup, CTX_KWARG):
-        _LINEAR.add(model)
     _USERS.setdefault(name, weakref.WeakSet()).add(model)
     return impl
 
@@ -395,11 +382,7 @@ def give_back(model, impl: str) -> None:
     model.__dict__.pop(TAKEN, None)
     for module in model.modules():
         _SERVED.discard(module)
-    if model in _LINEAR:
-        from . import linear_attention
-
-        linear_attention.remove(model)
-        _LINEAR.discard(model)
+    restore_forwards(model)
     name = hook_name(impl)
     users = _USERS.get(name)
     if users is not None:
@@ -413,7 +396,7 @@ class _TakenOver:
     """What ``take_over`` changed on a model that a copy of the model must not keep: the configs (the model's and its
     sub-models', at any depth) whose attention implementation now names the hook.
 
-    The hook's registries (``_SERVED``, ``_LINEAR``, ``_USERS``) hold the taken-over model and its modules, not a copy
+    The hook's registries (``_SERVED``, ``_USERS``) hold the taken-over model and its modules, not a copy
     of them; a copy's configs would still name the hook, which is unregistered when the last model taken over gives it
     back (and was never registered in a process that only loads the copy). So a copy made by ``copy.deepcopy`` or
     ``pickle``/``torch.save`` (``__reduce__``) renames its own copies of these configs back to the implementation each

@@ -44,7 +44,7 @@ from ..ops._backends import RESOLVED
 from . import attention_hook as attn_hook
 from . import support
 from .fallback import forward_params, full_sequence_logprobs
-from .forward import ScoreOptions, config_state, forget_causes, restore, run_in_forward
+from .forward import ScoreOptions, config_state, forget_causes, pass_extensions, restore, run_in_forward
 from .plan import WindowPlan
 from .window import Window
 
@@ -308,7 +308,8 @@ def _prompt_once(model, ids, mask, options: ScoreOptions, sharing: str):
     window = Window(plan)
 
     def compute(causal_lm, input_ids, attention_mask):
-        return window.run(causal_lm, input_ids, attention_mask, options, lockstep=False, inputs=None)
+        extensions, layout = pass_extensions(model, causal_lm, router=options.compute_aux_loss)
+        return window.run(causal_lm, input_ids, attention_mask, options, extensions=extensions, layout=layout)
 
     return run_in_forward(model, model, compute, ids, mask)
 

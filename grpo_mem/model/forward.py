@@ -24,7 +24,8 @@ import torch
 from transformers.modeling_outputs import ModelOutput
 
 from . import attention_hook as attn_hook
-from .distributed import clear_zero3_grads_before_first_backward
+from .distributed import clear_zero3_grads_before_first_backward, fsdp_wrapped
+from .window import OneRank
 
 if TYPE_CHECKING:
     from .sequence_parallel import SequenceParallel
@@ -349,7 +350,40 @@ def restore(causal_lm, *, forward: bool = True) -> None:
     if impl.startswith(attn_hook.PREFIX):
         attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
     else:  # a copy of a taken-over model: its linear-attention layers' pass-through forwards (bound to the copy)
-        from . import linear_attention
-
-        linear_attention.remove(causal_lm)
+        attn_hook.restore_forwards(causal_lm)
     causal_lm.__dict__.pop(attn_hook.TAKEN, None)  # a copy's marker (None)
+
+
+# model -> (its class, whether FSDP shards it or a module of it), decided once per model object and class
+_FSDP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pass_extensions(model, causal_lm, *, router: bool = False, images=None, sp=None) -> tuple[tuple, OneRank]:
+    """The pass extensions and layout of a micro-batch the window runs on ``causal_lm`` (inside ``model``, possibly
+    wrapped), chosen from the model's capabilities and the call (``window.Window.run``'s ``extensions``, ``layout``).
+
+    Extensions, in order: ``images`` (bound image inputs, ``vision_passes.VisionPasses``) when given; the
+    linear-attention state (``linear_attention.LinearState``) when ``attention_hook.has_linear``; the MoE router loss
+    (``router.RouterLoss``) when ``router``. Layout: ``sequence_parallel.SequenceSharded`` over ``sp`` (a
+    ``SequenceParallel``) when given, else ``window.OneRank`` with ``touch_unread`` when FSDP shards the model
+    (``distributed.fsdp_wrapped`` of ``causal_lm``, decided once per ``model`` object and class: ``fully_shard`` swaps
+    the class of what it shards, FSDP1 wraps it in a new object). Each extension's module is imported only when the
+    micro-batch takes it.
+    """
+    extensions = [] if images is None else [images]
+    if attn_hook.has_linear(causal_lm):
+        from .linear_attention import LinearState
+
+        extensions.append(LinearState.of(causal_lm))
+    if router:
+        from .router import RouterLoss, router_loss_shape
+
+        extensions.append(RouterLoss(router_loss_shape(causal_lm)))
+    known = _FSDP.get(model)
+    if known is None or known[0] is not type(model):
+        known = _FSDP[model] = (type(model), fsdp_wrapped(causal_lm))
+    if sp is not None:
+        from .sequence_parallel import SequenceSharded
+
+        return tuple(extensions), SequenceSharded(touch_unread=known[1], sp=sp)
+    return tuple(extensions), OneRank(touch_unread=known[1])

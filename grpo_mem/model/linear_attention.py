@@ -17,20 +17,27 @@ exactly as stock TRL's left padding does), rows starting from a parent's state g
 The completion pass needs no final state: its right padding follows the real tokens and changes nothing they compute.
 
 Gradient checkpointing: a replayed layer finds its context through the same ``grpo_mem_ctx`` token, recomputes the same
-operations and records nothing new. This module knows torch and transformers' cache protocol, not grpo_mem's window.
+operations and records nothing new. ``LinearState`` is the window's pass extension that builds each pass's context and
+keeps the states it records (``PromptStates.extras["linear"]``). This module knows torch and transformers' cache
+protocol.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-_ORIGINAL = "_grpo_mem_linear_forward"  # instance attribute: the forward the wrapper replaced (None: the class's)
+from . import attention_hook as attn_hook
+from .attention_hook import WRAPPED_FORWARD, own_class
+from .window import PassExtension
+
+__all__ = ["LinearContext", "LinearState", "hands_off_state", "install", "linear_layers"]
 
 # what a layer's forward must do for the hand-off to be exact: read both states from its cache, write both back, and
 # run the chunked gated delta rule from the read recurrent state (transformers' Qwen3.5 / Qwen3-Next layers); ``{cache}``
@@ -46,10 +53,6 @@ _HAND_OFF_CALLS = (
 )
 # the cache parameter of a linear-attention layer's forward: transformers 5.24 renamed ``cache_params`` to ``cache``
 _CACHE_PARAMETERS = ("cache", "cache_params")
-
-
-def _own_class(module: torch.nn.Module) -> type:
-    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +87,7 @@ def hands_off_state(module: torch.nn.Module) -> bool:
         return False
     if not isinstance(getattr(module, "conv_kernel_size", None), int):
         return False
-    return _hands_off_class(_own_class(module))
+    return _hands_off_class(own_class(module))
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -163,7 +166,7 @@ class LinearContext:
             recorded; rows may be right-padded freely).
         sources: where rows start: (per layer ``(conv, recurrent)`` of a parent pass, reader rows (k,) int64, rows of
             that pass (k,) int64); a row named by no source starts from zero states. The states of a source are those
-            of ``PromptStates.linear``: conv (m, conv_dim, K − 1), recurrent (m, Hv, dk, dv).
+            of ``PromptStates.extras["linear"]``: conv (m, conv_dim, K − 1), recurrent (m, Hv, dk, dv).
         capture: per layer, ``(conv, recurrent)`` at each row's last real token, (batch, ...), once recorded; None: not
             recorded.
     """
@@ -255,32 +258,32 @@ class _LayerForward:
     """The forward ``install`` gives a linear-attention layer: ``__call__(hidden_states, *args, **kwargs)``.
 
     Bound to ``module`` and closing over nothing else (the layer's previous instance forward stays in its
-    ``__dict__`` under ``_ORIGINAL``, read at each call; ``lookup`` and ``kwarg`` are module-level names), so that
-    ``copy.deepcopy`` and ``pickle`` (``__reduce__``) give a copy of the layer whose forward is bound to the copy and
-    computes with the copy's weights."""
+    ``__dict__`` under ``attention_hook.WRAPPED_FORWARD``, read at each call), so that ``copy.deepcopy`` and ``pickle``
+    (``__reduce__``) give a copy of the layer whose forward is bound to the copy and computes with the copy's
+    weights."""
 
-    __slots__ = ("module", "lookup", "kwarg")
+    __slots__ = ("module",)
 
-    def __init__(self, module: torch.nn.Module, lookup: Callable, kwarg: str):
-        self.module, self.lookup, self.kwarg = module, lookup, kwarg
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
 
     def __reduce__(self):
-        return _LayerForward, (self.module, self.lookup, self.kwarg)
+        return _LayerForward, (self.module,)
 
     @property
     def __signature__(self):
         return inspect.signature(self._original())
 
     def _original(self) -> Callable:
-        own = self.module.__dict__.get(_ORIGINAL)
+        own = self.module.__dict__.get(WRAPPED_FORWARD)
         return own if own is not None else type(self.module).forward.__get__(self.module)
 
     def __call__(self, hidden_states, *args, **kwargs):
         module, original = self.module, self._original()
-        token = kwargs.pop(self.kwarg, None)
+        token = kwargs.pop(attn_hook.CTX_KWARG, None)
         if token is None:
             return original(hidden_states, *args, **kwargs)
-        ctx = self.lookup(token)
+        ctx = attn_hook.lookup_context(token)
         linear = getattr(ctx, "linear", None)
         if not isinstance(linear, LinearContext):
             raise RuntimeError(
@@ -291,7 +294,7 @@ class _LayerForward:
             raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
         for name in (*_CACHE_PARAMETERS, "attention_mask"):
             kwargs.pop(name, None)
-        cache_name = cache_parameter(_own_class(module))
+        cache_name = cache_parameter(own_class(module))
 
         def layer_call(x, cache, attention_mask):
             return original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
@@ -299,25 +302,45 @@ class _LayerForward:
         return linear.run(layer_call, module.layer_idx, hidden_states)
 
 
-def install(model: torch.nn.Module, lookup: Callable, kwarg: str) -> int:
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its layers ``hands_off_state`` recognises
+
+
+def install(model: torch.nn.Module) -> int:
     """Wrap the forward of every layer of ``model`` that ``hands_off_state`` recognises (idempotent): a call with a
-    context token as keyword argument ``kwarg`` runs ``lookup(token).linear`` (a ``LinearContext``); any other call
-    runs the layer's forward unchanged. Returns how many layers are wrapped."""
-    layers = linear_layers(model)
+    context token (``attention_hook.CTX_KWARG``) runs the context's ``linear`` (a ``LinearContext``); any other call
+    runs the layer's forward unchanged. ``attention_hook.restore_forwards`` undoes it. Returns how many layers are
+    wrapped. The layers are found once per model."""
+    layers = _LAYERS.get(model)
+    if layers is None:
+        layers = _LAYERS[model] = linear_layers(model)
     for module in layers:
-        if _ORIGINAL in module.__dict__:
-            continue
-        module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
-        module.forward = _LayerForward(module, lookup, kwarg)
+        if WRAPPED_FORWARD not in module.__dict__:
+            module.__dict__[WRAPPED_FORWARD] = module.__dict__.get("forward")
+            module.forward = _LayerForward(module)
     return len(layers)
 
 
-def remove(model: torch.nn.Module) -> None:
-    """Undo ``install``: every wrapped layer gets back the forward it had."""
-    for module in model.modules():
-        if _ORIGINAL in module.__dict__:
-            own = module.__dict__.pop(_ORIGINAL)
-            if own is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = own
+class LinearState(PassExtension):
+    """The window's pass extension for a model with linear-attention layers (``attention_hook.has_linear``): each
+    pass's context carries a ``LinearContext`` whose rows start from the states their parent node (a completion row:
+    its leaf) ended with, and each node pass keeps the states its rows end with (``PromptStates.extras["linear"]``).
+
+    Build with ``LinearState.of(causal_lm)``, which wraps the model's layers (``install``)."""
+
+    name = "linear"
+
+    @classmethod
+    def of(cls, causal_lm: torch.nn.Module) -> LinearState:
+        install(causal_lm)
+        return cls()
+
+    def context(self, mb, starts, lengths, release):
+        batch = len(starts) if lengths is None else len(lengths)
+        sources = mb.window.table.sources(starts, release, mb)
+        parts = [(states.extras.get(self.name, {}), readers, rows) for states, readers, rows in sources]
+        capture = None if lengths is None else {}
+        return {"linear": LinearContext(batch=batch, lengths=lengths, capture=capture, sources=parts)}
+
+    def record(self, mb, out, ctx, keeper, tokens):
+        captured = ctx.linear.capture or {}
+        return {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in captured.items()}

@@ -86,14 +86,14 @@ class RowImages:
         types: ``image_keys`` digest of the row's prompt token types (``b""`` without token types).
         images: per image of the row, in order, its ``image_keys`` digest (patch rows and grid; or its entries, when
             ``VisionInputs.located``), else one digest of all of the row's image entries.
-        spans: per image, (tokens from its first token to the prompt's end, its token count), or ``()`` when its
+        runs: per image, (tokens from its first token to the prompt's end, its token count), or ``()`` when its
             tokens are not located (``VisionInputs.image_runs``).
         tree_cause: why the row's images cannot sit below a trie root (``VisionInputs.tree_cause``), or None.
     """
 
     types: bytes
     images: tuple[bytes, ...]
-    spans: tuple[tuple[int, int], ...]
+    runs: tuple[tuple[int, int], ...]
     tree_cause: str | None
 
 
@@ -107,10 +107,10 @@ def trie_keys(ids: list[int], row) -> tuple:
     when both are the same image in runs of the same length, and then on every token of the run; a node holding an
     image's first token holds all of it, and gets its features (``VisionPasses.prompt_pass``).
     """
-    if not isinstance(row, RowImages) or not row.spans:
+    if not isinstance(row, RowImages) or not row.runs:
         return tuple(ids)
     keys = list(ids)
-    for (back, count), image in zip(row.spans, row.images):
+    for (back, count), image in zip(row.runs, row.images):
         first = len(ids) - back
         for i in range(first, first + count):
             keys[i] = (ids[i], image, count, i - first)
@@ -125,7 +125,7 @@ class VisionInputs:
         tensors: the image tensors TRL hands the model, by keyword (``pixel_values``, ``image_grid_thw``,
             ``image_sizes``, ``pixel_attention_mask``, ``spatial_shapes``), each with dim 0 running over the chunk's
             patch rows, images, tiles or rows in row order.
-        spans: per name of ``tensors``, B ints: the dim-0 entries of each row.
+        entries: per name of ``tensors``, B ints: the dim-0 entries of each row.
         num_images: B ints, the images of each row (0 for a text-only row).
         num_tiles: B ints, the tiles of each row, or None (no tiled layout).
         token_types: (B, T) int per token of prompt + completion (``token_type_ids``, ``mm_token_type_ids``: 0 text,
@@ -137,7 +137,7 @@ class VisionInputs:
     """
 
     tensors: dict
-    spans: dict
+    entries: dict
     num_images: tuple[int, ...]
     num_tiles: tuple[int, ...] | None
     token_types: dict
@@ -161,7 +161,7 @@ class VisionInputs:
     def make(
         cls,
         tensors: dict,
-        spans: dict,
+        entries: dict,
         num_images: tuple[int, ...],
         num_tiles: tuple[int, ...] | None,
         token_types: dict,
@@ -178,7 +178,7 @@ class VisionInputs:
             found, located_cause = _runs(prompt_ids == image_token, num_images)
             located = tuple(tuple(r) for r in found)
             located_cause = located_cause and f"{located_cause} (id {image_token}: one run per image is needed)"
-        return cls(tensors, spans, num_images, num_tiles, token_types, located, located_cause)
+        return cls(tensors, entries, num_images, num_tiles, token_types, located, located_cause)
 
     def holds(self, other: VisionInputs) -> bool:
         """Whether ``other`` holds the very tensors of this value (the same memory, shapes and strides) and counts:
@@ -192,7 +192,7 @@ class VisionInputs:
 
     def _entries(self, name: str, rows: list[int]) -> list[int]:
         """The dim-0 indices of ``tensors[name]`` that belong to ``rows`` (indices into the chunk), in that order."""
-        firsts = [0, *itertools.accumulate(self.spans[name])]
+        firsts = [0, *itertools.accumulate(self.entries[name])]
         return [i for b in rows for i in range(firsts[b], firsts[b + 1])]
 
     def of_rows(self, rows: list[int]) -> dict:
@@ -247,7 +247,7 @@ class VisionInputs:
     def images_in(self, runs: list, b: int, first: int, end: int) -> list[int]:
         """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end − 1``
         (``runs``: ``image_runs``); all of the row's images when their tokens are not located (``tree_cause``: then
-        a span is a whole prompt)."""
+        a slice is a whole prompt)."""
         row_first = self.first_images()[b]
         if self.tree_cause() is not None:
             return list(range(row_first, row_first + self.num_images[b]))
@@ -298,8 +298,8 @@ class VisionInputs:
         runs, cause = self.image_runs(prompt_width), self.tree_cause()
         keys = []
         for b, own in enumerate(self._image_digests()):
-            spans = tuple((prompt_width - first, end - first) for first, end in runs[b])
-            keys.append(RowImages(types[b], own, spans, cause if own else None) if types[b] or own else b"")
+            located = tuple((prompt_width - first, end - first) for first, end in runs[b])
+            keys.append(RowImages(types[b], own, located, cause if own else None) if types[b] or own else b"")
         self._keys[prompt_width] = keys
         return keys
 
@@ -324,20 +324,20 @@ class VisionInputs:
 
     def prompt_inputs(
         self,
-        spans: list[tuple[int, int, int]],
+        slices: list[tuple[int, int, int]],
         images: list[int],
         width: int,
         attention_mask: torch.Tensor,
         prompt_width: int,
     ) -> dict:
         """The image inputs of a batch whose entry i holds tokens ``first … end − 1`` of row b's unpadded prompt,
-        ``(b, first, end) = spans[i]`` (left-padded in the first ``prompt_width`` columns of ``attention_mask``
+        ``(b, first, end) = slices[i]`` (a node's slice, ``plan.WindowPlan.slices``; left-padded in the first ``prompt_width`` columns of ``attention_mask``
         (B, P + C)), right-padded to ``width``, which encodes the chunk's ``images`` (``VisionPasses.images_of``): the
-        tensors of exactly those images when the images are ``located`` (a trie node's), else the spans' rows' (none
-        when ``images`` is empty), and the spans' token types (0 on the padding).
+        tensors of exactly those images when the images are ``located`` (a trie node's), else the slices' rows' (none
+        when ``images`` is empty), and the slices' token types (0 on the padding).
 
         Raises:
-            ValueError: a span that is not a whole prompt holds images not located (``tree_cause`` keeps such plans in
+            ValueError: a slice that is not a whole prompt holds images not located (``tree_cause`` keeps such plans in
                 group mode).
         """
         kwargs = {}
@@ -346,14 +346,14 @@ class VisionInputs:
         elif images:
             partial = [
                 (b, first, end)
-                for b, first, end in spans
+                for b, first, end in slices
                 if first or end != int(attention_mask[b, :prompt_width].sum())
             ]
             if partial:
-                raise ValueError(f"image inputs handed whole per row cannot be split into trie nodes: spans {partial}")
-            kwargs = self.of_rows([b for b, _, _ in spans])
+                raise ValueError(f"image inputs handed whole per row cannot be split into trie nodes: slices {partial}")
+            kwargs = self.of_rows([b for b, _, _ in slices])
         for name, types in self.token_types.items():
-            kwargs[name] = prompt_columns(types, spans, width, attention_mask, prompt_width)
+            kwargs[name] = prompt_columns(types, slices, width, attention_mask, prompt_width)
         return kwargs
 
     def cause(self, causal_lm, prompt_width: int) -> str | None:

@@ -15,7 +15,8 @@ stock's, up to summation order. Gradients flow through p (the top-k indicator ha
 
 Which models compute this loss is recognised from the model's own modeling module: its ``load_balancing_loss_func``
 must be, up to its docstring, the source of Mixtral's (the one TRL's fused head calls for every family, and the one
-the family modules of transformers 5.x copy). Anything else is a named fallback cause. This module knows torch and
+the family modules of transformers 5.x copy). Anything else is a named fallback cause. ``RouterLoss`` is the window's
+pass extension that records each pass's router logits and computes the loss. This module knows torch and
 transformers, not TRL.
 """
 
@@ -30,9 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention_hook as attn_hook
 from .attention_hook import own_class
+from .window import PassExtension
 
 __all__ = [
+    "RouterLoss",
     "RouterLossShape",
     "RouterTerm",
     "load_balancing_loss",
@@ -181,3 +185,53 @@ def load_balancing_loss(terms: list[RouterTerm], shape: RouterLossShape) -> torc
             prob_sum = prob_sum + (probs.float() * w[:, None]).sum(dim=0)
             total = total + w.sum()
     return torch.sum((tokens_sum / total) * (prob_sum / total)) * E
+
+
+@dataclass(frozen=True)
+class RouterLoss(PassExtension):
+    """The window's pass extension for the MoE router loss: every pass asks the backbone for its router logits and
+    keeps them (``PromptStates.extras["router"]``, per MoE layer ``(logits,)``), the completion pass runs all C
+    tokens, and ``loss`` is ``load_balancing_loss`` over the passes the micro-batch's rows read, each node's tokens
+    weighted by how many rows' prompts pass through it, and the completion tokens by the completion mask.
+
+    Attributes:
+        shape: E and k of the model (``router_loss_shape``).
+    """
+
+    shape: RouterLossShape
+    name = "router"
+    all_completion_tokens = True
+
+    def call_kwargs(self, mb, spec, width):
+        return {"output_router_logits": True}
+
+    def record(self, mb, out, ctx, keeper, tokens):
+        logits = router_logits_of(out, tokens)
+        if keeper is not None:  # held like the pass's other outputs (``attention_hook.keep_alive``)
+            logits = tuple(attn_hook.keep_alive(z, keeper) for z in logits)
+        return {i: (z,) for i, z in enumerate(logits)}
+
+    def loss(self, mb, completion, completion_mask):
+        """The micro-batch's 0-d fp32 router loss.
+
+        Raises:
+            RuntimeError: a pass the rows read was forwarded without router logits (``compute_aux_loss`` changed
+                within a window).
+        """
+        terms = []
+        paths = [mb.window.plan.trie.path(leaf) for leaf in mb.leaves]
+        for states, mask, rows in mb.window.table.read_by_rows(paths, mb):
+            if not states.extras.get(self.name):
+                raise RuntimeError(
+                    "the MoE router loss is asked for, but a prompt pass it reads was forwarded without router "
+                    "logits (compute_aux_loss must be the same for every micro-batch of a window)"
+                )
+            terms.append(
+                RouterTerm(_by_layer(states.extras[self.name]), (mask * rows.to(mask.device)[:, None]).flatten())
+            )
+        terms.append(RouterTerm(_by_layer(completion[self.name]), completion_mask.flatten()))
+        return load_balancing_loss(terms, self.shape)
+
+
+def _by_layer(record: dict[int, tuple[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    return tuple(record[i][0] for i in sorted(record))

@@ -30,6 +30,9 @@ divides by the world size, averaging over the SP group too, so there each share 
 The split along the sequence and the LSE merge across it are the construction of Ulysses/ring attention (DeepSpeed
 Ulysses, arXiv 2309.14509; ring attention, arXiv 2310.01889); here K/V are all-gathered rather than exchanged over
 heads, because the recorded prompt K/V must stay readable by every later pass anyway.
+
+``SequenceSharded`` is this layout as the window runs it (``window.OneRank``'s hooks for a sharded micro-batch), and
+``Shards`` what a pass's attention context carries of it.
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["SequenceParallel", "SP_CAUSES", "gather_kv", "gather_scores"]
+from . import attention_hook as attn_hook
+from .head import completion_head
+from .store import ForwardedPass, PromptStates
+from .window import OneRank
+
+__all__ = ["SP_CAUSES", "SequenceParallel", "SequenceSharded", "Shards", "gather_kv", "gather_scores"]
 
 SP_CAUSES = {
     "linear": "sequence parallelism: the model has linear-attention (recurrent) layers, whose state runs along the "
@@ -174,3 +182,109 @@ def gather_scores(local: torch.Tensor, sp: SequenceParallel, C: int) -> torch.Te
     first = parts[:, :, :1].sum(0)
     rest = parts[:, :, 1:].transpose(0, 1).reshape(local.shape[0], -1)
     return torch.cat([first, rest], dim=1)[:, :C]
+
+
+@dataclass
+class Shards:
+    """A pass split along the sequence over a sequence-parallel group (``sequence_parallel``): the queries and own
+    keys of the pass's context are this rank's shard; ``mask`` and ``positions`` (n, size·L) cover every shard (the
+    layout of the gathered K/V, which the context's ``capture`` records).
+
+    Attributes:
+        sp: the ``SequenceParallel`` group.
+        mask: (n, size·L) bool, real key positions of the whole pass.
+        positions: (n, size·L) int64, positions of the whole pass's tokens.
+    """
+
+    sp: SequenceParallel
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+    def regions(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
+        """All-gather this layer's K/V (n, Hkv, L, d) over the group, record the gathered pair in ``capture`` (first
+        forward only), and return the region of shards ``0 … rank − 1``, read in place.
+
+        Rank 0 has no earlier shard; it gets shard 0 as a region that no row reads (index −1), so that every rank's
+        attention takes the gathered K/V as an input: the autograd graphs of the ranks then have the same shape and
+        run their backward collectives (the all-gather's reduce-scatter) in the same order."""
+        k_all, v_all = gather_kv(key, value, self.sp)
+        if capture is not None:
+            capture.setdefault(layer, (k_all, v_all))
+        L = key.shape[2]
+        end = max(self.sp.rank, 1) * L
+        index = torch.arange(key.shape[0], device=key.device)
+        if self.sp.rank == 0:
+            index = torch.full_like(index, -1)
+        return [(k_all[:, :, :end], v_all[:, :, :end], index, self.mask[:, :end], self.positions[:, :end])]
+
+
+@dataclass(frozen=True)
+class SequenceSharded(OneRank):
+    """The window's layout of a micro-batch split along the sequence over the group ``sp``: each pass runs this rank's
+    shard of its tokens, the head this rank's completion positions, and the (B, C) scores are gathered."""
+
+    sp: SequenceParallel | None = None
+
+    def node_pass(self, mb, spec) -> None:
+        """This rank's shard of the pass's tokens through the backbone, attending to its ancestors, to the earlier
+        shards and causally to its own; the gathered K/V of all shards are recorded. A row's last hidden state is kept
+        by the rank holding that token (zero elsewhere, ``ForwardedPass.owner``)."""
+        window, sp = mb.window, self.sp
+        ids, mask, positions, lengths = window.plan.pass_tokens(spec, mb.device)
+        L = sp.shard(ids.shape[1])
+        full_positions = positions[:, :1] + torch.arange(sp.size * L, device=mb.device)
+        ancestors = [window.plan.trie.path(n)[:-1] for n in spec.nodes]
+        fields = dict(
+            key_mask=sp.local(mask, L, False),
+            positions=sp.local(full_positions, L),
+            capture={},
+            shards=Shards(sp, sp.padded(mask, L, False), full_positions),
+        )
+        if spec.depth > 0 and spec.nodes:
+            last = int((positions[:, 0] + torch.tensor(lengths, device=mb.device)).max()) - 1
+            ctx = window.attending(mb, ancestors, spec.release, last, **fields)
+        else:
+            reach = int(positions[:, 0].max() + max(lengths) - 1 - positions[:, 0].min())
+            ctx = attn_hook.CompletionContext(regions=[], reach=reach, **fields)
+        out = mb.causal_lm.base_model(
+            input_ids=sp.local(ids, L),
+            position_ids=ctx.positions,
+            use_cache=False,
+            grpo_mem_ctx=attn_hook.context_token(ctx),
+        )
+        kv = {i: (attn_hook.keep_alive(k, ctx), attn_hook.keep_alive(v, ctx)) for i, (k, v) in ctx.capture.items()}
+        hidden = attn_hook.keep_alive(out.last_hidden_state, ctx)
+        last = torch.tensor(lengths, device=mb.device) - 1
+        owner = last // L
+        picked = hidden[torch.arange(len(lengths), device=mb.device), last % L]
+        picked = picked * (owner == sp.rank).to(picked.dtype)[:, None]
+        states = PromptStates(kv={i: kv[i] for i in sorted(kv)}, last_hidden=picked)
+        window.table.register(
+            ForwardedPass(spec=spec, mask=fields["shards"].mask, positions=full_positions, owner=owner), states
+        )
+
+    def completion(self, ids, key_mask, ends, width: int):
+        """This rank's shard of the completion tokens."""
+        sp, L = self.sp, self.sp.shard(width)
+        positions = ends[:, None] + torch.arange(sp.size * L, device=ends.device)
+        shards = Shards(sp, sp.padded(key_mask, L, False), positions)
+        ids, key_mask, positions = sp.local(ids, L), sp.local(key_mask, L, False), sp.local(positions, L)
+        return ids, key_mask, positions, sp.size * L, shards
+
+    def completion_hidden(self, out: torch.Tensor, C: int) -> torch.Tensor:
+        return out
+
+    def head(self, mb, hidden, ids, mask, options):
+        """This rank's completion positions through the head (position 0 where this rank holds the row's last prompt
+        token, then its shard of positions 1 … C − 1), then the (B, C) log-probs and entropies of every rank
+        (``gather_scores``)."""
+        sp, C, table = self.sp, ids.shape[1], mb.window.table
+        owners = [table.passes[pass_id].owner[row] for pass_id, row in map(table.locate, mb.leaves)]
+        owned = torch.tensor([bool(o == sp.rank) for o in owners]).to(mask.device)
+        first_mask = mask[:, :1] * owned[:, None].to(mask.dtype)
+        L = hidden.shape[1] - 1
+        ids = torch.cat([ids[:, :1], sp.local(ids[:, 1:], L)], dim=1) if L else ids[:, :1]
+        mask = torch.cat([first_mask, sp.local(mask[:, 1:], L)], dim=1) if L else first_mask
+        logps, entropy = completion_head(mb.causal_lm, hidden, ids, mask, options)
+        entropy = None if entropy is None else gather_scores(entropy, sp, C)
+        return gather_scores(logps, sp, C), entropy

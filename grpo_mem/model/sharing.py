@@ -34,9 +34,8 @@ from . import causes
 from .confirm import ENV as CONFIRM_ENV
 from .distributed import agree, lockstep, unwrap_causal_lm
 from .fallback import full_sequence_logprobs, warn_fallback
-from .forward import Decision, Kind, ScoreOptions, model_cause, run_in_forward, validate_inputs
-from .plan import PromptGrouping, WindowPlan, check_sharing
-from .trie import DEFAULT_MIN_SHARED_TOKENS
+from .forward import Decision, Kind, ScoreOptions, model_cause, pass_extensions, run_in_forward, validate_inputs
+from .plan import DEFAULT_MIN_SHARED_TOKENS, PromptGrouping, WindowPlan, check_sharing
 from .window import Window
 
 if TYPE_CHECKING:
@@ -356,8 +355,9 @@ class SharingSession:
         if d.kind is Kind.SHARED:
 
             def compute(m, ids, mask):
-                d.window.sp = d.sp
-                return d.window.run(m, ids, mask, options, lockstep=d.lockstep, inputs=d.images)
+                router = options.compute_aux_loss
+                extensions, layout = pass_extensions(d.model, m, router=router, images=d.images, sp=d.sp)
+                return d.window.run(m, ids, mask, options, lockstep=d.lockstep, extensions=extensions, layout=layout)
 
             out = run_in_forward(d.model, d.causal_lm, compute, d.input_ids, d.attention_mask, autocast=d.autocast)
         else:
@@ -393,8 +393,10 @@ class SharingSession:
         if d.kind is not Kind.SHARED:
             warn_fallback(d.cause)
             return self._end_sharing(d, stock())
-        C = d.options.logits_to_keep
-        return d.window.hidden_states(d.causal_lm, d.input_ids, d.attention_mask, C, lockstep=d.lockstep)
+        C, (extensions, layout) = d.options.logits_to_keep, pass_extensions(d.model, d.causal_lm)
+        return d.window.hidden_states(
+            d.causal_lm, d.input_ids, d.attention_mask, C, lockstep=d.lockstep, extensions=extensions, layout=layout
+        )
 
     @staticmethod
     def _end_sharing(decision: Decision, anchor: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ its rows' own image inputs (a trie node: the entries of the images whose first t
 types, and the model's forward encodes, merges and masks (Gemma 3's bidirectional image blocks) as it does for
 stock, at the pass's own positions (1D RoPE: a node's positions continue its prefix's, as the row's do).
 
-This module knows transformers, not TRL.
+``VisionPasses`` is the window's pass extension for image micro-batches (``window.PassExtension``). Node slices
+``(b, first, end)`` are ``plan.WindowPlan.slices``'. This module knows transformers, not TRL.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .multimodal import VisionInputs
+from .window import PassExtension
 
 __all__ = ["VisionPasses", "prompt_columns"]
 
@@ -39,36 +38,46 @@ def _no_cache(method) -> dict:
 
 
 def prompt_columns(
-    t: torch.Tensor, spans: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor, prompt_width: int
+    t: torch.Tensor, slices: list[tuple[int, int, int]], width: int, attention_mask: torch.Tensor, prompt_width: int
 ) -> torch.Tensor:
-    """``t`` (..., B, T)'s prompt columns of ``spans`` right-padded to ``width`` with zeros, (..., len(spans),
-    width): entry i holds tokens ``first … end − 1`` of row b's unpadded prompt, ``(b, first, end) = spans[i]``
+    """``t`` (..., B, T)'s prompt columns of ``slices`` right-padded to ``width`` with zeros, (..., len(slices),
+    width): entry i holds tokens ``first … end − 1`` of row b's unpadded prompt, ``(b, first, end) = slices[i]``
     (``attention_mask`` (B, T) left-pads the first ``prompt_width`` columns)."""
-    out = t.new_zeros(*t.shape[:-2], len(spans), width)
-    for i, (b, first, end) in enumerate(spans):
+    out = t.new_zeros(*t.shape[:-2], len(slices), width)
+    for i, (b, first, end) in enumerate(slices):
         start = prompt_width - int(attention_mask[b, :prompt_width].sum())
         out[..., i, : end - first] = t[..., b, start + first : start + end]
     return out
 
 
 @dataclass
-class VisionPasses:
-    """The image features and positions the passes of one micro-batch take (built by ``VisionInputs.bind``).
+class VisionPasses(PassExtension):
+    """The image features and positions the passes of one micro-batch take (built by ``VisionInputs.bind``): the
+    window's pass extension for image inputs (``call_kwargs``).
 
     Attributes:
-        inputs: the micro-batch's ``VisionInputs``.
+        inputs: the micro-batch's ``multimodal.VisionInputs``.
         base: the model's base model (vision tower, merge, language model).
         input_ids, attention_mask: (B, T) the micro-batch.
         prompt_width: P, the prompt columns of the micro-batch (left-padded prompts, then completions).
     """
 
-    inputs: VisionInputs
+    inputs: object
     base: torch.nn.Module
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     prompt_width: int
     _positions: tuple = ()
     _runs: tuple = ()
+    name = "images"
+
+    def call_kwargs(self, mb, spec, width: int) -> dict:
+        """``prompt_pass`` of a node pass's slices (nothing for a stand-in), ``completion_positions`` as the
+        completion pass's ``position_ids`` where the model has positions of its own."""
+        if spec is None:
+            positions = self.completion_positions(width)
+            return {} if positions is None else {"position_ids": positions}
+        return self.prompt_pass(mb.window.plan.slices(mb.index, spec), width) if spec.nodes else {}
 
     @property
     def multi_axis(self) -> bool:
@@ -96,13 +105,13 @@ class VisionPasses:
             )
         return self._positions[0]
 
-    def prompt_pass(self, spans: list[tuple[int, int, int]], width: int) -> dict:
+    def prompt_pass(self, slices: list[tuple[int, int, int]], width: int) -> dict:
         """Extra keyword arguments of the backbone call of a prompt pass whose entry i holds tokens ``first … end-1``
-        of row b's unpadded prompt, ``(b, first, end) = spans[i]`` (a whole prompt in group sharing, a trie node in
+        of row b's unpadded prompt, ``(b, first, end) = slices[i]`` (a whole prompt in group sharing, a trie node in
         tree sharing), right-padded to ``width`` tokens. A model with multi-axis positions (``compute_3d_position_ids``)
         gets ``mm_encoder_outputs`` (the features of the images whose first token the entries hold, computed here
         once) and ``position_ids`` (3, n, width), each only where needed; any other model the rows' own image inputs
-        and the spans' token types (``VisionInputs.prompt_inputs``): its forward encodes the images once per pass,
+        and the slices' token types (``VisionInputs.prompt_inputs``): its forward encodes the images once per pass,
         merges them and builds its own mask from the token types (Gemma 3's bidirectional image blocks), at the pass's
         own positions.
 
@@ -110,29 +119,29 @@ class VisionPasses:
             ValueError: the model's own (``get_placeholder_mask``), when the entries' image tokens do not match their
                 image features; with multi-axis positions checked before them, as they assume a match.
         """
-        images = self.images_of(spans)
+        images = self.images_of(slices)
         if not self.multi_axis:
-            return self.inputs.prompt_inputs(spans, images, width, self.attention_mask, self.prompt_width)
+            return self.inputs.prompt_inputs(slices, images, width, self.attention_mask, self.prompt_width)
         kwargs, P = {}, self.prompt_width
         if images:
-            starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
+            starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in slices]  # each row's first real column
             pixel_values, grid = self.inputs.images_at(images)
             features = self.base.get_image_features(pixel_values, grid, return_dict=True)
             merged = torch.cat(features.pooler_output, dim=0)
-            ids = torch.cat([self.input_ids[b, s + first : s + end] for (b, first, end), s in zip(spans, starts)])
+            ids = torch.cat([self.input_ids[b, s + first : s + end] for (b, first, end), s in zip(slices, starts)])
             self.base.get_placeholder_mask(ids[None], inputs_embeds=merged[:1], image_features=merged)
             kwargs["mm_encoder_outputs"] = {"image": features}
         positions = self.positions()
         if positions is not None:
-            kwargs["position_ids"] = prompt_columns(positions, spans, width, self.attention_mask, P)
+            kwargs["position_ids"] = prompt_columns(positions, slices, width, self.attention_mask, P)
         return kwargs
 
-    def images_of(self, spans: list[tuple[int, int, int]]) -> list[int]:
-        """The chunk's indices of the images whose first token the prompt-pass entries ``spans`` (as ``prompt_pass``)
+    def images_of(self, slices: list[tuple[int, int, int]]) -> list[int]:
+        """The chunk's indices of the images whose first token the prompt-pass entries ``slices`` (as ``prompt_pass``)
         hold: the images the pass encodes (none: the pass does not run the vision tower)."""
         P = self.prompt_width
-        starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in spans]  # each row's first real column
-        return [i for (b, first, end), s in zip(spans, starts) for i in self._images_in(b, s + first, s + end)]
+        starts = [P - int(self.attention_mask[b, :P].sum()) for b, _, _ in slices]  # each row's first real column
+        return [i for (b, first, end), s in zip(slices, starts) for i in self._images_in(b, s + first, s + end)]
 
     def _images_in(self, b: int, first: int, end: int) -> list[int]:
         """The chunk's indices of row b's images whose first token lies in prompt columns ``first … end-1``

@@ -119,18 +119,18 @@ def _record_passes() -> list:
     from grpo_mem.model.window import Window
 
     seen, numbers = [], itertools.count()
-    forward_pass = Window._forward_pass
+    forward_pass = Window.text_pass
 
-    def recorded(window, backbone, spec, views, device):
+    def recorded(window, mb, spec):
         roots = sum(
             window.plan.trie.nodes[n].parent is None and len(window.plan.trie.nodes[n].tokens) >= 64 for n in spec.nodes
         )
         if torch.is_grad_enabled():
             number = window.__dict__.setdefault("_test_number", next(numbers))
             seen.append((number, spec.micro_batch, spec.key, not spec.nodes, roots))
-        return forward_pass(window, backbone, spec, views, device)
+        return forward_pass(window, mb, spec)
 
-    Window._forward_pass = recorded
+    Window.text_pass = recorded
     return seen
 
 

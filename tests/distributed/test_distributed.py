@@ -73,7 +73,7 @@ def test_unbalanced_ranks_train_like_stock(tmp_path, kind, stack):
 # Qwen3.5 (Gated DeltaNet hybrid): its stand-in passes and kept passes carry linear-attention states too. Not FSDP2:
 # accelerate's auto-wrap looks for Qwen3_5ForCausalLM's _no_split_modules, whose vision block the text model lacks.
 # FSDP2 runs the window in one micro-batch ("tree1"): the system prompt's pass is then not kept, and its output gets no
-# gradient (its K/V are read inside its layers), which crashed FSDP2's per-layer backward before ``window.touch``.
+# gradient (its K/V are read inside its layers), which crashed FSDP2's per-layer backward before ``store.touch``.
 TREE = [("grpo", "fsdp2", "llama", "tree1"), ("grpo", "zero3", "llama", "tree"), ("grpo", "zero3", "qwen3_5", "tree")]
 
 
@@ -122,7 +122,7 @@ def test_fsdp2_prompt_once_matches_unsharded(tmp_path):
     """The direct API on a fully_shard-ed model (per layer + root; reshard_after_forward True/False; gradient
     checkpointing on/off), whole groups (on rank 0 under a shared prefix no row ends in) and a window of three
     micro-batches (a group split over two, a kept prefix node on rank 0): log-probs against stock TRL on an
-    unsharded copy within 1e-5, gradients (mean over ranks) within 1e-4 relative. Before ``window.touch`` this run
+    unsharded copy within 1e-5, gradients (mean over ranks) within 1e-4 relative. Before ``store.touch`` this run
     did not finish (rank 0's prefix pass, read only through its K/V, had its top layer backpropagated after FSDP
     resharded it)."""
     out = tmp_path / "fsdp.json"

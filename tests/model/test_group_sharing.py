@@ -225,10 +225,10 @@ def test_window_plan_forwards_each_prompt_at_its_first_use_and_releases_it_at_it
     assert [plan.trie.nodes[n].start for n in range(3)] == [1, 2, 0]  # each prompt's left padding
     assert [plan.shares(j) for j in range(3)] == [True, True, True]
     assert plan.tokens_at(2, 4) == 2 * 4 + 4  # completion pass + c's pass (b was forwarded in micro-batch 1)
-    plan.end_after(1)  # the optimizer steps early: b is released in micro-batch 1, c never forwarded
-    assert [p.key for p in plan.passes] == [(0, 0, 1), (1, 0, 1)]
-    plan.align({(1, 0, 1), (1, 1, 1)})  # another rank in lockstep runs a depth-1 pass there: a stand-in here
-    assert plan.passes[-1] == PassSpec(1, 1, 1, ())
+    ended = plan.end_after(1)  # the optimizer steps early: b is released in micro-batch 1, c never forwarded
+    assert [p.key for p in ended.passes] == [(0, 0, 1), (1, 0, 1)]
+    aligned = ended.align({(1, 0, 1), (1, 1, 1)})  # another rank in lockstep runs a depth-1 pass there: a stand-in
+    assert aligned.passes[-1] == PassSpec(1, 1, 1, ())
 
 
 def test_window_plan_tree_mode_shares_a_prefix_and_counts_unshared_micro_batches():

@@ -25,7 +25,7 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 import grpo_mem
 from grpo_mem.model import attention_hook as attn_hook
-from grpo_mem.model.linear_attention import LinearContext, hands_off_state
+from grpo_mem.model.linear_attention import LinearContext, hands_off_state, install
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import unsupported_cause
 
@@ -128,6 +128,7 @@ def test_node_states_are_the_models_own_states_at_each_rows_last_token():
     ids = torch.tensor([r + [7] * (S - len(r)) for r in rows])  # junk padding
     mask = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in rows])
     impl = attn_hook.take_over(model)
+    install(model)
     try:
         ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(rows), lengths=list(map(len, rows)), capture={}))
         with torch.no_grad():

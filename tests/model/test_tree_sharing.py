@@ -22,7 +22,7 @@ from helpers import (
 
 import grpo_mem
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.trie import PromptTrie
+from grpo_mem.model.plan import PromptTrie
 
 SYSTEM = random_tokens(70, 1)
 SHOTS_A, SHOTS_B = random_tokens(68, 2), random_tokens(66, 3)

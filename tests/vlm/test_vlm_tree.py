@@ -34,7 +34,7 @@ from vlm_fixtures import (
 from grpo_mem.model import multimodal
 from grpo_mem.model.multimodal import TREE_TO_GROUP, VisionInputs
 from grpo_mem.model.sharing import SharingSession
-from grpo_mem.model.trie import PromptTrie
+from grpo_mem.model.plan import PromptTrie
 from grpo_mem.patches.trl import METRIC_PREFIX
 from grpo_mem.patches.trl_images import chunk_images
 
@@ -196,7 +196,7 @@ def test_trie_parts_rows_at_the_first_image_that_differs():
     keys = vision.row_keys(P)
     assert keys[0].images[0] == keys[1].images[0] != keys[2].images[0]  # X, X, then another image of X's grid
     # (tokens from the image's first token to the prompt's end, image tokens): 8 system tokens, then VS X VE VS Y VE 9
-    assert keys[0].spans == ((16, 4), (10, 8)) and keys[1].spans == ((12, 4), (6, 4))
+    assert keys[0].runs == ((16, 4), (10, 8)) and keys[1].runs == ((12, 4), (6, 4))
     real = [ids[b, P - int(mask[b, :P].sum()) : P].tolist() for b in range(3)]
     trie = PromptTrie(real, min_shared_tokens=1, keys=[multimodal.trie_keys(r, k) for r, k in zip(real, keys)])
     shared = trie.nodes[trie.path(trie.leaf[0])[0]]

@@ -150,8 +150,8 @@ def test_runs_key_each_image_and_locate_its_tokens():
     assert keys[3 * G] == b"" and [len(keys[b * G].images) for b in (0, 1, 2, 4, 5)] == [1, 1, 1, 2, 2]
     assert keys[2 * G].images[0] == keys[4 * G].images[0] == keys[5 * G].images[0] == a != keys[G].images[0]
     assert keys[4 * G].images[1] != keys[5 * G].images[1]
-    assert keys[0].spans == ((16 + 1 + 2, 16),)  # from the image's first token: 16 image tokens, EOI, 8 9
-    assert keys[4 * G].spans == ((16 + 2 + 16 + 2, 16), (16 + 2, 16))  # A EOI BOI C EOI 9; C EOI 9
+    assert keys[0].runs == ((16 + 1 + 2, 16),)  # from the image's first token: 16 image tokens, EOI, 8 9
+    assert keys[4 * G].runs == ((16 + 2 + 16 + 2, 16), (16 + 2, 16))  # A EOI BOI C EOI 9; C EOI 9
     whole = chunk_images(extras, 0, B, B)
     assert whole.located is None and "per image, tile or row" in whole.tree_cause()
 
