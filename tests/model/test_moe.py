@@ -177,8 +177,16 @@ def test_lockstep_schedule_keeps_the_router_loss(monkeypatch, C):
     """Ranks in lockstep (FSDP, DeepSpeed) run the completion pass even at C = 1 and align pass schedules: with the
     decision's collective stood in for one rank, each micro-batch's aux loss and the window's gradient are the full
     forward's."""
+    from types import SimpleNamespace
+
     from grpo_mem.model import sharing
 
+    # two ranks up (the session asks ``lockstep`` only then), in lockstep
+    monkeypatch.setattr(
+        sharing,
+        "dist",
+        SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2),
+    )
     monkeypatch.setattr(sharing, "lockstep", lambda model: True)
     monkeypatch.setattr(sharing, "agree", lambda cause, keys, image_passes: (cause, set(keys)))
     model = moe_model("olmoe")

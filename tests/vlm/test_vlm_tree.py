@@ -119,7 +119,14 @@ def test_window_of_two_micro_batches_shares_image_nodes(vlm_tree_model, monkeypa
         asked.append((set(keys), set(image_passes)))
         return reason, set(keys) | {(0, 3, 1)}
 
-    if in_lockstep:
+    if in_lockstep:  # two ranks up (the session asks ``lockstep`` only then), in lockstep
+        from types import SimpleNamespace
+
+        monkeypatch.setattr(
+            sharing,
+            "dist",
+            SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2),
+        )
         monkeypatch.setattr(sharing, "lockstep", lambda model: True)
         monkeypatch.setattr(sharing, "agree", agree)
     encoded.clear()
