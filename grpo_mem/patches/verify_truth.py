@@ -242,14 +242,15 @@ def widened_truth(
     round_to: torch.dtype | None = None,
 ) -> Run:
     """Stock TRL's method on the model widened to ``dtype`` (fp32 for low-precision runs, fp64 for fp32 runs), with
-    gradients only if ``backward``, in row chunks no larger than grpo_mem's micro-batches (in bytes). The model is
-    widened one module at a time (``upcast_per_module``): no whole copy in ``dtype``; with gradients, its decoder
-    layers are checkpointed (``checkpointed_layers``), so that a row in ``dtype`` takes no more than grpo_mem's
-    micro-batch. TRL's fused head (which reads
-    the head's weight outside the head module and computes in fp32 whatever the weights' dtype) is replaced by the
-    model's own logits and a log-softmax in ``dtype``. A model the per-module widening cannot run (a parameter read
-    outside its module's call) is widened whole in place instead, as before (``cast_model``). ``round_to``: every module's
-    outputs and their gradients rounded to that dtype (``rounded_outputs``; timed as "fp32 floor")."""
+    gradients only if ``backward``, in row chunks no larger than grpo_mem's micro-batches (in bytes).
+
+    The model is widened one module at a time (``upcast_per_module``): no whole copy in ``dtype``; with gradients, its
+    decoder layers are checkpointed (``checkpointed_layers``), so that a row in ``dtype`` takes no more than
+    grpo_mem's micro-batch. TRL's fused head (which reads the head's weight outside the head module and computes in
+    fp32 whatever the weights' dtype) is replaced by the model's own logits and a log-softmax in ``dtype``. A model the
+    per-module widening cannot run (a parameter read outside its module's call) is widened whole in place instead
+    (``cast_model``). ``round_to``: every module's outputs and their gradients rounded to that dtype
+    (``rounded_outputs``; timed as "fp32 floor")."""
     device = setup.ids.device
     sync(device)
     t = time.perf_counter()
