@@ -49,17 +49,31 @@ def _check_float(name: str, value, *, positive: bool) -> float:
 
 
 def _targets(index: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
-    """int64 (N,) targets with ignored rows mapped to -1; raises ValueError on any other index outside [0, vocab)."""
+    """int64 (N,) targets with ignored rows mapped to -1.
+
+    An index outside [0, vocab) that is not ``ignore_index`` raises ValueError naming it when ``index`` is on the CPU.
+    On an accelerator the check is a device-side assertion (``torch._assert_async``): reading the answer back would
+    make every call wait for the device (a host synchronisation per micro-batch), so a bad index surfaces instead as a
+    RuntimeError carrying the message below at the next synchronisation, before any result reaches the host.
+    """
     index = index.to(torch.int64)
     valid = index != ignore_index
     if index.numel():
-        bad = valid & ((index < 0) | (index >= vocab))
-        if bool(bad.any()):
-            pos = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"index[{pos}] = {int(index[pos])} is outside [0, {vocab}) and is not ignore_index={ignore_index}"
-            )
+        _check_range(valid & ((index < 0) | (index >= vocab)), index, vocab, ignore_index, on_host=not index.is_cuda)
     return torch.where(valid, index, torch.full_like(index, -1)).contiguous()
+
+
+def _check_range(bad: torch.Tensor, index: torch.Tensor, vocab: int, ignore_index: int, *, on_host: bool) -> None:
+    """Raise when any of ``bad`` (N,) bool is set: ValueError naming the first bad position (``on_host``), else a
+    device-side assertion that does not synchronise."""
+    if not on_host:
+        torch._assert_async(~bad.any(), f"an index is outside [0, {vocab}) and is not ignore_index={ignore_index}")
+        return
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"index[{pos}] = {int(index[pos])} is outside [0, {vocab}) and is not ignore_index={ignore_index}"
+        )
 
 
 def linear_logprobs_ref(
@@ -234,8 +248,9 @@ def linear_logprobs(
 
     Raises:
         TypeError: non-tensor inputs, non-float hidden/weight, non-integer index, non-float hyperparameters.
-        ValueError: bad shapes, an index outside [0, V) that is not ``ignore_index``, temperature <= 0, softcap <= 0,
-            unknown backend.
+        ValueError: bad shapes, an index outside [0, V) that is not ``ignore_index`` (CPU tensors; on CUDA a device-side
+            assertion, a RuntimeError at the next synchronisation, so that the call never waits for the device),
+            temperature <= 0, softcap <= 0, unknown backend.
         BackendUnavailableError (a ValueError): an explicitly requested backend that cannot run here.
     """
     temperature, logit_scale, softcap = _check_linear_inputs(
@@ -303,7 +318,8 @@ def selective_log_softmax(
 
     Raises:
         TypeError / ValueError: non-tensor or non-float logits, non-integer index, shape mismatch, index outside
-        [0, V), temperature <= 0, unknown backend.
+        [0, V) (CPU tensors; on CUDA a device-side assertion, as in :func:`linear_logprobs`), temperature <= 0,
+        unknown backend.
         BackendUnavailableError (a ValueError): an explicitly requested backend that cannot run here.
     """
     if not isinstance(logits, torch.Tensor) or not isinstance(index, torch.Tensor):

@@ -596,3 +596,18 @@ def test_bad_inputs(call, exc, match, monkeypatch):
     h, w, y = torch.randn(5, 4), torch.randn(9, 4), torch.tensor([0, 8, 3, 1, 2])
     with pytest.raises(exc, match=match):
         call(h, w, y)
+
+
+def test_index_check_on_an_accelerator_does_not_synchronise():
+    """On CUDA the index range check is a device-side assertion (``torch._assert_async``), not a read-back: the GPU
+    check found ``bool(bad.any())`` waiting for the device on every head call (``torch.cuda.set_sync_debug_mode``).
+    The assertion's branch runs here on CPU tensors, where ``_assert_async`` raises at once with the same message."""
+    from grpo_mem.ops.logprobs import _check_range
+
+    index = torch.tensor([0, 9, 3])
+    bad = index >= 9
+    with pytest.raises(RuntimeError, match=r"outside \[0, 9\) and is not ignore_index=-100"):
+        _check_range(bad, index, 9, -100, on_host=False)
+    _check_range(torch.zeros(3, dtype=torch.bool), index, 9, -100, on_host=False)  # in range: nothing raised
+    with pytest.raises(ValueError, match=r"index\[1\] = 9"):
+        _check_range(bad, index, 9, -100, on_host=True)
