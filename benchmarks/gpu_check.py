@@ -249,7 +249,8 @@ def phase_command(args, phase: str, work: str) -> list[str]:
             select = "(tree-r2 and bf16) or (linear_logprobs and qwen-2k- and fp32) or (selective and bf16)"
         cmd += ["-k", select]
         if args.device == "cuda" and _has_xdist():
-            cmd += ["-n", "6"]  # compiling dominates; 6 processes keep the largest cases' fp64 truths within 80 GB
+            # compiling dominates; the cases with the largest fp64 truths share one process (xdist_group "large")
+            cmd += ["-n", "6", "--dist", "loadgroup"]
         return cmd
     cmd = [sys.executable, os.path.abspath(__file__), "--run-phase", phase, "--out", args.out, "--work", work]
     cmd += ["--device", args.device] + (["--tiny"] if args.tiny else [])

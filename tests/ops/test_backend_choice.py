@@ -151,6 +151,7 @@ def test_torch_backend_needs_no_triton(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.xdist_group("large")  # beside the kernels' largest cases in the GPU check (--dist loadgroup)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preference", ["torch", "auto"])
 def test_cuda_backends_score_like_stock(monkeypatch, preference):
