@@ -190,7 +190,7 @@ def worker(args: dict) -> dict:
     if micro < 1 or B % micro:
         raise ValueError(f"micro must divide the {B} rows (groups={groups} x G={G}), got {micro}")
     prov = provider_named(args["provider"])
-    model = build_model(args["model_config"], seed=seed, dtype=args.get("dtype", "float32")).to(device)
+    model = build_model(args["model_config"], seed=seed, dtype=args.get("dtype", "float32"), device=device)
     input_ids, attention_mask, completion_mask, extras = _worker_inputs(args, model, seed)
     fn = _scoring_fn(prov, model, args, input_ids, attention_mask, extras, micro)
     res = measure_group(

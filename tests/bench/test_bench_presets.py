@@ -2,6 +2,7 @@
 family with the features it is there to measure, on the llama trunk's shape."""
 
 import pytest
+import torch
 
 from grpo_mem.bench.group import build_model
 from grpo_mem.bench.presets import BENCH_MODELS, bench_model_config
@@ -41,3 +42,12 @@ def test_architecture_rows_build_with_their_family_features(name, cls, layer_typ
         assert len(attn) == 2 and config._attn_implementation == "sdpa"
         assert sum(hasattr(layer, "linear_attn") for layer in model.model.layers) == 6
     assert BENCH_MODELS["llama"]["intermediate_size"] == 1408
+
+
+def test_weights_are_drawn_on_the_device_asked_for():
+    """``build_model(device=...)`` draws the weights where the model runs (the GPU check's bench processes drew a
+    1.7B model's weights on the CPU for most of their time); the meta device stands in for CUDA here."""
+    model = build_model(bench_model_config("llama"), device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    a, b = build_model(bench_model_config("llama"), seed=3), build_model(bench_model_config("llama"), seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
