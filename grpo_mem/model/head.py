@@ -74,7 +74,9 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
     weight, bias = _lm_head_params(causal_lm)
     scale, softcap = logit_transform(causal_lm.config)
     mask = completion_mask.bool().to(weight.device)
-    rows = hidden.to(weight.device)[mask]
+    # the scored positions, read once (a boolean index reads its count back from the device each time it is used)
+    scored = mask.flatten().nonzero().squeeze(1)
+    rows = hidden.to(weight.device).flatten(0, 1).index_select(0, scored)
     if request.cast_lm_head_to_fp32:
         rows = rows.float()
     gather = _gather_zero3(weight, bias)
@@ -91,7 +93,7 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
         out = linear_logprobs(
             rows,
             weight,
-            completion_ids.to(weight.device)[mask],
+            completion_ids.to(weight.device).flatten().index_select(0, scored),
             bias=bias,
             temperature=request.temperature,
             logit_scale=scale,

@@ -34,6 +34,27 @@ import torch
 DEFAULT_MIN_SHARED_TOKENS = 64
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (a tensor the host built: plan indices, masks, positions) on ``device``. To a CUDA device the copy goes
+    from pinned memory without blocking: a plain ``.to("cuda")`` of pageable memory waits for the stream to drain
+    (``torch.cuda.set_sync_debug_mode`` reports it), so each would stop the host from queueing work ahead of the GPU.
+    The source is never written after the copy (the caching host allocator keeps its pinned block until the copy
+    ends)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _on_host(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) prompt ids and mask as CPU tensors, read from the device in one copy (the trie needs the token ids on
+    the host; one read per micro-batch instead of three per unique prompt)."""
+    if ids.device.type == "cpu" and mask.device.type == "cpu":
+        return ids, mask
+    both = torch.stack((ids.to(torch.int64), mask.to(torch.int64))).cpu()
+    return both[0], both[1]
+
+
 @dataclass
 class TrieNode:
     """One span of prompt tokens, forwarded once for every prompt that passes through it.
@@ -331,6 +352,7 @@ class WindowPlan:
         prompt_of: dict = {}
         tokens, starts, keys = [], [], []
         for ids, mask, grouping in zip(prompt_ids, prompt_masks, groupings):
+            ids, mask = _on_host(ids, mask)
             for row in grouping.first.tolist():
                 key = grouping.keys[row]
                 if key not in prompt_of:
@@ -429,7 +451,7 @@ class WindowPlan:
         for i, node in enumerate(nodes):
             ids[i, : lengths[i]] = torch.tensor(node.tokens, dtype=torch.long)
         positions = starts[:, None] + torch.arange(max(lengths))
-        return ids.to(device), mask.to(device), positions.to(device), lengths
+        return to_device(ids, device), to_device(mask, device), to_device(positions, device), lengths
 
     def reach(self, paths: list[list[int]], last: int) -> int:
         """The reach of a pass whose last query sits at position ``last`` and whose rows read the nodes ``paths``

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plan import PassSpec
+from .plan import PassSpec, to_device
 
 
 @dataclass
@@ -277,12 +277,15 @@ class PassTable:
     def gather_last_hidden(self, leaves: list[int], mb) -> torch.Tensor:
         """(B, H) final hidden state of the last token of each of the nodes ``leaves`` (one per row)."""
         sources = self.sources(leaves, mb.index, mb)
-        parts = [states.last_hidden.index_select(0, rows.to(states.last_hidden.device)) for states, _, rows in sources]
+        parts = [
+            states.last_hidden.index_select(0, to_device(rows, states.last_hidden.device))
+            for states, _, rows in sources
+        ]
         hidden = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
         order = torch.cat([readers for _, readers, _ in sources])
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[order] = torch.arange(len(order))
-        return hidden.index_select(0, inverse.to(hidden.device))
+        return hidden.index_select(0, to_device(inverse, hidden.device))
 
     def unkept_outputs(self, *, stand_in: bool) -> list[torch.Tensor]:
         """The last hidden states of the current micro-batch's passes that are not kept, stand-ins or node passes as

@@ -23,7 +23,7 @@ import torch
 
 from . import attention_hook as attn_hook
 from .head import completion_head
-from .plan import PassSpec, WindowPlan, completion_width
+from .plan import PassSpec, WindowPlan, completion_width, to_device
 from .store import ForwardedPass, PassTable, PromptStates, tie, touch
 
 __all__ = ["MicroBatch", "OneRank", "PassExtension", "Window"]
@@ -166,7 +166,7 @@ class Window:
         """One region per pass holding nodes of ``paths`` (one list per reader row), as readers released at
         ``release`` get them (``PassTable.regions``)."""
         regions = self.table.regions(paths, release, mb)
-        return [attn_hook.Region(kv, index.to(mb.device), mask, positions) for kv, index, mask, positions in regions]
+        return [attn_hook.Region(kv, to_device(i, mb.device), mask, pos) for kv, i, mask, pos in regions]
 
     def text_pass(self, mb: MicroBatch, spec: PassSpec) -> None:
         """Forward one pass of the schedule whole and register it, with what the extensions record of it."""

@@ -237,7 +237,7 @@ def test_compiled_kernel_rows_find_every_kernel():
     names = {name for name, _ in jit_functions()}
     kernels = {n for n in names if n.endswith("_kernel")}
     assert {"_mra_fwd_kernel", "_mra_bwd_dq_kernel", "_linear_logprobs_fwd_kernel"} <= kernels
-    assert len(kernels) == 11, sorted(kernels)
+    assert len(kernels) == 12, sorted(kernels)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -520,6 +520,56 @@ def test_head_no_host_sync_and_deterministic():
         results.append((lp, en, gh, gw))
     for name, a, b in zip(("logp", "entropy", "d_hidden", "d_weight"), *results):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
+SCORING_SYNC_BUDGET = 4
+"""Host synchronisations a warm scoring call of grpo_mem's own code may make on CUDA: reading the prompts for the
+plan (one copy per micro-batch), the grouping, the left-padding check and the head's scored positions. Plan indices,
+masks and positions go to the GPU from pinned memory without blocking (``plan.to_device``)."""
+
+
+@cuda_only
+def test_scoring_call_host_syncs():
+    """A warm ``shared_prompt_logprobs`` call and its backward on a tiny Llama on CUDA under
+    ``set_sync_debug_mode("warn")``: every synchronising CUDA operation is recorded where it came from (rows of kind
+    "sync" in kernels.csv; the first GPU run found a read-back per head call and one per plan index copy); grpo_mem's
+    kernels launch none, its model code at most ``SCORING_SYNC_BUDGET``."""
+    import warnings
+
+    from helpers import tiny_model
+
+    from grpo_mem.model.sharing import shared_prompt_logprobs
+
+    model = tiny_model().cuda()
+    B, P, C = 8, 24, 8
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (B, P + C), generator=g)
+    ids[:4, :P], ids[4:, :P] = ids[0, :P], ids[4, :P]
+    mask = torch.ones_like(ids)
+    mask[:4, :3] = 0
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def call():
+        lp, ent = shared_prompt_logprobs(model, ids, mask, C, compute_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+
+    call()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = [f"{w.filename.split('site-packages/')[-1].split('grpo_mem/')[-1]}:{w.lineno}" for w in syncs]
+    for place in sorted(set(where)):
+        ROWS.append({"kind": "sync", "case": place, "tensor": str(where.count(place))})
+    write_csv()
+    ours = [w for w, s in zip(where, syncs) if "/grpo_mem/" in s.filename]
+    assert not [w for w in ours if w.startswith("ops/")], where
+    assert len(ours) <= SCORING_SYNC_BUDGET, where
 
 
 @pytest.mark.slow
