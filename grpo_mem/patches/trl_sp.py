@@ -21,9 +21,14 @@ computes, step by step. What ``install`` changes, each hook checked first by ``c
   Ulysses' attention override undone); ``set_initial_training_values`` runs with an SP size of 1, as the dataloader
   is not multiplied by that adapter.
 - **Generation and scoring** (``_prepare_inputs`` through the patch handle, ``compute_loss``) run under
-  ``data_parallel``. Every SP rank generates (ZeRO-3 needs every rank in generation's forwards); ``_generate``'s
-  outputs and the random states are then the group leader's (``sp_ranks.share_generation``). TRL seeds each process
-  with ``seed + process_index`` (``set_seed(device_specific=True)``); under SP, ``seed + dp_rank``.
+  ``data_parallel``. The group leader alone generates (``_generate_single_turn``; its completions, sampled
+  log-probs and random states are broadcast to the group, ``sp_ranks.share_generation``), except under ZeRO-3, whose
+  parameter gathering for generation is a collective of every rank, and with vLLM: there every SP rank generates and
+  takes the leader's outputs. ``_generate``'s outputs and random states are the leader's in every case. Reward
+  functions that are plain callables run on the leader alone (``_calculate_rewards``: the other ranks join its
+  gather with zeros, which the data-parallel gather drops; a reward function with side effects runs once per
+  group); reward models (``nn.Module``) run on every rank, as their forward may be a collective. TRL seeds each
+  process with ``seed + process_index`` (``set_seed(device_specific=True)``); under SP, ``seed + dp_rank``.
 
 Gradients: DeepSpeed reduces over all ranks (``seq_data_parallel_group``). ZeRO 1/2 divide by ``world / sp_size``
 (deepspeed 0.19.8 ``DeepSpeedZeroOptimizer.average_tensor``, ``gradient_reduction_w_predivide``,
@@ -63,6 +68,8 @@ SP_METHODS = (
     "get_eval_dataloader",
     "compute_loss",
     "_generate",
+    "_generate_single_turn",
+    "_calculate_rewards",
     "set_initial_training_values",
 )
 """Trainer methods ``install`` wraps (``make_method``); each is TRL's own on a trainer without SP."""
@@ -290,6 +297,48 @@ def _make_generate(original, handle):
     return _generate
 
 
+def generates_once(trainer) -> bool:
+    """Whether only the SP group's leader generates: sequence parallelism ready (``ready``), no vLLM, DeepSpeed below
+    ZeRO-3 (ZeRO-3 gathers the parameters for generation with every rank)."""
+    if not ready(trainer) or getattr(trainer, "use_vllm", False):
+        return False
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return plugin is None or plugin.zero_stage < 3
+
+
+def _make_generate_single_turn(original, handle):
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if not generates_once(self):
+            return original(self, prompt_ids, *args, **kwargs)
+        _, rank, _ = sp_group(self)
+        # the other ranks' placeholder is never used: the leader's completions and log-probs replace it
+        outputs = original(self, prompt_ids, *args, **kwargs) if rank == 0 else None
+        return share_generation(self, outputs)
+
+    return _generate_single_turn
+
+
+def _zero_rewards(prompts, **kwargs):
+    """A non-leader rank's stand-in for a reward function: zeros, dropped by the data-parallel gather."""
+    return [0.0] * len(prompts)
+
+
+def _make_calculate_rewards(original, handle):
+    def _calculate_rewards(self, inputs, prompts, *args, **kwargs):
+        if not ready(self) or sp_group(self)[1] == 0:
+            return original(self, inputs, prompts, *args, **kwargs)
+        import torch
+
+        funcs = self.reward_funcs
+        self.reward_funcs = [f if isinstance(f, torch.nn.Module) else _zero_rewards for f in funcs]
+        try:
+            return original(self, inputs, prompts, *args, **kwargs)
+        finally:
+            self.reward_funcs = funcs
+
+    return _calculate_rewards
+
+
 def _make_initial_values(original, handle):
     def set_initial_training_values(self, args, *rest, **kwargs):
         if layout(self) is None:
@@ -314,6 +363,8 @@ _MAKERS = {
     "get_eval_dataloader": _make_dataloader,
     "compute_loss": _make_compute_loss,
     "_generate": _make_generate,
+    "_generate_single_turn": _make_generate_single_turn,
+    "_calculate_rewards": _make_calculate_rewards,
     "set_initial_training_values": _make_initial_values,
 }
 
@@ -336,6 +387,8 @@ _TRAINER_PARAMS = {
     "get_eval_dataloader": ("self", "eval_dataset"),
     "compute_loss": ("self", "model", "inputs"),
     "_generate": ("self",),
+    "_generate_single_turn": ("self", "prompt_ids"),
+    "_calculate_rewards": ("self", "inputs", "prompts"),
     "set_initial_training_values": ("self", "args", "dataloader"),
     "get_sp_size": ("self",),
     "get_total_train_batch_size": ("self", "args"),

@@ -57,7 +57,7 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
     batches (the second one generated after an optimizer step: the gradient, summed by ZeRO-2 / averaged by ZeRO-3
     over the SP group, is the one-process gradient); DeepSpeed's Ulysses attention override is undone and its
     dataloader adapter skipped; the batch arithmetic and the seeds are the data-parallel run's; ``revert()`` brings
-    TRL's refusal back."""
+    TRL's refusal back; generation (below ZeRO-3) and the reward functions ran once per SP group."""
     pytest.importorskip("deepspeed")
     ref = _run(tmp_path, kind, stage, "ref")
     sp = _run(tmp_path, kind, stage, "sp")
@@ -81,6 +81,18 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
         assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]
         assert s["verified"] is (True if stage == "zero2" else None)  # grpo_mem.verify(trainer) before train()
     _assert_same_weights(sp["ranks"][0]["weights"], r["weights"])
+    _assert_generated_once_per_group(sp["ranks"], stage, r["counts"])
+
+
+def _assert_generated_once_per_group(ranks: list, stage: str, one_process: dict) -> None:
+    """The reward functions ran on each SP group's leader alone, as often as on the one-process run; so did the
+    model's ``generate`` below ZeRO-3 (under ZeRO-3 every rank joins the parameter gathering and generates)."""
+    for rank, s in enumerate(ranks):
+        leader = rank % 2 == 0
+        assert s["counts"]["rewards"] == (one_process["rewards"] if leader else 0), (rank, s["counts"], one_process)
+        generated = one_process["generate"] if leader or stage == "zero3" else 0
+        assert s["counts"]["generate"] == generated, (rank, s["counts"], one_process)
+    assert one_process["generate"] > 0 and one_process["rewards"] > 0, one_process
 
 
 @pytest.mark.slow
@@ -100,4 +112,5 @@ def test_sp_groups_with_data_parallelism_match_stock(tmp_path):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (s["grad_norms"], r["grad_norms"])
         assert s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
     assert ref["ranks"][0]["records"][0]["prompt_ids"] != ref["ranks"][1]["records"][0]["prompt_ids"]
+    _assert_generated_once_per_group(sp["ranks"], "zero3", ref["ranks"][0]["counts"])
     _assert_same_weights(sp["ranks"][0]["weights"], ref["ranks"][0]["weights"])

@@ -67,6 +67,30 @@ def _record(trainer) -> list:
     return records
 
 
+def _count_generation_and_rewards(trainer) -> dict:
+    """Count, on this rank, the model's ``generate`` calls (transformers' ``GenerationMixin.generate``) and the calls
+    of each reward function."""
+    from transformers.generation.utils import GenerationMixin
+
+    counts = {"generate": 0, "rewards": 0}
+    generate = GenerationMixin.generate
+
+    def counted_generate(self, *args, **kwargs):
+        counts["generate"] += 1
+        return generate(self, *args, **kwargs)
+
+    def counted(func):
+        def reward(*args, **kwargs):
+            counts["rewards"] += 1
+            return func(*args, **kwargs)
+
+        return reward
+
+    GenerationMixin.generate = counted_generate
+    trainer.reward_funcs = [counted(f) for f in trainer.reward_funcs]
+    return counts
+
+
 def _attention_state(trainer) -> dict:
     """The model's attention implementation and whether the registry maps any name to DeepSpeed's Ulysses wrapper."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -133,6 +157,7 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     # the parameters are partitions until DeepSpeed's engine gathers them, so verify cannot run there before train())
     verified = grpo_mem.verify(trainer).passed if handle is not None and stage == "zero2" else None
     records = _record(trainer)
+    counts = _count_generation_and_rewards(trainer)
     trainer.train()
     weights = gathered_weights(trainer)
     found = sp_ranks.sp_group(trainer)
@@ -151,6 +176,7 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
         "weights": weights if torch.distributed.get_rank() == 0 else None,
         "decisions": _paths(trainer),
         "verified": verified,
+        "counts": counts,
     }
     if handle is not None:
         handle.revert()
