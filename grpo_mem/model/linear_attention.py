@@ -51,6 +51,16 @@ _HAND_OFF_CALLS = (
     "initial_state=recurrent_state",
     "apply_mask_to_padding_states(hidden_states, attention_mask)",
 )
+# what a short convolution's forward must do (transformers' LFM2/LFM3 ``ShortConv``): its only state is the convolution's
+# last K − 1 inputs, read and written through the cache; the convolution runs over [state ++ inputs] and the outputs of
+# the state's positions are dropped
+_SHORT_CONV_CALLS = (
+    "{cache}.get_conv_state(self.layer_idx",
+    "{cache}.update_conv_state(",
+    "causal_conv1d_fn(",
+    "[:, :, -seq_len:]",
+    "apply_mask_to_padding_states(hidden_states, attention_mask)",
+)
 # the cache parameter of a linear-attention layer's forward: transformers 5.24 renamed ``cache_params`` to ``cache``
 _CACHE_PARAMETERS = ("cache", "cache_params")
 
@@ -68,21 +78,28 @@ def cache_parameter(cls: type) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _hands_off_class(cls: type) -> bool:
-    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``_HAND_OFF_CALLS`` on it
-    (False when it cannot be read). The source is read because the calls are the contract; the parameter's name is
-    taken from the signature, so a rename of it does not turn the check into a silent fallback."""
+    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``_HAND_OFF_CALLS`` (a Gated
+    DeltaNet layer) or of ``_SHORT_CONV_CALLS`` without a recurrent state (a short convolution) on it (False when it
+    cannot be read). The source is read because the calls are the contract; the parameter's name is taken from the
+    signature, so a rename of it does not turn the check into a silent fallback."""
     name = cache_parameter(cls)
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    return name is not None and all(call.format(cache=name) in source for call in _HAND_OFF_CALLS)
+    if name is None:
+        return False
+    if all(call.format(cache=name) in source for call in _HAND_OFF_CALLS):
+        return True
+    recurrent = f"{name}.get_recurrent_state(" in source
+    return not recurrent and all(call.format(cache=name) in source for call in _SHORT_CONV_CALLS)
 
 
 def hands_off_state(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a Gated DeltaNet layer whose states grpo_mem can hand from a prompt to its continuations:
-    an integer ``layer_idx``, a ``conv_kernel_size``, and a forward that reads and writes its convolution and recurrent
-    states through its cache parameter and runs the chunked gated delta rule from the read state."""
+    """Whether ``module`` is a layer whose states grpo_mem can hand from a prompt to its continuations: an integer
+    ``layer_idx``, a ``conv_kernel_size``, and a forward that reads and writes its convolution and recurrent states
+    through its cache parameter and runs the chunked gated delta rule from the read state (Gated DeltaNet), or reads
+    and writes its convolution state and convolves over it (a short convolution: LFM2, LFM3)."""
     if not isinstance(getattr(module, "layer_idx", None), int):
         return False
     if not isinstance(getattr(module, "conv_kernel_size", None), int):
@@ -104,7 +121,8 @@ class _HandOff:
 
     ``conv`` (n, conv_dim, K − 1) and ``recurrent`` (n, Hv, dk, dv) are the rows' initial states, or both None (zero
     states). After the call, ``final_conv`` (n, conv_dim, K − 1) and ``final_recurrent`` (n, Hv, dk, dv, fp32 as the
-    delta rule computes it) hold the states after the call's last token.
+    delta rule computes it) hold the states after the call's last token; a short convolution has no recurrent state
+    (``recurrent`` and ``final_recurrent`` stay None).
     """
 
     def __init__(self, conv: torch.Tensor | None, recurrent: torch.Tensor | None):
@@ -188,10 +206,13 @@ class LinearContext:
         self._started = started.tolist()
 
     def _initial(self, layer: int, rows: torch.Tensor):
-        """(conv, recurrent) initial states of ``rows`` (all started, or all from zero: then (None, None))."""
+        """(conv, recurrent) initial states of ``rows`` (all started, or all from zero: then (None, None)); recurrent
+        is None for a layer without one (a short convolution)."""
         if not self._started[int(rows[0])]:
             return None, None
         conv = _gather([(s[layer][0], r, e) for s, r, e in self.sources], rows, self.batch)
+        if any(s[layer][1] is None for s, _, _ in self.sources):
+            return conv, None
         recurrent = _gather([(s[layer][1], r, e) for s, r, e in self.sources], rows, self.batch)
         return conv, recurrent
 
@@ -221,9 +242,14 @@ class LinearContext:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(self.batch)
         if self.capture is not None:
-            conv, recurrent = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*finals))
-            conv, recurrent = (t.index_select(0, inverse.to(t.device)) for t in (conv, recurrent))
-            self.capture.setdefault(layer, (conv, recurrent))
+            states = []
+            for parts in zip(*finals):  # conv, then recurrent (None throughout for a short convolution)
+                if parts[0] is None:
+                    states.append(None)
+                    continue
+                t = torch.cat(parts) if len(parts) > 1 else parts[0]
+                states.append(t.index_select(0, inverse.to(t.device)))
+            self.capture.setdefault(layer, tuple(states))
         out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return out.index_select(0, inverse.to(out.device))
 
@@ -343,4 +369,6 @@ class LinearState(PassExtension):
 
     def record(self, mb, out, ctx, keeper, tokens):
         captured = ctx.linear.capture or {}
-        return {i: tuple(attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in captured.items()}
+        return {
+            i: tuple(None if t is None else attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in captured.items()
+        }

@@ -23,8 +23,10 @@ from . import attention_hook as attn_hook
 from .attention_hook import language_model_of
 from .fallback import forward_params
 
-# RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do).
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+# RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do). "proportional"
+# (LFM3, Gemma 4): RoPE on a fraction of each head's dimensions, zero frequencies on the rest, from the config alone
+# (transformers 5.24 ``_compute_proportional_rope_parameters`` leaves ``seq_len`` unused).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
 SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -223,11 +225,15 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     return None
 
 
+_HANDED_LAYER_TYPES = ("linear_attention", "conv")
+"""``layer_types`` names of the layers whose states grpo_mem hands on (Gated DeltaNet; short convolutions)."""
+
+
 def _handed_layers(config, base) -> list:
-    """The Gated DeltaNet layers of ``base`` whose states grpo_mem hands on (``linear_attention.linear_layers``), for
-    a config whose ``layer_types`` name ``linear_attention`` layers; none otherwise (the linear-attention module is
-    then not imported)."""
-    if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
+    """The Gated DeltaNet and short-convolution layers of ``base`` whose states grpo_mem hands on
+    (``linear_attention.linear_layers``), for a config whose ``layer_types`` name such layers (``_HANDED_LAYER_TYPES``);
+    none otherwise (the linear-attention module is then not imported)."""
+    if not set(_HANDED_LAYER_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return []
     from .linear_attention import linear_layers
 
@@ -244,8 +250,8 @@ def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str
     """
     layer_types = set(getattr(config, "layer_types", None) or [])
     other = layer_types - {"full_attention", "sliding_attention"}
-    if "linear_attention" in other and handed:
-        other.discard("linear_attention")
+    if handed:  # every such layer is one of ``handed`` or a convolution outside them (``_layers_cause``)
+        other -= set(_HANDED_LAYER_TYPES)
     if other:
         return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)", {}
     features = {}

@@ -194,6 +194,49 @@ def test_tree_sharing_matches_stock_trl(monkeypatch, checkpointing, tree):
     assert count.passes == PASSES[tree]
 
 
+def short_conv_model(arch: str, checkpointing: bool = False):
+    """A tiny random LFM2 or LFM3 whose layers are short convolution, attention, short convolution (kernel K = 3:
+    two tokens of convolution state)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        block_ff_dim=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        conv_bias=True,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    assert sum(hands_off_state(m) for m in model.modules()) == 2
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "lfm3"])
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_short_convolutions_match_stock_trl(arch, sharing):
+    """LFM2/LFM3 short convolutions (issue 30): a node's last K − 1 convolution inputs start the rows that continue
+    it; in the three-level tree own parts of 1 and 2 tokens convolve across two node boundaries. Gradient
+    checkpointing on for LFM3."""
+    model = short_conv_model(arch, checkpointing=arch == "lfm3")
+    assert unsupported_cause(model) is None
+    prompts = TREES["three_levels"] if sharing == "tree" else None
+    ids, mask, C, _ = make_batch(prompts or [5, 9, 2, 7], 3, 6, prompts=prompts, shuffle=True, junk_in_padding=True)
+    _check(model, ids, mask, C, sharing)
+
+
 def test_window_carries_states_across_micro_batches(monkeypatch):
     """Micro-batches of one optimizer step share the system prompt and split groups (gradient checkpointing on):
     each node is forwarded once per window and its states are read by later micro-batches through the store; the
