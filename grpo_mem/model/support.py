@@ -177,7 +177,12 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     if not attention:
         names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
         named = ", ".join(names[:2]) or "no attention module"
-        return f"attention is not computed through transformers' attention interface ({named})"
+        cause = f"attention is not computed through transformers' attention interface ({named})"
+        if handed:  # a recurrent backbone: served when its layers are Mamba-1 mixers
+            from .mamba_state import backbone_cause
+
+            return backbone_cause(base, handed, cause)
+        return cause
     indices = [getattr(m, "layer_idx", None) for _, m in attention]
     if not all(isinstance(i, int) for i in indices):
         return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
@@ -230,8 +235,9 @@ def _handed_layers(config, base) -> list:
     if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
         return []
     from .linear_attention import linear_layers
+    from .mamba_state import mamba_layers
 
-    return linear_layers(base)
+    return linear_layers(base) + mamba_layers(base)
 
 
 def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:

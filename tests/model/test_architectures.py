@@ -29,7 +29,7 @@ from helpers import REPO, ArchitectureRow, check_architecture
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # every kind of outcome at least once: prompt-once (dense, MoE, logit scale/softcap, QK-norm, partial RoPE, Gated
-# DeltaNet hybrid), and each family of fallback causes
+# DeltaNet hybrid, Mamba-1), and each family of fallback causes
 FAST = [
     "llama",
     "qwen3_moe",
@@ -41,8 +41,9 @@ FAST = [
     "gemma3_text",
     "qwen3_next",
     "recurrent_gemma",
-    "mamba",
     "jamba",  # sliding window, Gated DeltaNet, recurrence
+    "mamba",
+    "falcon_mamba",  # Mamba-1 state hand-off
     "gpt_oss",
     "gpt2",
     "opt",

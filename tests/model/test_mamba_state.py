@@ -1,0 +1,172 @@
+"""Mamba-1 mixers (mamba, falcon_mamba) on the prompt-once path: each node's convolution and SSM state at its last real
+token, handed to the rows that continue it; the reference mixer against transformers' own forward, and log-probs,
+entropies and gradients against TRL 1.16's own computation, fp32."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import (
+    EOS,
+    VOCAB,
+    CountPasses,
+    assert_close,
+    grads_of,
+    make_batch,
+    random_tokens,
+    stock_logps,
+)
+from transformers import FalconMambaConfig, FalconMambaForCausalLM, MambaConfig, MambaForCausalLM
+
+import grpo_mem
+from grpo_mem.model.mamba_state import mamba_layers, mixer_ref, takes_state
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import unsupported_cause
+
+ARCHS = {"mamba": (MambaConfig, MambaForCausalLM), "falcon_mamba": (FalconMambaConfig, FalconMambaForCausalLM)}
+
+
+def tiny_mamba(arch="mamba", seed=0, **overrides):
+    """A tiny random Mamba-1 model: 2 layers, hidden 32, intermediate 64, SSM state 8, convolution kernel 4, train
+    mode; the Δ bias raised so the SSM state decays within a few tokens and the last tokens weigh as much as the
+    first."""
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        expand=2,
+        time_step_rank=4,
+        pad_token_id=0,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        **overrides,
+    )
+    model = model_cls(config).float()
+    with torch.no_grad():
+        for mixer in mamba_layers(model):
+            mixer.dt_proj.bias.add_(1.0)
+    return model.train()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the reference mixer and the hand-off
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_mixer_ref_is_the_mixers_own_forward(arch):
+    """From zero states, with and without a mask of left padding, ``mixer_ref`` is the mixer's own forward."""
+    mixer = tiny_mamba(arch).backbone.layers[1].mixer
+    x = torch.randn(3, 7, 32)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, :3], mask[2, :6] = 0, 0
+    for m in (None, mask):
+        assert_close(mixer_ref(mixer, x, m)[0], mixer(x, attention_mask=m), 1e-6, f"{arch} mask={m is not None}")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_segments_continued_from_their_states_equal_one_piece(arch):
+    """A sequence cut into segments of 5, 1, 2 and 4 tokens (two shorter than the convolution's K − 1 = 3), each run
+    from the states the previous one ended with, gives the mixer's own output on the whole sequence (fp32, 1e-6); the
+    gradients of the input and of every parameter, flowing back through the handed states, are the whole sequence's
+    (1e-5 of each one's largest entry)."""
+    mixer = tiny_mamba(arch).backbone.layers[0].mixer
+    x, w = torch.randn(2, 12, 32), torch.randn(2, 12, 32)
+
+    def grads(out, inp):
+        mixer.zero_grad(set_to_none=True)
+        (out * w).sum().backward()
+        return {"x": inp.grad, **{n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}}
+
+    whole_in = x.clone().requires_grad_()
+    whole = mixer(whole_in)
+    ref = grads(whole, whole_in)
+    cut_in = x.clone().requires_grad_()
+    outs, conv, ssm, at = [], None, None, 0
+    for n in (5, 1, 2, 4):
+        y, conv, ssm = mixer_ref(mixer, cut_in[:, at : at + n], None, conv, ssm)
+        outs.append(y)
+        at += n
+    pieces = torch.cat(outs, 1)
+    assert_close(pieces, whole, 1e-6, f"{arch} output")
+    for name, g in grads(pieces, cut_in).items():
+        assert_close(g, ref[name], 1e-5 * float(ref[name].abs().max()), f"{arch} grad {name}")
+
+
+def test_mamba_models_are_supported_by_capability_and_a_bias_is_named():
+    for arch in ARCHS:
+        model = tiny_mamba(arch)
+        assert unsupported_cause(model) is None
+        assert [m.layer_idx for m in model.modules() if takes_state(m)] == [0, 1]
+    biased = tiny_mamba("mamba", use_bias=True)
+    assert unsupported_cause(biased) == (
+        "a Mamba in_proj bias (use_bias=True): stock feeds it to the convolution at left-padding positions"
+    )
+
+
+def test_wrappers_are_removed_by_restore_and_a_plain_call_is_stock():
+    model = tiny_mamba().eval()
+    ids, mask, C, _ = make_batch([4, 6], 2, 3, junk_in_padding=True)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+        wrapped = [model.backbone, *mamba_layers(model)]
+        assert all("forward" in m.__dict__ for m in wrapped)
+        assert_close(model(input_ids=ids, attention_mask=mask).logits, before, 0.0, "a call without a context")
+    grpo_mem.restore(model)
+    assert not any("forward" in m.__dict__ or "_grpo_mem_linear_forward" in m.__dict__ for m in wrapped)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# exactness against stock TRL
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _check(model, ids, mask, C, sharing):
+    """Stock TRL's numbers and ours (a one-micro-batch window; tree nodes from 2 shared tokens) agree."""
+    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    ref_g = grads_of(model, ref, ref_e)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        session = SharingSession(sharing, min_shared_tokens=2)
+        session.begin_window([ids[:, :-C]], [mask[:, :-C]])
+        ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    assert_close(ours, ref, 1e-5, "log-probs")
+    assert_close(ours_e, ref_e, 1e-5, "entropies")
+    ours_g = grads_of(model, ours, ours_e)
+    assert ours_g.keys() == ref_g.keys()
+    for name, r in ref_g.items():
+        assert_close(ours_g[name], r, 1e-4 * float(r.abs().max()), f"gradient of {name}")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_group_sharing_matches_stock_trl(arch, checkpointing):
+    """Left-padded prompts of 1 to 9 tokens (junk in the padding; two shorter than K − 1), 3 completions each,
+    shuffled: every completion starts from its prompt's states, and the prompt's gradient comes back through them."""
+    model = tiny_mamba(arch)
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids, mask, C, _ = make_batch([5, 9, 1, 2], 3, 6, shuffle=True, junk_in_padding=True)
+    _check(model, ids, mask, C, "group")
+
+
+SYSTEM = random_tokens(9, 1)
+TREE = [SYSTEM + random_tokens(5, 10), SYSTEM + random_tokens(1, 11), SYSTEM + random_tokens(2, 12), SYSTEM]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tree_sharing_hands_a_nodes_states_to_its_children(monkeypatch, checkpointing):
+    """A shared 9-token prefix forwarded once as the trie's root node; its states start the child nodes (of 5, 1 and 2
+    tokens, in one pass) and the completions of the prompt that is the prefix itself."""
+    model = tiny_mamba("falcon_mamba" if checkpointing else "mamba")
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids, mask, C, _ = make_batch(None, 2, 5, prompts=TREE, shuffle=True, junk_in_padding=True)
+    count = CountPasses(monkeypatch)
+    _check(model, ids, mask, C, "tree")
+    assert count.passes == [[9], [1, 2, 5]]
