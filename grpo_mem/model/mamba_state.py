@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import weakref
 from collections.abc import Callable
 
@@ -55,7 +56,10 @@ _CONTRACT = (
 _NORMS = ("self.dt_layernorm(time_step)", "self.b_layernorm(B)", "self.c_layernorm(C)")
 # how a backbone hands the attention mask on: to each block, and each block to its mixer
 _BACKBONE_CALL = "attention_mask=attention_mask"
-_BLOCK_CALL = "self.mixer(hidden_states, cache=cache, attention_mask=attention_mask)"
+# (the cache keyword is ``cache`` from transformers 5.24, ``cache_params`` before)
+_BLOCK_CALL = re.compile(
+    r"self\.mixer\(hidden_states, cache(_params)?=cache(_params)?, attention_mask=attention_mask\)"
+)
 
 
 @functools.cache
@@ -101,7 +105,7 @@ def backbone_cause(base: torch.nn.Module, handed: list, otherwise: str) -> str |
         held = [m for m in block.modules() if id(m) in mixers]
         if len(held) != 1 or getattr(block, "mixer", None) is not held[0]:
             return f"layer {i} ({type(block).__name__}) is not one Mamba block around its mixer"
-        if _BLOCK_CALL not in _source(own_class(block)):
+        if not _BLOCK_CALL.search(_source(own_class(block))):
             return f"{type(block).__name__} does not hand its attention mask to its mixer"
     for name, module in base.named_modules():
         if isinstance(module, torch.nn.Conv1d) and not any(module is getattr(m, "conv1d", None) for m in handed):
