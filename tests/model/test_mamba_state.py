@@ -11,10 +11,13 @@ from helpers import (
     VOCAB,
     CountPasses,
     assert_close,
+    begin_window,
     grads_of,
     make_batch,
     random_tokens,
     stock_logps,
+    stock_window,
+    weighted_backward,
 )
 from transformers import FalconMambaConfig, FalconMambaForCausalLM, MambaConfig, MambaForCausalLM
 
@@ -170,3 +173,32 @@ def test_tree_sharing_hands_a_nodes_states_to_its_children(monkeypatch, checkpoi
     count = CountPasses(monkeypatch)
     _check(model, ids, mask, C, "tree")
     assert count.passes == [[9], [1, 2, 5]]
+
+
+def test_window_carries_states_across_micro_batches(monkeypatch):
+    """Micro-batches of one optimizer step share the 9-token prefix and split groups (checkpointing on): each node is
+    forwarded once per window, later micro-batches read its states through the store, and the window's gradient is
+    stock TRL's summed over its micro-batches."""
+    model = tiny_mamba()
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    prompt_sets = [[TREE[0], TREE[2]], [TREE[0], TREE[1]], [TREE[3], TREE[1]]]
+    C = 4
+    batches = [
+        make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
+        for i, p in enumerate(prompt_sets)
+    ]
+    ref, ref_grads = stock_window(model, batches, C)
+    count = CountPasses(monkeypatch)
+    session = SharingSession(min_shared_tokens=2)
+    begin_window(session, batches, C)
+    for (ids, mask), (r, re) in zip(batches, ref):
+        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
+        assert_close(logps, r, 1e-5, "log-probs")
+        assert_close(ent, re, 1e-5, "entropies")
+        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
+    ours = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    session.close_window()  # raises if a kept pass was never released
+    assert sorted(t for p in count.passes for t in p) == [1, 2, 5, 9]
+    assert ours.keys() == ref_grads.keys()
+    for name, r in ref_grads.items():
+        assert_close(ours[name], r, 1e-4 * float(r.abs().max()), f"gradient of {name}")
