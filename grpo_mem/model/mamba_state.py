@@ -24,14 +24,13 @@ import functools
 import inspect
 import re
 import weakref
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import attention_hook as attn_hook
 from .attention_hook import WRAPPED_FORWARD, own_class
-from .linear_attention import LinearContext
+from .linear_attention import LinearContext, _LayerForward
 
 __all__ = ["backbone_cause", "install", "mamba_layers", "mixer_ref", "selective_scan_ref", "takes_state"]
 
@@ -200,26 +199,18 @@ class _Relay:
         self.token, self.calls = token, 0
 
 
-class _Forward:
-    """The forward ``install`` gives a backbone or a mixer: ``__call__(*args, **kwargs)``. Bound to ``module`` and
-    closing over nothing else (the previous instance forward stays in its ``__dict__`` under ``WRAPPED_FORWARD``), so
-    ``copy.deepcopy`` and ``pickle`` (``__reduce__``) give a copy whose forward computes with the copy's weights."""
+class _Forward(_LayerForward):
+    """The forward ``install`` gives a backbone (``mixers`` > 0: the mixers it holds) or a mixer: ``__call__(*args,
+    **kwargs)``; bound to ``module`` only, so that copies compute with their own weights (``_LayerForward``)."""
 
-    __slots__ = ("mixers", "module")
+    __slots__ = ("mixers",)
 
     def __init__(self, module: torch.nn.Module, mixers: int = 0):
-        self.module, self.mixers = module, mixers  # mixers > 0: the backbone, holding that many mixers
+        super().__init__(module)
+        self.mixers = mixers
 
     def __reduce__(self):
         return _Forward, (self.module, self.mixers)
-
-    @property
-    def __signature__(self):
-        return inspect.signature(self._original())
-
-    def _original(self) -> Callable:
-        own = self.module.__dict__.get(WRAPPED_FORWARD)
-        return own if own is not None else type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args, **kwargs):
         return (self._backbone if self.mixers else self._mixer)(self._original(), *args, **kwargs)

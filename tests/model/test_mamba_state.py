@@ -2,8 +2,6 @@
 token, handed to the rows that continue it; the reference mixer against transformers' own forward, and log-probs,
 entropies and gradients against TRL 1.16's own computation, fp32."""
 
-import warnings
-
 import pytest
 import torch
 from helpers import (
@@ -11,19 +9,15 @@ from helpers import (
     VOCAB,
     CountPasses,
     assert_close,
-    begin_window,
-    grads_of,
+    check_against_stock,
+    check_window_against_stock,
     make_batch,
     random_tokens,
-    stock_logps,
-    stock_window,
-    weighted_backward,
 )
 from transformers import FalconMambaConfig, FalconMambaForCausalLM, MambaConfig, MambaForCausalLM
 
 import grpo_mem
 from grpo_mem.model.mamba_state import mamba_layers, mixer_ref, takes_state
-from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import unsupported_cause
 
 ARCHS = {"mamba": (MambaConfig, MambaForCausalLM), "falcon_mamba": (FalconMambaConfig, FalconMambaForCausalLM)}
@@ -129,23 +123,6 @@ def test_wrappers_are_removed_by_restore_and_a_plain_call_is_stock():
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _check(model, ids, mask, C, sharing):
-    """Stock TRL's numbers and ours (a one-micro-batch window; tree nodes from 2 shared tokens) agree."""
-    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
-    ref_g = grads_of(model, ref, ref_e)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="grpo_mem: falling back")
-        session = SharingSession(sharing, min_shared_tokens=2)
-        session.begin_window([ids[:, :-C]], [mask[:, :-C]])
-        ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
-    assert_close(ours, ref, 1e-5, "log-probs")
-    assert_close(ours_e, ref_e, 1e-5, "entropies")
-    ours_g = grads_of(model, ours, ours_e)
-    assert ours_g.keys() == ref_g.keys()
-    for name, r in ref_g.items():
-        assert_close(ours_g[name], r, 1e-4 * float(r.abs().max()), f"gradient of {name}")
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_group_sharing_matches_stock_trl(arch, checkpointing):
@@ -155,7 +132,7 @@ def test_group_sharing_matches_stock_trl(arch, checkpointing):
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     ids, mask, C, _ = make_batch([5, 9, 1, 2], 3, 6, shuffle=True, junk_in_padding=True)
-    _check(model, ids, mask, C, "group")
+    check_against_stock(model, ids, mask, C, "group")
 
 
 SYSTEM = random_tokens(9, 1)
@@ -171,7 +148,7 @@ def test_tree_sharing_hands_a_nodes_states_to_its_children(monkeypatch, checkpoi
         model.gradient_checkpointing_enable({"use_reentrant": False})
     ids, mask, C, _ = make_batch(None, 2, 5, prompts=TREE, shuffle=True, junk_in_padding=True)
     count = CountPasses(monkeypatch)
-    _check(model, ids, mask, C, "tree")
+    check_against_stock(model, ids, mask, C, "tree")
     assert count.passes == [[9], [1, 2, 5]]
 
 
@@ -187,18 +164,6 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
         make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
         for i, p in enumerate(prompt_sets)
     ]
-    ref, ref_grads = stock_window(model, batches, C)
     count = CountPasses(monkeypatch)
-    session = SharingSession(min_shared_tokens=2)
-    begin_window(session, batches, C)
-    for (ids, mask), (r, re) in zip(batches, ref):
-        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
-        assert_close(logps, r, 1e-5, "log-probs")
-        assert_close(ent, re, 1e-5, "entropies")
-        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
-    ours = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    session.close_window()  # raises if a kept pass was never released
+    check_window_against_stock(model, batches, C)
     assert sorted(t for p in count.passes for t in p) == [1, 2, 5, 9]
-    assert ours.keys() == ref_grads.keys()
-    for name, r in ref_grads.items():
-        assert_close(ours[name], r, 1e-4 * float(r.abs().max()), f"gradient of {name}")
