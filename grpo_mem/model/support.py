@@ -171,7 +171,7 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
 
     ``features``: keyword -> what the config asks of the attention (``sliding_window`` for a window, ``softcap`` for
     score softcapping); each attention module must hand it to the attention interface, where the hook reads it.
-    ``handed``: the Gated DeltaNet layers whose states are handed on (``_handed_layers``).
+    ``handed``: the Gated DeltaNet layers and Mamba-1 mixers whose states are handed on (``_handed_layers``).
     """
     attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
     if not attention:
@@ -229,9 +229,9 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
 
 
 def _handed_layers(config, base) -> list:
-    """The Gated DeltaNet layers of ``base`` whose states grpo_mem hands on (``linear_attention.linear_layers``), for
-    a config whose ``layer_types`` name ``linear_attention`` layers; none otherwise (the linear-attention module is
-    then not imported)."""
+    """The Gated DeltaNet layers and Mamba-1 mixers of ``base`` whose states grpo_mem hands on
+    (``linear_attention.linear_layers``, ``mamba_state.mamba_layers``), for a config whose ``layer_types`` name
+    ``linear_attention`` layers; none otherwise (neither module is then imported)."""
     if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
         return []
     from .linear_attention import linear_layers
@@ -353,7 +353,7 @@ def architecture_cause(causal_lm) -> str | None:
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
     ``layer_idx`` or is a Gated DeltaNet layer whose states grpo_mem hands on (``linear_attention.hands_off_state``:
-    Qwen3.5, Qwen3-Next), causal attention (full or sliding-window per layer, with or without sinks and score
+    Qwen3.5, Qwen3-Next), or whose every layer is a Mamba-1 mixer (``mamba_state.backbone_cause``), causal attention (full or sliding-window per layer, with or without sinks and score
     softcapping, each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids``
     independent of the sequence length, and logits made by one linear layer on the last hidden state (plus the logit
     scale and softcap the completion head applies). Everything else is named: remote code, encoder-decoder models,

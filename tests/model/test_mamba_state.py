@@ -167,3 +167,18 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
     count = CountPasses(monkeypatch)
     check_window_against_stock(model, batches, C)
     assert sorted(t for p in count.passes for t in p) == [1, 2, 5, 9]
+
+
+def test_a_block_that_drops_the_relay_or_a_cache_in_a_pass_is_an_error():
+    """A block that stops handing its attention mask to its mixer would run that mixer from zero states: the backbone
+    counts the mixers that got the pass's context and raises; a pass given a cache is refused."""
+    model = tiny_mamba().eval()
+    ids, mask, C, _ = make_batch([4, 6], 2, 3)
+    block = model.backbone.layers[1]
+    block.forward = lambda hidden, cache=None, attention_mask=None, **kw: type(block).forward(block, hidden)
+    with pytest.raises(RuntimeError, match=r"1 of the 2 Mamba mixers of MambaModel got the pass's context"):
+        grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+    del block.forward
+    with pytest.raises(ValueError, match=r"must not carry a cache"):
+        model.backbone(input_ids=ids, cache=object(), grpo_mem_ctx="unused")
+    grpo_mem.restore(model)
