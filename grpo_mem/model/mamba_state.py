@@ -1,4 +1,5 @@
-"""Mamba-1 mixers (``mamba``, ``falcon_mamba``) on the prompt-once path: each node's convolution and SSM state, handed on.
+"""Mamba-1 mixers (``mamba``, ``falcon_mamba``, ``jamba``'s) on the prompt-once path: each node's convolution and SSM
+state, handed on.
 
 A Mamba-1 mixer (Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", arXiv 2312.00752)
 projects each token to an input x and a gate z, runs a causal depthwise convolution of kernel K over x, then the
@@ -15,7 +16,10 @@ left-aligned with their padding masked, as stock TRL's left padding (the mixer's
 masked inputs leave a zero state zero and, without an ``in_proj`` bias, feed zeros to the convolution), rows from a
 parent's state run per length unpadded, and each state's gradient reaches the parent's pass through a differentiable
 gather. Mamba backbones pass their blocks no keyword arguments but the attention mask, so the context token travels in
-its place (``_Relay``). This module knows torch and transformers' Mamba modules.
+its place (``_Relay``) from the backbone; Jamba's decoder layers get the backbone's keyword arguments but hand their
+mixer only the mask, so there the relay starts at the layer. (A Jamba configuration with attention layers falls back:
+its attention takes no positions, a case the capability rule does not admit.) This module knows torch and
+transformers' Mamba modules.
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ __all__ = ["backbone_cause", "install", "mamba_layers", "mixer_ref", "selective_
 _MIXERS = {
     ("transformers.models.mamba.modeling_mamba", "MambaMixer"): False,
     ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"): True,
+    ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"): True,
 }
+# mixers whose decoder layer gets the backbone's keyword arguments (the context token) and hands its mixer only the
+# attention mask: the relay starts at that layer (Jamba); the others' backbones pass no keyword arguments on (Mamba)
+_LAYER_RELAY = frozenset({"JambaMambaMixer"})
 # what the mixer's forward must compute for ``mixer_ref`` to be it (transformers 5.23 and 5.24)
 _CONTRACT = (
     "apply_mask_to_padding_states(hidden_states, attention_mask)",
@@ -56,6 +64,10 @@ _NORMS = ("self.dt_layernorm(time_step)", "self.b_layernorm(B)", "self.c_layerno
 # how a backbone hands the attention mask on: to each block, and each block to its mixer
 _BACKBONE_CALL = "attention_mask=attention_mask"
 # (the cache keyword is ``cache`` from transformers 5.24, ``cache_params`` before)
+# how a relaying decoder layer calls its mixer (Jamba: ``cache=cache`` from 5.24, ``cache_params=past_key_values`` before)
+_LAYER_CALL = re.compile(
+    r"self\.\w+\(\s*hidden_states=hidden_states,\s*cache(_params)?=\w+,\s*attention_mask=attention_mask,?\s*\)"
+)
 _BLOCK_CALL = re.compile(
     r"self\.mixer\(hidden_states, cache(_params)?=cache(_params)?, attention_mask=attention_mask\)"
 )
@@ -101,6 +113,10 @@ def backbone_cause(base: torch.nn.Module, handed: list, otherwise: str) -> str |
     if len(lists) != 1:
         return f"{type(base).__name__} has {len(lists)} layer lists, not one list of Mamba blocks"
     for i, block in enumerate(lists[0]):
+        if relayed_layer(block):
+            if _source(own_class(base)).count("**kwargs") < 2:
+                return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
+            continue
         held = [m for m in block.modules() if id(m) in mixers]
         if len(held) != 1 or getattr(block, "mixer", None) is not held[0]:
             return f"layer {i} ({type(block).__name__}) is not one Mamba block around its mixer"
@@ -109,7 +125,7 @@ def backbone_cause(base: torch.nn.Module, handed: list, otherwise: str) -> str |
     for name, module in base.named_modules():
         if isinstance(module, torch.nn.Conv1d) and not any(module is getattr(m, "conv1d", None) for m in handed):
             return f"a convolution over the sequence ({name}) outside the Mamba mixers"
-    if _BACKBONE_CALL not in _source(own_class(base)):
+    if _BACKBONE_CALL not in _source(own_class(base)) and not all(relayed_layer(b) for b in lists[0]):
         return f"{type(base).__name__} does not hand its attention mask to its blocks"
     if any(m.in_proj.bias is not None for m in handed):
         return "a Mamba in_proj bias (use_bias=True): stock feeds it to the convolution at left-padding positions"
@@ -219,7 +235,7 @@ class _Forward(_LayerForward):
         token = kwargs.pop(attn_hook.CTX_KWARG, None)
         if token is None:
             return original(*args, **kwargs)
-        if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
+        if any(kwargs.get(name) is not None for name in ("cache", "cache_params", "past_key_values")):
             raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
         kwargs["attention_mask"] = relay = _Relay(token)
         out = original(*args, **kwargs)
@@ -274,8 +290,31 @@ def install(model: torch.nn.Module) -> int:
     layers = _LAYERS.get(model)
     if layers is None:
         layers = _LAYERS[model] = mamba_layers(model)
-    if layers:
-        _wrap(model.base_model, mixers=len(layers))
-        for module in layers:
-            _wrap(module)
+    relayed = [m for m in layers if own_class(m).__name__ in _LAYER_RELAY]
+    if len(relayed) < len(layers):
+        _wrap(model.base_model, mixers=len(layers) - len(relayed))
+    for layer in relay_layers(model.base_model, relayed):
+        _wrap(layer, mixers=1)
+    for module in layers:
+        _wrap(module)
     return len(layers)
+
+
+def relay_layers(base: torch.nn.Module, relayed: list) -> list[torch.nn.Module]:
+    """The decoder layers of ``base`` (in its layer lists) that hold a mixer of ``relayed``, one each."""
+    ids = {id(m) for m in relayed}
+    return [
+        layer
+        for child in base.children()
+        if isinstance(child, torch.nn.ModuleList)
+        for layer in child
+        if any(id(m) in ids for m in layer.modules())
+    ]
+
+
+def relayed_layer(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s only token mixing is one Mamba-1 mixer whose context ``install`` relays from the layer's
+    keyword arguments, handed on as the mixer's attention mask (the layer need not pass its keyword arguments on)."""
+    mixers = [m for m in layer.modules() if takes_state(m)]
+    source = _source(own_class(layer))
+    return len(mixers) == 1 and own_class(mixers[0]).__name__ in _LAYER_RELAY and _LAYER_CALL.search(source) is not None

@@ -197,7 +197,7 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             for i, layer in enumerate(module):
                 if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
-                if not _passes_kwargs(type(layer)):
+                if not _passes_kwargs(type(layer)) and not (handed and _relayed(layer)):
                     return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
     if not _passes_kwargs(type(base)):
         return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
@@ -226,6 +226,13 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             if f"{keyword}=" not in _forward_source(cls):
                 return f"{feature} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
     return None
+
+
+def _relayed(layer) -> bool:
+    """Whether ``layer`` is a Jamba Mamba layer, whose context ``mamba_state`` relays (``relayed_layer``)."""
+    from .mamba_state import relayed_layer
+
+    return relayed_layer(layer)
 
 
 def _handed_layers(config, base) -> list:
@@ -353,7 +360,8 @@ def architecture_cause(causal_lm) -> str | None:
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
     ``layer_idx`` or is a Gated DeltaNet layer whose states grpo_mem hands on (``linear_attention.hands_off_state``:
-    Qwen3.5, Qwen3-Next), or whose every layer is a Mamba-1 mixer (``mamba_state.backbone_cause``), causal attention (full or sliding-window per layer, with or without sinks and score
+    Qwen3.5, Qwen3-Next), or whose every layer is a Mamba-1 layer (``mamba_state.backbone_cause``: Mamba,
+    FalconMamba, all-Mamba Jamba), causal attention (full or sliding-window per layer, with or without sinks and score
     softcapping, each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids``
     independent of the sequence length, and logits made by one linear layer on the last hidden state (plus the logit
     scale and softcap the completion head applies). Everything else is named: remote code, encoder-decoder models,

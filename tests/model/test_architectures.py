@@ -40,10 +40,10 @@ FAST = [
     "gpt_neox",  # prompt-once
     "gemma3_text",
     "qwen3_next",
-    "recurrent_gemma",
-    "jamba",  # sliding window, Gated DeltaNet, recurrence
+    "recurrent_gemma",  # sliding window, Gated DeltaNet, recurrence
     "mamba",
-    "falcon_mamba",  # Mamba-1 state hand-off
+    "falcon_mamba",
+    "jamba",  # Mamba-1 state hand-off (Jamba: all-Mamba layers at the tiny size)
     "gpt_oss",
     "gpt2",
     "opt",

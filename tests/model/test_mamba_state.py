@@ -14,7 +14,14 @@ from helpers import (
     make_batch,
     random_tokens,
 )
-from transformers import FalconMambaConfig, FalconMambaForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import (
+    FalconMambaConfig,
+    FalconMambaForCausalLM,
+    JambaConfig,
+    JambaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+)
 
 import grpo_mem
 from grpo_mem.model.mamba_state import mamba_layers, mixer_ref, takes_state
@@ -182,3 +189,53 @@ def test_a_block_that_drops_the_relay_or_a_cache_in_a_pass_is_an_error():
     with pytest.raises(ValueError, match=r"must not carry a cache"):
         model.backbone(input_ids=ids, cache=object(), grpo_mem_ctx="unused")
     grpo_mem.restore(model)
+
+
+def tiny_jamba(attention: bool, seed=0):
+    """A tiny random Jamba (3 layers, hidden 32, MoE of 4 experts in layer 1), train mode: every layer a Mamba layer,
+    or (``attention``) the middle one an attention layer."""
+    torch.manual_seed(seed)
+    config = JambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2 if attention else 8,
+        attn_layer_offset=1 if attention else 4,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        pad_token_id=0,
+        eos_token_id=EOS,
+        bos_token_id=1,
+    )
+    return JambaForCausalLM(config).float().train()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_jamba_of_mamba_layers_matches_stock_trl(checkpointing):
+    """Jamba whose layers are all Mamba layers (one with an MoE feed-forward): its decoder layers get the context and
+    relay it to their mixers; group sharing of left-padded prompts and a trie with a child node, against stock TRL."""
+    model = tiny_jamba(attention=False)
+    assert unsupported_cause(model) is None
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids, mask, C, _ = make_batch([5, 9, 1, 2], 2, 4, shuffle=True, junk_in_padding=True)
+    check_against_stock(model, ids, mask, C, "group")
+    ids, mask, C, _ = make_batch(None, 2, 4, prompts=TREE, shuffle=True, junk_in_padding=True)
+    check_against_stock(model, ids, mask, C, "tree")
+
+
+def test_jamba_with_attention_layers_names_its_cause():
+    """Jamba's attention layers take no positions (no RoPE): the capability rule does not admit such attention."""
+    assert (
+        unsupported_cause(tiny_jamba(attention=True))
+        == "JambaAttention takes no position_ids or rotary position_embeddings"
+    )
