@@ -277,6 +277,47 @@ def assert_weights_close(ours_model, stock_model, atol):
         assert_close(p.detach(), stock_params[name].detach(), atol, name)
 
 
+def check_against_stock(model, ids, mask, C, sharing, assert_grads=assert_grads_close):
+    """Stock TRL's log-probs and entropies (temperature 0.7) and their gradients against a one-micro-batch window of
+    ``sharing`` (trie nodes from 2 shared tokens) that must not fall back: values within 1e-5, gradients by
+    ``assert_grads`` (ours, ref)."""
+    import warnings
+
+    from grpo_mem.model.sharing import SharingSession
+
+    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    ref_g = grads_of(model, ref, ref_e)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        session = SharingSession(sharing, min_shared_tokens=2)
+        session.begin_window([ids[:, :-C]], [mask[:, :-C]])
+        ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    assert_close(ours, ref, 1e-5, "log-probs")
+    assert_close(ours_e, ref_e, 1e-5, "entropies")
+    assert_grads(grads_of(model, ours, ours_e), ref_g)
+
+
+def check_window_against_stock(model, batches, C, assert_grads=assert_grads_close):
+    """The micro-batches ``batches`` ((input_ids, attention_mask) each) of one tree-sharing window (nodes from 2
+    shared tokens) against stock TRL on each: log-probs and entropies within 1e-5, and the gradient of the window
+    (``weighted_backward`` per micro-batch) against stock's summed, by ``assert_grads`` (ours, ref); every kept pass
+    released by the window's end."""
+    from grpo_mem.model.sharing import SharingSession
+
+    ref, ref_grads = stock_window(model, batches, C)
+    session = SharingSession(min_shared_tokens=2)
+    begin_window(session, batches, C)
+    for (ids, mask), (r, re) in zip(batches, ref):
+        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
+        assert_close(logps, r, 1e-5, "log-probs")
+        assert_close(ent, re, 1e-5, "entropies")
+        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
+    ours = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    session.close_window()  # raises if a kept pass was never released
+    assert_grads(ours, ref_grads)
+
+
 def char_tokenizer():
     """A character-level fast tokenizer of VOCAB ids built in memory (no hub): ids 0-3 are pad/bos/unk/eos."""
     import string

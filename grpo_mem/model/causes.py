@@ -61,5 +61,7 @@ def sp_cause(sp, causal_lm, compute_aux_loss: bool, vision, input_ids, attention
     if compute_aux_loss:
         return sequence_parallel_cause("router")
     from .linear_attention import linear_layers
+    from .mamba_state import mamba_layers
 
-    return sequence_parallel_cause("linear") if linear_layers(causal_lm.base_model) else None
+    recurrent = linear_layers(causal_lm.base_model) or mamba_layers(causal_lm.base_model)
+    return sequence_parallel_cause("linear") if recurrent else None

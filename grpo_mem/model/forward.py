@@ -373,7 +373,9 @@ def pass_extensions(model, causal_lm, *, router: bool = False, images=None, sp=N
     extensions = [] if images is None else [images]
     if attn_hook.has_linear(causal_lm):
         from .linear_attention import LinearState
+        from .mamba_state import install
 
+        install(causal_lm)  # Mamba-1 mixers read the same context as Gated DeltaNet layers
         extensions.append(LinearState.of(causal_lm))
     if router:
         from .router import RouterLoss, router_loss_shape

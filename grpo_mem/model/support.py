@@ -173,13 +173,18 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
 
     ``features``: keyword -> what the config asks of the attention (``sliding_window`` for a window, ``softcap`` for
     score softcapping); each attention module must hand it to the attention interface, where the hook reads it.
-    ``handed``: the Gated DeltaNet layers whose states are handed on (``_handed_layers``).
+    ``handed``: the Gated DeltaNet layers and Mamba-1 mixers whose states are handed on (``_handed_layers``).
     """
     attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
     if not attention:
         names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
         named = ", ".join(names[:2]) or "no attention module"
-        return f"attention is not computed through transformers' attention interface ({named})"
+        cause = f"attention is not computed through transformers' attention interface ({named})"
+        if handed:  # a recurrent backbone: served when its layers are Mamba-1 mixers
+            from .mamba_state import backbone_cause
+
+            return backbone_cause(base, handed, cause)
+        return cause
     indices = [getattr(m, "layer_idx", None) for _, m in attention]
     if not all(isinstance(i, int) for i in indices):
         return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
@@ -194,7 +199,7 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             for i, layer in enumerate(module):
                 if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
-                if not _passes_kwargs(type(layer)):
+                if not _passes_kwargs(type(layer)) and not (handed and _relayed(layer)):
                     return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
     if not _passes_kwargs(type(base)):
         return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
@@ -225,19 +230,28 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     return None
 
 
+def _relayed(layer) -> bool:
+    """Whether ``layer`` is a Jamba Mamba layer, whose context ``mamba_state`` relays (``relayed_layer``)."""
+    from .mamba_state import relayed_layer
+
+    return relayed_layer(layer)
+
+
 _HANDED_LAYER_TYPES = ("linear_attention", "conv")
-"""``layer_types`` names of the layers whose states grpo_mem hands on (Gated DeltaNet; short convolutions)."""
+"""``layer_types`` names of the layers whose states grpo_mem hands on (Gated DeltaNet and Mamba-1 mixers; short
+convolutions)."""
 
 
 def _handed_layers(config, base) -> list:
-    """The Gated DeltaNet and short-convolution layers of ``base`` whose states grpo_mem hands on
-    (``linear_attention.linear_layers``), for a config whose ``layer_types`` name such layers (``_HANDED_LAYER_TYPES``);
-    none otherwise (the linear-attention module is then not imported)."""
+    """The Gated DeltaNet, short-convolution and Mamba-1 layers of ``base`` whose states grpo_mem hands on
+    (``linear_attention.linear_layers``, ``mamba_state.mamba_layers``), for a config whose ``layer_types`` name such
+    layers (``_HANDED_LAYER_TYPES``); none otherwise (neither module is then imported)."""
     if not set(_HANDED_LAYER_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return []
     from .linear_attention import linear_layers
+    from .mamba_state import mamba_layers
 
-    return linear_layers(base)
+    return linear_layers(base) + mamba_layers(base)
 
 
 def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:
@@ -353,7 +367,8 @@ def architecture_cause(causal_lm) -> str | None:
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
     ``layer_idx`` or is a Gated DeltaNet layer whose states grpo_mem hands on (``linear_attention.hands_off_state``:
-    Qwen3.5, Qwen3-Next), causal attention (full or sliding-window per layer, with or without sinks and score
+    Qwen3.5, Qwen3-Next), or whose every layer is a Mamba-1 layer (``mamba_state.backbone_cause``: Mamba,
+    FalconMamba, all-Mamba Jamba), causal attention (full or sliding-window per layer, with or without sinks and score
     softcapping, each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids``
     independent of the sequence length, and logits made by one linear layer on the last hidden state (plus the logit
     scale and softcap the completion head applies). Everything else is named: remote code, encoder-decoder models,

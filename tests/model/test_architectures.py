@@ -29,7 +29,7 @@ from helpers import REPO, ArchitectureRow, check_architecture
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # every kind of outcome at least once: prompt-once (dense, MoE, logit scale/softcap, QK-norm, partial RoPE, Gated
-# DeltaNet hybrid), and each family of fallback causes
+# DeltaNet hybrid, Mamba-1), and each family of fallback causes
 FAST = [
     "llama",
     "qwen3_moe",
@@ -40,9 +40,10 @@ FAST = [
     "gpt_neox",  # prompt-once
     "gemma3_text",
     "qwen3_next",
-    "recurrent_gemma",
+    "recurrent_gemma",  # sliding window, Gated DeltaNet, recurrence
     "mamba",
-    "jamba",  # sliding window, Gated DeltaNet, recurrence
+    "falcon_mamba",
+    "jamba",  # Mamba-1 state hand-off (Jamba: all-Mamba layers at the tiny size)
     "gpt_oss",
     "gpt2",
     "opt",

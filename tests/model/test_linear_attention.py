@@ -11,22 +11,18 @@ from helpers import (
     CountPasses,
     assert_close,
     assert_weights_close,
-    begin_window,
-    grads_of,
+    check_against_stock,
+    check_window_against_stock,
     make_batch,
     random_tokens,
-    stock_logps,
-    stock_window,
     tiny_model,
     train_recorded,
-    weighted_backward,
 )
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 import grpo_mem
 from grpo_mem.model import attention_hook as attn_hook
 from grpo_mem.model.linear_attention import LinearContext, hands_off_state, install
-from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import unsupported_cause
 
 SYSTEM, SHOTS_A, SHOTS_B = random_tokens(40, 1), random_tokens(11, 2), random_tokens(2, 3)
@@ -159,17 +155,8 @@ def test_node_states_are_the_models_own_states_at_each_rows_last_token():
 
 def _check(model, ids, mask, C, sharing, monkeypatch=None):
     """Stock TRL's numbers and ours (a one-micro-batch window; tree nodes from 2 shared tokens) agree."""
-    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
-    ref_g = grads_of(model, ref, ref_e)
     count = CountPasses(monkeypatch) if monkeypatch is not None else None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="grpo_mem: falling back")
-        session = SharingSession(sharing, min_shared_tokens=2)
-        session.begin_window([ids[:, :-C]], [mask[:, :-C]])
-        ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
-    assert_close(ours, ref, 1e-5, "log-probs")
-    assert_close(ours_e, ref_e, 1e-5, "entropies")
-    assert_grads_near(grads_of(model, ours, ours_e), ref_g, 1e-4)
+    check_against_stock(model, ids, mask, C, sharing, assert_grads=assert_grads_near)
     return count
 
 
@@ -249,19 +236,9 @@ def test_window_carries_states_across_micro_batches(monkeypatch):
         make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
         for i, p in enumerate(prompt_sets)
     ]
-    ref, ref_grads = stock_window(model, batches, C)
     count = CountPasses(monkeypatch)
-    session = SharingSession(min_shared_tokens=2)
-    begin_window(session, batches, C)
-    for (ids, mask), (r, re) in zip(batches, ref):
-        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
-        assert_close(logps, r, 1e-5, "log-probs")
-        assert_close(ent, re, 1e-5, "entropies")
-        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
-    ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    session.close_window()  # raises if a kept pass was never released
+    check_window_against_stock(model, batches, C, assert_grads=assert_grads_near)
     assert sorted(t for p in count.passes for t in p) == sorted([40, 11, 2, 4, 1, 2, 6])
-    assert_grads_near(ours_grads, ref_grads, 1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
