@@ -619,17 +619,33 @@ class NotBuilt(Exception):
     """The type cannot be built and run tiny here (the message says why)."""
 
 
+# what the released checkpoints' configs set that transformers' default config of the type leaves unset, so that the
+# default config builds no model: DBRX's attention reads ``attn_config.rope_theta`` (dbrx-instruct: 500000), dots.llm1
+# has no expert counts by default (dots.llm1.inst: 128 routed, 2 shared, 6 per token), LFM2-MoE no ``layer_types``
+# (LFM2-8B-A1B: short-convolution layers with attention every few layers)
+RELEASED = {
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "kv_n_heads": 8}},
+    "dots1": {"n_routed_experts": 128, "n_shared_experts": 2, "num_experts_per_tok": 6},
+    "lfm2_moe": {"layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(32)]},
+}
+
+
+def default_config(model_type: str):
+    """transformers' default config of ``model_type`` (``AutoConfig.for_model``) with what ``RELEASED`` adds."""
+    return AutoConfig.for_model(model_type, **RELEASED.get(model_type, {}))
+
+
 def build_tiny(model_type: str):
-    """A tiny random fp32 ``AutoModelForCausalLM`` of ``model_type``, built offline from its default config.
+    """A tiny random fp32 ``AutoModelForCausalLM`` of ``model_type``, built offline from its default config
+    (``default_config``) at the runtime confirmation's tiny sizes (``grpo_mem.model.tiny_config.tiny_config``).
 
     Raises:
         NotBuilt: the config or model cannot be built at tiny sizes, or is still over ``SWEEP_MAX_PARAMS`` parameters.
     """
-    from grpo_mem.model.confirm import shrink
+    from grpo_mem.model.tiny_config import tiny_config
 
     try:
-        base = AutoConfig.for_model(model_type)
-        config = type(base).from_dict(shrink(base.to_dict()))
+        config = tiny_config(default_config(model_type))
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if n > SWEEP_MAX_PARAMS:
