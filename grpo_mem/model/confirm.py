@@ -3,15 +3,14 @@
 ``support.unsupported_cause`` decides from the model's code and config whether the prompt-once path is exact. The
 first time a model class is scored with a given architecture (its config's architecture-relevant fields), this
 module confirms that decision on numbers: it builds a tiny random model of the same class from the user's config
-(``tiny_config.tiny_config``: 2 layers, or enough to hold every kind of layer a per-layer list names; small hidden
-size, head counts and vocabulary; the same flags; what the config class validates kept true; fp32; the same attention
-implementation), scores one small batch of prompts
-sharing a prefix (left padding, 2 completions each) on the prompt-once path (tree and group sharing) and with the
-model's own forward, and compares log-probs, entropies, every parameter's gradient and, for a model whose router
-loss the path reproduces, that loss and its gradients. A difference is a fallback cause; the verdict is kept per
-process, keyed by (class, attention implementation, checkpointing, the tiny config). The prompt-once path is run as
-the session runs a shared micro-batch, without the session (``_prompt_once``: a ``Window`` over a one-micro-batch
-``WindowPlan``): this module sits below ``sharing``.
+(``tiny_config``: 2 layers, or enough to hold every kind of layer a per-layer list names; small hidden size, head
+counts and vocabulary; the same flags; what the config class validates kept true; fp32; the same attention
+implementation), scores one small batch of prompts sharing a prefix (left padding, 2 completions each) on the
+prompt-once path (tree and group sharing) and with the model's own forward, and compares log-probs, entropies,
+every parameter's gradient and, for a model whose router loss the path reproduces, that loss and its gradients. A
+difference is a fallback cause; the verdict is kept per process, keyed by (class, attention implementation,
+checkpointing, the tiny config). The prompt-once path is run as the session runs a shared micro-batch, without the
+session (``_prompt_once``: a ``Window`` over a one-micro-batch ``WindowPlan``): this module sits below ``sharing``.
 
 What the confirmation never does: touch the user's parameters (the copy is built from the config), change the
 user's random streams (the copy is built inside ``torch.random.fork_rng`` from a fixed seed, its weights are drawn
@@ -47,7 +46,7 @@ from . import support
 from .fallback import forward_params, full_sequence_logprobs
 from .forward import ScoreOptions, config_state, forget_causes, pass_extensions, restore, run_in_forward
 from .plan import WindowPlan
-from .tiny_config import shrink, tiny_config
+from .tiny_config import build_tiny, shrink, tiny_config
 from .window import Window
 
 __all__ = [
@@ -284,8 +283,8 @@ def confirmation(causal_lm) -> Verdict:
     with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread():
         model = None
         if config is not None:
-            try:
-                model = _build(cls, config, key[1], key[2], generator)
+            try:  # one layer of each kind, or two where one cannot be built (``tiny_config.build_tiny``)
+                model = build_tiny(causal_lm.config, lambda tiny: _build(cls, tiny, key[1], key[2], generator))
             except Exception as e:  # transformers' own model code at the tiny sizes
                 error = f"{type(e).__name__}: {e}"
         if model is None:

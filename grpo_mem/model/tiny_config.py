@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 import math
 
-__all__ = ["TINY_SIZES", "shrink", "tiny_config", "tiny_layers"]
+__all__ = ["TINY_SIZES", "build_tiny", "shrink", "tiny_config", "tiny_layers"]
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -108,14 +108,16 @@ def _index_list(key: str, v, full: int) -> bool:
     )
 
 
-def tiny_layers(d: dict, full: int | None, fixed: frozenset[str] = frozenset()) -> tuple[int, list[str], list[str]]:
+def tiny_layers(
+    d: dict, full: int | None, fixed: frozenset[str] = frozenset(), repeats: int = 1
+) -> tuple[int, list[str], list[str]]:
     """(how many layers the tiny model keeps, the keys of ``d`` that are per-layer lists, the keys that are lists of
     layer indices) for a config dict ``d`` of ``full`` layers; the keys in ``fixed`` are lists of a fixed length that
     only happens to be ``full`` (``fixed_lists``).
 
-    The count is the smallest that holds the first layer of every kind a per-layer list or an index list tells apart
-    (at least 2, at most ``MAX_LAYERS``, never more than ``full``), rounded up to an even count per section for a
-    backbone split into sections (``n_input_layers``/``n_recurrent_layers``/``n_output_layers``).
+    The count is the smallest that holds the first ``repeats`` layers of every kind a per-layer list or an index list
+    tells apart (at least 2, at most ``MAX_LAYERS``, never more than ``full``), rounded up to an even count per section
+    for a backbone split into sections (``n_input_layers``/``n_recurrent_layers``/``n_output_layers``).
     """
     if not full:
         return 2, [], []
@@ -126,9 +128,9 @@ def tiny_layers(d: dict, full: int | None, fixed: frozenset[str] = frozenset()) 
     for pattern in patterns:
         seen: list[str] = []
         for i, v in enumerate(pattern):
-            if repr(v) not in seen:
-                seen.append(repr(v))
+            if seen.count(repr(v)) < repeats:
                 n = max(n, i + 1)
+            seen.append(repr(v))
     n = min(n, MAX_LAYERS, full)
     if all(isinstance(d.get(k), int) for k in _SECTION_KEYS):  # an even number of layers per section (a config
         n = len(_SECTION_KEYS) * 2 * -(-n // (2 * len(_SECTION_KEYS)))  # may store each layer as two blocks)
@@ -146,14 +148,16 @@ def _per_layer(k: str, v: list, n: int, d: dict) -> list:
     return [max(1, round(TINY_SIZES[size] * x / full)) for x in v]
 
 
-def shrink(d: dict, derived: frozenset[str] = frozenset(), fixed: frozenset[str] = frozenset()) -> dict:
+def shrink(
+    d: dict, derived: frozenset[str] = frozenset(), fixed: frozenset[str] = frozenset(), repeats: int = 1
+) -> dict:
     """A config dict (``PretrainedConfig.to_dict()``, nested sub-configs included) at the tiny sizes (``TINY_SIZES``),
     dropout and router jitter off, every per-layer list and layer-index list fitted to the kept layers
-    (``tiny_layers``; ``fixed``: lists that are not per-layer), Mamba-2's head identity kept, the keys in ``derived``
+    (``tiny_layers``; ``fixed``: lists that are not per-layer; ``repeats``: layers of each kind), Mamba-2's head identity kept, the keys in ``derived``
     left out (the config class derives them); every other field (the flags) as given."""
     key = next((k for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
     full = d.get(key) if key else None
-    n, per_layer, indices = tiny_layers(d, full, fixed)
+    n, per_layer, indices = tiny_layers(d, full, fixed, repeats)
     out = {}
     for k, v in d.items():
         if k in derived:
@@ -260,9 +264,9 @@ def fixed_lists(config) -> frozenset[str]:
     return frozenset(k for k, v in default.items() if isinstance(v, list) and len(v) != full)
 
 
-def tiny_config(config):
+def tiny_config(config, repeats: int = 1):
     """A config of the same class as ``config`` (a transformers ``PretrainedConfig``) at the tiny sizes
-    (``shrink``, its derived fields left to the class), fp32.
+    (``shrink``, its derived fields left to the class, ``repeats`` layers of each kind), fp32.
 
     Raises:
         Exception: whatever transformers' config class raises for the tiny values (its validation).
@@ -270,4 +274,27 @@ def tiny_config(config):
     d = config.to_dict()
     d.pop("dtype", None)
     d.pop("torch_dtype", None)
-    return type(config).from_dict(shrink(d, derived_fields(config, d), fixed_lists(config)))
+    return type(config).from_dict(shrink(d, derived_fields(config, d), fixed_lists(config), repeats))
+
+
+def build_tiny(config, build):
+    """``build(tiny config)`` of ``config`` with one layer of each kind (``tiny_config``), or, where that raises,
+    with two: a kind whose weights its layers share cannot be built alone (Zamba ties every hybrid layer's shared
+    transformer to the first one's, and transformers 5.24 raises when no other hybrid layer exists).
+
+    Raises:
+        Exception: what the config class or ``build`` raised for one layer of each kind, where two do not help.
+    """
+    try:
+        return build(tiny_config(config))
+    except Exception as first:  # the config's validation or the model's constructor at the tiny sizes
+        try:
+            again = tiny_config(config, repeats=2)
+        except Exception:  # two layers of each kind are no config either: the first failure is the cause
+            raise first from None
+        if again.to_dict() == tiny_config(config).to_dict():
+            raise
+        try:
+            return build(again)
+        except Exception:  # two did not help: the first failure is the cause
+            raise first from None
