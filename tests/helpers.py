@@ -735,6 +735,18 @@ def _unsupported_cause(model):
         raise _CauseFailed(f"unsupported_cause raised {type(e).__name__}: {e}") from e
 
 
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch):
+    """The run-time confirmation on (the suite's default is off: tests/conftest.py) and its verdicts forgotten around
+    each test of a module that imports this fixture (autouse there)."""
+    from grpo_mem.model import confirm
+
+    monkeypatch.setenv(confirm.ENV, "1")
+    confirm.forget()
+    yield
+    confirm.forget()
+
+
 def _admitted_unbuilt(model_type: str) -> str | None:
     """Why ``model_type``, not built or not run tiny, is a sweep failure (None where it is not): the capability rule
     admits its model built from the default config (``default_config``, on the meta device), so a user's model of the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_architecture, default_config
+from helpers import check_architecture, default_config, fresh_verdicts  # noqa: F401  (autouse)
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -27,14 +27,6 @@ from grpo_mem.model.attention_hook import own_class
 LOST = ["beam", "cohere2_moe", "exaone_moe", "laguna", "mellum", "mimo_v2_flash", "minimax_m3_vl_text", "flint"]
 
 
-@pytest.fixture(autouse=True)
-def fresh_verdicts(monkeypatch):
-    monkeypatch.setenv(confirm.ENV, "1")  # the suite's default is off (conftest)
-    confirm.forget()
-    yield
-    confirm.forget()
-
-
 def _user_model(model_type: str, **sizes):
     """A user's model of ``model_type`` (its default config, ``sizes`` changed) on the meta device: what the
     confirmation reads (class, config, attention implementation), without memory."""
@@ -43,11 +35,10 @@ def _user_model(model_type: str, **sizes):
 
 
 def _built(config):
-    """The tiny copy of ``config`` (``tiny_config.build_tiny``) on the meta device, and its config."""
+    """The config of the tiny copy of ``config`` that ``tiny_config.build_tiny`` builds (on the meta device)."""
     cls = AutoModelForCausalLM._model_mapping[type(config)]
     with torch.device("meta"):
-        model = tiny_config.build_tiny(config, cls)
-    return model, model.config
+        return tiny_config.build_tiny(config, cls).config
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -75,7 +66,7 @@ def test_per_layer_sizes_scale_with_their_size():
 def test_a_list_as_long_as_the_layers_by_chance_is_kept():
     config = AutoConfig.for_model("falcon_h1", num_hidden_layers=5)
     assert len(config.ssm_multipliers) == 5  # five SSM multipliers whatever the layer count
-    model, tiny = _built(config)
+    tiny = _built(config)
     assert tiny.ssm_multipliers == config.ssm_multipliers and tiny.num_hidden_layers == 2
 
 
@@ -88,7 +79,7 @@ def test_layer_index_lists_keep_the_kinds_and_the_indices_below():
 
 @pytest.mark.parametrize("model_type", ["mamba2", "bamba", "granitemoehybrid"])
 def test_mamba2_heads_times_head_size_is_the_expanded_width(model_type):
-    model, tiny = _built(AutoConfig.for_model(model_type))
+    tiny = _built(AutoConfig.for_model(model_type))
     prefix = "" if model_type == "mamba2" else "mamba_"
     heads, dim = ("num_heads", "head_dim") if model_type == "mamba2" else ("mamba_n_heads", "mamba_d_head")
     expand = getattr(tiny, prefix + "expand")
@@ -100,7 +91,7 @@ def test_mamba2_heads_times_head_size_is_the_expanded_width(model_type):
 def test_derived_fields_are_derived_again_from_the_tiny_sizes():
     config = AutoConfig.for_model("zamba2")
     assert tiny_config.derived_fields(config, config.to_dict()) >= {"mamba_headdim", "kv_channels"}
-    model, tiny = _built(config)
+    tiny = _built(config)
     assert tiny.mamba_headdim == tiny.mamba_expand * tiny.hidden_size // tiny.n_mamba_heads == 16
     assert tiny.kv_channels == tiny.hidden_size // tiny.num_attention_heads
     assert tiny.hybrid_layer_ids == [i for i, t in enumerate(tiny.layers_block_type) if t == "hybrid"] == [6]
@@ -110,17 +101,16 @@ def test_derived_fields_are_derived_again_from_the_tiny_sizes():
 
 
 def test_a_top1_router_stays_top1():
-    model, tiny = _built(AutoConfig.for_model("zaya"))  # ZAYA's config accepts only one expert per token
+    tiny = _built(AutoConfig.for_model("zaya"))  # ZAYA's config accepts only one expert per token
     assert tiny.num_experts_per_tok == 1
     assert tiny_config.tiny_config(AutoConfig.for_model("qwen3_moe")).num_experts_per_tok == 2
 
 
 def test_a_layer_kind_sharing_weights_is_built_twice():
     config = AutoConfig.for_model("zamba")
-    with pytest.raises(ValueError, match="tie_weights_keys"):  # one hybrid layer: transformers finds none to tie
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(tiny_config.tiny_config(config))
-    model, tiny = _built(config)
+    with pytest.raises(ValueError, match="tie_weights_keys"), torch.device("meta"):  # one hybrid layer: none to tie
+        AutoModelForCausalLM.from_config(tiny_config.tiny_config(config))
+    tiny = _built(config)
     assert tiny.layers_block_type.count("hybrid") == 2 and tiny.num_hidden_layers == 8
 
 
