@@ -9,14 +9,18 @@ per model type:
 
 - every per-layer list (a list as long as the layer count: ``layer_types``, ``mlp_layer_types``,
   ``num_attention_heads_per_layer``, ...) is cut (or repeated) to the tiny layer count, and a per-layer list of sizes
-  is scaled with its size (``num_attention_heads_per_layer`` with ``num_attention_heads``); a list of layer indices
-  (``mlp_only_layers``, ``hybrid_layer_ids``, ...) keeps the indices below it;
+  is scaled with its size (``num_attention_heads_per_layer`` with ``num_attention_heads``); a list whose length does
+  not follow the layer count in the class's default config is kept whole (``fixed_lists``: Falcon-H1's five
+  ``ssm_multipliers``); a list of layer indices (``mlp_only_layers``, ``hybrid_layer_ids``, ...) keeps the indices
+  below it;
 - a field the config class derives from others in ``__post_init__`` (Zamba2's ``mamba_headdim`` or Zamba's
   ``attention_head_dim``; found by building the config without it and comparing) is left out, so the class derives it
   again from the tiny sizes;
 - Mamba-2's head identity, ``num_heads * head_dim == expand * hidden_size`` (``Mamba2Config``, ``BambaConfig``,
   ``GraniteMoeHybridConfig`` validate it), is kept by setting the head count from the tiny width and head size, with a
-  group count that divides it.
+  group count that divides it;
+- a router never picks more experts per token than the user's (ZAYA's config accepts only top-1);
+- a kind of layer that cannot be built alone is built twice (``build_tiny``: Zamba's hybrid layers share one block).
 
 This module knows transformers' config dicts, not models or TRL.
 """
