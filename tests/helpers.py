@@ -660,23 +660,42 @@ class NotBuilt(Exception):
     """The type cannot be built and run tiny here (the message says why)."""
 
 
+# what the released checkpoints' configs set that transformers' default config of the type leaves unset, so that the
+# default config builds or runs no model: DBRX's attention reads ``attn_config.rope_theta`` and clamps to
+# ``clip_qkv`` (dbrx-instruct: 500000 and 8), dots.llm1
+# has no expert counts by default (dots.llm1.inst: 128 routed, 2 shared, 6 per token), LFM2-MoE no ``layer_types``
+# (LFM2-8B-A1B: short-convolution layers with attention every few layers)
+RELEASED = {
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "kv_n_heads": 8, "clip_qkv": 8.0}},
+    "dots1": {"n_routed_experts": 128, "n_shared_experts": 2, "num_experts_per_tok": 6},
+    "lfm2_moe": {"layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(32)]},
+}
+
+
+def default_config(model_type: str):
+    """transformers' default config of ``model_type`` (``AutoConfig.for_model``) with what ``RELEASED`` adds."""
+    return AutoConfig.for_model(model_type, **RELEASED.get(model_type, {}))
+
+
 def build_tiny(model_type: str):
-    """A tiny random fp32 ``AutoModelForCausalLM`` of ``model_type``, built offline from its default config.
+    """A tiny random fp32 ``AutoModelForCausalLM`` of ``model_type``, built offline from its default config
+    (``default_config``) at the runtime confirmation's tiny sizes (``grpo_mem.model.tiny_config.tiny_config``).
 
     Raises:
         NotBuilt: the config or model cannot be built at tiny sizes, or is still over ``SWEEP_MAX_PARAMS`` parameters.
     """
-    from grpo_mem.model.confirm import shrink
+    from grpo_mem.model import tiny_config
 
-    try:
-        base = AutoConfig.for_model(model_type)
-        config = type(base).from_dict(shrink(base.to_dict()))
+    def build(config):
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if n > SWEEP_MAX_PARAMS:
             raise NotBuilt(f"{n / 1e6:.0f} M parameters at the tiny sizes (sub-configs keep their full sizes)")
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config).float()
+
+    try:  # as the runtime's confirmation builds its tiny copy
+        return tiny_config.build_tiny(default_config(model_type), build)
     except NotBuilt:
         raise
     except Exception as e:  # any failure of transformers' own config or model code at these sizes
@@ -757,11 +776,38 @@ def _unsupported_cause(model):
         raise _CauseFailed(f"unsupported_cause raised {type(e).__name__}: {e}") from e
 
 
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch):
+    """The run-time confirmation on (the suite's default is off: tests/conftest.py) and its verdicts forgotten around
+    each test of a module that imports this fixture (autouse there)."""
+    from grpo_mem.model import confirm
+
+    monkeypatch.setenv(confirm.ENV, "1")
+    confirm.forget()
+    yield
+    confirm.forget()
+
+
+def _admitted_unbuilt(model_type: str) -> str | None:
+    """Why ``model_type``, not built or not run tiny, is a sweep failure (None where it is not): the capability rule
+    admits its model built from the default config (``default_config``, on the meta device), so a user's model of the
+    type would reach the confirmation, which could not build or score its tiny copy either (the same
+    ``tiny_config``) and would refuse the model as "not confirmed"."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(default_config(model_type))
+    except Exception:  # no model of the type can be built at all: nothing reaches the confirmation
+        return None
+    cause = _unsupported_cause(model)
+    return None if cause is not None else "admitted by the capability rule, but its tiny copy cannot be built"
+
+
 def check_architecture(model_type: str) -> ArchitectureRow:
     """Build ``model_type`` tiny and check both sharing modes against the right reference (see the module docstring).
 
     Raises:
-        AssertionError: a wrong number, an unexpected path or cause, or a crash of grpo_mem where the reference runs.
+        AssertionError: a wrong number, an unexpected path or cause, a crash of grpo_mem where the reference runs, or
+            a type the capability rule admits that cannot be built or run tiny (``_admitted_unbuilt``).
     """
     import grpo_mem
     from grpo_mem.model.confirm import confirmation
@@ -784,14 +830,16 @@ def check_architecture(model_type: str) -> ArchitectureRow:
             ref, ref_e = own, own_e
         ref_g = grads_of(model, ref, ref_e)
     except NotBuilt as e:
+        admitted_cause = _admitted_unbuilt(model_type)
+        assert admitted_cause is None, f"{model_type}: {admitted_cause} ({e})"
         return ArchitectureRow(model_type, "not built", str(e))
     except (AssertionError, _CauseFailed):
         raise
     except Exception as e:  # the reference itself fails at these sizes: nothing to compare with
-        message = " ".join(str(e).split())[:120]
-        return ArchitectureRow(
-            model_type, "not built", f"its own forward or backward fails tiny: {type(e).__name__}: {message}"
-        )
+        message = f"its own forward or backward fails tiny: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        admitted_cause = _admitted_unbuilt(model_type)
+        assert admitted_cause is None, f"{model_type}: {admitted_cause} ({message})"
+        return ArchitectureRow(model_type, "not built", message)
     for sharing in ("group", "tree"):
         logps, entropy, causes = _grpo_mem_logps(model, ids, mask, C, sharing)
         assert causes == ([] if cause is None else [cause]), f"{model_type} {sharing}: fallbacks {causes}"

@@ -4,13 +4,13 @@
 first time a model class is scored with a given architecture (its config's architecture-relevant fields), this
 module confirms that decision on numbers: it builds a tiny random model of the same class from the user's config
 (``tiny_config``: 2 layers, or enough to hold every kind of layer a per-layer list names; small hidden size, head
-counts and vocabulary; the same flags; fp32; the same attention implementation), scores one small batch of prompts
-sharing a prefix (left padding, 2 completions each) on the prompt-once path (tree and group sharing) and with the
-model's own forward, and compares log-probs, entropies, every parameter's gradient and, for a model whose router
-loss the path reproduces, that loss and its gradients. A difference is a fallback cause; the verdict is kept per
-process, keyed by (class, attention implementation, checkpointing, the tiny config). The prompt-once path is run as
-the session runs a shared micro-batch, without the session (``_prompt_once``: a ``Window`` over a one-micro-batch
-``WindowPlan``): this module sits below ``sharing``.
+counts and vocabulary; the same flags; what the config class validates kept true; fp32; the same attention
+implementation), scores one small batch of prompts sharing a prefix (left padding, 2 completions each) on the
+prompt-once path (tree and group sharing) and with the model's own forward, and compares log-probs, entropies,
+every parameter's gradient and, for a model whose router loss the path reproduces, that loss and its gradients. A
+difference is a fallback cause; the verdict is kept per process, keyed by (class, attention implementation,
+checkpointing, the tiny config). The prompt-once path is run as the session runs a shared micro-batch, without the
+session (``_prompt_once``: a ``Window`` over a one-micro-batch ``WindowPlan``): this module sits below ``sharing``.
 
 What the confirmation never does: touch the user's parameters (the copy is built from the config), change the
 user's random streams (the copy is built inside ``torch.random.fork_rng`` from a fixed seed, its weights are drawn
@@ -46,6 +46,7 @@ from . import support
 from .fallback import forward_params, full_sequence_logprobs
 from .forward import ScoreOptions, config_state, forget_causes, pass_extensions, restore, run_in_forward
 from .plan import WindowPlan
+from .tiny_config import build_tiny, shrink, tiny_config
 from .window import Window
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "enabled",
     "forget",
     "grad_difference",
+    "shrink",
     "tiny_config",
     "verdicts",
 ]
@@ -75,147 +77,6 @@ UNBUILT = "not confirmed: a tiny {cls} could not be built from the model's confi
 _PROMPTS = ([5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 20], [5, 6, 7, 8, 30, 31, 32])
 _COMPLETION = 4
 _MIN_SHARED_TOKENS = 3
-
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
-_TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
-# a backbone split into sections whose layer counts sum to the layer count (Dory's recurrent middle section)
-_SECTION_KEYS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
-TINY_SIZES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    n_embd=64,
-    d_model=64,
-    intermediate_size=128,
-    ffn_dim=128,
-    n_inner=128,
-    num_attention_heads=4,
-    n_head=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    n_positions=64,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    num_experts=4,
-    num_local_experts=4,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    kv_lora_rank=16,
-    q_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=16,
-    rotary_dim=8,
-    sliding_window=4,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=3,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    ffn_hidden_size=128,
-    expert_ffn_hidden_size=32,
-    zero_expert_num=2,
-    moe_topk=2,
-    num_experts_per_token=2,
-    mamba_d_ssm=32,
-    mamba_n_heads=4,
-    mamba_d_head=8,
-    mamba_d_state=16,
-    mamba_chunk_size=8,
-    linear_num_heads=4,
-    linear_head_dim=16,
-)
-"""The sizes of a tiny config (``tiny_config``): every key present in the config with an integer value gets these."""
-# sizes a config may leave None (derived from others); the tiny config sets them to a consistent value
-_DERIVED = dict(head_dim=16, num_key_value_heads=4, num_experts_per_tok=2)
-
-
-def _tiny_layers(d: dict, full: int | None) -> tuple[int, list[str]]:
-    """How many layers the tiny model keeps (2, or enough to hold every kind of layer a per-layer list names, at most
-    8) and which keys of ``d`` are per-layer lists."""
-    per_layer = [k for k, v in d.items() if full and isinstance(v, list) and len(v) == full]
-    n = 2
-    for k in per_layer:
-        seen: list[str] = []
-        for i, v in enumerate(d[k]):
-            if repr(v) not in seen:
-                seen.append(repr(v))
-                n = max(n, i + 1)
-    n = min(n, 8)
-    if all(isinstance(d.get(k), int) for k in _SECTION_KEYS):  # an even number of layers per section (a config
-        n = len(_SECTION_KEYS) * 2 * -(-n // (2 * len(_SECTION_KEYS)))  # may store each layer as two blocks)
-    return n, per_layer
-
-
-def shrink(d: dict) -> dict:
-    """A config dict (``PretrainedConfig.to_dict()``, nested sub-configs included) at the tiny sizes (``TINY_SIZES``),
-    dropout and router jitter off, every per-layer list truncated to the kept layers; every other field (the flags) as
-    given."""
-    key = next((k for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
-    n, per_layer = _tiny_layers(d, d.get(key) if key else None)
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and "model_type" in v:
-            out[k] = shrink(v)
-        elif k in per_layer:
-            out[k] = v[:n]
-        elif k == key:
-            out[k] = n
-        elif k in _LAYER_KEYS and isinstance(v, int):
-            out[k] = min(v, 2)
-        elif isinstance(v, dict) and k.startswith("per_layer") and all(str(i).isdigit() for i in v):
-            out[k] = {i: c for i, c in v.items() if int(i) < n}
-        elif k in TINY_SIZES and isinstance(v, int) and not isinstance(v, bool) or k in _TOKEN_KEYS:
-            out[k] = TINY_SIZES[k]
-        elif k in _DERIVED and v is None and key is not None:
-            out[k] = _DERIVED[k]
-        elif isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):
-            out[k] = 0.0
-        else:
-            out[k] = v
-    if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention rotates head_dim channels
-        out["head_dim"] = out["qk_rope_head_dim"]
-    if "kv_lora_rank" in out and "num_key_value_heads" in out:  # latent attention: a key and value per query head
-        out["num_key_value_heads"] = out.get("num_attention_heads")
-    if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out:  # stored, not derived
-        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
-    for groups in ("n_group", "num_expert_group"):  # group-limited routing: one group of the tiny experts
-        if isinstance(out.get(groups), int):
-            out.update({groups: 1, "topk_group": 1})
-    rope = out.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and key is not None:
-        out["rope_parameters"] = dict(rope, mrope_section=_split(rope["mrope_section"], _rotary_half(out)))
-    if key is not None and all(isinstance(out.get(k), int) for k in _SECTION_KEYS):
-        out.update({k: n // len(_SECTION_KEYS) for k in _SECTION_KEYS})
-    return out
-
-
-def _rotary_half(d: dict) -> int:
-    """Half the rotated channels of a head of the (tiny) text config ``d``."""
-    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-    factor = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
-    return int(head_dim * factor) // 2
-
-
-def _split(sections: list[int], total: int) -> list[int]:
-    """``sections`` (multi-axis RoPE's channels per axis) rescaled to sum to ``total``, each at least 1."""
-    scaled = [max(1, round(s * total / sum(sections))) for s in sections]
-    scaled[scaled.index(max(scaled))] += total - sum(scaled)
-    return scaled
-
-
-def tiny_config(config):
-    """A config of the same class as ``config`` at the tiny sizes (``shrink``), fp32.
-
-    Raises:
-        Exception: whatever transformers' config class raises for the tiny values (its validation).
-    """
-    d = shrink(config.to_dict())
-    d.pop("dtype", None)
-    d.pop("torch_dtype", None)
-    return type(config).from_dict(d)
 
 
 @dataclass(frozen=True)
@@ -422,8 +283,8 @@ def confirmation(causal_lm) -> Verdict:
     with torch.inference_mode(False), torch.enable_grad(), _no_autocast(), _one_thread():
         model = None
         if config is not None:
-            try:
-                model = _build(cls, config, key[1], key[2], generator)
+            try:  # one layer of each kind, or two where one cannot be built (``tiny_config.build_tiny``)
+                model = build_tiny(causal_lm.config, lambda tiny: _build(cls, tiny, key[1], key[2], generator))
             except Exception as e:  # transformers' own model code at the tiny sizes
                 error = f"{type(e).__name__}: {e}"
         if model is None:
@@ -434,19 +295,34 @@ def confirmation(causal_lm) -> Verdict:
                 cause = f"not confirmed: a tiny {cls.__name__} is not admitted ({admitted})"
             else:
                 ids, mask, C = _batch(generator, model.config.get_text_config().vocab_size)
-                aux = _router_confirmable(model)
-                try:
-                    cause, router_cause = _compare(cls.__name__, model, ids, mask, C, generator, aux)
-                except Exception as e:  # the tiny model's own forward or the path fails: nothing confirmed
-                    cause = f"not confirmed: scoring a tiny {cls.__name__} raised {type(e).__name__}: {e}"[:300]
-                finally:
-                    restore(model)  # the attention hook is registered only while models run it
+                cause, router_cause = _confirm_built(cls.__name__, model, ids, mask, C, generator)
         # the tiny copy's ops ran on CPU: what the user's model ran stays the record (``verify`` reports it)
         RESOLVED.clear()
         RESOLVED.update(resolved)
     verdict = Verdict(cause, router_cause, time.process_time() - cpu, time.perf_counter() - wall)
     _VERDICTS[key] = verdict
     return verdict
+
+
+def _confirm_built(cls_name: str, model, ids, mask, C, generator) -> tuple[str | None, str | None]:
+    """(cause, router cause) of the built tiny ``model``: ``_compare`` with the router loss where the model has one
+    (``_router_confirmable``). A failure asking for the router loss refuses the router loss only, and the scores are
+    compared again without it: a config whose layers are all dense (Flint's ``mlp_only_layers`` naming every layer)
+    has no router logits, and its class's ``load_balancing_loss_func`` raises on none (transformers 5.24)."""
+    aux = _router_confirmable(model)
+    router_cause = None
+    for ask in (True, False) if aux else (False,):
+        try:
+            cause, router = _compare(cls_name, model, ids, mask, C, generator, ask)
+            return cause, router_cause or router
+        except Exception as e:  # the tiny model's own forward or the path fails: nothing confirmed
+            error = f"{type(e).__name__}: {e}"
+            if ask:
+                router_cause = f"not confirmed: the router loss of a tiny {cls_name} raised {error}"[:300]
+        finally:
+            restore(model)  # the attention hook is registered only while models run it
+            model.zero_grad(set_to_none=True)
+    return f"not confirmed: scoring a tiny {cls_name} raised {error}"[:300], router_cause
 
 
 def _router_confirmable(model) -> bool:

@@ -7,8 +7,9 @@ and the tree path. Where ``unsupported_cause`` is None, both must take the promp
 forward (``model(input_ids, attention_mask).logits``). Log-probs and entropies within 1e-5, every parameter gradient
 within 1e-4 of its scale (elementwise, and as a vector with a floor at 1e-3 of the global norm). Where the rule
 admits a type, the runtime's confirmation (``grpo_mem.model.confirm``, on a copy built from the config with its
-weights perturbed) must agree. The tiny configs are the runtime's (``confirm.shrink``), so a type the sweep cannot
-build is one the runtime cannot confirm and refuses. Types that cannot be built tiny offline are reported with the
+weights perturbed) must agree. The tiny configs are the runtime's (``grpo_mem.model.tiny_config``), so a type the sweep
+cannot build is one the runtime cannot confirm and refuses: a type the rule admits that cannot be built or run tiny
+fails the sweep (``helpers._admitted_unbuilt``). Other types that cannot be built tiny offline are reported with the
 reason.
 
 The check is ``helpers.check_architecture`` (``test_confirm`` runs it too). The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The support table of

@@ -14,7 +14,15 @@ import weakref
 
 import pytest
 import torch
-from helpers import build_tiny, check_architecture, grads_of, make_batch, stock_logps, tiny_model
+from helpers import (  # fresh_verdicts: autouse, the confirmation on and forgotten around each test
+    build_tiny,
+    check_architecture,
+    fresh_verdicts,  # noqa: F401
+    grads_of,
+    make_batch,
+    stock_logps,
+    tiny_model,
+)
 from transformers import LlamaForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama import modeling_llama
@@ -87,14 +95,6 @@ def _tree(model, ids, mask, C, confirm_first):
     with fallback.isolated_fallbacks() as causes:
         logps, entropy = session.score(model, ids, mask, C, compute_entropy=True)
     return logps, entropy, causes
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts(monkeypatch):
-    monkeypatch.setenv(confirm.ENV, "1")  # the suite's default is off (conftest)
-    confirm.forget()
-    yield
-    confirm.forget()
 
 
 def test_a_broken_class_the_rule_admits_is_caught_by_its_gradient():
