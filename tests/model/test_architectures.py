@@ -14,7 +14,8 @@ reason.
 
 The check is ``helpers.check_architecture`` (``test_confirm`` runs it too). The fast suite runs ``FAST`` (every cause at least once); ``-m slow`` runs every type. The support table of
 docs/supported-models.md is this sweep's output: ``python tests/model/test_architectures.py`` writes
-``benchmarks/results/architectures.csv`` and prints the markdown rows; ``python benchmarks/docs_tables.py`` writes them
+``benchmarks/results/architectures.csv`` and prints the markdown rows (``... test_architectures.py TYPE ...``: those
+rows only); ``python benchmarks/docs_tables.py`` writes them
 into the page.
 """
 
@@ -90,11 +91,26 @@ def test_remote_code_is_named_and_an_fsdp2_wrapper_class_is_not():
     assert architecture_cause(model) == "remote code (transformers_modules.x.RemoteLlama)"
 
 
-def write_table(path: str) -> list[ArchitectureRow]:
-    """Run the sweep over every type; write ``path`` (CSV: model_type, model_class, status, cause) and return the
-    rows. A type whose check fails is written with status "FAILED" and the assertion, so the table never hides it."""
+def write_table(path: str, only: list[str] | None = None) -> list[ArchitectureRow]:
+    """Run the sweep over every type (``only``: over these, the other rows kept as ``path`` holds them); write ``path``
+    (CSV: model_type, model_class, status, cause) and return the rows. A type whose check fails is written with status
+    "FAILED" and the assertion, so the table never hides it.
+
+    Raises:
+        ValueError: a type of ``only`` that transformers does not ship as a causal LM.
+    """
+    unknown = sorted(set(only or ()) - set(ALL))
+    if unknown:
+        raise ValueError(f"not causal LM types of this transformers: {unknown}")
+    kept = {}
+    if only:
+        with open(path, newline="") as f:
+            kept = {r["model_type"]: ArchitectureRow(**r) for r in csv.DictReader(f)}
     rows = []
     for model_type in ALL:
+        if only and model_type not in only and model_type in kept:
+            rows.append(kept[model_type])
+            continue
         try:
             rows.append(check_architecture(model_type))
         except Exception as e:  # AssertionError, or grpo_mem crashing where the reference runs
@@ -110,7 +126,7 @@ def write_table(path: str) -> list[ArchitectureRow]:
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     root = REPO
-    table = write_table(os.path.join(root, "benchmarks", "results", "architectures.csv"))
+    table = write_table(os.path.join(root, "benchmarks", "results", "architectures.csv"), sys.argv[1:] or None)
     print("| model type | class | path | cause |\n|---|---|---|---|")
     for r in table:
         print(f"| `{r.model_type}` | {r.model_class} | {r.status} | {r.cause.replace('|', '/')} |")
