@@ -2,30 +2,42 @@
 sequence-parallel (SP) group, the attention exchanging K/V inside grpo_mem's attention hook.
 
 The ranks of an SP group hold the same micro-batch. Each pass (a trie node pass, or the completion pass) of T tokens is
-cut into ``size`` contiguous shards of L = ceil(T / size) tokens (the last ones padded); rank r runs tokens
-``r·L … r·L + L − 1`` of every row through the backbone. Everything but attention is token-local. In attention, rank
-r's queries see three kinds of keys, merged exactly by log-sum-exp (``grpo_mem.ops.multi_region_attention``):
+padded to ``size · L`` tokens and cut (``SequenceParallel.split``):
+
+* ``"zigzag"`` (the default): into 2·size chunks of M = ceil(T / (2·size)) tokens; rank r holds chunks r and
+  2·size − 1 − r (L = 2·M), one early and one late. Under causal attention a query at position i sees i + 1 keys, so
+  the pairs of chunks r and 2·size − 1 − r add up to the same work on every rank (the load balancing of Megatron-LM's
+  context parallelism, ``get_batch_on_this_cp_rank``, and of ring-flash-attention's ``zigzag_ring_flash_attn_func``);
+* ``"contiguous"``: into ``size`` shards of L = ceil(T / size) tokens in order; rank r's queries see r + 1 shards of
+  keys, so the last rank does about twice the mean causal work at size 2. Kept selectable (``SequenceParallel(...,
+  split="contiguous")``, ``benchmarks/bench_sp.py --split``) as the reference the zigzag split is measured against;
+  both are exact, and no supported case needs it.
+
+Everything but attention is token-local. In attention, the queries of each piece of a rank's shard (the shard's two
+chunks under zigzag, one attention call each: ``Shards.layout``) see three kinds of keys, merged exactly by
+log-sum-exp (``grpo_mem.ops.multi_region_attention``):
 
 * the K/V of the passes on the row's path (a deeper trie node's ancestors; the completions' prompt nodes), recorded
   whole: each pass all-gathers its K/V over the SP group, layer by layer, and records the gathered (n, Hkv, size·L, d)
-  tensors for its readers;
-* the same pass's K/V of shards 0 … r − 1 (fully visible to every local query: they sit at earlier positions), read
-  in place from that all-gather;
-* its own shard's K/V, causally.
+  tensors, in sequence order, for its readers;
+* the same pass's K/V of every token before the piece (fully visible to the piece's queries), read in place from that
+  all-gather;
+* the piece's own K/V, causally.
 
 So a pass is still forwarded once per group, only split across the ranks, and its readers attend to all of its K/V.
 The all-gather's backward is a reduce-scatter (gloo has none: an all-to-all and a sum), which returns to each rank the
-gradient that every rank's queries sent to its keys and values.
+gradient that every rank's queries sent to its keys and values. Positions (RoPE's ``position_ids``, sliding windows)
+are each token's own in the whole pass (``Shards.positions``).
 
 The head scores each rank's share of the completion positions: position 0 (predicted by the last prompt token) on the
 rank whose shard holds that token, position j ≥ 1 (predicted by completion token j − 1) on the rank holding that
-token. One all-gather assembles the (B, C) log-probs on every rank (``gather_scores``). Its backward keeps this rank's
-columns of the incoming gradient: every rank computes the same loss from the same (B, C) values, so that gradient is
-the same on every rank, and each rank's parameter gradient is its shard's part of the whole. The parts sum over the SP
-group to the gradient of the loss without SP: DeepSpeed ZeRO 0-2 under SP sum gradients over the SP group and average
-them over data-parallel ranks (they divide the all-reduce by ``world / sp_size``); ZeRO-3's default reduce-scatter
-divides by the world size, averaging over the SP group too, so there each share is scaled by ``size``
-(``SequenceParallel.grad_scale``).
+token. One all-gather assembles the (B, C) log-probs on every rank, in sequence order (``gather_scores``). Its
+backward keeps this rank's columns of the incoming gradient: every rank computes the same loss from the same (B, C)
+values, so that gradient is the same on every rank, and each rank's parameter gradient is its shard's part of the
+whole. The parts sum over the SP group to the gradient of the loss without SP: DeepSpeed ZeRO 0-2 under SP sum
+gradients over the SP group and average them over data-parallel ranks (they divide the all-reduce by
+``world / sp_size``); ZeRO-3's default reduce-scatter divides by the world size, averaging over the SP group too, so
+there each share is scaled by ``size`` (``SequenceParallel.grad_scale``).
 
 The split along the sequence and the LSE merge across it are the construction of Ulysses/ring attention (DeepSpeed
 Ulysses, arXiv 2309.14509; ring attention, arXiv 2310.01889); here K/V are all-gathered rather than exchanged over
@@ -258,52 +270,37 @@ class Shards:
     mask: torch.Tensor
     positions: torch.Tensor
 
-    def regions(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
+    def pieces(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
         """All-gather this layer's K/V (n, Hkv, L, d) over the group, record the gathered pair in ``capture`` (first
-        forward only), and return the regions of the earlier tokens of the pass (``earlier``), read in place."""
+        forward only), and return this rank's pieces with the regions they read in place (``layout``)."""
         k_all, v_all = gather_kv(key, value, self.sp)
         if capture is not None:
             capture.setdefault(layer, (k_all, v_all))
-        return self.earlier(k_all, v_all)
+        return self.layout(k_all, v_all)
 
-    def earlier(self, k_all: torch.Tensor, v_all: torch.Tensor) -> list[tuple]:
-        """The regions ``(K, V, index, mask, positions)`` of the gathered K/V ``k_all``/``v_all`` (n, Hkv, size·L, d)
-        that this rank's query rows (``fold``: piece i of row b is row i·n + b) read besides their own keys: every
-        token of the pass before the row's piece. Rank 0 of a contiguous split reads none, but gets shard 0 as a
-        region that no row reads (index −1): every rank's attention takes the gathered K/V as an input, so the
-        autograd graphs of the ranks have the same shape and run their backward collectives (the all-gather's
+    def layout(self, k_all: torch.Tensor, v_all: torch.Tensor) -> list[tuple[int, int, list[tuple]]]:
+        """(start, stop, regions) per contiguous piece of this rank's shard (tokens ``start … stop − 1`` of it; two
+        under zigzag, one contiguous): the piece's queries attend causally to the piece's own keys and to its regions
+        ``(K, V, index, mask, positions)``, the tokens of the pass before the piece, read in place from the gathered
+        K/V ``k_all``/``v_all`` (n, Hkv, size·L, d). Rank 0 of a contiguous split has no earlier token, but gets
+        shard 0 as a region that no row reads (index −1): every rank's attention takes the gathered K/V as an input,
+        so the autograd graphs of the ranks have the same shape and run their backward collectives (the all-gather's
         reduce-scatter) in the same order."""
         sp, n = self.sp, k_all.shape[0]
-        L, rows = k_all.shape[2] // sp.size, torch.arange(n, device=k_all.device)
-        begins, at = [], 0
-        for r, a, b in sp.slices(L):
-            if r == sp.rank:
-                begins.append(at)  # in sequence order, which is this rank's shard's order
-            at += b - a
+        L = k_all.shape[2] // sp.size
 
         def region(end: int, index: torch.Tensor) -> tuple:
             return k_all[:, :, :end], v_all[:, :, :end], index, self.mask[:, :end], self.positions[:, :end]
 
-        out = []
-        for i, begin in enumerate(begins):
-            if begin:
-                index = torch.full((n * len(begins),), -1, dtype=torch.long, device=k_all.device)
-                index[i * n : (i + 1) * n] = rows
-                out.append(region(begin, index))
-        return out or [region(L, torch.full((n,), -1, dtype=torch.long, device=k_all.device))]
-
-    def fold(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's query rows: ``t`` (n, ..., L, ...) with its pieces along ``dim`` stacked as rows (pieces · n,
-        ..., L / pieces, ...): a piece's queries see its own keys causally and all of ``earlier``'s region for it."""
-        return t if self.sp.pieces == 1 else torch.cat(t.chunk(self.sp.pieces, dim), 0)
-
-    def unfold(self, out: torch.Tensor) -> torch.Tensor:
-        """(pieces · n, H, L / pieces, d) attention output of the folded rows -> (n, H, L, d)."""
-        return out if self.sp.pieces == 1 else torch.cat(out.chunk(self.sp.pieces, 0), 2)
-
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """A region's (n,) row index for the folded rows: each piece of row b reads what row b reads."""
-        return index if self.sp.pieces == 1 else index.repeat(self.sp.pieces)
+        out, at = [], 0
+        for r, a, b in sp.slices(L):  # in sequence order, which is also this rank's order of its pieces
+            if r == sp.rank:
+                every = torch.arange(n, device=k_all.device)
+                out.append((a, b, [region(at, every)] if at else []))
+            at += b - a
+        if not any(regions for _, _, regions in out):  # rank 0 of a contiguous split
+            out[0][2].append(region(L, torch.full((n,), -1, dtype=torch.long, device=k_all.device)))
+        return out
 
 
 @dataclass(frozen=True)
