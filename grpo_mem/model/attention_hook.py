@@ -82,9 +82,9 @@ class CompletionContext:
             wider than it hides nothing and is dropped, so the fused kernels keep serving the pass).
         capture: per layer, the pass's own post-RoPE K/V (B, kv_heads, T, head_dim) once recorded; None: not kept.
         linear: the pass's ``linear_attention.LinearContext``, read by its linear-attention layers, or None.
-        shards: under sequence parallelism, the pass's ``sequence_parallel.Shards``: ``shards.pieces(key, value,
-            layer, capture)`` gives the pieces of this rank's shard with the regions of the pass's earlier tokens each
-            reads (and records the gathered K/V); None: whole.
+        shards: under sequence parallelism, the pass's ``sequence_parallel.Shards``: ``shards.regions(key, value,
+            layer, capture)`` gives the regions of the pass's earlier tokens (and records the gathered K/V), read by
+            the query rows ``shards.fold`` makes of this rank's shard; None: whole.
     """
 
     regions: list[Region]
@@ -221,12 +221,12 @@ def _make_hook(inner: str):
             if ctx is not None:
                 ctx.kv.setdefault(layer, (key, value))
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
-        pieces = [(0, query.shape[2], [])]  # (start, stop, regions of the pass's earlier tokens) per query piece
+        shard_regions = []
         if ctx.shards is not None:
-            pieces = ctx.shards.pieces(key, value, layer, ctx.capture)
+            shard_regions = ctx.shards.regions(key, value, layer, ctx.capture)
         elif ctx.capture is not None:
             ctx.capture.setdefault(layer, (key, value))
-        region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for p in pieces for r in p[2] for t in r[:2]]
+        region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for r in shard_regions for t in r[:2]]
         tensors = (query, key, value, *region_kv)
         device = query.device.type
         if torch.is_autocast_enabled(device):
@@ -240,25 +240,20 @@ def _make_hook(inner: str):
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
+        key_mask, positions, shards, indices = ctx.key_mask, ctx.positions, ctx.shards, [r.index for r in ctx.regions]
+        if shards is not None:  # the pieces of this rank's shard as query rows (``Shards.fold``)
+            q, k, v = (shards.fold(t) for t in (q, k, v))
+            key_mask, positions = shards.fold_rows(key_mask), shards.fold_rows(positions)
+            indices = [shards.rows(i) for i in indices]
         kv = iter(tensors[3:])
-        regions = [(next(kv), next(kv), r.index, r.mask, r.positions) for r in ctx.regions]
-        own = [(a, b, [(next(kv), next(kv), *r[2:]) for r in extra]) for a, b, extra in pieces]
+        regions = [(next(kv), next(kv), i, r.mask, r.positions) for i, r in zip(indices, ctx.regions)]
+        regions += [(next(kv), next(kv), *r[2:]) for r in shard_regions]
         features = layer_features(kwargs)
         if features["sliding_window"] is not None and features["sliding_window"] > ctx.reach:
             features["sliding_window"] = None
         with torch.autocast(device, enabled=False):
-            outs = [
-                multi_region_attention(
-                    *(t[:, :, a:b] for t in (q, k, v)),
-                    regions + extra,
-                    ctx.key_mask[:, a:b],
-                    scale=scale,
-                    q_positions=ctx.positions[:, a:b],
-                    **features,
-                ).transpose(1, 2)
-                for a, b, extra in own
-            ]
-        return (torch.cat(outs, 1) if len(outs) > 1 else outs[0].contiguous()), None
+            out = multi_region_attention(q, k, v, regions, key_mask, scale=scale, q_positions=positions, **features)
+        return (out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"
     return grpo_mem_attention

@@ -14,14 +14,14 @@ padded to ``size · L`` tokens and cut (``SequenceParallel.split``):
   both are exact, and no supported case needs it.
 
 Everything but attention is token-local. In attention, the queries of each piece of a rank's shard (the shard's two
-chunks under zigzag, one attention call each: ``Shards.layout``) see three kinds of keys, merged exactly by
+chunks under zigzag, run as separate query rows: ``Shards.fold``) see three kinds of keys, merged exactly by
 log-sum-exp (``grpo_mem.ops.multi_region_attention``):
 
 * the K/V of the passes on the row's path (a deeper trie node's ancestors; the completions' prompt nodes), recorded
   whole: each pass all-gathers its K/V over the SP group, layer by layer, and records the gathered (n, Hkv, size·L, d)
   tensors, in sequence order, for its readers;
 * the same pass's K/V of every token before the piece (fully visible to the piece's queries), read in place from that
-  all-gather;
+  all-gather (``Shards.earlier``);
 * the piece's own K/V, causally.
 
 So a pass is still forwarded once per group, only split across the ranks, and its readers attend to all of its K/V.
@@ -270,37 +270,61 @@ class Shards:
     mask: torch.Tensor
     positions: torch.Tensor
 
-    def pieces(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
+    def regions(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
         """All-gather this layer's K/V (n, Hkv, L, d) over the group, record the gathered pair in ``capture`` (first
-        forward only), and return this rank's pieces with the regions they read in place (``layout``)."""
+        forward only), and return the regions this rank's query rows read in place (``earlier``)."""
         k_all, v_all = gather_kv(key, value, self.sp)
         if capture is not None:
             capture.setdefault(layer, (k_all, v_all))
-        return self.layout(k_all, v_all)
+        return self.earlier(k_all, v_all)
 
-    def layout(self, k_all: torch.Tensor, v_all: torch.Tensor) -> list[tuple[int, int, list[tuple]]]:
-        """(start, stop, regions) per contiguous piece of this rank's shard (tokens ``start … stop − 1`` of it; two
-        under zigzag, one contiguous): the piece's queries attend causally to the piece's own keys and to its regions
-        ``(K, V, index, mask, positions)``, the tokens of the pass before the piece, read in place from the gathered
-        K/V ``k_all``/``v_all`` (n, Hkv, size·L, d). Rank 0 of a contiguous split has no earlier token, but gets
-        shard 0 as a region that no row reads (index −1): every rank's attention takes the gathered K/V as an input,
-        so the autograd graphs of the ranks have the same shape and run their backward collectives (the all-gather's
+    def earlier(self, k_all: torch.Tensor, v_all: torch.Tensor) -> list[tuple]:
+        """The regions ``(K, V, index, mask, positions)`` of the gathered K/V ``k_all``/``v_all`` (n, Hkv, size·L, d)
+        that this rank's query rows (``fold``: piece i of row b is row b·pieces + i) read besides their own keys: the
+        tokens of the pass before the row's piece. Rank 0 of a contiguous split has none, but gets shard 0 as a
+        region that no row reads (index −1): every rank's attention takes the gathered K/V as an input, so the
+        autograd graphs of the ranks have the same shape and run their backward collectives (the all-gather's
         reduce-scatter) in the same order."""
-        sp, n = self.sp, k_all.shape[0]
-        L = k_all.shape[2] // sp.size
+        sp, n, P = self.sp, k_all.shape[0], self.sp.pieces
+        L, rows = k_all.shape[2] // sp.size, torch.arange(n, device=k_all.device)
 
         def region(end: int, index: torch.Tensor) -> tuple:
             return k_all[:, :, :end], v_all[:, :, :end], index, self.mask[:, :end], self.positions[:, :end]
 
-        out, at = [], 0
+        out, at, i = [], 0, 0
         for r, a, b in sp.slices(L):  # in sequence order, which is also this rank's order of its pieces
             if r == sp.rank:
-                every = torch.arange(n, device=k_all.device)
-                out.append((a, b, [region(at, every)] if at else []))
+                if at:
+                    index = torch.full((n * P,), -1, dtype=torch.long, device=k_all.device)
+                    index[i::P] = rows
+                    out.append(region(at, index))
+                i += 1
             at += b - a
-        if not any(regions for _, _, regions in out):  # rank 0 of a contiguous split
-            out[0][2].append(region(L, torch.full((n,), -1, dtype=torch.long, device=k_all.device)))
-        return out
+        return out or [region(L, torch.full((n,), -1, dtype=torch.long, device=k_all.device))]
+
+    def fold(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's query rows: ``t`` (n, H, L, d) as (n·pieces, H, L / pieces, d), piece i of row b in row
+        b·pieces + i (a view when ``t`` is laid out (n, L, H, d) in memory, as the attention's projections give it). A
+        piece's queries see its own keys causally and the regions ``earlier`` gives its row."""
+        if self.sp.pieces == 1:
+            return t
+        n, H, L, d = t.shape
+        return t.transpose(1, 2).reshape(n * self.sp.pieces, L // self.sp.pieces, H, d).transpose(1, 2)
+
+    def fold_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (n, L) (a key mask, positions) as the folded rows' (n·pieces, L / pieces)."""
+        return t.reshape(t.shape[0] * self.sp.pieces, -1)
+
+    def unfold(self, out: torch.Tensor) -> torch.Tensor:
+        """(n·pieces, H, L / pieces, d) attention output of the folded rows -> (n, L, H, d) contiguous: a view when the
+        kernel wrote ``out`` laid out (rows, L / pieces, H, d), as the ATen and Triton backends do, so the layer's
+        output shares the storage the attention keeps for backward."""
+        m, H, M, d = out.shape
+        return out.transpose(1, 2).reshape(m // self.sp.pieces, self.sp.pieces * M, H, d).contiguous()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """A region's (n,) row index for the folded rows: each piece of row b reads what row b reads."""
+        return index if self.sp.pieces == 1 else index.repeat_interleave(self.sp.pieces)
 
 
 @dataclass(frozen=True)

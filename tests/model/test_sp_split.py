@@ -1,6 +1,6 @@
 """How a sequence-parallel layout cuts a pass (``grpo_mem.model.sequence_parallel``), on one process: every rank's
 shard, the gathered K/V's sequence order, the regions each rank's query rows read, and the attention they compute,
-simulated rank by rank from the whole pass (no process group: ``Shards.layout`` is given the K/V an all-gather
+simulated rank by rank from the whole pass (no process group: ``Shards.earlier`` is given the K/V an all-gather
 returns). The 2-process runs (``tests/distributed/test_sequence_parallel.py``) check the same against stock TRL."""
 
 import pytest
@@ -34,15 +34,15 @@ def test_shards_cover_the_pass_once_and_gather_in_sequence_order(split, size, T)
 
 
 def visible_pairs(sp: SequenceParallel, T: int) -> int:
-    """Query-key pairs rank ``sp`` scores in a pass of T tokens without padding: each piece's causal own keys plus
-    the regions its rows read."""
+    """Query-key pairs rank ``sp`` scores in a pass of T tokens without padding: each folded row's causal own keys
+    plus the regions it reads."""
     L = sp.shard(T)
     shards = Shards(sp, torch.ones(1, sp.size * L, dtype=torch.bool), torch.arange(sp.size * L)[None])
     k_all = torch.zeros(1, 1, sp.size * L, 1)
-    pairs = 0
-    for a, b, regions in shards.layout(k_all, k_all):
-        pairs += (b - a) * (b - a + 1) // 2
-        pairs += sum(int((index >= 0).sum()) * (b - a) * k.shape[2] for k, _, index, _, _ in regions)
+    piece = L // sp.pieces
+    pairs = sp.pieces * piece * (piece + 1) // 2
+    for k, _, index, _, _ in shards.earlier(k_all, k_all):
+        pairs += int((index >= 0).sum()) * piece * k.shape[2]
     return pairs
 
 
@@ -56,13 +56,16 @@ def test_zigzag_gives_every_rank_the_same_attention_work(size):
 
 
 @pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("size,T,window", [(2, 13, None), (2, 16, 5), (3, 17, None), (4, 23, 7), (4, 3, None)])
+@pytest.mark.parametrize(
+    "size,T,window", [(1, 9, None), (2, 13, None), (2, 16, 5), (3, 17, None), (4, 23, 7), (4, 3, None)]
+)
 def test_each_rank_computes_its_tokens_of_causal_attention(split, size, T, window):
-    """Rank by rank, each piece's queries against the regions ``Shards.layout`` gives and their own keys equal
+    """Rank by rank, its folded query rows against the regions ``Shards.earlier`` gives and their own keys equal
     causal attention over the whole pass (fp64, right padding, GQA, a sliding window) at the rank's tokens."""
     g = torch.Generator().manual_seed(T)
     n, Hq, Hkv, d = 3, 4, 2, 8
-    q, k, v = (torch.randn(n, h, T, d, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
+    # laid out (n, T, H, d) in memory, as a model's projections give them (``Shards.fold`` is then a view)
+    q, k, v = (torch.randn(n, T, h, d, generator=g, dtype=torch.float64).transpose(1, 2) for h in (Hq, Hkv, Hkv))
     lengths = torch.tensor([T, T - 1, max(1, T // 2)])
     mask = torch.arange(T)[None] < lengths[:, None]
     positions = 5 + torch.arange(T)[None].expand(n, T)
@@ -79,17 +82,15 @@ def test_each_rank_computes_its_tokens_of_causal_attention(split, size, T, windo
 
         full_positions = positions[:, :1] + torch.arange(sp.size * L)
         shards = Shards(sp, sp.padded(mask, L, False), full_positions)
-        ql, kl, vl = (local(t) for t in (q, k, v))
-        key_mask, q_pos = sp.local(mask, L, False), sp.local(full_positions, L)
-        outs = []
-        for a, b, regions in shards.layout(seq(k), seq(v)):
-            features = dict(sliding_window=window, q_positions=q_pos[:, a:b]) if window else {}
-            own = (t[:, :, a:b] for t in (ql, kl, vl))
-            outs.append(multi_region_attention_ref(*own, regions, key_mask[:, a:b], scale=d**-0.5, **features))
-        out = torch.cat(outs, 2)
+        regions = shards.earlier(seq(k), seq(v))
+        ql, kl, vl = (shards.fold(local(t)) for t in (q, k, v))
+        key_mask = shards.fold_rows(sp.local(mask, L, False))
+        q_pos = shards.fold_rows(sp.local(full_positions, L))
+        features = dict(sliding_window=window, q_positions=q_pos) if window else {}
+        out = shards.unfold(multi_region_attention_ref(ql, kl, vl, regions, key_mask, scale=d**-0.5, **features))
         real = sp.local(mask, L, False)  # (n, L): this rank's real tokens
-        expected = local(seq(truth))
-        torch.testing.assert_close(out.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-12, atol=1e-12)
+        expected = local(seq(truth)).transpose(1, 2)
+        torch.testing.assert_close(out[real], expected[real], rtol=1e-12, atol=1e-12)
 
 
 def test_split_is_checked():
