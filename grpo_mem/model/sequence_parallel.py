@@ -93,6 +93,11 @@ class SequenceParallel:
         grad_scale: the factor on each rank's share of the gradient (``gather_scores``' backward): 1 when the
             ranks' gradients are summed over the group (DeepSpeed ZeRO 0-2), ``size`` when they are averaged (ZeRO-3
             with its default ``reduce_scatter``).
+        split: how each pass is cut over the ranks, one of ``SPLITS``: ``"zigzag"`` (the default) or
+            ``"contiguous"`` (see the module docstring).
+
+    Raises:
+        ValueError: ``split`` is not one of ``SPLITS``.
     """
 
     group: object
