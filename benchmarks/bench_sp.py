@@ -6,8 +6,10 @@ micro-batch (1 prompt of P real tokens, G completions of C tokens: B = G rows; c
 right-padded), then ``(log_probs * completion_mask).sum().backward()`` into freshly ``None``-ed parameter gradients.
 With sp_size 1 the process runs the ordinary prompt-once path (no process group); with sp_size k > 1 every pass is
 split along the sequence over the k ranks of ``torch.distributed.run`` (``grpo_mem.model.sequence_parallel``): each
-rank runs ceil(P / k) prompt tokens and G·ceil(C / k) completion tokens, all-gathers each layer's K/V, and gets the
-whole (G, C) log-probs back.
+rank runs about P / k prompt tokens and G·C / k completion tokens, all-gathers each layer's K/V, and gets the whole
+(G, C) log-probs back. ``--split`` picks how the passes are cut: ``zigzag`` (the default: 2k chunks, rank r holds
+chunks r and 2k − 1 − r, the same causal attention work on every rank), ``contiguous`` (k shards in order: the later
+rank's queries see more keys), or both, each its own launch against the same sp_size 1 run.
 
 Model (``MODEL``, built from its config, nothing downloaded): Llama-shaped, hidden 256, 4 layers, 4 heads, 2 KV heads
 (head_dim 64), intermediate 688, vocab 4096, untied embeddings, random weights (seed 0, the same on every rank),
@@ -39,6 +41,7 @@ Usage (from the repository root)::
     python benchmarks/bench_sp.py                      # P=16384, C=256, G=8, sp_size 1 and 2 -> results/sp.csv
     python benchmarks/bench_sp.py --prompt-length 8192 # another prompt length
     python benchmarks/bench_sp.py --quick              # P=512, C=32: a smoke run of a few seconds per launch
+    python benchmarks/bench_sp.py -P 4096 --split zigzag,contiguous  # both splits against one sp_size 1 run
     python benchmarks/bench_sp.py --table              # reprint the table from the CSV
 """
 
@@ -119,7 +122,7 @@ def expected(P: int, C: int, G: int, sp_size: int) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------------------- worker
-def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str) -> None:
+def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, split: str = "zigzag") -> None:
     """One rank: build the model, warm up, measure one step (and one under the tensor tracker), then write this
     rank's measurement and the log-probs to ``out_dir`` (``rank{r}.json``; rank 0 also ``logps.pt``: the (G, C) fp32
     log-probs and the norm of the gradient summed over the ranks)."""
@@ -129,6 +132,7 @@ def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str) ->
     from grpo_mem import SharingSession
     from grpo_mem.bench.group import build_model
     from grpo_mem.bench.measure import TensorMemoryTracker, measure_once, release_free_memory
+    from grpo_mem.model.sequence_parallel import SequenceParallel
 
     torch.set_num_threads(1)
     group = None
@@ -136,7 +140,7 @@ def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str) ->
         dist.init_process_group("gloo")
         if dist.get_world_size() != sp_size:
             raise ValueError(f"sp_size {sp_size} needs as many processes, got world size {dist.get_world_size()}")
-        group = dist.group.WORLD
+        group = SequenceParallel.of(dist.group.WORLD, split=split)
     rank = dist.get_rank() if group is not None else 0
     model = build_model(model_spec(P, C), seed=0)
     vocab = model.config.vocab_size
@@ -178,16 +182,19 @@ def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str) ->
 
 
 # ---------------------------------------------------------------------------------------------------------- parent
-def launch(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, timeout: float | None = None) -> None:
+def launch(
+    sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, timeout: float | None = None, split="zigzag"
+) -> None:
     """Run ``worker`` in ``sp_size`` fresh processes (one plain process for sp_size 1, ``torch.distributed.run``
-    otherwise), one thread each; results land in ``out_dir``.
+    otherwise), one thread each, passes cut as ``split`` says (``sequence_parallel.SPLITS``); results land in
+    ``out_dir``.
 
     Raises:
         RuntimeError: a process exited non-zero (the end of its stderr in the message).
     """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_ROOT, TOKENIZERS_PARALLELISM="false")
     script = [os.path.abspath(__file__), "--worker", str(sp_size), "--prompt-length", str(P)]
-    script += ["--completion-length", str(C), "-G", str(G), "--out-dir", out_dir]
+    script += ["--completion-length", str(C), "-G", str(G), "--out-dir", out_dir, "--split", split]
     script += [] if tensors else ["--no-tensors"]
     if sp_size == 1:
         cmd = [sys.executable, *script]
@@ -199,20 +206,33 @@ def launch(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, ti
         raise RuntimeError(f"sp_size {sp_size} run exited with code {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
-def run(P: int, C: int, G: int, sp_sizes, *, tensors: bool, busy: bool, csv_path: str, out_root: str | None = None):
-    """Launch every sp_size, compare its log-probs and summed gradient norm with the first (sp_size 1), and merge the
-    rows into ``csv_path``. Returns the rows written. ``out_root``: where each run's files are kept
-    (``sp{k}/``); a temporary directory when None."""
+def run(
+    P: int,
+    C: int,
+    G: int,
+    sp_sizes,
+    *,
+    tensors: bool,
+    busy: bool,
+    csv_path: str,
+    out_root: str | None = None,
+    splits=("zigzag",),
+):
+    """Launch every sp_size (each sp_size > 1 once per split of ``splits``), compare its log-probs and summed gradient
+    norm with the first (sp_size 1), and merge the rows into ``csv_path``. Returns the rows written. ``out_root``:
+    where each run's files are kept (``sp{k}/``, ``sp{k}-{split}/`` for a split other than zigzag); a temporary
+    directory when None."""
     import torch
 
     rows = []
+    runs = [(k, split) for k in sp_sizes for split in (splits if k > 1 else ("zigzag",))]
     with tempfile.TemporaryDirectory() as tmp:
         root = out_root or tmp
         ref = None
-        for k in sp_sizes:
-            out = os.path.join(root, f"sp{k}")
+        for k, split in runs:
+            out = os.path.join(root, f"sp{k}" if split == "zigzag" else f"sp{k}-{split}")
             os.makedirs(out, exist_ok=True)
-            launch(k, P, C, G, tensors, out)
+            launch(k, P, C, G, tensors, out, split=split)
             saved = torch.load(os.path.join(out, "logps.pt"))
             if ref is None:
                 ref = saved
@@ -228,6 +248,7 @@ def run(P: int, C: int, G: int, sp_sizes, *, tensors: bool, busy: bool, csv_path
                     G=G,
                     B=G,
                     sp_size=k,
+                    split=split if k > 1 else "-",
                     rank=r,
                     model="llama-h256-l4",
                     dtype="float32",
@@ -244,28 +265,36 @@ def run(P: int, C: int, G: int, sp_sizes, *, tensors: bool, busy: bool, csv_path
 
     def key(r: dict) -> tuple:
         c = r["config"]
-        return (r["provider"], r["metric"], c["P"], c["C"], c["G"], c["rank"])
+        return (r["provider"], r["metric"], c["P"], c["C"], c["G"], _split(c), c["rank"])
 
     merge_csv(rows, csv_path, key)
     return rows
 
 
+def _split(config: dict) -> str:
+    """How a row's passes were cut: its ``split`` (rows written before the zigzag split were contiguous)."""
+    return config.get("split", "contiguous" if config["sp_size"] > 1 else "-")
+
+
 def table(path: str = CSV_PATH) -> str:
-    """Markdown table of the CSV: per (shape, sp_size, rank), time, CPU time, peak RSS above base, peak live tensors,
-    the expectation and its gathered-K/V part, the RSS over sp_size 1's, and the log-prob difference to sp_size 1."""
+    """Markdown table of the CSV: per (shape, sp_size, split, rank), time, CPU time, peak RSS above base, peak live
+    tensors, the expectation and its gathered-K/V part, the RSS over sp_size 1's, and the log-prob difference to
+    sp_size 1."""
     by = {}
     for r in harness.read_csv(path):
         c = r["config"]
-        by.setdefault((c["P"], c["C"], c["G"], c["sp_size"], c["rank"]), {"config": c})[r["metric"]] = r["p50"]
+        key = (c["P"], c["C"], c["G"], c["sp_size"], _split(c), c["rank"])
+        by.setdefault(key, {"config": c})[r["metric"]] = r["p50"]
     out = []
-    for (P, C, G, k, rank), v in sorted(by.items()):
+    for (P, C, G, k, split, rank), v in sorted(by.items()):
         c = v["config"]
-        base = by.get((P, C, G, 1, 0), {}).get("peak_rss_above_base", math.nan)
+        base = by.get((P, C, G, 1, "-", 0), {}).get("peak_rss_above_base", math.nan)
         rss = v.get("peak_rss_above_base", math.nan)
         out.append(
             [
                 f"{P}, {C}, {G}",
                 k,
+                split,
                 rank,
                 v.get("wall_time"),
                 v.get("cpu_time"),
@@ -281,6 +310,7 @@ def table(path: str = CSV_PATH) -> str:
     headers = [
         "P, C, G",
         "sp_size",
+        "split",
         "rank",
         "time (s)",
         "CPU time (s)",
@@ -302,6 +332,11 @@ def main(argv=None) -> int:
     ap.add_argument("-G", type=int, help=f"completions per prompt (default {DEFAULT['G']})")
     ap.add_argument("--sp-sizes", default=",".join(map(str, SP_SIZES)), help="comma-separated, first is the reference")
     ap.add_argument("--quick", action="store_true", help=f"a small shape {QUICK} (smoke run)")
+    ap.add_argument(
+        "--split",
+        default="zigzag",
+        help="how sp_size > 1 cuts the passes: zigzag (default), contiguous, or both comma-separated (one run each)",
+    )
     ap.add_argument("--no-tensors", action="store_true", help="skip the second step under the tensor tracker")
     ap.add_argument("--busy", action="store_true", help="mark the rows as measured on a busy machine")
     ap.add_argument("--csv", default=CSV_PATH, help="the CSV to merge the rows into")
@@ -315,13 +350,16 @@ def main(argv=None) -> int:
             if value < 1:
                 ap.error(f"{key} must be >= 1, got {value}")
             shape[key] = value
+    splits = tuple(args.split.split(","))
     if args.worker is not None:
-        worker(args.worker, shape["P"], shape["C"], shape["G"], not args.no_tensors, args.out_dir)
+        worker(args.worker, shape["P"], shape["C"], shape["G"], not args.no_tensors, args.out_dir, splits[0])
         return 0
     if args.table:
         print(table(args.csv))
         return 0
     sp_sizes = [int(s) for s in args.sp_sizes.split(",")]
+    if not splits or any(s not in ("zigzag", "contiguous") for s in splits):
+        ap.error(f"--split must be zigzag, contiguous or both comma-separated, got {args.split!r}")
     if sp_sizes[0] != 1 or any(k < 1 for k in sp_sizes):
         ap.error(f"--sp-sizes must start with 1 and hold sizes >= 1, got {args.sp_sizes!r}")
     run(
@@ -331,6 +369,7 @@ def main(argv=None) -> int:
         busy=args.busy,
         csv_path=args.csv,
         out_root=args.out_dir,
+        splits=splits,
     )
     print(table(args.csv))
     return 0

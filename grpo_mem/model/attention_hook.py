@@ -83,7 +83,8 @@ class CompletionContext:
         capture: per layer, the pass's own post-RoPE K/V (B, kv_heads, T, head_dim) once recorded; None: not kept.
         linear: the pass's ``linear_attention.LinearContext``, read by its linear-attention layers, or None.
         shards: under sequence parallelism, the pass's ``sequence_parallel.Shards``: ``shards.regions(key, value,
-            layer, capture)`` gives the regions of the earlier shards (and records the gathered K/V); None: whole.
+            layer, capture)`` gives the regions of the pass's earlier tokens (and records the gathered K/V), read by
+            the query rows ``shards.fold`` makes of this rank's shard; None: whole.
     """
 
     regions: list[Region]
@@ -239,18 +240,20 @@ def _make_hook(inner: str):
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
-        regions = [
-            (tensors[3 + 2 * i], tensors[4 + 2 * i], *r[2:])
-            for i, r in enumerate([(None, None, r.index, r.mask, r.positions) for r in ctx.regions] + shard_regions)
-        ]
+        key_mask, positions, shards, indices = ctx.key_mask, ctx.positions, ctx.shards, [r.index for r in ctx.regions]
+        if shards is not None:  # the pieces of this rank's shard as query rows (``Shards.fold``)
+            q, k, v = (shards.fold(t) for t in (q, k, v))
+            key_mask, positions = shards.fold_rows(key_mask), shards.fold_rows(positions)
+            indices = [shards.rows(i) for i in indices]
+        kv = iter(tensors[3:])
+        regions = [(next(kv), next(kv), i, r.mask, r.positions) for i, r in zip(indices, ctx.regions)]
+        regions += [(next(kv), next(kv), *r[2:]) for r in shard_regions]
         features = layer_features(kwargs)
         if features["sliding_window"] is not None and features["sliding_window"] > ctx.reach:
             features["sliding_window"] = None
         with torch.autocast(device, enabled=False):
-            out = multi_region_attention(
-                q, k, v, regions, ctx.key_mask, scale=scale, q_positions=ctx.positions, **features
-            )
-        return out.transpose(1, 2).contiguous(), None
+            out = multi_region_attention(q, k, v, regions, key_mask, scale=scale, q_positions=positions, **features)
+        return (out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"
     return grpo_mem_attention

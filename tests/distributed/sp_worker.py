@@ -1,8 +1,10 @@
 """Worker of the sequence-parallel scoring tests (2 ranks, gloo): every pass split along the sequence over the ranks,
 against stock TRL's scoring on one process.
 
-Usage: ``sp_worker.py ARCH SHARING [checkpointing] [causal]`` on 2 ranks (one SP group) or 4 (two SP groups of 2, data
-parallel over them, each with its own window) (``tests/distributed/test_sequence_parallel.py`` launches it). Every rank builds
+Usage: ``sp_worker.py ARCH SHARING [checkpointing] [causal] [contiguous] [one-group]`` on 2 ranks (one SP group) or 4
+(two SP groups of 2, data parallel over them, each with its own window; ``one-group``: one SP group of 4)
+(``tests/distributed/test_sequence_parallel.py`` launches it). Passes are split zigzag (the default), or in contiguous
+shards with ``contiguous``. Every rank builds
 the same tiny model and the same window of micro-batches (a long shared system prompt of odd length, groups split over
 micro-batches), scores it with ``SharingSession(sequence_parallel=world)``, computes the same loss from the gathered
 log-probs and entropies, and backpropagates. Asserted on every rank: the log-probs and entropies equal stock TRL's on
@@ -26,7 +28,7 @@ from helpers import (
 from launch import end_worker
 
 from grpo_mem import SharingSession
-from grpo_mem.model.sequence_parallel import SP_CAUSES
+from grpo_mem.model.sequence_parallel import SP_CAUSES, SequenceParallel
 
 ARCHS = {
     "llama": {},
@@ -46,10 +48,10 @@ def window_batches(C: int, dp: int = 0) -> list[tuple[torch.Tensor, torch.Tensor
     return [(ids[a:b], mask[a:b]) for a, b in cuts]
 
 
-def assert_refused(model, ids, mask, C, sharing, group, case, **options) -> None:
-    """Scoring ``ids``/``mask`` with sequence parallelism over ``group`` raises ValueError naming
+def assert_refused(model, ids, mask, C, sharing, sp, case, **options) -> None:
+    """Scoring ``ids``/``mask`` with sequence parallelism over ``sp`` raises ValueError naming
     ``SP_CAUSES[case]``."""
-    session = SharingSession(sharing, sequence_parallel=group, confirm=False)
+    session = SharingSession(sharing, sequence_parallel=sp, confirm=False)
     try:
         session.score(model, ids, mask, C, **options)
     except ValueError as exc:
@@ -58,10 +60,10 @@ def assert_refused(model, ids, mask, C, sharing, group, case, **options) -> None
         raise AssertionError(f"not refused under sequence parallelism: {case}")
 
 
-def sp_group() -> tuple[object, int]:
-    """(this rank's SP group, its data-parallel index): the whole world on 2 ranks; on 4, SP groups {0, 1} and
-    {2, 3}, data-parallel over the two."""
-    if dist.get_world_size() == 2:
+def sp_group(one_group: bool) -> tuple[object, int]:
+    """(this rank's SP group, its data-parallel index): the whole world on 2 ranks or with ``one_group``; on 4, SP
+    groups {0, 1} and {2, 3}, data-parallel over the two."""
+    if dist.get_world_size() == 2 or one_group:
         return dist.group.WORLD, 0
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     return groups[dist.get_rank() // 2], dist.get_rank() // 2
@@ -70,7 +72,9 @@ def sp_group() -> tuple[object, int]:
 def main(arch: str, sharing: str, *flags: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    group, dp = sp_group()
+    group, dp = sp_group("one-group" in flags)
+    split = "contiguous" if "contiguous" in flags else "zigzag"
+    sp = SequenceParallel.of(group, split=split)
     torch.manual_seed(0)
     C = 9
     batches = window_batches(C, dp)
@@ -85,7 +89,8 @@ def main(arch: str, sharing: str, *flags: str) -> None:
     if "checkpointing" in flags:  # TRL's default: layers re-run in backward, and with them the hook's all-gathers
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    session = SharingSession(sharing, sequence_parallel=group, confirm=False)
+    session = SharingSession(sharing, sequence_parallel=sp, confirm=False)
+    assert session.sp.split == split
     session.begin_window([ids[:, :-C] for ids, _ in batches], [mask[:, :-C] for _, mask in batches])
     for (ids, mask), (ref_logps, ref_ent) in zip(batches, ref):
         logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
@@ -100,11 +105,11 @@ def main(arch: str, sharing: str, *flags: str) -> None:
     model.zero_grad(set_to_none=True)
 
     ids, mask = batches[rank % len(batches)]  # each rank another micro-batch: refused on both, no hang
-    assert_refused(model, ids, mask, C, sharing, group, "differ")
+    assert_refused(model, ids, mask, C, sharing, sp, "differ")
     if arch == "llama":  # what the path refuses under sequence parallelism, by its named cause
         ids, mask = batches[0]
-        assert_refused(model, ids, mask, C, sharing, group, "router", compute_aux_loss=True)
-        assert_refused(tiny_model("qwen3_5"), ids, mask, C, sharing, group, "linear")
+        assert_refused(model, ids, mask, C, sharing, sp, "router", compute_aux_loss=True)
+        assert_refused(tiny_model("qwen3_5"), ids, mask, C, sharing, sp, "linear")
     dist.barrier()
     end_worker()
 

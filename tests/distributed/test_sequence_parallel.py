@@ -1,4 +1,5 @@
-"""Sequence parallelism of the prompt-once path on 2 and 4 ranks (gloo, CPU): every pass split along the sequence.
+"""Sequence parallelism of the prompt-once path on 2 and 4 ranks (gloo, CPU): every pass split along the sequence
+(zigzag, the default; contiguous shards in one case).
 
 Each run (``sp_worker.py``) scores a window of three micro-batches (a 71-token shared system prompt, a group split over
 two micro-batches, prompt widths odd and even) on both ranks of a sequence-parallel group and asserts that the log-probs
@@ -19,12 +20,19 @@ CASES = [
     ("mistral", "tree", ""),  # sliding window shorter than the prompts
     ("gpt_oss", "tree", ""),  # sinks, sliding window, MoE layers
     ("gemma2", "tree", ""),  # attention and final logit soft-capping
+    ("llama", "tree", "contiguous"),  # the contiguous split, kept selectable
 ]
 
 
 @pytest.mark.parametrize("arch,sharing,checkpointing", CASES, ids=["-".join(filter(None, c)) for c in CASES])
 def test_sequence_parallel_scoring_matches_stock(arch, sharing, checkpointing):
     launch("sp_worker.py", arch, sharing, *([checkpointing] if checkpointing else []))
+
+
+def test_sequence_parallel_zigzag_over_four_ranks():
+    """One SP group of 4 ranks: each pass cut into 8 chunks (rank r holds chunks r and 7 − r), so a rank's second
+    piece reads K/V of three other ranks; log-probs and summed gradients equal stock's."""
+    launch("sp_worker.py", "llama", "tree", "one-group", nproc=4)
 
 
 def test_sequence_parallel_groups_with_data_parallelism():
