@@ -401,7 +401,7 @@ def plot(path: str = CSV_PATH, png: str = PNG_PATH) -> None:
     bx.set_xscale("log", base=2)
     bx.set_xlabel("prompt length P")
     bx.set_ylabel("memory ratio / ideal")
-    bx.set_title("memory kept beyond the ideal")
+    bx.set_title("memory ratio over the ideal")
     bx.legend(fontsize=7)
     device = rows[0]["device"] if rows else ""
     fig.suptitle(f"long prompts, one group of G in one micro-batch ({device})", fontsize=9)
