@@ -58,7 +58,7 @@ def blocks() -> dict[str, dict[str, Callable[[], str]]]:
     """Page -> {block name: function returning the block's text}."""
     group, tree, vlm = _script("bench_group"), _script("bench_tree"), _script("bench_vlm")
     attention, head, fsdp = _script("bench_attention"), _script("bench_head"), _script("bench_fsdp")
-    sp, longest = _script("bench_sp"), _script("longest_prompt")
+    sp, longest, long = _script("bench_sp"), _script("longest_prompt"), _script("bench_long")
     return {
         BENCHMARKS_PAGE: {
             "group": lambda: group.table(),
@@ -72,6 +72,7 @@ def blocks() -> dict[str, dict[str, Callable[[], str]]]:
             "fsdp": lambda: fsdp.table(),
             "fsdp-tree": lambda: fsdp.window_table(),
             "sp": lambda: sp.table(),
+            "long": lambda: long.table(),
         },
         DISTRIBUTED_PAGE: {"sp-estimate": lambda: longest.table(longest.rows())},
         MODELS_PAGE: {"architectures": architecture_table, "architecture-counts": architecture_counts},

@@ -674,6 +674,12 @@ def run_bench(args) -> int:
         # after each setting, so that a phase stopped at its time limit still returns the settings that ran
         _concat_csv(csvs, os.path.join(dest, "bench.csv"))
         _stack_png(pngs, os.path.join(dest, "bench.png"))
+    if long := os.environ.get("GRPO_MEM_GPU_CHECK_LONG"):  # off by default: the long-prompt grid of bench_long.py
+        # "1": its whole grid (P 4K-32K, C 64/512/4K, G 8/16, stock TRL vs grpo_mem); else an --only list, M/P/C/G,...
+        cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_long.py"), "--device", args.device]
+        cmd += ["--csv", os.path.join(dest, "long.csv"), "--png", os.path.join(dest, "long.png")]
+        cmd += [] if long == "1" else ["--only", long]
+        status = status or subprocess.run(cmd, cwd=REPO, env=env).returncode
     return 0 if status == 0 and len(csvs) == len(s["bench"]) else 1
 
 

@@ -104,6 +104,24 @@ PRESETS: dict[str, Preset] = {
             ),
         ),
         Preset(
+            "qwen3-4b",
+            "config.json of Qwen/Qwen3-4B on the Hugging Face Hub",
+            dict(
+                model_type="qwen3",
+                hidden_size=2560,
+                intermediate_size=9728,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=151936,
+                rope_theta=1000000.0,
+                rms_norm_eps=1e-6,
+                tie_word_embeddings=True,
+                max_position_embeddings=40960,
+            ),
+        ),
+        Preset(
             "llama-3.2-1b",
             "config.json of meta-llama/Llama-3.2-1B on the Hugging Face Hub",
             dict(

@@ -209,11 +209,13 @@ def test_every_preset_builds_and_names_its_source():
         assert p.name == name and p.source
         shape = estimate.model_shape(p.config)  # on the meta device: no memory
         assert shape.layers == p.config["num_hidden_layers"] and shape.vocab == p.config["vocab_size"]
-    # Published parameter counts: SmolLM2 134.5 M, Qwen2.5-0.5B 0.49 B, Llama-3.2-1B 1.24 B, Qwen2.5-7B 7.6 B
+    # Published parameter counts: SmolLM2 134.5 M, Qwen2.5-0.5B 0.49 B, Llama-3.2-1B 1.24 B, Qwen2.5-7B 7.6 B,
+    # Qwen3-4B 4.0 B (4.02 B counted with the tied embedding once)
     assert round(estimate.model_shape(PRESETS["smollm2-135m"].config).n_params / 1e6, 1) == 134.5
     assert round(estimate.model_shape(PRESETS["qwen2.5-0.5b"].config).n_params / 1e9, 2) == 0.49
     assert round(estimate.model_shape(PRESETS["llama-3.2-1b"].config).n_params / 1e9, 2) == 1.24
     assert round(estimate.model_shape(PRESETS["qwen2.5-7b"].config).n_params / 1e9, 1) == 7.6
+    assert round(estimate.model_shape(PRESETS["qwen3-4b"].config).n_params / 1e9, 2) == 4.02  # Qwen3-4B, tied
     # Qwen2.5-VL-3B: 3.75 B with its 0.67 B vision tower
     assert round(estimate.model_shape(PRESETS["qwen2.5-vl-3b"].config).n_params / 1e9, 2) == 3.75
 
