@@ -294,30 +294,46 @@ class _LayerForward:
             raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
         for name in (*_CACHE_PARAMETERS, "attention_mask"):
             kwargs.pop(name, None)
-        cache_name = cache_parameter(own_class(module))
+        layer_call = self.bind(original, cache_parameter(own_class(module)), kwargs)
+        return linear.run(layer_call, module.layer_idx, hidden_states)
+
+    def bind(self, original: Callable, cache_name: str, kwargs: dict) -> Callable:
+        """``layer_call(x, cache, attention_mask)`` for ``LinearContext.run``: ``original`` with ``kwargs`` and the
+        cache (a ``_HandOff``) under ``cache_name``."""
 
         def layer_call(x, cache, attention_mask):
             return original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
 
-        return linear.run(layer_call, module.layer_idx, hidden_states)
+        return layer_call
 
 
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its layers ``hands_off_state`` recognises
 
 
 def install(model: torch.nn.Module) -> int:
-    """Wrap the forward of every layer of ``model`` that ``hands_off_state`` recognises (idempotent): a call with a
+    """Wrap the forward of every layer of ``model`` that ``hands_off_state`` or ``mamba2_state.hands_off_ssd_state``
+    recognises (idempotent): a call with a
     context token (``attention_hook.CTX_KWARG``) runs the context's ``linear`` (a ``LinearContext``); any other call
     runs the layer's forward unchanged. ``attention_hook.restore_forwards`` undoes it. Returns how many layers are
     wrapped. The layers are found once per model."""
     layers = _LAYERS.get(model)
     if layers is None:
-        layers = _LAYERS[model] = linear_layers(model)
-    for module in layers:
+        layers = _LAYERS[model] = [(m, _LayerForward) for m in linear_layers(model)] + _ssd_layers(model)
+    for module, wrapper in layers:
         if WRAPPED_FORWARD not in module.__dict__:
             module.__dict__[WRAPPED_FORWARD] = module.__dict__.get("forward")
-            module.forward = _LayerForward(module)
+            module.forward = wrapper(module)
     return len(layers)
+
+
+def _ssd_layers(model: torch.nn.Module) -> list:
+    """(mixer, ``mamba2_state.SSDForward``) for each Mamba-2 mixer of ``model`` whose states are handed on; the module
+    is imported only for a model with state-space modules (an integer ``ssm_state_size``)."""
+    if not any(isinstance(getattr(m, "ssm_state_size", None), int) for m in model.modules()):
+        return []
+    from .mamba2_state import SSDForward, ssd_layers
+
+    return [(m, SSDForward) for m in ssd_layers(model)]
 
 
 class LinearState(PassExtension):

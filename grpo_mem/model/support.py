@@ -163,6 +163,7 @@ def _reruns_layers(base, layer_lists: list[str]) -> bool:
 
 
 _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|pos_emb\w*|positional_embedding\w*)$")
+_POSITIONAL = re.compile(r"position|rotary|rope|arange|alibi|relative", re.IGNORECASE)  # what position-free lacks
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d)
 
 
@@ -171,10 +172,11 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
 
     ``features``: keyword -> what the config asks of the attention (``sliding_window`` for a window, ``softcap`` for
     score softcapping); each attention module must hand it to the attention interface, where the hook reads it.
-    ``handed``: the Gated DeltaNet layers whose states are handed on (``_handed_layers``).
+    ``handed``: the Gated DeltaNet and Mamba-2 layers whose states are handed on (``_handed_layers``); a layer that is
+    an MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
     """
     attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
-    if not attention:
+    if not attention and not handed:
         names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
         named = ", ".join(names[:2]) or "no attention module"
         return f"attention is not computed through transformers' attention interface ({named})"
@@ -185,11 +187,14 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
         return "several attention modules share one layer_idx (a block shared between layers)"
     handed = {id(m) for m in handed}
     within = [n + "." for n, m in base.named_modules() if id(m) in handed]
+    mixing = [n for n, _ in attention] + within
     for name, module in base.named_modules():
         if isinstance(module, _CONVOLUTIONS) and not name.startswith(tuple(within)):
             return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)"
-        if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a, _ in attention):
+        if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a in mixing):
             for i, layer in enumerate(module):
+                if getattr(layer, "block_type", None) in ("mlp", "moe"):
+                    continue
                 if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
                 if not _passes_kwargs(type(layer)):
@@ -207,7 +212,7 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
         if not _passes_kwargs(cls):
             return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
-        if not _takes_positions(cls):
+        if not _takes_positions(cls) and _POSITIONAL.search(_forward_source(cls)):  # else NoPE (Nemotron-H)
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"
@@ -223,15 +228,20 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     return None
 
 
-def _handed_layers(config, base) -> list:
-    """The Gated DeltaNet layers of ``base`` whose states grpo_mem hands on (``linear_attention.linear_layers``), for
-    a config whose ``layer_types`` name ``linear_attention`` layers; none otherwise (the linear-attention module is
-    then not imported)."""
-    if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
-        return []
+def _handed_layers(config, base) -> tuple[list, str | None]:
+    """(the Gated DeltaNet and Mamba-2 layers of ``base`` whose states grpo_mem hands on: ``linear_attention.
+    linear_layers``, ``mamba2_state.ssd_layers``; why a Mamba-2 mixer's cannot be, or None), for a config whose
+    ``layer_types`` name ``linear_attention`` or ``hybrid`` layers; none otherwise (their modules are then not
+    imported)."""
+    if not set(getattr(config, "layer_types", None) or ()) & {"linear_attention", "hybrid"}:
+        return [], None
     from .linear_attention import linear_layers
 
-    return linear_layers(base)
+    if not any(isinstance(getattr(m, "ssm_state_size", None), int) for m in base.modules()):
+        return linear_layers(base), None
+    from .mamba2_state import ssd_cause, ssd_layers
+
+    return linear_layers(base) + ssd_layers(base), ssd_cause(base)
 
 
 def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:
@@ -244,8 +254,9 @@ def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str
     """
     layer_types = set(getattr(config, "layer_types", None) or [])
     other = layer_types - {"full_attention", "sliding_attention"}
-    if "linear_attention" in other and handed:
-        other.discard("linear_attention")
+    if handed:  # a "hybrid" layer (Falcon-H1) runs attention and a Mamba-2 mixer side by side
+        other -= {"linear_attention", "hybrid"}
+    other -= {"mlp", "moe"}  # blocks without token mixing (Nemotron-H), each checked in ``_layers_cause``
     if other:
         return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)", {}
     features = {}
@@ -346,8 +357,9 @@ def architecture_cause(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
-    ``layer_idx`` or is a Gated DeltaNet layer whose states grpo_mem hands on (``linear_attention.hands_off_state``:
-    Qwen3.5, Qwen3-Next), causal attention (full or sliding-window per layer, with or without sinks and score
+    ``layer_idx`` or is a Gated DeltaNet layer or Mamba-2 mixer whose states grpo_mem hands on
+    (``linear_attention.hands_off_state``: Qwen3.5, Qwen3-Next; ``mamba2_state.hands_off_ssd_state``: Mamba-2,
+    Nemotron-H, Falcon-H1, Bamba, Granite 4.0 hybrid) or an MLP/MoE block, causal attention (full or sliding-window per layer, with or without sinks and score
     softcapping, each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids``
     independent of the sequence length, and logits made by one linear layer on the last hidden state (plus the logit
     scale and softcap the completion head applies). Everything else is named: remote code, encoder-decoder models,
@@ -370,8 +382,8 @@ def architecture_cause(causal_lm) -> str | None:
         return "an encoder run as a decoder (is_decoder, BERT-style)"
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
-    handed = _handed_layers(config, base)
-    cause, features = _attention_features(config, handed)
+    handed, cause = _handed_layers(config, base)
+    cause, features = (cause, {}) if cause else _attention_features(config, handed)
     return cause or _positions_cause(config, base) or _layers_cause(base, features, handed) or _head_cause(causal_lm)
 
 

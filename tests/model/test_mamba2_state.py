@@ -1,0 +1,174 @@
+"""Mamba-2 (SSD) mixers on the prompt-once path: each node's convolution and SSM state at its last real token, handed
+to the rows that continue it, in the pure model (Mamba-2) and the hybrids (Nemotron-H, Bamba, Granite 4.0 hybrid,
+Falcon-H1's parallel hybrid); log-probs, entropies and every parameter's gradient against TRL 1.16's own computation,
+fp32."""
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from helpers import (
+    VOCAB,
+    CountPasses,
+    assert_close,
+    grads_of,
+    make_batch,
+    random_tokens,
+    stock_logps,
+)
+from test_linear_attention import assert_grads_near
+
+from grpo_mem.model import attention_hook as attn_hook
+from grpo_mem.model.linear_attention import LinearContext, install
+from grpo_mem.model.mamba2_state import hands_off_ssd_state, ssd_layers
+from grpo_mem.model.sharing import SharingSession
+from grpo_mem.model.support import unsupported_cause
+
+# the SSD sizes every tiny model shares: 4 heads of 8 channels (hidden 16, expand 2), 2 groups of state 6, kernel 4,
+# chunks of 4 tokens (every prompt and node crosses chunk boundaries, at other offsets than in stock's layout)
+_SSD = dict(n_groups=2, chunk=4, conv=4, state=6, heads=4, head=8)
+_COMMON = dict(vocab_size=VOCAB, hidden_size=16, pad_token_id=0, eos_token_id=3, bos_token_id=1)
+
+
+def mamba2():
+    return transformers.Mamba2ForCausalLM(
+        transformers.Mamba2Config(
+            **_COMMON,
+            num_hidden_layers=2,
+            num_heads=4,
+            head_dim=8,
+            expand=2,
+            state_size=6,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=4,
+        )
+    )
+
+
+def nemotron_h():
+    return transformers.NemotronHForCausalLM(
+        transformers.NemotronHConfig(
+            **_COMMON,
+            layers_block_type=["mamba", "attention", "mlp", "mamba"],
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=24,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            expand=2,
+            ssm_state_size=6,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=4,
+        )
+    )
+
+
+def _bamba_like(config_cls, model_cls, **extra):
+    return model_cls(
+        config_cls(
+            **_COMMON,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=24,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_expand=2,
+            mamba_d_state=6,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=4,
+            **extra,
+        )
+    )
+
+
+def bamba():
+    return _bamba_like(
+        transformers.BambaConfig, transformers.BambaForCausalLM, num_hidden_layers=3, attn_layer_indices=[1]
+    )
+
+
+def granitemoehybrid():
+    return _bamba_like(
+        transformers.GraniteMoeHybridConfig,
+        transformers.GraniteMoeHybridForCausalLM,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
+def falcon_h1():
+    return _bamba_like(
+        transformers.FalconH1Config,
+        transformers.FalconH1ForCausalLM,
+        num_hidden_layers=2,
+        head_dim=8,
+        mamba_d_ssm=32,
+    )
+
+
+BUILDERS = {f.__name__: f for f in (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1)}
+
+
+def _model(arch, checkpointing=False, seed=0):
+    torch.manual_seed(seed)
+    model = BUILDERS[arch]().float().train()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def _check(model, ids, mask, C, sharing, monkeypatch=None):
+    """Stock TRL's numbers and ours (a one-micro-batch window; tree nodes from 2 shared tokens) agree."""
+    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    ref_g = grads_of(model, ref, ref_e)
+    count = CountPasses(monkeypatch) if monkeypatch is not None else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="grpo_mem: falling back")
+        session = SharingSession(sharing, min_shared_tokens=2)
+        session.begin_window([ids[:, :-C]], [mask[:, :-C]])
+        ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
+    assert_close(ours, ref, 1e-5, "log-probs")
+    assert_close(ours_e, ref_e, 1e-5, "entropies")
+    assert_grads_near(grads_of(model, ours, ours_e), ref_g, 1e-4)
+    return count
+
+
+SYSTEM, SHOTS_A, SHOTS_B = random_tokens(13, 1), random_tokens(6, 2), random_tokens(1, 3)
+# a 13-token system prompt, below it nodes of 6 and 1 tokens (a single-token node takes the mixers' recurrent form,
+# and is shorter than the convolution's K − 1 = 3: its continuations convolve across two node boundaries), below them
+# own parts of 1 to 5 tokens
+TREE = [
+    SYSTEM + SHOTS_A + random_tokens(4, 20),
+    SYSTEM + SHOTS_A + random_tokens(1, 21),
+    SYSTEM + SHOTS_B + random_tokens(2, 22),
+    SYSTEM + SHOTS_B + random_tokens(5, 23),
+]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_group_sharing_matches_stock_trl(arch, checkpointing):
+    """Left-padded prompts of 2 to 9 tokens (junk in the padding), 3 completions each, shuffled: every completion
+    starts from its prompt's convolution and SSM states, and the prompt's gradient comes back through them."""
+    model = _model(arch, checkpointing)
+    assert unsupported_cause(model) is None
+    ids, mask, C, _ = make_batch([5, 9, 2, 7], 3, 6, shuffle=True, junk_in_padding=True)
+    _check(model, ids, mask, C, "group")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_tree_sharing_matches_stock_trl(monkeypatch, arch, checkpointing):
+    """A shared system prompt forwarded once; its states start both nodes below it (one of a single token), whose
+    own states start the prompts' own parts and, through them, the completions."""
+    model = _model(arch, checkpointing)
+    ids, mask, C, _ = make_batch(None, 2, 5, prompts=TREE, shuffle=True, junk_in_padding=True)
+    count = _check(model, ids, mask, C, "tree", monkeypatch)
+    assert count.passes == [[13], [3, 6, 6], [1, 4]]
