@@ -57,7 +57,7 @@ _SSD_CALLS = (
 _SSD_ATTRIBUTES = ("layer_idx", "conv_kernel_size", "ssm_state_size", "num_heads", "head_dim")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ssd_class(cls: type) -> bool:
     """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``_SSD_CALLS`` on it."""
     name = cache_parameter(cls)

@@ -19,6 +19,7 @@ from helpers import (
 )
 from test_linear_attention import assert_grads_near
 
+import grpo_mem
 from grpo_mem.model import attention_hook as attn_hook
 from grpo_mem.model.linear_attention import LinearContext, install
 from grpo_mem.model.mamba2_state import hands_off_ssd_state, ssd_layers
@@ -172,3 +173,43 @@ def test_tree_sharing_matches_stock_trl(monkeypatch, arch, checkpointing):
     ids, mask, C, _ = make_batch(None, 2, 5, prompts=TREE, shuffle=True, junk_in_padding=True)
     count = _check(model, ids, mask, C, "tree", monkeypatch)
     assert count.passes == [[13], [3, 6, 6], [1, 4]]
+
+
+def test_node_states_are_the_models_own_states_at_each_rows_last_token():
+    """A root pass over right-padded rows of 1 to 9 tokens records, per mixer and row, the model's own cache states
+    after the row's last real token: padding neither decays the SSM state nor enters the convolution's."""
+    model = _model("mamba2").eval()
+    rows = [random_tokens(n, 40 + n) for n in (9, 1, 5, 2)]
+    S = max(map(len, rows))
+    ids = torch.tensor([r + [7] * (S - len(r)) for r in rows])  # junk padding
+    mask = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in rows])
+    impl = attn_hook.take_over(model)
+    install(model)
+    try:
+        ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(rows), lengths=list(map(len, rows)), capture={}))
+        with torch.no_grad():
+            model.backbone(input_ids=ids, attention_mask=mask, use_cache=False, grpo_mem_ctx=attn_hook.context_token(ctx))
+    finally:
+        attn_hook.give_back(model, impl)
+    assert sorted(ctx.linear.capture) == [0, 1]
+    for b, row in enumerate(rows):
+        with torch.no_grad():
+            cache = model(input_ids=torch.tensor([row]), use_cache=True).cache
+        for layer, (conv, recurrent) in ctx.linear.capture.items():
+            own_conv = cache.layers[layer].conv_states[0][..., -3:]  # the cache keeps the last K = 4 inputs
+            assert_close(conv[b : b + 1], own_conv, 1e-6, f"conv state, layer {layer}, row {b}")
+            assert_close(recurrent[b : b + 1], cache.layers[layer].recurrent_states[0], 1e-6, f"state {layer} {b}")
+
+
+def test_a_projection_bias_is_refused_by_name_and_restore_unwraps_the_mixers():
+    model = _model("mamba2")
+    ids, mask, C, _ = make_batch([4, 6], 2, 3)
+    grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
+    mixers = ssd_layers(model)
+    assert len(mixers) == 2 and all(hands_off_ssd_state(m) and "forward" in m.__dict__ for m in mixers)
+    grpo_mem.restore(model)
+    assert not any("forward" in m.__dict__ or "_grpo_mem_linear_forward" in m.__dict__ for m in mixers)
+    torch.manual_seed(0)
+    config = transformers.Mamba2Config(**{**model.config.to_dict(), "use_bias": True})
+    cause = unsupported_cause(transformers.Mamba2ForCausalLM(config))
+    assert cause.startswith("Mamba2Mixer has an input projection bias: stock feeds it into the convolution"), cause
