@@ -311,29 +311,36 @@ _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its
 
 
 def install(model: torch.nn.Module) -> int:
-    """Wrap the forward of every layer of ``model`` that ``hands_off_state`` or ``mamba2_state.hands_off_ssd_state``
-    recognises (idempotent): a call with a
+    """Wrap the forward of every layer of ``model`` that ``hands_off_state`` recognises (idempotent): a call with a
     context token (``attention_hook.CTX_KWARG``) runs the context's ``linear`` (a ``LinearContext``); any other call
     runs the layer's forward unchanged. ``attention_hook.restore_forwards`` undoes it. Returns how many layers are
     wrapped. The layers are found once per model."""
     layers = _LAYERS.get(model)
     if layers is None:
-        layers = _LAYERS[model] = [(m, _LayerForward) for m in linear_layers(model)] + _ssd_layers(model)
-    for module, wrapper in layers:
-        if WRAPPED_FORWARD not in module.__dict__:
-            module.__dict__[WRAPPED_FORWARD] = module.__dict__.get("forward")
-            module.forward = wrapper(module)
+        layers = _LAYERS[model] = linear_layers(model)
+    wrap(layers, _LayerForward)
     return len(layers)
 
 
-def _ssd_layers(model: torch.nn.Module) -> list:
-    """(mixer, ``mamba2_state.SSDForward``) for each Mamba-2 mixer of ``model`` whose states are handed on; the module
-    is imported only for a model with state-space modules (an integer ``ssm_state_size``)."""
-    if not any(isinstance(getattr(m, "ssm_state_size", None), int) for m in model.modules()):
-        return []
-    from .mamba2_state import SSDForward, ssd_layers
+def wrap(layers: list[torch.nn.Module], wrapper: type[_LayerForward]) -> None:
+    """Give each module of ``layers`` not wrapped yet the forward ``wrapper(module)``, keeping its own instance
+    forward (or None) under ``attention_hook.WRAPPED_FORWARD``."""
+    for module in layers:
+        if WRAPPED_FORWARD not in module.__dict__:
+            module.__dict__[WRAPPED_FORWARD] = module.__dict__.get("forward")
+            module.forward = wrapper(module)
 
-    return [(m, SSDForward) for m in ssd_layers(model)]
+
+_STATE_SPACE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> whether it has state-space modules
+
+
+def has_state_space(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has state-space modules (an integer ``ssm_state_size``: Mamba mixers), whose hand-off
+    (``mamba2_state.install``) runs in the same ``LinearContext``; decided once per model."""
+    known = _STATE_SPACE.get(model)
+    if known is None:
+        known = _STATE_SPACE[model] = any(isinstance(getattr(m, "ssm_state_size", None), int) for m in model.modules())
+    return known
 
 
 class LinearState(PassExtension):

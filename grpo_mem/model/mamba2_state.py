@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 
 from .attention_hook import own_class
-from .linear_attention import _HandOff, _LayerForward, cache_parameter
+from .linear_attention import _HandOff, _LayerForward, cache_parameter, wrap
 
-__all__ = ["SSDForward", "hands_off_ssd_state", "ssd_cause", "ssd_layers"]
+__all__ = ["SSDForward", "hands_off_ssd_state", "install", "ssd_cause", "ssd_layers"]
 
 # what a mixer's forward must do for the hand-off to be exact: read both states from its cache, write both back (the
 # SSM state through the cache after a chunked scan, in place in the single-token recurrent form), run the chunked scan
@@ -123,6 +124,7 @@ class _RecordedState(torch.Tensor):
 
 
 def _plain(value):
+    """``value`` (a tensor, or a tuple or list of them) with each ``_RecordedState`` as a plain tensor view."""
     if isinstance(value, _RecordedState):
         return value.as_subclass(torch.Tensor)
     if isinstance(value, (tuple, list)):
@@ -168,7 +170,7 @@ class _SSDCache:
 
 
 class SSDForward(_LayerForward):
-    """The forward ``linear_attention.install`` gives a Mamba-2 mixer: as ``_LayerForward`` (the pass's
+    """The forward ``install`` gives a Mamba-2 mixer: as ``_LayerForward`` (the pass's
     ``LinearContext`` runs it), its cache a ``_SSDCache`` over the context's hand-off, and no ``position_ids`` (a
     mixer has no positions; its decoder layer may hand them on in its keyword arguments)."""
 
@@ -178,6 +180,8 @@ class SSDForward(_LayerForward):
         return SSDForward, (self.module,)
 
     def bind(self, original, cache_name: str, kwargs: dict):
+        """``_LayerForward.bind``, the mixer's cache a ``_SSDCache``; raises RuntimeError after a single-token call
+        from a state that recorded no new SSM state."""
         kwargs.pop("position_ids", None)
 
         def layer_call(x, hand_off, attention_mask):
@@ -192,3 +196,18 @@ class SSDForward(_LayerForward):
             return out
 
         return layer_call
+
+
+_MIXERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixers ``hands_off_ssd_state`` admits
+
+
+def install(model: torch.nn.Module) -> int:
+    """Wrap the forward of every Mamba-2 mixer of ``model`` that ``hands_off_ssd_state`` recognises with
+    ``SSDForward`` (idempotent; ``attention_hook.restore_forwards`` undoes it): a call with a context token runs the
+    context's ``linear`` (``linear_attention.LinearContext``), any other the mixer's forward unchanged. Returns how
+    many mixers are wrapped; they are found once per model."""
+    mixers = _MIXERS.get(model)
+    if mixers is None:
+        mixers = _MIXERS[model] = ssd_layers(model)
+    wrap(mixers, SSDForward)
+    return len(mixers)

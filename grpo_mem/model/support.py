@@ -163,7 +163,9 @@ def _reruns_layers(base, layer_lists: list[str]) -> bool:
 
 
 _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|pos_emb\w*|positional_embedding\w*)$")
-_POSITIONAL = re.compile(r"position|rotary|rope|arange|alibi|relative", re.IGNORECASE)  # what position-free lacks
+# what the attention of a hybrid with recurrent layers lacks when it has no positions at all (Nemotron-H's NoPE
+# attention: the recurrent layers order the tokens); attention of other models must take positions
+_POSITIONAL = re.compile(r"position|rotary|rope|arange|alibi|relative", re.IGNORECASE)
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d)
 
 
@@ -212,7 +214,7 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
         if not _passes_kwargs(cls):
             return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
-        if not _takes_positions(cls) and _POSITIONAL.search(_forward_source(cls)):  # else NoPE (Nemotron-H)
+        if not _takes_positions(cls) and not (handed and not _POSITIONAL.search(_forward_source(cls))):
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"

@@ -12,24 +12,26 @@ from helpers import (
     VOCAB,
     CountPasses,
     assert_close,
+    begin_window,
     grads_of,
     make_batch,
     random_tokens,
     stock_logps,
+    stock_window,
+    weighted_backward,
 )
 from test_linear_attention import assert_grads_near
 
 import grpo_mem
 from grpo_mem.model import attention_hook as attn_hook
-from grpo_mem.model.linear_attention import LinearContext, install
-from grpo_mem.model.mamba2_state import hands_off_ssd_state, ssd_layers
+from grpo_mem.model.linear_attention import LinearContext
+from grpo_mem.model.mamba2_state import hands_off_ssd_state, install, ssd_layers
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import unsupported_cause
 
-# the SSD sizes every tiny model shares: 4 heads of 8 channels (hidden 16, expand 2), 2 groups of state 6, kernel 4,
-# chunks of 4 tokens (every prompt and node crosses chunk boundaries, at other offsets than in stock's layout)
-_SSD = dict(n_groups=2, chunk=4, conv=4, state=6, heads=4, head=8)
-_COMMON = dict(vocab_size=VOCAB, hidden_size=16, pad_token_id=0, eos_token_id=3, bos_token_id=1)
+# every tiny model: SSD of 4 heads of 8 channels (hidden 16, expand 2), 2 groups of state 6, kernel 4, chunks of 4
+# tokens (every prompt and node crosses chunk boundaries, at other offsets than in stock's layout)
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 16, "pad_token_id": 0, "eos_token_id": 3, "bos_token_id": 1}
 
 
 def mamba2():
@@ -188,7 +190,9 @@ def test_node_states_are_the_models_own_states_at_each_rows_last_token():
     try:
         ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(rows), lengths=list(map(len, rows)), capture={}))
         with torch.no_grad():
-            model.backbone(input_ids=ids, attention_mask=mask, use_cache=False, grpo_mem_ctx=attn_hook.context_token(ctx))
+            model.backbone(
+                input_ids=ids, attention_mask=mask, use_cache=False, grpo_mem_ctx=attn_hook.context_token(ctx)
+            )
     finally:
         attn_hook.give_back(model, impl)
     assert sorted(ctx.linear.capture) == [0, 1]
@@ -213,3 +217,30 @@ def test_a_projection_bias_is_refused_by_name_and_restore_unwraps_the_mixers():
     config = transformers.Mamba2Config(**{**model.config.to_dict(), "use_bias": True})
     cause = unsupported_cause(transformers.Mamba2ForCausalLM(config))
     assert cause.startswith("Mamba2Mixer has an input projection bias: stock feeds it into the convolution"), cause
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1"])
+def test_window_carries_states_across_micro_batches(monkeypatch, arch):
+    """Micro-batches of one optimizer step share the system prompt and split groups (gradient checkpointing on): each
+    node is forwarded once per window, its convolution and SSM states (and its attention K/V) read by later
+    micro-batches through the store; the window's gradient equals stock TRL's summed over its micro-batches."""
+    prompt_sets = [[TREE[0], TREE[2]], [TREE[0], TREE[1]], [TREE[3], TREE[1]], [TREE[2]]]
+    model = _model(arch, True)
+    C = 4
+    batches = [
+        make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
+        for i, p in enumerate(prompt_sets)
+    ]
+    ref, ref_grads = stock_window(model, batches, C)
+    count = CountPasses(monkeypatch)
+    session = SharingSession(min_shared_tokens=2)
+    begin_window(session, batches, C)
+    for (ids, mask), (r, re) in zip(batches, ref):
+        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
+        assert_close(logps, r, 1e-5, "log-probs")
+        assert_close(ent, re, 1e-5, "entropies")
+        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
+    ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    session.close_window()  # raises if a kept pass was never released
+    assert sorted(t for p in count.passes for t in p) == sorted([13, 3, 6, 6, 1, 4])
+    assert_grads_near(ours_grads, ref_grads, 1e-4)
