@@ -60,6 +60,6 @@ def sp_cause(sp, causal_lm, compute_aux_loss: bool, vision, input_ids, attention
         return sequence_parallel_cause("images")
     if compute_aux_loss:
         return sequence_parallel_cause("router")
-    from .linear_attention import linear_layers
+    from .attention_hook import has_linear  # Gated DeltaNet layers and Mamba-2 mixers alike
 
-    return sequence_parallel_cause("linear") if linear_layers(causal_lm.base_model) else None
+    return sequence_parallel_cause("linear") if has_linear(causal_lm) else None

@@ -67,16 +67,17 @@ def cache_parameter(cls: type) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _hands_off_class(cls: type) -> bool:
-    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``_HAND_OFF_CALLS`` on it
-    (False when it cannot be read). The source is read because the calls are the contract; the parameter's name is
-    taken from the signature, so a rename of it does not turn the check into a silent fallback."""
+def makes_calls(cls: type, calls: tuple[str, ...]) -> bool:
+    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``calls`` on it (``{cache}``
+    standing for that parameter's name; False when the source cannot be read). The source is read because the calls
+    are the contract; the parameter's name is taken from the signature, so a rename of it does not turn the check into
+    a silent fallback."""
     name = cache_parameter(cls)
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    return name is not None and all(call.format(cache=name) in source for call in _HAND_OFF_CALLS)
+    return name is not None and all(call.format(cache=name) in source for call in calls)
 
 
 def hands_off_state(module: torch.nn.Module) -> bool:
@@ -87,7 +88,7 @@ def hands_off_state(module: torch.nn.Module) -> bool:
         return False
     if not isinstance(getattr(module, "conv_kernel_size", None), int):
         return False
-    return _hands_off_class(own_class(module))
+    return makes_calls(own_class(module), _HAND_OFF_CALLS)
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

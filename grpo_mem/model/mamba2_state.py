@@ -30,14 +30,12 @@ This module knows torch and transformers' cache protocol; it is imported only fo
 
 from __future__ import annotations
 
-import functools
-import inspect
 import weakref
 
 import torch
 
 from .attention_hook import own_class
-from .linear_attention import _HandOff, _LayerForward, cache_parameter, wrap
+from .linear_attention import _HandOff, _LayerForward, makes_calls, wrap
 
 __all__ = ["SSDForward", "hands_off_ssd_state", "install", "ssd_cause", "ssd_layers"]
 
@@ -58,23 +56,12 @@ _SSD_CALLS = (
 _SSD_ATTRIBUTES = ("layer_idx", "conv_kernel_size", "ssm_state_size", "num_heads", "head_dim")
 
 
-@functools.cache
-def _ssd_class(cls: type) -> bool:
-    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``_SSD_CALLS`` on it."""
-    name = cache_parameter(cls)
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return name is not None and all(call.format(cache=name) in source for call in _SSD_CALLS)
-
-
 def is_ssd_mixer(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a transformers Mamba-2 mixer: integer ``_SSD_ATTRIBUTES`` and a forward making the calls
     of ``_SSD_CALLS`` (bias or not)."""
     if not all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRIBUTES):
         return False
-    return _ssd_class(own_class(module))
+    return makes_calls(own_class(module), _SSD_CALLS)
 
 
 def _mixer_cause(module: torch.nn.Module) -> str | None:

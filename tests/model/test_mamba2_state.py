@@ -3,30 +3,19 @@ to the rows that continue it, in the pure model (Mamba-2) and the hybrids (Nemot
 Falcon-H1's parallel hybrid); log-probs, entropies and every parameter's gradient against TRL 1.16's own computation,
 fp32."""
 
-import warnings
-
 import pytest
 import torch
 import transformers
 from helpers import (
     VOCAB,
-    CountPasses,
     assert_close,
-    begin_window,
-    grads_of,
     make_batch,
     random_tokens,
-    stock_logps,
-    stock_window,
-    weighted_backward,
 )
-from test_linear_attention import assert_grads_near
+from test_linear_attention import ROWS, _check, check_window, root_pass_states
 
 import grpo_mem
-from grpo_mem.model import attention_hook as attn_hook
-from grpo_mem.model.linear_attention import LinearContext
 from grpo_mem.model.mamba2_state import hands_off_ssd_state, install, ssd_layers
-from grpo_mem.model.sharing import SharingSession
 from grpo_mem.model.support import unsupported_cause
 
 # every tiny model: SSD of 4 heads of 8 channels (hidden 16, expand 2), 2 groups of state 6, kernel 4, chunks of 4
@@ -127,22 +116,6 @@ def _model(arch, checkpointing=False, seed=0):
     return model
 
 
-def _check(model, ids, mask, C, sharing, monkeypatch=None):
-    """Stock TRL's numbers and ours (a one-micro-batch window; tree nodes from 2 shared tokens) agree."""
-    ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
-    ref_g = grads_of(model, ref, ref_e)
-    count = CountPasses(monkeypatch) if monkeypatch is not None else None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="grpo_mem: falling back")
-        session = SharingSession(sharing, min_shared_tokens=2)
-        session.begin_window([ids[:, :-C]], [mask[:, :-C]])
-        ours, ours_e = session.score(model, ids, mask, C, temperature=0.7, compute_entropy=True)
-    assert_close(ours, ref, 1e-5, "log-probs")
-    assert_close(ours_e, ref_e, 1e-5, "entropies")
-    assert_grads_near(grads_of(model, ours, ours_e), ref_g, 1e-4)
-    return count
-
-
 SYSTEM, SHOTS_A, SHOTS_B = random_tokens(13, 1), random_tokens(6, 2), random_tokens(1, 3)
 # a 13-token system prompt, below it nodes of 6 and 1 tokens (a single-token node takes the mixers' recurrent form,
 # and is shorter than the convolution's K − 1 = 3: its continuations convolve across two node boundaries), below them
@@ -181,25 +154,12 @@ def test_node_states_are_the_models_own_states_at_each_rows_last_token():
     """A root pass over right-padded rows of 1 to 9 tokens records, per mixer and row, the model's own cache states
     after the row's last real token: padding neither decays the SSM state nor enters the convolution's."""
     model = _model("mamba2").eval()
-    rows = [random_tokens(n, 40 + n) for n in (9, 1, 5, 2)]
-    S = max(map(len, rows))
-    ids = torch.tensor([r + [7] * (S - len(r)) for r in rows])  # junk padding
-    mask = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in rows])
-    impl = attn_hook.take_over(model)
-    install(model)
-    try:
-        ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(rows), lengths=list(map(len, rows)), capture={}))
-        with torch.no_grad():
-            model.backbone(
-                input_ids=ids, attention_mask=mask, use_cache=False, grpo_mem_ctx=attn_hook.context_token(ctx)
-            )
-    finally:
-        attn_hook.give_back(model, impl)
-    assert sorted(ctx.linear.capture) == [0, 1]
-    for b, row in enumerate(rows):
+    capture = root_pass_states(model, install)
+    assert sorted(capture) == [0, 1]
+    for b, row in enumerate(ROWS):
         with torch.no_grad():
             cache = model(input_ids=torch.tensor([row]), use_cache=True).cache
-        for layer, (conv, recurrent) in ctx.linear.capture.items():
+        for layer, (conv, recurrent) in capture.items():
             own_conv = cache.layers[layer].conv_states[0][..., -3:]  # the cache keeps the last K = 4 inputs
             assert_close(conv[b : b + 1], own_conv, 1e-6, f"conv state, layer {layer}, row {b}")
             assert_close(recurrent[b : b + 1], cache.layers[layer].recurrent_states[0], 1e-6, f"state {layer} {b}")
@@ -225,22 +185,22 @@ def test_window_carries_states_across_micro_batches(monkeypatch, arch):
     node is forwarded once per window, its convolution and SSM states (and its attention K/V) read by later
     micro-batches through the store; the window's gradient equals stock TRL's summed over its micro-batches."""
     prompt_sets = [[TREE[0], TREE[2]], [TREE[0], TREE[1]], [TREE[3], TREE[1]], [TREE[2]]]
-    model = _model(arch, True)
-    C = 4
-    batches = [
-        make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
-        for i, p in enumerate(prompt_sets)
-    ]
-    ref, ref_grads = stock_window(model, batches, C)
-    count = CountPasses(monkeypatch)
-    session = SharingSession(min_shared_tokens=2)
-    begin_window(session, batches, C)
-    for (ids, mask), (r, re) in zip(batches, ref):
-        logps, ent = session.score(model, ids, mask, C, compute_entropy=True)
-        assert_close(logps, r, 1e-5, "log-probs")
-        assert_close(ent, re, 1e-5, "entropies")
-        weighted_backward(logps, ent, seed=ids.shape[1])  # the weighting of stock_window's grads_of
-    ours_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    session.close_window()  # raises if a kept pass was never released
-    assert sorted(t for p in count.passes for t in p) == sorted([13, 3, 6, 6, 1, 4])
-    assert_grads_near(ours_grads, ref_grads, 1e-4)
+    passes = check_window(monkeypatch, _model(arch, True), prompt_sets, 4)
+    assert sorted(t for p in passes for t in p) == sorted([13, 3, 6, 6, 1, 4])
+
+
+class _OneInput:
+    """A sequence-parallel group stand-in whose ranks hold the same micro-batch."""
+
+    def same_inputs(self, input_ids, attention_mask):
+        return True
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "falcon_h1"])
+def test_sequence_parallelism_refuses_the_mixers_by_name(arch):
+    """An SSM state runs along the sequence: a micro-batch split over a sequence-parallel group falls back, named."""
+    from grpo_mem.model.causes import sp_cause
+    from grpo_mem.model.sequence_parallel import SP_CAUSES
+
+    ids, mask, _, _ = make_batch([4, 6], 2, 3)
+    assert sp_cause(_OneInput(), _model(arch), False, None, ids, mask) == SP_CAUSES["linear"]
