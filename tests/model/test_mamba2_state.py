@@ -158,7 +158,8 @@ def test_node_states_are_the_models_own_states_at_each_rows_last_token():
     assert sorted(capture) == [0, 1]
     for b, row in enumerate(ROWS):
         with torch.no_grad():
-            cache = model(input_ids=torch.tensor([row]), use_cache=True).cache
+            out = model(input_ids=torch.tensor([row]), use_cache=True)
+        cache = out.get("cache", out.get("cache_params"))  # ``cache_params`` before transformers 5.24
         for layer, (conv, recurrent) in capture.items():
             own_conv = cache.layers[layer].conv_states[0][..., -3:]  # the cache keeps the last K = 4 inputs
             assert_close(conv[b : b + 1], own_conv, 1e-6, f"conv state, layer {layer}, row {b}")
