@@ -60,8 +60,6 @@ def sp_cause(sp, causal_lm, compute_aux_loss: bool, vision, input_ids, attention
         return sequence_parallel_cause("images")
     if compute_aux_loss:
         return sequence_parallel_cause("router")
-    from .linear_attention import linear_layers
-    from .mamba_state import mamba_layers
+    from .attention_hook import has_linear  # Gated DeltaNet layers and Mamba-2 mixers alike
 
-    recurrent = linear_layers(causal_lm.base_model) or mamba_layers(causal_lm.base_model)
-    return sequence_parallel_cause("linear") if recurrent else None
+    return sequence_parallel_cause("linear") if has_linear(causal_lm) else None

@@ -363,7 +363,8 @@ def pass_extensions(model, causal_lm, *, router: bool = False, images=None, sp=N
     wrapped), chosen from the model's capabilities and the call (``window.Window.run``'s ``extensions``, ``layout``).
 
     Extensions, in order: ``images`` (bound image inputs, ``vision_passes.VisionPasses``) when given; the
-    linear-attention state (``linear_attention.LinearState``) when ``attention_hook.has_linear``; the MoE router loss
+    linear-attention state (``linear_attention.LinearState``, with the Mamba-2 mixers ``mamba2_state.install`` wraps)
+    when ``attention_hook.has_linear``; the MoE router loss
     (``router.RouterLoss``) when ``router``. Layout: ``sequence_parallel.SequenceSharded`` over ``sp`` (a
     ``SequenceParallel``) when given, else ``window.OneRank`` with ``touch_unread`` when FSDP shards the model
     (``distributed.fsdp_wrapped`` of ``causal_lm``, decided once per ``model`` object and class: ``fully_shard`` swaps
@@ -372,11 +373,15 @@ def pass_extensions(model, causal_lm, *, router: bool = False, images=None, sp=N
     """
     extensions = [] if images is None else [images]
     if attn_hook.has_linear(causal_lm):
-        from .linear_attention import LinearState
-        from .mamba_state import install
+        from .linear_attention import LinearState, has_state_space
+        from .mamba_state import install as install_mamba
 
-        install(causal_lm)  # Mamba-1 mixers read the same context as Gated DeltaNet layers
+        install_mamba(causal_lm)  # Mamba-1 mixers read the same context as Gated DeltaNet layers
         extensions.append(LinearState.of(causal_lm))
+        if has_state_space(causal_lm):  # Mamba-2 mixers run in the same extension's contexts
+            from .mamba2_state import install as install_mamba2
+
+            install_mamba2(causal_lm)
     if router:
         from .router import RouterLoss, router_loss_shape
 

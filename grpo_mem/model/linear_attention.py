@@ -77,22 +77,25 @@ def cache_parameter(cls: type) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _hands_off_class(cls: type) -> bool:
-    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``_HAND_OFF_CALLS`` (a Gated
-    DeltaNet layer) or of ``_SHORT_CONV_CALLS`` without a recurrent state (a short convolution) on it (False when it
-    cannot be read). The source is read because the calls are the contract; the parameter's name is taken from the
-    signature, so a rename of it does not turn the check into a silent fallback."""
+def makes_calls(cls: type, calls: tuple[str, ...]) -> bool:
+    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``calls`` on it (``{cache}``
+    standing for that parameter's name; False when the source cannot be read). The source is read because the calls
+    are the contract; the parameter's name is taken from the signature, so a rename of it does not turn the check into
+    a silent fallback."""
     name = cache_parameter(cls)
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    if name is None:
-        return False
-    if all(call.format(cache=name) in source for call in _HAND_OFF_CALLS):
+    return name is not None and all(call.format(cache=name) in source for call in calls)
+
+
+def _hands_off_class(cls: type) -> bool:
+    """Whether ``cls.forward`` makes every call of ``_HAND_OFF_CALLS`` (a Gated DeltaNet layer), or every call of
+    ``_SHORT_CONV_CALLS`` and reads no recurrent state (a short convolution)."""
+    if makes_calls(cls, _HAND_OFF_CALLS):
         return True
-    recurrent = f"{name}.get_recurrent_state(" in source
-    return not recurrent and all(call.format(cache=name) in source for call in _SHORT_CONV_CALLS)
+    return makes_calls(cls, _SHORT_CONV_CALLS) and not makes_calls(cls, ("{cache}.get_recurrent_state(",))
 
 
 def hands_off_state(module: torch.nn.Module) -> bool:
@@ -320,12 +323,17 @@ class _LayerForward:
             raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
         for name in (*_CACHE_PARAMETERS, "attention_mask"):
             kwargs.pop(name, None)
-        cache_name = cache_parameter(own_class(module))
+        layer_call = self.bind(original, cache_parameter(own_class(module)), kwargs)
+        return linear.run(layer_call, module.layer_idx, hidden_states)
+
+    def bind(self, original: Callable, cache_name: str, kwargs: dict) -> Callable:
+        """``layer_call(x, cache, attention_mask)`` for ``LinearContext.run``: ``original`` with ``kwargs`` and the
+        cache (a ``_HandOff``) under ``cache_name``."""
 
         def layer_call(x, cache, attention_mask):
             return original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
 
-        return linear.run(layer_call, module.layer_idx, hidden_states)
+        return layer_call
 
 
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its layers ``hands_off_state`` recognises
@@ -339,11 +347,29 @@ def install(model: torch.nn.Module) -> int:
     layers = _LAYERS.get(model)
     if layers is None:
         layers = _LAYERS[model] = linear_layers(model)
+    wrap(layers, _LayerForward)
+    return len(layers)
+
+
+def wrap(layers: list[torch.nn.Module], wrapper: type[_LayerForward]) -> None:
+    """Give each module of ``layers`` not wrapped yet the forward ``wrapper(module)``, keeping its own instance
+    forward (or None) under ``attention_hook.WRAPPED_FORWARD``."""
     for module in layers:
         if WRAPPED_FORWARD not in module.__dict__:
             module.__dict__[WRAPPED_FORWARD] = module.__dict__.get("forward")
-            module.forward = _LayerForward(module)
-    return len(layers)
+            module.forward = wrapper(module)
+
+
+_STATE_SPACE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> whether it has state-space modules
+
+
+def has_state_space(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has state-space modules (an integer ``ssm_state_size``: Mamba mixers), whose hand-off
+    (``mamba2_state.install``) runs in the same ``LinearContext``; decided once per model."""
+    known = _STATE_SPACE.get(model)
+    if known is None:
+        known = _STATE_SPACE[model] = any(isinstance(getattr(m, "ssm_state_size", None), int) for m in model.modules())
+    return known
 
 
 class LinearState(PassExtension):

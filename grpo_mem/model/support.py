@@ -23,9 +23,8 @@ from . import attention_hook as attn_hook
 from .attention_hook import language_model_of
 from .fallback import forward_params
 
-# RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do). "proportional"
-# (LFM3, Gemma 4): RoPE on a fraction of each head's dimensions, zero frequencies on the rest, from the config alone
-# (transformers 5.24 ``_compute_proportional_rope_parameters`` leaves ``seq_len`` unused).
+# RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do; "proportional",
+# of LFM3 and Gemma 4, leaves ``seq_len`` unused in transformers 5.24's ``_compute_proportional_rope_parameters``).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
 SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
 
@@ -165,7 +164,16 @@ def _reruns_layers(base, layer_lists: list[str]) -> bool:
 
 
 _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|pos_emb\w*|positional_embedding\w*)$")
+# what the attention of a hybrid with recurrent layers lacks when it has no positions at all (Nemotron-H's NoPE
+# attention: the recurrent layers order the tokens); attention of other models must take positions
+_POSITIONAL = re.compile(r"position|rotary|rope|arange|alibi|relative", re.IGNORECASE)
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d)
+
+
+def _relayed(layer) -> bool:
+    from .handed import relayed_layer  # a Jamba Mamba layer, whose context ``mamba_state`` relays
+
+    return relayed_layer(layer)
 
 
 def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
@@ -173,18 +181,22 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
 
     ``features``: keyword -> what the config asks of the attention (``sliding_window`` for a window, ``softcap`` for
     score softcapping); each attention module must hand it to the attention interface, where the hook reads it.
-    ``handed``: the Gated DeltaNet layers and Mamba-1 mixers whose states are handed on (``_handed_layers``).
+    ``handed``: the Gated DeltaNet, short-convolution, Mamba-1 and Mamba-2 layers whose states are handed on
+    (``_handed_layers``); a layer that is an MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
     """
     attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
     if not attention:
         names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
         named = ", ".join(names[:2]) or "no attention module"
         cause = f"attention is not computed through transformers' attention interface ({named})"
-        if handed:  # a recurrent backbone: served when its layers are Mamba-1 mixers
+        if not handed:
+            return cause
+        from .mamba_state import takes_state
+
+        if any(takes_state(m) for m in handed):  # a Mamba-1 backbone: its blocks relay the context to their mixers
             from .mamba_state import backbone_cause
 
             return backbone_cause(base, handed, cause)
-        return cause
     indices = [getattr(m, "layer_idx", None) for _, m in attention]
     if not all(isinstance(i, int) for i in indices):
         return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
@@ -192,11 +204,14 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
         return "several attention modules share one layer_idx (a block shared between layers)"
     handed = {id(m) for m in handed}
     within = [n + "." for n, m in base.named_modules() if id(m) in handed]
+    mixing = [n for n, _ in attention] + within
     for name, module in base.named_modules():
         if isinstance(module, _CONVOLUTIONS) and not name.startswith(tuple(within)):
             return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)"
-        if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a, _ in attention):
+        if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a in mixing):
             for i, layer in enumerate(module):
+                if getattr(layer, "block_type", None) in ("mlp", "moe"):
+                    continue
                 if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
                 if not _passes_kwargs(type(layer)) and not (handed and _relayed(layer)):
@@ -214,7 +229,7 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
         if not _passes_kwargs(cls):
             return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
-        if not _takes_positions(cls):
+        if not _takes_positions(cls) and not (handed and not _POSITIONAL.search(_forward_source(cls))):
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"
@@ -230,28 +245,17 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     return None
 
 
-def _relayed(layer) -> bool:
-    """Whether ``layer`` is a Jamba Mamba layer, whose context ``mamba_state`` relays (``relayed_layer``)."""
-    from .mamba_state import relayed_layer
-
-    return relayed_layer(layer)
+_HANDED_LAYER_TYPES = ("linear_attention", "conv", "hybrid")  # "hybrid": Falcon-H1's attention beside Mamba-2
 
 
-_HANDED_LAYER_TYPES = ("linear_attention", "conv")
-"""``layer_types`` names of the layers whose states grpo_mem hands on (Gated DeltaNet and Mamba-1 mixers; short
-convolutions)."""
-
-
-def _handed_layers(config, base) -> list:
-    """The Gated DeltaNet, short-convolution and Mamba-1 layers of ``base`` whose states grpo_mem hands on
-    (``linear_attention.linear_layers``, ``mamba_state.mamba_layers``), for a config whose ``layer_types`` name such
-    layers (``_HANDED_LAYER_TYPES``); none otherwise (neither module is then imported)."""
+def _handed_layers(config, base) -> tuple[list, str | None]:
+    """``handed.handed_layers(base)`` for a config whose ``layer_types`` name such layers (``_HANDED_LAYER_TYPES``);
+    ([], None) otherwise (no recurrent-state module is then imported)."""
     if not set(_HANDED_LAYER_TYPES) & set(getattr(config, "layer_types", None) or ()):
-        return []
-    from .linear_attention import linear_layers
-    from .mamba_state import mamba_layers
+        return [], None
+    from .handed import handed_layers
 
-    return linear_layers(base) + mamba_layers(base)
+    return handed_layers(base)
 
 
 def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:
@@ -264,8 +268,10 @@ def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str
     """
     layer_types = set(getattr(config, "layer_types", None) or [])
     other = layer_types - {"full_attention", "sliding_attention"}
-    if handed:  # every such layer is one of ``handed`` or a convolution outside them (``_layers_cause``)
+    if handed:  # every such layer is one of ``handed`` or a convolution outside them (``_layers_cause``); a "hybrid"
+        # layer (Falcon-H1) runs attention and a Mamba-2 mixer side by side
         other -= set(_HANDED_LAYER_TYPES)
+    other -= {"mlp", "moe"}  # blocks without token mixing (Nemotron-H), each checked in ``_layers_cause``
     if other:
         return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)", {}
     features = {}
@@ -366,14 +372,14 @@ def architecture_cause(causal_lm) -> str | None:
     """Why ``causal_lm`` (an unwrapped transformers causal LM), as built, cannot take the prompt-once path, or None.
 
     In: a decoder-only stack whose every layer attends through transformers' attention interface with an integer
-    ``layer_idx`` or is a Gated DeltaNet layer whose states grpo_mem hands on (``linear_attention.hands_off_state``:
-    Qwen3.5, Qwen3-Next), or whose every layer is a Mamba-1 layer (``mamba_state.backbone_cause``: Mamba,
-    FalconMamba, all-Mamba Jamba), causal attention (full or sliding-window per layer, with or without sinks and score
-    softcapping, each handed to the attention interface as a keyword), RoPE (or no positions) from ``position_ids``
-    independent of the sequence length, and logits made by one linear layer on the last hidden state (plus the logit
-    scale and softcap the completion head applies). Everything else is named: remote code, encoder-decoder models,
-    encoders run as decoders (``is_decoder``), other recurrent/state-space/linear-attention, chunked-attention and
-    convolution layers, absolute or ALiBi positions, other LM heads.
+    ``layer_idx`` or is a recurrent layer whose states grpo_mem hands on (``handed``: Gated DeltaNet, short
+    convolutions, Mamba-1 and Mamba-2 mixers) or an MLP/MoE block, causal attention (full or sliding-window per
+    layer, with or without sinks and score softcapping, each handed to the attention interface as a keyword), RoPE
+    (or no positions) from ``position_ids`` independent of the sequence length, and logits made by one linear layer
+    on the last hidden state (plus the logit scale and softcap the completion head applies). Everything else is
+    named: remote code, encoder-decoder models, encoders run as decoders (``is_decoder``), other
+    recurrent/state-space/linear-attention, chunked-attention and convolution layers, absolute or ALiBi positions,
+    other LM heads.
     """
     config = causal_lm.config
     cls = attn_hook.own_class(causal_lm)
@@ -391,8 +397,8 @@ def architecture_cause(causal_lm) -> str | None:
         return "an encoder run as a decoder (is_decoder, BERT-style)"
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
-    handed = _handed_layers(config, base)
-    cause, features = _attention_features(config, handed)
+    handed, cause = _handed_layers(config, base)
+    cause, features = (cause, {}) if cause else _attention_features(config, handed)
     return cause or _positions_cause(config, base) or _layers_cause(base, features, handed) or _head_cause(causal_lm)
 
 

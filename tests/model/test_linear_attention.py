@@ -115,33 +115,42 @@ def test_layer_wrappers_are_removed_by_restore_and_contexts_are_checked():
         LinearContext(batch=2, lengths=None, sources=[({}, torch.tensor([0, 2]), torch.tensor([0, 1]))])
 
 
-def test_node_states_are_the_models_own_states_at_each_rows_last_token():
-    """A root pass over right-padded rows of 1 to 9 tokens records, per linear layer and row, the model's own cache
-    states after the row's last real token: padding neither decays the recurrent state nor enters the convolution's."""
-    model = tiny_model("qwen3_5", layers=3).eval()
-    rows = [random_tokens(n, 40 + n) for n in (9, 1, 5, 2)]
-    S = max(map(len, rows))
-    ids = torch.tensor([r + [7] * (S - len(r)) for r in rows])  # junk padding
-    mask = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in rows])
+ROWS = [random_tokens(n, 40 + n) for n in (9, 1, 5, 2)]
+
+
+def root_pass_states(model, install_layers=install) -> dict:
+    """Per layer, the (conv, recurrent) states a root pass of ``model`` (eval, no grad) over ``ROWS``, right-padded
+    with junk, records at each row's last real token; ``install_layers`` wraps the layers."""
+    S = max(map(len, ROWS))
+    ids = torch.tensor([r + [7] * (S - len(r)) for r in ROWS])  # junk padding
+    mask = torch.tensor([[1] * len(r) + [0] * (S - len(r)) for r in ROWS])
     impl = attn_hook.take_over(model)
-    install(model)
+    install_layers(model)
     try:
-        ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(rows), lengths=list(map(len, rows)), capture={}))
+        ctx = attn_hook.PromptCapture(linear=LinearContext(batch=len(ROWS), lengths=list(map(len, ROWS)), capture={}))
         with torch.no_grad():
-            model.model(
+            model.base_model(
                 input_ids=ids,
                 attention_mask=mask,
-                position_ids=torch.arange(S).expand(len(rows), -1),
+                position_ids=torch.arange(S).expand(len(ROWS), -1),
                 use_cache=False,
                 grpo_mem_ctx=attn_hook.context_token(ctx),
             )
     finally:
         attn_hook.give_back(model, impl)
-    assert sorted(ctx.linear.capture) == [0, 2]
+    return ctx.linear.capture
+
+
+def test_node_states_are_the_models_own_states_at_each_rows_last_token():
+    """A root pass over right-padded rows of 1 to 9 tokens records, per linear layer and row, the model's own cache
+    states after the row's last real token: padding neither decays the recurrent state nor enters the convolution's."""
+    model = tiny_model("qwen3_5", layers=3).eval()
+    capture, rows = root_pass_states(model), ROWS
+    assert sorted(capture) == [0, 2]
     for b, row in enumerate(rows):
         with torch.no_grad():
             cache = model(input_ids=torch.tensor([row]), use_cache=True).past_key_values
-        for layer, (conv, recurrent) in ctx.linear.capture.items():
+        for layer, (conv, recurrent) in capture.items():
             K = model.model.layers[layer].linear_attn.conv_kernel_size
             own_conv = cache.layers[layer].conv_states[0][..., -(K - 1) :]  # the cache keeps the last K inputs
             assert_close(conv[b : b + 1], own_conv, 1e-6, f"conv state, layer {layer}, row {b}")
@@ -224,21 +233,27 @@ def test_short_convolutions_match_stock_trl(arch, sharing):
     _check(model, ids, mask, C, sharing)
 
 
-def test_window_carries_states_across_micro_batches(monkeypatch):
-    """Micro-batches of one optimizer step share the system prompt and split groups (gradient checkpointing on):
-    each node is forwarded once per window and its states are read by later micro-batches through the store; the
-    window's gradient equals stock TRL's summed over its micro-batches."""
-    fam = TREES["three_levels"]
-    prompt_sets = [[fam[0], fam[2]], [fam[0], fam[1]], [fam[3], fam[1]], [fam[2]]]
-    model = _model("qwen3_5", True)
-    C = 5
+def check_window(monkeypatch, model, prompt_sets, C) -> list[list[int]]:
+    """One window of micro-batches (2 completions per prompt of ``prompt_sets``, one list per micro-batch): log-probs
+    and entropies of each micro-batch within 1e-5 of stock TRL's, the window's gradient within 1e-4 of stock's summed
+    over its micro-batches, every kept pass released; returns the passes' node lengths."""
     batches = [
         make_batch(None, 2, C, prompts=p, seed=i, shuffle=True, junk_in_padding=True)[:2]
         for i, p in enumerate(prompt_sets)
     ]
     count = CountPasses(monkeypatch)
     check_window_against_stock(model, batches, C, assert_grads=assert_grads_near)
-    assert sorted(t for p in count.passes for t in p) == sorted([40, 11, 2, 4, 1, 2, 6])
+    return count.passes
+
+
+def test_window_carries_states_across_micro_batches(monkeypatch):
+    """Micro-batches of one optimizer step share the system prompt and split groups (gradient checkpointing on):
+    each node is forwarded once per window and its states are read by later micro-batches through the store; the
+    window's gradient equals stock TRL's summed over its micro-batches."""
+    fam = TREES["three_levels"]
+    prompt_sets = [[fam[0], fam[2]], [fam[0], fam[1]], [fam[3], fam[1]], [fam[2]]]
+    passes = check_window(monkeypatch, _model("qwen3_5", True), prompt_sets, 5)
+    assert sorted(t for p in passes for t in p) == sorted([40, 11, 2, 4, 1, 2, 6])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,200 @@
+"""Mamba-2 (SSD) mixers on the prompt-once path: each node's convolution and SSM state at its end, handed on.
+
+A Mamba-2 mixer (Dao & Gu, "Transformers are SSMs", arXiv 2405.21060) projects each token to a gate z, the convolution
+inputs xBC and a step dt, runs a causal depthwise convolution of kernel K over xBC, and then the selective state-space
+scan over heads: per head h the state S_h (head_dim, d_state) evolves as S_t = exp(dt_t A_h) S_{t−1} + dt_t x_t B_tᵀ
+and the output is y_t = S_t C_t + D_h x_t. A row that continues a prompt (a trie node below the root, or a completion)
+must start where the prompt ended: from S at the prompt's last token and the last K − 1 convolution inputs.
+
+transformers' mixers (``Mamba2Mixer``, and the copies ``NemotronHMamba2Mixer``, ``BambaMixer``,
+``GraniteMoeHybridMambaLayer``, ``FalconH1Mixer``, transformers 5.24) read and write both states through their cache
+argument with the protocol of the Gated DeltaNet layers, and their chunked scan (``mamba2_chunk_scan``, the SSD
+algorithm's ``initial_states`` slot) continues a segment of any length from the state read. So grpo_mem runs the
+mixer's own forward with the hand-off cache of ``linear_attention`` (``_HandOff``, driven by its ``LinearContext``):
+its states are the parents' (gathered by row, differentiable), and it records the states each node ends with.
+
+One call differs: a single-token segment with a state takes the mixer's recurrent form
+(``mamba2_selective_state_update``), which writes the new SSM state into the state it was given in place
+(``state.copy_``) instead of handing it to the cache, after reading it for the output. The state handed to such a call
+is a ``_RecordedState`` view of the parent's state, whose in-place ``copy_`` is recorded as the call's final state
+instead of performed: the output's graph keeps the state it read, the record is the new state's graph node.
+
+Padding is stock's, exactly: a left-padded prompt's padding is masked by the mixer (``apply_mask_to_padding_states``)
+before its input projection and after its convolution, so its x and B are zero and a zero state stays zero through it
+(the decay exp(dt A) of a zero state is zero); ``LinearContext`` lays rows out so that no padding follows a real token
+of a node pass. A mixer whose input projection has a bias would feed that bias into the convolution at every padding
+position, so the number of stock's padding tokens would matter: refused (``ssd_cause``).
+
+This module knows torch and transformers' cache protocol; it is imported only for a model with such mixers.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .attention_hook import own_class
+from .linear_attention import _HandOff, _LayerForward, makes_calls, wrap
+
+__all__ = ["SSDForward", "hands_off_ssd_state", "install", "ssd_cause", "ssd_layers"]
+
+# what a mixer's forward must do for the hand-off to be exact: read both states from its cache, write both back (the
+# SSM state through the cache after a chunked scan, in place in the single-token recurrent form), run the chunked scan
+# from the read state, and mask padding as stock does; ``{cache}`` stands for the name of its cache parameter
+_SSD_CALLS = (
+    "{cache}.get_conv_state(self.layer_idx",
+    "{cache}.get_recurrent_state(self.layer_idx",
+    "{cache}.update_conv_state(",
+    "{cache}.update_recurrent_state(",
+    "{cache}.is_recording_past(self.layer_idx)",
+    "mamba2_chunk_scan(",
+    "initial_states=recurrent_state",
+    "mamba2_selective_state_update(",
+    "apply_mask_to_padding_states(hidden_states, attention_mask)",
+)
+_SSD_ATTRIBUTES = ("layer_idx", "conv_kernel_size", "ssm_state_size", "num_heads", "head_dim")
+
+
+def is_ssd_mixer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a transformers Mamba-2 mixer: integer ``_SSD_ATTRIBUTES`` and a forward making the calls
+    of ``_SSD_CALLS`` (bias or not)."""
+    if not all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRIBUTES):
+        return False
+    return makes_calls(own_class(module), _SSD_CALLS)
+
+
+def _mixer_cause(module: torch.nn.Module) -> str | None:
+    """Why the states of the Mamba-2 mixer ``module`` cannot be handed on exactly, or None."""
+    if getattr(getattr(module, "in_proj", None), "bias", None) is not None:
+        return (
+            f"{type(module).__name__} has an input projection bias: stock feeds it into the convolution at each "
+            "left-padding position, so its prompts' first tokens depend on the batch's padding"
+        )
+    return None
+
+
+def hands_off_ssd_state(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a Mamba-2 mixer whose states grpo_mem hands from a prompt to its continuations
+    (``is_ssd_mixer`` and no cause of its own)."""
+    return is_ssd_mixer(module) and _mixer_cause(module) is None
+
+
+def ssd_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that ``hands_off_ssd_state`` recognises."""
+    return [m for m in model.modules() if hands_off_ssd_state(m)]
+
+
+def ssd_cause(model: torch.nn.Module) -> str | None:
+    """Why a Mamba-2 mixer of ``model`` cannot hand its states on (the first such mixer's cause), or None."""
+    return next((c for m in model.modules() if is_ssd_mixer(m) and (c := _mixer_cause(m)) is not None), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the cache a mixer call gets
+
+
+class _RecordedState(torch.Tensor):
+    """A view of an SSM state (n, heads, head_dim, d_state) handed to a single-token call: ``copy_`` into it records
+    its source as the call's final state (on ``_sink``, a ``_SSDCache``) and leaves the view as it is; every other
+    operation computes on it as on a plain tensor and returns plain tensors."""
+
+    _sink: _SSDCache
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and isinstance(args[0], _RecordedState):
+            args[0]._sink.final_recurrent = args[1]
+            return args[0]
+        return _plain(super().__torch_function__(func, types, args, kwargs))
+
+
+def _plain(value):
+    """``value`` (a tensor, or a tuple or list of them) with each ``_RecordedState`` as a plain tensor view."""
+    if isinstance(value, _RecordedState):
+        return value.as_subclass(torch.Tensor)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+class _SSDCache:
+    """``_HandOff``'s protocol for one Mamba-2 mixer call: the convolution state and the chunked scan's final SSM state
+    go to ``hand_off`` (a ``linear_attention._HandOff``) as they do for Gated DeltaNet; in a single-token call the
+    SSM state is a ``_RecordedState``, whose recorded write becomes ``hand_off``'s final state."""
+
+    def __init__(self, hand_off: _HandOff, single_token: bool):
+        self.hand_off, self.single_token = hand_off, single_token
+
+    @property
+    def final_recurrent(self):
+        return self.hand_off.final_recurrent
+
+    @final_recurrent.setter
+    def final_recurrent(self, value):
+        self.hand_off.final_recurrent = value
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.hand_off.get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        state = self.hand_off.get_recurrent_state(layer_idx, state_idx)
+        if state is None or not self.single_token:
+            return state
+        view = state.as_subclass(_RecordedState)
+        view._sink = self
+        return view
+
+    def is_recording_past(self, layer_idx):
+        return True  # the convolution state goes through update_conv_state, never the in-place single-token update
+
+    def update_conv_state(self, conv_inputs, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        return self.hand_off.update_conv_state(conv_inputs, layer_idx, state_idx, conv_kernel_size, **kwargs)
+
+    def update_recurrent_state(self, recurrent, layer_idx, state_idx=0, **kwargs):
+        return self.hand_off.update_recurrent_state(recurrent, layer_idx, state_idx, **kwargs)
+
+
+class SSDForward(_LayerForward):
+    """The forward ``install`` gives a Mamba-2 mixer: as ``_LayerForward`` (the pass's
+    ``LinearContext`` runs it), its cache a ``_SSDCache`` over the context's hand-off, and no ``position_ids`` (a
+    mixer has no positions; its decoder layer may hand them on in its keyword arguments)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return SSDForward, (self.module,)
+
+    def bind(self, original, cache_name: str, kwargs: dict):
+        """``_LayerForward.bind``, the mixer's cache a ``_SSDCache``; raises RuntimeError after a single-token call
+        from a state that recorded no new SSM state."""
+        kwargs.pop("position_ids", None)
+
+        def layer_call(x, hand_off, attention_mask):
+            single = x.shape[1] == 1 and hand_off.recurrent is not None
+            cache = _SSDCache(hand_off, single)
+            out = original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
+            if single and hand_off.final_recurrent is None:
+                raise RuntimeError(
+                    f"grpo_mem: Mamba-2 mixer {self.module.layer_idx} wrote no SSM state in a single-token call "
+                    "(its recurrent form no longer updates the state it is given with copy_)"
+                )
+            return out
+
+        return layer_call
+
+
+_MIXERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixers ``hands_off_ssd_state`` admits
+
+
+def install(model: torch.nn.Module) -> int:
+    """Wrap the forward of every Mamba-2 mixer of ``model`` that ``hands_off_ssd_state`` recognises with
+    ``SSDForward`` (idempotent; ``attention_hook.restore_forwards`` undoes it): a call with a context token runs the
+    context's ``linear`` (``linear_attention.LinearContext``), any other the mixer's forward unchanged. Returns how
+    many mixers are wrapped; they are found once per model."""
+    mixers = _MIXERS.get(model)
+    if mixers is None:
+        mixers = _MIXERS[model] = ssd_layers(model)
+    wrap(mixers, SSDForward)
+    return len(mixers)
