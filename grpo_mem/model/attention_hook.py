@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers.configuration_utils import PretrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -237,6 +238,12 @@ def _make_hook(inner: str):
             raise TypeError(
                 f"query/key/value dtypes differ outside autocast: {sorted({str(t.dtype) for t in tensors})}"
             )
+        dv = value.shape[-1]
+        if dv != key.shape[-1]:
+            # value heads narrower than query/key heads (MLA: DeepSeek-V2/V3, Kimi): zero columns give zero outputs
+            # under the same attention weights, so the op runs at the key width and the output is cut back to dv
+            pad = key.shape[-1] - dv
+            tensors = tuple(F.pad(t, (0, pad)) if i >= 2 and i % 2 == 0 else t for i, t in enumerate(tensors))
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
@@ -253,7 +260,8 @@ def _make_hook(inner: str):
             features["sliding_window"] = None
         with torch.autocast(device, enabled=False):
             out = multi_region_attention(q, k, v, regions, key_mask, scale=scale, q_positions=positions, **features)
-        return (out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)), None
+        out = out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)
+        return (out if out.shape[-1] == dv else out[..., :dv].contiguous()), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"
     return grpo_mem_attention

@@ -47,10 +47,12 @@ _HAND_OFF_CALLS = (
     "{cache}.get_recurrent_state(self.layer_idx",
     "{cache}.update_conv_state(",
     "{cache}.update_recurrent_state(",
-    "chunk_gated_delta_rule(",
     "initial_state=recurrent_state",
     "apply_mask_to_padding_states(hidden_states, attention_mask)",
 )
+# the chunked delta rules run from the read recurrent state: Gated DeltaNet's, and Kimi Delta Attention's (KDA, a gated
+# delta rule with a per-channel forget gate; transformers' Kimi Linear)
+_DELTA_RULES = ("chunk_gated_delta_rule(", "chunk_kimi_delta_attention(")
 # what a short convolution's forward must do (transformers' LFM2/LFM3 ``ShortConv``): its only state is the convolution's
 # last K − 1 inputs, read and written through the cache; the convolution runs over [state ++ inputs] and the outputs of
 # the state's positions are dropped
@@ -91,9 +93,9 @@ def makes_calls(cls: type, calls: tuple[str, ...]) -> bool:
 
 
 def _hands_off_class(cls: type) -> bool:
-    """Whether ``cls.forward`` makes every call of ``_HAND_OFF_CALLS`` (a Gated DeltaNet layer), or every call of
+    """Whether ``cls.forward`` makes every call of ``_HAND_OFF_CALLS`` and a delta rule's (Gated DeltaNet, KDA), or every call of
     ``_SHORT_CONV_CALLS`` and reads no recurrent state (a short convolution)."""
-    if makes_calls(cls, _HAND_OFF_CALLS):
+    if makes_calls(cls, _HAND_OFF_CALLS) and any(makes_calls(cls, (rule,)) for rule in _DELTA_RULES):
         return True
     return makes_calls(cls, _SHORT_CONV_CALLS) and not makes_calls(cls, ("{cache}.get_recurrent_state(",))
 
@@ -130,11 +132,26 @@ class _HandOff:
 
     def __init__(self, conv: torch.Tensor | None, recurrent: torch.Tensor | None):
         self.conv, self.recurrent = conv, recurrent
-        self.final_conv: torch.Tensor | None = None
+        self._final_conv: torch.Tensor | None = None
+        self._read_conv: torch.Tensor | None = None
         self.final_recurrent: torch.Tensor | None = None
 
+    @property
+    def final_conv(self) -> torch.Tensor | None:
+        """The convolution state after the call: what ``update_conv_state`` kept, or, for a layer that took its
+        single-token path (KDA updates the state it read in place, ``causal_conv1d_update``), the state it read."""
+        return self._final_conv if self._final_conv is not None else self._read_conv
+
+    @final_conv.setter
+    def final_conv(self, state: torch.Tensor | None) -> None:
+        self._final_conv = state
+
     def get_conv_state(self, layer_idx, state_idx=0):
-        return self.conv
+        if self.conv is None:
+            return None
+        # a copy: a single-token path writes the new state into what it read (autograd records the write)
+        self._read_conv = self.conv.clone()
+        return self._read_conv
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return self.recurrent
@@ -147,7 +164,7 @@ class _HandOff:
         full = conv_inputs if self.conv is None else torch.cat([self.conv.to(conv_inputs.dtype), conv_inputs], -1)
         keep = conv_kernel_size - 1  # the inputs a continuation's first token convolves with, zeros before the start
         padded = F.pad(full, (max(0, keep - full.shape[-1]), 0))
-        self.final_conv = padded[..., padded.shape[-1] - keep :]
+        self._final_conv = padded[..., padded.shape[-1] - keep :]
         return full
 
     def update_recurrent_state(self, recurrent, layer_idx, state_idx=0, **kwargs):

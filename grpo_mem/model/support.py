@@ -42,20 +42,17 @@ def _forward_source(cls: type) -> str:
 
 
 def _calls_attention_interface(cls: type) -> bool:
-    """Whether ``cls.forward`` dispatches through transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``),
-    where grpo_mem's hook sits."""
+    """Whether ``cls.forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS`` (where grpo_mem's hook sits)."""
     return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
 
 
 def _passes_kwargs(cls: type) -> bool:
-    """Whether ``cls.forward`` hands its ``**kwargs`` on to a call (where grpo_mem's context kwarg travels to the
-    attention interface), not only receives them."""
+    """Whether ``cls.forward`` hands its ``**kwargs`` on to a call (grpo_mem's context travels in them)."""
     return _forward_source(cls).count("**kwargs") >= 2
 
 
 def _takes_positions(cls: type) -> bool:
-    """Whether ``cls.forward`` receives its positions from ``position_ids`` (directly or as rotary
-    ``position_embeddings`` the backbone computed from them)."""
+    """Whether ``cls.forward`` receives ``position_ids`` or the rotary ``position_embeddings`` made of them."""
     try:
         params = inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
@@ -229,7 +226,10 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
         if not _passes_kwargs(cls):
             return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
-        if not _takes_positions(cls) and not (handed and not _POSITIONAL.search(_forward_source(cls))):
+        # attention taking no positions beside handed recurrent layers: in when it names none or the config declares
+        # no RoPE (Kimi Linear's MLA never rotates its "rope" slice); the confirmation checks each on numbers
+        nope = not _POSITIONAL.search(_forward_source(cls)) or not getattr(base.config, "rope_parameters", None)
+        if not _takes_positions(cls) and not (handed and nope):
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"

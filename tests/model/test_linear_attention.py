@@ -233,6 +233,46 @@ def test_short_convolutions_match_stock_trl(arch, sharing):
     _check(model, ids, mask, C, sharing)
 
 
+def kimi_linear(checkpointing: bool = False):
+    """A tiny random Kimi Linear: KDA, NoPE full attention (MLA), KDA; convolution kernel 4."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "kimi_linear",
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    assert sum(hands_off_state(m) for m in model.modules()) == 2
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_kimi_delta_attention_matches_stock_trl(sharing):
+    """Kimi Linear (issue 30): KDA layers hand on their convolution and recurrent states like Gated DeltaNet; in the
+    three-level tree a 1-token node runs KDA's single-token path, which updates the convolution state it read in
+    place (that copy is the node's final state). Its NoPE attention is admitted (no positions declared). Checkpointing
+    on in the tree case."""
+    model = kimi_linear(checkpointing=sharing == "tree")
+    assert unsupported_cause(model) is None
+    prompts = TREES["three_levels"] if sharing == "tree" else None
+    ids, mask, C, _ = make_batch(prompts or [5, 9, 1, 7], 3, 6, prompts=prompts, shuffle=True, junk_in_padding=True)
+    _check(model, ids, mask, C, sharing)
+
+
 def check_window(monkeypatch, model, prompt_sets, C) -> list[list[int]]:
     """One window of micro-batches (2 completions per prompt of ``prompt_sets``, one list per micro-batch): log-probs
     and entropies of each micro-batch within 1e-5 of stock TRL's, the window's gradient within 1e-4 of stock's summed

@@ -233,9 +233,12 @@ def test_jamba_of_mamba_layers_matches_stock_trl(checkpointing):
     check_against_stock(model, ids, mask, C, "tree")
 
 
-def test_jamba_with_attention_layers_names_its_cause():
-    """Jamba's attention layers take no positions (no RoPE): the capability rule does not admit such attention."""
-    assert (
-        unsupported_cause(tiny_jamba(attention=True))
-        == "JambaAttention takes no position_ids or rotary position_embeddings"
-    )
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_jamba_with_attention_layers_matches_stock_trl(sharing):
+    """Jamba with attention layers: its attention takes and computes no positions (no RoPE), which the rule admits
+    beside handed recurrent layers; attention K/V and Mamba states in one pass, against stock TRL."""
+    model = tiny_jamba(attention=True)
+    assert unsupported_cause(model) is None
+    prompts = TREE if sharing == "tree" else None
+    ids, mask, C, _ = make_batch(prompts or [5, 9, 1, 2], 2, 4, prompts=prompts, shuffle=True, junk_in_padding=True)
+    check_against_stock(model, ids, mask, C, sharing)

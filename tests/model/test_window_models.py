@@ -143,3 +143,25 @@ def test_bad_window_and_sinks_get_clear_errors():
     with pytest.raises(RuntimeError) as ours_error:
         grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
     assert str(ours_error.value) == str(stock_error.value)
+
+
+@pytest.mark.parametrize("sharing", ["group", "tree"])
+def test_value_heads_narrower_than_key_heads(sharing):
+    """Multi-head latent attention (DeepSeek-V3 here; Kimi Linear's too) has value heads of 16 against query/key heads
+    of 24 (16 without RoPE + 8 with): the hook runs the op at the key width with zero value columns and cuts the output
+    back (before this, a ValueError "v shape must equal k shape" on any such model whose tiny copy had equal widths)."""
+    from helpers import VOCAB, check_against_stock
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "deepseek_v3",
+        **dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2),
+        **dict(num_attention_heads=4, num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        **dict(kv_lora_rank=16, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1),
+        **dict(n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 7, 8, 12, 13, 14]] if sharing == "tree" else None
+    ids, mask, C, _ = make_batch(prompts or [5, 9, 2, 7], 2, 4, prompts=prompts, shuffle=True, junk_in_padding=True)
+    check_against_stock(model, ids, mask, C, sharing)
