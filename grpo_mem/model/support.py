@@ -290,7 +290,7 @@ def _positions_cause(config, base) -> str | None:
     except NotImplementedError:
         return "the backbone exposes no input embeddings"
     for name, module in base.named_modules():
-        if module is not inputs and _POSITION_MODULE.search(name):
+        if module is not inputs and _POSITION_MODULE.search(name) and "Rotary" not in type(module).__name__:
             return f"absolute position embeddings ({name}): the prompt-once passes place positions differently"
     if getattr(config, "alibi", False) or getattr(config, "use_alibi", False):
         return "ALiBi position biases"
