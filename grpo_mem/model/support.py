@@ -28,8 +28,7 @@ from .fallback import forward_params
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
 SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})
 
-# ----------------------------------------------------------------------------------------------------------------------
-# what the model is made of
+# ---------------------------------------------------------------------------------------------- what the model is made of
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,13 +225,14 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
         if not _passes_kwargs(cls):
             return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
-        # attention taking no positions beside handed recurrent layers: in when it names none or the config declares
-        # no RoPE (Kimi Linear's MLA never rotates its "rope" slice); the confirmation checks each on numbers
+        # beside handed recurrent layers, attention naming no positions, or with no RoPE declared (Kimi Linear's MLA)
         nope = not _POSITIONAL.search(_forward_source(cls)) or not getattr(base.config, "rope_parameters", None)
         if not _takes_positions(cls) and not (handed and nope):
             return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
         if "alibi" in _forward_source(type(module)).lower():
             return "ALiBi position biases"
+        if "attention_scaling" in inspect.signature(cls.forward).parameters:  # Beam's (1 + position / 2048) ** 0.1
+            return f"{cls.__name__} scales queries by the absolute position (attention_scaling from position_ids)"
         cause = _after_rope_cause(module)
         if cause is not None:
             return cause
