@@ -190,29 +190,15 @@ def test_tree_sharing_matches_stock_trl(monkeypatch, checkpointing, tree):
     assert count.passes == PASSES[tree]
 
 
-def short_conv_model(arch: str, checkpointing: bool = False):
-    """A tiny random LFM2 or LFM3 whose layers are short convolution, attention, short convolution (kernel K = 3:
-    two tokens of convolution state)."""
+def hybrid_model(model_type: str, kinds: list[str], checkpointing: bool = False, **sizes):
+    """A tiny random ``model_type`` of three layers ``kinds`` (two of them recurrent, whose states are handed on),
+    hidden 48, 4 heads, in train mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        arch,
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=96,
-        block_ff_dim=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention", "conv"],
-        conv_L_cache=3,
-        conv_bias=True,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+    ids = dict(max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(model_type, layer_types=kinds, **common, **ids, **sizes)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
     assert sum(hands_off_state(m) for m in model.modules()) == 2
     if checkpointing:
@@ -223,41 +209,16 @@ def short_conv_model(arch: str, checkpointing: bool = False):
 @pytest.mark.parametrize("arch", ["lfm2", "lfm3"])
 @pytest.mark.parametrize("sharing", ["group", "tree"])
 def test_short_convolutions_match_stock_trl(arch, sharing):
-    """LFM2/LFM3 short convolutions (issue 30): a node's last K − 1 convolution inputs start the rows that continue
-    it; in the three-level tree own parts of 1 and 2 tokens convolve across two node boundaries. Gradient
-    checkpointing on for LFM3."""
-    model = short_conv_model(arch, checkpointing=arch == "lfm3")
+    """LFM2/LFM3 short convolutions (issue 30; kernel K = 3, two tokens of state): a node's last K − 1 convolution
+    inputs start the rows that continue it; in the three-level tree own parts of 1 and 2 tokens convolve across two
+    node boundaries. Gradient checkpointing on for LFM3."""
+    kinds = ["conv", "full_attention", "conv"]
+    sizes = dict(block_ff_dim=96, num_key_value_heads=2, conv_L_cache=3, conv_bias=True)
+    model = hybrid_model(arch, kinds, checkpointing=arch == "lfm3", **sizes)
     assert unsupported_cause(model) is None
     prompts = TREES["three_levels"] if sharing == "tree" else None
     ids, mask, C, _ = make_batch(prompts or [5, 9, 2, 7], 3, 6, prompts=prompts, shuffle=True, junk_in_padding=True)
     _check(model, ids, mask, C, sharing)
-
-
-def kimi_linear(checkpointing: bool = False):
-    """A tiny random Kimi Linear: KDA, NoPE full attention (MLA), KDA; convolution kernel 4."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "kimi_linear",
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
-    assert sum(hands_off_state(m) for m in model.modules()) == 2
-    if checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    return model
 
 
 @pytest.mark.parametrize("sharing", ["group", "tree"])
@@ -266,7 +227,8 @@ def test_kimi_delta_attention_matches_stock_trl(sharing):
     three-level tree a 1-token node runs KDA's single-token path, which updates the convolution state it read in
     place (that copy is the node's final state). Its NoPE attention is admitted (no positions declared). Checkpointing
     on in the tree case."""
-    model = kimi_linear(checkpointing=sharing == "tree")
+    kinds = ["linear_attention", "full_attention", "linear_attention"]  # KDA, MLA without RoPE, KDA
+    model = hybrid_model("kimi_linear", kinds, sharing == "tree", moe_intermediate_size=48, num_key_value_heads=4)
     assert unsupported_cause(model) is None
     prompts = TREES["three_levels"] if sharing == "tree" else None
     ids, mask, C, _ = make_batch(prompts or [5, 9, 1, 7], 3, 6, prompts=prompts, shuffle=True, junk_in_padding=True)
