@@ -63,8 +63,9 @@ _SHORT_CONV_CALLS = (
     "[:, :, -seq_len:]",
     "apply_mask_to_padding_states(hidden_states, attention_mask)",
 )
-# the cache parameter of a linear-attention layer's forward: transformers 5.24 renamed ``cache_params`` to ``cache``
-_CACHE_PARAMETERS = ("cache", "cache_params")
+# the cache parameter of a linear-attention layer's forward: transformers 5.24 renamed ``cache_params`` (and the short
+# convolutions' ``past_key_values``) to ``cache``
+_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
 
 
 @functools.lru_cache(maxsize=None)
