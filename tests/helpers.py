@@ -229,12 +229,13 @@ def begin_window(session, batches, C):
 
 
 def weighted_backward(logps, entropies, seed=1):
-    """Backward of a random weighting (seeded by ``seed``) of log-probs and entropies; gradients accumulate."""
+    """Backward of a random weighting (seeded by ``seed``, drawn on the CPU, so equal on every device) of log-probs and
+    entropies; gradients accumulate."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(logps.shape, generator=g)
+    w = torch.randn(logps.shape, generator=g).to(logps.device)
     loss = (logps * w).sum()
     if entropies is not None:
-        loss = loss + (entropies * torch.randn(entropies.shape, generator=g)).sum()
+        loss = loss + (entropies * torch.randn(entropies.shape, generator=g).to(entropies.device)).sum()
     loss.backward()
 
 
