@@ -175,10 +175,9 @@ def _relayed(layer) -> bool:
 def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     """Why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", or None.
 
-    ``features``: keyword -> what the config asks of the attention (``sliding_window`` for a window, ``softcap`` for
-    score softcapping); each attention module must hand it to the attention interface, where the hook reads it.
-    ``handed``: the Gated DeltaNet, short-convolution, Mamba-1 and Mamba-2 layers whose states are handed on
-    (``_handed_layers``); a layer that is an MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
+    ``features``: keyword -> what the config asks of the attention (``sliding_window``, ``softcap``), which each
+    attention module must hand the attention interface; ``handed``: the recurrent layers whose states are handed on
+    (``_handed_layers``); an MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
     """
     attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
     if not attention:
@@ -187,11 +186,9 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
         cause = f"attention is not computed through transformers' attention interface ({named})"
         if not handed:
             return cause
-        from .mamba_state import takes_state
+        from .mamba_state import backbone_cause, takes_state
 
         if any(takes_state(m) for m in handed):  # a Mamba-1 backbone: its blocks relay the context to their mixers
-            from .mamba_state import backbone_cause
-
             return backbone_cause(base, handed, cause)
     indices = [getattr(m, "layer_idx", None) for _, m in attention]
     if not all(isinstance(i, int) for i in indices):
@@ -217,31 +214,35 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
     lists = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]
     if _reruns_layers(base, lists):
         return f"{type(base).__name__} runs its layers several times per forward (recurrent loops over layers)"
-    for name, module in attention:
-        cls = attn_hook.own_class(module)
-        if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
-            return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
-        if _forward_source(cls).count("attention_interface(") > 1:
-            return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
-        if not _passes_kwargs(cls):
-            return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
-        # beside handed recurrent layers, attention naming no positions, or with no RoPE declared (Kimi Linear's MLA)
-        nope = not _POSITIONAL.search(_forward_source(cls)) or not getattr(base.config, "rope_parameters", None)
-        if not _takes_positions(cls) and not (handed and nope):
-            return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
-        if "alibi" in _forward_source(type(module)).lower():
-            return "ALiBi position biases"
-        if "attention_scaling" in inspect.signature(cls.forward).parameters:  # Beam's (1 + position / 2048) ** 0.1
-            return f"{cls.__name__} scales queries by the absolute position (attention_scaling from position_ids)"
-        cause = _after_rope_cause(module)
-        if cause is not None:
-            return cause
-        needs = dict(features)
-        if any(p.endswith("sinks") for p, _ in module.named_parameters()):
-            needs["s_aux"] = "attention sinks"
-        for keyword, feature in needs.items():
-            if f"{keyword}=" not in _forward_source(cls):
-                return f"{feature} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
+    causes = (_attention_module_cause(module, base.config, features, bool(handed)) for _, module in attention)
+    return next((c for c in causes if c is not None), None)
+
+
+def _attention_module_cause(module, config, features: dict[str, str], beside_recurrent: bool) -> str | None:
+    """Why one attention ``module`` is out of reach (``beside_recurrent``: its backbone has handed layers), or None."""
+    cls = attn_hook.own_class(module)
+    if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
+        return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
+    if _forward_source(cls).count("attention_interface(") > 1:
+        return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
+    if not _passes_kwargs(cls):
+        return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
+    nope = not _POSITIONAL.search(_forward_source(cls)) or not getattr(config, "rope_parameters", None)
+    if not _takes_positions(cls) and not (beside_recurrent and nope):  # NoPE beside recurrent layers (Kimi's MLA)
+        return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
+    if "alibi" in _forward_source(type(module)).lower():
+        return "ALiBi position biases"
+    if "attention_scaling" in inspect.signature(cls.forward).parameters:  # Beam's (1 + position / 2048) ** 0.1
+        return f"{cls.__name__} scales queries by the absolute position (attention_scaling from position_ids)"
+    cause = _after_rope_cause(module)
+    if cause is not None:
+        return cause
+    needs = dict(features)
+    if any(p.endswith("sinks") for p, _ in module.named_parameters()):
+        needs["s_aux"] = "attention sinks"
+    for keyword, feature in needs.items():
+        if f"{keyword}=" not in _forward_source(cls):
+            return f"{feature} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
     return None
 
 
@@ -249,8 +250,7 @@ _HANDED_LAYER_TYPES = ("linear_attention", "conv", "hybrid")  # "hybrid": Falcon
 
 
 def _handed_layers(config, base) -> tuple[list, str | None]:
-    """``handed.handed_layers(base)`` for a config whose ``layer_types`` name such layers (``_HANDED_LAYER_TYPES``);
-    ([], None) otherwise (no recurrent-state module is then imported)."""
+    """``handed.handed_layers(base)`` where ``layer_types`` name such layers, else ([], None), nothing imported."""
     if not set(_HANDED_LAYER_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return [], None
     from .handed import handed_layers
