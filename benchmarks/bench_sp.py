@@ -104,17 +104,20 @@ def make_inputs(P: int, C: int, G: int, vocab: int, seed: int = 0):
     return ids, mask, mask[:, -C:]
 
 
-def expected(P: int, C: int, G: int, sp_size: int) -> dict[str, float]:
+def expected(P: int, C: int, G: int, sp_size: int, exchange: str = "gather") -> dict[str, float]:
     """The analytic expectation of one rank's peak, in bytes: ``activations`` (``activation_bytes``'s parts for this
     model, fp32, checkpointing off), of which ``gathered_kv`` (``prompt_kv + kv_transient``: the gathered K/V, full
-    size on every rank, and the prompt K/V's gradients); ``gradients`` (the parameters', fp32)."""
+    size on every rank, and the prompt K/V's gradients; under the ``"heads"`` exchange 1/sp_size of them, the rank's
+    K/V heads); ``gradients`` (the parameters', fp32)."""
     from grpo_mem.bench.estimate import activation_bytes, model_shape
 
     shape = model_shape(model_spec(P, C))
     parts = activation_bytes(shape, method="grpo_mem", P=P, C=C, G=G, sp_size=sp_size, width=4, checkpointing=False)
+    kv = parts["prompt_kv"] + parts["kv_transient"]
+    share = kv / sp_size if exchange == "heads" else kv
     out = {
-        "activations": sum(parts.values()),
-        "gathered_kv": parts["prompt_kv"] + parts["kv_transient"],
+        "activations": sum(parts.values()) - kv + share,
+        "gathered_kv": share,
         "gradients": shape.n_params * 4,
     }
     out["total"] = out["activations"] + out["gradients"]
@@ -122,7 +125,9 @@ def expected(P: int, C: int, G: int, sp_size: int) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------------------- worker
-def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, split: str = "zigzag") -> None:
+def worker(
+    sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, split: str = "zigzag", exchange: str = "heads"
+) -> None:
     """One rank: build the model, warm up, measure one step (and one under the tensor tracker), then write this
     rank's measurement and the log-probs to ``out_dir`` (``rank{r}.json``; rank 0 also ``logps.pt``: the (G, C) fp32
     log-probs and the norm of the gradient summed over the ranks)."""
@@ -140,7 +145,7 @@ def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, sp
         dist.init_process_group("gloo")
         if dist.get_world_size() != sp_size:
             raise ValueError(f"sp_size {sp_size} needs as many processes, got world size {dist.get_world_size()}")
-        group = SequenceParallel.of(dist.group.WORLD, split=split)
+        group = SequenceParallel.of(dist.group.WORLD, split=split, exchange=exchange)
     rank = dist.get_rank() if group is not None else 0
     model = build_model(model_spec(P, C), seed=0)
     vocab = model.config.vocab_size
@@ -183,11 +188,19 @@ def worker(sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, sp
 
 # ---------------------------------------------------------------------------------------------------------- parent
 def launch(
-    sp_size: int, P: int, C: int, G: int, tensors: bool, out_dir: str, timeout: float | None = None, split="zigzag"
+    sp_size: int,
+    P: int,
+    C: int,
+    G: int,
+    tensors: bool,
+    out_dir: str,
+    timeout: float | None = None,
+    split="zigzag",
+    exchange="heads",
 ) -> None:
     """Run ``worker`` in ``sp_size`` fresh processes (one plain process for sp_size 1, ``torch.distributed.run``
-    otherwise), one thread each, passes cut as ``split`` says (``sequence_parallel.SPLITS``); results land in
-    ``out_dir``.
+    otherwise), one thread each, passes cut as ``split`` says (``sequence_parallel.SPLITS``), K/V exchanged as
+    ``exchange`` says (``sequence_parallel.EXCHANGES``); results land in ``out_dir``.
 
     Raises:
         RuntimeError: a process exited non-zero (the end of its stderr in the message).
@@ -195,6 +208,7 @@ def launch(
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_ROOT, TOKENIZERS_PARALLELISM="false")
     script = [os.path.abspath(__file__), "--worker", str(sp_size), "--prompt-length", str(P)]
     script += ["--completion-length", str(C), "-G", str(G), "--out-dir", out_dir, "--split", split]
+    script += ["--exchange", exchange]
     script += [] if tensors else ["--no-tensors"]
     if sp_size == 1:
         cmd = [sys.executable, *script]
@@ -217,28 +231,33 @@ def run(
     csv_path: str,
     out_root: str | None = None,
     splits=("zigzag",),
+    exchanges=("heads",),
 ):
-    """Launch every sp_size (each sp_size > 1 once per split of ``splits``), compare its log-probs and summed gradient
-    norm with the first (sp_size 1), and merge the rows into ``csv_path``. Returns the rows written. ``out_root``:
-    where each run's files are kept (``sp{k}/``, ``sp{k}-{split}/`` for a split other than zigzag); a temporary
-    directory when None."""
+    """Launch every sp_size (each sp_size > 1 once per split of ``splits`` and exchange of ``exchanges``), compare its
+    log-probs and summed gradient norm with the first (sp_size 1), and merge the rows into ``csv_path``. Returns the
+    rows written. ``out_root``: where each run's files are kept (``sp{k}/``, with ``-{split}`` for a split other than
+    zigzag and ``-{exchange}`` for an exchange other than heads); a temporary directory when None."""
     import torch
 
     rows = []
-    runs = [(k, split) for k in sp_sizes for split in (splits if k > 1 else ("zigzag",))]
+    runs = [(k, "zigzag", "heads") if k == 1 else (k, s, e) for k in sp_sizes for s in splits for e in exchanges]
+    runs = list(dict.fromkeys(runs))
     with tempfile.TemporaryDirectory() as tmp:
         root = out_root or tmp
         ref = None
-        for k, split in runs:
-            out = os.path.join(root, f"sp{k}" if split == "zigzag" else f"sp{k}-{split}")
+        for k, split, exchange in runs:
+            name = (
+                f"sp{k}" + ("" if split == "zigzag" else f"-{split}") + ("" if exchange == "heads" else f"-{exchange}")
+            )
+            out = os.path.join(root, name)
             os.makedirs(out, exist_ok=True)
-            launch(k, P, C, G, tensors, out, split=split)
+            launch(k, P, C, G, tensors, out, split=split, exchange=exchange)
             saved = torch.load(os.path.join(out, "logps.pt"))
             if ref is None:
                 ref = saved
             diff = float((saved["logps"] - ref["logps"]).abs().max())
             grad_rel = abs(saved["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
-            exp = expected(P, C, G, k)
+            exp = expected(P, C, G, k, exchange)
             for r in range(k):
                 with open(os.path.join(out, f"rank{r}.json")) as f:
                     m = json.load(f)
@@ -249,6 +268,7 @@ def run(
                     B=G,
                     sp_size=k,
                     split=split if k > 1 else "-",
+                    exchange=exchange if k > 1 else "-",
                     rank=r,
                     model="llama-h256-l4",
                     dtype="float32",
@@ -265,7 +285,7 @@ def run(
 
     def key(r: dict) -> tuple:
         c = r["config"]
-        return (r["provider"], r["metric"], c["P"], c["C"], c["G"], _split(c), c["rank"])
+        return (r["provider"], r["metric"], c["P"], c["C"], c["G"], _split(c), _exchange(c), c["rank"])
 
     merge_csv(rows, csv_path, key)
     return rows
@@ -276,6 +296,12 @@ def _split(config: dict) -> str:
     return config.get("split", "contiguous" if config["sp_size"] > 1 else "-")
 
 
+def _exchange(config: dict) -> str:
+    """How a row's attention reached other ranks' K/V: its ``exchange`` (rows written before the head exchange
+    all-gathered)."""
+    return config.get("exchange", "gather" if config["sp_size"] > 1 else "-")
+
+
 def table(path: str = CSV_PATH) -> str:
     """Markdown table of the CSV: per (shape, sp_size, split, rank), time, CPU time, peak RSS above base, peak live
     tensors, the expectation and its gathered-K/V part, the RSS over sp_size 1's, and the log-prob difference to
@@ -283,18 +309,19 @@ def table(path: str = CSV_PATH) -> str:
     by = {}
     for r in harness.read_csv(path):
         c = r["config"]
-        key = (c["P"], c["C"], c["G"], c["sp_size"], _split(c), c["rank"])
+        key = (c["P"], c["C"], c["G"], c["sp_size"], _split(c), _exchange(c), c["rank"])
         by.setdefault(key, {"config": c})[r["metric"]] = r["p50"]
     out = []
-    for (P, C, G, k, split, rank), v in sorted(by.items()):
+    for (P, C, G, k, split, exchange, rank), v in sorted(by.items()):
         c = v["config"]
-        base = by.get((P, C, G, 1, "-", 0), {}).get("peak_rss_above_base", math.nan)
+        base = by.get((P, C, G, 1, "-", "-", 0), {}).get("peak_rss_above_base", math.nan)
         rss = v.get("peak_rss_above_base", math.nan)
         out.append(
             [
                 f"{P}, {C}, {G}",
                 k,
                 split,
+                exchange,
                 rank,
                 v.get("wall_time"),
                 v.get("cpu_time"),
@@ -311,6 +338,7 @@ def table(path: str = CSV_PATH) -> str:
         "P, C, G",
         "sp_size",
         "split",
+        "exchange",
         "rank",
         "time (s)",
         "CPU time (s)",
@@ -337,6 +365,11 @@ def main(argv=None) -> int:
         default="zigzag",
         help="how sp_size > 1 cuts the passes: zigzag (default), contiguous, or both comma-separated (one run each)",
     )
+    ap.add_argument(
+        "--exchange",
+        default="heads",
+        help="how sp_size > 1 attention reaches other ranks' K/V: heads (default), gather, or both comma-separated",
+    )
     ap.add_argument("--no-tensors", action="store_true", help="skip the second step under the tensor tracker")
     ap.add_argument("--busy", action="store_true", help="mark the rows as measured on a busy machine")
     ap.add_argument("--csv", default=CSV_PATH, help="the CSV to merge the rows into")
@@ -350,9 +383,11 @@ def main(argv=None) -> int:
             if value < 1:
                 ap.error(f"{key} must be >= 1, got {value}")
             shape[key] = value
-    splits = tuple(args.split.split(","))
+    splits, exchanges = tuple(args.split.split(",")), tuple(args.exchange.split(","))
     if args.worker is not None:
-        worker(args.worker, shape["P"], shape["C"], shape["G"], not args.no_tensors, args.out_dir, splits[0])
+        worker(
+            args.worker, shape["P"], shape["C"], shape["G"], not args.no_tensors, args.out_dir, splits[0], exchanges[0]
+        )
         return 0
     if args.table:
         print(table(args.csv))
@@ -360,6 +395,8 @@ def main(argv=None) -> int:
     sp_sizes = [int(s) for s in args.sp_sizes.split(",")]
     if not splits or any(s not in ("zigzag", "contiguous") for s in splits):
         ap.error(f"--split must be zigzag, contiguous or both comma-separated, got {args.split!r}")
+    if not exchanges or any(e not in ("heads", "gather") for e in exchanges):
+        ap.error(f"--exchange must be heads, gather or both comma-separated, got {args.exchange!r}")
     if sp_sizes[0] != 1 or any(k < 1 for k in sp_sizes):
         ap.error(f"--sp-sizes must start with 1 and hold sizes >= 1, got {args.sp_sizes!r}")
     run(
@@ -370,6 +407,7 @@ def main(argv=None) -> int:
         csv_path=args.csv,
         out_root=args.out_dir,
         splits=splits,
+        exchanges=exchanges,
     )
     print(table(args.csv))
     return 0

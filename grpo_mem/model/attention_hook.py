@@ -83,9 +83,11 @@ class CompletionContext:
             wider than it hides nothing and is dropped, so the fused kernels keep serving the pass).
         capture: per layer, the pass's own post-RoPE K/V (B, kv_heads, T, head_dim) once recorded; None: not kept.
         linear: the pass's ``linear_attention.LinearContext``, read by its linear-attention layers, or None.
-        shards: under sequence parallelism, the pass's ``sequence_parallel.Shards``: ``shards.regions(key, value,
-            layer, capture)`` gives the regions of the pass's earlier tokens (and records the gathered K/V), read by
-            the query rows ``shards.fold`` makes of this rank's shard; None: whole.
+        shards: under sequence parallelism, the pass's ``sequence_parallel.Shards``: ``shards.heads(H, Hkv)`` the
+            layer's head split (an all-to-all to the whole pass at this rank's heads, attended as on one rank, its
+            K/V recorded at those heads), or, where that is None, ``shards.regions(key, value, layer, capture)`` the
+            regions of the pass's earlier tokens (recording the all-gathered K/V), read by the query rows
+            ``shards.fold`` makes of this rank's shard; None: whole.
     """
 
     regions: list[Region]
@@ -222,9 +224,14 @@ def _make_hook(inner: str):
             if ctx is not None:
                 ctx.kv.setdefault(layer, (key, value))
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
-        shard_regions = []
-        if ctx.shards is not None:
-            shard_regions = ctx.shards.regions(key, value, layer, ctx.capture)
+        shard_regions, shards, key_mask, positions = [], ctx.shards, ctx.key_mask, ctx.positions
+        split = None if shards is None else shards.heads(query.shape[1], key.shape[1])
+        if split is not None:  # the whole pass at this rank's heads: attention as on one rank (``sequence_heads``)
+            query, key, value = split.scatter(query, key, value)
+            key_mask, positions, shards = shards.mask, shards.positions, None
+            kwargs["s_aux"] = split.sinks(kwargs.get("s_aux"))
+        if shards is not None:
+            shard_regions = shards.regions(key, value, layer, ctx.capture)
         elif ctx.capture is not None:
             ctx.capture.setdefault(layer, (key, value))
         region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for r in shard_regions for t in r[:2]]
@@ -247,7 +254,7 @@ def _make_hook(inner: str):
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
-        key_mask, positions, shards, indices = ctx.key_mask, ctx.positions, ctx.shards, [r.index for r in ctx.regions]
+        indices = [r.index for r in ctx.regions]
         if shards is not None:  # the pieces of this rank's shard as query rows (``Shards.fold``)
             q, k, v = (shards.fold(t) for t in (q, k, v))
             key_mask, positions = shards.fold_rows(key_mask), shards.fold_rows(positions)
@@ -260,6 +267,8 @@ def _make_hook(inner: str):
             features["sliding_window"] = None
         with torch.autocast(device, enabled=False):
             out = multi_region_attention(q, k, v, regions, key_mask, scale=scale, q_positions=positions, **features)
+        if split is not None:
+            return split.gather(out if out.shape[-1] == dv else out[..., :dv]), None
         out = out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)
         return (out if out.shape[-1] == dv else out[..., :dv].contiguous()), None
 

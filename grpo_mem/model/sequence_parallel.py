@@ -13,9 +13,21 @@ padded to ``size · L`` tokens and cut (``SequenceParallel.split``):
   split="contiguous")``, ``benchmarks/bench_sp.py --split``) as the reference the zigzag split is measured against;
   both are exact, and no supported case needs it.
 
-Everything but attention is token-local. In attention, the queries of each piece of a rank's shard (the shard's two
-chunks under zigzag, run as separate query rows: ``Shards.fold``) see three kinds of keys, merged exactly by
-log-sum-exp (``grpo_mem.ops.multi_region_attention``):
+Everything but attention is token-local. Attention reaches the K/V of other ranks' tokens by one of two exchanges
+(``SequenceParallel.exchange``, ``EXCHANGES``):
+
+``"heads"`` (the default; ``sequence_heads``), DeepSpeed Ulysses' exchange (arXiv 2309.14509): in each layer one
+all-to-all turns the rank's q/k/v (its L tokens, all heads) into the whole pass in sequence order at 1/size of the
+heads (K/V heads repeated to lcm(Hkv, size) where size does not divide them); the rank runs the one-rank attention of
+the pass on its heads (the recorded K/V of the passes on the row's path at the same heads, the pass's own K/V causally,
+windows, sinks, soft-capping), records its head slice of the pass's K/V for the readers, and the inverse all-to-all
+returns the output to its tokens. So every rank keeps 1/size of every pass's K/V and of their gradients (the readers of
+a pass run the same heads on the same rank), and does the same attention work whatever the split. A layer whose query
+heads the group size does not divide runs the all-gather exchange instead (exact too; its K/V whole on every rank).
+
+``"gather"`` (selectable: ``SequenceParallel(..., exchange="gather")``, ``benchmarks/bench_sp.py --exchange``): the
+queries of each piece of a rank's shard (the shard's two chunks under zigzag, run as separate query rows:
+``Shards.fold``) see three kinds of keys, merged exactly by log-sum-exp (``grpo_mem.ops.multi_region_attention``):
 
 * the K/V of the passes on the row's path (a deeper trie node's ancestors; the completions' prompt nodes), recorded
   whole: each pass all-gathers its K/V over the SP group, layer by layer, and records the gathered (n, Hkv, size·L, d)
@@ -24,10 +36,13 @@ log-sum-exp (``grpo_mem.ops.multi_region_attention``):
   all-gather (``Shards.earlier``);
 * the piece's own K/V, causally.
 
-So a pass is still forwarded once per group, only split across the ranks, and its readers attend to all of its K/V.
 The all-gather's backward is a reduce-scatter (gloo has none: an all-to-all and a sum), which returns to each rank the
-gradient that every rank's queries sent to its keys and values. Positions (RoPE's ``position_ids``, sliding windows)
-are each token's own in the whole pass (``Shards.positions``).
+gradient that every rank's queries sent to its keys and values. It is ring attention's construction (arXiv
+2310.01889) with the ring replaced by one all-gather; every rank then holds the whole K/V of every pass.
+
+Under either exchange a pass is forwarded once per group, only split across the ranks, and its readers attend to all
+of its K/V. Positions (RoPE's ``position_ids``, sliding windows) are each token's own in the whole pass
+(``Shards.positions``).
 
 The head scores each rank's share of the completion positions: position 0 (predicted by the last prompt token) on the
 rank whose shard holds that token, position j ≥ 1 (predicted by completion token j − 1) on the rank holding that
@@ -38,10 +53,6 @@ whole. The parts sum over the SP group to the gradient of the loss without SP: D
 gradients over the SP group and average them over data-parallel ranks (they divide the all-reduce by
 ``world / sp_size``); ZeRO-3's default reduce-scatter divides by the world size, averaging over the SP group too, so
 there each share is scaled by ``size`` (``SequenceParallel.grad_scale``).
-
-The split along the sequence and the LSE merge across it are the construction of Ulysses/ring attention (DeepSpeed
-Ulysses, arXiv 2309.14509; ring attention, arXiv 2310.01889); here K/V are all-gathered rather than exchanged over
-heads, because the recorded prompt K/V must stay readable by every later pass anyway.
 
 ``SequenceSharded`` is this layout as the window runs it (``window.OneRank``'s hooks for a sharded micro-batch), and
 ``Shards`` what a pass's attention context carries of it.
@@ -57,15 +68,30 @@ import torch.distributed as dist
 
 from . import attention_hook as attn_hook
 from .head import completion_head
+from .sequence_heads import HeadSplit, head_split
 from .store import ForwardedPass, PromptStates
 from .window import OneRank
 
-__all__ = ["SPLITS", "SP_CAUSES", "SequenceParallel", "SequenceSharded", "Shards", "gather_kv", "gather_scores"]
+__all__ = [
+    "EXCHANGES",
+    "SPLITS",
+    "SP_CAUSES",
+    "SequenceParallel",
+    "SequenceSharded",
+    "Shards",
+    "gather_kv",
+    "gather_scores",
+]
 
 SPLITS = ("zigzag", "contiguous")
 """How a pass is cut over the ranks (``SequenceParallel.split``): ``"zigzag"`` (the default: 2·size chunks, rank r
 holds chunks r and 2·size − 1 − r, the same causal attention work on every rank) or ``"contiguous"`` (size shards in
 order: the later ranks' queries see more keys)."""
+
+EXCHANGES = ("heads", "gather")
+"""How the attention of a sharded pass reaches the K/V of other ranks' tokens (``SequenceParallel.exchange``):
+``"heads"`` (the default: an all-to-all over heads, each rank runs the whole pass on 1/size of the heads and keeps
+1/size of its K/V, ``sequence_heads``) or ``"gather"`` (each layer's K/V all-gathered whole on every rank)."""
 
 SP_CAUSES = {
     "linear": "sequence parallelism: the model has linear-attention (recurrent) layers, whose state runs along the "
@@ -95,9 +121,11 @@ class SequenceParallel:
             with its default ``reduce_scatter``).
         split: how each pass is cut over the ranks, one of ``SPLITS``: ``"zigzag"`` (the default) or
             ``"contiguous"`` (see the module docstring).
+        exchange: how attention reaches other ranks' K/V, one of ``EXCHANGES``: ``"heads"`` (the default; a layer
+            whose query heads the group size does not divide runs ``"gather"``) or ``"gather"``.
 
     Raises:
-        ValueError: ``split`` is not one of ``SPLITS``.
+        ValueError: ``split`` is not one of ``SPLITS``, or ``exchange`` not one of ``EXCHANGES``.
     """
 
     group: object
@@ -105,22 +133,25 @@ class SequenceParallel:
     size: int
     grad_scale: float = 1.0
     split: str = "zigzag"
+    exchange: str = "heads"
 
     def __post_init__(self):
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
 
     @classmethod
-    def of(cls, group, grad_scale: float = 1.0, split: str = "zigzag") -> SequenceParallel:
+    def of(cls, group, grad_scale: float = 1.0, split: str = "zigzag", exchange: str = "heads") -> SequenceParallel:
         """The SP group ``group`` (a ``ProcessGroup``, or None for the whole world) with this process's rank in it.
 
         Raises:
             RuntimeError: ``torch.distributed`` is not initialised.
-            ValueError: ``split`` is not one of ``SPLITS``.
+            ValueError: ``split`` is not one of ``SPLITS``, or ``exchange`` not one of ``EXCHANGES``.
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("sequence parallelism needs torch.distributed initialised (a process group)")
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), float(grad_scale), split)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), float(grad_scale), split, exchange)
 
     @property
     def pieces(self) -> int:
@@ -263,7 +294,8 @@ def gather_scores(local: torch.Tensor, sp: SequenceParallel, C: int) -> torch.Te
 class Shards:
     """A pass split along the sequence over a sequence-parallel group (``sequence_parallel``): the queries and own
     keys of the pass's context are this rank's shard; ``mask`` and ``positions`` (n, size·L) cover the whole pass in
-    sequence order (the layout of the gathered K/V, which the context's ``capture`` records).
+    sequence order (the layout of the exchanged K/V, which the context's ``capture`` records: at this rank's heads
+    under the head exchange, ``heads``; whole under the all-gather, ``regions``).
 
     Attributes:
         sp: the ``SequenceParallel`` group.
@@ -274,6 +306,11 @@ class Shards:
     sp: SequenceParallel
     mask: torch.Tensor
     positions: torch.Tensor
+
+    def heads(self, heads: int, kv_heads: int) -> HeadSplit | None:
+        """The head split (``sequence_heads.head_split``) of a layer with ``heads`` query and ``kv_heads`` K/V heads
+        under the ``"heads"`` exchange; None: the layer all-gathers its K/V (``regions``)."""
+        return head_split(self.sp, heads, kv_heads) if self.sp.exchange == "heads" else None
 
     def regions(self, key: torch.Tensor, value: torch.Tensor, layer: int, capture) -> list[tuple]:
         """All-gather this layer's K/V (n, Hkv, L, d) over the group, record the gathered pair in ``capture`` (first
@@ -340,9 +377,10 @@ class SequenceSharded(OneRank):
     sp: SequenceParallel | None = None
 
     def node_pass(self, mb, spec) -> None:
-        """This rank's shard of the pass's tokens through the backbone, attending to its ancestors, to the earlier
-        shards and causally to its own; the gathered K/V of all shards are recorded. A row's last hidden state is kept
-        by the rank holding that token (zero elsewhere, ``ForwardedPass.owner``)."""
+        """This rank's shard of the pass's tokens through the backbone, its attention over the whole pass (its
+        ancestors' K/V and its own causally) through the exchange (``Shards.heads``, ``Shards.regions``); the
+        exchanged K/V of all shards are recorded (at this rank's heads under the head exchange). A row's last hidden
+        state is kept by the rank holding that token (zero elsewhere, ``ForwardedPass.owner``)."""
         window, sp = mb.window, self.sp
         ids, mask, positions, lengths = window.plan.pass_tokens(spec, mb.device)
         L = sp.shard(ids.shape[1])

@@ -47,7 +47,7 @@ def test_quick_run_writes_rows_and_sp2_scores_as_sp1(tmp_path):
     # each rank holds about half the activations (the tracker counts tensors: no allocator noise)
     for rank in (0, 1):
         assert got[("sp2", rank, "peak_tensor")] < 0.85 * got[("sp1", 0, "peak_tensor")]
-    assert "| 512, 32, 8 | 2 | zigzag | 1 |" in bench_sp.table(str(csv_path))
+    assert "| 512, 32, 8 | 2 | zigzag | heads | 1 |" in bench_sp.table(str(csv_path))
 
 
 def test_bench_expectation_splits_all_but_the_gathered_kv():

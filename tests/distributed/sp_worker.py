@@ -1,17 +1,21 @@
 """Worker of the sequence-parallel scoring tests (2 ranks, gloo): every pass split along the sequence over the ranks,
 against stock TRL's scoring on one process.
 
-Usage: ``sp_worker.py ARCH SHARING [checkpointing] [causal] [contiguous] [one-group]`` on 2 ranks (one SP group) or 4
-(two SP groups of 2, data parallel over them, each with its own window; ``one-group``: one SP group of 4)
-(``tests/distributed/test_sequence_parallel.py`` launches it). Passes are split zigzag (the default), or in contiguous
-shards with ``contiguous``. Every rank builds
+Usage: ``sp_worker.py ARCH SHARING [checkpointing] [causal] [contiguous] [gather] [mqa] [odd-heads] [one-group]`` on 2
+ranks (one SP group) or 4 (two SP groups of 2, data parallel over them, each with its own window; ``one-group``: one SP
+group of 4) (``tests/distributed/test_sequence_parallel.py`` launches it). Passes are split zigzag (the default), or in
+contiguous shards with ``contiguous``; attention exchanges K/V over heads (the default), or all-gathers them with
+``gather``. ``mqa``: one K/V head (repeated to the group size by the head exchange); ``odd-heads``: 3 query heads, 1 K/V
+head (not divisible by 2: the layers all-gather). Every rank builds
 the same tiny model and the same window of micro-batches (a long shared system prompt of odd length, groups split over
 micro-batches), scores it with ``SharingSession(sequence_parallel=world)``, computes the same loss from the gathered
 log-probs and entropies, and backpropagates. Asserted on every rank: the log-probs and entropies equal stock TRL's on
-the whole sequence (one process, computed here too), and the parameter gradients summed over the ranks equal stock's.
-Then the ranks are given different micro-batches: both raise the named cause, neither hangs.
+the whole sequence (one process, computed here too), the parameter gradients summed over the ranks equal stock's, and
+every recorded pass's K/V hold the elements the exchange keeps on a rank (``check_recorded``: 1/size of the pass's
+under the head exchange). Then the ranks are given different micro-batches: both raise the named cause, neither hangs.
 """
 
+import math
 import sys
 
 import torch
@@ -29,6 +33,7 @@ from launch import end_worker
 
 from grpo_mem import SharingSession
 from grpo_mem.model.sequence_parallel import SP_CAUSES, SequenceParallel
+from grpo_mem.model.store import PassTable
 
 ARCHS = {
     "llama": {},
@@ -60,6 +65,38 @@ def assert_refused(model, ids, mask, C, sharing, sp, case, **options) -> None:
         raise AssertionError(f"not refused under sequence parallelism: {case}")
 
 
+HEADS = {"mqa": {"num_key_value_heads": 1}, "odd-heads": {"num_attention_heads": 3, "num_key_value_heads": 1}}
+"""Head counts of the GQA cases, by flag (hidden 48: head_dim 12, and 16 with 3 heads)."""
+
+
+def record_kv(recorded: list) -> None:
+    """Append (mask shape, {layer: (K shape, V shape)}) of every pass the window registers to ``recorded``."""
+    register = PassTable.register
+
+    def spy(self, p, states):
+        recorded.append((tuple(p.mask.shape), {i: (k.shape, v.shape) for i, (k, v) in states.kv.items()}))
+        return register(self, p, states)
+
+    PassTable.register = spy
+
+
+def check_recorded(recorded: list, config, sp: SequenceParallel) -> None:
+    """Each rank's recorded K/V of a pass of n rows padded to S tokens: (n, h, S, d) per layer, with h = Hkv' / size
+    (Hkv' = lcm(Hkv, size)) under the head exchange when size divides the query heads, else Hkv (all-gathered):
+    under the head exchange, size times the elements equal the pass's K/V at its Hkv' heads."""
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // H
+    split = sp.exchange == "heads" and H % sp.size == 0
+    h = math.lcm(Hkv, sp.size) // sp.size if split else Hkv
+    assert recorded, "no pass recorded"
+    for (n, S), kv in recorded:
+        assert len(kv) == config.num_hidden_layers, kv.keys()
+        for k_shape, v_shape in kv.values():
+            assert tuple(k_shape) == tuple(v_shape) == (n, h, S, d), (k_shape, v_shape, (n, h, S, d))
+            if split:
+                assert sp.size * math.prod(k_shape) == n * math.lcm(Hkv, sp.size) * S * d
+
+
 def sp_group(one_group: bool) -> tuple[object, int]:
     """(this rank's SP group, its data-parallel index): the whole world on 2 ranks or with ``one_group``; on 4, SP
     groups {0, 1} and {2, 3}, data-parallel over the two."""
@@ -74,14 +111,17 @@ def main(arch: str, sharing: str, *flags: str) -> None:
     rank = dist.get_rank()
     group, dp = sp_group("one-group" in flags)
     split = "contiguous" if "contiguous" in flags else "zigzag"
-    sp = SequenceParallel.of(group, split=split)
+    sp = SequenceParallel.of(group, split=split, exchange="gather" if "gather" in flags else "heads")
     torch.manual_seed(0)
     C = 9
     batches = window_batches(C, dp)
-    stock = tiny_model(arch, **ARCHS[arch])
+    shape = dict(ARCHS[arch], **{k: v for f in flags for k, v in HEADS.get(f, {}).items()})
+    stock = tiny_model(arch, **shape)
     ref, ref_grads = stock_window(stock, batches, C)
 
-    model = tiny_model(arch, **ARCHS[arch])
+    model = tiny_model(arch, **shape)
+    recorded = []
+    record_kv(recorded)
     if "causal" in flags:  # the cpu backend's own region without a mask tensor, as it runs on long shards
         from grpo_mem.ops import attention_cpu
 
@@ -102,6 +142,7 @@ def main(arch: str, sharing: str, *flags: str) -> None:
     for g in grads.values():
         dist.all_reduce(g, group=group)  # what DeepSpeed does under sequence parallelism: the sum over the group
     assert_grads_close(grads, ref_grads, rel=1e-5)
+    check_recorded(recorded, model.config, sp)
     model.zero_grad(set_to_none=True)
 
     ids, mask = batches[rank % len(batches)]  # each rank another micro-batch: refused on both, no hang

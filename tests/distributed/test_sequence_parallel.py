@@ -4,8 +4,10 @@
 Each run (``sp_worker.py``) scores a window of three micro-batches (a 71-token shared system prompt, a group split over
 two micro-batches, prompt widths odd and even) on both ranks of a sequence-parallel group and asserts that the log-probs
 and entropies equal stock TRL's on one process within 1e-5, that the parameter gradients summed over the ranks equal
-stock's within 1e-5 of each parameter's largest, that ranks given different micro-batches both raise the named cause
-(no hang), and, for Llama, that the MoE router loss and a model with linear-attention layers are refused by cause.
+stock's within 1e-5 of each parameter's largest, that each rank's recorded K/V of every pass have the heads the
+exchange keeps (1/size of the pass's under the head exchange, the default; whole under the all-gather one), that ranks
+given different micro-batches both raise the named cause (no hang), and, for Llama, that the MoE router loss and a
+model with linear-attention layers are refused by cause.
 """
 
 import pytest
@@ -21,6 +23,9 @@ CASES = [
     ("gpt_oss", "tree", ""),  # sinks, sliding window, MoE layers
     ("gemma2", "tree", ""),  # attention and final logit soft-capping
     ("llama", "tree", "contiguous"),  # the contiguous split, kept selectable
+    ("llama", "tree", "gather"),  # the all-gather exchange, kept selectable
+    ("llama", "tree", "mqa"),  # one K/V head: repeated to 2 by the head exchange, its copies' gradients summed
+    ("llama", "tree", "odd-heads"),  # 3 query heads over 2 ranks: the layers run the all-gather exchange
 ]
 
 
@@ -30,8 +35,8 @@ def test_sequence_parallel_scoring_matches_stock(arch, sharing, checkpointing):
 
 
 def test_sequence_parallel_zigzag_over_four_ranks():
-    """One SP group of 4 ranks: each pass cut into 8 chunks (rank r holds chunks r and 7 − r), so a rank's second
-    piece reads K/V of three other ranks; log-probs and summed gradients equal stock's."""
+    """One SP group of 4 ranks: each pass cut into 8 chunks (rank r holds chunks r and 7 − r); the head exchange
+    repeats the 2 K/V heads to 4, one a rank; log-probs and summed gradients equal stock's."""
     launch("sp_worker.py", "llama", "tree", "one-group", nproc=4)
 
 
