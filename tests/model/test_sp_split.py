@@ -6,6 +6,7 @@ returns). The 2-process runs (``tests/distributed/test_sequence_parallel.py``) c
 import pytest
 import torch
 
+from grpo_mem.model.sequence_heads import head_split
 from grpo_mem.model.sequence_parallel import SPLITS, SequenceParallel, Shards
 from grpo_mem.ops.attention import multi_region_attention_ref
 
@@ -96,3 +97,53 @@ def test_each_rank_computes_its_tokens_of_causal_attention(split, size, T, windo
 def test_split_is_checked():
     with pytest.raises(ValueError, match="split must be one of"):
         SequenceParallel(None, 0, 2, split="ring")
+
+
+@pytest.mark.parametrize(
+    "H,Hkv,size,repeat",
+    [
+        (4, 2, 2, 1),
+        (4, 1, 2, 2),
+        (4, 2, 4, 2),
+        (8, 2, 4, 2),
+        (12, 3, 4, 4),
+        (6, 3, 2, 2),
+        (3, 1, 2, None),
+        (6, 2, 4, None),
+    ],
+)
+def test_head_split_repeats_kv_heads_to_a_multiple_of_the_group(H, Hkv, size, repeat):
+    """``head_split``: K/V heads repeated to lcm(Hkv, size), None where size does not divide the query heads; rank
+    by rank, attention of its query-head slice over its slice of the repeated K/V heads equals those heads of the
+    whole GQA attention (fp64)."""
+    split = head_split(SequenceParallel(None, 0, size), H, Hkv)
+    assert (split and split.repeat) == repeat
+    if split is None:
+        return
+    g = torch.Generator().manual_seed(H * 10 + Hkv)
+    n, T, d = 2, 9, 4
+    q = torch.randn(n, H, T, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(n, Hkv, T, d, generator=g, dtype=torch.float64) for _ in range(2))
+    truth = multi_region_attention_ref(q, k, v, [], None, scale=0.5)
+    kr, vr = (t.repeat_interleave(repeat, 1) for t in (k, v))
+    h, hkv = H // size, kr.shape[1] // size
+    for r in range(size):
+        out = multi_region_attention_ref(
+            q[:, r * h : (r + 1) * h],
+            kr[:, r * hkv : (r + 1) * hkv],
+            vr[:, r * hkv : (r + 1) * hkv],
+            [],
+            None,
+            scale=0.5,
+        )
+        torch.testing.assert_close(out, truth[:, r * h : (r + 1) * h], rtol=1e-12, atol=1e-12)
+
+
+def test_head_split_checks_the_head_counts():
+    with pytest.raises(ValueError, match="multiple of K/V heads, got 4 and 3"):
+        head_split(SequenceParallel(None, 0, 2), 4, 3)
+
+
+def test_exchange_is_checked():
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        SequenceParallel(None, 0, 2, exchange="ring")
