@@ -52,6 +52,7 @@ OPTIONAL = (
     "grpo_mem.model.linear_attention",
     "grpo_mem.model.router",
     "grpo_mem.model.sequence_parallel",
+    "grpo_mem.model.sequence_heads",
     "grpo_mem.patches.trl_sp",
 )
 """Modules of the image, linear-state, router and sequence-parallel extensions: a text model never imports them."""
