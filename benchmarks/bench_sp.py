@@ -104,20 +104,20 @@ def make_inputs(P: int, C: int, G: int, vocab: int, seed: int = 0):
     return ids, mask, mask[:, -C:]
 
 
-def expected(P: int, C: int, G: int, sp_size: int, exchange: str = "gather") -> dict[str, float]:
+def expected(P: int, C: int, G: int, sp_size: int, exchange: str = "heads") -> dict[str, float]:
     """The analytic expectation of one rank's peak, in bytes: ``activations`` (``activation_bytes``'s parts for this
-    model, fp32, checkpointing off), of which ``gathered_kv`` (``prompt_kv + kv_transient``: the gathered K/V, full
-    size on every rank, and the prompt K/V's gradients; under the ``"heads"`` exchange 1/sp_size of them, the rank's
-    K/V heads); ``gradients`` (the parameters', fp32)."""
+    model, fp32, checkpointing off, K/V exchanged as ``exchange`` says), of which ``gathered_kv`` (``prompt_kv +
+    kv_transient``: the recorded K/V and the prompt K/V's gradients, full size on every rank under the all-gather,
+    1/sp_size under the head exchange); ``gradients`` (the parameters', fp32)."""
     from grpo_mem.bench.estimate import activation_bytes, model_shape
 
     shape = model_shape(model_spec(P, C))
-    parts = activation_bytes(shape, method="grpo_mem", P=P, C=C, G=G, sp_size=sp_size, width=4, checkpointing=False)
-    kv = parts["prompt_kv"] + parts["kv_transient"]
-    share = kv / sp_size if exchange == "heads" else kv
+    parts = activation_bytes(
+        shape, method="grpo_mem", P=P, C=C, G=G, sp_size=sp_size, width=4, checkpointing=False, exchange=exchange
+    )
     out = {
-        "activations": sum(parts.values()) - kv + share,
-        "gathered_kv": share,
+        "activations": sum(parts.values()),
+        "gathered_kv": parts["prompt_kv"] + parts["kv_transient"],
         "gradients": shape.n_params * 4,
     }
     out["total"] = out["activations"] + out["gradients"]

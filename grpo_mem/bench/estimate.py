@@ -10,6 +10,7 @@ the longest prompt that fits a device under it. No GPU measured these: they are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,9 @@ class ModelShape:
     rows_per_token: int = 0
     """The vision tower of a vision-language model (0 for a text-only one): blocks, hidden and MLP sizes, and patch
     rows per image token (``spatial_merge_size`` ** 2)."""
+    heads: int = 0
+    kv_heads: int = 0
+    """Query and K/V heads of the attention layers (0: not known; :func:`kv_share` then assumes the all-gather)."""
 
 
 def model_shape(config: dict[str, Any]) -> ModelShape:
@@ -81,7 +85,26 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         vision_hidden=getattr(vision, "hidden_size", 0),
         vision_intermediate=getattr(vision, "intermediate_size", 0) or 4 * getattr(vision, "hidden_size", 0),
         rows_per_token=rows_per_token(cfg),
+        heads=heads,
+        kv_heads=kv_heads,
     )
+
+
+def kv_share(shape: ModelShape, sp_size: int, exchange: str = "heads") -> float:
+    """The share of a pass's K/V (and of their gradients) one rank of a sequence-parallel group of ``sp_size`` keeps:
+    under the ``"heads"`` exchange (``grpo_mem.model.sequence_heads``) lcm(Hkv, k) / (k · Hkv), its slice of the K/V
+    heads repeated to lcm(Hkv, k), where k divides the query heads; 1 otherwise (the all-gather: every rank keeps the
+    whole K/V), and under ``"gather"``.
+
+    Raises:
+        ValueError: ``exchange`` is not ``"heads"`` or ``"gather"``.
+    """
+    if exchange not in ("heads", "gather"):
+        raise ValueError(f"exchange must be 'heads' or 'gather', got {exchange!r}")
+    k, h, hkv = sp_size, shape.heads, shape.kv_heads
+    if exchange == "gather" or k == 1 or not hkv or h % k:
+        return 1.0
+    return math.lcm(hkv, k) / (k * hkv)
 
 
 def activation_elements(shape: ModelShape) -> int:
@@ -268,6 +291,7 @@ def activation_bytes(
     sp_size: int = 1,
     width: int = 2,
     checkpointing: bool = True,
+    exchange: str = "heads",
 ) -> dict[str, float]:
     """Activation memory of one rank at the peak of a group's scoring forward + backward, in bytes, by part.
 
@@ -282,11 +306,12 @@ def activation_bytes(
       checkpointing they are kept outside the checkpointed layers, and their gradients, which the completion pass's
       backward accumulates for every layer before the prompt pass's backward consumes them, are as large: twice
       ``layers`` prompt K/V. Without checkpointing the K/V are among the saved activations, and only their gradients
-      count. Under sequence parallelism (``sp_size`` k > 1) the recorded K/V are the gathered ones, the whole prompt
-      (k·ceil(P / k) tokens) on every rank: this part does not shrink with k;
-    - ``kv_transient`` (k > 1): with checkpointing, the all-gathered K/V of the layer being run (or re-run in
-      backward) and its gradient, for the larger pass; without checkpointing, the completion pass's gathered K/V of
-      every layer (the prompt's are in ``prompt_kv``), saved for its backward.
+      count. Under sequence parallelism (``sp_size`` k > 1) a rank records the whole prompt's (k·ceil(P / k) tokens)
+      K/V at its share of the heads, :func:`kv_share` (1/k under the head exchange where k divides the K/V heads;
+      the whole K/V under the all-gather);
+    - ``kv_transient`` (k > 1): with checkpointing, the exchanged K/V of the layer being run (or re-run in backward)
+      and its gradient, for the larger pass; without checkpointing, the completion pass's exchanged K/V of every layer
+      (the prompt's are in ``prompt_kv``), saved for its backward; both at :func:`kv_share` of the heads.
 
     Attention is taken as a flash-style kernel (SDPA or FlashAttention: no P × P matrix is stored).
 
@@ -297,9 +322,10 @@ def activation_bytes(
         sp_size: sequence-parallel group size (grpo_mem only).
         width: bytes per activation element (2: bf16, 4: fp32).
         checkpointing: gradient checkpointing on.
+        exchange: the sequence-parallel K/V exchange, ``"heads"`` (the default) or ``"gather"`` (:func:`kv_share`).
 
     Raises:
-        ValueError: an unknown ``method``, a size below 1, ``sp_size`` > 1 with ``"trl"``.
+        ValueError: an unknown ``method`` or ``exchange``, a size below 1, ``sp_size`` > 1 with ``"trl"``.
     """
     tp, tc = rank_tokens(method, P, C, G, sp_size)
     E = activation_elements(shape)
@@ -311,15 +337,17 @@ def activation_bytes(
     else:
         out["layer_inputs"] = shape.layers * E * (tp + tc) * width
     if method == "grpo_mem":
-        out.update(_kv_parts(shape, tp, tc, k, width, checkpointing))
+        out.update(_kv_parts(shape, tp, tc, k, width, checkpointing, kv_share(shape, k, exchange)))
     return out
 
 
-def _kv_parts(shape: ModelShape, tp: int, tc: int, k: int, width: int, checkpointing: bool) -> dict[str, float]:
+def _kv_parts(
+    shape: ModelShape, tp: int, tc: int, k: int, width: int, checkpointing: bool, share: float
+) -> dict[str, float]:
     """``prompt_kv`` and ``kv_transient`` of :func:`activation_bytes` for grpo_mem, from this rank's prompt and
-    completion tokens ``tp``, ``tc`` and the sequence-parallel size ``k``."""
-    prompt_layer = kv_layer_bytes(shape, k * tp, width)  # k·ceil(P/k): the whole (padded) prompt
-    completion_layer = kv_layer_bytes(shape, k * tc, width)
+    completion tokens ``tp``, ``tc``, the sequence-parallel size ``k`` and the rank's ``share`` of the K/V heads."""
+    prompt_layer = kv_layer_bytes(shape, k * tp, width) * share  # k·ceil(P/k): the whole (padded) prompt
+    completion_layer = kv_layer_bytes(shape, k * tc, width) * share
     out = {"prompt_kv": shape.layers * prompt_layer * (2 if checkpointing or k > 1 else 1), "kv_transient": 0.0}
     if k > 1:
         out["kv_transient"] = (
@@ -399,7 +427,7 @@ def estimate_grpo_step(
             per group, its K/V shared in place, the fused head on completion positions).
         P, C, G: prompt tokens, completion tokens, completions per prompt.
         sp_size: sequence-parallel group size k (grpo_mem only): each rank runs 1/k of every pass's tokens and holds
-            the whole prompt's gathered K/V.
+            the whole prompt's K/V at its share of the heads (:func:`kv_share`, the head exchange).
         world: GPUs the model states are sharded over; ``sp_size`` must divide it.
         reserve: bytes set aside besides tensors.
 

@@ -265,10 +265,15 @@ def _make_hook(inner: str):
         features = layer_features(kwargs)
         if features["sliding_window"] is not None and features["sliding_window"] > ctx.reach:
             features["sliding_window"] = None
+        # under the head split the op returns this rank's tokens at all heads (and keeps only them); value heads
+        # narrower than the key heads are cut first, then exchanged
+        out_map = split.out_map if split is not None and dv == key.shape[-1] else None
         with torch.autocast(device, enabled=False):
-            out = multi_region_attention(q, k, v, regions, key_mask, scale=scale, q_positions=positions, **features)
+            out = multi_region_attention(
+                q, k, v, regions, key_mask, scale=scale, q_positions=positions, out_map=out_map, **features
+            )
         if split is not None:
-            return split.gather(out if out.shape[-1] == dv else out[..., :dv]), None
+            return (out.transpose(1, 2) if out_map else split.gather(out[..., :dv])), None
         out = out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)
         return (out if out.shape[-1] == dv else out[..., :dv].contiguous()), None
 

@@ -8,7 +8,10 @@ the pass's own causal K/V, windows, sinks and soft-capping as without sequence p
 the pass's K/V for later readers, and the inverse all-to-all returns the output to the token shards. This is DeepSpeed
 Ulysses' attention (arXiv 2309.14509), with the recorded K/V of every pass kept head-sliced, so the readers of a pass
 (deeper trie nodes, the completions) find its K/V on the rank that runs their heads. The backward of each all-to-all
-is the inverse all-to-all (``all_to_all_single``, which gloo has).
+is the inverse all-to-all (``all_to_all_single``, which gloo has). The inverse all-to-all runs inside the attention op
+(its ``out_map``): the op keeps the output at this rank's tokens, the tensor the output projection keeps too, and
+exchanges it back with its gradient in backward, so a layer keeps one copy of its attention output, not one at each
+layout (value heads narrower than the key heads, MLA, are cut after the op and exchanged outside it: two copies).
 
 Grouped-query attention: the rank's K/V heads must be the ones its query heads read. Query head h reads K/V head
 h // (H / Hkv); with Hkv % size != 0 each K/V head is repeated to Hkv' = lcm(Hkv, size) heads (``repeat_interleave``,
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -140,7 +144,14 @@ class HeadSplit:
         h = self.heads // self.sp.size
         return sinks[self.sp.rank * h : (self.sp.rank + 1) * h]
 
+    @property
+    def out_map(self) -> tuple:
+        """``multi_region_attention``'s ``out_map`` for this split: (the all-to-all from this rank's heads to its
+        tokens, its inverse), so the op keeps the output at this rank's tokens, the tensor the next layer keeps."""
+        return partial(_to_tokens, sp=self.sp), partial(_to_heads, sp=self.sp)
+
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         """The attention output ``out`` (n, H/size, size·L, dv) of this rank's heads -> (n, L, H, dv) contiguous, this
-        rank's shard at all heads (the layer's attention output); differentiable."""
+        rank's shard at all heads (the layer's attention output); differentiable. Used where ``out_map`` cannot be
+        (the output is cut to the value width after the op)."""
         return _ToTokens.apply(self.sp, out)[0].transpose(1, 2)

@@ -220,6 +220,7 @@ class MultiRegionAttentionParams:
     sliding_window: W, keys visible iff ``0 <= pos_q - pos_k < W`` (positions given to the Function), or None.
     softcap: c, scores ``s <- c·tanh(s/c)`` before masking, or None.
     has_sinks: the Function's tensors end with a (Hq,) sink-logit tensor (see :class:`MultiRegionAttentionFunction`).
+    out_map: None, or ``(to, back)``: output returned and kept as ``to([out])[0]`` (:func:`multi_region_attention`).
     """
 
     scale: float
@@ -228,6 +229,7 @@ class MultiRegionAttentionParams:
     sliding_window: int | None = None
     softcap: float | None = None
     has_sinks: bool = False
+    out_map: tuple | None = None
 
 
 BACKENDS = {b.name: (b.forward, b.backward) for b in TABLE["multi_region_attention"]}
@@ -329,6 +331,8 @@ class MultiRegionAttentionFunction(torch.autograd.Function):
         out, lse = BACKENDS[params.backend][0](q, k, v, regions, key_mask, params, positions=positions)
         if sinks is not None:
             out, lse = _add_sinks(out, lse, sinks)
+        if params.out_map is not None:
+            out = params.out_map[0]([out])[0]
         ctx.save_for_backward(q, k, v, key_mask, out, lse, *tensors)
         ctx.params = params
         return out
@@ -337,6 +341,8 @@ class MultiRegionAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, key_mask, out, lse, *tensors = ctx.saved_tensors
+        if ctx.params.out_map is not None:
+            out, dout = ctx.params.out_map[1]([out, dout])
         regions, sinks, positions = _split(tensors, ctx.params)
         bwd = BACKENDS[ctx.params.backend][1]
         dq, dk, dv, dregions = bwd(dout, q, k, v, regions, key_mask, out, lse, ctx.params, positions=positions)
@@ -349,10 +355,12 @@ class MultiRegionAttentionFunction(torch.autograd.Function):
         return tuple(grads)
 
 
-def _attention(q, k, v, regions, key_mask, scale, backend, prefix, features=(None, None, None, None)):
-    """Validate (``prefix`` as in :func:`_check_regions`; ``features`` as in :func:`_reference`), resolve ``backend``
-    and run the autograd Function."""
+def _attention(q, k, v, regions, key_mask, scale, backend, prefix, features=(None, None, None, None), out_map=None):
+    """Validate (``prefix`` as in :func:`_check_regions`; ``features`` as in :func:`_reference`; ``out_map`` as in
+    :func:`multi_region_attention`), resolve ``backend`` and run the autograd Function."""
     W, sinks, softcap, q_pos = features
+    if out_map is not None and not (isinstance(out_map, tuple) and len(out_map) == 2 and all(map(callable, out_map))):
+        raise TypeError(f"out_map must be None or a pair of callables, got {out_map!r}")
     Hkv = _check_own(q, k, v, key_mask, scale)[2]
     _check_features(q, W, sinks, softcap, q_pos)
     needs = {name for name, value in (("softcap", softcap), ("sliding_window", W)) if value is not None}
@@ -365,6 +373,7 @@ def _attention(q, k, v, regions, key_mask, scale, backend, prefix, features=(Non
         sliding_window=W,
         softcap=None if softcap is None else float(softcap),
         has_sinks=sinks is not None,
+        out_map=out_map,
     )
     tensors = [t for r in regions for t in r] + ([sinks] if sinks is not None else [])
     if W is not None:
@@ -385,6 +394,7 @@ def multi_region_attention(
     sinks=None,
     softcap=None,
     q_positions=None,
+    out_map=None,
 ):
     """Attention of each row's queries over several shared K/V regions, read in place, and its own causal keys.
 
@@ -418,6 +428,10 @@ def multi_region_attention(
             key in each head's softmax with logit ``sinks[h]`` (not scaled) and value 0. Differentiable.
         softcap: c (finite float > 0) or None: scaled scores become ``c·tanh(s/c)`` before masking (Gemma 2).
         q_positions: (B, C) int64 positions of the rows' own queries and keys; required with ``sliding_window``.
+        out_map: None, or ``(to, back)``, functions from a list of tensors to a list, each moving elements without
+            changing them, ``back`` undoing ``to`` (so also its gradient): the op returns ``to([out])[0]`` and keeps it
+            in place of ``out``; backward recovers both with one ``back([kept, dout])``. The sequence-parallel head
+            exchange passes its all-to-alls (``grpo_mem.model.sequence_heads``): one copy of the output is kept.
 
     Returns:
         (B, Hq, C, d) tensor of q's dtype, differentiable in q, k, v, region K/V (summed in fp32 over an entry's rows)
@@ -429,9 +443,11 @@ def multi_region_attention(
             ``BackendUnavailableError`` (a ValueError) for a requested backend that cannot run here.
         RuntimeError: an index out of range on the triton backend (at the next synchronising call on CUDA).
         TypeError: non-tensor arguments, ``regions`` not a sequence of 4- or 5-tuples, non-float or mismatched dtypes,
-            non-int64 index or positions, non-bool masks, non-int ``sliding_window``, non-float ``softcap``.
+            non-int64 index or positions, non-bool masks, non-int ``sliding_window``, non-float ``softcap``,
+            ``out_map`` not None nor a pair of callables.
     """
-    return _attention(q, k, v, regions, key_mask, scale, backend, False, (sliding_window, sinks, softcap, q_positions))
+    features = (sliding_window, sinks, softcap, q_positions)
+    return _attention(q, k, v, regions, key_mask, scale, backend, False, features, out_map)
 
 
 def shared_prefix_attention(

@@ -25,6 +25,8 @@ QWEN3_8B = estimate.ModelShape(
     intermediate=12288,
     vocab=151936,
     max_positions=40960,
+    heads=32,
+    kv_heads=8,
 )
 
 
@@ -51,7 +53,7 @@ def test_quick_run_writes_rows_and_sp2_scores_as_sp1(tmp_path):
 
 
 def test_bench_expectation_splits_all_but_the_gathered_kv():
-    one, two = bench_sp.expected(4096, 257, 8, 1), bench_sp.expected(4096, 257, 8, 2)
+    one, two = bench_sp.expected(4096, 257, 8, 1), bench_sp.expected(4096, 257, 8, 2, "gather")
     assert two["gradients"] == one["gradients"]
     # without the gathered K/V (and the prompt K/V's gradients), the activations halve exactly (4096 prompt tokens and
     # C - 1 = 256 completion tokens a row: the completion pass runs C - 1, grpo_mem.bench.tokens.backbone_tokens)
@@ -59,6 +61,10 @@ def test_bench_expectation_splits_all_but_the_gathered_kv():
     shape = estimate.model_shape(bench_sp.model_spec(4096, 256))
     kv = 2 * shape.kv_dim * 4 * shape.layers  # bytes of every layer's K and V per token, fp32
     assert two["gathered_kv"] == kv * (2 * 4096 + 8 * 256)  # prompt K/V and their gradients, completion K/V (C - 1)
+    # the head exchange: each rank keeps one of the 2 K/V heads, so everything halves
+    heads = bench_sp.expected(4096, 257, 8, 2)
+    assert heads["gathered_kv"] == two["gathered_kv"] / 2
+    assert heads["activations"] == pytest.approx((one["activations"] - one["gathered_kv"]) / 2 + heads["gathered_kv"])
 
 
 @pytest.mark.parametrize(("method", "k"), [("trl", 1), ("grpo_mem", 1), ("grpo_mem", 8)])
@@ -70,16 +76,19 @@ def test_step_estimate_grows_with_the_prompt(method, k):
     assert all(a < b for a, b in zip(totals, totals[1:])), totals
 
 
-def test_sequence_parallel_divides_all_but_the_prompt_kv():
+def test_sequence_parallel_divides_everything_under_the_head_exchange():
     P, C, G = 65536, 1025, 8  # C - 1 = 1024 completion tokens a row: divisible by every k
     one = estimate.estimate_grpo_step(QWEN3_8B, method="grpo_mem", P=P, C=C, G=G)
     for k in (2, 4, 8):
         sp = estimate.estimate_grpo_step(QWEN3_8B, method="grpo_mem", P=P, C=C, G=G, sp_size=k)
         assert sp.layer_inputs == pytest.approx(one.layer_inputs / k)
         assert sp.layer_activations == pytest.approx(one.layer_activations / k)
-        assert sp.prompt_kv == one.prompt_kv  # the whole prompt's K/V on every rank
-        assert sp.prompt_kv == 2 * 36 * 2 * 1024 * P * 2  # K/V and gradients, every layer, bf16
-        assert sp.kv_transient == 2 * 2 * 1024 * P * 2  # one layer's gathered K/V and gradient
+        assert sp.prompt_kv == pytest.approx(one.prompt_kv / k)  # the head exchange: 8 K/V heads, 8 / k a rank
+        gather = estimate.activation_bytes(QWEN3_8B, method="grpo_mem", P=P, C=C, G=G, sp_size=k, exchange="gather")
+        assert gather["prompt_kv"] == one.prompt_kv  # the all-gather: the whole prompt's K/V on every rank
+        assert gather["prompt_kv"] == 2 * 36 * 2 * 1024 * P * 2  # K/V and gradients, every layer, bf16
+        assert gather["kv_transient"] == 2 * 2 * 1024 * P * 2  # one layer's gathered K/V and gradient
+        assert sp.kv_transient == pytest.approx(gather["kv_transient"] / k)
         assert (sp.model_states, sp.gathered_weights, sp.head) == (one.model_states, one.gathered_weights, one.head)
     assert one.kv_transient == 0
     # ZeRO-3: 16 bytes per parameter over 8 GPUs

@@ -40,6 +40,12 @@ ARCHS = {
     "mistral": {"sliding_window": 24},  # a window shorter than the prompts: the earlier shard's keys fall out of it
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 24},  # sinks, windows, MoE
     "gemma2": {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0, "query_pre_attn_scalar": 12},
+    # multi-head latent attention: value heads of 16 against query/key heads of 24 (16 without RoPE + 8 with)
+    "deepseek_v3": {
+        **{"hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4},
+        **{"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": None},
+        **{"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    },
 }
 
 
@@ -81,20 +87,20 @@ def record_kv(recorded: list) -> None:
 
 
 def check_recorded(recorded: list, config, sp: SequenceParallel) -> None:
-    """Each rank's recorded K/V of a pass of n rows padded to S tokens: (n, h, S, d) per layer, with h = Hkv' / size
+    """Each rank's recorded K/V of a pass of n rows padded to S tokens: (n, h, S, ·) per layer, with h = Hkv' / size
     (Hkv' = lcm(Hkv, size)) under the head exchange when size divides the query heads, else Hkv (all-gathered):
     under the head exchange, size times the elements equal the pass's K/V at its Hkv' heads."""
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // H
     split = sp.exchange == "heads" and H % sp.size == 0
     h = math.lcm(Hkv, sp.size) // sp.size if split else Hkv
     assert recorded, "no pass recorded"
     for (n, S), kv in recorded:
         assert len(kv) == config.num_hidden_layers, kv.keys()
         for k_shape, v_shape in kv.values():
-            assert tuple(k_shape) == tuple(v_shape) == (n, h, S, d), (k_shape, v_shape, (n, h, S, d))
+            assert tuple(k_shape[:3]) == tuple(v_shape[:3]) == (n, h, S), (k_shape, v_shape, (n, h, S))
             if split:
-                assert sp.size * math.prod(k_shape) == n * math.lcm(Hkv, sp.size) * S * d
+                whole = n * math.lcm(Hkv, sp.size) * S * (k_shape[3] + v_shape[3])
+                assert sp.size * (math.prod(k_shape) + math.prod(v_shape)) == whole
 
 
 def sp_group(one_group: bool) -> tuple[object, int]:

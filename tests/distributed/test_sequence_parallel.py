@@ -22,6 +22,7 @@ CASES = [
     ("mistral", "tree", ""),  # sliding window shorter than the prompts
     ("gpt_oss", "tree", ""),  # sinks, sliding window, MoE layers
     ("gemma2", "tree", ""),  # attention and final logit soft-capping
+    ("deepseek_v3", "tree", ""),  # MLA: value heads narrower than key heads, cut before the exchange
     ("llama", "tree", "contiguous"),  # the contiguous split, kept selectable
     ("llama", "tree", "gather"),  # the all-gather exchange, kept selectable
     ("llama", "tree", "mqa"),  # one K/V head: repeated to 2 by the head exchange, its copies' gradients summed

@@ -477,3 +477,30 @@ def test_triton_launches_per_region(monkeypatch, n_regions):
         names
         == ["fwd"] * max(1, n_regions) + ["bwd_delta"] + ["bwd_dq"] * max(1, n_regions) + ["bwd_dkdv_own"] + region_bwd
     ), names
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_out_map_returns_and_keeps_the_moved_output(backend):
+    """``out_map=(to, back)`` (here the heads reversed, twice: its own inverse): the op returns ``to`` of the plain
+    output, keeps that tensor (no second copy of the output), and its gradients equal the plain op's under the
+    moved output gradient."""
+    B, Hq, Hkv, C, d, regions, clens = CASES["r3_mixed"]
+    t, meta, km, go = attention_inputs(B, Hq, Hkv, C, d, regions, clens)
+    calls = []
+
+    def flip(ts):
+        calls.append(len(ts))
+        return [x.flip(1) for x in ts]
+
+    plain = run(backend_path(backend), t, meta, km, go, scale=0.3)
+    moved = run(multi_region_attention, t, meta, km, go.flip(1), scale=0.3, backend=backend, out_map=(flip, flip))
+    assert calls == [1, 2]  # forward: the output; backward: the kept output and its gradient, one call
+    assert_close(moved["out"], plain["out"].flip(1), 1e-6, "out")
+    for n in plain:
+        if n != "out":
+            assert_close(moved[n], plain[n], 1e-6, n)
+    q = t["q"].clone().requires_grad_(True)
+    out = multi_region_attention(q, t["k"], t["v"], [], km, scale=0.3, backend=backend, out_map=(flip, flip))
+    assert any(s.data_ptr() == out.data_ptr() for s in out.grad_fn.saved_tensors if s is not None)
+    with pytest.raises(TypeError, match="out_map must be None or a pair of callables"):
+        multi_region_attention(q, t["k"], t["v"], [], km, scale=0.3, out_map=flip)
