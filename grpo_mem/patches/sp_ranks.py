@@ -41,7 +41,7 @@ def sp_size_of(args) -> int:
     to serve: ``parallelism_config``'s ``cp_size`` when above 1 (``context_parallel``), else its ``sp_size`` with
     ``sp_backend="deepspeed"``, else 1 (accelerate refuses ``cp_size`` and ``sp_size`` both above 1)."""
     pc = getattr(args, "parallelism_config", None)
-    if pc is not None and pc.cp_enabled and not pc.sp_enabled:
+    if context_parallel(args):
         return int(pc.cp_size)
     if pc is None or not pc.sp_enabled or pc.cp_enabled or pc.sp_backend != "deepspeed":
         return 1

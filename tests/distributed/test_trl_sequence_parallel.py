@@ -147,3 +147,21 @@ def test_fsdp2_context_parallel_trains_like_one_process(tmp_path):
         }
     assert r["counts"]["generate"] > 0 and r["counts"]["rewards"] > 0, r["counts"]
     _assert_same_weights(cp["ranks"][0]["weights"], r["weights"])
+
+
+@pytest.mark.slow
+def test_fsdp2_context_parallel_with_data_parallelism_matches_stock(tmp_path):
+    """4 processes, ``ParallelismConfig(cp_size=2, dp_shard_size=2)``: two cp groups, FSDP2 sharding over all four
+    ranks, against stock TRL on 2 processes without FSDP: cp group d's ranks see, micro-batch by micro-batch, what
+    stock's rank d sees (accelerate's dataloader shards over dp_shard only); grad norms and weights agree."""
+    ref = _run(tmp_path, "grpo", "fsdp2", "ref", nproc=2)
+    cp = _run(tmp_path, "grpo", "fsdp2", "sp", nproc=4)
+    assert [s["sp_group"] for s in cp["ranks"]] == [[0, 2], [1, 2], [0, 2], [1, 2]]
+    for rank, s in enumerate(cp["ranks"]):
+        r = ref["ranks"][rank // 2]
+        _assert_same_records(s["records"], r["records"])
+        for a, b in zip(s["grad_norms"], r["grad_norms"], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (s["grad_norms"], r["grad_norms"])
+        assert s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
+    assert ref["ranks"][0]["records"][0]["prompt_ids"] != ref["ranks"][1]["records"][0]["prompt_ids"]
+    _assert_same_weights(cp["ranks"][0]["weights"], ref["ranks"][0]["weights"])

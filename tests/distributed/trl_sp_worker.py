@@ -156,7 +156,8 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     handle = grpo_mem.patch_trl(sequence_parallel=True) if mode == "sp" else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pc = (
-        ParallelismConfig(cp_size=SP)
+        # with data parallelism too, FSDP2 shards over dp_shard x cp
+        ParallelismConfig(cp_size=SP, dp_shard_size=max(1, world // SP) if mode == "sp" else 1)
         if cp
         else ParallelismConfig(
             sp_size=SP,
