@@ -96,11 +96,15 @@ def _cp_mesh(trainer):
 
 
 def groups_built(trainer) -> bool:
-    """Whether ``trainer``'s SP groups exist: under context parallelism, the ``cp`` dimension of its accelerator's
-    device mesh (from the accelerator's creation); else DeepSpeed's sequence-parallel groups (accelerate builds them
-    when it prepares the model, at the start of ``train()``)."""
+    """Whether ``trainer``'s SP groups serve its scoring: from the start of ``train()``, where accelerate prepares the
+    model. Under context parallelism, the ``cp`` dimension of its accelerator's device mesh once the model is
+    sharded by FSDP2 (``torch.distributed.fsdp.FSDPModule``; the mesh exists from the accelerator's creation, but
+    before ``train()``, e.g. in ``grpo_mem.verify``, the ranks score on their own as under DeepSpeed); else
+    DeepSpeed's sequence-parallel groups (built when accelerate prepares the model)."""
     if context_parallel(getattr(trainer, "args", None)):
-        return _cp_mesh(trainer) is not None
+        from torch.distributed.fsdp import FSDPModule
+
+        return _cp_mesh(trainer) is not None and isinstance(getattr(trainer, "model", None), FSDPModule)
     return _parallel_state_sp()._SEQUENCE_PARALLEL_GROUP is not None
 
 

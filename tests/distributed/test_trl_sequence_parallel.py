@@ -146,5 +146,6 @@ def test_fsdp2_context_parallel_trains_like_one_process(tmp_path):
         assert s["decisions"]["grpo_mem/path/tree"] > 0 and s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
         assert s["adapter_skipped"] and s["adapter_restored"] and s["mask_hooks"] == 0, s
         assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]
+        assert s["verified"] is True  # grpo_mem.verify(trainer) before train(): each rank on its own
     _assert_generated_once_per_group(cp["ranks"], "fsdp2", r["counts"])
     _assert_same_weights(cp["ranks"][0]["weights"], r["weights"])

@@ -177,7 +177,7 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     seed_after_init = torch.initial_seed()
     # before training (the model not yet prepared): verify compares the local computation on each rank (under ZeRO-3
     # the parameters are partitions until DeepSpeed's engine gathers them, so verify cannot run there before train())
-    verified = grpo_mem.verify(trainer).passed if handle is not None and stage == "zero2" else None
+    verified = grpo_mem.verify(trainer).passed if handle is not None and stage in ("zero2", "fsdp2") else None
     records = _record(trainer)
     counts = _count_generation_and_rewards(trainer)
     trainer.train()
