@@ -319,7 +319,8 @@ def _changed(where: str, owner, expected: dict) -> list[str]:
 def check_hooks(owner) -> None:
     """Raise ``TypeError`` naming every hook whose target changed, before anything is installed on ``owner`` (a
     trainer class or instance): the trainer methods (``_TRAINER_PARAMS``), accelerate's ``Accelerator``
-    (``_ACCELERATOR_PARAMS``, and ``num_processes``/``process_index`` properties reading ``state``), TRL's modules'
+    (``_ACCELERATOR_PARAMS``, and ``num_processes``/``process_index`` properties reading ``state``, ``is_fsdp2`` and
+    ``torch_device_mesh`` for ``cp_size``), TRL's modules'
     ``set_seed``/``gather``/``gather_object``, the config classes' ``__post_init__(self)``, and transformers'
     ``TrainingArguments.world_size`` property and ``__post_init__``. DeepSpeed's ``parallel_state_sp`` is checked
     where it is first read (``sp_ranks.groups_built``: importing DeepSpeed takes seconds)."""
@@ -331,7 +332,7 @@ def check_hooks(owner) -> None:
     for module in trl_modules(cls):
         present = {name: p for name, p in _MODULE_PARAMS.items() if name in vars(module)}
         changed += _changed(module.__name__, module, present)
-    for name in ("num_processes", "process_index"):
+    for name in ("num_processes", "process_index", "is_fsdp2", "torch_device_mesh"):
         if not isinstance(inspect.getattr_static(Accelerator, name, None), property):
             changed.append(f"Accelerator.{name} is not a property")
     if not isinstance(inspect.getattr_static(TrainingArguments, "world_size", None), property):
