@@ -1,10 +1,12 @@
 """Where a rank stands in a sequence-parallel (SP) group, and what TRL's code sees of the group's ranks.
 
-DeepSpeed builds SP groups of ``sp_size`` consecutive ranks (deepspeed 0.19.8
-``parallel_state_sp.initialize_sequence_parallel``: ranks ``d*N .. d*N+N-1`` form group ``d``); grpo_mem's TRL patch
-lets each group act as ONE data-parallel (DP) rank ``d`` of ``world // N``. This module holds the pieces that make it
-so at run time: the rank's ``Layout``, the DP view TRL's code gets of the accelerator and of its trainer modules'
-gathers (``data_parallel``), the group leader's generation and random states shared in the group
+Two routes give grpo_mem an SP group, and both put its ranks consecutively: DeepSpeed's ``sp_size`` groups
+(deepspeed 0.19.8 ``parallel_state_sp.initialize_sequence_parallel``: ranks ``d*N .. d*N+N-1`` form group ``d``), and
+accelerate's ``cp_size`` dimension of the FSDP2 device mesh (accelerate 1.15 ``ParallelismConfig._get_mesh`` orders
+the mesh ``dp_replicate, dp_shard, cp``: ``cp`` is the innermost dimension). grpo_mem's TRL patch lets each group act
+as ONE data-parallel (DP) rank ``d`` of ``world // N``. This module holds the pieces that make it so at run time: the
+rank's ``Layout``, the group itself (``sp_group``), the DP view TRL's code gets of the accelerator and of its trainer
+modules' gathers (``data_parallel``), the group leader's generation and random states shared in the group
 (``share_generation``), and DeepSpeed Ulysses' attention override undone (``skip_ulysses_adapter``). The installer is
 ``grpo_mem.patches.trl_sp``; nothing here is imported without sequence parallelism.
 """
@@ -21,7 +23,7 @@ import torch
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place under sequence parallelism: DeepSpeed's SP groups are ``sp_size`` consecutive ranks.
+    """This rank's place under sequence parallelism: an SP group is ``sp_size`` (or ``cp_size``) consecutive ranks.
 
     Attributes:
         sp_size, sp_rank: size of the SP group and this rank's index in it.
@@ -36,11 +38,21 @@ class Layout:
 
 def sp_size_of(args) -> int:
     """The sequence-parallel size ``args`` (a ``TrainingArguments``, or accelerate's ``AcceleratorState``) asks grpo_mem
-    to serve: ``parallelism_config``'s ``sp_size`` with ``sp_backend="deepspeed"`` and ``cp_size`` 1, else 1."""
+    to serve: ``parallelism_config``'s ``cp_size`` when above 1 (``context_parallel``), else its ``sp_size`` with
+    ``sp_backend="deepspeed"``, else 1 (accelerate refuses ``cp_size`` and ``sp_size`` both above 1)."""
     pc = getattr(args, "parallelism_config", None)
+    if context_parallel(args):
+        return int(pc.cp_size)
     if pc is None or not pc.sp_enabled or pc.cp_enabled or pc.sp_backend != "deepspeed":
         return 1
     return int(pc.sp_size)
+
+
+def context_parallel(args) -> bool:
+    """Whether ``args`` (as ``sp_size_of``) asks for the group through accelerate's context-parallel (``cp``) mesh
+    dimension, FSDP2's route, rather than through DeepSpeed's sequence-parallel groups."""
+    pc = getattr(args, "parallelism_config", None)
+    return pc is not None and pc.cp_enabled and not pc.sp_enabled
 
 
 def layout(trainer_or_args) -> Layout | None:
@@ -74,32 +86,53 @@ def _parallel_state_sp():
     return parallel_state_sp
 
 
-def groups_built() -> bool:
-    """Whether DeepSpeed's sequence-parallel groups exist (accelerate builds them when it prepares the model)."""
+def _cp_mesh(trainer):
+    """The ``cp`` dimension of ``trainer``'s accelerate device mesh (``Accelerator.torch_device_mesh``, built in
+    ``Accelerator.__init__`` from the ``parallelism_config``), or None where there is none."""
+    mesh = getattr(getattr(trainer, "accelerator", None), "torch_device_mesh", None)
+    if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["cp"]
+
+
+def groups_built(trainer) -> bool:
+    """Whether ``trainer``'s SP groups serve its scoring: from the start of ``train()``, where accelerate prepares the
+    model. Under context parallelism, the ``cp`` dimension of its accelerator's device mesh once the model is
+    sharded by FSDP2 (``torch.distributed.fsdp.FSDPModule``; the mesh exists from the accelerator's creation, but
+    before ``train()``, e.g. in ``grpo_mem.verify``, the ranks score on their own as under DeepSpeed); else
+    DeepSpeed's sequence-parallel groups (built when accelerate prepares the model)."""
+    if context_parallel(getattr(trainer, "args", None)):
+        from torch.distributed.fsdp import FSDPModule
+
+        return _cp_mesh(trainer) is not None and isinstance(getattr(trainer, "model", None), FSDPModule)
     return _parallel_state_sp()._SEQUENCE_PARALLEL_GROUP is not None
 
 
 def sp_group(trainer) -> tuple | None:
-    """``(group, rank, size)``: DeepSpeed's sequence-parallel process group of this rank (the one accelerate passed to
-    DeepSpeed as ``mpu``, over which ZeRO sums gradients), this rank's index in it and its size; None when
-    ``trainer`` does not train with sequence parallelism.
+    """``(group, rank, size)``: this rank's sequence-parallel process group, its index in it and its size; None when
+    ``trainer`` does not train with sequence parallelism. The group is the ``cp`` dimension of the accelerator's
+    device mesh under context parallelism (its process group: FSDP2 reduce-scatters gradients over the flattened
+    ``dp_shard_cp`` dimension that contains it), else DeepSpeed's SP group (the one accelerate passed to DeepSpeed
+    as ``mpu``, over which ZeRO sums gradients).
 
     Raises:
-        RuntimeError: the SP groups do not exist yet (they are built when accelerate prepares the model for
-            DeepSpeed, at the start of ``train()``), or DeepSpeed's group disagrees with ``Layout``.
+        RuntimeError: the SP groups do not exist yet (DeepSpeed's are built when accelerate prepares the model, at
+            the start of ``train()``), or the group disagrees with ``Layout`` (consecutive ranks).
     """
     lay = layout(trainer)
     if lay is None:
         return None
-    if not groups_built():
+    if not groups_built(trainer):
         raise RuntimeError(
             "the sequence-parallel groups do not exist yet: accelerate builds them when it prepares the model for "
-            "DeepSpeed (at the start of train())"
+            "DeepSpeed (at the start of train()), and the cp mesh dimension with the Accelerator"
         )
-    group = _parallel_state_sp().get_sequence_parallel_group()
+    cp = _cp_mesh(trainer) if context_parallel(trainer.args) else None
+    group = _parallel_state_sp().get_sequence_parallel_group() if cp is None else cp.get_group()
     rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     if (rank, size) != (lay.sp_rank, lay.sp_size):
-        raise RuntimeError(f"DeepSpeed's SP group (rank {rank} of {size}) is not the expected {lay}")
+        source = "DeepSpeed's SP group" if cp is None else "accelerate's cp mesh dimension"
+        raise RuntimeError(f"{source} (rank {rank} of {size}) is not the expected {lay}")
     return group, rank, size
 
 
@@ -274,7 +307,7 @@ def share_generation(trainer, outputs):
     states (Python, NumPy, torch CPU and the accelerator's device) on every rank; ``outputs`` unchanged without
     sequence parallelism, and before ``train()`` built the SP groups (``grpo_mem.verify`` generating on an unprepared
     trainer: the ranks are no group yet). A collective of the SP group (``broadcast_object_list``)."""
-    if layout(trainer) is None or not groups_built():
+    if layout(trainer) is None or not groups_built(trainer):
         return outputs
     group, rank, _ = sp_group(trainer)
     device = trainer.accelerator.device

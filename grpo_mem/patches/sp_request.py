@@ -2,7 +2,7 @@
 decides it, without importing ``grpo_mem.patches.trl_sp`` unless the answer is yes.
 
 A configuration asks when a trainer's ``args.parallelism_config`` (accelerate's ``ParallelismConfig``) has
-``sp_size > 1``, or the caller passes ``patch_trl(sequence_parallel=True)``. A trainer built while a class patch made
+``sp_size > 1`` or ``cp_size > 1``, or the caller passes ``patch_trl(sequence_parallel=True)``. A trainer built while a class patch made
 without that argument is active gets the hooks from the class's patched ``__init__`` (``make_init``) when its own
 config asks.
 """
@@ -15,9 +15,9 @@ from .handle import PatchHandle
 
 
 def asks_for_sequence_parallel(owner) -> bool:
-    """Whether ``owner`` is a trainer whose ``args.parallelism_config`` has ``sp_size > 1``."""
+    """Whether ``owner`` is a trainer whose ``args.parallelism_config`` has ``sp_size > 1`` or ``cp_size > 1``."""
     pc = getattr(getattr(owner, "args", None), "parallelism_config", None)
-    return pc is not None and (pc.sp_size or 1) > 1
+    return pc is not None and max(pc.sp_size or 1, pc.cp_size or 1) > 1
 
 
 def sequence_parallel_asked(owners: list, sequence_parallel: bool | None) -> bool:
@@ -32,8 +32,8 @@ def sequence_parallel_asked(owners: list, sequence_parallel: bool | None) -> boo
     if sequence_parallel is False and asking:
         raise ValueError(
             f"sequence_parallel=False, but this {type(asking[0]).__name__}'s parallelism_config has sp_size="
-            f"{asking[0].args.parallelism_config.sp_size}: its ranks would each score whole sequences under DeepSpeed "
-            "Ulysses; pass sequence_parallel=True or None"
+            f"{asking[0].args.parallelism_config.sp_size}, cp_size={asking[0].args.parallelism_config.cp_size}: its "
+            "ranks would each score whole sequences; pass sequence_parallel=True or None"
         )
     wanted = bool(asking) if sequence_parallel is None else sequence_parallel
     if wanted:

@@ -1,41 +1,56 @@
 """Sequence parallelism for TRL's GRPO/RLOO trainers: the TRL, accelerate and DeepSpeed hooks, installed only when asked.
 
-A user asks for it as for TRL's SFT, and says so to the patch: ``grpo_mem.patch_trl(sequence_parallel=True)``, then
-``GRPOConfig(parallelism_config=ParallelismConfig(sp_size=N, sp_backend="deepspeed",
-sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation=...)), deepspeed=...)``. ``patch_trl`` also installs
-these hooks on a trainer whose ``args.parallelism_config`` has ``sp_size > 1`` (given as the target, or built while a
-class patch is active); a plain ``patch_trl()`` never imports this module. The ``sp_size`` consecutive ranks of one
-sequence-parallel (SP) group act as ONE data-parallel (DP) rank of ``world // N`` (``grpo_mem.patches.sp_ranks``):
-they read the same prompts, hold the same completions, rewards and advantages, and every global quantity TRL computes
-(the generation batch, reward statistics, the loss normaliser) is the one a run on ``world // N`` processes without SP
-computes, step by step. What ``install`` changes, each hook checked first by ``check_hooks`` (written against TRL
-1.16.0, transformers 5.24.0, accelerate 1.15.0, deepspeed 0.19.8):
+A user asks for it through accelerate's ``ParallelismConfig``, and says so to the patch:
+``grpo_mem.patch_trl(sequence_parallel=True)``, then either DeepSpeed's route, ``GRPOConfig(parallelism_config=
+ParallelismConfig(sp_size=N, sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(...)),
+deepspeed=...)``, or FSDP2's, ``GRPOConfig(parallelism_config=ParallelismConfig(cp_size=N), fsdp="full_shard",
+fsdp_config={"fsdp_version": 2, ...})`` (context parallelism). ``patch_trl`` also installs these hooks on a trainer
+whose ``args.parallelism_config`` has ``sp_size > 1`` or ``cp_size > 1`` (given as the target, or built while a class
+patch is active); a plain ``patch_trl()`` never imports this module. The ``N`` consecutive ranks of one
+sequence-parallel (SP) group (DeepSpeed's SP group, or the ``cp`` dimension of accelerate's device mesh:
+``sp_ranks``) act as ONE data-parallel (DP) rank of ``world // N``: they read the same prompts, hold the same
+completions, rewards and advantages, and every global quantity TRL computes (the generation batch, reward statistics,
+the loss normaliser) is the one a run on ``world // N`` processes without SP computes, step by step; grpo_mem's
+scoring splits every pass over the group (``grpo_mem.model.sequence_parallel``). What ``install`` changes, each hook
+checked first by ``check_hooks`` (written against TRL 1.16.0, transformers 5.24.0, accelerate 1.15.0, deepspeed
+0.19.8):
 
-- **The configuration.** ``GRPOConfig``/``RLOOConfig.__post_init__`` refuse ``sp_size > 1``; ``patched_post_init``
-  lifts that for ``sp_backend="deepspeed"`` only (``cp_size > 1`` stays refused: ``CP_CAUSE``), and runs TRL's own
-  ``__post_init__`` with ``world_size`` seen as the DP size (``_world_as_data_parallel``), so that
-  ``generation_batch_size``, ``steps_per_generation`` and the divisibility checks are those of the DP run.
-- **The data.** ``get_train_dataloader``/``get_eval_dataloader`` run under ``sp_ranks.data_parallel``: accelerate shards
-  the prompts over the DP ranks, so the SP ranks of a group read the same. The accelerator's
-  ``deepspeed_ulysses_dl_adapter`` becomes ``sp_ranks.skip_ulysses_adapter`` (the dataloader kept whole, DeepSpeed
-  Ulysses' attention override undone); ``set_initial_training_values`` runs with an SP size of 1, as the dataloader
-  is not multiplied by that adapter.
+- **The configuration** (``sp_config``). ``GRPOConfig``/``RLOOConfig.__post_init__`` refuse ``sp_size > 1`` and
+  ``cp_size > 1``; ``patched_post_init`` lifts that for ``sp_backend="deepspeed"`` with a ZeRO config and for
+  ``cp_size`` without one (``sp_config.CP_CAUSE``), and runs TRL's own ``__post_init__`` with ``world_size`` seen as
+  the DP size, so that ``generation_batch_size``, ``steps_per_generation`` and the divisibility checks are those of
+  the DP run.
+- **The data.** ``get_train_dataloader``/``get_eval_dataloader``: under DeepSpeed SP they run under
+  ``sp_ranks.data_parallel`` (accelerate shards the prompts over the DP ranks, so the SP ranks of a group read the
+  same), the accelerator's ``deepspeed_ulysses_dl_adapter`` becomes ``sp_ranks.skip_ulysses_adapter`` (the
+  dataloader kept whole, DeepSpeed Ulysses' attention override undone), and ``set_initial_training_values`` runs with
+  an SP size of 1, as the dataloader is not multiplied by that adapter. Under ``cp_size`` accelerate's
+  ``prepare_data_loader`` already gives the ``cp`` ranks the same batches (it divides the process index by the
+  ``cp`` size of the mesh); the accelerator's ``_prepare_cp`` becomes ``skip_torch_context_parallel`` (it would hook
+  every ``self_attn`` module to drop the attention mask and force causal attention, wrong for left-padded prompts
+  and generation) and the trainer's ``_prepare_context_parallel_inputs`` returns the inputs untouched with no
+  context (transformers' ``Trainer.training_step`` would shard tensor buffers with torch's experimental
+  ``context_parallel`` ring attention, SDPA only, on a GRPO batch that is still a list of prompts).
 - **Generation and scoring** (``_prepare_inputs`` through the patch handle, ``compute_loss``) run under
   ``data_parallel``. The group leader alone generates (``_generate_single_turn``; its completions, sampled
-  log-probs and random states are broadcast to the group, ``sp_ranks.share_generation``), except under ZeRO-3, whose
-  parameter gathering for generation is a collective of every rank, and with vLLM: there every SP rank generates and
-  takes the leader's outputs. ``_generate``'s outputs and random states are the leader's in every case. Reward
-  functions that are plain callables run on the leader alone (``_calculate_rewards``: the other ranks join its
-  gather with zeros, which the data-parallel gather drops; a reward function with side effects runs once per
-  group); reward models (``nn.Module``) run on every rank, as their forward may be a collective. TRL seeds each
-  process with ``seed + process_index`` (``set_seed(device_specific=True)``); under SP, ``seed + dp_rank``.
+  log-probs and random states are broadcast to the group, ``sp_ranks.share_generation``), except under ZeRO-3 and
+  FSDP2, whose parameter gathering for every forward of generation is a collective of every rank, and with vLLM:
+  there every SP rank generates and takes the leader's outputs. ``_generate``'s outputs and random states are the
+  leader's in every case. Reward functions that are plain callables run on the leader alone (``_calculate_rewards``:
+  the other ranks join its gather with zeros, which the data-parallel gather drops; a reward function with side
+  effects runs once per group); reward models (``nn.Module``) run on every rank, as their forward may be a
+  collective. TRL seeds each process with ``seed + process_index`` (``set_seed(device_specific=True)``); under SP,
+  ``seed + dp_rank``.
 
-Gradients: DeepSpeed reduces over all ranks (``seq_data_parallel_group``). ZeRO 1/2 divide by ``world / sp_size``
-(deepspeed 0.19.8 ``DeepSpeedZeroOptimizer.average_tensor``, ``gradient_reduction_w_predivide``,
-``allreduce_bucket``): summed over the SP group, averaged over DP ranks. ZeRO-3 does so only in its contiguous path
+Gradients (``sp_config.sp_gradient_reduction``, consumed as ``SequenceParallel.grad_scale``): DeepSpeed reduces over
+all ranks (``seq_data_parallel_group``). ZeRO 1/2 divide by ``world / sp_size`` (deepspeed 0.19.8
+``DeepSpeedZeroOptimizer.average_tensor``, ``gradient_reduction_w_predivide``, ``allreduce_bucket``): summed over the
+SP group, averaged over DP ranks. ZeRO-3 does so only in its contiguous path
 (``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_contiguous_grads``, ``allreduce_bucket``); with ``reduce_scatter`` (its
 default) every bucket goes through ``reduce_scatter_coalesced``, which divides by the world size: averaged over the SP
-group too. ``sp_gradient_reduction`` tells which; ZeRO-3 with ``reduce_scatter=False`` mixes both and is refused.
+group too. ZeRO-3 with ``reduce_scatter=False`` mixes both and is refused. FSDP2 under ``cp_size`` reduce-scatters
+over the flattened ``dp_shard_cp`` mesh dimension (accelerate's ``fsdp_dim_names``) and averages: over the SP group
+too.
 """
 
 from __future__ import annotations
@@ -44,24 +59,26 @@ import contextlib
 import functools
 import inspect
 
+from .sp_config import (  # noqa: F401 (CP_CAUSE and unserved: re-exported)
+    CP_CAUSE,
+    config_classes,
+    patched_post_init,
+    patched_set_seed,
+    reseed,
+    sp_gradient_reduction,
+    unserved,
+)
 from .sp_ranks import (
     attention_functions,
+    context_parallel,
     data_parallel,
     groups_built,
     layout,
     share_generation,
     skip_ulysses_adapter,
     sp_group,
-    sp_size_of,
     trl_modules,
 )
-
-CP_CAUSE = (
-    "context parallelism (cp_size > 1) shards the batch along the sequence before the model's forward "
-    "(accelerate's torch context-parallel buffers over FSDP2); GRPO builds its scoring inputs after generation, and "
-    "grpo_mem's prompt-once passes have no ring-attention exchange, so it stays refused: use sp_size"
-)
-"""Why ``cp_size > 1`` stays refused (TRL's own error is raised)."""
 
 SP_METHODS = (
     "get_train_dataloader",
@@ -71,6 +88,7 @@ SP_METHODS = (
     "_generate_single_turn",
     "_calculate_rewards",
     "set_initial_training_values",
+    "_prepare_context_parallel_inputs",
 )
 """Trainer methods ``install`` wraps (``make_method``); each is TRL's own on a trainer without SP."""
 
@@ -80,7 +98,7 @@ _MARK = "__grpo_mem_sp__"
 def ready(trainer) -> bool:
     """Whether ``trainer`` trains with sequence parallelism and its SP groups exist (from the start of ``train()``;
     before it, e.g. in ``grpo_mem.verify``, its ranks score on their own)."""
-    return layout(trainer) is not None and groups_built()
+    return layout(trainer) is not None and groups_built(trainer)
 
 
 def sequence_parallel(trainer):
@@ -100,172 +118,6 @@ def sequence_parallel(trainer):
     return SequenceParallel(group, rank, size, scale)
 
 
-# ---------------------------------------------------------------------------------------------------- configuration
-
-
-def unserved(args) -> str | None:
-    """Why grpo_mem cannot train ``args``' sequence parallelism exactly, or None."""
-    sp = sp_size_of(args)
-    if getattr(args, "deepspeed", None) is None:
-        return f"sp_size={sp} runs through DeepSpeed Ulysses: pass a ZeRO config as deepspeed=..."
-    if getattr(args, "use_vllm", False):
-        return (
-            f"use_vllm=True with sp_size={sp}: TRL's vLLM generation gathers prompts and slices completions over all "
-            "processes, not over data-parallel ranks"
-        )
-    if getattr(args, "use_liger_kernel", False):
-        return f"use_liger_kernel=True with sp_size={sp}: Liger's fused GRPO loss scores whole sequences on each rank"
-    return None
-
-
-@contextlib.contextmanager
-def _world_as_data_parallel(cls, sp: int):
-    """While open, ``cls``' ``world_size`` (a config class) is the data-parallel size ``world // sp``, except while
-    transformers' ``TrainingArguments.__post_init__`` runs: it fills the DeepSpeed config's ``train_batch_size`` from
-    the world size (``HfTrainerDeepSpeedConfig.trainer_config_process``, transformers 5.24.0), which
-    ``deepspeed.zero.Init`` checks against the world before accelerate corrects it for SP. TRL's own
-    ``__post_init__`` body, around it, reads the DP size. Both class attributes are restored on exit."""
-    from transformers import TrainingArguments
-
-    world = cls.world_size  # the property the class has (its own, or TrainingArguments')
-    parent = TrainingArguments.__dict__["__post_init__"]
-    inside = []  # non-empty while TrainingArguments.__post_init__ runs
-
-    def world_size(self):
-        total = world.fget(self)
-        if inside:
-            return total
-        if total % sp:
-            raise ValueError(f"parallelism_config.sp_size={sp} does not divide the world size {total}")
-        return total // sp
-
-    def __post_init__(self):
-        inside.append(True)
-        try:
-            return parent(self)
-        finally:
-            inside.pop()
-
-    own = cls.__dict__.get("world_size")
-    cls.world_size = property(world_size)
-    TrainingArguments.__post_init__ = __post_init__
-    try:
-        yield
-    finally:
-        TrainingArguments.__post_init__ = parent
-        if own is None:
-            del cls.world_size
-        else:
-            cls.world_size = own
-
-
-def patched_post_init(original):
-    """``GRPOConfig``/``RLOOConfig.__post_init__`` around TRL's ``original``: with ``sp_size > 1`` and
-    ``sp_backend="deepspeed"`` (``cp_size`` 1), TRL's refusal is skipped and TRL's own checks and batch arithmetic
-    run with ``world_size`` equal to the data-parallel size; anything else is TRL's own.
-
-    Raises:
-        ValueError: what ``unserved`` names (no DeepSpeed config, vLLM, Liger's loss), ``sp_size`` not dividing the
-            world size, several SP groups without ``dp_replicate_size`` saying how many, ZeRO-3 with
-            ``reduce_scatter=False`` (DeepSpeed then reduces SP gradients inconsistently), and whatever TRL's own
-            ``__post_init__`` raises.
-    """
-
-    def __post_init__(self):
-        pc = self.parallelism_config
-        sp = sp_size_of(self)
-        if sp == 1:
-            return original(self)
-        cause = unserved(self)
-        if cause is not None:
-            raise ValueError(f"grpo_mem cannot train with sequence parallelism: {cause}")
-        self.parallelism_config = None  # TRL's refusal reads it; nothing else in __post_init__ does
-        try:
-            with _world_as_data_parallel(type(self), sp):
-                original(self)
-        finally:
-            self.parallelism_config = pc
-        groups = self.world_size // sp if self.world_size % sp == 0 else None
-        if groups is not None and groups > 1 and pc.data_parallel_size != groups:
-            raise ValueError(
-                f"sequence parallelism with sp_size={sp} on {self.world_size} processes makes {groups} data-parallel "
-                f"groups, but parallelism_config has data_parallel_size={pc.data_parallel_size}: pass "
-                f"ParallelismConfig(..., dp_replicate_size={groups}) (accelerate sizes DeepSpeed's batch by it)"
-            )
-        zero = _zero_config(self)
-        if zero.get("stage") == 3 and not zero.get("reduce_scatter", True):
-            raise ValueError(
-                f"grpo_mem cannot train with sequence parallelism: ZeRO-3 with reduce_scatter=False and sp_size={sp}: "
-                "DeepSpeed then sums the SP ranks' gradients in buckets up to reduce_bucket_size and averages them in "
-                "larger ones (stage3.py __avg_scatter_contiguous_grads vs reduce_scatter_coalesced); keep reduce_scatter"
-            )
-
-    __post_init__.__wrapped_original__ = original
-    return __post_init__
-
-
-def _zero_config(args) -> dict:
-    """The ``zero_optimization`` block of ``args``' processed DeepSpeed config (empty without one)."""
-    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
-    return config.get("zero_optimization", {}) or {}
-
-
-def sp_gradient_reduction(trainer) -> str | None:
-    """How DeepSpeed combines the gradients of the ranks of one SP group, for a trainer with sequence parallelism
-    (None without): ``"sum"`` under ZeRO 0-2 (every reduction divides by world // sp_size), ``"mean"`` under ZeRO-3
-    with ``reduce_scatter`` (DeepSpeed's default: ``reduce_scatter_coalesced`` divides by the world size; functions
-    in the module docstring). Both average over data-parallel ranks. With ``"sum"`` the SP ranks' losses must add up
-    to their DP rank's loss; with ``"mean"`` each must be sp_size times its share."""
-    if layout(trainer) is None:
-        return None
-    return "mean" if _zero_config(trainer.args).get("stage") == 3 else "sum"
-
-
-def config_classes(owner) -> list:
-    """The TRL config classes whose ``__post_init__`` refuses sequence parallelism for the trainer ``owner`` (a class):
-    ``GRPOConfig`` for ``GRPOTrainer`` and its subclasses, ``RLOOConfig`` for ``RLOOTrainer``'s; none for an
-    instance (its config is built already)."""
-    import trl
-
-    if not isinstance(owner, type):
-        return []
-    pairs = ((trl.GRPOTrainer, trl.GRPOConfig), (trl.RLOOTrainer, trl.RLOOConfig))
-    return [config for trainer, config in pairs if issubclass(owner, trainer)]
-
-
-def patched_set_seed(original):
-    """TRL's module-level ``set_seed`` (accelerate's) with ``device_specific=True`` seeding ``seed + dp_rank`` under
-    sequence parallelism (``seed + process_index`` otherwise, as accelerate does)."""
-
-    def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False):
-        lay = _state_layout() if device_specific else None
-        if lay is not None:
-            return original(seed + lay.dp_rank, device_specific=False, deterministic=deterministic)
-        return original(seed, device_specific=device_specific, deterministic=deterministic)
-
-    set_seed.__wrapped_original__ = original
-    return set_seed
-
-
-def _state_layout():
-    """``sp_ranks.Layout`` from accelerate's ``AcceleratorState`` (the trainer's ``parallelism_config``), or None."""
-    from accelerate.state import AcceleratorState
-
-    if not AcceleratorState._shared_state:
-        return None
-    return layout(AcceleratorState())
-
-
-def reseed(trainer) -> None:
-    """Seed this rank as TRL's ``__init__`` seeds a data-parallel rank (``seed + dp_rank``), for a trainer built before
-    the hooks were installed; nothing without sequence parallelism."""
-    lay = layout(trainer)
-    if lay is not None:
-        from accelerate.utils import set_seed
-
-        set_seed(trainer.args.seed + lay.dp_rank)
-
-
 # ------------------------------------------------------------------------------------------------- trainer methods
 
 
@@ -273,13 +125,49 @@ def _make_dataloader(original, handle):
     def get_dataloader(self, *args, **kwargs):
         if layout(self) is None:
             return original(self, *args, **kwargs)
-        # before accelerate prepares the model in train() and DeepSpeed registers its Ulysses attention
+        # before accelerate prepares the model in train(): DeepSpeed registers its Ulysses attention there, and
+        # accelerate's _prepare_cp its attention-mask hooks
+        if context_parallel(self.args):
+            check_fsdp2(self.accelerator)
+            handle.remember(self.accelerator, "_prepare_cp", skip_torch_context_parallel)
+            # accelerate's prepare_data_loader gives the cp ranks of the mesh the same batches itself
+            return original(self, *args, **kwargs)
         skip = functools.partial(skip_ulysses_adapter, attention_functions())
         handle.remember(self.accelerator, "deepspeed_ulysses_dl_adapter", skip)
         with data_parallel(self):
             return original(self, *args, **kwargs)
 
     return get_dataloader
+
+
+def check_fsdp2(accelerator) -> None:
+    """Raise ``ValueError`` unless ``accelerator`` trains with FSDP2 (``Accelerator.is_fsdp2``): the only stack
+    under which grpo_mem serves ``cp_size > 1`` (``sp_config.CP_CAUSE``)."""
+    if not accelerator.is_fsdp2:
+        raise ValueError(
+            f"grpo_mem cannot train with sequence parallelism: the accelerator's distributed type is "
+            f"{accelerator.distributed_type}, not FSDP version 2; {CP_CAUSE}"
+        )
+
+
+def skip_torch_context_parallel(*args):
+    """Stands for ``Accelerator._prepare_cp(*args)`` (accelerate 1.15, called by ``Accelerator.prepare`` under
+    ``cp_size > 1``) on a trainer grpo_mem serves: returns ``args`` unchanged. accelerate's would set torch's
+    ring-attention rotate method, keep ``context_parallel`` over the ``cp`` mesh for ``maybe_context_parallel``,
+    and register a forward pre-hook on every ``self_attn`` module that drops the attention mask and passes
+    ``is_causal=True`` (``big_modeling._attach_context_parallel_hooks``): left-padded prompts and generation would
+    attend to padding. grpo_mem's hook splits its own scoring passes over the ``cp`` group."""
+    return args
+
+
+def _make_context_parallel_inputs(original, handle):
+    def _prepare_context_parallel_inputs(self, model, inputs, *args, **kwargs):
+        if not context_parallel(self.args) or layout(self) is None:
+            return original(self, model, inputs, *args, **kwargs)
+        # no torch buffer sharding: the batch is still a list of prompts here, and grpo_mem splits its passes itself
+        return contextlib.nullcontext, inputs
+
+    return _prepare_context_parallel_inputs
 
 
 def _make_compute_loss(original, handle):
@@ -298,9 +186,10 @@ def _make_generate(original, handle):
 
 
 def generates_once(trainer) -> bool:
-    """Whether only the SP group's leader generates: sequence parallelism ready (``ready``), no vLLM, DeepSpeed below
-    ZeRO-3 (ZeRO-3 gathers the parameters for generation with every rank)."""
-    if not ready(trainer) or getattr(trainer, "use_vllm", False):
+    """Whether only the SP group's leader generates: sequence parallelism ready (``ready``), no vLLM, not FSDP2 (its
+    parameter unshard before every module's forward is an all-gather over the ``dp_shard_cp`` mesh, which every rank
+    joins), DeepSpeed below ZeRO-3 (ZeRO-3 gathers the parameters for generation with every rank)."""
+    if not ready(trainer) or getattr(trainer, "use_vllm", False) or trainer.accelerator.is_fsdp2:
         return False
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     return plugin is None or plugin.zero_stage < 3
@@ -366,6 +255,7 @@ _MAKERS = {
     "_generate_single_turn": _make_generate_single_turn,
     "_calculate_rewards": _make_calculate_rewards,
     "set_initial_training_values": _make_initial_values,
+    "_prepare_context_parallel_inputs": _make_context_parallel_inputs,
 }
 
 
@@ -392,12 +282,14 @@ _TRAINER_PARAMS = {
     "set_initial_training_values": ("self", "args", "dataloader"),
     "get_sp_size": ("self",),
     "get_total_train_batch_size": ("self", "args"),
+    "_prepare_context_parallel_inputs": ("self", "model", "inputs"),
 }
 """The leading parameters each hooked or overridden trainer method is called with (TRL 1.16.0, transformers 5.24.0)."""
 _ACCELERATOR_PARAMS = {
     "deepspeed_ulysses_dl_adapter": ("self", "dl", "model"),
     "gather": ("self", "tensor"),
     "reduce": ("self", "tensor", "reduction"),
+    "_prepare_cp": ("self",),
 }
 """accelerate 1.15.0's ``Accelerator`` methods replaced on the trainer's accelerator."""
 _MODULE_PARAMS = {
@@ -427,7 +319,8 @@ def _changed(where: str, owner, expected: dict) -> list[str]:
 def check_hooks(owner) -> None:
     """Raise ``TypeError`` naming every hook whose target changed, before anything is installed on ``owner`` (a
     trainer class or instance): the trainer methods (``_TRAINER_PARAMS``), accelerate's ``Accelerator``
-    (``_ACCELERATOR_PARAMS``, and ``num_processes``/``process_index`` properties reading ``state``), TRL's modules'
+    (``_ACCELERATOR_PARAMS``, and ``num_processes``/``process_index`` properties reading ``state``, ``is_fsdp2`` and
+    ``torch_device_mesh`` for ``cp_size``), TRL's modules'
     ``set_seed``/``gather``/``gather_object``, the config classes' ``__post_init__(self)``, and transformers'
     ``TrainingArguments.world_size`` property and ``__post_init__``. DeepSpeed's ``parallel_state_sp`` is checked
     where it is first read (``sp_ranks.groups_built``: importing DeepSpeed takes seconds)."""
@@ -439,7 +332,7 @@ def check_hooks(owner) -> None:
     for module in trl_modules(cls):
         present = {name: p for name, p in _MODULE_PARAMS.items() if name in vars(module)}
         changed += _changed(module.__name__, module, present)
-    for name in ("num_processes", "process_index"):
+    for name in ("num_processes", "process_index", "is_fsdp2", "torch_device_mesh"):
         if not isinstance(inspect.getattr_static(Accelerator, name, None), property):
             changed.append(f"Accelerator.{name} is not a property")
     if not isinstance(inspect.getattr_static(TrainingArguments, "world_size", None), property):

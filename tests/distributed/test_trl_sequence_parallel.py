@@ -1,5 +1,6 @@
-"""Sequence parallelism through TRL (``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after
-``grpo_mem.patch_trl(sequence_parallel=True)``), 2 CPU processes over gloo: the two ranks of the SP group act as one data-parallel rank.
+"""Sequence parallelism through TRL (``ParallelismConfig(sp_size=2, sp_backend="deepspeed")``, or
+``ParallelismConfig(cp_size=2)`` with FSDP2, after ``grpo_mem.patch_trl(sequence_parallel=True)``), 2 CPU processes over
+gloo: the two ranks of the SP group act as one data-parallel rank.
 Prompts share a 74-token system prompt (a trie node split over the ranks); TRL's row shuffle splits groups over
 micro-batches.
 
@@ -86,23 +87,28 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
 
 def _assert_generated_once_per_group(ranks: list, stage: str, one_process: dict) -> None:
     """The reward functions ran on each SP group's leader alone, as often as on the one-process run; so did the
-    model's ``generate`` below ZeRO-3 (under ZeRO-3 every rank joins the parameter gathering and generates)."""
+    model's ``generate`` below ZeRO-3 (under ZeRO-3 and FSDP2 every rank joins the parameter gathering and
+    generates)."""
     for rank, s in enumerate(ranks):
         leader = rank % 2 == 0
         assert s["counts"]["rewards"] == (one_process["rewards"] if leader else 0), (rank, s["counts"], one_process)
-        generated = one_process["generate"] if leader or stage == "zero3" else 0
+        generated = one_process["generate"] if leader or stage in ("zero3", "fsdp2") else 0
         assert s["counts"]["generate"] == generated, (rank, s["counts"], one_process)
     assert one_process["generate"] > 0 and one_process["rewards"] > 0, one_process
 
 
 @pytest.mark.slow
-def test_sp_groups_with_data_parallelism_match_stock(tmp_path):
-    """4 processes under ZeRO-3: two SP groups of 2, data parallel over them (their tries differ: the ranks run in
-    lockstep with stand-in passes while each group splits its passes), against stock TRL on 2 processes without SP:
-    SP group d's two ranks see, micro-batch by micro-batch, what stock's rank d sees; grad norms and weights agree."""
-    pytest.importorskip("deepspeed")
-    ref = _run(tmp_path, "grpo", "zero3", "ref", nproc=2)
-    sp = _run(tmp_path, "grpo", "zero3", "sp", nproc=4)
+@pytest.mark.parametrize("stage", ["zero3", "fsdp2"])
+def test_sp_groups_with_data_parallelism_match_stock(tmp_path, stage):
+    """4 processes: two SP groups of 2, data parallel over them (their tries differ: the ranks run in lockstep with
+    stand-in passes while each group splits its passes), under ZeRO-3 (``sp_size=2, dp_replicate_size=2``) or FSDP2
+    (``cp_size=2, dp_shard_size=2``: FSDP2 shards over all four ranks, accelerate's dataloader over dp_shard only),
+    against stock TRL on 2 processes without SP: SP group d's two ranks see, micro-batch by micro-batch, what stock's
+    rank d sees; grad norms and weights agree."""
+    if stage == "zero3":
+        pytest.importorskip("deepspeed")
+    ref = _run(tmp_path, "grpo", stage, "ref", nproc=2)
+    sp = _run(tmp_path, "grpo", stage, "sp", nproc=4)
     assert ref["world_size"] == 2 and sp["world_size"] == 4
     assert [s["sp_group"] for s in sp["ranks"]] == [[0, 2], [1, 2], [0, 2], [1, 2]]
     for rank, s in enumerate(sp["ranks"]):
@@ -112,5 +118,34 @@ def test_sp_groups_with_data_parallelism_match_stock(tmp_path):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (s["grad_norms"], r["grad_norms"])
         assert s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
     assert ref["ranks"][0]["records"][0]["prompt_ids"] != ref["ranks"][1]["records"][0]["prompt_ids"]
-    _assert_generated_once_per_group(sp["ranks"], "zero3", ref["ranks"][0]["counts"])
+    _assert_generated_once_per_group(sp["ranks"], stage, ref["ranks"][0]["counts"])
     _assert_same_weights(sp["ranks"][0]["weights"], ref["ranks"][0]["weights"])
+
+
+@pytest.mark.slow
+def test_fsdp2_context_parallel_trains_like_one_process(tmp_path):
+    """``ParallelismConfig(cp_size=2)`` with FSDP2 (each decoder layer sharded) on 2 processes: the ``cp`` ranks of
+    accelerate's device mesh are one SP group of grpo_mem's sequence-sharded layout, one data-parallel rank. Against
+    stock TRL on one process without FSDP: every micro-batch's loss inputs, the batch arithmetic and seeds, grad
+    norms within 1e-5 relative and the weights after 3 optimizer steps within 1e-5 (FSDP2 averages the gradient
+    over the cp ranks: each rank's share is scaled by 2). accelerate's context-parallel preparation is skipped (no
+    mask-dropping pre-hook on any ``self_attn``), every rank generates (FSDP2's unshard is a collective), the reward
+    function runs on the leader alone, and ``revert()`` brings TRL's refusal back."""
+    ref = _run(tmp_path, "grpo", "fsdp2", "ref")
+    cp = _run(tmp_path, "grpo", "fsdp2", "sp")
+    (r,) = ref["ranks"]
+    assert [s["sp_group"] for s in cp["ranks"]] == [[0, 2], [1, 2]]
+    for s in cp["ranks"]:
+        assert s["distributed_type"] == "DistributedType.FSDP" and s["sharded"], s["distributed_type"]
+        _assert_same_records(s["records"], r["records"])
+        for key in ("generation_batch_size", "steps_per_generation", "global_step", "seed_after_init"):
+            assert s[key] == r[key], (key, s[key], r[key])
+        for a, b in zip(s["grad_norms"], r["grad_norms"], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (s["grad_norms"], r["grad_norms"])
+        assert s["gradient_reduction"] == "mean"
+        assert s["decisions"]["grpo_mem/path/tree"] > 0 and s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
+        assert s["adapter_skipped"] and s["adapter_restored"] and s["mask_hooks"] == 0, s
+        assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]
+        assert s["verified"] is True  # grpo_mem.verify(trainer) before train(): each rank on its own
+    _assert_generated_once_per_group(cp["ranks"], "fsdp2", r["counts"])
+    _assert_same_weights(cp["ranks"][0]["weights"], r["weights"])

@@ -2,7 +2,9 @@
 
 Usage: trl_sp_worker.py KIND STAGE MODE OUT_JSON
 
-- KIND: grpo | rloo. STAGE: zero2 | zero3 (DeepSpeed on CPU/gloo, as dist_worker.py runs it).
+- KIND: grpo | rloo. STAGE: zero2 | zero3 (DeepSpeed on CPU/gloo, as dist_worker.py runs it), or fsdp2: FSDP2 with
+  each decoder layer sharded (as dist_worker.py runs it) and ``ParallelismConfig(cp_size=2)`` (context parallelism);
+  its reference is stock TRL on one process without FSDP.
 - MODE ``sp``: ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` after ``grpo_mem.patch_trl(sequence_parallel=True)``
   on 2 processes
   (one data-parallel rank) or 4 (two, ``dp_replicate_size=2``): grpo_mem scores every pass split along the sequence
@@ -107,6 +109,20 @@ def _attention_state(trainer) -> dict:
     }
 
 
+def _sharded(trainer) -> bool:
+    """Whether every parameter of the trained model is a DTensor (sharded by FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) for p in trainer.accelerator.unwrap_model(trainer.model).parameters())
+
+
+def _self_attn_hooks(trainer) -> int:
+    """The forward pre-hooks on the model's ``self_attn`` modules (accelerate's context-parallel preparation would
+    register one on each, dropping the attention mask)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return sum(len(m._forward_pre_hooks) for name, m in model.named_modules() if name.endswith("self_attn"))
+
+
 def _paths(trainer) -> dict:
     """grpo_mem's logged paths, summed over the logged steps (empty for stock TRL)."""
     return {
@@ -134,16 +150,22 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     import grpo_mem
     from grpo_mem.patches import sp_ranks, trl_sp
 
-    args = dict(ARGS, **stack_args(stage))
+    cp = stage == "fsdp2"
+    args = dict(ARGS, **(stack_args(stage) if mode == "sp" or not cp else {}))
     # before the config: it lifts TRL's refusal of sp_size > 1
     handle = grpo_mem.patch_trl(sequence_parallel=True) if mode == "sp" else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    pc = ParallelismConfig(
-        sp_size=SP,
-        sp_backend="deepspeed",
-        sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
-        # accelerate sizes DeepSpeed's train_batch_size by the data-parallel size it is told (1 unless given)
-        dp_replicate_size=max(1, world // SP) if mode == "sp" else 1,
+    pc = (
+        # with data parallelism too, FSDP2 shards over dp_shard x cp
+        ParallelismConfig(cp_size=SP, dp_shard_size=max(1, world // SP) if mode == "sp" else 1)
+        if cp
+        else ParallelismConfig(
+            sp_size=SP,
+            sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+            # accelerate sizes DeepSpeed's train_batch_size by the data-parallel size it is told (1 unless given)
+            dp_replicate_size=max(1, world // SP) if mode == "sp" else 1,
+        )
     )
     if kind == "rloo":
         args.pop("scale_rewards")
@@ -155,7 +177,7 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
     seed_after_init = torch.initial_seed()
     # before training (the model not yet prepared): verify compares the local computation on each rank (under ZeRO-3
     # the parameters are partitions until DeepSpeed's engine gathers them, so verify cannot run there before train())
-    verified = grpo_mem.verify(trainer).passed if handle is not None and stage == "zero2" else None
+    verified = grpo_mem.verify(trainer).passed if handle is not None and stage in ("zero2", "fsdp2") else None
     records = _record(trainer)
     counts = _count_generation_and_rewards(trainer)
     trainer.train()
@@ -169,10 +191,12 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
         "global_step": trainer.state.global_step,
         "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
         "gradient_reduction": trl_sp.sp_gradient_reduction(trainer),
-        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
         "attention": _attention_state(trainer),
         "sp_group": None if found is None else list(found[1:]),
-        "adapter_skipped": "deepspeed_ulysses_dl_adapter" in trainer.accelerator.__dict__,
+        "adapter_skipped": ("_prepare_cp" if cp else "deepspeed_ulysses_dl_adapter") in trainer.accelerator.__dict__,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "sharded": _sharded(trainer),
+        "mask_hooks": _self_attn_hooks(trainer),
         "weights": weights if torch.distributed.get_rank() == 0 else None,
         "decisions": _paths(trainer),
         "verified": verified,
@@ -182,7 +206,9 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
         handle.revert()
         config_cls = GRPOConfig if kind == "grpo" else RLOOConfig
         result["refused_after_revert"] = _refused_after_revert(config_cls, pc)
-        result["adapter_restored"] = "deepspeed_ulysses_dl_adapter" not in trainer.accelerator.__dict__
+        result["adapter_restored"] = not {"_prepare_cp", "deepspeed_ulysses_dl_adapter"} & set(
+            vars(trainer.accelerator)
+        )
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, result)
     if torch.distributed.get_rank() == 0:

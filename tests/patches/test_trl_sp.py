@@ -1,8 +1,8 @@
 """Sequence parallelism's hooks, in one process: installed only when asked (``patch_trl(sequence_parallel=True)``, or a
 trainer whose config has ``sp_size > 1``), never imported by a plain patch; ``patch_trl(sequence_parallel=True)``
-lifts TRL's refusal of ``sp_size > 1`` (``sp_backend="deepspeed"``) for GRPOConfig and RLOOConfig while active, with
-TRL's batch arithmetic on the data-parallel size, keeps ``cp_size > 1`` refused, refuses with a named cause what it
-cannot serve, refuses changed hook targets by name, and ``revert()`` restores every patched attribute. The
+lifts TRL's refusal of ``sp_size > 1`` (``sp_backend="deepspeed"``) and of ``cp_size > 1`` (FSDP2) for GRPOConfig and
+RLOOConfig while active, with TRL's batch arithmetic on the data-parallel size, refuses with a named cause what it
+cannot serve (``cp_size`` with DeepSpeed, a non-FSDP2 accelerator), refuses changed hook targets by name, and ``revert()`` restores every patched attribute. The
 multi-process data path is in tests/distributed/test_trl_sequence_parallel.py."""
 
 import os
@@ -49,8 +49,13 @@ def test_refusal_lifted_only_for_deepspeed_sp_while_patched(tmp_path, name):
             _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}}, use_liger_kernel=True)
         with pytest.raises(ValueError, match=r"use_vllm=True with sp_size=2"):
             _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}}, use_vllm=True)
-        with pytest.raises(ValueError, match=REFUSAL):  # context parallelism stays TRL's refusal
+        # context parallelism: past TRL's refusal too, DeepSpeed's route is sp_size
+        with pytest.raises(ValueError, match="cp_size=2 does not divide the world size 1"):
             _config(cls, tmp_path, pc=ParallelismConfig(cp_size=2))
+        with pytest.raises(ValueError, match=r"grpo_mem serves it only with FSDP2.*with DeepSpeed use sp_size"):
+            _config(cls, tmp_path, pc=ParallelismConfig(cp_size=2), deepspeed={"zero_optimization": {"stage": 2}})
+        with pytest.raises(ValueError, match=r"use_vllm=True with cp_size=2"):
+            _config(cls, tmp_path, pc=ParallelismConfig(cp_size=2), use_vllm=True)
         plain = _config(cls, tmp_path, pc=ParallelismConfig())  # no SP: TRL's own arithmetic
         assert plain.generation_batch_size == plain.per_device_train_batch_size * plain.steps_per_generation
     finally:
@@ -72,6 +77,42 @@ def test_sp_groups_with_data_parallelism_need_the_data_parallel_size(tmp_path, m
     with grpo_mem.patch_trl(sequence_parallel=True):
         with pytest.raises(ValueError, match=r"makes 2 data-parallel groups.*dp_replicate_size=2"):
             _config(trl.GRPOConfig, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+
+
+def test_context_parallel_groups_with_data_parallelism_need_dp_shard_size(tmp_path, monkeypatch):
+    """On 4 processes with cp_size=2 the config must say dp_shard_size=2 (FSDP2 shards over dp_shard x cp; accelerate
+    refuses cp_size with dp_replicate_size alone)."""
+    import trl
+    from accelerate import ParallelismConfig
+
+    import grpo_mem
+
+    monkeypatch.setattr(trl.GRPOConfig, "world_size", property(lambda self: 4))
+    with grpo_mem.patch_trl(sequence_parallel=True):
+        with pytest.raises(ValueError, match=r"cp_size=2 on 4 processes makes 2 data-parallel groups.*dp_shard_size=2"):
+            _config(trl.GRPOConfig, tmp_path, pc=ParallelismConfig(cp_size=2))
+        config = _config(trl.GRPOConfig, tmp_path, pc=ParallelismConfig(cp_size=2, dp_shard_size=2))
+        # TRL's batch arithmetic on the 2 data-parallel ranks
+        assert config.generation_batch_size == config.per_device_train_batch_size * 2 * config.steps_per_generation
+
+
+def test_context_parallel_needs_fsdp2_and_skips_torch_context_parallel():
+    """The cp route refuses an accelerator that is not FSDP2, naming ``CP_CAUSE``; the stand-in for accelerate's
+    ``Accelerator._prepare_cp`` returns what it is given and registers no attention-mask hook. (The stand-in for the
+    Trainer's ``_prepare_context_parallel_inputs`` runs in the 2-process test: stock's indexes the GRPO batch, a
+    list of prompts, by ``"input_ids"``.)"""
+    import types
+
+    from grpo_mem.patches import trl_sp
+
+    with pytest.raises(ValueError, match=r"MULTI_CPU, not FSDP version 2; context parallelism \(cp_size > 1\)"):
+        trl_sp.check_fsdp2(types.SimpleNamespace(is_fsdp2=False, distributed_type="MULTI_CPU"))
+    trl_sp.check_fsdp2(types.SimpleNamespace(is_fsdp2=True, distributed_type="FSDP"))
+    model = torch.nn.Module()
+    model.self_attn = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert trl_sp.skip_torch_context_parallel(model, optimizer) == (model, optimizer)
+    assert not model.self_attn._forward_pre_hooks
 
 
 def test_keep_leaders_is_the_data_parallel_gather():
