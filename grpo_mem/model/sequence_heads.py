@@ -48,71 +48,52 @@ def head_split(sp, heads: int, kv_heads: int) -> HeadSplit | None:
     return HeadSplit(sp, heads, math.lcm(kv_heads, sp.size) // kv_heads)
 
 
+def _all_to_all(parts, sp) -> list[torch.Tensor]:
+    """``parts`` (size, ...) each, slice j for rank j -> what every rank sent this one, (size, ...) each, slice r from
+    rank r: one ``all_to_all_single`` over the parts concatenated along their last dimension (one per part where their
+    dtypes differ)."""
+    if len({p.dtype for p in parts}) > 1:
+        return [r for p in parts for r in _all_to_all([p], sp)]
+    send = torch.cat(parts, dim=-1).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=sp.group)
+    return list(received.split([p.shape[-1] for p in parts], dim=-1))
+
+
 def _to_heads(xs, sp) -> list[torch.Tensor]:
     """(n, Hh, L, d) of this rank's shard, all heads -> (n, Hh/size, size·L, d) of the whole pass in sequence order,
     this rank's heads (laid out (n, size·L, Hh/size, d) in memory); one all-to-all for all of ``xs``."""
-    if len({x.dtype for x in xs}) > 1:  # one collective per tensor where they cannot share a buffer
-        return [y for x in xs for y in _to_heads([x], sp)]
     size, n, L = sp.size, xs[0].shape[0], xs[0].shape[2]
     # (size, n, L, width): the tokens of this shard cut into the head slices, slice j for rank j
     parts = [x.transpose(1, 2).reshape(n, L, size, -1).movedim(2, 0) for x in xs]
-    send = torch.cat(parts, dim=-1).contiguous()
-    received = torch.empty_like(send)  # slice r: rank r's shard at this rank's heads
-    dist.all_to_all_single(received, send, group=sp.group)
-    out, at = [], 0
-    for x, part in zip(xs, parts):
-        width = part.shape[-1]
-        y = received[..., at : at + width].movedim(0, 1).reshape(n, size * L, x.shape[1] // size, x.shape[3])
-        out.append(sp.to_sequence(y).transpose(1, 2))
-        at += width
-    return out
+    received = _all_to_all(parts, sp)  # slice r: rank r's shard at this rank's heads
+    shapes = [(n, size * L, x.shape[1] // size, x.shape[3]) for x in xs]
+    return [sp.to_sequence(r.movedim(0, 1).reshape(shape)).transpose(1, 2) for r, shape in zip(received, shapes)]
 
 
 def _to_tokens(ys, sp) -> list[torch.Tensor]:
     """The inverse of ``_to_heads``: (n, h, size·L, d) of the whole pass at this rank's heads -> (n, size·h, L, d) of
     this rank's shard at all heads (laid out (n, L, size·h, d) in memory)."""
-    if len({y.dtype for y in ys}) > 1:
-        return [x for y in ys for x in _to_tokens([y], sp)]
-    size, n, S = sp.size, ys[0].shape[0], ys[0].shape[2]
-    L = S // size
+    size, n, L = sp.size, ys[0].shape[0], ys[0].shape[2] // sp.size
     order = sp.order(L, ys[0].device)
     parts = [y.transpose(1, 2).index_select(1, order).reshape(n, size, L, -1).movedim(1, 0) for y in ys]
-    send = torch.cat(parts, dim=-1).contiguous()
-    received = torch.empty_like(send)  # slice j: this rank's shard at rank j's heads
-    dist.all_to_all_single(received, send, group=sp.group)
-    out, at = [], 0
-    for y, part in zip(ys, parts):
-        width = part.shape[-1]
-        x = received[..., at : at + width].movedim(0, 2).reshape(n, L, size * y.shape[1], y.shape[3])
-        out.append(x.transpose(1, 2))
-        at += width
-    return out
+    received = _all_to_all(parts, sp)  # slice j: this rank's shard at rank j's heads
+    shapes = [(n, L, size * y.shape[1], y.shape[3]) for y in ys]
+    return [r.movedim(0, 2).reshape(shape).transpose(1, 2) for r, shape in zip(received, shapes)]
 
 
-class _ToHeads(torch.autograd.Function):
-    """``_to_heads``; backward: ``_to_tokens`` of the gradients."""
+class _Exchange(torch.autograd.Function):
+    """``_to_heads`` (``heads=True``) or ``_to_tokens``; backward: the other one, of the gradients (each all-to-all
+    only moves elements, so its gradient is its inverse)."""
 
     @staticmethod
-    def forward(ctx, sp, *xs):
-        ctx.sp = sp
-        return tuple(_to_heads(xs, sp))
+    def forward(ctx, sp, heads, *xs):
+        ctx.sp, ctx.heads = sp, heads
+        return tuple((_to_heads if heads else _to_tokens)(xs, sp))
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, *_to_tokens(grads, ctx.sp)
-
-
-class _ToTokens(torch.autograd.Function):
-    """``_to_tokens``; backward: ``_to_heads`` of the gradients."""
-
-    @staticmethod
-    def forward(ctx, sp, *ys):
-        ctx.sp = sp
-        return tuple(_to_tokens(ys, sp))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return None, *_to_heads(grads, ctx.sp)
+        return None, None, *(_to_tokens if ctx.heads else _to_heads)(grads, ctx.sp)
 
 
 @dataclass(frozen=True)
@@ -135,7 +116,7 @@ class HeadSplit:
         sequence order (``SequenceParallel.slices``); differentiable."""
         if self.repeat > 1:
             key, value = key.repeat_interleave(self.repeat, 1), value.repeat_interleave(self.repeat, 1)
-        return _ToHeads.apply(self.sp, query, key, value)
+        return _Exchange.apply(self.sp, True, query, key, value)
 
     def sinks(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's slice of per-query-head sink logits ``sinks`` (H,) (None stays None)."""
@@ -154,4 +135,4 @@ class HeadSplit:
         """The attention output ``out`` (n, H/size, size·L, dv) of this rank's heads -> (n, L, H, dv) contiguous, this
         rank's shard at all heads (the layer's attention output); differentiable. Used where ``out_map`` cannot be
         (the output is cut to the value width after the op)."""
-        return _ToTokens.apply(self.sp, out)[0].transpose(1, 2)
+        return _Exchange.apply(self.sp, False, out)[0].transpose(1, 2)

@@ -42,9 +42,20 @@ ARCHS = {
     "gemma2": {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0, "query_pre_attn_scalar": 12},
     # multi-head latent attention: value heads of 16 against query/key heads of 24 (16 without RoPE + 8 with)
     "deepseek_v3": {
-        **{"hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4},
-        **{"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": None},
-        **{"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
     },
 }
 

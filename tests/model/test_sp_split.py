@@ -99,19 +99,11 @@ def test_split_is_checked():
         SequenceParallel(None, 0, 2, split="ring")
 
 
-@pytest.mark.parametrize(
-    "H,Hkv,size,repeat",
-    [
-        (4, 2, 2, 1),
-        (4, 1, 2, 2),
-        (4, 2, 4, 2),
-        (8, 2, 4, 2),
-        (12, 3, 4, 4),
-        (6, 3, 2, 2),
-        (3, 1, 2, None),
-        (6, 2, 4, None),
-    ],
-)
+HEAD_SPLITS = [(4, 2, 2, 1), (4, 1, 2, 2), (4, 2, 4, 2), (8, 2, 4, 2), (12, 3, 4, 4), (6, 3, 2, 2)]
+"""(query heads, K/V heads, group size, K/V head repeat) of layers the head exchange splits."""
+
+
+@pytest.mark.parametrize("H,Hkv,size,repeat", HEAD_SPLITS + [(3, 1, 2, None), (6, 2, 4, None)])
 def test_head_split_repeats_kv_heads_to_a_multiple_of_the_group(H, Hkv, size, repeat):
     """``head_split``: K/V heads repeated to lcm(Hkv, size), None where size does not divide the query heads; rank
     by rank, attention of its query-head slice over its slice of the repeated K/V heads equals those heads of the
