@@ -6,10 +6,13 @@ micro-batch (1 prompt of P real tokens, G completions of C tokens: B = G rows; c
 right-padded), then ``(log_probs * completion_mask).sum().backward()`` into freshly ``None``-ed parameter gradients.
 With sp_size 1 the process runs the ordinary prompt-once path (no process group); with sp_size k > 1 every pass is
 split along the sequence over the k ranks of ``torch.distributed.run`` (``grpo_mem.model.sequence_parallel``): each
-rank runs about P / k prompt tokens and G·C / k completion tokens, all-gathers each layer's K/V, and gets the whole
-(G, C) log-probs back. ``--split`` picks how the passes are cut: ``zigzag`` (the default: 2k chunks, rank r holds
-chunks r and 2k − 1 − r, the same causal attention work on every rank), ``contiguous`` (k shards in order: the later
-rank's queries see more keys), or both, each its own launch against the same sp_size 1 run.
+rank runs about P / k prompt tokens and G·C / k completion tokens through the backbone, exchanges each layer's
+attention over the group, and gets the whole (G, C) log-probs back. ``--split`` picks how the passes are cut:
+``zigzag`` (the default: 2k chunks, rank r holds chunks r and 2k − 1 − r, the same causal attention work on every
+rank), ``contiguous`` (k shards in order: the later rank's queries see more keys), or both; ``--exchange`` how
+attention reaches the other ranks' K/V: ``heads`` (the default: an all-to-all to the whole pass at 1/k of the heads,
+each rank recording 1/k of the K/V) or ``gather`` (each layer's K/V all-gathered whole on every rank), or both. Each
+combination is its own launch against the same sp_size 1 run.
 
 Model (``MODEL``, built from its config, nothing downloaded): Llama-shaped, hidden 256, 4 layers, 4 heads, 2 KV heads
 (head_dim 64), intermediate 688, vocab 4096, untied embeddings, random weights (seed 0, the same on every rank),
@@ -26,10 +29,10 @@ Measured per rank (``grpo_mem.bench.measure``), after a warm-up step at a tiny s
 
 Beside them, the analytic expectation (``expected``): saved activations of the rank's tokens
 (``grpo_mem.bench.estimate.activation_bytes``, fp32, checkpointing off) plus the parameter gradients (the fused
-head's workspace is not counted). Under sp_size k the activations fall to about 1/k, except the gathered K/V: every
-rank holds every layer's K/V of the whole prompt and of the whole completion pass, and the gradients of the prompt's
-K/V; ``gathered_kv`` is that part (``prompt_kv + kv_transient`` of ``activation_bytes``) and the table gives its share
-of the expectation. Each run saves its (G, C) log-probs; the sp_size k log-probs are compared with sp_size 1's (max
+head's workspace is not counted). Under sp_size k the activations fall to about 1/k; the recorded K/V of the whole
+prompt and completion pass and the gradients of the prompt's K/V (``gathered_kv``: ``prompt_kv + kv_transient`` of
+``activation_bytes``, its share of the expectation in the table) fall to 1/k under the head exchange and stay whole
+on every rank under the all-gather. Each run saves its (G, C) log-probs; the sp_size k log-probs are compared with sp_size 1's (max
 |diff| in the ``config`` column and the table), and so is the norm of the gradient summed over the ranks.
 
 Rows go to ``benchmarks/results/sp.csv`` (the harness's long format, one set per rank; a re-run of the same shape
@@ -42,6 +45,7 @@ Usage (from the repository root)::
     python benchmarks/bench_sp.py --prompt-length 8192 # another prompt length
     python benchmarks/bench_sp.py --quick              # P=512, C=32: a smoke run of a few seconds per launch
     python benchmarks/bench_sp.py -P 4096 --split zigzag,contiguous  # both splits against one sp_size 1 run
+    python benchmarks/bench_sp.py -P 4096 --exchange heads,gather    # both exchanges against one sp_size 1 run
     python benchmarks/bench_sp.py --table              # reprint the table from the CSV
 """
 
