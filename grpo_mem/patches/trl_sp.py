@@ -32,11 +32,17 @@ checked first by ``check_hooks`` (written against TRL 1.16.0, transformers 5.24.
   context (transformers' ``Trainer.training_step`` would shard tensor buffers with torch's experimental
   ``context_parallel`` ring attention, SDPA only, on a GRPO batch that is still a list of prompts).
 - **Generation and scoring** (``_prepare_inputs`` through the patch handle, ``compute_loss``) run under
-  ``data_parallel``. The group leader alone generates (``_generate_single_turn``; its completions, sampled
-  log-probs and random states are broadcast to the group, ``sp_ranks.share_generation``), except under ZeRO-3 and
-  FSDP2, whose parameter gathering for every forward of generation is a collective of every rank, and with vLLM:
-  there every SP rank generates and takes the leader's outputs. ``_generate``'s outputs and random states are the
-  leader's in every case. Reward functions that are plain callables run on the leader alone (``_calculate_rewards``:
+  ``data_parallel``. The group leader alone generates the group's batch (``_generate_single_turn``; its
+  completions, sampled log-probs and random states are broadcast to the group, ``sp_ranks.share_generation``).
+  Under ZeRO-3 and FSDP2 each generation forward is a parameter collective of every rank (ZeRO-3's gathering,
+  FSDP2's per-module unshard), so there the other ranks run TRL's own generation on one stand-in row of one token
+  (``stand_in_prompts``) that a stopping criterion ends after its first token, and every rank generates with
+  ``synced_gpus=True`` (``generating_in_lockstep``): transformers 5.24's ``generate`` then has a finished rank keep
+  calling the model's forward, one cached token per step, until every rank has finished, so each rank joins the
+  same collectives (TRL's ``unwrap_model_for_generation`` gather, the prefill, one forward per step) and the leader
+  stops when its own rows do. With vLLM, transformers' continuous batching, or image inputs under ZeRO-3/FSDP2 every
+  SP rank generates the whole batch and takes the leader's outputs. ``_generate``'s outputs and random states are
+  the leader's in every case. Reward functions that are plain callables run on the leader alone (``_calculate_rewards``:
   the other ranks join its gather with zeros, which the data-parallel gather drops; a reward function with side
   effects runs once per group); reward models (``nn.Module``) run on every rank, as their forward may be a
   collective. TRL seeds each process with ``seed + process_index`` (``set_seed(device_specific=True)``); under SP,

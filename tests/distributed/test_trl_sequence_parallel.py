@@ -59,7 +59,8 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
     batches (the second one generated after an optimizer step: the gradient, summed by ZeRO-2 / averaged by ZeRO-3
     over the SP group, is the one-process gradient); DeepSpeed's Ulysses attention override is undone and its
     dataloader adapter skipped; the batch arithmetic and the seeds are the data-parallel run's; ``revert()`` brings
-    TRL's refusal back; generation (below ZeRO-3) and the reward functions ran once per SP group."""
+    TRL's refusal back; generation and the reward functions ran once per SP group (under ZeRO-3 the other rank joins
+    each generation step with a one-token stand-in row, and the generations end early)."""
     pytest.importorskip("deepspeed")
     options = "early_stop" if stage == "zero3" else ""  # the leader's generation ends before max_completion_length
     ref = _run(tmp_path, kind, stage, "ref", options=options)
@@ -149,8 +150,9 @@ def test_fsdp2_context_parallel_trains_like_one_process(tmp_path):
     stock TRL on one process without FSDP: every micro-batch's loss inputs, the batch arithmetic and seeds, grad
     norms within 1e-5 relative and the weights after 3 optimizer steps within 1e-5 (FSDP2 averages the gradient
     over the cp ranks: each rank's share is scaled by 2). accelerate's context-parallel preparation is skipped (no
-    mask-dropping pre-hook on any ``self_attn``), every rank generates (FSDP2's unshard is a collective), the reward
-    function runs on the leader alone, and ``revert()`` brings TRL's refusal back."""
+    mask-dropping pre-hook on any ``self_attn``), the leader alone generates the batch while the other rank joins each
+    step's unshard with a one-token stand-in row (generations ending early), the reward function runs on the leader
+    alone, and ``revert()`` brings TRL's refusal back."""
     ref = _run(tmp_path, "grpo", "fsdp2", "ref", options="early_stop")
     cp = _run(tmp_path, "grpo", "fsdp2", "sp", options="early_stop")
     (r,) = ref["ranks"]

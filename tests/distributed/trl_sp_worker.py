@@ -26,19 +26,19 @@ import types
 import torch
 
 SP = 2
-ARGS = dict(
-    max_steps=3,
-    per_device_train_batch_size=4,
-    num_generations=4,
-    gradient_accumulation_steps=2,
-    steps_per_generation=4,  # generation every 4 micro-batches, optimizer step every 2: old log-probs are computed
-    max_completion_length=6,
-    beta=0.04,  # a reference model: its log-probs are scored too
-    scale_rewards="batch",  # the std over the whole generation batch: duplicated ranks would change it
-    optim="sgd",
-    learning_rate=0.1,
-    logging_steps=1,
-)
+ARGS = {
+    "max_steps": 3,
+    "per_device_train_batch_size": 4,
+    "num_generations": 4,
+    "gradient_accumulation_steps": 2,
+    "steps_per_generation": 4,  # generation every 4 micro-batches, optimizer step every 2: old log-probs are computed
+    "max_completion_length": 6,
+    "beta": 0.04,  # a reference model: its log-probs are scored too
+    "scale_rewards": "batch",  # the std over the whole generation batch: duplicated ranks would change it
+    "optim": "sgd",
+    "learning_rate": 0.1,
+    "logging_steps": 1,
+}
 
 
 OPTIONS = {
