@@ -40,8 +40,8 @@ checked first by ``check_hooks`` (written against TRL 1.16.0, transformers 5.24.
   ``synced_gpus=True`` (``generating_in_lockstep``): transformers 5.24's ``generate`` then has a finished rank keep
   calling the model's forward, one cached token per step, until every rank has finished, so each rank joins the
   same collectives (TRL's ``unwrap_model_for_generation`` gather, the prefill, one forward per step) and the leader
-  stops when its own rows do. With vLLM, transformers' continuous batching, or image inputs under ZeRO-3/FSDP2 every
-  SP rank generates the whole batch and takes the leader's outputs. ``_generate``'s outputs and random states are
+  stops when its own rows do. With vLLM, and under ZeRO-3/FSDP2 with transformers' continuous batching or image
+  inputs, every SP rank generates the whole batch and takes the leader's outputs. ``_generate``'s outputs and random states are
   the leader's in every case. Reward functions that are plain callables run on the leader alone (``_calculate_rewards``:
   the other ranks join its gather with zeros, which the data-parallel gather drops; a reward function with side
   effects runs once per group); reward models (``nn.Module``) run on every rank, as their forward may be a
@@ -249,14 +249,15 @@ def stand_in_prompts(trainer, prompt_ids: list) -> list:
 
 def _make_generate_single_turn(original, handle):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        every = getattr(self, "use_vllm", False) or getattr(self, "use_transformers_continuous_batching", False)
-        if not ready(self) or every:  # vLLM: every rank generates, _generate takes the leader's
+        if not ready(self) or getattr(self, "use_vllm", False):  # vLLM: every rank generates, _generate shares
             return original(self, prompt_ids, images, multimodal_fields, *args, **kwargs)
         leader = sp_group(self)[1] == 0
+        # images: the vision tower's forwards are not a text stand-in's; continuous batching (generate_batch) has no
+        # lockstep: the whole batch on every rank
+        whole = images is not None or multimodal_fields or getattr(self, "use_transformers_continuous_batching", False)
         if not sharded_generation(self):  # no collective in a forward: the others wait for the leader's outputs
             outputs = original(self, prompt_ids, images, multimodal_fields, *args, **kwargs) if leader else None
-        elif leader or images is not None or multimodal_fields:
-            # images: the vision tower's forwards are not those of a text stand-in; the whole batch on every rank
+        elif leader or whole:
             with generating_in_lockstep(self, stand_in=False):
                 outputs = original(self, prompt_ids, images, multimodal_fields, *args, **kwargs)
         else:
