@@ -79,8 +79,8 @@ from grpo_mem.bench.tokens import token_counts  # noqa: E402
 OP = "group_logprobs"
 OP_SPLIT = "group_logprobs_split"
 PROVIDERS = ("trl", "full_seq", "grpo_mem")
-ARCH_MODELS = ("gemma3", "gpt-oss", "qwen3.5")
-"""Architecture rows: the llama trunk with sliding windows, sinks and experts, or linear attention."""
+ARCH_MODELS = ("gemma3", "gpt-oss", "qwen3.5", "nemotron-h", "kimi-linear")
+"""Architecture rows: the llama trunk with sliding windows, sinks and experts, linear attention, Mamba-2 or KDA."""
 WORKER = "grpo_mem.bench.group_worker:worker"
 RESULTS = os.path.join(_HERE, "results")
 CSV_PATH = os.path.join(RESULTS, "group.csv")

@@ -262,6 +262,39 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
         linear_conv_kernel_dim=4,
         layer_types=_pattern(("linear_attention",) * 3 + ("full_attention",)),
     ),
+    "nemotron-h": dict(
+        _TRUNK,
+        model_type="nemotron_h",
+        tie_word_embeddings=False,
+        layers_block_type=_pattern(("mamba", "mlp") * 3 + ("attention", "mlp"), 16),
+        mamba_num_heads=16,
+        mamba_head_dim=64,
+        expand=2,
+        ssm_state_size=64,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=128,
+    ),
+    "kimi-linear": dict(
+        _TRUNK,
+        model_type="kimi_linear",
+        tie_word_embeddings=False,
+        num_key_value_heads=8,
+        layer_types=_pattern(("linear_attention",) * 3 + ("full_attention",)),
+        linear_num_heads=4,
+        linear_head_dim=32,
+        linear_conv_kernel_dim=4,
+        kv_lora_rank=128,
+        q_lora_rank=None,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        mlp_layer_types=["dense"] + ["sparse"] * 7,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=704,
+    ),
 }
 """The models of ``benchmarks/``: ``llama`` and ``qwen2`` are trunk-heavy (8 layers, hidden 512, 8 query / 2 KV heads,
 V=8192; Qwen2 adds q/k/v biases and unties the head), ``smollm2`` is SmolLM2-135M's configuration (30 layers, hidden
@@ -275,7 +308,16 @@ trunk (8 layers, hidden 512, 8 query / 2 KV heads of dim 64, V=8192) and add wha
   so a token's active MLP width is the llama trunk's 1408), untied head.
 - ``qwen3.5``: Qwen3.5 text (``qwen3_5_text``): 3 Gated DeltaNet (linear attention) layers to 1 full attention layer
   (linear heads: 4 key / 8 value heads of dim 64, causal convolution of kernel 4), gated full attention with partial
-  RoPE, untied head."""
+  RoPE, untied head.
+- ``nemotron-h``: Nemotron-H (``nemotron_h``): the trunk's 8 mixer + MLP layers as 16 blocks, 6 Mamba-2 mixers and 2
+  attention layers between 8 MLPs (mixers ``M M M *`` then again), Mamba-2 of 16 heads of 64 (expand 2), state 64,
+  2 groups, convolution kernel 4, chunks of 128 tokens, ReLU² MLPs, untied head.
+- ``kimi-linear``: Kimi Linear (``kimi_linear``): 3 Kimi Delta Attention (KDA) layers to 1 multi-head latent
+  attention layer without positional encoding, as Kimi Linear's (latent rank 128, query/key heads of 64 + 32 shared,
+  value heads of 64), the first MLP dense and the others 4 experts top-2 of width 704 plus 1 shared expert, untied head.
+  Its KDA layers are cut to 4 heads of 32 (Kimi Linear ships 32 of 128): transformers' torch KDA scan (without
+  flash-linear-attention) keeps (chunk, chunk, head_dim) decay blocks per head a token for backward, which at the
+  trunk's 8 heads of 64 would not fit a full-sequence run at G=16 into this machine's 24 GB."""
 
 
 def bench_model_config(name: str) -> dict[str, Any]:

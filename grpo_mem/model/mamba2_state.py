@@ -30,6 +30,7 @@ This module knows torch and transformers' cache protocol; it is imported only fo
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -53,7 +54,7 @@ _SSD_CALLS = (
     "mamba2_selective_state_update(",
     "apply_mask_to_padding_states(hidden_states, attention_mask)",
 )
-_SSD_ATTRIBUTES = ("layer_idx", "conv_kernel_size", "ssm_state_size", "num_heads", "head_dim")
+_SSD_ATTRIBUTES = ("layer_idx", "conv_kernel_size", "ssm_state_size", "num_heads", "head_dim", "chunk_size")
 
 
 def is_ssd_mixer(module: torch.nn.Module) -> bool:
@@ -156,6 +157,41 @@ class _SSDCache:
         return self.hand_off.update_recurrent_state(recurrent, layer_idx, state_idx, **kwargs)
 
 
+MIN_CHUNK = 16
+"""The shortest chunk ``fitted_chunk`` gives a scan: Triton's matrix products (mamba_ssm's fused scan) take tiles of at
+least 16 along each dimension."""
+
+
+def chunk_for(chunk_size: int, length: int) -> int:
+    """The chunk a segment of ``length`` tokens is scanned in by a mixer whose chunk is ``chunk_size``: the smallest
+    power of two >= ``length``, at least ``MIN_CHUNK``, at most ``chunk_size`` (``chunk_size`` itself when it is
+    shorter than ``MIN_CHUNK`` or ``length`` reaches it)."""
+    if length >= chunk_size or chunk_size <= MIN_CHUNK:
+        return chunk_size
+    return min(chunk_size, max(MIN_CHUNK, 1 << (length - 1).bit_length()))
+
+
+@contextlib.contextmanager
+def fitted_chunk(module: torch.nn.Module, length: int):
+    """Run ``module`` (a Mamba-2 mixer) with its ``chunk_size`` set to ``chunk_for(chunk_size, length)`` for a call on
+    segments of ``length`` tokens, restored after.
+
+    The SSD scan's output does not depend on the chunk length: chunking splits one sum (the semiseparable matrix's
+    products, Dao & Gu, arXiv 2405.21060, section 6) into diagonal blocks and the states between them, so any chunk
+    gives the same values up to rounding (stock's own rows put chunk boundaries at other tokens than a prompt-once
+    pass does already). What the chunk changes is cost: transformers' torch scan (``mamba2_chunk_scan`` without
+    mamba_ssm, transformers 5.24) pads each row to a multiple of the chunk and keeps (chunk, chunk) blocks per head,
+    chunk values a token, for backward. A completion pass of C = 64 tokens under Nemotron-H's chunk of 128 would pay
+    twice its tokens and twice the cost a token; prompt-once passes are short segments (completions, trie nodes),
+    stock's rows are long ones."""
+    chunk_size = module.chunk_size
+    module.chunk_size = chunk_for(chunk_size, length)
+    try:
+        yield
+    finally:
+        module.chunk_size = chunk_size
+
+
 class SSDForward(_LayerForward):
     """The forward ``install`` gives a Mamba-2 mixer: as ``_LayerForward`` (the pass's
     ``LinearContext`` runs it), its cache a ``_SSDCache`` over the context's hand-off, and no ``position_ids`` (a
@@ -174,7 +210,8 @@ class SSDForward(_LayerForward):
         def layer_call(x, hand_off, attention_mask):
             single = x.shape[1] == 1 and hand_off.recurrent is not None
             cache = _SSDCache(hand_off, single)
-            out = original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
+            with fitted_chunk(self.module, x.shape[1]):
+                out = original(x, **{cache_name: cache}, attention_mask=attention_mask, **kwargs)
             if single and hand_off.final_recurrent is None:
                 raise RuntimeError(
                     f"grpo_mem: Mamba-2 mixer {self.module.layer_idx} wrote no SSM state in a single-token call "

@@ -32,11 +32,17 @@ checked first by ``check_hooks`` (written against TRL 1.16.0, transformers 5.24.
   context (transformers' ``Trainer.training_step`` would shard tensor buffers with torch's experimental
   ``context_parallel`` ring attention, SDPA only, on a GRPO batch that is still a list of prompts).
 - **Generation and scoring** (``_prepare_inputs`` through the patch handle, ``compute_loss``) run under
-  ``data_parallel``. The group leader alone generates (``_generate_single_turn``; its completions, sampled
-  log-probs and random states are broadcast to the group, ``sp_ranks.share_generation``), except under ZeRO-3 and
-  FSDP2, whose parameter gathering for every forward of generation is a collective of every rank, and with vLLM:
-  there every SP rank generates and takes the leader's outputs. ``_generate``'s outputs and random states are the
-  leader's in every case. Reward functions that are plain callables run on the leader alone (``_calculate_rewards``:
+  ``data_parallel``. The group leader alone generates the group's batch (``_generate_single_turn``; its
+  completions, sampled log-probs and random states are broadcast to the group, ``sp_ranks.share_generation``).
+  Under ZeRO-3 and FSDP2 each generation forward is a parameter collective of every rank (ZeRO-3's gathering,
+  FSDP2's per-module unshard), so there the other ranks run TRL's own generation on one stand-in row of one token
+  (``stand_in_prompts``) that a stopping criterion ends after its first token, and every rank generates with
+  ``synced_gpus=True`` (``generating_in_lockstep``): transformers 5.24's ``generate`` then has a finished rank keep
+  calling the model's forward, one cached token per step, until every rank has finished, so each rank joins the
+  same collectives (TRL's ``unwrap_model_for_generation`` gather, the prefill, one forward per step) and the leader
+  stops when its own rows do. With vLLM, and under ZeRO-3/FSDP2 with transformers' continuous batching or image
+  inputs, every SP rank generates the whole batch and takes the leader's outputs. ``_generate``'s outputs and random states are
+  the leader's in every case. Reward functions that are plain callables run on the leader alone (``_calculate_rewards``:
   the other ranks join its gather with zeros, which the data-parallel gather drops; a reward function with side
   effects runs once per group); reward models (``nn.Module``) run on every rank, as their forward may be a
   collective. TRL seeds each process with ``seed + process_index`` (``set_seed(device_specific=True)``); under SP,
@@ -185,23 +191,79 @@ def _make_generate(original, handle):
     return _generate
 
 
-def generates_once(trainer) -> bool:
-    """Whether only the SP group's leader generates: sequence parallelism ready (``ready``), no vLLM, not FSDP2 (its
-    parameter unshard before every module's forward is an all-gather over the ``dp_shard_cp`` mesh, which every rank
-    joins), DeepSpeed below ZeRO-3 (ZeRO-3 gathers the parameters for generation with every rank)."""
-    if not ready(trainer) or getattr(trainer, "use_vllm", False) or trainer.accelerator.is_fsdp2:
-        return False
+def sharded_generation(trainer) -> bool:
+    """Whether every forward of ``trainer``'s generation is a collective of every rank: FSDP2 (each module's
+    parameters are unsharded by an all-gather over the ``dp_shard_cp`` mesh before its forward) or DeepSpeed ZeRO-3
+    (TRL's ``unwrap_model_for_generation`` gathers the partitioned parameters with every rank, and with
+    ``ds3_gather_for_generation=False`` each module's forward does)."""
+    if trainer.accelerator.is_fsdp2:
+        return True
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return plugin is None or plugin.zero_stage < 3
+    return plugin is not None and plugin.zero_stage == 3
+
+
+class _FinishedAtOnce:
+    """A stopping criterion (transformers' ``StoppingCriteria`` protocol: ``(input_ids, scores) -> (B,) bool``) that
+    finishes every row after its first generated token."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@contextlib.contextmanager
+def generating_in_lockstep(trainer, stand_in: bool):
+    """While open, the model TRL generates with (``accelerator.unwrap_model(trainer.model_wrapped)``, as TRL 1.16's
+    ``unwrap_model_for_generation`` yields it) generates with ``synced_gpus=True`` (transformers 5.24
+    ``GenerationMixin.generate``: every rank keeps calling the model's forward until every rank's rows have
+    finished, so each step's parameter collectives are joined by all); with ``stand_in`` each row also finishes
+    after its first token. transformers sets ``synced_gpus`` itself under ZeRO-3 only: an FSDP2 model prepared by
+    accelerate carries no mark of ``is_fsdp_managed_module``. The ``generate`` bound on the model instance is removed
+    on exit."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    own = model.__dict__.get("generate")
+    options = {"synced_gpus": True}
+    if stand_in:
+        from transformers import StoppingCriteriaList
+
+        options["stopping_criteria"] = StoppingCriteriaList([_FinishedAtOnce()])
+    model.generate = functools.partial(model.generate, **options)
+    try:
+        yield
+    finally:
+        del model.generate
+        if own is not None:
+            model.generate = own
+
+
+def stand_in_prompts(trainer, prompt_ids: list) -> list:
+    """The one row a rank that does not generate passes to TRL's generation while its leader generates
+    ``prompt_ids`` (lists of token ids): the first token of the longest prompt, or the whole longest prompt under
+    chunked prefill (``generation_config.prefill_chunk_size``: its prefill then takes as many forwards as the
+    leader's, whose batch is left-padded to that width)."""
+    longest = max(prompt_ids, key=len)
+    chunked = getattr(trainer.generation_config, "prefill_chunk_size", None) is not None
+    return [list(longest) if chunked else list(longest[:1])]
 
 
 def _make_generate_single_turn(original, handle):
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        if not generates_once(self):
-            return original(self, prompt_ids, *args, **kwargs)
-        _, rank, _ = sp_group(self)
-        # the other ranks' placeholder is never used: the leader's completions and log-probs replace it
-        outputs = original(self, prompt_ids, *args, **kwargs) if rank == 0 else None
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+        if not ready(self) or getattr(self, "use_vllm", False):  # vLLM: every rank generates, _generate shares
+            return original(self, prompt_ids, images, multimodal_fields, *args, **kwargs)
+        leader = sp_group(self)[1] == 0
+        # images: the vision tower's forwards are not a text stand-in's; continuous batching (generate_batch) has no
+        # lockstep: the whole batch on every rank
+        whole = images is not None or multimodal_fields or getattr(self, "use_transformers_continuous_batching", False)
+        if not sharded_generation(self):  # no collective in a forward: the others wait for the leader's outputs
+            outputs = original(self, prompt_ids, images, multimodal_fields, *args, **kwargs) if leader else None
+        elif leader or whole:
+            with generating_in_lockstep(self, stand_in=False):
+                outputs = original(self, prompt_ids, images, multimodal_fields, *args, **kwargs)
+        else:
+            with generating_in_lockstep(self, stand_in=True):
+                original(self, stand_in_prompts(self, prompt_ids), images, multimodal_fields, *args, **kwargs)
+            outputs = None  # the leader's completions and log-probs replace it
         return share_generation(self, outputs)
 
     return _generate_single_turn
@@ -277,7 +339,7 @@ _TRAINER_PARAMS = {
     "get_eval_dataloader": ("self", "eval_dataset"),
     "compute_loss": ("self", "model", "inputs"),
     "_generate": ("self",),
-    "_generate_single_turn": ("self", "prompt_ids"),
+    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields"),
     "_calculate_rewards": ("self", "inputs", "prompts"),
     "set_initial_training_values": ("self", "args", "dataloader"),
     "get_sp_size": ("self",),
@@ -322,10 +384,11 @@ def check_hooks(owner) -> None:
     (``_ACCELERATOR_PARAMS``, and ``num_processes``/``process_index`` properties reading ``state``, ``is_fsdp2`` and
     ``torch_device_mesh`` for ``cp_size``), TRL's modules'
     ``set_seed``/``gather``/``gather_object``, the config classes' ``__post_init__(self)``, and transformers'
-    ``TrainingArguments.world_size`` property and ``__post_init__``. DeepSpeed's ``parallel_state_sp`` is checked
+    ``TrainingArguments.world_size`` property and ``__post_init__``, ``GenerationMixin.generate``'s
+    ``stopping_criteria`` and ``synced_gpus``. DeepSpeed's ``parallel_state_sp`` is checked
     where it is first read (``sp_ranks.groups_built``: importing DeepSpeed takes seconds)."""
     from accelerate import Accelerator
-    from transformers import TrainingArguments
+    from transformers import GenerationMixin, TrainingArguments
 
     cls = owner if isinstance(owner, type) else type(owner)
     changed = _changed(cls.__name__, cls, _TRAINER_PARAMS) + _changed("Accelerator", Accelerator, _ACCELERATOR_PARAMS)
@@ -335,6 +398,9 @@ def check_hooks(owner) -> None:
     for name in ("num_processes", "process_index", "is_fsdp2", "torch_device_mesh"):
         if not isinstance(inspect.getattr_static(Accelerator, name, None), property):
             changed.append(f"Accelerator.{name} is not a property")
+    missing = {"stopping_criteria", "synced_gpus"} - set(_params(GenerationMixin.generate))
+    if missing:  # generating_in_lockstep passes both
+        changed.append(f"GenerationMixin.generate lacks the parameters {sorted(missing)}")
     if not isinstance(inspect.getattr_static(TrainingArguments, "world_size", None), property):
         changed.append("TrainingArguments.world_size is not a property")
     for config in [TrainingArguments, *config_classes(owner)]:

@@ -51,3 +51,27 @@ def test_weights_are_drawn_on_the_device_asked_for():
     assert {p.device.type for p in model.parameters()} == {"meta"}
     a, b = build_model(bench_model_config("llama"), seed=3), build_model(bench_model_config("llama"), seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_hybrid_rows_build_with_their_state_layers_and_are_admitted():
+    """``nemotron-h``: 6 Mamba-2 mixers (state 64, chunks of 128) and 2 attention layers between 8 MLPs, on the trunk's
+    hidden 512; ``kimi-linear``: 6 KDA layers to 2 latent attention layers, 4 experts top-2 after a dense first MLP.
+    Both take the prompt-once path (the rows measure it)."""
+    from grpo_mem.model.linear_attention import hands_off_state
+    from grpo_mem.model.mamba2_state import ssd_layers
+    from grpo_mem.model.support import unsupported_cause
+
+    model = build_model(bench_model_config("nemotron-h"))
+    config = model.config
+    assert type(model).__name__ == "NemotronHForCausalLM" and unsupported_cause(model) is None
+    kinds = [type(layer.mixer).__name__ for layer in model.model.layers]
+    assert kinds == (["NemotronHMamba2Mixer", "NemotronHMLP"] * 3 + ["NemotronHAttention", "NemotronHMLP"]) * 2
+    mixers = ssd_layers(model)
+    assert len(mixers) == 6 and all((m.chunk_size, m.ssm_state_size, m.num_heads) == (128, 64, 16) for m in mixers)
+    assert config.hidden_size == 512
+    model = build_model(bench_model_config("kimi-linear"))
+    config = model.config
+    assert type(model).__name__ == "KimiLinearForCausalLM" and unsupported_cause(model) is None
+    assert config.layer_types == [L, L, L, F] * 2 and config.hidden_size == 512
+    assert sum(hands_off_state(m) for m in model.modules()) == 6
+    assert (config.num_experts, config.num_experts_per_token, config.mlp_layer_types[:2]) == (4, 2, ["dense", "sparse"])

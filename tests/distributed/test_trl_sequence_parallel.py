@@ -18,9 +18,10 @@ from launch import launch
 FLOAT_KEYS = ("advantages", "old_per_token_logps", "ref_per_token_logps")
 
 
-def _run(tmp_path, kind, stage, mode, nproc=None) -> dict:
+def _run(tmp_path, kind, stage, mode, nproc=None, options="") -> dict:
+    """Run trl_sp_worker.py (``options``: its ``OPTIONS`` names, comma-separated) and return what rank 0 wrote."""
     out = tmp_path / f"{kind}-{stage}-{mode}-{nproc}.json"
-    launch("trl_sp_worker.py", kind, stage, mode, out, nproc=nproc or (2 if mode == "sp" else 1))
+    launch("trl_sp_worker.py", kind, stage, mode, out, options, nproc=nproc or (2 if mode == "sp" else 1))
     return json.loads(out.read_text())
 
 
@@ -58,10 +59,12 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
     batches (the second one generated after an optimizer step: the gradient, summed by ZeRO-2 / averaged by ZeRO-3
     over the SP group, is the one-process gradient); DeepSpeed's Ulysses attention override is undone and its
     dataloader adapter skipped; the batch arithmetic and the seeds are the data-parallel run's; ``revert()`` brings
-    TRL's refusal back; generation (below ZeRO-3) and the reward functions ran once per SP group."""
+    TRL's refusal back; generation and the reward functions ran once per SP group (under ZeRO-3 the other rank joins
+    each generation step with a one-token stand-in row, and the generations end early)."""
     pytest.importorskip("deepspeed")
-    ref = _run(tmp_path, kind, stage, "ref")
-    sp = _run(tmp_path, kind, stage, "sp")
+    options = "early_stop" if stage == "zero3" else ""  # the leader's generation ends before max_completion_length
+    ref = _run(tmp_path, kind, stage, "ref", options=options)
+    sp = _run(tmp_path, kind, stage, "sp", options=options)
     assert ref["world_size"] == 1 and sp["world_size"] == 2
     (r,) = ref["ranks"]
     if kind == "grpo":  # steps_per_generation 4 > accumulation 2, beta > 0
@@ -82,19 +85,34 @@ def test_sp_group_sees_the_one_process_batch(tmp_path, kind, stage):
         assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]
         assert s["verified"] is (True if stage == "zero2" else None)  # grpo_mem.verify(trainer) before train()
     _assert_same_weights(sp["ranks"][0]["weights"], r["weights"])
-    _assert_generated_once_per_group(sp["ranks"], stage, r["counts"])
+    _assert_generated_once_per_group(sp["ranks"], stage, [r], ends_early=bool(options))
 
 
-def _assert_generated_once_per_group(ranks: list, stage: str, one_process: dict) -> None:
-    """The reward functions ran on each SP group's leader alone, as often as on the one-process run; so did the
-    model's ``generate`` below ZeRO-3 (under ZeRO-3 and FSDP2 every rank joins the parameter gathering and
-    generates)."""
+def _assert_generated_once_per_group(ranks: list, stage: str, refs: list, ends_early: bool = False) -> None:
+    """Generation and the reward functions ran once per SP group: on each group's leader, the reward functions as often
+    as on the stock rank of the group's index (``refs[d]``) and the model's ``generate`` on the rows stock's rank
+    generated, call by call. Below ZeRO-3 the other ranks never call ``generate``. Under ZeRO-3 and FSDP2, whose
+    generation forwards are parameter collectives of every rank, each other rank joins every call with ONE row of one
+    token (a stand-in finished after its first token), every rank with ``synced_gpus``, and every rank runs as many
+    forwards per call as the stock run's longest rank: the lockstep adds no step, and the stand-in keeps none going
+    (``ends_early``: some generation ended before ``max_completion_length``, 6 tokens)."""
+    sharded = stage in ("zero3", "fsdp2")
+    ref_calls = [r["counts"]["generate"] for r in refs]
+    longest = [max(c["forwards"] for c in calls) for calls in zip(*ref_calls, strict=True)]
+    assert (min(longest) < 6) is ends_early, longest
     for rank, s in enumerate(ranks):
+        ref, calls = refs[rank // 2]["counts"], s["counts"]["generate"]
         leader = rank % 2 == 0
-        assert s["counts"]["rewards"] == (one_process["rewards"] if leader else 0), (rank, s["counts"], one_process)
-        generated = one_process["generate"] if leader or stage in ("zero3", "fsdp2") else 0
-        assert s["counts"]["generate"] == generated, (rank, s["counts"], one_process)
-    assert one_process["generate"] > 0 and one_process["rewards"] > 0, one_process
+        assert s["counts"]["rewards"] == (ref["rewards"] if leader else 0), (rank, s["counts"], ref)
+        if leader:
+            rows = [(c["rows"], c["width"]) for c in ref["generate"]]
+            assert [(c["rows"], c["width"]) for c in calls] == rows, (rank, calls, ref["generate"])
+        else:
+            assert [(c["rows"], c["width"]) for c in calls] == ([(1, 1)] * len(longest) if sharded else []), calls
+        if sharded:
+            assert [c["forwards"] for c in calls] == longest, (rank, calls, ref_calls)
+            assert all(c["synced"] is True for c in calls), calls
+    assert all(len(calls) > 0 and r["counts"]["rewards"] > 0 for calls, r in zip(ref_calls, refs)), refs
 
 
 @pytest.mark.slow
@@ -107,8 +125,11 @@ def test_sp_groups_with_data_parallelism_match_stock(tmp_path, stage):
     rank d sees; grad norms and weights agree."""
     if stage == "zero3":
         pytest.importorskip("deepspeed")
-    ref = _run(tmp_path, "grpo", stage, "ref", nproc=2)
-    sp = _run(tmp_path, "grpo", stage, "sp", nproc=4)
+    # ZeRO-3: each generation forward gathers per module, and the groups' generations end early at different steps;
+    # not under FSDP2: stock TRL generates there without synced_gpus, so its ranks must take the same step count
+    options = "early_stop,per_module_gather" if stage == "zero3" else ""
+    ref = _run(tmp_path, "grpo", stage, "ref", nproc=2, options=options)
+    sp = _run(tmp_path, "grpo", stage, "sp", nproc=4, options=options)
     assert ref["world_size"] == 2 and sp["world_size"] == 4
     assert [s["sp_group"] for s in sp["ranks"]] == [[0, 2], [1, 2], [0, 2], [1, 2]]
     for rank, s in enumerate(sp["ranks"]):
@@ -118,7 +139,7 @@ def test_sp_groups_with_data_parallelism_match_stock(tmp_path, stage):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (s["grad_norms"], r["grad_norms"])
         assert s["decisions"]["grpo_mem/path/stock"] == 0, s["decisions"]
     assert ref["ranks"][0]["records"][0]["prompt_ids"] != ref["ranks"][1]["records"][0]["prompt_ids"]
-    _assert_generated_once_per_group(sp["ranks"], stage, ref["ranks"][0]["counts"])
+    _assert_generated_once_per_group(sp["ranks"], stage, ref["ranks"], ends_early=bool(options))
     _assert_same_weights(sp["ranks"][0]["weights"], ref["ranks"][0]["weights"])
 
 
@@ -129,10 +150,11 @@ def test_fsdp2_context_parallel_trains_like_one_process(tmp_path):
     stock TRL on one process without FSDP: every micro-batch's loss inputs, the batch arithmetic and seeds, grad
     norms within 1e-5 relative and the weights after 3 optimizer steps within 1e-5 (FSDP2 averages the gradient
     over the cp ranks: each rank's share is scaled by 2). accelerate's context-parallel preparation is skipped (no
-    mask-dropping pre-hook on any ``self_attn``), every rank generates (FSDP2's unshard is a collective), the reward
-    function runs on the leader alone, and ``revert()`` brings TRL's refusal back."""
-    ref = _run(tmp_path, "grpo", "fsdp2", "ref")
-    cp = _run(tmp_path, "grpo", "fsdp2", "sp")
+    mask-dropping pre-hook on any ``self_attn``), the leader alone generates the batch while the other rank joins each
+    step's unshard with a one-token stand-in row (generations ending early), the reward function runs on the leader
+    alone, and ``revert()`` brings TRL's refusal back."""
+    ref = _run(tmp_path, "grpo", "fsdp2", "ref", options="early_stop")
+    cp = _run(tmp_path, "grpo", "fsdp2", "sp", options="early_stop")
     (r,) = ref["ranks"]
     assert [s["sp_group"] for s in cp["ranks"]] == [[0, 2], [1, 2]]
     for s in cp["ranks"]:
@@ -147,5 +169,5 @@ def test_fsdp2_context_parallel_trains_like_one_process(tmp_path):
         assert s["adapter_skipped"] and s["adapter_restored"] and s["mask_hooks"] == 0, s
         assert "does not support sequence-dim parallelism" in s["refused_after_revert"], s["refused_after_revert"]
         assert s["verified"] is True  # grpo_mem.verify(trainer) before train(): each rank on its own
-    _assert_generated_once_per_group(cp["ranks"], "fsdp2", r["counts"])
+    _assert_generated_once_per_group(cp["ranks"], "fsdp2", [r], ends_early=True)
     _assert_same_weights(cp["ranks"][0]["weights"], r["weights"])

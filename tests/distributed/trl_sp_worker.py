@@ -1,6 +1,6 @@
 """One rank of the sequence-parallel TRL runs, launched by test_trl_sequence_parallel.py.
 
-Usage: trl_sp_worker.py KIND STAGE MODE OUT_JSON
+Usage: trl_sp_worker.py KIND STAGE MODE OUT_JSON [OPTIONS]
 
 - KIND: grpo | rloo. STAGE: zero2 | zero3 (DeepSpeed on CPU/gloo, as dist_worker.py runs it), or fsdp2: FSDP2 with
   each decoder layer sharded (as dist_worker.py runs it) and ``ParallelismConfig(cp_size=2)`` (context parallelism);
@@ -10,6 +10,7 @@ Usage: trl_sp_worker.py KIND STAGE MODE OUT_JSON
   (one data-parallel rank) or 4 (two, ``dp_replicate_size=2``): grpo_mem scores every pass split along the sequence
   over the two ranks of a group. MODE ``ref``: stock TRL (not patched), the same configuration without
   ``parallelism_config`` on 1 process (or 2: data parallel).
+- OPTIONS: comma-separated names of ``OPTIONS`` (generation ending early, ZeRO-3 gathering per module).
 
 Every micro-batch TRL's loss receives (prompt and completion ids and masks, advantages, old and reference log-probs,
 the token count) is recorded on every rank. Rank 0 writes every rank's records, the trainer's batch arithmetic, the
@@ -25,19 +26,35 @@ import types
 import torch
 
 SP = 2
-ARGS = dict(
-    max_steps=3,
-    per_device_train_batch_size=4,
-    num_generations=4,
-    gradient_accumulation_steps=2,
-    steps_per_generation=4,  # generation every 4 micro-batches, optimizer step every 2: old log-probs are computed
-    max_completion_length=6,
-    beta=0.04,  # a reference model: its log-probs are scored too
-    scale_rewards="batch",  # the std over the whole generation batch: duplicated ranks would change it
-    optim="sgd",
-    learning_rate=0.1,
-    logging_steps=1,
-)
+ARGS = {
+    "max_steps": 3,
+    "per_device_train_batch_size": 4,
+    "num_generations": 4,
+    "gradient_accumulation_steps": 2,
+    "steps_per_generation": 4,  # generation every 4 micro-batches, optimizer step every 2: old log-probs are computed
+    "max_completion_length": 6,
+    "beta": 0.04,  # a reference model: its log-probs are scored too
+    "scale_rewards": "batch",  # the std over the whole generation batch: duplicated ranks would change it
+    "optim": "sgd",
+    "learning_rate": 0.1,
+    "logging_steps": 1,
+}
+
+
+OPTIONS = {
+    # a row ends at any of 3/4 of the vocabulary (TRL's completion mask still cuts at the tokenizer's EOS only): the
+    # generation batches end before max_completion_length, at a step the stand-in ranks must not extend
+    "early_stop": lambda: {"generation_kwargs": {"eos_token_id": [i for i in range(3, _vocab()) if i % 4]}},
+    # ZeRO-3 gathers each module's parameters in every generation forward (TRL gathers them all once by default)
+    "per_module_gather": lambda: {"ds3_gather_for_generation": False},
+}
+"""Optional configurations the tests ask for by name (the worker's fifth argument, comma-separated)."""
+
+
+def _vocab() -> int:
+    from helpers import VOCAB
+
+    return VOCAB
 
 
 def _record(trainer) -> list:
@@ -70,16 +87,26 @@ def _record(trainer) -> list:
 
 
 def _count_generation_and_rewards(trainer) -> dict:
-    """Count, on this rank, the model's ``generate`` calls (transformers' ``GenerationMixin.generate``) and the calls
-    of each reward function."""
+    """Count, on this rank, the model's ``generate`` calls (transformers' ``GenerationMixin.generate``: per call the
+    rows and width of its input, the model forwards it ran, and whether it ran with ``synced_gpus``) and the calls of
+    each reward function."""
     from transformers.generation.utils import GenerationMixin
 
-    counts = {"generate": 0, "rewards": 0}
+    counts = {"generate": [], "rewards": 0}
     generate = GenerationMixin.generate
 
     def counted_generate(self, *args, **kwargs):
-        counts["generate"] += 1
-        return generate(self, *args, **kwargs)
+        forwards = [0]
+        hook = self.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
+        try:
+            out = generate(self, *args, **kwargs)
+        finally:
+            hook.remove()
+        rows, width = kwargs["input_ids"].shape
+        counts["generate"].append(
+            {"rows": rows, "width": width, "forwards": forwards[0], "synced": kwargs.get("synced_gpus")}
+        )
+        return out
 
     def counted(func):
         def reward(*args, **kwargs):
@@ -140,7 +167,7 @@ def _refused_after_revert(config_cls, pc) -> str:
     return ""
 
 
-def main(kind: str, stage: str, mode: str, out: str) -> None:
+def main(kind: str, stage: str, mode: str, out: str, options: str = "") -> None:
     from accelerate import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from dist_worker import SYSTEM, gathered_weights, stack_args
@@ -152,6 +179,8 @@ def main(kind: str, stage: str, mode: str, out: str) -> None:
 
     cp = stage == "fsdp2"
     args = dict(ARGS, **(stack_args(stage) if mode == "sp" or not cp else {}))
+    for name in filter(None, options.split(",")):
+        args.update(OPTIONS[name]())
     # before the config: it lifts TRL's refusal of sp_size > 1
     handle = grpo_mem.patch_trl(sequence_parallel=True) if mode == "sp" else None
     world = int(os.environ.get("WORLD_SIZE", "1"))

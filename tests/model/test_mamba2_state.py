@@ -150,6 +150,32 @@ def test_tree_sharing_matches_stock_trl(monkeypatch, arch, checkpointing):
     assert count.passes == [[13], [3, 6, 6], [1, 4]]
 
 
+def test_segments_shorter_than_the_chunk_scan_in_a_fitted_chunk(monkeypatch):
+    """Nemotron-H with a chunk of 64: stock scans every row in chunks of 64; the prompt-once passes (prompts of 2 to 9
+    tokens, completions of 6) scan in chunks of 16 (the smallest power of two >= the segment, at least 16), with
+    log-probs, entropies and gradients as stock's; the mixers' chunk is 64 again after the call."""
+    from transformers.models.nemotron_h import modeling_nemotron_h as modeling
+
+    from grpo_mem.model.mamba2_state import chunk_for
+
+    assert [chunk_for(64, n) for n in (1, 6, 16, 17, 33, 64, 200)] == [16, 16, 16, 32, 64, 64, 64]
+    assert chunk_for(4, 2) == 4 and chunk_for(8, 3) == 8  # chunks of at most 16 stay as they are
+    torch.manual_seed(0)
+    model = nemotron_h()
+    model.config.chunk_size = 64
+    for m in ssd_layers(model):
+        m.chunk_size = 64
+    chunks, scan = [], modeling.mamba2_chunk_scan
+    monkeypatch.setattr(
+        modeling,
+        "mamba2_chunk_scan",
+        lambda *a, chunk_size, **k: chunks.append(chunk_size) or scan(*a, chunk_size=chunk_size, **k),
+    )
+    ids, mask, C, _ = make_batch([5, 9, 2, 7], 3, 6, shuffle=True, junk_in_padding=True)
+    _check(model.float().train(), ids, mask, C, "group")
+    assert set(chunks) == {16, 64} and all(m.chunk_size == 64 for m in ssd_layers(model))
+
+
 def test_node_states_are_the_models_own_states_at_each_rows_last_token():
     """A root pass over right-padded rows of 1 to 9 tokens records, per mixer and row, the model's own cache states
     after the row's last real token: padding neither decays the SSM state nor enters the convolution's."""
@@ -205,3 +231,37 @@ def test_sequence_parallelism_refuses_the_mixers_by_name(arch):
 
     ids, mask, _, _ = make_batch([4, 6], 2, 3)
     assert sp_cause(_OneInput(), _model(arch), False, None, ids, mask) == SP_CAUSES["linear"]
+
+
+def test_grpo_training_on_nemotron_h_matches_stock(tmp_path, monkeypatch):
+    """Nemotron-H (Mamba-2 mixers, attention and MLP blocks) through GRPOTrainer as users run it: generation with the
+    model's own cache, 3 steps of 2 accumulated micro-batches of 2 rows (groups of 4 split over them), gradient
+    checkpointing on; every step on the prompt-once path, gradients within 1e-4 and weights within 1e-5 of stock
+    TRL's."""
+    import helpers
+    from helpers import assert_grads_close, train_recorded
+
+    def tiny(arch, seed=0, **_):
+        model = _model("nemotron_h", seed=seed)
+        model.config.use_cache = True
+        return model
+
+    monkeypatch.setattr(helpers, "tiny_model", tiny)
+    args = dict(
+        arch="nemotron_h",
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        gradient_checkpointing=True,
+        optim="sgd",
+        learning_rate=0.5,
+    )
+    stock, stock_rec = train_recorded(tmp_path / "stock", "grpo", patch=False, **args)
+    ours, ours_rec = train_recorded(tmp_path / "ours", "grpo", patch=True, **args)
+    assert ours.state.global_step == 3
+    assert [h["grpo_mem/path/stock"] for h in ours.state.log_history if "grpo_mem/path/stock" in h] == [0.0] * 3
+    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+        assert_grads_close(g_ours, g_stock, 1e-4)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in ours.model.named_parameters():
+        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)

@@ -35,9 +35,8 @@ def test_refusal_lifted_only_for_deepspeed_sp_while_patched(tmp_path, name):
     stock = cls.__dict__["__post_init__"]
     with pytest.raises(ValueError, match=REFUSAL):
         _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
-    with grpo_mem.patch_trl():  # a plain patch leaves TRL's refusal alone
-        with pytest.raises(ValueError, match=REFUSAL):
-            _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+    with grpo_mem.patch_trl(), pytest.raises(ValueError, match=REFUSAL):  # a plain patch leaves TRL's refusal alone
+        _config(cls, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
     handle = grpo_mem.patch_trl(sequence_parallel=True)
     try:
         # past TRL's refusal: one process cannot hold an SP group of 2
@@ -69,14 +68,15 @@ def test_sp_groups_with_data_parallelism_need_the_data_parallel_size(tmp_path, m
     """On 4 processes with sp_size=2 (two data-parallel groups) the config must say dp_replicate_size=2, which
     accelerate sizes DeepSpeed's batch by; without it DeepSpeed would fail later on a batch-size assertion."""
     import trl
-    from accelerate import ParallelismConfig
 
     import grpo_mem
 
     monkeypatch.setattr(trl.GRPOConfig, "world_size", property(lambda self: 4))
-    with grpo_mem.patch_trl(sequence_parallel=True):
-        with pytest.raises(ValueError, match=r"makes 2 data-parallel groups.*dp_replicate_size=2"):
-            _config(trl.GRPOConfig, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+    with (
+        grpo_mem.patch_trl(sequence_parallel=True),
+        pytest.raises(ValueError, match=r"makes 2 data-parallel groups.*dp_replicate_size=2"),
+    ):
+        _config(trl.GRPOConfig, tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
 
 
 def test_context_parallel_groups_with_data_parallelism_need_dp_shard_size(tmp_path, monkeypatch):
@@ -260,3 +260,35 @@ def test_trl_reads_the_data_parallel_size_and_deepspeed_the_world(tmp_path, monk
     batch = args.hf_deepspeed_config.config["train_batch_size"]
     assert batch == args.per_device_train_batch_size * args.gradient_accumulation_steps * 4
     assert vars(trl.GRPOConfig)["world_size"] is world_size and vars(TrainingArguments)["__post_init__"] is post_init
+
+
+def test_a_stand_in_row_finishes_after_its_first_token_and_leaves_no_trace(tmp_path):
+    """``generating_in_lockstep`` (one process in a gloo group of 1, as ``synced_gpus`` needs a process group): TRL's
+    generation model generates with ``synced_gpus=True``; as a stand-in its one row ends after ONE new token where the
+    leader's configuration (``max_new_tokens=6``, TRL's ``generation_config``) runs 6; the ``generate`` bound on the
+    instance is gone on exit. ``stand_in_prompts``: the longest prompt's first token, or that whole prompt under
+    chunked prefill (as many prefill forwards as the leader's left-padded batch)."""
+    import torch.distributed as dist
+    from helpers import make_trainer
+
+    from grpo_mem.patches.trl_sp import generating_in_lockstep, stand_in_prompts
+
+    trainer, _ = make_trainer(patch=False, output_dir=tmp_path, max_completion_length=6)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    prompts = [[5, 6], [7, 8, 9], [10]]
+    assert stand_in_prompts(trainer, prompts) == [[7]]
+    ids = torch.tensor(stand_in_prompts(trainer, prompts))
+    config = trainer.generation_config
+    config.eos_token_id = None  # no row ends by chance: the leader's runs max_new_tokens
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for stand_in, new_tokens in ((True, 1), (False, 6)):
+            with generating_in_lockstep(trainer, stand_in=stand_in):
+                assert model.generate.keywords["synced_gpus"] is True
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            assert out.shape == (1, 1 + new_tokens), (stand_in, out.shape)
+            assert "generate" not in vars(model)
+    finally:
+        dist.destroy_process_group()
+    config.prefill_chunk_size = 2
+    assert stand_in_prompts(trainer, prompts) == [[7, 8, 9]]
