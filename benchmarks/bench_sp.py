@@ -224,6 +224,29 @@ def launch(
         raise RuntimeError(f"sp_size {sp_size} run exited with code {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
+def _row_key(r: dict) -> tuple:
+    """What one CSV row measures: provider, metric, P, C, G, split, exchange, rank."""
+    c = r["config"]
+    return (r["provider"], r["metric"], c["P"], c["C"], c["G"], _split(c), _exchange(c), c["rank"])
+
+
+def _run_name(k: int, split: str, exchange: str) -> str:
+    """A run's directory: ``sp{k}``, with ``-{split}`` for a split other than zigzag and ``-{exchange}`` for an
+    exchange other than heads."""
+    return f"sp{k}" + ("" if split == "zigzag" else f"-{split}") + ("" if exchange == "heads" else f"-{exchange}")
+
+
+def _rank_rows(out: str, k: int, P: int, config: dict) -> list[dict]:
+    """The CSV rows of the ``k`` ranks of one run whose measurements ``rank{r}.json`` are in ``out``, each with
+    ``config`` and its ``rank``."""
+    rows = []
+    for r in range(k):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            m = json.load(f)
+        rows += harness.measurement_rows(OP, f"sp{k}", "full", "P", P, m, dict(config, rank=r))
+    return rows
+
+
 def run(
     P: int,
     C: int,
@@ -250,10 +273,7 @@ def run(
         root = out_root or tmp
         ref = None
         for k, split, exchange in runs:
-            name = (
-                f"sp{k}" + ("" if split == "zigzag" else f"-{split}") + ("" if exchange == "heads" else f"-{exchange}")
-            )
-            out = os.path.join(root, name)
+            out = os.path.join(root, _run_name(k, split, exchange))
             os.makedirs(out, exist_ok=True)
             launch(k, P, C, G, tensors, out, split=split, exchange=exchange)
             saved = torch.load(os.path.join(out, "logps.pt"))
@@ -262,36 +282,27 @@ def run(
             diff = float((saved["logps"] - ref["logps"]).abs().max())
             grad_rel = abs(saved["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
             exp = expected(P, C, G, k, exchange)
-            for r in range(k):
-                with open(os.path.join(out, f"rank{r}.json")) as f:
-                    m = json.load(f)
-                config = dict(
-                    P=P,
-                    C=C,
-                    G=G,
-                    B=G,
-                    sp_size=k,
-                    split=split if k > 1 else "-",
-                    exchange=exchange if k > 1 else "-",
-                    rank=r,
-                    model="llama-h256-l4",
-                    dtype="float32",
-                    checkpointing=False,
-                    threads=1,
-                    busy=busy,
-                    logp_max_abs_diff_vs_sp1=diff,
-                    grad_norm_rel_diff_vs_sp1=grad_rel,
-                    grad_norm=saved["grad_norm"],
-                    expected_mb=round(exp["total"] / harness.MB, 1),
-                    expected_gathered_kv_mb=round(exp["gathered_kv"] / harness.MB, 1),
-                )
-                rows += harness.measurement_rows(OP, f"sp{k}", "full", "P", P, m, config)
-
-    def key(r: dict) -> tuple:
-        c = r["config"]
-        return (r["provider"], r["metric"], c["P"], c["C"], c["G"], _split(c), _exchange(c), c["rank"])
-
-    merge_csv(rows, csv_path, key)
+            config = dict(
+                P=P,
+                C=C,
+                G=G,
+                B=G,
+                sp_size=k,
+                split=split if k > 1 else "-",
+                exchange=exchange if k > 1 else "-",
+                model="llama-h256-l4",
+                dtype="float32",
+                checkpointing=False,
+                threads=1,
+                busy=busy,
+                logp_max_abs_diff_vs_sp1=diff,
+                grad_norm_rel_diff_vs_sp1=grad_rel,
+                grad_norm=saved["grad_norm"],
+                expected_mb=round(exp["total"] / harness.MB, 1),
+                expected_gathered_kv_mb=round(exp["gathered_kv"] / harness.MB, 1),
+            )
+            rows += _rank_rows(out, k, P, config)
+    merge_csv(rows, csv_path, _row_key)
     return rows
 
 

@@ -208,6 +208,27 @@ def module_eager(module):
     return getattr(sys.modules.get(own_class(module).__module__), "eager_attention_forward", None)
 
 
+def _op_tensors(tensors: tuple) -> tuple:
+    """``(query, key, value, key_1, value_1, ...)`` as the attention op takes them: in autocast's dtype under autocast
+    (as SDPA runs; the op keeps its own accumulation), each value zero-padded to the key width where the value heads
+    are narrower (MLA: DeepSeek-V2/V3, Kimi; zero columns give zero outputs under the same attention weights, cut back
+    after the op).
+
+    Raises:
+        TypeError: the tensors' dtypes differ outside autocast.
+    """
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        tensors = tuple(t.to(dtype) for t in tensors)
+    elif len({t.dtype for t in tensors}) > 1:
+        raise TypeError(f"query/key/value dtypes differ outside autocast: {sorted({str(t.dtype) for t in tensors})}")
+    pad = tensors[1].shape[-1] - tensors[2].shape[-1]
+    if pad:
+        tensors = tuple(F.pad(t, (0, pad)) if i >= 2 and i % 2 == 0 else t for i, t in enumerate(tensors))
+    return tensors
+
+
 def _make_hook(inner: str):
     flash = _is_flash(inner)
 
@@ -235,22 +256,8 @@ def _make_hook(inner: str):
         elif ctx.capture is not None:
             ctx.capture.setdefault(layer, (key, value))
         region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for r in shard_regions for t in r[:2]]
-        tensors = (query, key, value, *region_kv)
-        device = query.device.type
-        if torch.is_autocast_enabled(device):
-            # autocast runs SDPA in its lower-precision dtype; do the same, then keep the op's own accumulation
-            dtype = torch.get_autocast_dtype(device)
-            tensors = tuple(t.to(dtype) for t in tensors)
-        elif len({t.dtype for t in tensors}) > 1:
-            raise TypeError(
-                f"query/key/value dtypes differ outside autocast: {sorted({str(t.dtype) for t in tensors})}"
-            )
-        dv = value.shape[-1]
-        if dv != key.shape[-1]:
-            # value heads narrower than query/key heads (MLA: DeepSeek-V2/V3, Kimi): zero columns give zero outputs
-            # under the same attention weights, so the op runs at the key width and the output is cut back to dv
-            pad = key.shape[-1] - dv
-            tensors = tuple(F.pad(t, (0, pad)) if i >= 2 and i % 2 == 0 else t for i, t in enumerate(tensors))
+        tensors = _op_tensors((query, key, value, *region_kv))
+        device, dv = query.device.type, value.shape[-1]
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = tensors[:3]
