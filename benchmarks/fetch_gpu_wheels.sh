@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Fetch the wheels the one-shot GPU check (benchmarks/gpu_check.py) needs beyond the GPU image into .whl/ (git-ignored),
-# for CPython 3.12 on manylinux x86_64, without their dependencies: the image (torch 2.11, triton 3.6, transformers 5.17,
-# Python 3.12, no TRL/datasets) has the rest, and the device machine has no network. The device call carries .whl/
-# (carry=[".whl"]) and installs it offline:
+# Fetch the wheels the one-shot GPU check (benchmarks/gpu_check.py) needs beyond a CUDA torch environment into .whl/
+# (git-ignored), for CPython 3.12 on manylinux x86_64, without their dependencies: the CUDA environment is expected to
+# have the rest (the first GPU run's had torch 2.11, triton 3.6, transformers 5.17, Python 3.12, no TRL/datasets) and
+# may have no network. Copy .whl/ there with the checkout and install it offline, from the checkout's root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 GRPO_MEM_SKIP_EXT=1
+# (docs/testing.md, "Running it on your CUDA machine").
 #
-#   transformers  the package needs >=5.23 (setup.py); the image has 5.17
-#   trl           not in the image
-#   datasets      TRL's GRPOTrainer imports it; not in the image
-#   dill, multiprocess   datasets' dependencies, not in the image
-#   regex         transformers checks regex>=2025.10.22 when imported; the image's version is unknown (insurance)
-#   peft          TRL imports peft when present; the image's version is unknown against transformers 5.24 (insurance)
+#   transformers  the package needs >=5.23 (setup.py); that environment had 5.17
+#   trl           not in that environment
+#   datasets      TRL's GRPOTrainer imports it; not in that environment
+#   dill, multiprocess   datasets' dependencies, not in that environment
+#   regex         transformers checks regex>=2025.10.22 when imported; its version there is unknown (insurance)
+#   peft          TRL imports peft when present; its version there is unknown against transformers 5.24 (insurance)
 #
 # Usage: benchmarks/fetch_gpu_wheels.sh [DEST]   (DEST defaults to .whl at the repository root; existing wheels kept)
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""The one-shot GPU check: everything a first GPU slot should tell, in one command, with at most 8 result files.
+"""The one-shot GPU check: everything a first run on a GPU should tell, in one command, with at most 8 result files.
 
     python benchmarks/gpu_check.py --out DIR [--device cuda|cpu] [--tiny] [--budget-s 500] [--phases env,kernels,...]
         [--backend auto|triton|torch|cpp] [-k EXPR]
@@ -68,7 +68,7 @@ RESULT_FILES = (
     "bench/bench.csv",
     "bench/bench.png",
 )
-"""Everything the check writes under ``--out``: the device tool returns at most 8 files, none deeper than one folder."""
+"""Everything the check writes under ``--out``: at most 8 files, none deeper than one folder (easy to copy off)."""
 LOG_TAIL_LINES = 300
 """Lines of each phase's output copied into run.log (the whole output stays under the work directory)."""
 
@@ -200,7 +200,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 class Log:
-    """run.log, written as the phases end (the device tool returns what is there even after a timeout)."""
+    """run.log, written as the phases end (what finished is there even if an outer limit kills the check)."""
 
     def __init__(self, path: str):
         self.path = path

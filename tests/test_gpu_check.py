@@ -1,5 +1,5 @@
 """``benchmarks/gpu_check.py --device cpu --tiny``: the one-shot GPU check runs end to end in CPU mode and writes every
-result file the device call brings back, with real content, so it cannot rot between GPU slots."""
+result file of its compact set, with real content, so it cannot rot between GPU runs."""
 
 import csv
 import json
@@ -29,7 +29,7 @@ def test_gpu_check_tiny_cpu(tmp_path):
     log = (out / "run.log").read_text() if (out / "run.log").exists() else proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log[-6000:]
 
-    # exactly the files the device call returns: at most 8, none deeper than one folder
+    # exactly the check's result set: at most 8 files, none deeper than one folder
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert written == sorted(gpu_check.RESULT_FILES), written
     assert len(written) <= 8 and all(name.count("/") <= 1 for name in written)
