@@ -299,7 +299,7 @@ def ensure_registered(inner: str) -> str:
     The hook goes into the local mapping of transformers' global ``ALL_ATTENTION_FUNCTIONS`` instance, which its
     public ``__setitem__`` / ``__delitem__`` manage. ``inner``'s mask function is registered under the hook's name
     with ``AttentionMaskInterface.register``: transformers' mask creation looks names up in the class's global
-    mapping only (a name missing there gets no mask at all). ``give_back`` removes both.
+    mapping only (a name missing there gets no mask at all). ``hand_back`` removes both.
 
     Raises:
         ValueError: ``inner`` is not a registered transformers attention implementation (nor ``"eager"``, which
@@ -403,11 +403,11 @@ def take_over(model) -> str | None:
 
 
 def taken_over(model) -> bool:
-    """Whether ``take_over`` switched ``model`` itself to the hook (and ``give_back`` has not undone it)."""
+    """Whether ``take_over`` switched ``model`` itself to the hook (and ``hand_back`` has not undone it)."""
     return isinstance(model.__dict__.get(TAKEN), _TakenOver)
 
 
-def give_back(model, impl: str) -> None:
+def hand_back(model, impl: str) -> None:
     """Restore the attention implementation ``impl`` that ``take_over`` returned; the hook is unregistered once no
     model runs it."""
     _switch(model, impl, flash=_is_flash(impl))

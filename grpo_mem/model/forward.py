@@ -348,7 +348,7 @@ def restore(causal_lm, *, forward: bool = True) -> None:
             causal_lm.forward = previous
     impl = causal_lm.config._attn_implementation or ""
     if impl.startswith(attn_hook.PREFIX):
-        attn_hook.give_back(causal_lm, attn_hook.inner_implementation(causal_lm))
+        attn_hook.hand_back(causal_lm, attn_hook.inner_implementation(causal_lm))
     else:  # a copy of a taken-over model: its linear-attention layers' pass-through forwards (bound to the copy)
         attn_hook.restore_forwards(causal_lm)
     causal_lm.__dict__.pop(attn_hook.TAKEN, None)  # a copy's marker (None)

@@ -137,7 +137,7 @@ def root_pass_states(model, install_layers=install) -> dict:
                 grpo_mem_ctx=attn_hook.context_token(ctx),
             )
     finally:
-        attn_hook.give_back(model, impl)
+        attn_hook.hand_back(model, impl)
     return ctx.linear.capture
 
 
