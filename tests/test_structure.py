@@ -1,5 +1,5 @@
-"""The shape of the house (issue 29): module sizes, the import graph, what the text path runs and imports, what a
-plain ``patch_trl()`` installs, and the size of tracked files.
+"""The shape of the house: module sizes, the import graph, what the text path runs and imports, what a plain
+``patch_trl()`` installs, and the size of tracked files.
 
 Every check reads the source tree or runs a small subprocess (seconds in all); none times anything.
 """

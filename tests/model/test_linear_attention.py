@@ -209,7 +209,7 @@ def hybrid_model(model_type: str, kinds: list[str], checkpointing: bool = False,
 @pytest.mark.parametrize("arch", ["lfm2", "lfm3"])
 @pytest.mark.parametrize("sharing", ["group", "tree"])
 def test_short_convolutions_match_stock_trl(arch, sharing):
-    """LFM2/LFM3 short convolutions (issue 30; kernel K = 3, two tokens of state): a node's last K − 1 convolution
+    """LFM2/LFM3 short convolutions (kernel K = 3, two tokens of state): a node's last K − 1 convolution
     inputs start the rows that continue it; in the three-level tree own parts of 1 and 2 tokens convolve across two
     node boundaries. Gradient checkpointing on for LFM3."""
     kinds = ["conv", "full_attention", "conv"]
@@ -223,7 +223,7 @@ def test_short_convolutions_match_stock_trl(arch, sharing):
 
 @pytest.mark.parametrize("sharing", ["group", "tree"])
 def test_kimi_delta_attention_matches_stock_trl(sharing):
-    """Kimi Linear (issue 30): KDA layers hand on their convolution and recurrent states like Gated DeltaNet; in the
+    """Kimi Linear: KDA layers hand on their convolution and recurrent states like Gated DeltaNet; in the
     three-level tree a 1-token node runs KDA's single-token path, which updates the convolution state it read in
     place (that copy is the node's final state). Its NoPE attention is admitted (no positions declared). Checkpointing
     on in the tree case."""
@@ -294,8 +294,8 @@ def test_patched_training_on_qwen3_5_matches_stock(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("sharing", ["group", "tree"])
 def test_all_linear_attention_configuration(sharing):
-    """A Qwen3.5 configuration whose every layer is Gated DeltaNet (no attention module at all; issue 30 named it):
-    admitted beside its handed layers, the prompt's states alone carry it to the completions."""
+    """A Qwen3.5 configuration whose every layer is Gated DeltaNet (no attention module at all): admitted beside its
+    handed layers, the prompt's states alone carry it to the completions."""
     model = tiny_model("qwen3_5", layers=1)
     assert model.config.layer_types == ["linear_attention"] and unsupported_cause(model) is None
     prompts = TREES["system"] if sharing == "tree" else None
