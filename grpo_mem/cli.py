@@ -35,7 +35,7 @@ force_offline()
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "grpo_mem.commands.train",
-        "GRPO on a reasoning-gym task with TRL's GRPOTrainer on CPU, patched by grpo_mem",
+        "GRPO on a reasoning-gym task, TRL's GRPOTrainer patched by grpo_mem (CUDA in bf16 when available, else CPU)",
     ),
     "bench": ("grpo_mem.commands.bench", "will grpo_mem help on my model? stock TRL vs grpo_mem on one scoring step"),
 }

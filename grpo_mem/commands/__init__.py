@@ -1,7 +1,7 @@
 """The ``grpo-mem`` commands: each command module has ``main(argv) -> int`` (:data:`grpo_mem.cli.COMMANDS`).
 
 - :mod:`~grpo_mem.commands.train`: ``grpo-mem train``, the main job: SmolLM2-135M-Instruct or Gemma 3 270M (offline), a
-  reasoning-gym task, TRL's GRPOTrainer on CPU (one run, the ``train`` command); made of
+  reasoning-gym task, TRL's GRPOTrainer on CUDA when available, else CPU (one run, the ``train`` command); made of
   :mod:`~grpo_mem.commands.train_settings` (the settings, one per flag, and TRL's config from them),
   :mod:`~grpo_mem.commands.gguf_models` (GGUF to HF directory, once), :mod:`~grpo_mem.commands.tasks` (prompts, answer
   extraction, exact reward, few-shot examples), :mod:`~grpo_mem.commands.memory` (per-step peak RSS and step time),
