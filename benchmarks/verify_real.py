@@ -123,7 +123,8 @@ def csv_row(args, batch, report, wall: float) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's flags (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(GGUF_MODELS), default="smollm2-135m")
     parser.add_argument("--prompts", type=int, default=2, help="prompts in the batch")
@@ -137,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", action="store_true", help="run the fp32-storage floor whenever fp64 runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="append the run's row to this CSV")
-    args = parser.parse_args(argv)
-    force_offline()
+    return parser.parse_args(argv)
+
+
+def load_model_and_batch(args: argparse.Namespace):
+    """The converted model (weights in ``--dtype``) and the GRPO batch sampled from it in fp32; prints the batch."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import grpo_mem
     from grpo_mem.commands.tasks import make_task
     from grpo_mem.commands.train import prompt_ids
 
@@ -166,6 +169,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()}",
         flush=True,
     )
+    return model, batch
+
+
+def append_row(path: str, row: dict) -> None:
+    """Append ``row`` to the CSV at ``path``, with a header line first when the file is new."""
+    path = Path(path)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    force_offline()
+    import grpo_mem
+
+    model, batch = load_model_and_batch(args)
     if args.perturb:
         perturb_head(args.perturb, model)
     if args.floor:
@@ -177,14 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - wall
     print(f"verify: {wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU")
     if args.csv:
-        row = csv_row(args, batch, report, wall)
-        path = Path(args.csv)
-        new = not path.exists()
-        with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row))
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        append_row(args.csv, csv_row(args, batch, report, wall))
     return 0 if report.passed == (not args.perturb) else 1
 
 
