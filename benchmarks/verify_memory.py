@@ -160,7 +160,8 @@ def _revision(repo: str) -> str:
     return rev.stdout.strip() + ("+changes" if dirty else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's flags (see the module docstring); ``--worker`` is the fresh process's own."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -177,6 +178,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", default=None, help="import grpo_mem from this checkout (default: this one)")
     parser.add_argument("--csv", default=None, help="append the rows to this CSV")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def run_mode(mode: str, settings: dict, repo: str) -> dict | None:
+    """``mode`` measured in a fresh process importing ``grpo_mem`` from ``repo``; prints its line (and verify's
+    report) and returns its CSV row, or None (the process's output printed to stderr) when the process failed."""
+    env = dict(os.environ, PYTHONPATH=repo)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(dict(settings, mode=mode))],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not result:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+        return None
+    r = json.loads(result[-1][len("RESULT ") :])
+    if "report" in r:
+        print(r.pop("report"))
+    print(
+        f"{mode}: peak RSS {r['peak_rss_mb']:.0f} MB, peak tensors {r['peak_tensor_mb']:.0f} MB above base, "
+        f"{r['seconds']:.1f} s ({r['rows']} rows, prompt width {r['prompt_width']})",
+        flush=True,
+    )
+    row = dict(mode=mode, **{k: r[k] for k in ("peak_rss_mb", "peak_tensor_mb", "seconds")}, **settings)
+    row["passed"] = r.get("passed", "")
+    return row
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append ``rows`` to the CSV at ``path``, with a header line first when the file is new."""
+    path = Path(path)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker is not None:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
@@ -185,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         parser.error(f"unknown modes {bad}; choose from {list(MODES)}")
+    repo = args.repo or str(Path(__file__).resolve().parents[1])
     settings = dict(
         model=args.model,
         dtype=args.dtype,
@@ -195,39 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         micro=args.micro_batch,
         threads=args.threads,
         track=args.track,
-        checkout=_revision(args.repo or str(Path(__file__).resolve().parents[1])),
+        checkout=_revision(repo),
     )
     rows = []
     for mode in modes:
-        env = dict(os.environ, PYTHONPATH=args.repo or str(Path(__file__).resolve().parents[1]))
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(dict(settings, mode=mode))],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not result:
-            print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+        row = run_mode(mode, settings, repo)
+        if row is None:
             return 1
-        r = json.loads(result[-1][len("RESULT ") :])
-        if "report" in r:
-            print(r.pop("report"))
-        print(
-            f"{mode}: peak RSS {r['peak_rss_mb']:.0f} MB, peak tensors {r['peak_tensor_mb']:.0f} MB above base, "
-            f"{r['seconds']:.1f} s ({r['rows']} rows, prompt width {r['prompt_width']})",
-            flush=True,
-        )
-        rows.append(dict(mode=mode, **{k: r[k] for k in ("peak_rss_mb", "peak_tensor_mb", "seconds")}, **settings))
-        rows[-1]["passed"] = r.get("passed", "")
+        rows.append(row)
     if args.csv:
-        path = Path(args.csv)
-        new = not path.exists()
-        with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        append_rows(args.csv, rows)
     return 0
 
 
