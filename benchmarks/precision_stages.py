@@ -360,7 +360,8 @@ def print_table(title: str, columns: list[str], rows, ratio_to: int | None = 0) 
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's flags (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sharing", nargs="+", default=["group", "tree"], choices=["group", "tree"])
     parser.add_argument("--attention", nargs="+", default=["cpu"], choices=["cpu", "torch"])
@@ -372,26 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion", type=int, default=12, help="completion tokens per row (all scored)")
     parser.add_argument("--every", type=int, default=3, help="show every k-th layer (and the last)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    force_offline()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return parser.parse_args(argv)
 
+
+def run_all(args: argparse.Namespace, model, model64, ids, mask, P: int) -> tuple[Run, dict[str, Run]]:
+    """The truth (stock TRL on ``model64`` with the float64 head) and, by name, stock TRL and every grpo_mem
+    (sharing, attention, head) combination of ``args`` on the fp32 ``model``; ``model`` restored afterwards."""
     import grpo_mem
 
-    directory = ensure_model("smollm2-135m", verbose=True, subprocess=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    model64 = copy.deepcopy(model).double()
-    ids, mask, P = build_batch(
-        tokenizer, args.system_tokens, args.width, args.prompts, args.generations, args.completion, args.seed
-    )
     C = args.completion
-    print(
-        f"SmolLM2-135M-Instruct fp32, {ids.shape[0]} rows: {args.prompts} prompts (width {P}, a {args.system_tokens}-"
-        f"token system message shared) x {args.generations} completions of {C} random tokens; torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads",
-        flush=True,
-    )
     stock_select = lambda x: x[:, P : P + C - 1]  # noqa: E731  (tokens 0 … C-2 of the completions)
     ours_select = lambda x: x[:, : C - 1]  # noqa: E731  (grpo_mem's completion pass runs exactly those)
     install_fused_head(model64)  # TRL's method calls it; exact_head answers those calls in float64
@@ -407,22 +397,50 @@ def main(argv: list[str] | None = None) -> int:
                 with backends(attention, head):
                     runs[f"grpo_mem {sharing}/{attention}/{head}"] = score(model, fn, ids, mask, C, ours_select)
     grpo_mem.restore(model)
-    # the backbone's share: each computation's final hidden states through the float64 head
+    return truth, runs
+
+
+def add_fp64_head(model64, runs: list[Run], ids, mask, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backbone's share: each run's final hidden states through the float64 head, as ``run.head64`` (B, C).
+    Returns the scored positions (B, C - 1) bool and their target ids."""
     scored = mask[:, P:].bool()
     targets = ids[:, P + 1 :][scored[:, 1:]]
     w64 = model64.get_output_embeddings().weight.detach()
-    for run in (truth, *runs.values()):
+    for run in runs:
         h = run.acts["final norm"][scored[:, 1:]]
         lp = torch.log_softmax(h @ w64.t(), -1).gather(1, targets[:, None])[:, 0]
         run.head64 = torch.zeros_like(run.logps)
         run.head64[:, 1:][scored[:, 1:]] = lp
+    return scored[:, 1:], targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    force_offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = ensure_model("smollm2-135m", verbose=True, subprocess=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    model64 = copy.deepcopy(model).double()
+    ids, mask, P = build_batch(
+        tokenizer, args.system_tokens, args.width, args.prompts, args.generations, args.completion, args.seed
+    )
+    print(
+        f"SmolLM2-135M-Instruct fp32, {ids.shape[0]} rows: {args.prompts} prompts (width {P}, a {args.system_tokens}-"
+        f"token system message shared) x {args.generations} completions of {args.completion} random tokens; torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    truth, runs = run_all(args, model, model64, ids, mask, P)
+    scored, targets = add_fp64_head(model64, [truth, *runs.values()], ids, mask, P)
     rows = stage_rows(truth, runs, len(model.model.layers), args.every)
     print_table(
         "Relative RMS error to fp64 (log-probs, entropies: absolute), ratio to stock TRL's in parentheses",
         list(runs),
         rows,
     )
-    head = head_only(model64, truth.acts["final norm"][scored[:, 1:]], targets)
+    head = head_only(model64, truth.acts["final norm"][scored], targets)
     names = list(next(iter(head.values())))
     print_table(
         "LM head alone on the fp64 final hidden states rounded to fp32 (errors to a float64 log-softmax; log-probs and "
