@@ -412,39 +412,45 @@ def run_env(args) -> int:
             lines.append("ERROR: --device cuda but torch sees no CUDA device")
             ok = False
         else:
-            p = torch.cuda.get_device_properties(0)
-            lines.append(
-                f"device 0: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
-                f"{p.total_memory / 2**30:.1f} GiB"
-            )
-            for attr in ("shared_memory_per_block_optin", "shared_memory_per_multiprocessor", "L2_cache_size"):
-                lines.append(f"  {attr} {getattr(p, attr, '?')}")
-            try:
-                from triton.runtime import driver
-
-                props = driver.active.utils.get_device_properties(0)
-                lines.append(f"triton device properties: {props}")
-            except Exception as exc:  # noqa: BLE001 - report whatever failed
-                lines.append(f"triton device properties: failed: {exc!r}")
-            lines.append(
-                _command(
-                    [
-                        "nvidia-smi",
-                        "--query-gpu=name,driver_version,clocks.sm,clocks.mem,"
-                        "clocks.max.sm,temperature.gpu,power.draw,power.limit,memory.used,memory.total",
-                        "--format=csv",
-                    ]
-                )
-            )
-            lines.append(_command(["nvcc", "--version"])[-200:])
-            lines.append(_command(["compute-sanitizer", "--version"])[-120:])
-            lines.append(_command(["cuobjdump", "--version"])[-120:])
+            lines += _cuda_env_lines(torch)
     lines.append(f"cpus {len(os.sched_getaffinity(0))}")
     lines.append(_command(["git", "-C", REPO, "log", "-1", "--format=%H %s"]))
     with open(os.path.join(args.out, "env.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+def _cuda_env_lines(torch) -> list[str]:
+    """Device 0's properties, Triton's view of it, ``nvidia-smi``'s clocks/temperature/power and the CUDA tools'
+    versions, as ``env.txt`` lines."""
+    p = torch.cuda.get_device_properties(0)
+    lines = [
+        f"device 0: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB"
+    ]
+    for attr in ("shared_memory_per_block_optin", "shared_memory_per_multiprocessor", "L2_cache_size"):
+        lines.append(f"  {attr} {getattr(p, attr, '?')}")
+    try:
+        from triton.runtime import driver
+
+        props = driver.active.utils.get_device_properties(0)
+        lines.append(f"triton device properties: {props}")
+    except Exception as exc:  # noqa: BLE001 - report whatever failed
+        lines.append(f"triton device properties: failed: {exc!r}")
+    lines.append(
+        _command(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,clocks.sm,clocks.mem,"
+                "clocks.max.sm,temperature.gpu,power.draw,power.limit,memory.used,memory.total",
+                "--format=csv",
+            ]
+        )
+    )
+    lines.append(_command(["nvcc", "--version"])[-200:])
+    lines.append(_command(["compute-sanitizer", "--version"])[-120:])
+    lines.append(_command(["cuobjdump", "--version"])[-120:])
+    return lines
 
 
 def _command(cmd: list[str]) -> str:
