@@ -146,6 +146,32 @@ def stock_estimate(config: dict, G: int, P: int, C: int, dtype: str, device: str
     return estimate_stock_memory(model_shape(config), micro=G, P=P, C=C, dtype=dtype, device="cuda")
 
 
+def cell_csv_config(name: str, P: int, C: int, G: int, config: dict, est, *, device, dtype, threads, repeats, stock):
+    """The CSV ``config`` of one (model, P, C, G): the shape, the run's settings, the ideal token ratio and stock's
+    estimate (``est``, :func:`stock_estimate`); on CPU the cut too."""
+    from grpo_mem.bench.estimate import GB
+
+    csv_config = {
+        "model": name,
+        "P": P,
+        "C": C,
+        "G": G,
+        "groups": 1,
+        "micro": G,
+        "layers": config["num_hidden_layers"],
+        "dtype": dtype,
+        "threads": threads,
+        "repeats": repeats,
+        "stock": stock,
+        "ideal_ratio": round(token_counts(G, P, C)["ideal_ratio"], 4),
+        "estimated_stock_peak_gb": round(est.total / GB, 3),
+        "grad_mb": round(est.gradients / MB, 1),
+    }
+    if device == "cpu":
+        csv_config["cut"] = cut_note(config)
+    return csv_config
+
+
 def cells(
     configs: Sequence[tuple[str, int, int, int]],
     *,
@@ -165,24 +191,9 @@ def cells(
         config = model_config(name, cpu_cut=device == "cpu")
         est = stock_estimate(config, G, P, C, dtype, device)
         fits = est.total <= available
-        csv_config = {
-            "model": name,
-            "P": P,
-            "C": C,
-            "G": G,
-            "groups": 1,
-            "micro": G,
-            "layers": config["num_hidden_layers"],
-            "dtype": dtype,
-            "threads": threads,
-            "repeats": repeats,
-            "stock": stock,
-            "ideal_ratio": round(token_counts(G, P, C)["ideal_ratio"], 4),
-            "estimated_stock_peak_gb": round(est.total / GB, 3),
-            "grad_mb": round(est.gradients / MB, 1),
-        }
-        if device == "cpu":
-            csv_config["cut"] = cut_note(config)
+        csv_config = cell_csv_config(
+            name, P, C, G, config, est, device=device, dtype=dtype, threads=threads, repeats=repeats, stock=stock
+        )
         args = {
             "model_config": config,
             "G": G,
