@@ -40,7 +40,7 @@ from grpo_mem.bench.estimate import (
     model_shape,
 )
 from grpo_mem.bench.presets import PRESETS, ModelSpec, resolve_model
-from grpo_mem.commands.flags import DefaultsFormatter, non_negative_int, positive_int
+from grpo_mem.commands.flags import DefaultsFormatter, check_output_dir, non_negative_int, num_generations, positive_int
 
 OP = "group_logprobs"
 """The CSV's ``op``: the same op as ``benchmarks/bench_group.py`` measures."""
@@ -87,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="C",
         help="completion width C (completions of C/2 to C tokens, right-padded)",
     )
-    parser.add_argument("--num-generations", type=positive_int, default=8, metavar="G", help="completions per prompt")
+    parser.add_argument(
+        "--num-generations", type=num_generations, default=8, metavar="G", help="completions per prompt (>= 2)"
+    )
     parser.add_argument(
         "--groups",
         type=positive_int,
@@ -229,7 +231,9 @@ class BenchConfig:
 
 
 def validate(args: argparse.Namespace) -> BenchConfig:
-    """Turn parsed flags into a :class:`BenchConfig`. Raises ValueError naming the flag at fault."""
+    """Turn parsed flags into a :class:`BenchConfig`. Raises ValueError naming the flag at fault, ``--output-dir``
+    included when it cannot be written (:func:`~grpo_mem.commands.flags.check_output_dir`)."""
+    check_output_dir(args.output_dir)  # first: before any model (creates nothing, so a refused run leaves no folder)
     spec = resolve_model(args.model)
     shape = model_shape(spec.config)
     P, C, G, groups = args.prompt_length, args.max_completion_length, args.num_generations, args.groups

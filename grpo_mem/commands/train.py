@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_mem.commands.flags import settings_parser
+from grpo_mem.commands.flags import check_output_dir, settings_parser
 from grpo_mem.commands.gguf_models import GGUF_MODELS, ensure_model, force_offline
 from grpo_mem.commands.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
 from grpo_mem.commands.report import format_summary, plot_summary, saving_text, step_rows, token_saving, totals
@@ -145,6 +145,7 @@ def _check_run_settings(settings: TrainSettings) -> None:
             f"--model must be one of {', '.join(GGUF_MODELS)} or a local HF model directory with "
             f"config.json, got {settings.model!r}"
         )
+    check_output_dir(settings.output_dir)
 
 
 def _setup(settings: TrainSettings, verbose: bool) -> _Setup:
@@ -252,7 +253,8 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
 
     Raises:
         ValueError: a bad setting (see :meth:`TrainSettings.validate` and :func:`resolve_device`; ``compare=True`` belongs to
-            :func:`grpo_mem.commands.compare.run_compare`), unknown model name or task, or prompts that do not fit the model's positions with ``max_completion_length``
+            :func:`grpo_mem.commands.compare.run_compare`), unknown model name or task, an ``output_dir`` that cannot
+            be written (:func:`~grpo_mem.commands.flags.check_output_dir`, checked before anything loads), or prompts that do not fit the model's positions with ``max_completion_length``
             (:func:`check_prompt_length`).
         RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
     """

@@ -105,7 +105,12 @@ def test_subcommand_parses_every_flag(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--num-generations", "0"], "expected an integer >= 1, got 0"),
+        (
+            ["--num-generations", "1"],
+            "argument --num-generations: expected an integer >= 2, got 1: GRPO requires at least 2 generations per "
+            "prompt to calculate the advantages",
+        ),
+        (["--num-generations", "0"], "expected an integer >= 2, got 0"),
         (["--prompt-length", "ten"], "expected an integer, got 'ten'"),
         (["--shared-prefix-length", "-1"], "expected an integer >= 0, got -1"),
         (["--dtype", "fp16"], "invalid choice: 'fp16'"),
@@ -162,6 +167,32 @@ def test_invalid_combinations_return_2_with_the_reason(argv, message, tmp_path, 
     err = capsys.readouterr().err
     assert "grpo-mem bench: error:" in err and message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_fewer_than_two_generations_is_refused_as_trl_refuses_it(tmp_path):
+    """``--num-generations`` below 2 fails at parsing (above) with the reason TRL's own GRPOConfig gives."""
+    from trl import GRPOConfig
+
+    with pytest.raises(ValueError, match="GRPO requires at least 2 generations per prompt to calculate the advantages"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=1)
+
+
+def test_unwritable_output_dir_fails_before_any_model(tmp_path, monkeypatch, capsys):
+    """An ``--output-dir`` with a file in the way (itself or a parent) is refused in one line with exit status 2
+    before the model's config is even read, and nothing is created."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("read the model before checking --output-dir")
+
+    monkeypatch.setattr(bench, "resolve_model", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "sub" / "dir"):
+        assert bench.main(["--output-dir", str(out)]) == 2
+        assert capsys.readouterr().err == (
+            f"grpo-mem bench: error: --output-dir {out} is not writable ({blocker} is a file, not a directory)\n"
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
 def test_model_dir_without_a_causal_lm_config_is_refused(tmp_path, capsys):
