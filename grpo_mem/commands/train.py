@@ -341,13 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     A bad flag or setting exits with status 2 (argparse's usage message), before any model is loaded: the
     settings' own checks (:meth:`TrainSettings.validate`), then TRL's ``GRPOConfig`` built from them
     (:func:`make_grpo_config`: ``--extra`` keys, ``--loss-type``, TRL's own checks). An error found while setting up
-    the run (unknown task, a model directory without config.json, ...) prints ``grpo-mem train: error: ...`` and
-    returns 2.
+    the run (an ``--output-dir`` that cannot be written, checked first; unknown task, a model directory without
+    config.json, ...) prints ``grpo-mem train: error: ...`` and returns 2.
     """
     import sys
 
     parser = build_parser()
     settings = parser.parse_settings(argv)
+    try:
+        check_output_dir(settings.output_dir)  # before TRL is imported (its config warns on stderr)
+    except ValueError as exc:
+        print(f"grpo-mem train: error: {exc}", file=sys.stderr)
+        return 2
     try:
         make_grpo_config(settings, settings.output_dir)
     except ValueError as exc:

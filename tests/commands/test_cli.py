@@ -562,6 +562,15 @@ def test_unwritable_output_dir_fails_before_anything_is_built(tmp_path, monkeypa
             err == f"grpo-mem train: error: --output-dir {out} is not writable ({blocker} is a file, not a directory)\n"
         )
 
+    # run() and run_compare(), called as functions, check it too, before anything is built
+    bad = str(blocker / "run")
+    for fn, settings in (
+        (train.run, TrainSettings(output_dir=bad)),
+        (compare.run_compare, TrainSettings(output_dir=bad, compare=True)),
+    ):
+        with pytest.raises(ValueError, match=f"--output-dir {bad} is not writable"):
+            fn(settings)
+
     def refuse(dir=None):
         raise PermissionError(13, "Permission denied")
 
