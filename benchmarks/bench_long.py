@@ -27,7 +27,7 @@ position over the vocabulary (its compact mode needs Triton), which is not what 
 ``full_seq``: the full prompt + completion sequence through the backbone and TRL's chunked head on the completion
 positions (``trl.kernels.ChunkedLogProbFunction``), as TRL's compact mode runs on a GPU. ``--stock`` picks either.
 
-Before each configuration the stock run's peak is estimated (``grpo_mem.bench.estimate.estimate_stock_memory``, head on
+Before each configuration the stock run's peak is estimated (``grpo_mem.bench.fits.estimate_stock_memory``, head on
 the completion positions) and compared with the memory available (``MemAvailable``, or the GPU's free memory) less
 ``--reserve-gb``. A configuration whose stock run does not fit runs grpo_mem alone (checked against a plain no-grad
 forward instead of stock); its row says so and gives the ratio to that paper estimate instead of a measured one.
@@ -140,7 +140,8 @@ def model_config(name: str, cpu_cut: bool) -> dict[str, Any]:
 def stock_estimate(config: dict, G: int, P: int, C: int, dtype: str, device: str):
     """Stock's estimated peak (``estimate_stock_memory`` of one micro-batch of G rows; its head on the G·C completion
     positions, as TRL's compact mode and ``full_seq`` run it)."""
-    from grpo_mem.bench.estimate import estimate_stock_memory, model_shape
+    from grpo_mem.bench.estimate import model_shape
+    from grpo_mem.bench.fits import estimate_stock_memory
 
     # device="cuda": the head on completion positions, no process base (the base is subtracted from the measurement)
     return estimate_stock_memory(model_shape(config), micro=G, P=P, C=C, dtype=dtype, device="cuda")
@@ -434,7 +435,8 @@ def parse_only(value: str) -> list[tuple[str, int, int, int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from grpo_mem.bench.estimate import GB, available_memory_bytes
+    from grpo_mem.bench.estimate import GB
+    from grpo_mem.bench.fits import available_memory_bytes
     from grpo_mem.bench.results import write_csv
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -16,13 +16,21 @@ Public entry points:
 The names are resolved on first access (PEP 562 ``__getattr__``): ``import grpo_mem`` imports neither torch nor
 transformers, so a program (the ``grpo-mem`` command line) can set process-wide variables such as ``OMP_WAIT_POLICY``
 after importing the package and before torch loads.
+
+Raises (at import): ValueError when the environment variable ``GRPO_MEM_BACKEND`` is set to a value that is not one
+of ``auto``, ``triton``, ``torch``, ``cpp`` (the message names the value and the choices), rather than at the first
+op.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from .ops._preference import env_preference
+
 __version__ = "0.1.0"
+
+env_preference()  # a misspelt GRPO_MEM_BACKEND fails here, before any work (torch is not imported)
 
 _EXPORTS: dict[str, tuple[str, str]] = {
     "PatchHandle": ("grpo_mem.patches.handle", "PatchHandle"),

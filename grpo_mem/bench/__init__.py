@@ -10,8 +10,9 @@
   providers); ``grpo_mem.bench.group_worker``: the worker measuring one provider; ``grpo_mem.bench.tokens``: the
   tokens through the backbone, grpo_mem against stock TRL (the benchmarks' ideal ratios).
 - ``grpo_mem.bench.presets``: model shapes (published configurations, the benchmark scripts' models, a local
-  ``config.json``); ``grpo_mem.bench.estimate``: stock TRL's estimated peak memory against what is available, and a
-  GRPO step's peak memory per GPU on paper (stock TRL, grpo_mem, grpo_mem with sequence parallelism).
+  ``config.json``); ``grpo_mem.bench.estimate``: a model's sizes and a GRPO step's peak memory per GPU on paper
+  (stock TRL, grpo_mem, grpo_mem with sequence parallelism); ``grpo_mem.bench.fits``: the estimated peak of
+  ``grpo-mem bench``'s scoring step, stock TRL's and grpo_mem's, against the memory available.
 
 Nothing is imported here, so the child of every isolated run (``grpo_mem.bench.isolate``'s worker entry) starts clean.
 """

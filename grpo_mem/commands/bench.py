@@ -11,10 +11,15 @@ are TRL's own scoring method and the patched one (:mod:`grpo_mem.bench.vision`).
 peak memory above the process's base, their ratios to stock TRL, and the largest log-prob difference from stock TRL.
 Written: ``bench.csv`` (:mod:`grpo_mem.bench.results`' long format) and ``bench.png`` in ``--output-dir``.
 
-Before running, the stock path's peak memory is estimated (:mod:`grpo_mem.bench.estimate`) and compared with the memory
-this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory): a shape that would not
-fit is refused with the estimate and what to lower, instead of swapping. Each child is also killed if its resident set
-grows past the available memory (:func:`~grpo_mem.bench.isolate.run_isolated`'s RSS budget).
+``--device`` and ``--dtype`` default to ``auto``, resolved as ``grpo-mem train`` resolves them: CUDA where torch sees a
+GPU (bf16 there when it supports it), else CPU and fp32.
+
+Before running, the peak memory of stock TRL's step and of grpo_mem's is estimated (:mod:`grpo_mem.bench.fits`) and
+compared with the memory this machine has available (``MemAvailable`` of ``/proc/meminfo``; CUDA: free device memory).
+Where stock's estimate does not fit, one line says so with the estimate, stock TRL is not run (its CSV rows say why,
+the table's ratios are ``-``) and grpo_mem's providers run alone; a shape whose grpo_mem estimate does not fit either is
+refused with the estimate and what to lower, instead of swapping. Each child is also killed if its resident set grows
+past the available memory (:func:`~grpo_mem.bench.isolate.run_isolated`'s RSS budget).
 
 Child processes run with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set (see ``grpo_mem.cli``: spinning OpenMP
 threads cost several times the time on cores shared with other processes).
@@ -29,18 +34,18 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from grpo_mem.bench.estimate import (
-    DTYPES,
-    GB,
+from grpo_mem.bench.estimate import DTYPES, GB, ModelShape, model_shape
+from grpo_mem.bench.fits import (
     MemoryEstimate,
-    ModelShape,
     available_memory_bytes,
-    check_fits,
+    estimate_grpo_mem_memory,
     estimate_stock_memory,
-    model_shape,
+    plan_runs,
 )
 from grpo_mem.bench.presets import PRESETS, ModelSpec, resolve_model
-from grpo_mem.commands.flags import DefaultsFormatter, non_negative_int, positive_int
+from grpo_mem.commands.flags import DefaultsFormatter, check_output_dir, non_negative_int, num_generations, positive_int
+from grpo_mem.commands.train_settings import DEVICES, resolve_device
+from grpo_mem.commands.train_settings import DTYPES as DTYPE_FLAGS
 
 OP = "group_logprobs"
 """The CSV's ``op``: the same op as ``benchmarks/bench_group.py`` measures."""
@@ -51,8 +56,8 @@ DESCRIPTION = (
     "One scoring forward + backward (log-probs and entropies of every completion token) of stock TRL 1.16 and of "
     "grpo_mem (each sharing mode), each in a fresh process, on a randomly initialised model of the given shape. "
     "Prints wall time, CPU time, peak memory above base, ratios to stock TRL and the largest log-prob difference; "
-    "writes bench.csv and bench.png into --output-dir. Refuses shapes whose estimated stock peak does not fit the "
-    "available memory."
+    "writes bench.csv and bench.png into --output-dir. Where stock TRL's estimated peak does not fit the available "
+    "memory, runs grpo_mem alone; refuses shapes whose grpo_mem estimate does not fit either."
 )
 
 
@@ -87,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="C",
         help="completion width C (completions of C/2 to C tokens, right-padded)",
     )
-    parser.add_argument("--num-generations", type=positive_int, default=8, metavar="G", help="completions per prompt")
+    parser.add_argument(
+        "--num-generations", type=num_generations, default=8, metavar="G", help="completions per prompt (>= 2)"
+    )
     parser.add_argument(
         "--groups",
         type=positive_int,
@@ -124,8 +131,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of how each run goes (precision, device, threads, repeats) and where its files go."""
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and activations")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_FLAGS,
+        default="auto",
+        help="weights and activations: fp32, bf16, or auto (bf16 on a CUDA GPU that supports it, else fp32)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where the model runs: cpu, cuda, or auto (cuda when torch sees a GPU, else cpu), as grpo-mem train",
+    )
     parser.add_argument(
         "--threads", type=positive_int, default=_cpu_count(), metavar="N", help="torch intra-op threads of each run"
     )
@@ -229,7 +246,13 @@ class BenchConfig:
 
 
 def validate(args: argparse.Namespace) -> BenchConfig:
-    """Turn parsed flags into a :class:`BenchConfig`. Raises ValueError naming the flag at fault."""
+    """Turn parsed flags into a :class:`BenchConfig`, ``--device``/``--dtype`` resolved as ``grpo-mem train`` resolves
+    them (:func:`~grpo_mem.commands.train_settings.resolve_device`: ``auto`` is CUDA where torch sees a GPU, bf16
+    there when it supports it, else CPU and fp32). Raises ValueError naming the flag at fault: ``--output-dir`` that
+    cannot be written (:func:`~grpo_mem.commands.flags.check_output_dir`), ``--device cuda`` without a GPU, a shape
+    the flags do not make."""
+    check_output_dir(args.output_dir)  # first: before any model (creates nothing, so a refused run leaves no folder)
+    device, dtype = resolve_device(args.device, args.dtype)
     spec = resolve_model(args.model)
     shape = model_shape(spec.config)
     P, C, G, groups = args.prompt_length, args.max_completion_length, args.num_generations, args.groups
@@ -262,8 +285,8 @@ def validate(args: argparse.Namespace) -> BenchConfig:
         micro=micro,
         shared_prefix=args.shared_prefix_length,
         image_tokens=args.image_tokens,
-        dtype=args.dtype,
-        device=args.device,
+        dtype=dtype,
+        device=device,
         threads=args.threads,
         repeats=args.repeats,
         output=args.output_dir,
@@ -293,33 +316,70 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _memory_guard(cfg: BenchConfig) -> tuple[MemoryEstimate, float, str, float]:
-    """Stock TRL's estimated peak, the memory available for it (bytes) and where that figure comes from, and the
-    host memory available (the children's RSS budget). Raises ValueError with the refusal when it does not fit."""
-    estimate = estimate_stock_memory(
-        cfg.shape, micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device, image_tokens=cfg.image_tokens
-    )
+@dataclass
+class MemoryPlan:
+    """What fits: stock TRL's and grpo_mem's estimated peaks, the memory available to them (bytes) and where that
+    figure comes from, the host's (the children's RSS budget), and why stock TRL is not run (None: it runs;
+    :func:`~grpo_mem.bench.fits.plan_runs`)."""
+
+    stock: MemoryEstimate
+    grpo_mem: MemoryEstimate
+    available: float
+    where: str
+    host_available: float
+    stock_not_run: str | None
+
+    def line(self) -> str:
+        """The one line printed before the runs: the estimates against the memory available."""
+        memory = f"{self.available / GB:.1f} GB available ({self.where})"
+        if self.stock_not_run is None:
+            return (
+                f"grpo-mem bench: stock TRL estimated at {self.stock.describe()}, grpo_mem at "
+                f"{self.grpo_mem.total / GB:.1f} GB; {memory}"
+            )
+        return (
+            f"grpo-mem bench: stock TRL not run: estimated at {self.stock.describe()}, more than the {memory}; "
+            f"grpo_mem alone, estimated at {self.grpo_mem.describe()}"
+        )
+
+
+def _memory_guard(cfg: BenchConfig) -> MemoryPlan:
+    """Estimate both peaks and compare them with the memory available (:func:`~grpo_mem.bench.fits.plan_runs`).
+    Raises ValueError with the refusal when grpo_mem's does not fit either."""
+    sizes = dict(micro=cfg.micro, P=cfg.P, C=cfg.C, dtype=cfg.dtype, device=cfg.device, image_tokens=cfg.image_tokens)
+    stock = estimate_stock_memory(cfg.shape, **sizes)
+    mine = estimate_grpo_mem_memory(cfg.shape, groups=cfg.groups, **sizes)
     try:
         available, where = available_memory_bytes(cfg.device)
         host_available = available if cfg.device == "cpu" else available_memory_bytes("cpu")[0]
     except OSError as exc:  # no /proc/meminfo: run unguarded rather than not at all
         print(f"grpo-mem bench: warning: available memory unknown ({exc}); the memory guard is off", file=sys.stderr)
         available, where, host_available = math.inf, "unknown", math.inf
-    if (refusal := check_fits(estimate, available, where)) is not None:
-        raise ValueError(refusal)
-    return estimate, available, where, host_available
+    return MemoryPlan(stock, mine, available, where, host_available, plan_runs(stock, mine, available, where))
 
 
-def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) -> list:
-    """Each provider in a fresh process, through the benchmark library's sweep; the sweep's outcomes."""
+def _measure(cfg: BenchConfig, plan: MemoryPlan) -> list:
+    """Each provider in a fresh process, through the benchmark library's sweep (stock TRL's cell skipped, with the
+    reason in its CSV rows, where ``plan`` does not run it); the sweep's outcomes."""
     from tqdm import tqdm
 
     from grpo_mem.bench.measure import MB
     from grpo_mem.bench.sweep import Cell, Sweep, isolated
 
-    config = dict(cfg.csv_config(), estimated_stock_peak_gb=round(estimate.total / GB, 2))
+    config = dict(
+        cfg.csv_config(),
+        estimated_stock_peak_gb=round(plan.stock.total / GB, 2),
+        estimated_grpo_mem_peak_gb=round(plan.grpo_mem.total / GB, 2),
+    )
     cells = [
-        Cell(prov, cfg.P, config, cfg.worker_args(prov), name="grpo-mem bench")
+        Cell(
+            prov,
+            cfg.P,
+            config,
+            cfg.worker_args(prov),
+            name="grpo-mem bench",
+            skip=plan.stock_not_run if prov == "trl" else None,
+        )
         for prov in providers_to_run(cfg.image_tokens)
     ]
     device = None
@@ -329,10 +389,11 @@ def _measure(cfg: BenchConfig, estimate: MemoryEstimate, host_available: float) 
         device = cuda_device_name()
     bar = tqdm(total=len(cells), desc="grpo-mem bench", unit="run", file=sys.stderr, dynamic_ncols=True)
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    budget_mb = 0.95 * plan.host_available / MB
     sweep = Sweep(
         OP,
         "P",
-        isolated(WORKER, threads=cfg.threads, env=env, timeout_s=3600.0, rss_budget_mb=0.95 * host_available / MB),
+        isolated(WORKER, threads=cfg.threads, env=env, timeout_s=3600.0, rss_budget_mb=budget_mb),
         device=device,
         report=lambda line: bar.write(line, file=sys.stderr),
     )
@@ -382,17 +443,13 @@ def _ideal_line(cfg: BenchConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``grpo-mem bench`` for parsed flags; returns the exit status: 0 when every provider ran, 1 when one was
-    skipped (failed, over the time limit or the RSS budget; the table says why), 2 for invalid flags or a refused
-    shape (nothing run)."""
+    """Run ``grpo-mem bench`` for parsed flags; returns the exit status: 0 when every provider ran (stock TRL aside
+    where its estimate does not fit and grpo_mem's does: then grpo_mem runs alone), 1 when one was skipped (failed,
+    over the time limit or the RSS budget; the table says why), 2 for invalid flags or a refused shape (nothing
+    run)."""
     try:
         cfg = validate(args)
-        if cfg.device == "cuda":
-            from grpo_mem.bench.harness_cuda import cuda_unavailable_reason
-
-            if (reason := cuda_unavailable_reason()) is not None:
-                raise ValueError(reason)
-        estimate, available, where, host_available = _memory_guard(cfg)
+        plan = _memory_guard(cfg)
     except ValueError as exc:
         return _fail(str(exc))
     print(
@@ -404,12 +461,9 @@ def run(args: argparse.Namespace) -> int:
         + _ideal_line(cfg),
         file=sys.stderr,
     )
-    print(
-        f"grpo-mem bench: stock TRL estimated at {estimate.describe()}; {available / GB:.1f} GB available ({where})",
-        file=sys.stderr,
-    )
-    summary = _write_and_print(cfg, _measure(cfg, estimate, host_available))
-    return 0 if all("skipped" not in r for r in summary) else 1
+    print(plan.line(), file=sys.stderr)
+    summary = _write_and_print(cfg, _measure(cfg, plan))
+    return 0 if all("skipped" not in r or r.get("not_run") for r in summary) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,14 +32,17 @@ def summarize(outcomes: list, default: str | None = None) -> list[dict]:
     """Per provider (in order, from the sweep's :class:`~grpo_mem.bench.sweep.Outcome` list): wall and CPU time p50
     (s), peak memory above base (MB; peak RSS on CPU, peak CUDA allocation on CUDA), ratios to ``trl``, max |Δ
     log-prob| and |Δ entropy| vs ``trl``, gradient-norm relative difference vs ``trl``, fallback warnings, or the
-    reason it was skipped; ``"default": True`` on the row of provider ``default`` (:func:`default_row`)."""
+    reason it was skipped (``skipped``; with ``"not_run": True`` where it was not attempted: stock TRL whose
+    estimate does not fit, its ratios then None); ``"default": True`` on the row of provider ``default``
+    (:func:`default_row`)."""
     from grpo_mem.bench.measure import Measurement
 
     out = []
     for outcome in outcomes:
         row: dict[str, Any] = {"provider": outcome.cell.provider, "default": outcome.cell.provider == default}
         if outcome.skipped:
-            out.append(dict(row, skipped=outcome.skipped))
+            # not_run: the run was not attempted (stock TRL whose estimate does not fit), not a failure
+            out.append(dict(row, skipped=outcome.skipped, **({"not_run": True} if outcome.cell.skip else {})))
             continue
         metrics = Measurement.from_dict(outcome.result).metrics()
         mem = metrics.get("peak_rss_above_base") or metrics.get("peak_tensor")
@@ -63,16 +66,22 @@ def summarize(outcomes: list, default: str | None = None) -> list[dict]:
 
 def verdict(summary: list[dict], mode: str, image_tokens: int = 0) -> str:
     """The line ``grpo-mem bench`` ends with: the default row's peak memory and wall time over stock TRL's (the rows
-    of :func:`summarize`; ``mode``: the default row's sharing mode), or why there is no verdict."""
+    of :func:`summarize`; ``mode``: the default row's sharing mode); where stock TRL was not run (``not_run``), the
+    default row's own peak memory and time with the reason; or why there is no verdict."""
     row = next((r for r in summary if r.get("default")), None)
-    for name, r in (("stock TRL", next((r for r in summary if r["provider"] == "trl"), None)), ("grpo_mem", row)):
+    stock = next((r for r in summary if r["provider"] == "trl"), None)
+    how = f"image prompts run {mode} sharing" if image_tokens else f"the default is {mode} sharing"
+    if stock is not None and stock.get("not_run") and row is not None and "skipped" not in row:
+        mem = "-" if row["mem_mb"] is None else f"{row['mem_mb']:.0f} MB"
+        return (
+            f"on this shape grpo_mem peaks at {mem} above base in {row['time_s']:.3g} s; {stock['skipped']}, so no "
+            f"ratio; {how}"
+        )
+    for name, r in (("stock TRL", stock), ("grpo_mem", row)):
         if r is None or "skipped" in r:
             return f"no verdict: {name} was not measured" + (f" ({r['skipped'][:80]})" if r else "")
     mem, wall = _times(row["mem_vs_trl"], "the memory"), _times(row["time_vs_trl"], "the time")
-    line = f"on this shape grpo_mem uses {mem} and {wall} of stock TRL"
-    if image_tokens:
-        return line + f"; image prompts run {mode} sharing"
-    return line + f"; the default is {mode} sharing"
+    return f"on this shape grpo_mem uses {mem} and {wall} of stock TRL; {how}"
 
 
 def _times(ratio: float | None, what: str) -> str:
@@ -80,7 +89,9 @@ def _times(ratio: float | None, what: str) -> str:
 
 
 def table(summary: list[dict]) -> str:
-    """The markdown table printed by ``grpo-mem bench``; the default row (:func:`default_row`) says so."""
+    """The markdown table printed by ``grpo-mem bench``; the default row (:func:`default_row`) says so. A row not
+    measured holds ``-`` and why (a stock TRL row not run: ``stock not run (estimated X GB > Y GB available)``, the
+    other rows' ratios then ``-``)."""
     from grpo_mem.bench.results import markdown_table
 
     headers = [
@@ -97,7 +108,8 @@ def table(summary: list[dict]) -> str:
     for r in summary:
         name = r["provider"] + (" (default)" if r.get("default") else "")
         if "skipped" in r:
-            rows.append([name, None, None, None, None, None, None, f"skipped: {r['skipped'][:80]}"])
+            why = r["skipped"] if r.get("not_run") else f"skipped: {r['skipped'][:80]}"
+            rows.append([name, None, None, None, None, None, None, why])
             continue
         if r["provider"] == "trl":
             diff = "(reference)"
@@ -123,7 +135,8 @@ def table(summary: list[dict]) -> str:
 
 
 def plot(summary: list[dict], png_path: str, title: str) -> None:
-    """Bar chart of wall time, CPU time and peak memory per provider (matplotlib, Agg)."""
+    """Bar chart of wall time, CPU time and peak memory per measured provider (matplotlib, Agg); a provider not run
+    (``not_run``) is named with its reason under the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,7 +163,8 @@ def plot(summary: list[dict], png_path: str, title: str) -> None:
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
+    not_run = [f"{r['provider']}: {r['skipped']}" for r in summary if r.get("not_run")]
+    fig.suptitle("\n".join([title, *not_run]), fontsize=9)
     os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_mem.commands.flags import to_argv
+from grpo_mem.commands.flags import check_output_dir, to_argv
 from grpo_mem.commands.report import fmt, memory_figure, plot_token_ratio, prompt_text, token_ratio_mean
 
 RUNS = ("stock", "patched")
@@ -260,11 +260,13 @@ def run_compare(settings, *, verbose: bool = True) -> dict:
     run's summary), the keys of :func:`compare_runs`, and ``files``. Also written as ``OUTPUT_DIR/summary.json``.
 
     Raises:
-        ValueError: a bad setting (``settings.validate()``), or a run that exits with status 2 (a setting it
+        ValueError: a bad setting (``settings.validate()``), an ``output_dir`` that cannot be written
+            (:func:`~grpo_mem.commands.flags.check_output_dir`, before either run), or a run that exits with status 2 (a setting it
             rejected, such as prompts longer than the model allows; the run printed why).
         RuntimeError: a run that fails otherwise.
     """
     settings.validate()
+    check_output_dir(settings.output_dir)
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     commands, runs = {}, {}

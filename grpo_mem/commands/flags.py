@@ -6,8 +6,10 @@ A field ``steps: int = 16`` with ``metadata={"help": "..."}`` becomes ``--steps 
 - keeps one spelling per flag, the hyphenated one (``--max-completion-length``; HfArgumentParser also adds
   ``--max_completion_length``), so ``--help`` and error messages name each flag once;
 - lets ``metadata["type"]`` choose the conversion (HfArgumentParser always uses the annotation), so a flag can check
-  its value while parsing: :func:`int_at_least`, :func:`positive_int`, :func:`non_negative_int`, :func:`json_dict`;
-- turns the settings back into a command line (:func:`to_argv`) for running the same settings in a child process.
+  its value while parsing: :func:`int_at_least`, :func:`positive_int`, :func:`non_negative_int`,
+  :func:`num_generations`, :func:`json_dict`;
+- turns the settings back into a command line (:func:`to_argv`) for running the same settings in a child process;
+- checks an output directory before the work (:func:`check_output_dir`).
 
 Importing this module loads only the standard library; :func:`settings_parser` imports ``transformers`` (not torch),
 so a caller can force Hugging Face's offline variables before that first import.
@@ -19,12 +21,14 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import tempfile
 import typing
 from typing import Any
 
 
-def int_at_least(lo: int):
-    """argparse type: an integer >= ``lo`` (the error names the bound and the value)."""
+def int_at_least(lo: int, why: str = ""):
+    """argparse type: an integer >= ``lo`` (the error names the bound and the value, then ``why`` if given)."""
 
     def parse(text: str) -> int:
         try:
@@ -32,7 +36,7 @@ def int_at_least(lo: int):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}" + (f": {why}" if why else ""))
         return value
 
     return parse
@@ -42,6 +46,35 @@ positive_int = int_at_least(1)
 """argparse type: an integer >= 1."""
 non_negative_int = int_at_least(0)
 """argparse type: an integer >= 0."""
+num_generations = int_at_least(
+    2, "GRPO requires at least 2 generations per prompt to calculate the advantages (as TRL's GRPOConfig says)"
+)
+"""argparse type of ``--num-generations`` (G): an integer >= 2, refused below with the reason TRL's ``GRPOConfig``
+gives."""
+
+
+def check_output_dir(path, flag: str = "--output-dir") -> None:
+    """Check, before any work, that the directory ``path`` can take a run's files: it is a directory this process can
+    create a file in, or it does not exist and its nearest existing ancestor is such a directory. Creates nothing
+    (a probe file is made and removed in that directory), so a run refused later leaves no directory behind.
+
+    Raises:
+        ValueError: on one line, ``"<flag> <path> is not writable (<why>)"``: a file or a broken link is in the way
+            (``path`` itself or an ancestor), or the directory refuses a new file (the system's reason: permission
+            denied, read-only file system).
+    """
+    target = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    existing = target
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "a file" if os.path.exists(existing) else "a broken link"
+        raise ValueError(f"{flag} {path} is not writable ({existing} is {what}, not a directory)")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path} is not writable ({existing}: {exc.strerror or exc})") from None
 
 
 def json_dict(text: str) -> dict:

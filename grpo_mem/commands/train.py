@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_mem.commands.flags import settings_parser
+from grpo_mem.commands.flags import check_output_dir, settings_parser
 from grpo_mem.commands.gguf_models import GGUF_MODELS, ensure_model, force_offline
 from grpo_mem.commands.memory import RssSampler, current_rss_mb, make_step_stats_callback, ru_maxrss_mb
 from grpo_mem.commands.report import format_summary, plot_summary, saving_text, step_rows, token_saving, totals
@@ -145,6 +145,7 @@ def _check_run_settings(settings: TrainSettings) -> None:
             f"--model must be one of {', '.join(GGUF_MODELS)} or a local HF model directory with "
             f"config.json, got {settings.model!r}"
         )
+    check_output_dir(settings.output_dir)
 
 
 def _setup(settings: TrainSettings, verbose: bool) -> _Setup:
@@ -252,7 +253,8 @@ def run(settings: TrainSettings, *, verbose: bool = True) -> dict:
 
     Raises:
         ValueError: a bad setting (see :meth:`TrainSettings.validate` and :func:`resolve_device`; ``compare=True`` belongs to
-            :func:`grpo_mem.commands.compare.run_compare`), unknown model name or task, or prompts that do not fit the model's positions with ``max_completion_length``
+            :func:`grpo_mem.commands.compare.run_compare`), unknown model name or task, an ``output_dir`` that cannot
+            be written (:func:`~grpo_mem.commands.flags.check_output_dir`, checked before anything loads), or prompts that do not fit the model's positions with ``max_completion_length``
             (:func:`check_prompt_length`).
         RuntimeError: ``patch=True`` but ``grpo_mem.patch_trl`` is unavailable.
     """
@@ -339,13 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     A bad flag or setting exits with status 2 (argparse's usage message), before any model is loaded: the
     settings' own checks (:meth:`TrainSettings.validate`), then TRL's ``GRPOConfig`` built from them
     (:func:`make_grpo_config`: ``--extra`` keys, ``--loss-type``, TRL's own checks). An error found while setting up
-    the run (unknown task, a model directory without config.json, ...) prints ``grpo-mem train: error: ...`` and
-    returns 2.
+    the run (an ``--output-dir`` that cannot be written, checked first; unknown task, a model directory without
+    config.json, ...) prints ``grpo-mem train: error: ...`` and returns 2.
     """
     import sys
 
     parser = build_parser()
     settings = parser.parse_settings(argv)
+    try:
+        check_output_dir(settings.output_dir)  # before TRL is imported (its config warns on stderr)
+    except ValueError as exc:
+        print(f"grpo-mem train: error: {exc}", file=sys.stderr)
+        return 2
     try:
         make_grpo_config(settings, settings.output_dir)
     except ValueError as exc:

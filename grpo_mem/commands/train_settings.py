@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_mem.commands.flags import int_at_least, json_dict, non_negative_int, positive_int
+from grpo_mem.commands.flags import json_dict, non_negative_int, num_generations, positive_int
 from grpo_mem.commands.gguf_models import DEFAULT_MODEL
 from grpo_mem.commands.tasks import DEFAULT_TASK
 
@@ -68,7 +68,7 @@ class TrainSettings:
     )
     steps: int = _opt(16, "optimizer steps", type=positive_int, metavar="N")
     num_generations: int = _opt(
-        8, "completions per prompt, G (>= 2: GRPO compares completions of a prompt)", type=int_at_least(2), metavar="G"
+        8, "completions per prompt, G (>= 2: GRPO compares completions of a prompt)", type=num_generations, metavar="G"
     )
     per_device_train_batch_size: int = _opt(
         16,

@@ -18,7 +18,8 @@ environment, or ``patch_trl(backend=...)``, which takes precedence while its pat
 (Triton is then never imported by this package); ``"cpp"`` names the CPU kernels (this package's C++ head, ATen's
 fused CPU attention); a preference that cannot run a call's tensors (``"triton"`` on CPU tensors without the
 interpreter, ``"cpp"`` on CUDA tensors, fp64) leaves that call to ``auto``'s choice. ``RESOLVED`` records the backend
-each op last resolved to, which ``verify`` reports.
+each op last resolved to, which ``verify`` reports. The names and the variable live in the torch-free
+``_preference``, with which ``import grpo_mem`` refuses a misspelt ``GRPO_MEM_BACKEND``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 
 from . import _ext, attention_cpu, attention_torch, logprobs_cpp, logprobs_torch
+from ._preference import BACKEND_ENV, CHOICES, check_choice, env_preference
 
 __all__ = [
     "BACKEND_ENV",
@@ -40,18 +42,13 @@ __all__ = [
     "RESOLVED",
     "TABLE",
     "check_choice",
+    "env_preference",
     "lazy",
     "preferred",
     "resolve",
     "set_preference",
     "triton_status",
 ]
-
-BACKEND_ENV = "GRPO_MEM_BACKEND"
-"""The environment variable naming the preferred backend of every op (one of ``CHOICES``; unset or empty: auto)."""
-
-CHOICES = ("auto", "triton", "torch", "cpp")
-"""What ``GRPO_MEM_BACKEND`` and ``patch_trl(backend=...)`` accept."""
 
 _OP_NAME = {"cpp": {"multi_region_attention": "cpu"}}
 """Preference -> op -> that op's backend of the same kind where its name differs (the CPU kernels of attention are
@@ -195,13 +192,6 @@ def _why_not(entry: Backend, tensor: torch.Tensor) -> str:
     return why
 
 
-def check_choice(name, source: str = "backend") -> str:
-    """``name`` if it is one of ``CHOICES``, else ValueError naming ``source``, the value and the choices."""
-    if name not in CHOICES:
-        raise ValueError(f"{source} must be one of {list(CHOICES)}, got {name!r}")
-    return name
-
-
 def set_preference(name: str | None) -> str | None:
     """Make ``name`` (one of ``CHOICES``) every op's preferred backend in this process, over ``GRPO_MEM_BACKEND``;
     None gives the decision back to the environment. Returns the previous pinned value (None when there was none), to
@@ -223,15 +213,17 @@ def preferred() -> tuple[str, str]:
     ``set_preference``, else ``(GRPO_MEM_BACKEND's value, "GRPO_MEM_BACKEND")``, else ``("auto", "default")``.
 
     Raises:
-        ValueError: ``GRPO_MEM_BACKEND`` holds a value that is not one of ``CHOICES`` (read at every call, so a bad
-            value fails the first op instead of being ignored).
+        ValueError: ``GRPO_MEM_BACKEND`` holds a value that is not one of ``CHOICES`` (checked at ``import grpo_mem``
+            and by ``patch_trl``, and read again at every call: a value set later fails the first op, never ignored).
     """
     if _PINNED is not None:
         return _PINNED, "patch_trl"
+    # env_preference's reading, inline: every op calls this, and a call into _preference would add a module to the
+    # per-op path (tests/test_structure.py's TEXT_PATH); a bad value goes through it for its error
     value = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if not value:
-        return "auto", "default"
-    return check_choice(value, BACKEND_ENV), BACKEND_ENV
+    if value and value not in CHOICES:
+        env_preference()
+    return (value, BACKEND_ENV) if value else ("auto", "default")
 
 
 def resolve(op: str, backend: str, tensor: torch.Tensor, needs: frozenset[str] | set[str] = frozenset()) -> str:

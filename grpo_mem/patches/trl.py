@@ -40,7 +40,7 @@ from ..model.distributed import unwrap_causal_lm
 from ..model.plan import check_sharing, find_groups
 from ..model.sharing import Decision
 from ..model.fallback import warn_fallback
-from ..ops._backends import check_choice
+from ..ops._backends import check_choice, env_preference
 from . import trl_images
 from .checks import (
     _MARK,
@@ -367,16 +367,17 @@ def patch_trl(
 
     Raises:
         RuntimeError: the installed TRL is older than 1.10 or a release refused by name (``KNOWN_BAD_TRL``).
-        ValueError: unknown ``sharing`` or ``backend``; another active patch pinning a different ``backend``;
-            ``sequence_parallel=False`` for a trainer whose config asks for it; or options that differ from the
+        ValueError: unknown ``sharing`` or ``backend``, or a ``GRPO_MEM_BACKEND`` in the environment that is not one
+            of the backends (checked even when ``backend`` is given); another active patch pinning a different
+            ``backend``; ``sequence_parallel=False`` for a trainer whose config asks for it; or options that differ from the
             active patch's (naming both values) where they cannot be changed: a sharing window is open (mid-step:
             prompt passes planned or pending), or the target is an instance of a patched class (the class's patch
             would change for every instance).
-        TypeError: a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
+        TypeError: ``sequence_parallel`` is not None, True or False (naming the value); a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
             from TRL 1.16's, or (with sequence parallelism) a hooked TRL/accelerate/transformers function changed
             (``trl_sp.check_hooks``); nothing is changed then.
     """
-    options = _checked_options(group_shuffle, sharing, confirm, backend)
+    options = _checked_options(group_shuffle, sharing, confirm, backend, sequence_parallel)
     owners = _default_targets() if target is None else [target]
     with_sp = sequence_parallel_asked(owners, sequence_parallel)
     key = tuple(id(o) for o in owners)
@@ -390,12 +391,19 @@ def patch_trl(
     return handle
 
 
-def _checked_options(group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None) -> dict:
-    """The handle's options, once the TRL release, ``sharing`` and ``backend`` passed their checks."""
+def _checked_options(
+    group_shuffle: bool, sharing: str, confirm: bool | None, backend: str | None, sequence_parallel: bool | None
+) -> dict:
+    """The handle's options, once ``sequence_parallel`` (None, True or False: TypeError otherwise, so that ``"no"``
+    does not turn it on), the TRL release, ``sharing``, ``backend`` and ``GRPO_MEM_BACKEND`` (which decides again once
+    the patch is reverted) passed their checks."""
+    if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be None, True or False, got {sequence_parallel!r}")
     check_trl_version()
     check_sharing(sharing)
     if backend is not None:
         check_choice(backend)
+    env_preference()
     return dict(sharing=sharing, group_shuffle=group_shuffle, confirm=confirm, backend=backend)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_mem import cli
-from grpo_mem.bench import estimate, group, harness, vision
+from grpo_mem.bench import estimate, fits, group, group_worker, harness, vision
 from grpo_mem.bench.presets import PRESETS
 from grpo_mem.commands import bench, bench_report
 
@@ -46,8 +46,8 @@ def test_defaults_are_the_reference_shape():
     assert (a.per_device_train_batch_size, a.shared_prefix_length, a.dtype, a.device, a.repeats) == (
         None,
         0,
-        "fp32",
-        "cpu",
+        "auto",
+        "auto",
         1,
     )
     assert a.threads >= 1 and a.output_dir == "grpo-mem-bench"
@@ -105,7 +105,12 @@ def test_subcommand_parses_every_flag(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--num-generations", "0"], "expected an integer >= 1, got 0"),
+        (
+            ["--num-generations", "1"],
+            "argument --num-generations: expected an integer >= 2, got 1: GRPO requires at least 2 generations per "
+            "prompt to calculate the advantages",
+        ),
+        (["--num-generations", "0"], "expected an integer >= 2, got 0"),
         (["--prompt-length", "ten"], "expected an integer, got 'ten'"),
         (["--shared-prefix-length", "-1"], "expected an integer >= 0, got -1"),
         (["--dtype", "fp16"], "invalid choice: 'fp16'"),
@@ -162,6 +167,32 @@ def test_invalid_combinations_return_2_with_the_reason(argv, message, tmp_path, 
     err = capsys.readouterr().err
     assert "grpo-mem bench: error:" in err and message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_fewer_than_two_generations_is_refused_as_trl_refuses_it(tmp_path):
+    """``--num-generations`` below 2 fails at parsing (above) with the reason TRL's own GRPOConfig gives."""
+    from trl import GRPOConfig
+
+    with pytest.raises(ValueError, match="GRPO requires at least 2 generations per prompt to calculate the advantages"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=1)
+
+
+def test_unwritable_output_dir_fails_before_any_model(tmp_path, monkeypatch, capsys):
+    """An ``--output-dir`` with a file in the way (itself or a parent) is refused in one line with exit status 2
+    before the model's config is even read, and nothing is created."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("read the model before checking --output-dir")
+
+    monkeypatch.setattr(bench, "resolve_model", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "sub" / "dir"):
+        assert bench.main(["--output-dir", str(out)]) == 2
+        assert capsys.readouterr().err == (
+            f"grpo-mem bench: error: --output-dir {out} is not writable ({blocker} is a file, not a directory)\n"
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
 def test_model_dir_without_a_causal_lm_config_is_refused(tmp_path, capsys):
@@ -297,16 +328,18 @@ def test_image_tokens_are_counted_in_the_vision_tower_and_the_prompt():
         and vision.image_grid(7) == (1, 2, 14)
     )
     # The estimate adds the vision tower's activations of every row's image copy, nothing to the text part
-    est = estimate.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64, image_tokens=256)
-    text = estimate.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64)
+    est = fits.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64, image_tokens=256)
+    text = fits.estimate_stock_memory(cfg.shape, micro=8, P=512, C=64)
     assert est.patch_rows == 8 * 1024 and est.vision == 8 * 1024 * 32 * (18 * 1280 + 5 * 3420) * 4
     assert est.total - est.vision == text.total and "vision tower activations" in est.describe()
     with pytest.raises(ValueError, match="image_tokens must be >= 0, and 0 for a text-only model, got 4"):
-        estimate.estimate_stock_memory(estimate.model_shape(TINY), micro=1, P=10, C=2, image_tokens=4)
+        fits.estimate_stock_memory(estimate.model_shape(TINY), micro=1, P=10, C=2, image_tokens=4)
 
 
 # --------------------------------------------------------------------------------------------------- memory guard
 def test_memory_guard_refuses_an_absurd_shape_with_the_estimate(capsys):
+    """A shape whose grpo_mem estimate does not fit either is refused, one line, with grpo_mem's estimate by part and
+    stock TRL's total."""
     argv = [
         "--model",
         "qwen2.5-7b",
@@ -316,30 +349,169 @@ def test_memory_guard_refuses_an_absurd_shape_with_the_estimate(capsys):
         "2000",
         "--num-generations",
         "64",
+        "--device",
+        "cpu",
     ]
     assert bench.main(argv) == 2
     err = capsys.readouterr().err
     shape = estimate.model_shape(PRESETS["qwen2.5-7b"].config)
-    est = estimate.estimate_stock_memory(shape, micro=64, P=30000, C=2000)
-    assert f"needs about {est.total / 1e9:.1f} GB" in err
-    assert "saved activations" in err and "for 2048000 tokens per micro-batch" in err
-    assert "Lower --per-device-train-batch-size" in err and "MemAvailable" in err
-    assert "grpo-mem bench: error: refusing to run" in err
+    stock = fits.estimate_stock_memory(shape, micro=64, P=30000, C=2000)
+    mine = fits.estimate_grpo_mem_memory(shape, micro=64, groups=1, P=30000, C=2000)
+    assert f"grpo_mem's scoring step of this shape needs about {mine.total / 1e9:.1f} GB" in err
+    assert f"and stock TRL's about {stock.total / 1e9:.1f} GB. Lower --per-device-train-batch-size" in err
+    assert "saved activations" in err and f"for {30000 + 64 * 1999} tokens (each prompt once" in err
+    assert "MemAvailable" in err and err.startswith("grpo-mem bench: error: refusing to run") and err.count("\n") == 1
 
 
 def test_estimate_parts_scale_as_documented():
     shape = estimate.model_shape(PRESETS["smollm2-135m"].config)
-    one = estimate.estimate_stock_memory(shape, micro=1, P=100, C=28)
-    two = estimate.estimate_stock_memory(shape, micro=2, P=100, C=28)
+    one = fits.estimate_stock_memory(shape, micro=1, P=100, C=28)
+    two = fits.estimate_stock_memory(shape, micro=2, P=100, C=28)
     assert two.activations == 2 * one.activations and two.weights == one.weights
     assert one.weights == one.gradients == shape.n_params * 4
-    bf16 = estimate.estimate_stock_memory(shape, micro=1, P=100, C=28, dtype="bf16")
+    bf16 = fits.estimate_stock_memory(shape, micro=1, P=100, C=28, dtype="bf16")
     assert bf16.weights == one.weights / 2 and bf16.activations == one.activations / 2
     # The head's tile caps at 4096 positions
-    big = estimate.estimate_stock_memory(shape, micro=64, P=1000, C=28)
+    big = fits.estimate_stock_memory(shape, micro=64, P=1000, C=28)
     assert big.head == 5 * 4096 * shape.vocab * 4
-    assert estimate.check_fits(one, one.total, "test") is None
-    assert "refusing to run" in estimate.check_fits(one, one.total - 1, "test")
+    assert fits.check_fits(one, one.total, "test") is None
+    assert "refusing to run: stock TRL's scoring step" in fits.check_fits(one, one.total - 1, "test")
+
+
+def test_grpo_mem_estimate_is_the_stock_estimate_on_grpo_mems_tokens():
+    """grpo_mem's estimate has stock's parts, from the same per-token formula on the tokens grpo_mem runs: every prompt
+    of the window once and one micro-batch's completions of C − 1 tokens, plus the prompts' K/V gradients; its head
+    holds two tiles of the C++ head, never (tokens x vocab) logits; each prompt's image once."""
+    from grpo_mem.ops.logprobs_cpp import CPP_BLOCK_N, CPP_BLOCK_V
+
+    shape = estimate.model_shape(PRESETS["smollm2-135m"].config)
+    G, P, C = 8, 512, 64
+    stock = fits.estimate_stock_memory(shape, micro=G, P=P, C=C)
+    mine = fits.estimate_grpo_mem_memory(shape, micro=G, groups=1, P=P, C=C)
+    assert (mine.weights, mine.gradients, mine.process) == (stock.weights, stock.gradients, stock.process)
+    assert (stock.tokens, mine.tokens) == (G * (P + C), P + G * (C - 1)) == (4608, 1016)
+    assert mine.activations * stock.tokens == stock.activations * mine.tokens  # the same bytes per token
+    assert mine.prompt_kv == shape.layers * 2 * shape.kv_dim * P * 4 and stock.prompt_kv == 0
+    assert fits.GRPO_MEM_HEAD_TILE == CPP_BLOCK_N * CPP_BLOCK_V
+    assert mine.head == 2 * CPP_BLOCK_N * CPP_BLOCK_V * 4 and stock.head == 5 * 4096 * shape.vocab * 4
+    assert fits.estimate_grpo_mem_memory(shape, micro=1, groups=1, P=4, C=2).head == 2 * 2 * shape.vocab * 4
+    parts = mine.weights + mine.gradients + mine.activations + mine.prompt_kv + mine.head + mine.process
+    assert mine.total == parts
+    # what the docstring compares with the README's measured run (above the weights and the process base)
+    above = [(e.total - e.weights - e.process) / 1e9 for e in (mine, stock)]
+    assert [round(x, 2) for x in above] == [2.55, 13.27]
+    # a window of 3 prompts in micro-batches of 4 rows: every prompt once, one micro-batch's completions
+    window = fits.estimate_grpo_mem_memory(shape, micro=4, groups=3, P=P, C=C)
+    assert window.tokens == 3 * P + 4 * (C - 1) and window.prompt_kv == 3 * mine.prompt_kv
+    bf16 = fits.estimate_grpo_mem_memory(shape, micro=G, groups=1, P=P, C=C, dtype="bf16")
+    assert (bf16.activations, bf16.prompt_kv, bf16.head) == (mine.activations / 2, mine.prompt_kv / 2, mine.head)
+    text = mine.describe()
+    assert text.startswith(f"{mine.total / 1e9:.1f} GB (weights 0.5, gradients 0.5, saved activations 1.9 for 1016")
+    assert "(each prompt once, one micro-batch's completions), prompt K/V gradients 0.0" in text
+    vl = estimate.model_shape(PRESETS["qwen2.5-vl-3b"].config)
+    s_img = fits.estimate_stock_memory(vl, micro=8, P=512, C=64, image_tokens=256)
+    m_img = fits.estimate_grpo_mem_memory(vl, micro=8, groups=2, P=512, C=64, image_tokens=256)
+    assert (s_img.patch_rows, m_img.patch_rows) == (8 * 1024, 2 * 1024) and 4 * m_img.vision == s_img.vision
+    with pytest.raises(ValueError, match="micro must be >= 1, got 0"):
+        fits.estimate_grpo_mem_memory(shape, micro=0, groups=1, P=P, C=C)
+    with pytest.raises(ValueError, match="dtype must be one of \\('fp32', 'bf16'\\), got 'fp16'"):
+        fits.estimate_grpo_mem_memory(shape, micro=1, groups=1, P=P, C=C, dtype="fp16")
+
+
+def test_plan_runs_all_grpo_mem_alone_or_refuses():
+    """Stock's estimate fits: every provider runs; only grpo_mem's fits: stock is not run, with the one-line reason;
+    neither fits: the refusal names grpo_mem's estimate and stock's total."""
+    shape = estimate.model_shape(PRESETS["smollm2-135m"].config)
+    stock = fits.estimate_stock_memory(shape, micro=8, P=512, C=64)
+    mine = fits.estimate_grpo_mem_memory(shape, micro=8, groups=1, P=512, C=64)
+    assert fits.plan_runs(stock, mine, stock.total, "test") is None
+    assert fits.plan_runs(stock, mine, 5e9, "test") == "stock not run (estimated 14.8 GB > 5.0 GB available)"
+    assert fits.plan_runs(stock, mine, mine.total, "test").startswith("stock not run")
+    with pytest.raises(ValueError) as exc:
+        fits.plan_runs(stock, mine, mine.total - 1, "test")
+    needs = f"refusing to run: grpo_mem's scoring step of this shape needs about {mine.describe()}, more than the"
+    assert str(exc.value).startswith(needs)
+    assert "available (test), and stock TRL's about 14.8 GB. Lower" in str(exc.value)
+
+
+def test_auto_device_and_dtype_resolve_as_train_does(tmp_path, monkeypatch, capsys):
+    """``--device auto --dtype auto`` (the defaults): CUDA and bf16 where torch sees a GPU supporting it (fp32 on one
+    without), CPU and fp32 without one, through ``grpo-mem train``'s ``resolve_device``; ``--device cuda`` without a
+    GPU fails in one line."""
+    model = ["--model", str(_tiny_dir(tmp_path)), "--prompt-length", "24", "--output-dir", str(tmp_path / "out")]
+
+    def resolved(cuda: bool, bf16: bool, *argv):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+        cfg = bench.validate(bench.build_parser().parse_args(model + list(argv)))
+        return cfg.device, cfg.dtype, cfg.worker_args("grpo_mem")["dtype"]
+
+    assert resolved(True, True) == ("cuda", "bf16", "bfloat16")
+    assert resolved(True, False) == ("cuda", "fp32", "float32")
+    assert resolved(False, False) == ("cpu", "fp32", "float32")
+    assert resolved(True, True, "--device", "cpu") == ("cpu", "fp32", "float32")
+    assert resolved(False, False, "--dtype", "bf16") == ("cpu", "bf16", "bfloat16")
+    assert bench.main([*model, "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "grpo-mem bench: error: --device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)\n"
+    )
+
+
+def test_stock_that_does_not_fit_runs_grpo_mem_alone(tmp_path, monkeypatch, capsys):
+    """Memory between grpo_mem's estimate and stock's (faked): one line says stock TRL is not run, with its estimate;
+    grpo_mem's providers run alone (here the default one, in this process instead of a fresh one); the table shows their memory
+    and time with ratios "-" and stock's row saying why, the CSV holds stock's rows as not run, the verdict gives
+    grpo_mem's own figures, and the exit status is 0."""
+    out = tmp_path / "out"
+    argv = [
+        "--model",
+        str(_tiny_dir(tmp_path, vocab_size=8000)),  # stock's (tokens x vocab) head: its estimate above grpo_mem's
+        "--prompt-length",
+        "48",
+        "--max-completion-length",
+        "8",
+        "--num-generations",
+        "4",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+    ]
+    cfg = bench.validate(bench.build_parser().parse_args(argv))
+    stock = fits.estimate_stock_memory(cfg.shape, micro=4, P=48, C=8)
+    mine = fits.estimate_grpo_mem_memory(cfg.shape, micro=4, groups=1, P=48, C=8)
+    available = (stock.total + mine.total) / 2
+    assert stock.total - mine.total > 0.03e9
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda device="cpu": (available, "faked"))
+    from grpo_mem.bench import sweep
+
+    monkeypatch.setattr(sweep, "isolated", lambda target, **kwargs: lambda args: group_worker.worker(args))
+    monkeypatch.setattr(bench, "providers_to_run", lambda image_tokens=0: ["trl", "grpo_mem_tree"])  # one is enough
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    reason = f"stock not run (estimated {stock.total / 1e9:.1f} GB > {available / 1e9:.1f} GB available)"
+    assert (
+        f"grpo-mem bench: stock TRL not run: estimated at {stock.describe()}, more than the {available / 1e9:.1f} GB "
+        f"available (faked); grpo_mem alone, estimated at {mine.describe()}\n"
+    ) in captured.err
+    rows = harness.read_csv(str(out / "bench.csv"))
+    p50 = {(r["provider"], r["metric"]): r["p50"] for r in rows}
+    assert {r["provider"] for r in rows} == {"trl", "grpo_mem_tree"}
+    for r in rows:
+        assert r["config"]["estimated_grpo_mem_peak_gb"] == round(mine.total / 1e9, 2)
+        if r["provider"] == "trl":
+            assert math.isnan(r["p50"]) and r["config"]["skipped"] == reason
+        elif r["metric"] in ("wall_time", "peak_rss_above_base"):
+            assert r["p50"] > 0 and "skipped" not in r["config"] and "logp_max_abs_diff_vs_trl" not in r["config"]
+    table = [line for line in captured.out.splitlines() if line.startswith("| ")]
+    assert table[1] == f"| trl | - | - | - | - | - | - | {reason} |"
+    wall, mem = p50["grpo_mem_tree", "wall_time"], p50["grpo_mem_tree", "peak_rss_above_base"]
+    assert table[2].startswith(f"| grpo_mem_tree (default) | {wall:.3g} |") and table[2].endswith(" | - | - | - | - |")
+    assert captured.out.rstrip().splitlines()[-1] == (
+        f"on this shape grpo_mem peaks at {mem:.0f} MB above base in {wall:.3g} s; {reason}, so no ratio; the default "
+        "is tree sharing"
+    )
+    assert (out / "bench.png").stat().st_size > 0
 
 
 # --------------------------------------------------------------------------------------------------- providers
@@ -406,6 +578,8 @@ def test_tiny_end_to_end_run_writes_every_provider(tmp_path, capsys):
         "2",
         "--shared-prefix-length",
         "4",
+        "--device",
+        "cpu",
         "--threads",
         "1",
         "--output-dir",
@@ -493,6 +667,8 @@ def test_tiny_image_run_encodes_each_prompt_image_once(tmp_path, capsys):
         "2",
         "--image-tokens",
         "6",
+        "--device",
+        "cpu",
         "--threads",
         "1",
         "--output-dir",

@@ -507,7 +507,11 @@ def test_flags_come_from_the_settings_dataclass(capsys):
         (["--temperature", "0"], "temperature must be > 0, got 0.0"),
         (["--steps", "1", "--bogus"], "unrecognized arguments: --bogus"),
         (["--num-generations", "0"], "argument --num-generations: expected an integer >= 2, got 0"),
-        (["--num-generations", "1"], "argument --num-generations: expected an integer >= 2, got 1"),
+        (
+            ["--num-generations", "1"],
+            "argument --num-generations: expected an integer >= 2, got 1: GRPO requires at least 2 generations per "
+            "prompt to calculate the advantages",
+        ),
         # TRL's GRPOConfig built from the flags, before anything is loaded (the model directory does not exist)
         (["--model", "/nonexistent", "--extra", '{"nope": 1}'], "error: --extra: 'nope' is not a GRPOConfig option\n"),
         (
@@ -535,6 +539,47 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     assert err.startswith("usage: grpo-mem train") and message in err, err
     error = err[err.index("grpo-mem train: error: ") :]
     assert error.count("\n") == 1 and error.endswith("\n"), err  # one line after the usage, no traceback
+
+
+def test_unwritable_output_dir_fails_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """``grpo-mem train`` (and ``--compare``) with an ``--output-dir`` that cannot be written (a file in the way,
+    itself or as a parent; a directory refusing new files) prints one line and returns 2 before the model, the
+    tokenizer or a child run is touched, and creates nothing."""
+    from grpo_mem.commands import compare, flags, train
+
+    def never(*args, **kwargs):
+        raise AssertionError("built something before checking --output-dir")
+
+    monkeypatch.setattr(train, "_setup", never)
+    monkeypatch.setattr(train, "_make_trainer", never)
+    monkeypatch.setattr(compare.subprocess, "run", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out, extra in ((blocker, []), (blocker / "run", []), (blocker / "run", ["--compare"])):
+        assert train.main(["--output-dir", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err == f"grpo-mem train: error: --output-dir {out} is not writable ({blocker} is a file, not a directory)\n"
+        )
+
+    # run() and run_compare(), called as functions, check it too, before anything is built
+    bad = str(blocker / "run")
+    for fn, settings in (
+        (train.run, TrainSettings(output_dir=bad)),
+        (compare.run_compare, TrainSettings(output_dir=bad, compare=True)),
+    ):
+        with pytest.raises(ValueError, match=f"--output-dir {bad} is not writable"):
+            fn(settings)
+
+    def refuse(dir=None):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(flags.tempfile, "TemporaryFile", refuse)  # as root, chmod cannot make a directory refuse
+    assert train.main(["--output-dir", str(tmp_path / "new" / "run")]) == 2
+    assert capsys.readouterr().err == (
+        f"grpo-mem train: error: --output-dir {tmp_path / 'new' / 'run'} is not writable ({tmp_path}: Permission denied)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_cli_commands(capsys):

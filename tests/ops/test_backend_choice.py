@@ -57,6 +57,57 @@ def test_bad_environment_value_names_itself_and_the_choices(monkeypatch, value):
         grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
 
 
+_IMPORT_CASES = r"""
+import os, sys
+
+out = []
+for value in sys.argv[1:]:
+    os.environ["GRPO_MEM_BACKEND"] = value
+    for name in [m for m in sys.modules if m == "grpo_mem" or m.startswith("grpo_mem.")]:
+        del sys.modules[name]
+    try:
+        import grpo_mem
+        out.append("ok")
+    except ValueError as exc:
+        out.append(str(exc))
+out.append(sorted(m for m in ("torch", "transformers", "trl") if m in sys.modules))
+print(repr(out))
+"""
+
+
+def test_import_grpo_mem_refuses_a_bad_environment_value_without_torch():
+    """``import grpo_mem`` checks GRPO_MEM_BACKEND against the backend names (one fresh interpreter, several values,
+    the package dropped from ``sys.modules`` between them): a bad value raises ValueError naming it and the
+    choices; good ones (case and blanks forgiven, empty = auto) import; torch is never imported."""
+    values = ["nonsense", " Torch ", "", "cuda", "auto"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_CASES, *values], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    choices = "['auto', 'triton', 'torch', 'cpp']"
+    assert eval(proc.stdout) == [
+        f"GRPO_MEM_BACKEND must be one of {choices}, got 'nonsense'",
+        "ok",
+        "ok",
+        f"GRPO_MEM_BACKEND must be one of {choices}, got 'cuda'",
+        "ok",
+        [],
+    ]
+
+
+def test_patch_trl_refuses_a_bad_environment_value_before_patching(monkeypatch):
+    """A GRPO_MEM_BACKEND set after the import fails ``patch_trl()`` (also with ``backend=`` given: the environment
+    decides again after ``revert``), and nothing is patched."""
+    from trl import GRPOTrainer
+
+    before = dict(vars(GRPOTrainer))
+    monkeypatch.setenv(BACKEND_ENV, "tritn")
+    for kwargs in ({}, {"backend": "torch"}):
+        with pytest.raises(ValueError, match=r"GRPO_MEM_BACKEND must be one of \['auto', .*\], got 'tritn'"):
+            grpo_mem.patch_trl(**kwargs)
+    assert dict(vars(GRPOTrainer)) == before
+
+
 def test_patch_trl_backend_pins_validates_and_reverts(monkeypatch):
     from trl import GRPOTrainer, RLOOTrainer
 

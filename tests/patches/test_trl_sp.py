@@ -24,6 +24,20 @@ def _config(cls, tmp_path, **kwargs):
     return cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, parallelism_config=pc, **kwargs)
 
 
+@pytest.mark.parametrize("value", ["no", 0, 1, "False"])
+def test_sequence_parallel_takes_only_none_true_false(value):
+    """``patch_trl(sequence_parallel=...)`` refuses anything but None/True/False with a TypeError naming the value
+    (``"no"`` used to turn it on), before patching anything."""
+    from trl import GRPOTrainer
+
+    import grpo_mem
+
+    before = dict(vars(GRPOTrainer))
+    with pytest.raises(TypeError, match=rf"sequence_parallel must be None, True or False, got {value!r}"):
+        grpo_mem.patch_trl(sequence_parallel=value)
+    assert dict(vars(GRPOTrainer)) == before
+
+
 @pytest.mark.parametrize("name", ["GRPOConfig", "RLOOConfig"])
 def test_refusal_lifted_only_for_deepspeed_sp_while_patched(tmp_path, name):
     import trl
