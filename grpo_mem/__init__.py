@@ -19,18 +19,34 @@ after importing the package and before torch loads.
 
 Raises (at import): ValueError when the environment variable ``GRPO_MEM_BACKEND`` is set to a value that is not one
 of ``auto``, ``triton``, ``torch``, ``cpp`` (the message names the value and the choices), rather than at the first
-op.
+op. The ``grpo-mem`` command line (the installed script, or ``python -m grpo_mem``) prints that message as one
+line, ``grpo-mem: error: ...``, and exits with status 2 instead (no traceback).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from .ops._preference import env_preference
 
 __version__ = "0.1.0"
 
-env_preference()  # a misspelt GRPO_MEM_BACKEND fails here, before any work (torch is not imported)
+
+def _command_line() -> bool:
+    """Whether this process is a ``grpo-mem`` command: its installed script, or ``python -m`` of a module of this
+    package (``sys.argv[0]`` is ``"-m"`` only while runpy imports the packages of the module it was asked to run)."""
+    return os.path.basename(sys.argv[0]) == "grpo-mem" or sys.argv[:1] == ["-m"]
+
+
+try:
+    env_preference()  # a misspelt GRPO_MEM_BACKEND fails here, before any work (torch is not imported)
+except ValueError as exc:
+    if not _command_line():
+        raise
+    print(f"grpo-mem: error: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 _EXPORTS: dict[str, tuple[str, str]] = {
     "PatchHandle": ("grpo_mem.patches.handle", "PatchHandle"),

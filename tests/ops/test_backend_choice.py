@@ -1,6 +1,7 @@
 """The way back from the kernels: ``GRPO_MEM_BACKEND`` and ``patch_trl(backend=...)`` choose every op's backend,
 are validated by name, are what ran (``_backends.RESOLVED``), and ``torch`` needs no Triton at all."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -92,6 +93,19 @@ def test_import_grpo_mem_refuses_a_bad_environment_value_without_torch():
         f"GRPO_MEM_BACKEND must be one of {choices}, got 'cuda'",
         "ok",
         [],
+    ]
+
+
+def test_command_line_refuses_a_bad_environment_value_in_one_line():
+    """``python -m grpo_mem`` (the ``grpo-mem`` command) with a misspelt GRPO_MEM_BACKEND prints one line naming the
+    value and exits with status 2, no traceback, before parsing its arguments."""
+    env = dict(os.environ, GRPO_MEM_BACKEND="tritn")
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_mem", "bench", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "grpo-mem: error: GRPO_MEM_BACKEND must be one of ['auto', 'triton', 'torch', 'cpp'], got 'tritn'"
     ]
 
 
