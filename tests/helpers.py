@@ -107,19 +107,26 @@ def smollm2_shaped(layers=2, embed_scale=1.0):
 
 
 class CountPasses:
-    """Records the token count of every node pass of the prompt-once path (one sorted list per pass)."""
+    """Records the token count of every node pass of the prompt-once path (one sorted list per pass), whether it runs
+    as a call of its own (``Window.text_pass``) or as a block of a packed call (``packed._node_block``)."""
 
     def __init__(self, monkeypatch):
+        from grpo_mem.model import packed
         from grpo_mem.model import window as window_module
 
         self.passes = []
-        original = window_module.Window.text_pass
+        original, block = window_module.Window.text_pass, packed._node_block
 
         def spy(window, mb, spec):
             self.passes.append(sorted(len(window.plan.trie.nodes[n].tokens) for n in spec.nodes))
             return original(window, mb, spec)
 
+        def spy_block(window, mb, call, spec):
+            self.passes.append(sorted(len(window.plan.trie.nodes[n].tokens) for n in spec.nodes))
+            return block(window, mb, call, spec)
+
         monkeypatch.setattr(window_module.Window, "text_pass", spy)
+        monkeypatch.setattr(packed, "_node_block", spy_block)
 
 
 def make_batch(prompt_lens, G, C, *, seed=0, shuffle=False, group_sizes=None, junk_in_padding=False, prompts=None):

@@ -106,8 +106,9 @@ _COUNTER = itertools.count()
 _PROMPT_TAG, _COMPLETION_TAG = "grpo_mem:prompt:", "grpo_mem:completion:"
 
 
-def context_token(ctx: PromptCapture | CompletionContext) -> str:
-    """Register ``ctx`` and return the string that names it, to pass to the model as ``grpo_mem_ctx=token``.
+def context_token(ctx) -> str:
+    """Register ``ctx`` (a ``PromptCapture``, ``CompletionContext`` or ``packed.PackedContext``) and return the
+    string that names it, to pass to the model as ``grpo_mem_ctx=token``.
 
     The registry holds ``ctx`` weakly: the caller keeps it alive for as long as a layer may look it up.
     """
@@ -229,6 +230,50 @@ def _op_tensors(tensors: tuple) -> tuple:
     return tensors
 
 
+def attend(ctx: CompletionContext, query, key, value, layer: int, kwargs: dict):
+    """Attention of a pass whose queries read ``ctx.regions`` plus, causally, their own keys: ``query`` (B, Hq, T, d),
+    ``key``/``value`` (B, Hkv, T, d) post-RoPE; returns (B, T, Hq, dv), contiguous. Records the pass's own K/V in
+    ``ctx.capture`` (first call of the layer only) and, under sequence parallelism, runs the layer's exchange."""
+    shard_regions, shards, key_mask, positions = [], ctx.shards, ctx.key_mask, ctx.positions
+    split = None if shards is None else shards.heads(query.shape[1], key.shape[1])
+    if split is not None:  # the whole pass at this rank's heads: attention as on one rank (``sequence_heads``)
+        query, key, value = split.scatter(query, key, value)
+        key_mask, positions, shards = shards.mask, shards.positions, None
+        kwargs["s_aux"] = split.sinks(kwargs.get("s_aux"))
+    if shards is not None:
+        shard_regions = shards.regions(key, value, layer, ctx.capture)
+    elif ctx.capture is not None:
+        ctx.capture.setdefault(layer, (key, value))
+    region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for r in shard_regions for t in r[:2]]
+    tensors = _op_tensors((query, key, value, *region_kv))
+    device, dv = query.device.type, value.shape[-1]
+    scaling = kwargs.get("scaling")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = tensors[:3]
+    indices = [r.index for r in ctx.regions]
+    if shards is not None:  # the pieces of this rank's shard as query rows (``Shards.fold``)
+        q, k, v = (shards.fold(t) for t in (q, k, v))
+        key_mask, positions = shards.fold_rows(key_mask), shards.fold_rows(positions)
+        indices = [shards.rows(i) for i in indices]
+    kv = iter(tensors[3:])
+    regions = [(next(kv), next(kv), i, r.mask, r.positions) for i, r in zip(indices, ctx.regions)]
+    regions += [(next(kv), next(kv), *r[2:]) for r in shard_regions]
+    features = layer_features(kwargs)
+    if features["sliding_window"] is not None and features["sliding_window"] > ctx.reach:
+        features["sliding_window"] = None
+    # under the head split the op returns this rank's tokens at all heads (and keeps only them); value heads
+    # narrower than the key heads are cut first, then exchanged
+    out_map = split.out_map if split is not None and dv == key.shape[-1] else None
+    with torch.autocast(device, enabled=False):
+        out = multi_region_attention(
+            q, k, v, regions, key_mask, scale=scale, q_positions=positions, out_map=out_map, **features
+        )
+    if split is not None:
+        return out.transpose(1, 2) if out_map else split.gather(out[..., :dv])
+    out = out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)
+    return out if out.shape[-1] == dv else out[..., :dv].contiguous()
+
+
 def _make_hook(inner: str):
     flash = _is_flash(inner)
 
@@ -240,49 +285,14 @@ def _make_hook(inner: str):
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
         layer = module.layer_idx
         ctx = lookup_context(token)
+        if hasattr(ctx, "attend"):  # a context that runs attention itself (``packed.PackedContext``)
+            return ctx.attend(query, key, value, layer, kwargs), None
         if not isinstance(ctx, CompletionContext):
             # prompt pass; a capture already gone means the replay of a checkpointed layer, which records nothing
             if ctx is not None:
                 ctx.kv.setdefault(layer, (key, value))
             return inner_fn(inner_module, query, key, value, attention_mask, **kwargs)
-        shard_regions, shards, key_mask, positions = [], ctx.shards, ctx.key_mask, ctx.positions
-        split = None if shards is None else shards.heads(query.shape[1], key.shape[1])
-        if split is not None:  # the whole pass at this rank's heads: attention as on one rank (``sequence_heads``)
-            query, key, value = split.scatter(query, key, value)
-            key_mask, positions, shards = shards.mask, shards.positions, None
-            kwargs["s_aux"] = split.sinks(kwargs.get("s_aux"))
-        if shards is not None:
-            shard_regions = shards.regions(key, value, layer, ctx.capture)
-        elif ctx.capture is not None:
-            ctx.capture.setdefault(layer, (key, value))
-        region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for r in shard_regions for t in r[:2]]
-        tensors = _op_tensors((query, key, value, *region_kv))
-        device, dv = query.device.type, value.shape[-1]
-        scaling = kwargs.get("scaling")
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        q, k, v = tensors[:3]
-        indices = [r.index for r in ctx.regions]
-        if shards is not None:  # the pieces of this rank's shard as query rows (``Shards.fold``)
-            q, k, v = (shards.fold(t) for t in (q, k, v))
-            key_mask, positions = shards.fold_rows(key_mask), shards.fold_rows(positions)
-            indices = [shards.rows(i) for i in indices]
-        kv = iter(tensors[3:])
-        regions = [(next(kv), next(kv), i, r.mask, r.positions) for i, r in zip(indices, ctx.regions)]
-        regions += [(next(kv), next(kv), *r[2:]) for r in shard_regions]
-        features = layer_features(kwargs)
-        if features["sliding_window"] is not None and features["sliding_window"] > ctx.reach:
-            features["sliding_window"] = None
-        # under the head split the op returns this rank's tokens at all heads (and keeps only them); value heads
-        # narrower than the key heads are cut first, then exchanged
-        out_map = split.out_map if split is not None and dv == key.shape[-1] else None
-        with torch.autocast(device, enabled=False):
-            out = multi_region_attention(
-                q, k, v, regions, key_mask, scale=scale, q_positions=positions, out_map=out_map, **features
-            )
-        if split is not None:
-            return (out.transpose(1, 2) if out_map else split.gather(out[..., :dv])), None
-        out = out.transpose(1, 2).contiguous() if shards is None else shards.unfold(out)
-        return (out if out.shape[-1] == dv else out[..., :dv].contiguous()), None
+        return attend(ctx, query, key, value, layer, kwargs), None
 
     grpo_mem_attention.__name__ = f"grpo_mem_attention_{inner}"
     return grpo_mem_attention

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from . import attention_hook as attn_hook
 from .attention_hook import WRAPPED_FORWARD, own_class
-from .window import PassExtension
+from .extension import PassExtension
 
 __all__ = ["LinearContext", "LinearState", "hands_off_state", "install", "linear_layers"]
 

@@ -33,7 +33,7 @@ import torch
 
 from . import attention_hook as attn_hook
 from .attention_hook import own_class
-from .window import PassExtension
+from .extension import PassExtension
 
 __all__ = [
     "RouterLoss",

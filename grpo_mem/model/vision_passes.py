@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .window import PassExtension
+from .extension import PassExtension
 
 __all__ = ["VisionPasses", "prompt_columns"]
 

@@ -3,11 +3,12 @@
 Each ``PassSpec`` of the plan goes through the model once, with gradients, at its nodes' positions (a node's
 ``start``: the tokens before it on its prompt's path; in group mode, a prompt's left padding): a root pass is a plain
 causal pass whose attention records its K/V, a deeper pass attends to every ancestor's recorded K/V in place plus its
-own causal K/V (``grpo_mem.ops.multi_region_attention``) and records its own. The completions then run as one pass at
-positions ``end … end + C − 2`` (``end``: where the row's prompt ends) attending to every node on their prompt's path
-plus their own tokens. Every query-key pair keeps the position difference of stock TRL's left-padded layout, so RoPE
-scores are the same up to the rounding of the rotation. A kept pass (read by a later micro-batch) lives in the store
-until its release micro-batch; which states a reader gets is decided in one place, ``store.PassTable.read``.
+own causal K/V (``grpo_mem.ops.multi_region_attention``) and records its own. The completions then run at positions
+``end … end + C − 2`` (``end``: where the row's prompt ends) attending to every node on their prompt's path plus their
+own tokens. Every query-key pair keeps the position difference of stock TRL's left-padded layout, so RoPE scores are
+the same up to the rounding of the rotation. Text micro-batches on one rank run their passes packed, one backbone call
+per release (``packed``); others one call per pass. A kept pass (read by a later micro-batch) lives in the store until
+its release micro-batch; which states a reader gets is decided in one place, ``store.PassTable.read``.
 
 The core runs text passes. What else the passes carry comes as pass extensions (``PassExtension``: image inputs,
 linear-attention state, the MoE router loss) and one layout (``OneRank``, or ``sequence_parallel.SequenceSharded``),
@@ -22,40 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention_hook as attn_hook
+from . import packed
 from .head import completion_head
 from .plan import PassSpec, WindowPlan, completion_width, to_device
 from .store import ForwardedPass, PassTable, PromptStates, tie, touch
 
-__all__ = ["MicroBatch", "OneRank", "PassExtension", "Window"]
-
-
-class PassExtension:
-    """What a mechanism beyond text attention adds to the passes of a micro-batch; each hook's default adds nothing.
-    ``name``: the key of its records in ``PromptStates.extras``; ``all_completion_tokens``: the completion pass runs
-    all C tokens (``completion_width``'s ``router``)."""
-
-    name = ""
-    all_completion_tokens = False
-
-    def call_kwargs(self, mb: MicroBatch, spec: PassSpec | None, width: int) -> dict:
-        """Extra backbone keyword arguments of the pass ``spec`` (None: the completion pass), ``width`` tokens per row;
-        a ``position_ids`` entry replaces the pass's own positions as the model's (e.g. M-RoPE's)."""
-        return {}
-
-    def context(self, mb: MicroBatch, starts: list[int | None], lengths: list[int] | None, release: int) -> dict:
-        """Fields of the pass's attention context: its rows continue the nodes ``starts`` (None or []: nothing), hold
-        ``lengths`` real tokens (None: the completion pass); the pass is released in micro-batch ``release``."""
-        return {}
-
-    def record(self, mb: MicroBatch, out, ctx, keeper, tokens: int) -> dict[int, tuple[torch.Tensor, ...]]:
-        """What the pass keeps of its call by layer (``PromptStates.extras[name]``), from the backbone's output ``out``
-        over ``tokens`` tokens, its attention context ``ctx`` and ``keeper`` (``attention_hook.keep_alive``, or None)."""
-        return {}
-
-    def loss(self, mb: MicroBatch, completion: dict, completion_mask: torch.Tensor) -> torch.Tensor | None:
-        """A 0-d loss of the micro-batch from the passes its rows read (``PassTable.read_by_rows``) and the
-        completion pass's records ``completion`` (by extension name), or None."""
-        return None
+__all__ = ["MicroBatch", "OneRank", "Window"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +69,7 @@ class MicroBatch:
     causal_lm: torch.nn.Module
     leaves: list[int]
     device: torch.device
-    extensions: tuple[PassExtension, ...]
+    extensions: tuple  # of ``extension.PassExtension``
     layout: OneRank
     views: dict[int, PromptStates] = field(default_factory=dict)
 
@@ -195,9 +168,14 @@ class Window:
         states.extras.update(mb.record(out, ctx, keeper, ids.numel()))
         self.table.register(ForwardedPass(spec=spec, mask=mask, positions=positions), states)
 
-    def _completion_pass(self, mb: MicroBatch, completion_ids, completion_mask, width: int):
-        """(B, width', H) final hidden states of completion tokens ``0 … width − 1`` (they predict tokens
-        1 … width; width' is the layout's) and what the extensions record of the pass."""
+    def _pass_by_pass(self, mb: MicroBatch, completion_ids, completion_mask, width: int):
+        """Forward ``mb``'s passes one call each, then its completion pass; returns the (B, width', H) final hidden
+        states of completion tokens ``0 … width − 1`` (they predict tokens 1 … width; width' is the layout's; None if
+        ``width`` is 0) and what the extensions record of the completion pass."""
+        for spec in self.plan.passes_at(self.current):
+            mb.layout.node_pass(mb, spec)
+        if not width:
+            return None, {}
         trie = self.plan.trie
         ends = torch.tensor([trie.nodes[leaf].end for leaf in mb.leaves], dtype=torch.long, device=mb.device)
         ids, key_mask = completion_ids[:, :width], completion_mask[:, :width].bool()
@@ -259,13 +237,14 @@ class Window:
         attn_hook.take_over(causal_lm)
         leaves, P, layout = self.plan.leaves(self.current), input_ids.shape[1] - C, layout or OneRank()
         mb = MicroBatch(self, self.current, self.plan.last, causal_lm, leaves, input_ids.device, extensions, layout)
-        for spec in self.plan.passes_at(self.current):
-            mb.layout.node_pass(mb, spec)
+        width = completion_width(C, lockstep=lockstep, router=any(e.all_completion_tokens for e in mb.extensions))
+        ids, mask = input_ids[:, P:], attention_mask[:, P:]
+        if not mb.extensions and type(mb.layout) is OneRank:  # passes backpropagated together: one call
+            out, completion = packed.forward(self, mb, ids, mask, width), {}
+        else:
+            out, completion = self._pass_by_pass(mb, ids, mask, width)
         hidden = [self.table.gather_last_hidden(mb.leaves, mb).unsqueeze(1)]
-        router = any(e.all_completion_tokens for e in mb.extensions)
-        width, completion = completion_width(C, lockstep=lockstep, router=router), {}
-        if width:
-            out, completion = self._completion_pass(mb, input_ids[:, P:], attention_mask[:, P:], width)
+        if out is not None:
             if C > 1:
                 hidden.append(mb.layout.completion_hidden(out, C))
             else:

@@ -116,21 +116,29 @@ def _record_passes() -> list:
     scenario's system prompt)."""
     import itertools
 
+    from grpo_mem.model import packed
     from grpo_mem.model.window import Window
 
     seen, numbers = [], itertools.count()
-    forward_pass = Window.text_pass
+    forward_pass, block = Window.text_pass, packed._node_block
 
-    def recorded(window, mb, spec):
+    def record(window, spec):
         roots = sum(
             window.plan.trie.nodes[n].parent is None and len(window.plan.trie.nodes[n].tokens) >= 64 for n in spec.nodes
         )
         if torch.is_grad_enabled():
             number = window.__dict__.setdefault("_test_number", next(numbers))
             seen.append((number, spec.micro_batch, spec.key, not spec.nodes, roots))
+
+    def recorded(window, mb, spec):  # a pass run as a call of its own
+        record(window, spec)
         return forward_pass(window, mb, spec)
 
-    Window.text_pass = recorded
+    def recorded_block(window, mb, call, spec):  # a pass run as a block of a packed call
+        record(window, spec)
+        return block(window, mb, call, spec)
+
+    Window.text_pass, packed._node_block = recorded, recorded_block
     return seen
 
 

@@ -102,10 +102,9 @@ def test_each_prompt_forwarded_once():
     grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
     handle.remove()
     P = ids.shape[1] - C
-    assert rows == [
-        (3, P),
-        (ids.shape[0], C - 1),
-    ]  # 3 unique prompts once, then the completions without their last token
+    # one packed backbone call: the 3 unique prompts once (each right-padded to the longest), then the completions
+    # without their last token
+    assert rows == [(1, 3 * P + ids.shape[0] * (C - 1))]
 
 
 def test_gradient_reaches_prompt_and_first_completion_token():
@@ -122,9 +121,11 @@ def test_gradient_reaches_prompt_and_first_completion_token():
     logps, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C)
     handle.remove()
     logps[:, 0].sum().backward()  # only completion token 1: predicted from the last prompt position
-    prompt_emb = seen[0]
-    assert prompt_emb.grad is not None and prompt_emb.grad[:, -1].abs().sum() > 0
-    assert prompt_emb.grad[:, :-1].abs().sum() > 0  # earlier prompt tokens, through attention
+    # one packed call; its first block holds the 2 unique prompts (6 and 4 real tokens), right-padded to 6 each
+    prompts = seen[0].grad[0, : 2 * 6].unflatten(0, (2, 6))
+    for u, length in enumerate((6, 4)):
+        assert prompts[u, length - 1].abs().sum() > 0  # the last prompt position predicts completion token 1
+        assert prompts[u, : length - 1].abs().sum() > 0  # earlier prompt tokens, through attention
     for name in ("k_proj", "v_proj"):
         assert model.model.layers[0].self_attn.__getattr__(name).weight.grad.abs().sum() > 0
 
