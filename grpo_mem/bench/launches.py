@@ -66,6 +66,28 @@ def op_kind(func, args=(), kwargs=None) -> str:
     return "launch"
 
 
+@functools.lru_cache(maxsize=None)
+def launches_kernel(name: str) -> bool:
+    """Whether a profiler event of the op ``name`` (``"aten::mm"``, ``"grpo_mem::linear_logprobs_fwd"``; the profiler
+    does not say which overload) is kernel time: an op of another namespace, or an ATen op one of whose overloads
+    (``out=`` variants aside) :func:`op_kind` calls a launch and has a kernel of its own (a composite such as
+    ``aten::linear`` or ``aten::to`` only calls other ops)."""
+    namespace, _, op = name.partition("::")
+    if namespace != "aten":
+        return True
+    packet = getattr(torch.ops.aten, op, None)
+    for overload in packet.overloads() if packet is not None else ():
+        func = getattr(packet, overload)
+        if "out" in overload or op_kind(func) != "launch":
+            continue
+        try:
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+                return True
+        except RuntimeError:  # a TorchScript-only overload (aten::to.prim_Device)
+            continue
+    return False
+
+
 def _has_bool_index(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
