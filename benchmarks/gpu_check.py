@@ -619,31 +619,32 @@ def _cuda_peak_mb(fn) -> float:
     return torch.cuda.max_memory_allocated() / 1e6
 
 
-DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
-"""Kineto's activity types of device time (the profiler's raw events; ``torch.profiler``'s ``events()`` would build a
-Python tree of every event first: about 100 us each, 10 s for one 28-layer grpo_mem call)."""
-
-
 def _raw_events(prof) -> list:
-    """The profiler's raw Kineto events (``name()``, ``activity_type()``, ``start_ns()``, ``end_ns()``)."""
+    """The profiler's raw Kineto events (``name()``, ``device_type()``, ``start_ns()``, ``end_ns()``):
+    ``torch.profiler``'s ``events()`` would first build a Python tree of every event, about 100 us each, 10 s for one
+    28-layer grpo_mem call."""
     return prof.profiler.kineto_results.events()
 
 
 def _cuda_kernels(prof) -> list:
-    """The device's kernels, copies and memsets."""
-    raw = [e for e in _raw_events(prof) if e.activity_type() in DEVICE_ACTIVITIES]
+    """The device's kernels, copies and memsets (the device-side copy of the :data:`STEP_LABEL` range left out)."""
+    from torch.autograd import DeviceType
+
+    raw = [e for e in _raw_events(prof) if e.device_type() == DeviceType.CUDA and e.name() != STEP_LABEL]
     return [(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3, (e.end_ns() - e.start_ns()) / 1e3) for e in raw]
 
 
 def _cuda_counts(prof, call) -> tuple[int, int]:
-    """Kernel launches (device kernels; copies and memsets are none) and host syncs (:func:`syncs_in_step`)."""
-    raw = _raw_events(prof)
-    return sum(1 for e in raw if e.activity_type() == "kernel"), syncs_in_step(raw)
+    """Kernel launches (the device's kernels; copies and memsets are none) and host syncs (:func:`syncs_in_step`)."""
+    launches = [k for k in _cuda_kernels(prof) if not k[0].startswith(("Memcpy", "Memset"))]
+    return len(launches), syncs_in_step(_raw_events(prof))
 
 
 def syncs_in_step(raw) -> int:
     """The :data:`SYNC_CALLS` among Kineto events ``raw`` that start inside the host-side :data:`STEP_LABEL` range."""
-    step = next(e for e in raw if e.name() == STEP_LABEL and e.activity_type() == "user_annotation")
+    from torch.autograd import DeviceType
+
+    step = next(e for e in raw if e.name() == STEP_LABEL and e.device_type() == DeviceType.CPU)
     lo, hi = step.start_ns(), step.end_ns()
     return sum(1 for e in raw if e.name() in SYNC_CALLS and lo <= e.start_ns() <= hi)
 

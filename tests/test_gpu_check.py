@@ -169,13 +169,15 @@ def test_kernel_categories_and_busy_time():
 class _Raw:
     """A Kineto event as ``torch.profiler`` keeps it (``prof.profiler.kineto_results.events()``)."""
 
-    def __init__(self, name, activity, start_us, end_us):
-        self._v = (name, activity, start_us * 1000, end_us * 1000)
+    def __init__(self, name, on_device, start_us, end_us):
+        from torch.autograd import DeviceType
+
+        self._v = (name, DeviceType.CUDA if on_device else DeviceType.CPU, start_us * 1000, end_us * 1000)
 
     def name(self):
         return self._v[0]
 
-    def activity_type(self):
+    def device_type(self):
         return self._v[1]
 
     def start_ns(self):
@@ -192,22 +194,21 @@ def test_cuda_profile_reading_on_recorded_events():
     import types
 
     raw = [
-        _Raw(gpu_check.STEP_LABEL, "user_annotation", 0, 1000),
-        _Raw(gpu_check.STEP_LABEL, "gpu_user_annotation", 10, 900),
-        _Raw("cudaLaunchKernel", "cuda_runtime", 20, 25),
-        _Raw("_mra_fwd_kernel", "kernel", 30, 130),
-        _Raw("nvjet_hsh_gemm", "kernel", 100, 200),
-        _Raw("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 300, 310),
-        _Raw("cudaStreamSynchronize", "cuda_runtime", 305, 320),
-        _Raw("Memset (Device)", "gpu_memset", 400, 402),
-        _Raw("cudaDeviceSynchronize", "cuda_runtime", 1100, 1200),
+        _Raw(gpu_check.STEP_LABEL, False, 0, 1000),
+        _Raw(gpu_check.STEP_LABEL, True, 10, 900),  # the range's device-side copy
+        _Raw("cudaLaunchKernel", False, 20, 25),
+        _Raw("_mra_fwd_kernel", True, 30, 130),
+        _Raw("nvjet_hsh_gemm", True, 100, 200),
+        _Raw("Memcpy DtoH (Device -> Pageable)", True, 300, 310),
+        _Raw("cudaStreamSynchronize", False, 305, 320),
+        _Raw("Memset (Device)", True, 400, 402),
+        _Raw("cudaDeviceSynchronize", False, 1100, 1200),
     ]
-    prof = types.SimpleNamespace(
-        profiler=types.SimpleNamespace(kineto_results=types.SimpleNamespace(events=lambda: raw))
-    )
+    results = types.SimpleNamespace(events=lambda: raw)
+    prof = types.SimpleNamespace(profiler=types.SimpleNamespace(kineto_results=results))
     cuda = gpu_check.PERF_DEVICES["cuda"]
     kernels = cuda.kernels(prof)
-    assert [k[0] for k in kernels] == [e.name() for e in raw if e.activity_type() in gpu_check.DEVICE_ACTIVITIES]
+    assert [k[0] for k in kernels] == [e.name() for e in raw[3:] if e.device_type().name == "CUDA"]
     assert cuda.counts(prof, None) == (2, 1)
     metrics = gpu_check._kernel_metrics(kernels, wall_s=0.001)
     assert abs(metrics["busy_time"] - 0.182) < 1e-12 and abs(metrics["gpu_idle_share"] - 0.818) < 1e-9
