@@ -59,6 +59,7 @@ def blocks() -> dict[str, dict[str, Callable[[], str]]]:
     group, tree, vlm = _script("bench_group"), _script("bench_tree"), _script("bench_vlm")
     attention, head, fsdp = _script("bench_attention"), _script("bench_head"), _script("bench_fsdp")
     sp, longest, long = _script("bench_sp"), _script("longest_prompt"), _script("bench_long")
+    launches = _script("bench_launches")
     return {
         BENCHMARKS_PAGE: {
             "group": lambda: group.table(),
@@ -73,6 +74,7 @@ def blocks() -> dict[str, dict[str, Callable[[], str]]]:
             "fsdp-tree": lambda: fsdp.window_table(),
             "sp": lambda: sp.table(),
             "long": lambda: long.table(),
+            "launches": lambda: launches.table(),
         },
         DISTRIBUTED_PAGE: {"sp-estimate": lambda: longest.table(longest.rows())},
         MODELS_PAGE: {"architectures": architecture_table, "architecture-counts": architecture_counts},

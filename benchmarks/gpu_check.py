@@ -1,6 +1,6 @@
 """The one-shot GPU check: everything a first run on a GPU should tell, in one command, with at most 8 result files.
 
-    python benchmarks/gpu_check.py --out DIR [--device cuda|cpu] [--tiny] [--budget-s 500] [--phases env,kernels,...]
+    python benchmarks/gpu_check.py --out DIR [--device cuda|cpu] [--tiny] [--budget-s 1170] [--phases env,perf,...]
         [--backend auto|triton|torch|cpp] [-k EXPR]
 
 Phases, in order, each in its own process with its own time limit (a crash or an illegal address in one poisons
@@ -10,6 +10,15 @@ limited to what is left of the budget:
 - ``env``: versions (python, torch, triton, transformers, trl, accelerate, datasets, peft, regex, pyarrow,
   tokenizers, huggingface_hub, grpo_mem), the device's properties and Triton's shared-memory limit, ``nvidia-smi``'s
   clocks, temperature and power -> ``env.txt``.
+- ``perf``: where the time goes. ``torch.profiler`` over a warm scoring window (every micro-batch's completion
+  log-probs and entropies, forward and backward) of a full-depth Qwen3-1.7B (28 layers, random bf16 weights drawn on
+  the device), first at P=2048, C=512, G=8 (2 micro-batches of 4), then at P=16384, C=64, G=8 (micro-batches of 1: a
+  stock row keeps about 57 GB of activations), stock TRL against grpo_mem under each backend preference that runs
+  another pair of attention and head backends there (``auto`` first; ``--backend`` does not narrow it): wall time
+  (CUDA events), peak memory (``max_memory_allocated``), kernel time by category, kernel launches, host
+  synchronisations, GPU idle share -> ``perf.csv`` (long format, rows written as each provider ends) and a summary
+  per shape in run.log. CPU: the CPU profiler, launching ATen ops and host reads as
+  ``benchmarks/bench_launches.py`` counts them, peak RSS above base.
 - ``kernels``: ``pytest tests/ops/test_triton_cuda.py`` (the kernels against fp64 truth in bf16/fp16/fp32 at realistic
   shapes, NaN-poisoned allocator; with ``pytest-xdist`` installed, in 6 processes) -> ``kernels.xml`` (JUnit) and
   ``kernels.csv`` (every error measurement and every compiled kernel's registers, spills and shared memory, merged from
@@ -23,15 +32,16 @@ limited to what is left of the budget:
 - ``bench``: ``grpo-mem bench --device cuda --dtype bf16`` (run as ``python -m grpo_mem.commands.bench``, which needs
   none of the cli extra) on a Qwen3-1.7B config (P=2048, C=512, G=8) and on the long-prompt setting (P=16384, C=64,
   G=8) with a Qwen3.5-4B-shaped model cut to 4 layers (3 Gated DeltaNet + 1 full attention); both config.json files
-  are written here, nothing is downloaded -> ``bench/bench.csv`` (both runs' rows) and ``bench/bench.png`` (both
-  runs' charts, one above the other).
+  are written here, nothing is downloaded -> ``bench/bench.csv`` (both runs' rows; a chart can be drawn from it
+  with ``grpo_mem.bench.results.plot_csv``).
 
-``--tiny`` (CI, with ``--device cpu``) runs every phase at toy sizes: the kernels subset under the interpreter, verify
-on a 2-layer Qwen3 of hidden 64, 2 training steps, and the two bench settings on toy configs in fp32.
+``--tiny`` (CI, with ``--device cpu``) runs every phase at toy sizes: perf on a 2-layer Qwen3 of hidden 64 in fp32
+(P=64, C=16, G=4, then P=128, C=8), the kernels subset under the interpreter, verify on the same toy Qwen3, 2
+training steps, and the two bench settings on toy configs in fp32.
 
 Files under ``--out`` (no deeper than one folder): ``run.log`` (each phase's command and the tail of its output; its
-last line: each phase's status and seconds), ``env.txt``, ``kernels.xml``, ``kernels.csv``, ``verify.txt``,
-``train.json``, ``bench/bench.csv``, ``bench/bench.png``. Everything else (pytest's per-process CSVs, the Triton cache,
+last line: each phase's status and seconds), ``env.txt``, ``perf.csv``, ``kernels.xml``, ``kernels.csv``,
+``verify.txt``, ``train.json``, ``bench/bench.csv``. Everything else (pytest's per-process CSVs, the Triton cache,
 trainer output directories, bench's own output directories, matplotlib's cache) goes under a temporary directory.
 
 ``--backend`` sets ``GRPO_MEM_BACKEND`` for every phase's process (read by ``grpo_mem.ops._backends.resolve`` for
@@ -43,30 +53,36 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import gc
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("env", "kernels", "verify", "train", "bench")
+PHASES = ("env", "perf", "kernels", "verify", "train", "bench")
+"""In the order they run: where the time goes first (the next GPU run's first question), then the regression checks."""
 BACKENDS = ("auto", "triton", "torch", "cpp")
-LIMITS = {"env": 60, "kernels": 240, "verify": 150, "train": 150, "bench": 330}
+LIMITS = {"env": 60, "perf": 240, "kernels": 240, "verify": 150, "train": 150, "bench": 330}
 """Seconds each phase may take on a GPU (``--budget-s`` may cut them further)."""
-TINY_LIMITS = {"env": 60, "kernels": 300, "verify": 120, "train": 180, "bench": 300}
+TINY_LIMITS = {"env": 60, "perf": 120, "kernels": 300, "verify": 120, "train": 180, "bench": 300}
+DEFAULT_BUDGET_S = float(sum(LIMITS.values()))
+"""``--budget-s``'s default: every phase its whole limit (1170 s); a run under a shorter outer limit passes less."""
 RESULT_FILES = (
     "run.log",
     "env.txt",
+    "perf.csv",
     "kernels.xml",
     "kernels.csv",
     "verify.txt",
     "train.json",
     "bench/bench.csv",
-    "bench/bench.png",
 )
 """Everything the check writes under ``--out``: at most 8 files, none deeper than one folder (easy to copy off)."""
 LOG_TAIL_LINES = 300
@@ -149,6 +165,14 @@ def settings(tiny: bool) -> dict:
     """Sizes of every phase: full (GPU) or toy (``--tiny``)."""
     if not tiny:
         return dict(
+            perf=dict(
+                name="qwen3-1.7b",
+                model=QWEN3_1_7B,
+                dtype="bfloat16",
+                # P=16384: one row per micro-batch, as stock's 16448-token row holds about 57 GB of activations and two
+                # 113 GB (grpo_mem.bench.fits.estimate_stock_memory)
+                shapes=[dict(P=2048, C=512, G=8, micro=4, repeats=3), dict(P=16384, C=64, G=8, micro=1, repeats=2)],
+            ),
             verify_model=dict(QWEN3_1_7B, num_hidden_layers=4),
             verify_batch=dict(G=8, P=512, C=256, groups=2, shared_prefix=256, micro=8),
             train=dict(steps=8, batch=8, generations=4, completion=32, hidden=256, heads=4, kv_heads=2),
@@ -158,6 +182,12 @@ def settings(tiny: bool) -> dict:
             ],
         )
     return dict(
+        perf=dict(
+            name="qwen3-tiny",
+            model=TINY_QWEN3,
+            dtype="float32",
+            shapes=[dict(P=64, C=16, G=4, micro=2, repeats=3), dict(P=128, C=8, G=4, micro=1, repeats=2)],
+        ),
         verify_model=TINY_QWEN3,
         verify_batch=dict(G=4, P=32, C=16, groups=2, shared_prefix=8, micro=4),
         train=dict(steps=2, batch=4, generations=4, completion=8, hidden=48, heads=4, kv_heads=2),
@@ -176,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="where the result files go (created)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the phases run")
     p.add_argument("--tiny", action="store_true", help="toy sizes (CI: --device cpu --tiny)")
-    p.add_argument("--budget-s", type=float, default=500.0, help="start no phase once this many seconds are spent")
+    p.add_argument(
+        "--budget-s", type=float, default=DEFAULT_BUDGET_S, help="start no phase once this many seconds are spent"
+    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--backend", choices=BACKENDS, default=None, help="GRPO_MEM_BACKEND for every phase's process")
     p.add_argument("-k", dest="select", default=None, help="kernels phase: pytest -k expression")
@@ -267,6 +299,7 @@ def run_phase(args, phase: str, work: str, limit: float, log: Log) -> tuple[str,
     """Run ``phase`` in its own process for at most ``limit`` seconds; log its command and output tail; returns
     (status, seconds): "ok", "FAILED(rc)", "TIMEOUT"."""
     env = phase_env(args, work)
+    env["GPU_CHECK_DEADLINE"] = str(time.time() + limit)  # the perf phase skips what cannot finish before it
     if phase == "kernels":
         env["GPU_CHECK_CSV"] = os.path.join(work, "kernels_rows.csv")
         if args.device == "cpu":
@@ -462,6 +495,491 @@ def _command(cmd: list[str]) -> str:
         return f"$ {cmd[0]}: {exc}"
 
 
+# ------------------------------------------------------------------------------------------------- phase: perf
+
+PERF_OPS = ("multi_region_attention", "linear_logprobs")
+"""The ops whose backends the perf phase compares (``grpo_mem.ops._backends.TABLE``'s keys)."""
+PERF_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "_mra_")),
+    ("head", ("logprob", "log_softmax", "entropy", "cross_entropy", "_forward_kernel", "_backward_kernel")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::bmm", "aten::addmm", "aten::matmul")),
+    ("memset", ("memset", "fill", "zero")),
+    (
+        "copies",
+        (
+            "memcpy",
+            "copy",
+            "cat",
+            "index",
+            "gather",
+            "scatter",
+            "clone",
+            "stack",
+            "embedding",
+            "repeat",
+            "slice_backward",
+        ),
+    ),
+    ("elementwise", ("elementwise", "reduce", "norm", "softmax")),
+)
+"""Kernel time by category: the first category one of whose patterns is a substring of the lower-cased kernel name
+(CUDA: the device kernel's, e.g. ``_mra_fwd_kernel``, ``flash_fwd_kernel``, ``nvjet_hsh_...``,
+``vectorized_elementwise_kernel<4, FillFunctor<...>>``, ``Memcpy DtoH``; CPU: the ATen op's, ``aten::mm``).
+grpo_mem's Triton kernels are ``_mra_*`` (attention) and ``_linear_logprobs_*``/``_selective_log_softmax_*`` (head);
+TRL's Triton head kernels are ``_forward_kernel``/``_backward_kernel``. A fused head's own GEMM work counts as head,
+a head computed by cuBLAS GEMMs as gemm. On CPU an ATen op matching none is elementwise when torch tags it pointwise
+or reduction. The rest: ``other``."""
+CATEGORY_NAMES = tuple(name for name, _ in PERF_CATEGORIES) + ("other",)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls that block the host until the device is done (PyTorch reads a value, ``item`` or
+``nonzero``'s size, by an asynchronous copy and a ``cudaStreamSynchronize``)."""
+PERF_METRICS = (
+    ("wall_time", "s"),
+    ("peak_memory", "MB"),
+    ("launches", "kernels"),
+    ("host_syncs", "syncs"),
+    ("gpu_idle_share", "fraction"),
+    ("busy_time", "ms"),
+    ("profiled_wall_time", "s"),
+) + tuple((f"kernel_time_{c}", "ms") for c in CATEGORY_NAMES)
+"""perf.csv's metrics, one row each per (shape, provider): see :func:`run_perf`."""
+
+
+def classify_kernel(name: str) -> str:
+    """The category of :data:`PERF_CATEGORIES` of a kernel (or CPU op) named ``name``; ``"other"`` if none."""
+    low = name.lower()
+    for category, patterns in PERF_CATEGORIES:
+        if any(p in low for p in patterns):
+            return category
+    return "elementwise" if low.startswith("aten::") and _pointwise_or_reduction(low[6:]) else "other"
+
+
+@functools.lru_cache(maxsize=None)
+def _pointwise_or_reduction(op: str) -> bool:
+    import torch
+
+    packet = getattr(torch.ops.aten, op, None)
+    tags = {t for o in (packet.overloads() if packet is not None else ()) for t in getattr(packet, o).tags}
+    return bool(tags & {torch.Tag.pointwise, torch.Tag.reduction})
+
+
+def busy_us(intervals) -> float:
+    """Microseconds covered by the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+@dataclass(frozen=True)
+class PerfDevice:
+    """What the perf phase does differently per device (:data:`PERF_DEVICES`).
+
+    activities: the profiler's (``torch.profiler.ProfilerActivity`` names). mark, seconds: a clock, ``seconds(a, b)``
+    between two ``mark()``s, waiting for the device. peak_mb: the peak memory in MB of ``fn()``, what it measures named
+    by ``memory``. kernels: ``(name, start_us, end_us, self_us)`` of the events of the profile ``prof`` that are
+    kernel time. counts: ``(launches, host syncs)`` of the profiled call, from ``prof`` or by counting ``call()``, one
+    more step.
+    free: run between shapes. name: the CSV's ``device``.
+    """
+
+    activities: tuple[str, ...]
+    mark: Callable
+    seconds: Callable
+    peak_mb: Callable
+    memory: str
+    kernels: Callable
+    counts: Callable
+    free: Callable
+    name: Callable
+
+
+def _cuda_mark():
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _cuda_seconds(start, end) -> float:
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _cuda_peak_mb(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 1e6
+
+
+def _raw_events(prof) -> list:
+    """The profiler's raw Kineto events (``name()``, ``device_type()``, ``start_ns()``, ``end_ns()``):
+    ``torch.profiler``'s ``events()`` would first build a Python tree of every event, about 100 us each, 10 s for one
+    28-layer grpo_mem call."""
+    return prof.profiler.kineto_results.events()
+
+
+def _cuda_kernels(prof) -> list:
+    """The device's kernels, copies and memsets (the device-side copy of the :data:`STEP_LABEL` range left out)."""
+    from torch.autograd import DeviceType
+
+    raw = [e for e in _raw_events(prof) if e.device_type() == DeviceType.CUDA and e.name() != STEP_LABEL]
+    return [(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3, (e.end_ns() - e.start_ns()) / 1e3) for e in raw]
+
+
+def _cuda_counts(prof, call) -> tuple[int, int]:
+    """Kernel launches (the device's kernels; copies and memsets are none) and host syncs (:func:`syncs_in_step`)."""
+    launches = [k for k in _cuda_kernels(prof) if not k[0].startswith(("Memcpy", "Memset"))]
+    return len(launches), syncs_in_step(_raw_events(prof))
+
+
+def syncs_in_step(raw) -> int:
+    """The :data:`SYNC_CALLS` among Kineto events ``raw`` that start inside the host-side :data:`STEP_LABEL` range."""
+    from torch.autograd import DeviceType
+
+    step = next(e for e in raw if e.name() == STEP_LABEL and e.device_type() == DeviceType.CPU)
+    lo, hi = step.start_ns(), step.end_ns()
+    return sum(1 for e in raw if e.name() in SYNC_CALLS and lo <= e.start_ns() <= hi)
+
+
+def _cuda_free() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _cuda_name() -> str:
+    from grpo_mem.bench.harness_cuda import cuda_device_name
+
+    return cuda_device_name()
+
+
+def _cpu_peak_mb(fn) -> float:
+    from grpo_mem.bench.measure import PeakRSS, release_free_memory
+
+    release_free_memory()
+    with PeakRSS() as peak:
+        fn()
+    return peak.peak_above_base / 1e6
+
+
+def _cpu_kernels(prof) -> list:
+    """The profiled ATen ops (and this package's ``grpo_mem::`` ops) that run a kernel of their own on CPU (views,
+    allocations and composite ops left out: ``grpo_mem.bench.launches.launches_kernel``), with their self time."""
+    from torch.autograd import DeviceType
+
+    from grpo_mem.bench.launches import launches_kernel
+
+    ops = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith(("aten::", "grpo_mem::"))]
+    ops = [e for e in ops if launches_kernel(e.name)]
+    return [(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total) for e in ops]
+
+
+def _cpu_counts(prof, call) -> tuple[int, int]:
+    """The launching ATen ops and host reads of ``call()`` (``grpo_mem.bench.launches``, as
+    ``benchmarks/bench_launches.py`` counts them)."""
+    from grpo_mem.bench.launches import count_call
+
+    counts = count_call(call)
+    return counts.total_launches, counts.host_reads()
+
+
+def _cpu_name() -> str:
+    import torch
+
+    from grpo_mem.bench.results import device_name
+
+    return device_name(torch.get_num_threads())
+
+
+PERF_DEVICES = {
+    "cuda": PerfDevice(
+        ("CPU", "CUDA"),
+        _cuda_mark,
+        _cuda_seconds,
+        _cuda_peak_mb,
+        "max_memory_allocated",
+        _cuda_kernels,
+        _cuda_counts,
+        _cuda_free,
+        _cuda_name,
+    ),
+    "cpu": PerfDevice(
+        ("CPU",),
+        time.perf_counter,
+        lambda start, end: end - start,
+        _cpu_peak_mb,
+        "rss_above_base",
+        _cpu_kernels,
+        _cpu_counts,
+        gc.collect,
+        _cpu_name,
+    ),
+}
+"""The device-specific parts of the perf phase; everything else runs the same on both."""
+
+
+def perf_providers(device: str, dtype) -> list[tuple[str, str | None]]:
+    """``(provider, backend preference)`` of each run: stock TRL (``("trl", None)``), then grpo_mem under each
+    preference of ``grpo_mem.ops._backends.CHOICES`` (``auto`` first) that runs another pair of backends of
+    :data:`PERF_OPS` on ``device`` ``dtype`` tensors than the ones before: ``grpo_mem[<name>]`` when both ops run the
+    backend ``<name>``, else ``grpo_mem[<attention>/<head>]``. A backend of ``TABLE`` that runs there but that no
+    preference reaches is printed."""
+    import torch
+
+    from grpo_mem.ops import _backends
+
+    probe = torch.empty(1, dtype=dtype, device=device)
+    out, seen = [("trl", None)], set()
+    for preference in ("auto",) + tuple(c for c in _backends.CHOICES if c != "auto"):
+        previous = _backends.set_preference(preference)
+        try:
+            pair = tuple(_backends.resolve(op, "auto", probe) for op in PERF_OPS)
+        finally:
+            _backends.set_preference(previous)
+        if pair not in seen:
+            seen.add(pair)
+            out.append((f"grpo_mem[{pair[0] if pair[0] == pair[1] else '/'.join(pair)}]", preference))
+    for i, op in enumerate(PERF_OPS):
+        runs = [
+            e.name
+            for e in _backends.TABLE[op]
+            if not e.why_not(probe.device)
+            and (e.dtypes is None or dtype in e.dtypes)
+            and not (device == "cpu" and e.interpreted_on_cpu)
+        ]
+        missed = [name for name in runs if name not in {p[i] for p in seen}]
+        if missed:
+            print(f"perf: {op} backends {missed} run here but no backend preference selects them", flush=True)
+    return out
+
+
+def perf_batches(shape: dict, vocab: int, device: str) -> list:
+    """One prompt group of ``shape["G"]`` completions (``grpo_mem.bench.group.make_inputs``: P, C as given) as
+    micro-batches of ``shape["micro"]`` rows, ``(input_ids, attention_mask)`` each, on ``device``."""
+    from grpo_mem.bench.group import make_inputs
+
+    ids, mask, _ = make_inputs(shape["G"], shape["P"], shape["C"], 1, vocab)
+    ids, mask, m = ids.to(device), mask.to(device), shape["micro"]
+    return [(ids[i : i + m], mask[i : i + m]) for i in range(0, ids.shape[0], m)]
+
+
+def perf_measure(dev: PerfDevice, model, batches: list, C: int, preference: str | None, repeats: int) -> dict:
+    """One provider at one shape (see :func:`run_perf`): stock TRL's scoring window (``preference`` None) or
+    grpo_mem's tree-sharing window under the backend ``preference``; returns the metrics of :data:`PERF_METRICS`
+    (``wall_time``: the list of timed calls' seconds) and ``ran``, the backend each op of :data:`PERF_OPS` ran."""
+    from grpo_mem.bench.launches import scoring_step
+    from grpo_mem.ops import _backends
+
+    previous = _backends.set_preference(preference)
+    try:
+        step = scoring_step("trl" if preference is None else "grpo_mem_tree", model, batches, C)
+
+        def call():
+            model.zero_grad(set_to_none=True)
+            step()
+
+        _backends.RESOLVED.clear()
+        call()  # warm-up: compilation, the model's one-time installs
+        ran = {op: _backends.RESOLVED.get(op, "-") for op in PERF_OPS} if preference else {}
+        times = []
+
+        def timed():
+            for _ in range(repeats):
+                model.zero_grad(set_to_none=True)
+                start = dev.mark()
+                step()
+                times.append(dev.seconds(start, dev.mark()))
+
+        peak = dev.peak_mb(timed)
+        model.zero_grad(set_to_none=True)
+        prof, profiled = _profiled(dev, step)
+        launches, syncs = dev.counts(prof, call)
+    finally:
+        _backends.set_preference(previous)
+    return dict(
+        _kernel_metrics(dev.kernels(prof), profiled),
+        ran=ran,
+        wall_time=times,
+        peak_memory=peak,
+        launches=launches,
+        host_syncs=syncs,
+        profiled_wall_time=profiled,
+    )
+
+
+STEP_LABEL = "gpu_check.perf.step"
+"""The ``record_function`` range around the profiled call: host syncs are counted inside it (leaving out the
+profiler's own synchronisation when it stops)."""
+
+
+def _profiled(dev: PerfDevice, step) -> tuple[object, float]:
+    """``step()`` once under ``torch.profiler`` with ``dev``'s activities, inside a :data:`STEP_LABEL` range: the
+    profile and the call's seconds."""
+    import torch
+
+    activities = [getattr(torch.profiler.ProfilerActivity, a) for a in dev.activities]
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function(STEP_LABEL):
+            start = dev.mark()
+            step()
+            end = dev.mark()
+    return prof, dev.seconds(start, end)
+
+
+def _kernel_metrics(kernels: list, wall_s: float) -> dict:
+    """Kernel time by category and busy time (ms) of the profiled call's ``kernels``, and its idle share,
+    1 - busy / ``wall_s``, both from the profiled call (the profiler's own host overhead counts as idle)."""
+    by_category = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    for name, _, _, self_us in kernels:
+        by_category[classify_kernel(name)] += self_us / 1e3
+    busy_ms = busy_us((start, end) for _, start, end, _ in kernels) / 1e3
+    idle = max(0.0, 1.0 - busy_ms / 1e3 / wall_s)
+    return dict({f"kernel_time_{c}": t for c, t in by_category.items()}, busy_time=busy_ms, gpu_idle_share=idle)
+
+
+def perf_rows(provider: str, shape: dict, config: dict, dev: PerfDevice, metrics: dict | None, reason: str = ""):
+    """perf.csv's rows (``grpo_mem.bench.results`` long format, op ``perf``) of one provider at one shape: one per
+    metric of :data:`PERF_METRICS`, or, with ``metrics`` None, rows recording why it was skipped."""
+    from grpo_mem.bench import measure, results
+
+    if metrics is None:
+        return results.skipped_rows(
+            "perf", provider, "full", "P", shape["P"], config, reason, metrics=PERF_METRICS, device=dev.name()
+        )
+    key = dict(
+        op="perf",
+        provider=provider,
+        mode="full",
+        x_name="P",
+        x_value=shape["P"],
+        device=dev.name(),
+        timestamp=results.now_utc(),
+        version=results.versions(),
+    )
+    config = dict(config, **{op: name for op, name in metrics["ran"].items()})
+    rows = []
+    for metric, unit in PERF_METRICS:
+        value = metrics[metric]
+        p50, p20, p80 = measure.percentiles(value) if metric == "wall_time" else (value, value, value)
+        n = len(value) if metric == "wall_time" else 1
+        rows.append(
+            dict(
+                key,
+                metric=metric,
+                unit=unit,
+                p50=p50,
+                p20=p20,
+                p80=p80,
+                config=json.dumps(dict(config, n=n), sort_keys=True),
+            )
+        )
+    return rows
+
+
+def run_perf(args) -> int:
+    """Where the time goes: for each shape of ``settings()["perf"]`` (the more important first), a model of random
+    weights drawn on the device, then per provider (:func:`perf_providers`) one warm-up call of the scoring window
+    (every micro-batch's log-probs and entropies and their backward), ``repeats`` timed calls (their peak memory), one
+    call under ``torch.profiler`` (kernel time by category, launches, host syncs, idle share) -> ``perf.csv``, rows
+    written as each provider ends; a summary per shape on stdout (run.log). A provider that cannot finish before the
+    phase's deadline (``GPU_CHECK_DEADLINE``), or raises, gets skipped rows saying why; a raise fails the phase."""
+    import torch
+
+    s = settings(args.tiny)["perf"]
+    dev, dtype = PERF_DEVICES[args.device], getattr(torch, s["dtype"])
+    providers = perf_providers(args.device, dtype)
+    print(f"perf: providers {[p for p, _ in providers]} on {dev.name()}, {s['dtype']}", flush=True)
+    state = dict(status=0, written=False, longest=0.0, path=os.path.join(args.out, "perf.csv"))
+    for shape in s["shapes"]:
+        _perf_shape(args, s, dev, shape, providers, state)
+    return state["status"]
+
+
+def _perf_shape(args, s: dict, dev: PerfDevice, shape: dict, providers: list, state: dict) -> None:
+    """Every provider at ``shape`` (see :func:`run_perf`), its rows appended to ``state["path"]``, then the shape's
+    summary printed."""
+    import traceback
+
+    from grpo_mem.bench import results
+    from grpo_mem.bench.group import build_model
+
+    model_cfg = s["model"]
+    model = build_model(model_cfg, dtype=s["dtype"], device=args.device)
+    batches = perf_batches(shape, model_cfg["vocab_size"], args.device)
+    deadline = float(os.environ.get("GPU_CHECK_DEADLINE", "inf"))
+    summary = []
+    for provider, preference in providers:
+        config = dict(
+            shape,
+            model=s["name"],
+            model_layers=model_cfg["num_hidden_layers"],
+            hidden=model_cfg["hidden_size"],
+            dtype=s["dtype"],
+            micro_batches=len(batches),
+            sharing=None if preference is None else "tree",
+            preference=preference,
+            memory=dev.memory,
+        )
+        left, start, metrics, reason = deadline - time.time(), time.perf_counter(), None, ""
+        if left < 1.5 * state["longest"] + 10:
+            reason = (
+                f"{left:.0f} s left before the phase's limit; the longest provider so far took {state['longest']:.0f} s"
+            )
+        else:
+            try:
+                metrics = perf_measure(dev, model, batches, shape["C"], preference, shape["repeats"])
+            except Exception as exc:  # noqa: BLE001 - recorded, the other providers still run
+                traceback.print_exc()
+                reason, state["status"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", 1
+        dev.free()  # what the provider (or its failure's traceback) held, before the next one
+        state["longest"] = max(state["longest"], time.perf_counter() - start)
+        results.write_csv(
+            perf_rows(provider, shape, config, dev, metrics, reason), state["path"], append=state["written"]
+        )
+        state["written"] = True
+        summary.append((provider, metrics, reason))
+        print(
+            f"perf P={shape['P']} C={shape['C']} {provider}: {'done' if metrics else 'skipped: ' + reason}", flush=True
+        )
+    del model, batches
+    dev.free()
+    print(perf_summary(shape, summary), flush=True)
+
+
+def perf_summary(shape: dict, summary: list) -> str:
+    """The run.log table of one shape: per provider wall time (p50) and its ratio to stock TRL's, peak memory,
+    launches, host syncs, idle share and the three largest kernel-time categories."""
+    import statistics
+
+    from grpo_mem.bench.results import markdown_table
+
+    stock = next((statistics.median(m["wall_time"]) for p, m, _ in summary if p == "trl" and m), float("nan"))
+    lines = []
+    for provider, m, reason in summary:
+        if m is None:
+            lines.append([provider] + [None] * 6 + [f"skipped: {reason}"[:60]])
+            continue
+        wall = statistics.median(m["wall_time"])
+        times = {c: m[f"kernel_time_{c}"] for c in CATEGORY_NAMES}
+        total = max(sum(times.values()), 1e-9)
+        where = ", ".join(f"{c} {t / total:.0%}" for c, t in sorted(times.items(), key=lambda kv: -kv[1])[:3])
+        lines.append(
+            [provider, wall, wall / stock, m["peak_memory"], m["launches"], m["host_syncs"], m["gpu_idle_share"], where]
+        )
+    title = f"perf P={shape['P']}, C={shape['C']}, G={shape['G']}, micro-batches of {shape['micro']}:"
+    headers = ["provider", "wall s", "x stock", "peak MB", "launches", "host syncs", "idle", "kernel time"]
+    return title + "\n" + markdown_table(headers, lines)
+
+
 # ---------------------------------------------------------------------------------------------- phase: verify
 
 
@@ -654,7 +1172,7 @@ def run_bench(args) -> int:
     s = settings(args.tiny)
     dest = os.path.join(args.out, "bench")
     os.makedirs(dest, exist_ok=True)
-    pngs, csvs, status = [], [], 0
+    csvs, status = [], 0
     env = dict(os.environ)
     for name, config, b in s["bench"]:
         model_dir = os.path.join(args.work, name)
@@ -675,11 +1193,8 @@ def run_bench(args) -> int:
         status = status or rc
         if os.path.exists(os.path.join(out_dir, "bench.csv")):
             csvs.append(os.path.join(out_dir, "bench.csv"))
-        if os.path.exists(os.path.join(out_dir, "bench.png")):
-            pngs.append(os.path.join(out_dir, "bench.png"))
         # after each setting, so that a phase stopped at its time limit still returns the settings that ran
         _concat_csv(csvs, os.path.join(dest, "bench.csv"))
-        _stack_png(pngs, os.path.join(dest, "bench.png"))
     if long := os.environ.get("GRPO_MEM_GPU_CHECK_LONG"):  # off by default: the long-prompt grid of bench_long.py
         # "1": its whole grid (P 4K-32K, C 64/512/4K, G 8/16, stock TRL vs grpo_mem); else an --only list, M/P/C/G,...
         cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_long.py"), "--device", args.device]
@@ -720,30 +1235,7 @@ def _concat_csv(paths: list[str], dest: str) -> None:
             out.writelines(lines if i == 0 else lines[1:])
 
 
-def _stack_png(paths: list[str], dest: str) -> None:
-    """The bench runs' charts, one above the other, as one PNG."""
-    if not paths:
-        return
-    if len(paths) == 1:
-        shutil.copyfile(paths[0], dest)
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    images = [plt.imread(p) for p in paths]
-    width = max(im.shape[1] for im in images) / 110
-    fig, axes = plt.subplots(len(images), 1, figsize=(width, sum(im.shape[0] for im in images) / 110))
-    for ax, im in zip(axes, images):
-        ax.imshow(im)
-        ax.axis("off")
-    fig.subplots_adjust(0, 0, 1, 1, 0, 0)
-    fig.savefig(dest, dpi=110)
-    plt.close(fig)
-
-
-RUNNERS = {"env": run_env, "verify": run_verify, "train": run_train, "bench": run_bench}
+RUNNERS = {"env": run_env, "perf": run_perf, "verify": run_verify, "train": run_train, "bench": run_bench}
 
 if __name__ == "__main__":
     sys.exit(main())
