@@ -575,6 +575,28 @@ def test_head_no_host_sync_and_deterministic(backend):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
 
 
+@cuda_only
+def test_op_times_writer_on_cuda(tmp_path):
+    """``grpo_mem.bench.op_times`` on CUDA at toy shapes: CUDA-event times for every backend that runs here (skipped
+    rows for the CPU ones), read back under the device key and shape classes that ``resolve`` looks up on this GPU."""
+    from grpo_mem.bench import op_times
+    from grpo_mem.ops import _op_times
+
+    shapes = (op_times.AttentionShape(B=2, Hq=4, Hkv=2, C=64, d=64, S=128), op_times.HeadShape(N=64, H=64, V=1000))
+    rows = op_times.measure_all("cuda", torch.bfloat16, shapes, repeats=2, warmup=1)
+    path = tmp_path / "op_times.csv"
+    op_times.write_csv(rows, str(path))
+    times = _op_times.load(str(path))
+    key = _op_times.device_key(torch.device("cuda"))
+    found = {
+        shape.op: times[(key, shape.op, _op_times.shape_class(shape.op, torch.bfloat16, shape.sizes()))]
+        for shape in shapes
+    }
+    assert set(found["multi_region_attention"]) == {"sdpa", "triton", "torch"}, found
+    assert set(found["linear_logprobs"]) == {"cublas", "triton", "torch"}, found
+    assert all(t > 0 for by_backend in found.values() for t in by_backend.values())
+
+
 SCORING_SYNC_BUDGET = 4
 """Host synchronisations a warm scoring call of grpo_mem's own code may make on CUDA: reading the prompts for the
 plan (one copy per micro-batch), the grouping, the left-padding check and the head's scored positions. Plan indices,
@@ -631,7 +653,10 @@ def test_triton_cuda_cases_under_interpreter():
     a minute of CPU time, hence slow-marked (CI runs it)."""
     if INTERPRETING or CUDA:
         pytest.skip("the cases above ran in this process")
-    # the CUDA-only checks (host synchronisations, compiled kernels) and the reader of JITFunctions have nothing to
-    # run under the interpreter
-    kernels_only = "not under_interpreter and not no_host_sync and not host_syncs and not compiled_kernel_rows"
+    # the CUDA-only checks (host synchronisations, compiled kernels, the op-times writer) and the reader of
+    # JITFunctions have nothing to run under the interpreter
+    kernels_only = (
+        "not under_interpreter and not no_host_sync and not host_syncs and not compiled_kernel_rows"
+        " and not op_times_writer_on_cuda"
+    )
     run_under_interpreter(__file__, f"{kernels_only} and not (fp16 and not d128 and attention)")
