@@ -137,7 +137,7 @@ def _unsort(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def _unpack_rows(x: torch.Tensor, plan: RegionPlan, B: int, C: int, acc: torch.dtype) -> torch.Tensor:
     """(B·C, H, e) in packed order -> (B, H, C, e) in ``acc``, 0 on rows that are not ``plan.valid``."""
     H, e = x.shape[1:]
-    out = _unsort(x.view(B, C, H, e), plan.rows).transpose(1, 2).to(acc)
+    out = _unsort(x.reshape(B, C, H, e), plan.rows).transpose(1, 2).to(acc)
     return torch.where(plan.valid[:, None, None, None], out, 0.0)
 
 
@@ -169,7 +169,7 @@ def _region_fwd(kernels: FusedKernels, q, region_k, region_v, plan: RegionPlan, 
         scale,
     )
     acc = acc_dtype(q.dtype)
-    lse = _unsort(lse.view(Hq, B, C).transpose(0, 1), plan.rows).to(acc)
+    lse = _unsort(lse.reshape(Hq, B, C).transpose(0, 1), plan.rows).to(acc)
     return _unpack_rows(out, plan, B, C, acc), torch.where(plan.valid[:, None, None], lse, float("-inf"))
 
 
