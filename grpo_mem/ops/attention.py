@@ -427,11 +427,10 @@ def multi_region_attention(
             TRL's ``arange`` over the padded row), required with ``sliding_window``.
         key_mask: (B, C) bool, True where the own key position is real; None means all real.
         scale: softmax scale (``module.scaling``), a finite positive Python float.
-        backend: ``"auto"`` (on CUDA the fastest measured for the GPU and shape, else the first of sdpa, triton,
-            torch that takes the inputs' dtype, head dim and features; on CPU cpu, then torch), ``"sdpa"`` (fp16/bf16,
-            d % 8 == 0, d <= 256, no host synchronisation; ``softcap`` and ``sliding_window`` pass to triton),
-            ``"triton"`` (fp16/bf16/fp32, tensors read in place, no host synchronisation), ``"cpu"`` (ATen's fused
-            CPU kernels; ``softcap`` passes to torch, even when asked for by name), ``"torch"``.
+        backend: ``"auto"`` (CUDA: the fastest measured for the GPU and shape, else the first of sdpa, triton, torch
+            that runs the call; CPU: cpu, then torch), ``"sdpa"`` (fp16/bf16, d % 8 == 0 and <= 256), ``"triton"``
+            (both read tensors in place, never synchronise), ``"cpu"`` or ``"torch"``; a backend lacking a feature the
+            call needs (sdpa: soft-cap, window; cpu: soft-cap) passes the call to the next that has it.
         sliding_window: W (int >= 1) or None: key j is also hidden from query i unless ``0 <= pos_i - pos_j < W``
             (transformers' sliding-window test); an entry out of every reader's window is not read.
         sinks: (Hq,) floating tensor on q's device, or None: per-head sink logits (gpt-oss ``module.sinks``), one more
