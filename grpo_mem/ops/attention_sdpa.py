@@ -242,18 +242,18 @@ def fused_bwd(kernels: FusedKernels, dout, q, k, v, regions, key_mask, out, lse,
     Returns: ``(dq fp32, dk, dv, [(d region_k, d region_v) per region])``, the others in the inputs' dtype; keys no
     query sees get exactly 0.
     """
-    B, Hq, C, d = q.shape
-    zeros = [(torch.zeros_like(rk), torch.zeros_like(rv)) for rk, rv, _, _ in regions]
+    C = q.shape[2]
     if q.numel() == 0:
+        zeros = [(torch.zeros_like(rk), torch.zeros_like(rv)) for rk, rv, _, _ in regions]
         return torch.zeros(q.shape, device=q.device), torch.zeros_like(k), torch.zeros_like(v), zeros
     lse = torch.where(torch.isinf(lse), 0.0, lse)  # a query with no key anywhere: every P = exp(-inf - 0) = 0
     dout = dout.contiguous()
     dq, dk, dv = _own_bwd(kernels, dout, q, k, v, out, lse, key_mask, scale)
     dq = dq.to(acc_dtype(q.dtype))
     dregions = []
-    for (region_k, region_v, index, mask), zero in zip(regions, zeros):
+    for region_k, region_v, index, mask in regions:
         if not region_k.shape[2]:
-            dregions.append(zero)
+            dregions.append((torch.zeros_like(region_k), torch.zeros_like(region_v)))
             continue
         plan = region_plan(index, mask, C)
         dq_r, drk, drv = _region_bwd(kernels, dout, q, out, lse, region_k, region_v, plan, scale)
