@@ -80,6 +80,8 @@ setup(
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     packages=find_packages(include=["grpo_mem", "grpo_mem.*"]),
+    # the measured per-op times that auto reads on CUDA (grpo_mem/ops/_op_times.py)
+    package_data={"grpo_mem.ops": ["op_times.csv"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",

@@ -49,6 +49,15 @@ def test_licence_is_apache_2_in_the_file_and_the_metadata():
     assert kwargs["license"] == "Apache-2.0" and kwargs["license_files"] == ["LICENSE"]
 
 
+def test_measured_op_times_ship_with_the_package():
+    """The table of measured per-op times that ``auto`` reads on CUDA is package data (an installed wheel has it)."""
+    from grpo_mem.ops import _op_times
+
+    assert _distribution()["package_data"] == {"grpo_mem.ops": ["op_times.csv"]}
+    assert os.path.dirname(_op_times.TABLE_PATH) == os.path.join(REPO, "grpo_mem", "ops")
+    assert os.path.exists(_op_times.TABLE_PATH)
+
+
 def test_requirements_have_the_tested_lower_bounds_and_no_upper_bound():
     kwargs = _distribution()
     requires = {re.split(r"[<>=;! ]", r, maxsplit=1)[0]: r for r in kwargs["install_requires"]}

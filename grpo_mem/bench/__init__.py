@@ -4,6 +4,8 @@
   ``grpo_mem.bench.isolate``: the same in a fresh process per run (``run_isolated``); ``grpo_mem.bench.results``: the
   long-format CSV, its plot and markdown tables; ``grpo_mem.bench.harness`` re-exports the three for the scripts;
   ``grpo_mem.bench.harness_cuda``: the measurement on a GPU.
+- ``grpo_mem.bench.op_times``: each op on each backend at each shape, forward + backward: the table of measured
+  per-op times that ``auto`` reads on CUDA (``grpo_mem/ops/op_times.csv``).
 - ``grpo_mem.bench.sweep``: the one sweep runner: (configuration, provider) cells run one after the other, compared
   with stock TRL, turned into CSV rows.
 - ``grpo_mem.bench.group``: the group-scoring op (models from a config, inputs, the stock TRL and grpo_mem

@@ -2,12 +2,16 @@
 error type.
 
 ``TABLE[op]`` lists the op's backends in ``auto``'s order of preference, each a :class:`Backend` carrying its forward
-and backward (the Triton launchers are imported on their first call), the input dtypes it takes, the optional
-features of the op it computes and the test of whether it can run on a device. ``resolve(op, backend, tensor,
-needs)`` turns ``backend="auto"`` into the first backend that runs ``tensor``'s device and dtype and computes the
-features ``needs``, and checks an explicitly requested one. Triton kernels first (CUDA tensors), then the CPU kernels
-(``cpp``: this package's C++ extension; ``cpu``: ATen's fused CPU attention), then the chunked torch code, which runs
-anywhere and computes everything.
+and backward (the Triton launchers and the CUDA library-kernel backends are imported on their first call), the input
+dtypes it takes, the optional features of the op it computes and the tests of whether it can run on a device and a
+shape. ``resolve(op, backend, tensor, needs, shape)`` turns ``backend="auto"`` into the first backend that runs
+``tensor``'s device, dtype and shape and computes the features ``needs``, and checks an explicitly requested one.
+Library kernels first on CUDA (``sdpa``: ATen's FlashAttention-2 and memory-efficient attention; ``cublas``: the head
+as chunked cuBLAS GEMMs with a Triton selective log-softmax), then the Triton kernels, then the CPU kernels (``cpp``:
+this package's C++ extension; ``cpu``: ATen's fused CPU attention), then the chunked torch code, which runs anywhere
+and computes everything. On CUDA a committed table of measured per-op times (``_op_times``) reorders ``auto``'s
+choice by what ran fastest on that GPU at that shape class; shapes and GPUs it has not measured keep the table's
+order.
 
 Triton runs on CUDA, or on CPU tensors under its interpreter, which works only if ``TRITON_INTERPRET=1`` was set
 before triton was first imported (``triton.language``'s helpers are wrapped for the interpreter at import time).
@@ -118,6 +122,36 @@ def _anywhere(device: torch.device) -> str:
     return ""
 
 
+def _fused_cuda_here(device: torch.device) -> str:
+    """Empty where ATen's FlashAttention-2 runs on ``device`` (CUDA, compute capability 8.0 or newer), else why not."""
+    if device.type != "cuda":
+        return f"it runs on CUDA tensors only, got device {device}"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch was built without FlashAttention"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return f"FlashAttention-2 needs compute capability 8.0 or newer, got {torch.cuda.get_device_capability(device)}"
+    return ""
+
+
+def _flash_head_dim(q: torch.Tensor) -> str:
+    """Empty where FlashAttention-2 takes q's head dim (a multiple of 8, at most 256), else why not."""
+    d = q.shape[-1]
+    return (
+        ""
+        if d % 8 == 0 and d <= 256
+        else f"FlashAttention-2 takes head dims that are multiples of 8 up to 256, got {d}"
+    )
+
+
+def _cublas_here(device: torch.device) -> str:
+    """Empty where the chunked cuBLAS head runs: its Triton selective log-softmax runs, and on CUDA this torch's
+    ``mm`` takes ``out_dtype`` (fp32 products of bf16/fp16 operands)."""
+    why = triton_status(device)[1]
+    if not why and device.type == "cuda" and not hasattr(torch.ops.aten.mm, "dtype"):
+        why = f"torch {torch.__version__} has no mm(..., out_dtype=) (torch >= 2.8)"
+    return why
+
+
 @dataclass(frozen=True)
 class Backend:
     """One way to run an op.
@@ -126,7 +160,10 @@ class Backend:
     the op's module). dtypes: the input dtypes it takes (None: any). features: the optional features of the op it
     computes (``"softcap"``, ``"sliding_window"``); ``resolve`` passes over a backend that lacks one the call asks for.
     why_not: device -> "" when it can run tensors on that device, else the reason. interpreted_on_cpu: it runs CPU
-    tensors only under an interpreter (Triton's), a correctness tool that ``auto`` never picks.
+    tensors only under an interpreter (Triton's), a correctness tool that ``auto`` never picks. takes: the op's main
+    tensor -> "" when its shape fits the backend's kernels, else the reason (None: every shape). host_checks: its
+    argument checks may read values back to the host; False for the backends that never synchronise, whose checks
+    then run on the device (``torch._assert_async``).
     """
 
     name: str
@@ -136,6 +173,8 @@ class Backend:
     features: frozenset[str] = frozenset()
     why_not: Callable[[torch.device], str] = _anywhere
     interpreted_on_cpu: bool = False
+    takes: Callable[[torch.Tensor], str] | None = None
+    host_checks: bool = True
 
 
 def _backend(name: str, module, op: str, **capabilities) -> Backend:
@@ -148,10 +187,19 @@ def _backend(name: str, module, op: str, **capabilities) -> Backend:
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _ATTENTION_FEATURES = frozenset({"softcap", "sliding_window"})
-_TRITON = dict(why_not=_triton_here, interpreted_on_cpu=True)
+_TRITON = dict(why_not=_triton_here, interpreted_on_cpu=True, host_checks=False)
 
 TABLE: dict[str, tuple[Backend, ...]] = {
     "multi_region_attention": (
+        _backend(
+            "sdpa",
+            "attention_sdpa",
+            "multi_region_attention",
+            dtypes=(torch.float16, torch.bfloat16),
+            why_not=_fused_cuda_here,
+            takes=_flash_head_dim,
+            host_checks=False,
+        ),
         _backend(
             "triton",
             "attention_triton_launch",
@@ -170,6 +218,7 @@ TABLE: dict[str, tuple[Backend, ...]] = {
         _backend("torch", attention_torch, "multi_region_attention", features=_ATTENTION_FEATURES),
     ),
     "linear_logprobs": (
+        _backend("cublas", "logprobs_cublas", "linear_logprobs", **dict(_TRITON, why_not=_cublas_here)),
         _backend("triton", "logprobs_triton_launch", "linear_logprobs", **_TRITON),
         _backend("cpp", logprobs_cpp, "linear_logprobs", why_not=_extension_here),
         _backend("torch", logprobs_torch, "linear_logprobs"),
@@ -185,10 +234,12 @@ feature, so ``auto`` always finds one."""
 
 
 def _why_not(entry: Backend, tensor: torch.Tensor) -> str:
-    """Empty when ``entry`` can run on ``tensor``'s device and dtype, else the reason."""
+    """Empty when ``entry`` can run on ``tensor``'s device, dtype and shape, else the reason."""
     why = entry.why_not(tensor.device)
     if not why and entry.dtypes is not None and tensor.dtype not in entry.dtypes:
         why = f"it takes {[str(d).removeprefix('torch.') for d in entry.dtypes]}, got {tensor.dtype}"
+    if not why and entry.takes is not None:
+        why = entry.takes(tensor)
     return why
 
 
@@ -226,32 +277,57 @@ def preferred() -> tuple[str, str]:
     return (value, BACKEND_ENV) if value else ("auto", "default")
 
 
-def resolve(op: str, backend: str, tensor: torch.Tensor, needs: frozenset[str] | set[str] = frozenset()) -> str:
-    """The backend that runs ``op`` on ``tensor`` (its device and dtype decide) with the optional features ``needs``.
+def resolve(
+    op: str,
+    backend: str,
+    tensor: torch.Tensor,
+    needs: frozenset[str] | set[str] = frozenset(),
+    shape: tuple[int, ...] | None = None,
+) -> str:
+    """The backend that runs ``op`` on ``tensor`` (its device, dtype and shape decide) with the optional features
+    ``needs``.
 
     ``auto`` follows the process's preference (``preferred``) where that backend can run ``tensor``; otherwise, and
-    without a preference, it takes the first backend of ``TABLE[op]`` that runs ``tensor`` and computes every feature
-    in ``needs`` (never Triton's interpreter). An explicitly requested backend that cannot run ``tensor`` raises; one that runs it
-    but lacks a feature is passed over for the next backend of the table that has it (the cpu attention backend
-    without soft-capping hands such calls to the torch backend).
+    without a preference, it takes the first backend that runs ``tensor`` and computes every feature in ``needs``
+    (never Triton's interpreter), in ``TABLE[op]``'s order, except on CUDA: there the backends measured for this GPU,
+    op, dtype and shape class come first, fastest first (``_op_times``: the committed table of measured per-op times,
+    read once), then the others in the table's order. An explicitly requested backend that cannot run ``tensor``
+    raises; one that runs it but lacks a feature is passed over for the next backend of the table that has it (the
+    cpu attention backend without soft-capping hands such calls to the torch backend).
 
     Args:
         op: a key of ``TABLE``.
         backend: ``"auto"`` or the name of one of ``TABLE[op]``'s backends.
         tensor: the op's main input.
         needs: optional features the call asks for (a subset of what the op's last backend computes).
+        shape: the call's sizes that ``_op_times.shape_class`` reads (attention: (head dim, queries, longest region);
+            the head: (tokens, hidden, vocabulary)); None: no measured order.
 
     Raises:
         ValueError: unknown ``op``, ``backend`` or feature in ``needs``; a ``GRPO_MEM_BACKEND`` that is not one of
             ``CHOICES``.
         BackendUnavailableError: an explicitly requested backend cannot run ``tensor`` here.
     """
-    name = _resolve(op, backend, tensor, needs)
+    name = _resolve(op, backend, tensor, needs, shape)
     RESOLVED[op] = name
     return name
 
 
-def _resolve(op: str, backend: str, tensor: torch.Tensor, needs) -> str:
+def _candidates(op: str, backend: str, tensor: torch.Tensor, shape) -> list[Backend]:
+    """The backends ``_resolve`` tries in order: from the requested one on in the table's order; for ``auto`` on
+    CUDA, the measured ones first (``_op_times.ranked``)."""
+    entries = list(TABLE[op])
+    if backend != "auto":
+        return entries[[entry.name for entry in entries].index(backend) :]
+    if tensor.device.type == "cuda" and shape is not None:
+        from . import _op_times  # CUDA only: a CPU call never reads the table
+
+        order = _op_times.ranked(op, [entry.name for entry in entries], tensor, shape)
+        entries.sort(key=lambda entry: order.index(entry.name))
+    return entries
+
+
+def _resolve(op: str, backend: str, tensor: torch.Tensor, needs, shape=None) -> str:
     if backend == "auto" and op in TABLE:
         preference = preferred()[0]
         if preference != "auto":
@@ -267,7 +343,7 @@ def _resolve(op: str, backend: str, tensor: torch.Tensor, needs) -> str:
     if backend != "auto" and backend not in names:
         raise ValueError(f"backend for {op} must be 'auto' or one of {names}, got {backend!r}")
     on_cpu = tensor.device.type == "cpu"
-    for entry in TABLE[op][0 if backend == "auto" else names.index(backend) :]:
+    for entry in _candidates(op, backend, tensor, shape):
         why = _why_not(entry, tensor)
         if entry.name == backend and why:
             raise BackendUnavailableError(f"backend={backend!r} cannot run {op} here: {why}")

@@ -20,11 +20,11 @@ merge follows Hydragen (arXiv 2402.05099) and ring-flash-attention's ``_update_o
 of the two-region case is DualKV (arXiv 2605.15422).
 
 Backends (``_backends.TABLE["multi_region_attention"]``, in ``auto``'s order; ``BACKENDS`` maps each name to its
-``(forward, backward)``): ``"triton"`` (``attention_triton_launch``, imported on first use; CUDA, or CPU tensors under
-``TRITON_INTERPRET=1``), ``"cpu"`` (``attention_cpu``: the same regions on ATen's fused CPU attention kernels; no
-soft-capping) and ``"torch"`` (``attention_torch``: any device, chunked so temporaries stay bounded). This module holds
-the public entry points with their argument checks, their plain-torch references (the math is
-``attention_torch.reference_attention``), the autograd Function and the sinks, which every backend shares.
+``(forward, backward)``): ``"sdpa"`` (``attention_sdpa``: ATen's FlashAttention-2 and memory-efficient CUDA kernels,
+fp16/bf16, no soft-capping or sliding window), ``"triton"`` (``attention_triton_launch``; CUDA, or CPU tensors under
+``TRITON_INTERPRET=1``), ``"cpu"`` (``attention_cpu``: ATen's fused CPU kernels; no soft-capping) and ``"torch"``
+(``attention_torch``: any device, chunked). This module holds the public entry points with their argument checks,
+their plain-torch references (``attention_torch.reference_attention``), the autograd Function and the sinks.
 """
 
 from __future__ import annotations
@@ -355,6 +355,14 @@ class MultiRegionAttentionFunction(torch.autograd.Function):
         return tuple(grads)
 
 
+def _call_shape(q, regions) -> tuple[int, int, int]:
+    """(head dim, queries B·C, longest region S): the sizes of the call's shape class (``_op_times``), read before the
+    regions are validated (a malformed region counts as none)."""
+    ok = lambda r: isinstance(r, (list, tuple)) and r and isinstance(r[0], torch.Tensor) and r[0].dim() == 4
+    regions = regions if isinstance(regions, (list, tuple)) else ()
+    return q.shape[3], q.shape[0] * q.shape[2], max((r[0].shape[2] for r in regions if ok(r)), default=0)
+
+
 def _attention(q, k, v, regions, key_mask, scale, backend, prefix, features=(None, None, None, None), out_map=None):
     """Validate (``prefix`` as in :func:`_check_regions`; ``features`` as in :func:`_reference`; ``out_map`` as in
     :func:`multi_region_attention`), resolve ``backend`` and run the autograd Function."""
@@ -364,9 +372,9 @@ def _attention(q, k, v, regions, key_mask, scale, backend, prefix, features=(Non
     Hkv = _check_own(q, k, v, key_mask, scale)[2]
     _check_features(q, W, sinks, softcap, q_pos)
     needs = {name for name, value in (("softcap", softcap), ("sliding_window", W)) if value is not None}
-    backend = resolve("multi_region_attention", backend, q, needs)
-    # the Triton path must not stall the host on each layer: its index checks run on the device
-    regions, positions = _check_regions(regions, q, Hkv, sync=backend != "triton", prefix=prefix, sliding_window=W)
+    backend = resolve("multi_region_attention", backend, q, needs, _call_shape(q, regions))
+    sync = next(b for b in TABLE["multi_region_attention"] if b.name == backend).host_checks  # else checks on device
+    regions, positions = _check_regions(regions, q, Hkv, sync=sync, prefix=prefix, sliding_window=W)
     params = MultiRegionAttentionParams(
         scale=float(scale),
         backend=backend,
@@ -419,9 +427,10 @@ def multi_region_attention(
             TRL's ``arange`` over the padded row), required with ``sliding_window``.
         key_mask: (B, C) bool, True where the own key position is real; None means all real.
         scale: softmax scale (``module.scaling``), a finite positive Python float.
-        backend: ``"auto"`` (the first of triton for CUDA tensors, cpu for CPU tensors and torch that takes the
-            inputs' dtype and features), ``"triton"`` (fp16/bf16/fp32, tensors read in place, no host synchronisation),
-            ``"cpu"`` (ATen's fused CPU kernels; ``softcap`` passes to torch, even when asked for by name), ``"torch"``.
+        backend: ``"auto"`` (CUDA: the fastest measured for the GPU and shape, else the first of sdpa, triton, torch
+            that runs the call; CPU: cpu, then torch), ``"sdpa"`` (fp16/bf16, d % 8 == 0 and <= 256), ``"triton"``
+            (both read tensors in place, never synchronise), ``"cpu"`` or ``"torch"``; a backend lacking a feature the
+            call needs (sdpa: soft-cap, window; cpu: soft-cap) passes the call to the next that has it.
         sliding_window: W (int >= 1) or None: key j is also hidden from query i unless ``0 <= pos_i - pos_j < W``
             (transformers' sliding-window test); an entry out of every reader's window is not read.
         sinks: (Hq,) floating tensor on q's device, or None: per-head sink logits (gpt-oss ``module.sinks``), one more
@@ -441,7 +450,7 @@ def multi_region_attention(
         ValueError: a bad shape, ``Hq % Hkv != 0``, an index out of [-1, U_r), mismatched devices, a non-positive
             scale or softcap, ``sliding_window`` < 1 or without positions, non-floating ``sinks``, an unknown backend;
             ``BackendUnavailableError`` (a ValueError) for a requested backend that cannot run here.
-        RuntimeError: an index out of range on the triton backend (at the next synchronising call on CUDA).
+        RuntimeError: an index out of range on the sdpa and triton backends (at the next synchronising call on CUDA).
         TypeError: non-tensor arguments, ``regions`` not a sequence of 4- or 5-tuples, non-float or mismatched dtypes,
             non-int64 index or positions, non-bool masks, non-int ``sliding_window``, non-float ``softcap``,
             ``out_map`` not None nor a pair of callables.
@@ -463,14 +472,13 @@ def shared_prefix_attention(
                       = (j − P ≤ i) and key_mask[b, j − P]                for j ≥ P
         out[b] = softmax(scale · q[b] K^T masked by visible) V
 
-    but never builds ``prefix_k[prefix_index]`` or GQA-repeated K/V: the prompt K/V are read in place, once per
-    unique prompt, and the two regions are merged by log-sum-exp. It is
-    ``multi_region_attention(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask)`` with every row
-    reading a prompt. A query with no visible key outputs 0 with zero gradient. Query head h uses kv head
-    ``h // rep``. Accumulation is fp32 (fp64 for fp64 inputs).
+    but never builds ``prefix_k[prefix_index]`` or GQA-repeated K/V: it is :func:`multi_region_attention` with the
+    one region ``(prefix_k, prefix_v, prefix_index, prefix_mask)`` that every row reads (prompt K/V read in place,
+    once per unique prompt, merged with the own region by log-sum-exp). A query with no visible key outputs 0 with
+    zero gradient. Query head h uses kv head ``h // rep``. Accumulation is fp32 (fp64 for fp64 inputs).
 
     Args:
-        q: (B, Hq, C, d) completion queries after RoPE; fp16, bf16, fp32, or fp64 (torch backend only, fp64 throughout).
+        q: (B, Hq, C, d) completion queries after RoPE; fp16, bf16, fp32, or fp64 (torch and cpu backends).
         k, v: (B, Hkv, C, d) the completions' own keys/values after RoPE, q's dtype.
         prefix_k, prefix_v: (U, Hkv, P, d) the U unique prompts' keys/values after RoPE, q's dtype; prompts may be
             left-padded to a common P (padding masked by ``prefix_mask``).
@@ -478,23 +486,14 @@ def shared_prefix_attention(
         prefix_mask: (U, P) bool, True where the prompt key position is real.
         key_mask: (B, C) bool, True where the completion key position is real; None means all real.
         scale: softmax scale (``module.scaling``), a finite positive Python float.
-        backend: ``"torch"`` (chunked matmuls, any device), ``"cpu"`` (ATen's fused CPU attention kernels, called
-            once per unique prompt on its folded queries and once for all completions), ``"triton"`` (fp16/bf16/fp32;
-            reads q/k/v and the prompt K/V in place with their strides and never synchronises with the host), or
-            ``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors, torch for fp64 CUDA tensors, cpu for CPU tensors,
-            torch otherwise).
+        backend: as :func:`multi_region_attention`'s.
 
     Returns:
         (B, Hq, C, d) tensor of q's dtype. Differentiable in q, k, v, prefix_k, prefix_v (prompt gradients are summed
-        in fp32 over all rows sharing the prompt). Memory kept for backward: the inputs, the output and a
-        (B, Hq, C) fp32 log-sum-exp.
+        in fp32 over all rows sharing the prompt). Kept for backward: the inputs, the output and a (B, Hq, C) fp32
+        log-sum-exp.
 
     Raises:
-        ValueError: bad shapes, ``Hq % Hkv != 0``, ``prefix_index`` out of range, mismatched devices, non-positive
-            scale, unknown backend; ``BackendUnavailableError`` (a ValueError) for an explicitly requested backend that
-            cannot run here (``"triton"`` without CUDA or the interpreter, or with fp64 inputs).
-        RuntimeError: ``prefix_index`` out of range on the triton backend (``torch._assert_async``: at once on CPU, at
-            the next synchronising call on CUDA).
-        TypeError: non-tensor arguments, non-float q/k/v, non-int64 ``prefix_index``, non-bool masks.
+        As :func:`multi_region_attention` (``prefix_index`` must lie in [0, U)).
     """
     return _attention(q, k, v, [(prefix_k, prefix_v, prefix_index, prefix_mask)], key_mask, scale, backend, prefix=True)

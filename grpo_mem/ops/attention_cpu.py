@@ -29,6 +29,7 @@ __all__ = [
     "merge_lse_",
     "multi_region_attention_bwd",
     "multi_region_attention_fwd",
+    "own_layout",
     "repeat_rows",
     "score_features",
     "sliding_window_visible",
@@ -138,7 +139,7 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _own_layout(q, key_mask, Hkv, sliding_window=None):
+def own_layout(q, key_mask, Hkv, sliding_window=None):
     """The own region as one batched attention: queries (B, Hkv, rep·C, d) against each row's own (B, Hkv, C, d) keys,
     with the (B, 1, rep·C, C) causal-and-padding (and ``sliding_window = (W, q_positions)``) additive mask, and the
     (B, 1, C) bool "query sees a key". Folding the query heads of a kv head avoids repeating K/V."""
@@ -150,7 +151,7 @@ def _own_layout(q, key_mask, Hkv, sliding_window=None):
 
 
 MASK_BYTES_LIMIT = 64 * 2**20
-"""The largest own-region mask (bytes, ``_own_layout``'s 6 per element) built for rows with padding before
+"""The largest own-region mask (bytes, ``own_layout``'s 6 per element) built for rows with padding before
 ``_prefix_lengths`` takes the mask-free path instead. Below it the one batched masked call is faster than the per-row
 calls for padding queries (forward + backward, 2 threads: 0.17 against 0.23 s for 16 rows of 256 tokens, rep 4);
 above it the mask's memory, quadratic in the pass, is what matters (and the mask-free path was faster too: 0.71
@@ -165,7 +166,7 @@ def _prefix_lengths(key_mask, sliding_window, batch: int, C: int, rep: int, devi
 
     Then the kernel's own ``is_causal`` serves the queries of real positions, and each row's padding queries (which
     see all of the row's real keys and nothing else) take one unmasked call against those keys. The (B, 1, rep·C, C)
-    mask of ``_own_layout`` would cost 6 bytes per element, quadratic in C (805 MB for a sequence-parallel shard of
+    mask of ``own_layout`` would cost 6 bytes per element, quadratic in C (805 MB for a sequence-parallel shard of
     8192 tokens with rep 2)."""
     if sliding_window is not None:
         return None
@@ -265,7 +266,7 @@ def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=Non
     if lengths is not None:
         o, lse = _own_causal_fwd(fwd, q, k, v, lengths, params.scale, acc)
     else:
-        q_own, mask_own, seen = _own_layout(q, key_mask, Hkv, feat.sliding_window)
+        q_own, mask_own, seen = own_layout(q, key_mask, Hkv, feat.sliding_window)
         o, lse = fwd(q_own, k, v, 0.0, False, attn_mask=mask_own, scale=params.scale)
         o, lse = o.reshape(B, Hq, C, d).to(acc), lse.reshape(B, Hq, C).to(acc)
         lse.masked_fill_(~seen, float("-inf"))  # the kernel reports LSE 0, not −inf, for a query that sees no key
@@ -340,7 +341,7 @@ def multi_region_attention_bwd(dout, q, k, v, regions, key_mask, out, lse, param
     if lengths is not None:
         dq_own, dk, dv = _own_causal_bwd(bwd, dout, q, k, v, out, lse, lengths, params.scale)
         return dq + dq_own.to(dq.dtype), dk, dv, dregions
-    q_own, mask_own, _ = _own_layout(q, key_mask, Hkv, feat.sliding_window)
+    q_own, mask_own, _ = own_layout(q, key_mask, Hkv, feat.sliding_window)
     g = bwd(
         dout.reshape(B, Hkv, -1, d),
         q_own,

@@ -8,9 +8,10 @@ Cut Cross-Entropy (Wijmans et al., arXiv 2411.09009) with the entropy term of TR
 Logits are transformed as TRL 1.16's fused head does (``trl/kernels/chunked_logprob.py``, ``_transform``):
 ``z = softcap * tanh((h W^T + b) * logit_scale / softcap) / temperature`` (no tanh when ``softcap`` is None).
 
-Three backends share this math (``_backends.TABLE``, in ``auto``'s order): ``"triton"`` (``logprobs_triton_launch``,
-imported on first use), ``"cpp"`` (``logprobs_cpp``: the C++ extension, ``csrc/linear_logprobs.cpp``) and ``"torch"``
-(``logprobs_torch``: chunked pure torch). ``LINEAR_BACKENDS`` and ``SLS_BACKENDS`` map each name to its ``(forward,
+The backends share this math (``_backends.TABLE``, in ``auto``'s order): ``"cublas"`` (``linear_logprobs`` only;
+``logprobs_cublas``: cuBLAS GEMMs in vocabulary chunks with the Triton selective log-softmax), ``"triton"``
+(``logprobs_triton_launch``, imported on first use), ``"cpp"`` (``logprobs_cpp``: the C++ extension,
+``csrc/linear_logprobs.cpp``) and ``"torch"`` (``logprobs_torch``: chunked pure torch). ``LINEAR_BACKENDS`` and ``SLS_BACKENDS`` map each name to its ``(forward,
 backward)``. This module holds the public ops, their checks, the autograd Functions and the naive (N, V) references
 (``linear_logprobs_ref``) that tests and benchmarks compare against.
 """
@@ -145,8 +146,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, params: LogprobParams):
         ctx.set_materialize_grads(False)
         logp, ent, lse = LINEAR_BACKENDS[params.backend][0](hidden, weight, bias, target, params)
-        # the triton backward takes the target term from the saved log-probs (see logprobs_triton._dlogits)
-        ctx.save_for_backward(hidden, weight, bias, target, lse, ent, logp if params.backend == "triton" else None)
+        # the Triton kernels' backward takes the target term from the saved log-probs (see logprobs_triton._dlogits)
+        keep_logp = params.backend in ("triton", "cublas")
+        ctx.save_for_backward(hidden, weight, bias, target, lse, ent, logp if keep_logp else None)
         ctx.params = params
         return logp, ent
 
@@ -240,8 +242,9 @@ def linear_logprobs(
         softcap: final logit soft cap (> 0) or None.
         return_entropy: also return the entropy of each row's distribution.
         ignore_index: rows with this index give log-prob 0, entropy 0 and no gradient.
-        backend: "auto" (triton on CUDA, cpp on CPU when the extension is built, torch otherwise), "torch", "cpp" or
-            "triton" (CUDA, or CPU tensors with TRITON_INTERPRET=1).
+        backend: "auto" (on CUDA the fastest measured for the GPU and shape, else cublas, then triton; on CPU cpp
+            when the extension is built, else torch), "torch", "cpp", "triton" or "cublas" (CUDA, or CPU tensors with
+            TRITON_INTERPRET=1).
 
     Returns:
         log-probs (N,) fp32, and entropies (N,) fp32 (nats) when ``return_entropy``.
@@ -256,7 +259,7 @@ def linear_logprobs(
     temperature, logit_scale, softcap = _check_linear_inputs(
         hidden, weight, index, bias, temperature, logit_scale, softcap, ignore_index
     )
-    resolved = resolve("linear_logprobs", backend, hidden)
+    resolved = resolve("linear_logprobs", backend, hidden, shape=(hidden.shape[0], hidden.shape[1], weight.shape[0]))
 
     # one compute dtype for the GEMM operands (autocast-style mixed inputs): cast differentiably outside the Function
     dtype = torch.promote_types(hidden.dtype, weight.dtype)

@@ -27,7 +27,7 @@ class LogprobParams:
 
     ``temperature`` divides the logits (> 0), ``logit_scale`` multiplies them before the soft cap, ``softcap`` is the
     final logit soft cap (None: no cap), ``return_entropy`` asks for the entropy output, ``backend`` is the resolved
-    backend ("torch", "cpp" or "triton").
+    backend ("torch", "cpp", "triton" or "cublas").
     """
 
     temperature: float = 1.0

@@ -23,7 +23,9 @@ Kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``):
   Determinism: no atomics; each output element has one writer and a fixed summation order (chunks in order, d_bias
   partial sums reduced by ``sum(0)``), so results are bitwise reproducible. Cut Cross-Entropy (arXiv 2411.09009)
   fuses these GEMMs into the d_logits kernel with atomic adds instead; this keeps the exact, deterministic default.
-- ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics over given logits.
+- ``_selective_log_softmax_fwd_kernel`` / ``_selective_log_softmax_bwd_kernel``: the same statistics and d_logits over
+  given logits (the logit transform applied in the kernel; a column offset for a vocabulary chunk), for
+  ``selective_log_softmax`` and for the ``"cublas"`` head (``logprobs_cublas``: logits from cuBLAS GEMMs).
 
 HBM traffic of the backward (estimate, not measured; docs/kernels.md, "Triton head kernels"), N=32768, H=3584,
 V=152064, bf16, H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s: NVIDIA datasheet); one GEMM pass 2*N*V*H = 35.7 TFLOP
@@ -348,12 +350,16 @@ def _linear_logprobs_bwd_dw_kernel(
 
 @triton.jit
 def _selective_log_softmax_fwd_kernel(
-    LOGITS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT, V, stride_n, inv_t, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS, TARGET, M_OUT, S_OUT, SZ_OUT, ZY_OUT, V, stride_n, V0, scale, softcap, inv_t, HAS_SOFTCAP: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    # one program per row; statistics as in _linear_logprobs_fwd_kernel with a (1, BLOCK_V) tile
+    # one program per row; statistics as in _linear_logprobs_fwd_kernel with a (1, BLOCK_V) tile. The logits are
+    # vocabulary columns V0 .. V0 + V of the transform's input (scale, soft-cap, 1/temperature applied here)
+    scale = tl.cast(scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
     row = tl.program_id(0).to(tl.int64)
-    tgt = tl.load(TARGET + row)
+    tgt = tl.load(TARGET + row) - V0
     m = tl.full((1,), float("-inf"), tl.float32)
     s = tl.zeros((1,), tl.float32)
     sz = tl.zeros((1,), tl.float32)
@@ -361,8 +367,8 @@ def _selective_log_softmax_fwd_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         valid = (cols < V)[None, :]
-        z = tl.load(LOGITS + row * stride_n + cols[None, :], mask=valid, other=0.0).to(tl.float32) * inv_t
-        z = tl.where(valid, z, float("-inf"))
+        a = tl.load(LOGITS + row * stride_n + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        z = tl.where(valid, _transform(a, scale, softcap, inv_t, HAS_SOFTCAP), float("-inf"))
         zy += tl.sum(tl.where(cols[None, :] == tgt, z, 0.0), axis=1)
         m, s, sz = _fold(z, valid, m, s, sz, HAS_ENTROPY)
     one = tl.arange(0, 1)
@@ -375,17 +381,23 @@ def _selective_log_softmax_fwd_kernel(
 
 @triton.jit
 def _selective_log_softmax_bwd_kernel(
-    LOGITS, DLOGITS, TARGET, LSE, ENT, GLP, GENT, V, stride_n, inv_t, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    LOGITS, DLOGITS, TARGET, LSE, ENT, GLP, GENT, LOGP, V, stride_n, V0, scale, softcap, inv_t, HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LP_Y: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    # d_logits of vocabulary columns V0 .. V0 + V; with HAS_LP_Y the target entry takes the forward's log-prob (LOGP)
+    scale = tl.cast(scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     inv_t = tl.cast(inv_t, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1).to(tl.int64) * BLOCK_V
     c = tl.arange(0, BLOCK_V)
     col_mask = c < (V - col0).to(tl.int32)
     one = tl.arange(0, 1)
-    tgt = tl.load(TARGET + row + one)
+    tgt = tl.load(TARGET + row + one) - V0
     lse = tl.load(LSE + row + one)
+    lp_y = lse
+    if HAS_LP_Y:
+        lp_y = tl.load(LOGP + row + one)
     glp = tl.zeros((1,), tl.float32)
     gent = tl.zeros((1,), tl.float32)
     ent = tl.zeros((1,), tl.float32)
@@ -397,7 +409,8 @@ def _selective_log_softmax_bwd_kernel(
     a = tl.load(LOGITS + (row * stride_n + col0) + c[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
     is_y = c[None, :] == (tgt - col0)[:, None]
     da = _dlogits(
-        a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lse[:, None], 1.0, 1.0, inv_t, False, False
+        a, is_y, lse[:, None], ent[:, None], glp[:, None], gent[:, None], lp_y[:, None], scale, softcap, inv_t,
+        HAS_SOFTCAP, HAS_LP_Y,
     )
     tl.store(DLOGITS + (row * stride_n + col0) + c[None, :], da.to(DLOGITS.dtype.element_ty), mask=col_mask[None, :])
 

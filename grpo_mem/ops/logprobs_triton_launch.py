@@ -15,7 +15,14 @@ from ._device import launch_device
 from ._rowstats import finish_row_stats
 from .logprobs_triton_tiles import SLS_CUDA_CONFIG, SLS_INTERPRET_CONFIG, _config, _vocab_chunk
 
-__all__ = ["linear_logprobs_fwd", "linear_logprobs_bwd", "selective_log_softmax_fwd", "selective_log_softmax_bwd"]
+__all__ = [
+    "linear_logprobs_bwd",
+    "linear_logprobs_fwd",
+    "selective_log_softmax_bwd",
+    "selective_log_softmax_fwd",
+    "sls_grad",
+    "sls_stats",
+]
 
 
 def _num_programs_target(device: torch.device) -> int:
@@ -280,57 +287,83 @@ def _dw_launch(hidden, bufs, v_lo, w_c):
     )
 
 
+def sls_stats(logits, target, v0, p, m, s, sz, zy) -> None:
+    """Row statistics of ``logits`` (N, W) contiguous: vocabulary columns ``v0 .. v0 + W`` of the pre-transform logits
+    (``p``'s logit scale, soft-cap and temperature applied in the kernel), target (N,) int64 (global ids, -1 ignored).
+    Writes the (N,) fp32 ``m``, ``s``, ``zy`` (and ``sz`` with ``p.return_entropy``) in place (see
+    ``finish_row_stats``)."""
+    n_tok, vocab = logits.shape
+    if not n_tok:
+        return
+    cfg = dict(SLS_CUDA_CONFIG if logits.device.type == "cuda" else SLS_INTERPRET_CONFIG)
+    (scale, softcap, inv_t), has_cap = _common(logits, logits, p)
+    with launch_device(logits):
+        kernels._selective_log_softmax_fwd_kernel[(n_tok,)](
+            logits,
+            target,
+            m,
+            s,
+            sz,
+            zy,
+            vocab,
+            logits.stride(0),
+            v0,
+            scale,
+            softcap,
+            inv_t,
+            HAS_SOFTCAP=has_cap,
+            HAS_ENTROPY=p.return_entropy,
+            BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+
+
+def sls_grad(logits, out, target, v0, lse, ent, g_lp, g_ent, logp, p) -> None:
+    """d_logits of ``logits`` (N, W) contiguous (columns ``v0 .. v0 + W`` as in :func:`sls_stats`) into ``out`` (N, W)
+    contiguous, any float dtype (the value rounded once to it). ``lse`` (N,) fp32; ``ent``, ``g_lp``, ``g_ent`` (N,)
+    fp32 or None; ``logp`` (N,) fp32 or None: the forward's log-probs, the target entry's term when given."""
+    n_tok, vocab = logits.shape
+    if not n_tok:
+        return
+    cfg = dict(SLS_CUDA_CONFIG if logits.device.type == "cuda" else SLS_INTERPRET_CONFIG)
+    (scale, softcap, inv_t), has_cap = _common(logits, logits, p)
+    dummy = lse
+    with launch_device(logits):
+        kernels._selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
+            logits,
+            out,
+            target,
+            lse,
+            ent if ent is not None else dummy,
+            g_lp if g_lp is not None else dummy,
+            g_ent if g_ent is not None else dummy,
+            logp if logp is not None else dummy,
+            vocab,
+            logits.stride(0),
+            v0,
+            scale,
+            softcap,
+            inv_t,
+            HAS_GLP=g_lp is not None,
+            HAS_GENT=g_ent is not None,
+            HAS_SOFTCAP=has_cap,
+            HAS_LP_Y=logp is not None,
+            BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+
+
 def selective_log_softmax_fwd(logits, target, p):
     """Triton forward over (N, V) contiguous logits: (logp, entropy or None, lse), each (N,) fp32."""
-    n_tok, vocab = logits.shape
-    cfg = dict(SLS_CUDA_CONFIG if logits.device.type == "cuda" else SLS_INTERPRET_CONFIG)
-    stats = torch.empty((4, n_tok), device=logits.device, dtype=torch.float32)
-    m, s, sz, zy = stats
-    if n_tok:
-        with launch_device(logits):
-            kernels._selective_log_softmax_fwd_kernel[(n_tok,)](
-                logits,
-                target,
-                m,
-                s,
-                sz,
-                zy,
-                vocab,
-                logits.stride(0),
-                float(p.inv_t),
-                HAS_ENTROPY=p.return_entropy,
-                BLOCK_V=cfg["BLOCK_V"],
-                num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"],
-            )
-    if not p.return_entropy:
-        sz = torch.zeros_like(s)
-    return finish_row_stats(m, s, sz, zy, target, p.return_entropy)
+    stats = torch.zeros((4, logits.shape[0]), device=logits.device, dtype=torch.float32)
+    sls_stats(logits, target, 0, p, *stats)
+    return finish_row_stats(*stats, target, p.return_entropy)
 
 
 def selective_log_softmax_bwd(logits, target, lse, ent, g_lp, g_ent, p):
     """Triton backward: d_logits (N, V) in the dtype of ``logits``."""
-    n_tok, vocab = logits.shape
-    cfg = dict(SLS_CUDA_CONFIG if logits.device.type == "cuda" else SLS_INTERPRET_CONFIG)
     out = torch.empty_like(logits)
-    dummy = lse
-    if n_tok:
-        with launch_device(logits):
-            kernels._selective_log_softmax_bwd_kernel[(n_tok, triton.cdiv(vocab, cfg["BLOCK_V"]))](
-                logits,
-                out,
-                target,
-                lse,
-                ent if ent is not None else dummy,
-                g_lp if g_lp is not None else dummy,
-                g_ent if g_ent is not None else dummy,
-                vocab,
-                logits.stride(0),
-                float(p.inv_t),
-                HAS_GLP=g_lp is not None,
-                HAS_GENT=g_ent is not None,
-                BLOCK_V=cfg["BLOCK_V"],
-                num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"],
-            )
+    sls_grad(logits, out, target, 0, lse, ent, g_lp, g_ent, None, p)
     return out

@@ -147,17 +147,20 @@ def test_torch_backend_scores_like_stock_and_is_what_ran(monkeypatch):
     _tree_batch_like_stock("cpu", "torch", 2e-5)
 
 
-def _tree_batch_like_stock(device: str, backend: str, tol: float) -> None:
+def _tree_batch_like_stock(device: str, backend: str | dict, tol: float) -> None:
     """A tiny Llama scored with tree sharing (two prompts behind a shared system prompt: multi-region attention) on
-    ``device``: both ops ran on ``backend`` and the log-probs, entropies and gradients are stock TRL's within ``tol``
-    (gradients relative to each parameter's largest)."""
+    ``device``: both ops ran on ``backend`` (a name, or op -> name) and the log-probs, entropies and gradients are
+    stock TRL's within ``tol`` (gradients relative to each parameter's largest)."""
     model = tiny_model(layers=2).to(device)
     system = list(range(5, 17))
     ids, mask, C, _ = make_batch(None, 3, 4, prompts=[system + [20, 21], system + [30, 31, 32]], seed=3)
     ids, mask = ids.to(device), mask.to(device)
     RESOLVED.clear()
     lp, ent = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, compute_entropy=True, sharing="tree")
-    assert RESOLVED == {"multi_region_attention": backend, "linear_logprobs": backend}
+    expected = (
+        backend if isinstance(backend, dict) else dict.fromkeys(("multi_region_attention", "linear_logprobs"), backend)
+    )
+    assert RESOLVED == expected
     ours = grads_of(model, lp, ent)
     ref_lp, ref_ent = stock_logps(model, ids, mask, C, compute_entropy=True)
     ref = grads_of(model, ref_lp, ref_ent)
@@ -220,7 +223,9 @@ def test_torch_backend_needs_no_triton(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preference", ["torch", "auto"])
 def test_cuda_backends_score_like_stock(monkeypatch, preference):
-    """On CUDA (fp32 weights, tree sharing): the torch backends and auto's Triton kernels each give stock TRL's
-    log-probs, entropies and gradients, and RESOLVED names the backend that ran."""
+    """On CUDA (fp32 weights, tree sharing): the torch backends and auto's choice (fp32 attention on Triton, which
+    FlashAttention does not take; the head on the chunked cuBLAS backend) each give stock TRL's log-probs, entropies
+    and gradients, and RESOLVED names the backends that ran."""
     monkeypatch.setenv(BACKEND_ENV, preference)
-    _tree_batch_like_stock("cuda", "torch" if preference == "torch" else "triton", 1e-4)
+    auto = {"multi_region_attention": "triton", "linear_logprobs": "cublas"}
+    _tree_batch_like_stock("cuda", "torch" if preference == "torch" else auto, 1e-4)

@@ -525,6 +525,21 @@ def test_triton_interpreter_empty_batch():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype_name, case", TRITON_CASES)
+def test_triton_interpreter_cublas_accuracy(dtype_name, case):
+    """The cublas head (its GEMMs here fp32 matmuls of the upcast operands, cuBLAS on CUDA) with the Triton selective
+    log-softmax kernels under the interpreter, in vocabulary chunks of 128 columns over V=301."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    check_case("cublas", dtype, case, n=37, h=45, v=301)
+
+
+@needs_interpreter
+def test_triton_interpreter_cublas_masked_vocab_and_empty_batch():
+    _masked_linear_case("cublas")
+    test_empty_batch("cublas")
+
+
+@needs_interpreter
 def test_triton_interpreter_deterministic():
     (hidden, weight, bias), index = make_inputs(40, 20, 200, torch.float32, bias=True)
     runs = []

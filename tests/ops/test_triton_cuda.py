@@ -1,5 +1,10 @@
-"""The compiled Triton kernels on CUDA at realistic shapes, against fp64 truth, with bounds derived from a torch
-reference's own rounding; in CPU CI the same cases at toy shapes under Triton's interpreter.
+"""The compiled Triton kernels and the CUDA library-kernel backends on CUDA at realistic shapes, against fp64 truth,
+with bounds derived from a torch reference's own rounding; in CPU CI the same cases at toy shapes under Triton's
+interpreter (the sdpa cases need CUDA; the cublas head runs there with fp32 matmuls for its GEMMs).
+
+Backends: every attention case on ``"triton"``, and on ``"sdpa"`` (ATen's FlashAttention-2 / memory-efficient kernels,
+``grpo_mem.ops.attention_sdpa``) where it runs (fp16/bf16, no soft-cap or sliding window); every head case on
+``"triton"`` and ``"cublas"`` (``grpo_mem.ops.logprobs_cublas``). Each case checks that the named backend ran.
 
 What runs: ``multi_region_attention`` (forward and every gradient: q, k, v, each region's K/V, sinks) at head dims 64,
 96, 128 and 256, with a sliding window, a score soft-cap, attention sinks, and a two-region tree node (a system prompt
@@ -51,6 +56,7 @@ from grpo_mem.ops import (
     selective_log_softmax,
     selective_log_softmax_ref,
 )
+from grpo_mem.ops._backends import RESOLVED
 from grpo_mem.ops.logprobs import _select
 from grpo_mem.ops.logprobs_torch import transform_logits
 
@@ -360,10 +366,25 @@ def attention_run(fn, tensors, meta, key_mask, grad_out, features, dtype, poison
     return {"out": out.detach(), **{"d" + n: g for n, g in zip(leaves, grads)}}
 
 
+def _sdpa_runs(case: str, dtype: str) -> bool:
+    """The sdpa backend (ATen's FlashAttention-2 / memory-efficient CUDA kernels) takes the case: CUDA, fp16/bf16, no
+    soft-cap or sliding window (its own region: dense causal without padding, the efficient kernel with it)."""
+    return CUDA and dtype != "fp32" and not ({"softcap", "sliding_window"} & set(ATTENTION[case][2]))
+
+
+ATTENTION_RUNS = [
+    pytest.param(case, dtype, backend, id=f"{case}-{dtype}" + ("" if backend == "triton" else f"-{backend}"))
+    for case in ATTENTION
+    for dtype in DTYPES
+    for backend in ("triton", "sdpa")
+    if backend == "triton" or _sdpa_runs(case, dtype)
+]
+"""(case, dtype, backend): every case on Triton; on CUDA also the sdpa backend where it runs."""
+
+
 @runs_here
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("case", list(ATTENTION))
-def test_attention(case, dtype):
+@pytest.mark.parametrize("case,dtype,backend", ATTENTION_RUNS)
+def test_attention(case, dtype, backend):
     if INTERPRETING and dtype == "fp16" and case != "d128":
         pytest.skip("the interpreter runs fp16 like bf16 (widened, rounded by EMULATE_BF16): one case is enough there")
     dt = DTYPES[dtype]
@@ -371,10 +392,11 @@ def test_attention(case, dtype):
     rounded = {n: x.to(dt).double() for n, x in inputs[0].items()}  # the truth sees the kernel's rounded inputs
     truth = attention_run(multi_region_attention_ref, rounded, *inputs[1:], torch.float64)
     naive = attention_run(multi_region_attention_ref, *inputs, dt)
-    ours = attention_run(multi_region_attention, *inputs, dt, poison_gib=1.0, backend="triton")
+    ours = attention_run(multi_region_attention, *inputs, dt, poison_gib=1.0, backend=backend)
+    assert RESOLVED["multi_region_attention"] == backend  # not passed on to another backend
     for name, x in ours.items():
         assert x.dtype == dt, f"{name}: {x.dtype} != {dt}"
-    check_against_truth(f"attention/{case}", dt, ours, naive, truth)
+    check_against_truth(f"attention/{case}" + ("" if backend == "triton" else f"/{backend}"), dt, ours, naive, truth)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -426,10 +448,20 @@ def head_reference(hidden, weight, index, g_lp, g_ent, kw, logits_dtype):
     return {"logp": torch.cat(logp), "entropy": torch.cat(ent), "d_hidden": torch.cat(dh), "d_weight": dw.to(w.dtype)}
 
 
+HEAD_RUNS = [
+    pytest.param(case, dtype, backend, id=f"{case}-{dtype}" + ("" if backend == "triton" else f"-{backend}"))
+    for case, spec in HEAD.items()
+    for dtype in spec[3]
+    for backend in ("triton", "cublas")
+]
+"""(case, dtype, backend): the fused Triton head and the chunked cuBLAS one (its Triton selective log-softmax runs
+under the interpreter too, with fp32 matmuls for the GEMMs)."""
+
+
 @large
 @runs_here
-@pytest.mark.parametrize("case,dtype", [(c, d) for c, spec in HEAD.items() for d in spec[3]], ids=lambda x: str(x))
-def test_linear_logprobs(case, dtype):
+@pytest.mark.parametrize("case,dtype,backend", HEAD_RUNS)
+def test_linear_logprobs(case, dtype, backend):
     full, toy, kw, _ = HEAD[case]
     if not TOY and case == "qwen-32k" and torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
         pytest.skip("32K x 152K needs about 40 GiB for its fp64 truth")
@@ -440,12 +472,14 @@ def test_linear_logprobs(case, dtype):
     naive = head_reference(hidden, weight, index, g_lp, g_ent, kw, dt)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     poison_allocator(4.0 if case == "qwen-32k" else 1.0)
-    lp, en = linear_logprobs(h, w, index, return_entropy=True, backend="triton", **kw)
+    lp, en = linear_logprobs(h, w, index, return_entropy=True, backend=backend, **kw)
+    assert RESOLVED["linear_logprobs"] == backend
     gh, gw = torch.autograd.grad((lp * g_lp.float() + en * g_ent.float()).sum(), [h, w])
     ours = {"logp": lp.detach(), "entropy": en.detach(), "d_hidden": gh, "d_weight": gw}
     assert gh.dtype == dt and gw.dtype == dt and lp.dtype == torch.float32
     del h, w
-    check_against_truth(f"linear_logprobs/{case}", dt, ours, naive, truth)
+    name = f"linear_logprobs/{case}" + ("" if backend == "triton" else f"/{backend}")
+    check_against_truth(name, dt, ours, naive, truth)
 
 
 def sls_run(logits, index, g_lp, g_ent, dtype, upcast, poison_gib=0.0, **kw):
@@ -502,9 +536,28 @@ def test_attention_no_host_sync_and_deterministic(case):
         assert torch.equal(results[0][name], results[1][name]), f"{case}/{name} differs between two identical runs"
 
 
+@cuda_only
+def test_sdpa_attention_no_host_sync():
+    """The sdpa backend's forward and backward under ``set_sync_debug_mode("error")``: its region plans (sorts,
+    scatters, prefix sums) stay on the device. Not bitwise deterministic: FlashAttention-2's backward adds dQ with
+    atomics (deterministic only under ``torch.use_deterministic_algorithms``)."""
+    for case in ("tree-r2", "d64"):  # key_mask None (dense causal own region) and padded own keys (efficient kernel)
+        inputs = attention_case(case)
+        if case == "tree-r2":
+            inputs = (inputs[0], inputs[1], None, *inputs[3:])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            attention_run(multi_region_attention, *inputs, torch.bfloat16, backend="sdpa")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert RESOLVED["multi_region_attention"] == "sdpa"
+
+
 @large
 @cuda_only
-def test_head_no_host_sync_and_deterministic():
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_head_no_host_sync_and_deterministic(backend):
     hidden, weight, index, g_lp, g_ent = head_inputs((20, 48, 300) if TOY else (2048, 2048, 151936))
     results = []
     for _ in range(2):
@@ -513,13 +566,35 @@ def test_head_no_host_sync_and_deterministic():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            lp, en = linear_logprobs(h, w, index, return_entropy=True, backend="triton")
+            lp, en = linear_logprobs(h, w, index, return_entropy=True, backend=backend)
             gh, gw = torch.autograd.grad((lp * g_lp.float() + en * g_ent.float()).sum(), [h, w])
         finally:
             torch.cuda.set_sync_debug_mode("default")
         results.append((lp, en, gh, gw))
     for name, a, b in zip(("logp", "entropy", "d_hidden", "d_weight"), *results):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
+@cuda_only
+def test_op_times_writer_on_cuda(tmp_path):
+    """``grpo_mem.bench.op_times`` on CUDA at toy shapes: CUDA-event times for every backend that runs here (skipped
+    rows for the CPU ones), read back under the device key and shape classes that ``resolve`` looks up on this GPU."""
+    from grpo_mem.bench import op_times
+    from grpo_mem.ops import _op_times
+
+    shapes = (op_times.AttentionShape(B=2, Hq=4, Hkv=2, C=64, d=64, S=128), op_times.HeadShape(N=64, H=64, V=1000))
+    rows = op_times.measure_all("cuda", torch.bfloat16, shapes, repeats=2, warmup=1)
+    path = tmp_path / "op_times.csv"
+    op_times.write_csv(rows, str(path))
+    times = _op_times.load(str(path))
+    key = _op_times.device_key(torch.device("cuda"))
+    found = {
+        shape.op: times[(key, shape.op, _op_times.shape_class(shape.op, torch.bfloat16, shape.sizes()))]
+        for shape in shapes
+    }
+    assert set(found["multi_region_attention"]) == {"sdpa", "triton", "torch"}, found
+    assert set(found["linear_logprobs"]) == {"cublas", "triton", "torch"}, found
+    assert all(t > 0 for by_backend in found.values() for t in by_backend.values())
 
 
 SCORING_SYNC_BUDGET = 4
@@ -578,7 +653,10 @@ def test_triton_cuda_cases_under_interpreter():
     a minute of CPU time, hence slow-marked (CI runs it)."""
     if INTERPRETING or CUDA:
         pytest.skip("the cases above ran in this process")
-    # the CUDA-only checks (host synchronisations, compiled kernels) and the reader of JITFunctions have nothing to
-    # run under the interpreter
-    kernels_only = "not under_interpreter and not no_host_sync and not host_syncs and not compiled_kernel_rows"
+    # the CUDA-only checks (host synchronisations, compiled kernels, the op-times writer) and the reader of
+    # JITFunctions have nothing to run under the interpreter
+    kernels_only = (
+        "not under_interpreter and not no_host_sync and not host_syncs and not compiled_kernel_rows"
+        " and not op_times_writer_on_cuda"
+    )
     run_under_interpreter(__file__, f"{kernels_only} and not (fp16 and not d128 and attention)")
