@@ -6,12 +6,13 @@ and backward (the Triton launchers and the CUDA library-kernel backends are impo
 dtypes it takes, the optional features of the op it computes and the tests of whether it can run on a device and a
 shape. ``resolve(op, backend, tensor, needs, shape)`` turns ``backend="auto"`` into the first backend that runs
 ``tensor``'s device, dtype and shape and computes the features ``needs``, and checks an explicitly requested one.
-Library kernels first on CUDA (``sdpa``: ATen's FlashAttention-2 and memory-efficient attention; ``cublas``: the head
-as chunked cuBLAS GEMMs with a Triton selective log-softmax), then the Triton kernels, then the CPU kernels (``cpp``:
-this package's C++ extension; ``cpu``: ATen's fused CPU attention), then the chunked torch code, which runs anywhere
-and computes everything. On CUDA a committed table of measured per-op times (``_op_times``) reorders ``auto``'s
-choice by what ran fastest on that GPU at that shape class; shapes and GPUs it has not measured keep the table's
-order.
+On CUDA the Triton kernels first (the kernels a GPU run has checked against fp64: benchmarks/results/gpu), then the
+library kernels (``sdpa``: ATen's FlashAttention-2 and memory-efficient attention; ``cublas``: the head as chunked
+cuBLAS GEMMs with a Triton selective log-softmax; not yet run on a GPU, so ``auto`` takes them only where a measurement
+put them first); then the CPU kernels (``cpp``: this package's C++ extension; ``cpu``: ATen's fused CPU attention),
+then the chunked torch code, which runs anywhere and computes everything. On CUDA a committed table of measured per-op
+times (``_op_times``) reorders ``auto``'s choice by what ran fastest on that GPU at that shape class; shapes and GPUs
+it has not measured keep the table's order.
 
 Triton runs on CUDA, or on CPU tensors under its interpreter, which works only if ``TRITON_INTERPRET=1`` was set
 before triton was first imported (``triton.language``'s helpers are wrapped for the interpreter at import time).
@@ -192,6 +193,14 @@ _TRITON = dict(why_not=_triton_here, interpreted_on_cpu=True, host_checks=False)
 TABLE: dict[str, tuple[Backend, ...]] = {
     "multi_region_attention": (
         _backend(
+            "triton",
+            "attention_triton_launch",
+            "multi_region_attention",
+            dtypes=_FLOAT,
+            **_TRITON,
+            features=_ATTENTION_FEATURES,
+        ),
+        _backend(
             "sdpa",
             "attention_sdpa",
             "multi_region_attention",
@@ -199,14 +208,6 @@ TABLE: dict[str, tuple[Backend, ...]] = {
             why_not=_fused_cuda_here,
             takes=_flash_head_dim,
             host_checks=False,
-        ),
-        _backend(
-            "triton",
-            "attention_triton_launch",
-            "multi_region_attention",
-            dtypes=_FLOAT,
-            **_TRITON,
-            features=_ATTENTION_FEATURES,
         ),
         _backend(
             "cpu",
@@ -218,8 +219,8 @@ TABLE: dict[str, tuple[Backend, ...]] = {
         _backend("torch", attention_torch, "multi_region_attention", features=_ATTENTION_FEATURES),
     ),
     "linear_logprobs": (
-        _backend("cublas", "logprobs_cublas", "linear_logprobs", **dict(_TRITON, why_not=_cublas_here)),
         _backend("triton", "logprobs_triton_launch", "linear_logprobs", **_TRITON),
+        _backend("cublas", "logprobs_cublas", "linear_logprobs", **dict(_TRITON, why_not=_cublas_here)),
         _backend("cpp", logprobs_cpp, "linear_logprobs", why_not=_extension_here),
         _backend("torch", logprobs_torch, "linear_logprobs"),
     ),

@@ -10,7 +10,7 @@ first ``auto`` resolution of a CUDA tensor (``_backends.resolve``); a CPU call n
 A shape class names the sizes that decide which kernel is faster, rounded up to powers of two (one measurement
 stands for its neighbours; the head dim and the hidden size are exact): attention ``"<dtype> d=<head dim>
 q=<queries> k=<longest region>"``, the head ``"<dtype> n=<tokens> h=<hidden> v=<vocabulary>"``. A class, GPU or dtype
-that no row measured gives no order: ``auto`` keeps ``TABLE``'s (library kernels before Triton).
+that no row measured gives no order: ``auto`` keeps ``TABLE``'s (Triton before the library kernels, which no GPU run has checked yet).
 """
 
 from __future__ import annotations

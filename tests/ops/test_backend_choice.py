@@ -223,9 +223,9 @@ def test_torch_backend_needs_no_triton(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preference", ["torch", "auto"])
 def test_cuda_backends_score_like_stock(monkeypatch, preference):
-    """On CUDA (fp32 weights, tree sharing): the torch backends and auto's choice (fp32 attention on Triton, which
-    FlashAttention does not take; the head on the chunked cuBLAS backend) each give stock TRL's log-probs, entropies
-    and gradients, and RESOLVED names the backends that ran."""
+    """On CUDA (fp32 weights, tree sharing): the torch backends and auto's choice (with no measured table: Triton for
+    attention and the head) each give stock TRL's log-probs, entropies and gradients, and RESOLVED names the backends
+    that ran."""
     monkeypatch.setenv(BACKEND_ENV, preference)
-    auto = {"multi_region_attention": "triton", "linear_logprobs": "cublas"}
+    auto = {"multi_region_attention": "triton", "linear_logprobs": "triton"}
     _tree_batch_like_stock("cuda", "torch" if preference == "torch" else auto, 1e-4)

@@ -459,14 +459,14 @@ def test_committed_table_is_valid_and_has_no_invented_rows():
         assert f.readline().startswith("op,provider,mode,metric,unit,x_name,x_value,p50")
 
 
-def test_auto_on_cuda_follows_measured_times_else_library_kernels(fake_gpu, tmp_path):
+def test_auto_on_cuda_follows_measured_times_else_triton(fake_gpu, tmp_path):
     att = ("multi_region_attention", (128, 4 * 512, 2048))
     head = ("linear_logprobs", (2048, 2048, 151936))
     resolve = lambda op_shape, dtype, needs=frozenset(), d=128: _backends.resolve(  # noqa: E731
         op_shape[0], "auto", _fake_cuda(dtype, (4, 16, 512, d)), needs, op_shape[1]
     )
-    _op_times.reset({})  # nothing measured: the library kernels where they run
-    assert resolve(att, torch.bfloat16) == "sdpa" and resolve(head, torch.bfloat16) == "cublas"
+    _op_times.reset({})  # nothing measured: Triton, the kernels a GPU run has checked
+    assert resolve(att, torch.bfloat16) == "triton" and resolve(head, torch.bfloat16) == "triton"
     assert resolve(att, torch.float32) == "triton"  # FlashAttention takes fp16/bf16 only
     assert (
         resolve(att, torch.bfloat16, {"softcap"}) == "triton"
@@ -486,8 +486,12 @@ def test_auto_on_cuda_follows_measured_times_else_library_kernels(fake_gpu, tmp_
     )
     _op_times.reset(_op_times.load(str(path)))
     assert resolve(att, torch.bfloat16) == "triton" and resolve(head, torch.bfloat16) == "cublas"
-    assert resolve(("multi_region_attention", (128, 4 * 512, 16384)), torch.bfloat16) == "sdpa"  # another class
-    assert resolve(att, torch.float16) == "sdpa"  # another dtype
+    assert resolve(("multi_region_attention", (128, 4 * 512, 16384)), torch.bfloat16) == "triton"  # another class
+    assert resolve(att, torch.float16) == "triton"  # another dtype
+    # measured faster where it runs: sdpa for bf16 at this class
+    _write_table(path, [(att[0], "sdpa", "bfloat16 d=128 q=2048 k=2048", GPU, 0.002, "full", "wall_time")])
+    _op_times.reset(_op_times.load(str(path)))
+    assert resolve(att, torch.bfloat16) == "sdpa" and resolve(att, torch.bfloat16, {"softcap"}) == "triton"
     assert _backends.resolve(att[0], "sdpa", _fake_cuda(torch.bfloat16, (4, 16, 512, 128))) == "sdpa"  # by name
 
 
