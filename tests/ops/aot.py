@@ -6,6 +6,14 @@ Triton ships (``triton/backends/nvidia/bin``), since ``n_regs`` / ``n_spills`` n
 Test-only tooling: used by the AOT kernel tests (tests/ops/test_*_aot.py) to show that the shipped block sizes compile
 for sm_80, sm_86/89 and sm_90 within each one's shared memory and do not spill.
 
+A build's report depends only on the kernel sources, the Triton release (which bundles ptxas and cuobjdump) and the
+build's arguments, and compiling the whole matrix takes minutes on 2 cores, so ``compile_report`` keeps what it
+found in ``RECORD`` (a JSON file beside this module), keyed by those: a build whose key is recorded is not compiled
+again, anything else is. The record is written only by ``GRPO_MEM_AOT_RECORD=1 python -m pytest -p no:xdist
+tests/ops/test_attention_triton_aot.py tests/ops/test_logprobs_triton_aot.py`` (one process), which compiles every
+build afresh; a change to any kernel source or another Triton release invalidates the whole record, so a stale one
+costs time, never a check.
+
 ``ttir`` gives a kernel's Triton IR after inlining (no GPU either) and ``i32_pointer_offsets`` finds the 32-bit scalar
 products that reach a pointer offset in it: an offset such as ``b * stride_b`` computed in i32 wraps once it passes
 2**31 elements, silently, on the GPU only.
@@ -13,6 +21,10 @@ products that reach a pointer offset in it: an offset such as ``b * stride_b`` c
 
 from __future__ import annotations
 
+import atexit
+import glob
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -83,6 +95,67 @@ def signature_for(fn, types: dict, constexprs: dict) -> dict:
     return {n: ("constexpr" if n in constexprs else types[n]) for n in names}
 
 
+RECORD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_record.json")
+"""The recorded reports of ``compile_report`` (see the module docstring)."""
+RECORD_ENV = "GRPO_MEM_AOT_RECORD"
+_KERNEL_SOURCES = ("grpo_mem/ops/*triton*.py",)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _sources_key() -> str:
+    """Hash of what every build depends on besides its arguments: the Triton release and the kernel sources (the
+    kernels, their tiles and launchers: ``_KERNEL_SOURCES``) and this module."""
+    import triton
+
+    h = hashlib.sha256(triton.__version__.encode())
+    files = sorted(f for pattern in _KERNEL_SOURCES for f in glob.glob(os.path.join(_ROOT, pattern)))
+    for path in [*files, os.path.abspath(__file__)]:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + f.read())
+    return h.hexdigest()
+
+
+class _Record:
+    """``RECORD`` loaded once: reports by build key, valid only for the current ``_sources_key``; in record mode
+    (``RECORD_ENV=1``) every build is compiled and the file rewritten at exit."""
+
+    def __init__(self):
+        self.recording = os.environ.get(RECORD_ENV) == "1"
+        if self.recording and os.environ.get("PYTEST_XDIST_WORKER"):
+            raise RuntimeError(f"{RECORD_ENV}=1 writes {RECORD} from one process: run pytest with -p no:xdist")
+        self.sources = _sources_key()
+        self.builds: dict = {}
+        if not self.recording and os.path.exists(RECORD):
+            with open(RECORD) as f:
+                data = json.load(f)
+            if data.get("sources") == self.sources:
+                self.builds = data["builds"]
+        elif self.recording:
+            atexit.register(self.write)
+
+    def write(self) -> None:
+        """The record as JSON, one build a line."""
+        lines = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(self.builds.items())]
+        with open(RECORD, "w") as f:
+            f.write(f'{{"sources": {json.dumps(self.sources)}, "builds": {{\n' + ",\n".join(lines) + "\n}}\n")
+
+
+_RECORD: _Record | None = None
+
+
+def _record() -> _Record:
+    global _RECORD
+    if _RECORD is None:
+        _RECORD = _Record()
+    return _RECORD
+
+
+def build_key(fn, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int, attrs) -> str:
+    """The key of one build in ``RECORD``: the kernel's name and every argument of the build."""
+    spec = (fn.__module__, fn.__name__, sorted(signature.items()), sorted(constexprs.items()), attrs, arch)
+    return hashlib.sha256(repr((*spec, num_warps, num_stages)).encode()).hexdigest()[:24]
+
+
 def compile_report(
     fn,
     signature: dict,
@@ -114,14 +187,29 @@ def compile_report(
         stack bytes); stack bytes without any ``STL`` are a call frame (e.g. the IEEE fp32 division slow path), not a
         spill.
 
+    A build recorded in ``RECORD`` for the current sources gives its recorded report without compiling (not with
+    ``asm``, whose text is not recorded).
+
     Raises:
         ValueError: bad ``arch``; triton's CompilationError if the kernel does not compile.
     """
+    if not isinstance(arch, int) or arch < 70:
+        raise ValueError(f"arch must be an int compute capability >= 70, got {arch!r}")
+    record = _record()
+    key = build_key(fn, signature, constexprs, arch, num_warps, num_stages, attrs)
+    if not asm and key in record.builds:
+        return dict(record.builds[key])
+    report = _compile(fn, signature, constexprs, arch, num_warps, num_stages, attrs, asm)
+    if record.recording:
+        record.builds[key] = {k: v for k, v in report.items() if k not in ("ttgir", "ptx")}
+    return report
+
+
+def _compile(fn, signature, constexprs, arch, num_warps, num_stages, attrs, asm) -> dict:
+    """``compile_report``'s build (no record involved)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    if not isinstance(arch, int) or arch < 70:
-        raise ValueError(f"arch must be an int compute capability >= 70, got {arch!r}")
     src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
     compiled = triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
