@@ -40,8 +40,9 @@ def worker_env() -> dict:
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
 
 
-def launch(script: str, *args, nproc: int = 2, timeout: float = TIMEOUT) -> None:
+def launch(script: str, *args, nproc: int = 2, timeout: float = TIMEOUT) -> str:
     """Run ``script`` (a file of this folder) on ``nproc`` ranks with ``args``; fail the test on a timeout or error.
+    Returns what the ranks printed (stdout).
 
     Raises:
         pytest.fail.Exception: the run did not finish in ``timeout`` seconds, or a rank exited non-zero (the last
@@ -63,3 +64,4 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = TIMEOUT) -> None
         tail = (exc.stderr or b"")[-3000:]
         pytest.fail(f"{script} {args} did not finish in {timeout} s (ranks out of step?): {tail!r}")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout

@@ -1,7 +1,8 @@
 """Worker of the sequence-parallel scoring tests (2 ranks, gloo): every pass split along the sequence over the ranks,
 against stock TRL's scoring on one process.
 
-Usage: ``sp_worker.py ARCH SHARING [checkpointing] [causal] [contiguous] [gather] [mqa] [odd-heads] [one-group]`` on 2
+Usage: ``sp_worker.py ARCH SHARING [checkpointing] [causal] [contiguous] [gather] [mqa] [odd-heads] [one-group]
+[+ ARCH SHARING [flags] ...]`` (cases separated by ``+``, run one after another in the same processes) on 2
 ranks (one SP group) or 4 (two SP groups of 2, data parallel over them, each with its own window; ``one-group``: one SP
 group of 4) (``tests/distributed/test_sequence_parallel.py`` launches it). Passes are split zigzag (the default), or in
 contiguous shards with ``contiguous``; attention exchanges K/V over heads (the default), or all-gathers them with
@@ -123,8 +124,26 @@ def sp_group(one_group: bool) -> tuple[object, int]:
     return groups[dist.get_rank() // 2], dist.get_rank() // 2
 
 
-def main(arch: str, sharing: str, *flags: str) -> None:
+def main(*args: str) -> None:
+    """Run every case of ``args`` (``ARCH SHARING [flags]``, cases separated by ``+``) in these processes."""
     dist.init_process_group("gloo")
+    cases = " ".join(args).split("+")
+    recorded = []
+    record_kv(recorded)
+    for case in cases:
+        arch, sharing, *flags = case.split()
+        recorded.clear()
+        run_case(arch, sharing, flags, recorded)
+        print(f"rank {dist.get_rank()}: {case.strip()} passed", flush=True)
+    dist.barrier()
+    end_worker()
+
+
+def run_case(arch: str, sharing: str, flags: list[str], recorded: list) -> None:
+    """One case (``main``'s ``ARCH SHARING [flags]``) on the initialised process group; ``recorded``: the passes
+    ``record_kv`` sees, emptied before the case."""
+    from grpo_mem.ops import attention_cpu
+
     rank = dist.get_rank()
     group, dp = sp_group("one-group" in flags)
     split = "contiguous" if "contiguous" in flags else "zigzag"
@@ -137,11 +156,8 @@ def main(arch: str, sharing: str, *flags: str) -> None:
     ref, ref_grads = stock_window(stock, batches, C)
 
     model = tiny_model(arch, **shape)
-    recorded = []
-    record_kv(recorded)
+    limit = attention_cpu.MASK_BYTES_LIMIT
     if "causal" in flags:  # the cpu backend's own region without a mask tensor, as it runs on long shards
-        from grpo_mem.ops import attention_cpu
-
         attention_cpu.MASK_BYTES_LIMIT = -1
     if "checkpointing" in flags:  # TRL's default: layers re-run in backward, and with them the hook's all-gathers
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -161,6 +177,7 @@ def main(arch: str, sharing: str, *flags: str) -> None:
     assert_grads_close(grads, ref_grads, rel=1e-5)
     check_recorded(recorded, model.config, sp)
     model.zero_grad(set_to_none=True)
+    attention_cpu.MASK_BYTES_LIMIT = limit
 
     ids, mask = batches[rank % len(batches)]  # each rank another micro-batch: refused on both, no hang
     assert_refused(model, ids, mask, C, sharing, sp, "differ")
@@ -168,8 +185,6 @@ def main(arch: str, sharing: str, *flags: str) -> None:
         ids, mask = batches[0]
         assert_refused(model, ids, mask, C, sharing, sp, "router", compute_aux_loss=True)
         assert_refused(tiny_model("qwen3_5"), ids, mask, C, sharing, sp, "linear")
-    dist.barrier()
-    end_worker()
 
 
 if __name__ == "__main__":
