@@ -102,7 +102,8 @@ setup(
         # deepspeed: the ZeRO-2/3 tests (tests/distributed/test_distributed.py) run it on CPU; the version they were checked with.
         # liger-kernel: tests/patches/test_liger.py (transformers' Trainer refuses use_liger_kernel=True without it)
         # ruff: the formatter (ruff.toml); the suite checks the tree is formatted
-        "test": ["pytest", "peft", "deepspeed==0.19.8", "liger-kernel==0.8.5", "ruff==0.17.6"],
+        # pytest-xdist: the README's test command spreads the suite over the machine's cores (-n auto)
+        "test": ["pytest", "pytest-xdist", "peft", "deepspeed==0.19.8", "liger-kernel==0.8.5", "ruff==0.17.6"],
         "gpu": ["flash-attn"],
         "bench": ["liger-kernel"],
     },
