@@ -75,8 +75,9 @@ class Decision:
     What the run takes (not compared, not shown): ``window`` (the ``Window`` that runs it), ``model`` (as given to
     ``decide``) and its unwrapped ``causal_lm``, ``input_ids``/``attention_mask`` (B, P + C), ``options``, ``lockstep``
     (ranks make the same module calls), ``images`` (the bound image inputs, or None), ``autocast`` (a context factory
-    entered around the prompt-once path's model call, or None) and ``sp`` (the group the micro-batch is split over, or
-    None).
+    entered around the prompt-once path's model call, or None), ``sp`` (the group the micro-batch is split over, or
+    None) and ``scored`` (the flat indices of the scored completion positions on the inputs' device, from the
+    decision's one read of the masks: ``head.completion_head``'s).
     """
 
     kind: Kind
@@ -95,6 +96,7 @@ class Decision:
     images: VisionPasses | None = field(repr=False, compare=False)
     autocast: Callable | None = field(repr=False, compare=False)
     sp: SequenceParallel | None = field(repr=False, compare=False)
+    scored: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> str:
@@ -113,7 +115,9 @@ class LogprobsOutput(ModelOutput):
 
 
 def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> None:
-    """Raise ``ValueError``/``TypeError`` for inputs stock TRL would score wrongly or not at all."""
+    """Raise ``ValueError``/``TypeError`` for inputs stock TRL would score wrongly or not at all, from their shapes
+    and types (reads nothing back; the prompts' left padding is checked on the host copy the plan reads:
+    ``plan.check_left_padded``)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D (B, P+C) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
     if input_ids.dtype not in (torch.int64, torch.int32):
@@ -132,13 +136,6 @@ def validate_inputs(input_ids, attention_mask, logits_to_keep, temperature) -> N
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    prompt_mask = attention_mask[:, : input_ids.shape[1] - logits_to_keep].bool()
-    right_padded = (prompt_mask[:, :-1] & ~prompt_mask[:, 1:]).any(dim=1)
-    if bool(right_padded.any()):
-        rows = right_padded.nonzero().flatten().tolist()
-        raise ValueError(
-            f"prompts must be left-padded (a 1 in the prompt mask followed by a 0), rows {rows[:8]} are not"
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------

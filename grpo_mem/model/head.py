@@ -58,7 +58,7 @@ def _gather_zero3(*params):
     return deepspeed.zero.GatheredParameters(list(pending.values())) if pending else nullcontext()
 
 
-def completion_head(causal_lm, hidden, completion_ids, completion_mask, request):
+def completion_head(causal_lm, hidden, completion_ids, completion_mask, request, scored=None):
     """Log-probs (and entropies) of ``completion_ids`` given the hidden states that predict them.
 
     Args:
@@ -66,16 +66,20 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
         hidden: (B, C, H) hidden states; ``hidden[:, t]`` predicts ``completion_ids[:, t]``.
         completion_ids: (B, C) int64.
         completion_mask: (B, C) 0/1; only positions with 1 are scored.
-        options: ``ScoreOptions`` (temperature, compute_entropy, cast_lm_head_to_fp32).
+        request: ``ScoreOptions`` (temperature, compute_entropy, cast_lm_head_to_fp32).
+        scored: (n,) int64, the flat indices (b·C + t) where ``completion_mask`` is 1, ascending, on the head's
+            device, if known (``SharingSession.decide`` takes them from its one read of the masks); None: found here
+            (a read back from the device).
 
     Returns:
         (B, C) fp32 log-probs and (B, C) fp32 entropies or None, zero where the mask is 0.
     """
     weight, bias = _lm_head_params(causal_lm)
     scale, softcap = logit_transform(causal_lm.config)
-    mask = completion_mask.bool().to(weight.device)
-    # the scored positions, read once (a boolean index reads its count back from the device each time it is used)
-    scored = mask.flatten().nonzero().squeeze(1)
+    shape = completion_mask.shape
+    if scored is None:  # the scored positions, read once (a boolean index reads its count back each time)
+        scored = completion_mask.bool().to(weight.device).flatten().nonzero().squeeze(1)
+    scored = scored.to(weight.device)
     rows = hidden.to(weight.device).flatten(0, 1).index_select(0, scored)
     if request.cast_lm_head_to_fp32:
         rows = rows.float()
@@ -99,10 +103,12 @@ def completion_head(causal_lm, hidden, completion_ids, completion_mask, request)
             logit_scale=scale,
             softcap=softcap,
             return_entropy=request.compute_entropy,
+            check_index=False,  # the completion ids went through the model's embedding
         )
     logps, entropy = out if request.compute_entropy else (out, None)
-    # masked_scatter keeps the output connected to the graph even when no position is scored
-    logps = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logps.float())
-    if entropy is not None:
-        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, entropy.float())
-    return logps, entropy
+
+    def place(values):  # (B, C), zero where unscored; connected to the graph even when no position is scored
+        flat = torch.zeros(shape.numel(), dtype=torch.float32, device=values.device)
+        return flat.index_copy(0, scored, values.float()).view(shape)
+
+    return place(logps), (None if entropy is None else place(entropy))

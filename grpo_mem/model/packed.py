@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention_hook as attn_hook
-from .plan import PassSpec, to_device
+from .plan import PassSpec, known_index, to_device
 from .store import ForwardedPass, PromptStates
 
 
@@ -91,7 +91,9 @@ class _Call:
             index = torch.full((len(paths),), -1, dtype=torch.long)
             index[list(reads)] = torch.tensor(list(reads.values()), dtype=torch.long)
             ctx = self.blocks[block]
-            regions.append(attn_hook.Region(ctx.capture, to_device(index, device), ctx.key_mask, ctx.positions))
+            regions.append(
+                attn_hook.Region(ctx.capture, known_index(index, device, ctx.key_mask), ctx.key_mask, ctx.positions)
+            )
         return regions, outside
 
 

@@ -25,34 +25,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from .host import check_left_padded, known_index, read_host, to_device  # noqa: F401  (re-exported)
 
 # A shared span shorter than this is forwarded inside each of its children instead of in a pass of its own. Measured
 # with ``python benchmarks/bench_tree.py --threshold`` (docs/benchmarks.md, "Prefix-tree sharing"; 8-layer Llama-shaped model,
 # 4 prompts of 4 groups sharing S tokens, G=8, C=64): a node of its own took 1.29x / 1.20x the time at S = 16 / 32
 # and 0.88x / 0.82x at S = 64 / 128.
 DEFAULT_MIN_SHARED_TOKENS = 64
-
-
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``t`` (a tensor the host built: plan indices, masks, positions) on ``device``. To a CUDA device the copy goes
-    from pinned memory without blocking: a plain ``.to("cuda")`` of pageable memory waits for the stream to drain
-    (``torch.cuda.set_sync_debug_mode`` reports it), so each would stop the host from queueing work ahead of the GPU.
-    The source is never written after the copy (the caching host allocator keeps its pinned block until the copy
-    ends)."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _on_host(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) prompt ids and mask as CPU tensors, read from the device in one copy (the trie needs the token ids on
-    the host; one read per micro-batch instead of three per unique prompt)."""
-    if ids.device.type == "cpu" and mask.device.type == "cpu":
-        return ids, mask
-    both = torch.stack((ids.to(torch.int64), mask.to(torch.int64))).cpu()
-    return both[0], both[1]
 
 
 @dataclass
@@ -228,14 +210,18 @@ class PromptGrouping:
     first: torch.Tensor
     inverse: torch.Tensor
     extra: tuple | None = None
+    host: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, extra: list | None = None) -> PromptGrouping:
+    def of(
+        cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, extra: list | None = None, host: tuple | None = None
+    ) -> PromptGrouping:
         """Group the rows of (B, P) left-padded ``prompt_ids`` under their (B, P) 0/1 ``prompt_mask``; ``extra``: B
         hashable keys, more of each row's key (rows group only where these are equal too; an empty one adds
-        nothing)."""
-        key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
-        keys = tuple(row.tobytes() for row in key.to(torch.int64).cpu().numpy())
+        nothing). ``host``: the two as int64 NumPy arrays if already read (``read_host``), else they are read here
+        (one copy); kept as ``host`` for the plan."""
+        ids, mask = host if host is not None else read_host(prompt_ids, prompt_mask)
+        keys = tuple(row.tobytes() for row in np.where(mask.astype(bool), ids, -1))
         if extra is not None:
             if len(extra) != len(keys):
                 raise ValueError(f"extra must hold one key per row ({len(keys)} rows), got {len(extra)}")
@@ -246,7 +232,18 @@ class PromptGrouping:
         first = [0] * len(index)
         for row in reversed(range(len(keys))):
             first[inverse[row]] = row
-        return cls(keys, torch.tensor(first, dtype=torch.long), torch.tensor(inverse, dtype=torch.long), extra)
+        first, inverse = torch.tensor(first, dtype=torch.long), torch.tensor(inverse, dtype=torch.long)
+        return cls(keys, first, inverse, extra, (ids, mask))
+
+    @classmethod
+    def of_micro_batch(cls, input_ids, attention_mask, P: int, extra: list | None = None):
+        """(the grouping of the micro-batch ``input_ids``/``attention_mask`` (B, P + C)'s prompts, the (n,) int64 flat
+        indices b·C + t of its scored completion positions on the inputs' device), from its one read back from the
+        device (prompt ids and whole mask). Raises ValueError for prompts that are not left-padded."""
+        ids, mask = read_host(input_ids[:, :P], attention_mask)
+        check_left_padded(mask[:, :P])
+        grouping = cls.of(input_ids[:, :P], attention_mask[:, :P], extra, (ids, mask[:, :P]))
+        return grouping, to_device(torch.from_numpy(np.flatnonzero(mask[:, P:])), input_ids.device)
 
     @property
     def repeats(self) -> bool:
@@ -352,14 +349,16 @@ class WindowPlan:
         prompt_of: dict = {}
         tokens, starts, keys = [], [], []
         for ids, mask, grouping in zip(prompt_ids, prompt_masks, groupings):
-            ids, mask = _on_host(ids, mask)
-            for row in grouping.first.tolist():
-                key = grouping.keys[row]
+            ids, mask = grouping.host if grouping.host is not None else read_host(ids, mask)
+            firsts: dict = {}
+            for row, key in enumerate(grouping.keys):  # the first row of each prompt (``grouping.first``, on the host)
+                firsts.setdefault(key, row)
+            for key, row in firsts.items():
                 if key not in prompt_of:
                     prompt_of[key] = len(tokens)
-                    real = mask[row].bool()
+                    real = mask[row].astype(bool)
                     tokens.append(ids[row][real].tolist())
-                    starts.append(int(real.numel() - real.sum()))
+                    starts.append(int(real.size - real.sum()))
                     if trie_keys is not None:
                         keys.append(trie_keys(tokens[-1], None if grouping.extra is None else grouping.extra[row]))
         if mode == "tree":

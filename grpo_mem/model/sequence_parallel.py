@@ -425,10 +425,10 @@ class SequenceSharded(OneRank):
     def completion_hidden(self, out: torch.Tensor, C: int) -> torch.Tensor:
         return out
 
-    def head(self, mb, hidden, ids, mask, options):
+    def head(self, mb, hidden, ids, mask, options, scored=None):
         """This rank's completion positions through the head (position 0 where this rank holds the row's last prompt
         token, then its shard of positions 1 … C − 1), then the (B, C) log-probs and entropies of every rank
-        (``gather_scores``)."""
+        (``gather_scores``); ``scored`` (the whole rows' scored positions) is not used: this rank scores its own."""
         sp, C, table = self.sp, ids.shape[1], mb.window.table
         owners = [table.passes[pass_id].owner[row] for pass_id, row in map(table.locate, mb.leaves)]
         owned = torch.tensor([bool(o == sp.rank) for o in owners]).to(mask.device)

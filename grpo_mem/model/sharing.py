@@ -180,8 +180,6 @@ class SharingSession:
             return PromptGrouping.of(prompt_ids, prompt_mask).repeats
         return self.window.shares()
 
-    # ------------------------------------------------------------------------------------------------------------------
-
     def _window_for(self, grouping: PromptGrouping) -> Window | None:
         """The open window if this micro-batch is its next one (gradients on, the planned prompts), else None.
 
@@ -250,10 +248,8 @@ class SharingSession:
         logits_to_keep = options.logits_to_keep
         B, T = input_ids.shape
         P = T - logits_to_keep
-        vision = self._planned(vision)
-        grouping = PromptGrouping.of(
-            input_ids[:, :P], attention_mask[:, :P], None if vision is None else vision.row_keys(P)
-        )
+        vision = self._planned(vision)  # the micro-batch's one read back (prompt ids, masks) gives its grouping:
+        grouping, scored = PromptGrouping.of_micro_batch(input_ids, attention_mask, P, vision and vision.row_keys(P))
         window = self._window_for(grouping)
         j = None if window is None else window.current
         if window is None:
@@ -301,6 +297,7 @@ class SharingSession:
             images=images,
             autocast=autocast,
             sp=split,
+            scored=scored,
         )
 
     def _refuse(self, cause: str | None) -> None:
@@ -357,7 +354,9 @@ class SharingSession:
             def compute(m, ids, mask):
                 router = options.compute_aux_loss
                 extensions, layout = pass_extensions(d.model, m, router=router, images=d.images, sp=d.sp)
-                return d.window.run(m, ids, mask, options, lockstep=d.lockstep, extensions=extensions, layout=layout)
+                return d.window.run(
+                    m, ids, mask, options, lockstep=d.lockstep, extensions=extensions, layout=layout, scored=d.scored
+                )
 
             out = run_in_forward(d.model, d.causal_lm, compute, d.input_ids, d.attention_mask, autocast=d.autocast)
         else:

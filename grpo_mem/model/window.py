@@ -25,7 +25,7 @@ import torch
 from . import attention_hook as attn_hook
 from . import packed
 from .head import completion_head
-from .plan import PassSpec, WindowPlan, completion_width, to_device
+from .plan import PassSpec, WindowPlan, completion_width, known_index, to_device
 from .store import ForwardedPass, PassTable, PromptStates, tie, touch
 
 __all__ = ["MicroBatch", "OneRank", "Window"]
@@ -52,9 +52,10 @@ class OneRank:
         """The completion pass's hidden states that predict completion tokens 1 … C − 1."""
         return out[:, : C - 1]
 
-    def head(self, mb: MicroBatch, hidden, ids, mask, options):
-        """(B, C) fp32 log-probs and entropies (or None) of ``ids`` from ``hidden`` (``head.completion_head``)."""
-        return completion_head(mb.causal_lm, hidden, ids, mask, options)
+    def head(self, mb: MicroBatch, hidden, ids, mask, options, scored=None):
+        """(B, C) fp32 log-probs and entropies (or None) of ``ids`` from ``hidden`` (``head.completion_head``;
+        ``scored``: the scored positions if known)."""
+        return completion_head(mb.causal_lm, hidden, ids, mask, options, scored)
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,8 @@ class Window:
     def regions(self, mb: MicroBatch, paths: list[list[int]], release: int) -> list[attn_hook.Region]:
         """One region per pass holding nodes of ``paths`` (one list per reader row), as readers released at
         ``release`` get them (``PassTable.regions``)."""
-        regions = self.table.regions(paths, release, mb)
-        return [attn_hook.Region(kv, to_device(i, mb.device), mask, pos) for kv, i, mask, pos in regions]
+        regions = self.table.regions(paths, release, mb)  # indices in [-1, entries) by construction
+        return [attn_hook.Region(kv, known_index(i, mb.device, mask), mask, pos) for kv, i, mask, pos in regions]
 
     def text_pass(self, mb: MicroBatch, spec: PassSpec) -> None:
         """Forward one pass of the schedule whole and register it, with what the extensions record of it."""
@@ -202,10 +203,13 @@ class Window:
             input_ids=ids, position_ids=rope_positions, use_cache=False, grpo_mem_ctx=token, **extra
         )
 
-    def run(self, causal_lm, input_ids, attention_mask, options, *, lockstep=False, extensions=(), layout=None):
+    def run(
+        self, causal_lm, input_ids, attention_mask, options, *, lockstep=False, extensions=(), layout=None, scored=None
+    ):
         """Score the window's next micro-batch (``input_ids``/``attention_mask`` (B, P + C), the rows planned for it)
         on the unwrapped ``causal_lm`` with its ``PassExtension``s ``extensions`` and ``layout`` (None: ``OneRank()``);
-        ``options``: ``ScoreOptions``. Returns (B, C) fp32 log-probs, entropies (or None) and the 0-d fp32 loss an
+        ``options``: ``ScoreOptions``; ``scored``: the scored completion positions (``Decision.scored``) or None.
+        Returns (B, C) fp32 log-probs, entropies (or None) and the 0-d fp32 loss an
         extension adds (the MoE router loss of the micro-batch's stock rows) or None; their backward also
         backpropagates every pass released in this micro-batch. ``lockstep``: make the module calls of ranks whose
         micro-batches differ (with C == 1 the completion pass still runs, on token 1, tied in with zero gradient;
@@ -216,7 +220,7 @@ class Window:
         )
         ids, mask = input_ids[:, -C:], attention_mask[:, -C:]
         losses = [loss for e in mb.extensions if (loss := e.loss(mb, completion, mask)) is not None]
-        logps, entropy = mb.layout.head(mb, hidden, ids, mask, options)
+        logps, entropy = mb.layout.head(mb, hidden, ids, mask, options, scored)
         self._finish_micro_batch()
         return logps, entropy, (losses[0] if losses else None)
 

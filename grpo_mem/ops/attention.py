@@ -19,17 +19,17 @@ autograd graph holds only the inputs, the output and the (B, Hq, C) fp32 log-sum
 merge follows Hydragen (arXiv 2402.05099) and ring-flash-attention's ``_update_out_and_lse``; the fused CUDA analogue
 of the two-region case is DualKV (arXiv 2605.15422).
 
-Backends (``_backends.TABLE["multi_region_attention"]``, in ``auto``'s order; ``BACKENDS`` maps each name to its
-``(forward, backward)``): ``"sdpa"`` (``attention_sdpa``: ATen's FlashAttention-2 and memory-efficient CUDA kernels,
-fp16/bf16, no soft-capping or sliding window), ``"triton"`` (``attention_triton_launch``; CUDA, or CPU tensors under
-``TRITON_INTERPRET=1``), ``"cpu"`` (``attention_cpu``: ATen's fused CPU kernels; no soft-capping) and ``"torch"``
-(``attention_torch``: any device, chunked). This module holds the public entry points with their argument checks,
-their plain-torch references (``attention_torch.reference_attention``), the autograd Function and the sinks.
+Backends (``_backends.TABLE["multi_region_attention"]``, in ``auto``'s order; ``BACKENDS``: name -> ``(forward,
+backward)``): ``"triton"`` (``attention_triton_launch``; CUDA, or CPU tensors under ``TRITON_INTERPRET=1``), ``"sdpa"``
+(``attention_sdpa``: ATen's FlashAttention-2 and memory-efficient CUDA kernels, fp16/bf16, no soft-capping or sliding
+window), ``"cpu"`` (``attention_cpu``: ATen's fused CPU kernels; no soft-capping) and ``"torch"`` (any device,
+chunked). This module holds the public ops with their checks, their references, the autograd Function and the sinks.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -104,12 +104,24 @@ def _check_own(q, k, v, key_mask, scale):
     return B, Hq, Hkv, C, d
 
 
+_CHECKED: dict[int, tuple] = {}  # id -> (weak reference, version, lo, U) of the index tensors ``mark_checked`` saw
+
+
+def mark_checked(index: torch.Tensor, lo: int, U: int) -> torch.Tensor:
+    """``index`` (returned), known to hold values in ``[lo, U)`` until changed in place (read back once, or built so by
+    the model layer): the layers of a model pass never read it back again."""
+    if id(index) not in _CHECKED:
+        weakref.finalize(index, _CHECKED.pop, id(index), None)
+    _CHECKED[id(index)] = (weakref.ref(index), index._version, lo, U)
+    return index
+
+
 def _check_region(names, region_k, region_v, index, mask, q, Hkv, lo, sync):
     """Validate one region ``(region_k, region_v, index, mask)`` (``names`` are the four argument names used in
     messages) against q and ``Hkv``; ``index`` values must lie in ``[lo, U)``. Returns ``(U, S)``.
 
-    ``index`` values are checked on the host (two reads back) when ``sync``; otherwise by ``torch._assert_async``,
-    which on CUDA fails the next synchronising call instead of stalling this one (the Triton path reads nothing back).
+    ``index`` values are checked on the host (one read back, unless ``mark_checked`` saw the tensor) when ``sync``;
+    else by ``torch._assert_async``, which on CUDA fails the next synchronising call instead of stalling this one.
     """
     n_k, n_v, n_i, n_m = names
     B, _, _, d = q.shape
@@ -130,11 +142,13 @@ def _check_region(names, region_k, region_v, index, mask, q, Hkv, lo, sync):
         raise ValueError(f"{n_i} must have shape (B={B},), got {tuple(index.shape)}")
     if index.device != q.device:
         raise ValueError(f"{n_i} is on {index.device} but q is on {q.device}")
-    if B > 0 and sync:
-        low, high = int(index.min()), int(index.max())
+    seen = _CHECKED.get(id(index))
+    if B > 0 and sync and not (seen and seen[0]() is index and seen[1:] == (index._version, lo, U)):
+        low, high = torch.stack([index.min(), index.max()]).tolist()
         if low < lo or high >= U:
             raise ValueError(f"{n_i} values must lie in [{lo}, U={U}), got {low if low < lo else high}")
-    elif B > 0:
+        mark_checked(index, lo, U)
+    elif B > 0 and not sync:
         torch._assert_async(((index >= lo) & (index < U)).all(), f"{n_i} values must lie in [{lo}, U={U})")
     _check_bool(n_m, mask, (U, S), q, f"(U={U}, S={S})")
     return U, S
@@ -427,7 +441,7 @@ def multi_region_attention(
             TRL's ``arange`` over the padded row), required with ``sliding_window``.
         key_mask: (B, C) bool, True where the own key position is real; None means all real.
         scale: softmax scale (``module.scaling``), a finite positive Python float.
-        backend: ``"auto"`` (CUDA: the fastest measured for the GPU and shape, else the first of sdpa, triton, torch
+        backend: ``"auto"`` (CUDA: the fastest measured for the GPU and shape, else the first of triton, sdpa, torch
             that runs the call; CPU: cpu, then torch), ``"sdpa"`` (fp16/bf16, d % 8 == 0 and <= 256), ``"triton"``
             (both read tensors in place, never synchronise), ``"cpu"`` or ``"torch"``; a backend lacking a feature the
             call needs (sdpa: soft-cap, window; cpu: soft-cap) passes the call to the next that has it.
@@ -437,10 +451,9 @@ def multi_region_attention(
             key in each head's softmax with logit ``sinks[h]`` (not scaled) and value 0. Differentiable.
         softcap: c (finite float > 0) or None: scaled scores become ``c·tanh(s/c)`` before masking (Gemma 2).
         q_positions: (B, C) int64 positions of the rows' own queries and keys; required with ``sliding_window``.
-        out_map: None, or ``(to, back)``, functions from a list of tensors to a list, each moving elements without
-            changing them, ``back`` undoing ``to`` (so also its gradient): the op returns ``to([out])[0]`` and keeps it
-            in place of ``out``; backward recovers both with one ``back([kept, dout])``. The sequence-parallel head
-            exchange passes its all-to-alls (``grpo_mem.model.sequence_heads``): one copy of the output is kept.
+        out_map: None, or ``(to, back)``, functions from a list of tensors to a list moving elements, ``back`` undoing
+            ``to``: the op returns and keeps ``to([out])[0]``; backward recovers both with one ``back([kept, dout])``
+            (the sequence-parallel head exchange's all-to-alls, ``grpo_mem.model.sequence_heads``).
 
     Returns:
         (B, Hq, C, d) tensor of q's dtype, differentiable in q, k, v, region K/V (summed in fp32 over an entry's rows)
@@ -451,9 +464,8 @@ def multi_region_attention(
             scale or softcap, ``sliding_window`` < 1 or without positions, non-floating ``sinks``, an unknown backend;
             ``BackendUnavailableError`` (a ValueError) for a requested backend that cannot run here.
         RuntimeError: an index out of range on the sdpa and triton backends (at the next synchronising call on CUDA).
-        TypeError: non-tensor arguments, ``regions`` not a sequence of 4- or 5-tuples, non-float or mismatched dtypes,
-            non-int64 index or positions, non-bool masks, non-int ``sliding_window``, non-float ``softcap``,
-            ``out_map`` not None nor a pair of callables.
+        TypeError: non-tensor arguments, ``regions`` not a sequence of 4- or 5-tuples, non-float or mismatched
+            dtypes, non-int64 index or positions, non-bool masks, non-int window, non-float softcap, bad ``out_map``.
     """
     features = (sliding_window, sinks, softcap, q_positions)
     return _attention(q, k, v, regions, key_mask, scale, backend, False, features, out_map)
@@ -462,36 +474,25 @@ def multi_region_attention(
 def shared_prefix_attention(
     q, k, v, prefix_k, prefix_v, prefix_index, prefix_mask, key_mask=None, *, scale, backend="auto"
 ):
-    """Causal attention of completion queries over ``[own prompt ; own completion]`` without copying the prompt K/V.
-
-    Equals :func:`shared_prefix_attention_ref`, i.e. for each row b, with ``rep = Hq // Hkv``::
+    """Causal attention of completion queries over ``[own prompt ; own completion]`` without copying the prompt K/V:
+    :func:`multi_region_attention` with the one region ``(prefix_k, prefix_v, prefix_index, prefix_mask)`` that every
+    row reads. Equals :func:`shared_prefix_attention_ref`, i.e. for each row b, with ``rep = Hq // Hkv``::
 
         K = torch.cat([prefix_k[prefix_index[b]], k[b]], dim=1).repeat_interleave(rep, 0)   # (Hq, P+C, d)
         V = torch.cat([prefix_v[prefix_index[b]], v[b]], dim=1).repeat_interleave(rep, 0)
-        visible[i, j] = prefix_mask[prefix_index[b], j]                  for j < P
-                      = (j − P ≤ i) and key_mask[b, j − P]                for j ≥ P
+        visible[i, j] = prefix_mask[prefix_index[b], j] for j < P; (j − P ≤ i) and key_mask[b, j − P] for j ≥ P
         out[b] = softmax(scale · q[b] K^T masked by visible) V
 
-    but never builds ``prefix_k[prefix_index]`` or GQA-repeated K/V: it is :func:`multi_region_attention` with the
-    one region ``(prefix_k, prefix_v, prefix_index, prefix_mask)`` that every row reads (prompt K/V read in place,
-    once per unique prompt, merged with the own region by log-sum-exp). A query with no visible key outputs 0 with
-    zero gradient. Query head h uses kv head ``h // rep``. Accumulation is fp32 (fp64 for fp64 inputs).
-
     Args:
-        q: (B, Hq, C, d) completion queries after RoPE; fp16, bf16, fp32, or fp64 (torch and cpu backends).
-        k, v: (B, Hkv, C, d) the completions' own keys/values after RoPE, q's dtype.
+        q, k, v, key_mask, scale, backend: as :func:`multi_region_attention`'s.
         prefix_k, prefix_v: (U, Hkv, P, d) the U unique prompts' keys/values after RoPE, q's dtype; prompts may be
             left-padded to a common P (padding masked by ``prefix_mask``).
         prefix_index: (B,) int64 in [0, U): the prompt of row b. Rows need not be sorted; groups may differ in size.
         prefix_mask: (U, P) bool, True where the prompt key position is real.
-        key_mask: (B, C) bool, True where the completion key position is real; None means all real.
-        scale: softmax scale (``module.scaling``), a finite positive Python float.
-        backend: as :func:`multi_region_attention`'s.
 
     Returns:
-        (B, Hq, C, d) tensor of q's dtype. Differentiable in q, k, v, prefix_k, prefix_v (prompt gradients are summed
-        in fp32 over all rows sharing the prompt). Kept for backward: the inputs, the output and a (B, Hq, C) fp32
-        log-sum-exp.
+        (B, Hq, C, d) tensor of q's dtype, differentiable in q, k, v, prefix_k, prefix_v (prompt gradients summed in
+        fp32 over the rows sharing the prompt). Kept for backward: the inputs, the output, a (B, Hq, C) fp32 LSE.
 
     Raises:
         As :func:`multi_region_attention` (``prefix_index`` must lie in [0, U)).

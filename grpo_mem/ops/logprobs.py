@@ -49,17 +49,18 @@ def _check_float(name: str, value, *, positive: bool) -> float:
     return value
 
 
-def _targets(index: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+def _targets(index: torch.Tensor, vocab: int, ignore_index: int, check: bool = True) -> torch.Tensor:
     """int64 (N,) targets with ignored rows mapped to -1.
 
     An index outside [0, vocab) that is not ``ignore_index`` raises ValueError naming it when ``index`` is on the CPU.
     On an accelerator the check is a device-side assertion (``torch._assert_async``): reading the answer back would
     make every call wait for the device (a host synchronisation per micro-batch), so a bad index surfaces instead as a
     RuntimeError carrying the message below at the next synchronisation, before any result reaches the host.
+    ``check`` False: no check (the caller knows the range).
     """
     index = index.to(torch.int64)
     valid = index != ignore_index
-    if index.numel():
+    if index.numel() and check:
         _check_range(valid & ((index < 0) | (index >= vocab)), index, vocab, ignore_index, on_host=not index.is_cuda)
     return torch.where(valid, index, torch.full_like(index, -1)).contiguous()
 
@@ -223,6 +224,7 @@ def linear_logprobs(
     return_entropy: bool = False,
     ignore_index: int = -100,
     backend: str = "auto",
+    check_index: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities (and entropies) of a linear LM head, without building the (N, V) logits.
 
@@ -242,9 +244,12 @@ def linear_logprobs(
         softcap: final logit soft cap (> 0) or None.
         return_entropy: also return the entropy of each row's distribution.
         ignore_index: rows with this index give log-prob 0, entropy 0 and no gradient.
-        backend: "auto" (on CUDA the fastest measured for the GPU and shape, else cublas, then triton; on CPU cpp
+        backend: "auto" (on CUDA the fastest measured for the GPU and shape, else triton, then cublas; on CPU cpp
             when the extension is built, else torch), "torch", "cpp", "triton" or "cublas" (CUDA, or CPU tensors with
             TRITON_INTERPRET=1).
+        check_index: check that ``index`` lies in [0, V) or is ``ignore_index`` (below); False for a caller that
+            knows it does (the model layer: token ids the model's embedding has taken), which skips the check's read
+            back on CPU tensors.
 
     Returns:
         log-probs (N,) fp32, and entropies (N,) fp32 (nats) when ``return_entropy``.
@@ -267,7 +272,7 @@ def linear_logprobs(
     weight = weight.to(dtype).contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    target = _targets(index, weight.shape[0], ignore_index)
+    target = _targets(index, weight.shape[0], ignore_index, check_index)
     params = LogprobParams(temperature, logit_scale, softcap, bool(return_entropy), resolved)
     logp, ent = LinearLogprobsFunction.apply(hidden, weight, bias, target, params)
     return (logp, ent) if return_entropy else logp

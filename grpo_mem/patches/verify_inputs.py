@@ -15,6 +15,7 @@ import torch
 
 from ..model.distributed import unwrap_causal_lm
 from ..model.forward import own_forward, validate_inputs
+from ..model.host import check_left_padded, read_host
 from .checks import LOGPS_METHOD, LOGPS_PARAMS
 from .handle import active_handle
 from .trl import group_shuffle
@@ -184,6 +185,7 @@ def lay_out(trainer_or_model, batch, micro_batch_size, temperature, seed) -> Set
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).long()
     P, C = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
     validate_inputs(ids, mask, C, T)
+    check_left_padded(read_host(mask[:, :P])[0])
     B = ids.shape[0]
     extras = {k: batch[k] for k in EXTRA_KEYS if batch.get(k) is not None}
     mb = B if (mb is None or extras) else min(int(mb), B)  # multimodal inputs: one call, TRL slices them
