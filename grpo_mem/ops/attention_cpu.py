@@ -15,6 +15,7 @@ to the torch backend.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +50,32 @@ def sliding_window_visible(W: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> 
     return (diff >= 0) & (diff < W)
 
 
+_MEMO: dict = {}
+
+
+def memo(tensors: tuple, extra: tuple, compute):
+    """``compute()``, computed once while the tensors ``tensors`` live unchanged (the same objects at the same
+    versions) for the hashable ``extra``: the layers of a model pass (and a layer's backward) hand the op the same
+    key masks, indices and positions, whose derived masks, entry groups and key spans are then built once per pass,
+    not once per layer. An entry goes when one of its tensors does."""
+    key = (tuple(map(id, tensors)), tuple(t._version for t in tensors), extra)
+    hit = _MEMO.get(key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
+        return hit[1]
+    value = compute()
+    _MEMO[key] = (tuple(weakref.ref(t) for t in tensors), value)
+    for t in tensors:
+        weakref.finalize(t, _MEMO.pop, key, None)
+    return value
+
+
 def entry_groups(index: torch.Tensor, U: int) -> list[tuple[int, torch.Tensor]]:
     """Rows reading each entry of a region: list of ``(u, rows)`` with ``rows`` an int64 tensor of row indices,
-    ascending; entries no row reads are left out, and so are rows with index −1."""
+    ascending; entries no row reads are left out, and so are rows with index −1 (``memo``: once per index tensor)."""
+    return memo((index,), (U,), lambda: _entry_groups(index, U))
+
+
+def _entry_groups(index: torch.Tensor, U: int) -> list[tuple[int, torch.Tensor]]:
     order = torch.argsort(index, stable=True)
     counts = torch.bincount(index + 1, minlength=U + 1).tolist()  # counts[0]: rows that read nothing
     out, start = [], counts[0]
@@ -144,10 +168,19 @@ def own_layout(q, key_mask, Hkv, sliding_window=None):
     with the (B, 1, rep·C, C) causal-and-padding (and ``sliding_window = (W, q_positions)``) additive mask, and the
     (B, 1, C) bool "query sees a key". Folding the query heads of a kv head avoids repeating K/V."""
     B, Hq, C, d = q.shape
+    keys = tuple(t for t in (key_mask, sliding_window and sliding_window[1]) if t is not None)
+    W = sliding_window and sliding_window[0]
+    mask, seen = memo(keys, (B, Hq, Hkv, C, W, q.dtype, q.device), lambda: _own_mask(q, key_mask, Hkv, sliding_window))
+    return q.reshape(B, Hkv, -1, d), mask, seen
+
+
+def _own_mask(q, key_mask, Hkv, sliding_window):
+    """``own_layout``'s additive mask and "query sees a key", built once per key mask (``memo``)."""
+    B, Hq, C, d = q.shape
     rows = torch.arange(B, device=q.device)
     visible = completion_visibility(rows, 0, C, C, Hq // Hkv, key_mask, q.device, sliding_window)
     seen = visible[:, 0, :C].any(-1)[:, None]  # the rep query heads of a position see the same keys
-    return q.reshape(B, Hkv, -1, d), _additive(visible, q.dtype), seen
+    return _additive(visible, q.dtype), seen
 
 
 MASK_BYTES_LIMIT = 64 * 2**20
@@ -160,6 +193,17 @@ any size."""
 
 
 def _prefix_lengths(key_mask, sliding_window, batch: int, C: int, rep: int, device) -> torch.Tensor | None:
+    """``_own_lengths`` once per key mask (``memo``)."""
+    if key_mask is None:
+        return _own_lengths(key_mask, sliding_window, batch, C, rep, device)
+    return memo(
+        (key_mask,),
+        (sliding_window is None, batch, C, rep, device),
+        lambda: _own_lengths(key_mask, sliding_window, batch, C, rep, device),
+    )
+
+
+def _own_lengths(key_mask, sliding_window, batch: int, C: int, rep: int, device) -> torch.Tensor | None:
     """(B,) int64, the real keys of each row, when the own region takes the path without a mask tensor: no sliding
     window, each row's real keys a prefix of it (right padding only, or no mask), and no padding at all or a mask that
     would exceed ``MASK_BYTES_LIMIT``; else None.
@@ -232,6 +276,13 @@ def _own_causal_bwd(bwd, dout, q, k, v, out, lse, lengths, scale):
 
 
 def _entry_keys(mask, u, rows, feat, k_pos, rep, dtype):
+    """``_entry_span`` once per region mask, entry and reader rows (and positions with a sliding window): ``memo``."""
+    W = feat.sliding_window
+    keys = (mask, rows) if W is None else (mask, rows, W[1], k_pos)
+    return memo(keys, (u, rep, dtype, W and W[0]), lambda: _entry_span(mask, u, rows, feat, k_pos, rep, dtype))
+
+
+def _entry_span(mask, u, rows, feat, k_pos, rep, dtype):
     """What the cpu path reads of entry ``u`` for the folded queries of ``rows``: ``(lo, hi, additive mask
     (1, 1, n·rep·C or 1, hi − lo), seen (n, 1, C) bool or None)``, with keys ``lo:hi`` the span of every key some query
     sees; None when no query sees a key. Without a sliding window the whole entry (queries see every real key); with

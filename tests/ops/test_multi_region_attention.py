@@ -170,8 +170,16 @@ def test_one_region_equals_shared_prefix_attention(backend):
     t, meta, km, go = attention_inputs(
         5, 4, 2, 6, 64, [(3, 11, [2, 1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1]
     )
+    from grpo_mem.ops import attention, attention_cpu
+
+    def fresh():  # what one call keeps for the next on the same tensors (index checks, masks) forgotten
+        attention._CHECKED.clear()
+        attention_cpu._MEMO.clear()
+
+    fresh()
     with Ops() as ops_a:
         a = run(backend_path(backend), t, meta, km, go, scale=0.125)
+    fresh()
     with Ops() as ops_b:
         b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend=backend)
     assert ops_a.names == ops_b.names
@@ -504,3 +512,34 @@ def test_out_map_returns_and_keeps_the_moved_output(backend):
     assert any(s.data_ptr() == out.data_ptr() for s in out.grad_fn.saved_tensors if s is not None)
     with pytest.raises(TypeError, match="out_map must be None or a pair of callables"):
         multi_region_attention(q, t["k"], t["v"], [], km, scale=0.3, out_map=flip)
+
+
+def test_cpu_backend_derives_masks_once_per_unchanged_tensors():
+    """The cpu backend keeps what it derives from a call's key mask, indices and region masks (its additive masks,
+    entry groups, key spans) while those tensors live unchanged: the next call on them (a model's next layer) runs
+    fewer ops for the same bits, and an in-place change of the key mask (a new version) builds them again, giving
+    what a never-seen copy gives."""
+    from grpo_mem.ops import attention_cpu
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    t, meta, km, go = attention_inputs(*CASES["r1_gqa4"][:5], CASES["r1_gqa4"][5], CASES["r1_gqa4"][6])
+    counts, results = [], []
+    for _ in range(2):
+        Count.n = 0
+        with Count():
+            results.append(run(multi_region_attention, t, meta, km, go, scale=0.125, backend="cpu"))
+        counts.append(Count.n)
+    assert counts[1] < counts[0] - 20, counts
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
+    km[0, 1:] = False  # row 0 keeps only its first key: the kept masks no longer hold
+    changed = run(multi_region_attention, t, meta, km, go, scale=0.125, backend="cpu")
+    attention_cpu._MEMO.clear()
+    fresh = run(multi_region_attention, t, meta, km.clone(), go, scale=0.125, backend="cpu")
+    assert all(torch.equal(changed[n], fresh[n]) for n in fresh)
+    assert not torch.equal(changed["out"], results[0]["out"])
