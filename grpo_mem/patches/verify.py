@@ -48,9 +48,11 @@ TRL's original method (``__wrapped_original__`` of the patched one).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from ..model.distributed import unwrap_causal_lm
 from ..model.plan import PromptGrouping
@@ -89,6 +91,7 @@ def verify(
     temperature: float | None = None,
     seed: int = 0,
     print_report: bool = True,
+    progress: bool = True,
 ) -> VerifyReport:
     """Compare grpo_mem with stock TRL on one batch of the user's own model: log-probs, entropies, gradients.
 
@@ -108,6 +111,8 @@ def verify(
         temperature: for a model given directly (default 1.0); a trainer's own is used otherwise.
         seed: seed of the fixed random advantages.
         print_report: print the report.
+        progress: show a progress bar on stderr (tqdm) over the scored calls of every run: grpo_mem's micro-batches,
+            stock TRL's row chunks, the truth's (verify runs several times the step it checks, minutes on CPU).
 
     Returns:
         A ``VerifyReport`` (``passed``, the differences, the bounds, per micro-batch the path taken and why).
@@ -121,8 +126,12 @@ def verify(
     device = next(model.parameters()).device
     sync(device)
     start, timings = time.perf_counter(), {}
-    with preserved(model), PeakMemory(device) as peak:
+    bar = tqdm(
+        total=0, unit="call", file=sys.stderr, dynamic_ncols=True, disable=not progress, leave=False, mininterval=0
+    )
+    with preserved(model), PeakMemory(device) as peak, bar:
         setup = lay_out(trainer_or_model, batch, micro_batch_size, temperature, seed)
+        setup.bar = bar
         low = low_precision(model, trainer)
         setup.low_dtype = autocast_dtype(model, trainer)
         stock, ours, truth, decisions = _score_both(setup, low, seed, timings)
@@ -168,9 +177,9 @@ def _score_both(setup: Setup, low: str | None, seed: int, timings: dict):
     truth or None, decisions); ``timings`` gets each run's wall seconds."""
     device = setup.ids.device
 
-    def score_with(fn, before_call=None, entropy_coef=None, after_call=None, chunks=None):
+    def score_with(fn, before_call=None, entropy_coef=None, after_call=None, chunks=None, label=""):
         torch.manual_seed(seed)  # the same dropout draws, if any
-        return score(fn, setup, entropy_coef, before_call, after_call, chunks=chunks)
+        return score(fn, setup, entropy_coef, before_call, after_call, chunks=chunks, label=label)
 
     # grpo_mem first, as training runs it (nothing else held): the patched method, on a private handle (nothing
     # installed on a class or the trainer)
@@ -189,7 +198,7 @@ def _score_both(setup: Setup, low: str | None, seed: int, timings: dict):
     RESOLVED.clear()
     try:
         with session.recording() as decided:  # each call's last decision: its micro-batch's
-            ours = score_with(ours_fn, before_call, None, lambda: decisions.append(decided[-1]))
+            ours = score_with(ours_fn, before_call, None, lambda: decisions.append(decided[-1]), label="grpo_mem")
     finally:
         with contextlib.suppress(RuntimeError):
             session.close_window()
@@ -200,7 +209,10 @@ def _score_both(setup: Setup, low: str | None, seed: int, timings: dict):
     t = time.perf_counter()
     with checkpointed_layers(unwrap_causal_lm(setup.model)), trl_head_tile(setup):
         stock = score_with(
-            setup.stock_fn, entropy_coef=ours.entropy_coef, chunks=chunk_ranges(setup, row_chunk(setup, 1.0))
+            setup.stock_fn,
+            entropy_coef=ours.entropy_coef,
+            chunks=chunk_ranges(setup, row_chunk(setup, 1.0)),
+            label="stock TRL",
         )
     sync(device)
     timings["stock"] = time.perf_counter() - t

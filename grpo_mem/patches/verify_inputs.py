@@ -150,6 +150,7 @@ class Setup:
     low_dtype: torch.dtype | None = None  # the autocast dtype of a mixed-precision run
     truth_mode: str = ""  # how the truth widened the model: "per module" or "whole model"
     truth_rows: dict = field(default_factory=dict)  # {"fp32 truth" | "fp64 truth": rows per call}
+    bar: object = None  # verify's progress bar over the scored calls (tqdm), or None
 
 
 def lay_out(trainer_or_model, batch, micro_batch_size, temperature, seed) -> Setup:

@@ -30,7 +30,15 @@ def chunk_ranges(setup, rows: int) -> list[tuple[int, int]]:
 
 
 def score(
-    fn, setup: Setup, entropy_coef, before_call=None, after_call=None, backward: bool = True, chunks=None, sink=None
+    fn,
+    setup: Setup,
+    entropy_coef,
+    before_call=None,
+    after_call=None,
+    backward: bool = True,
+    chunks=None,
+    sink=None,
+    label: str = "",
 ) -> Run:
     """Score the batch with ``fn`` (TRL's method or the patched one) in ``chunks`` (row ranges; default the
     micro-batches ``setup.slices``), each followed by the backward of its share of the fixed loss (the loss is a sum
@@ -39,12 +47,17 @@ def score(
     ``ENTROPY_COEF`` if the method's entropies carry gradient (TRL < 1.14 computes them without gradient unless the
     entropy bonus is on), else 0; the coefficient used is returned for the other runs. ``before_call(i)`` /
     ``after_call()`` run around call i. ``backward=False``: forwards only, under ``torch.no_grad()`` (no gradients
-    returned). ``sink``: the sketches the truth's per-module gradients were added to during its backwards."""
+    returned). ``sink``: the sketches the truth's per-module gradients were added to during its backwards. ``label``:
+    the run's name on ``setup.bar``, which counts its calls."""
     model, self_obj, ids, mask, loss_mask = setup.model, setup.self_obj, setup.ids, setup.mask, setup.loss_mask
     C = loss_mask.shape[1]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     all_logps, all_ent = [], []
-    for i, (lo, hi) in enumerate(chunks or setup.slices):
+    chunks = chunks or setup.slices
+    if setup.bar is not None:
+        setup.bar.total += len(chunks)
+        setup.bar.set_description(f"grpo_mem.verify: {label}" if label else "grpo_mem.verify")
+    for i, (lo, hi) in enumerate(chunks):
         if before_call is not None:
             before_call(i)
         # forward under the trainer's mixed precision, as accelerate's prepared forward applies it in training (TRL
@@ -77,6 +90,8 @@ def score(
         all_logps.append(logps.detach().to(acc))
         all_ent.append(ent.detach().to(acc))
         del logps, ent, aux
+        if setup.bar is not None:
+            setup.bar.update()
     grads = setup.sketcher.take_grads(named, sink) if backward else {}
     for _, p in named:
         p.grad = None

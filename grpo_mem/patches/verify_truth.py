@@ -281,7 +281,8 @@ def widened_truth(
             checkpointed,
         ):
             torch.manual_seed(seed)
-            return score(setup.stock_fn, setup, entropy_coef, backward=backward, chunks=chunks, sink=sink)
+            name = f"{str(dtype).replace('torch.float', 'fp')} truth" + (" floor" if round_to is not None else "")
+            return score(setup.stock_fn, setup, entropy_coef, backward=backward, chunks=chunks, sink=sink, label=name)
 
     try:
         truth = run(upcast_per_module(setup.model, dtype, add))

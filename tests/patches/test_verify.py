@@ -186,6 +186,20 @@ def test_gradient_beyond_its_bound_is_judged_with_fp64_gradients(monkeypatch):
     assert not report.passed and [f.split(":")[0] for f in report.failures] == ["gradient vs fp64"], str(report)
 
 
+def test_progress_bar_counts_every_scored_call(capsys):
+    """The progress bar (stderr) names each run and counts every call it scores: grpo_mem's 2 micro-batches (9 rows
+    in micro-batches of 6) and stock TRL's row chunks of each; ``progress=False`` prints nothing there."""
+    model = tiny_model()
+    report = grpo_mem.verify(model, _batch(), micro_batch_size=6, print_report=False)
+    err = capsys.readouterr().err
+    assert report.passed and "grpo_mem.verify: grpo_mem" in err and "grpo_mem.verify: stock TRL" in err
+    rows = report.row_chunks["stock"]
+    calls = 2 + -(-6 // rows) + -(-3 // rows)
+    assert f"{calls}/{calls}" in err, (rows, err[-300:])
+    grpo_mem.verify(model, _batch(), micro_batch_size=6, print_report=False, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_fallback_is_reported_with_its_cause():
     """Micro-batches of one row whose prompts appear nowhere else: stock fallback, cause named; the warning is
     still issued later in training."""
