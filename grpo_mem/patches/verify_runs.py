@@ -38,7 +38,7 @@ def score(
     backward: bool = True,
     chunks=None,
     sink=None,
-    label: str = "",
+    label: str = "scoring",
 ) -> Run:
     """Score the batch with ``fn`` (TRL's method or the patched one) in ``chunks`` (row ranges; default the
     micro-batches ``setup.slices``), each followed by the backward of its share of the fixed loss (the loss is a sum
@@ -49,14 +49,14 @@ def score(
     ``after_call()`` run around call i. ``backward=False``: forwards only, under ``torch.no_grad()`` (no gradients
     returned). ``sink``: the sketches the truth's per-module gradients were added to during its backwards. ``label``:
     the run's name on ``setup.bar``, which counts its calls."""
-    model, self_obj, ids, mask, loss_mask = setup.model, setup.self_obj, setup.ids, setup.mask, setup.loss_mask
-    C = loss_mask.shape[1]
+    model, self_obj, ids, mask = setup.model, setup.self_obj, setup.ids, setup.mask
+    C = setup.loss_mask.shape[1]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     all_logps, all_ent = [], []
     chunks = chunks or setup.slices
     if setup.bar is not None:
         setup.bar.total += len(chunks)
-        setup.bar.set_description(f"grpo_mem.verify: {label}" if label else "grpo_mem.verify")
+        setup.bar.set_description(f"grpo_mem.verify: {label}")
     for i, (lo, hi) in enumerate(chunks):
         if before_call is not None:
             before_call(i)
@@ -79,14 +79,9 @@ def score(
             after_call()
         acc = torch.float64 if logps.dtype == torch.float64 else torch.float32  # the fp64 truth stays fp64
         if backward:
-            m, (a, n_tok) = loss_mask[lo:hi].to(acc), setup.weights
             if entropy_coef is None:
                 entropy_coef = ENTROPY_COEF if ent.requires_grad else 0.0
-            loss = -(a[lo:hi, None] * m * logps.to(acc)).sum() / n_tok - entropy_coef * (m * ent.to(acc)).sum() / n_tok
-            if aux is not None:  # the MoE router loss, weighted as the trainer weights it: its gradient is compared
-                loss = loss + setup.aux_coef * aux.to(acc)
-            with torch.autocast(logps.device.type, enabled=False):
-                loss.backward()
+            _backward(setup, lo, hi, logps, ent, aux, entropy_coef, acc)
         all_logps.append(logps.detach().to(acc))
         all_ent.append(ent.detach().to(acc))
         del logps, ent, aux
@@ -96,6 +91,17 @@ def score(
     for _, p in named:
         p.grad = None
     return Run(torch.cat(all_logps), torch.cat(all_ent), grads, entropy_coef)
+
+
+def _backward(setup: Setup, lo: int, hi: int, logps, ent, aux, entropy_coef: float, acc: torch.dtype) -> None:
+    """The backward of rows ``lo:hi``'s share of the fixed loss (module docstring of ``verify``), in ``acc``, outside
+    any autocast, as in training; with the MoE router loss weighted as the trainer weights it."""
+    m, (a, n_tok) = setup.loss_mask[lo:hi].to(acc), setup.weights
+    loss = -(a[lo:hi, None] * m * logps.to(acc)).sum() / n_tok - entropy_coef * (m * ent.to(acc)).sum() / n_tok
+    if aux is not None:  # the MoE router loss: its gradient is compared
+        loss = loss + setup.aux_coef * aux.to(acc)
+    with torch.autocast(logps.device.type, enabled=False):
+        loss.backward()
 
 
 def row_chunk(setup: Setup, scale: float) -> int:
