@@ -209,7 +209,7 @@ def module_eager(module):
     return getattr(sys.modules.get(own_class(module).__module__), "eager_attention_forward", None)
 
 
-def _op_tensors(tensors: tuple) -> tuple:
+def op_tensors(tensors: tuple) -> tuple:
     """``(query, key, value, key_1, value_1, ...)`` as the attention op takes them: in autocast's dtype under autocast
     (as SDPA runs; the op keeps its own accumulation), each value zero-padded to the key width where the value heads
     are narrower (MLA: DeepSeek-V2/V3, Kimi; zero columns give zero outputs under the same attention weights, cut back
@@ -245,7 +245,7 @@ def attend(ctx: CompletionContext, query, key, value, layer: int, kwargs: dict):
     elif ctx.capture is not None:
         ctx.capture.setdefault(layer, (key, value))
     region_kv = [t for r in ctx.regions for t in r.kv[layer]] + [t for r in shard_regions for t in r[:2]]
-    tensors = _op_tensors((query, key, value, *region_kv))
+    tensors = op_tensors((query, key, value, *region_kv))
     device, dv = query.device.type, value.shape[-1]
     scaling = kwargs.get("scaling")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -25,10 +25,13 @@ to pass outside attention. This module knows torch and the attention hook.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
+from ..ops import attention_cpu
+from ..ops._backends import resolve
 from . import attention_hook as attn_hook
 from .plan import PassSpec, known_index, to_device
 from .store import ForwardedPass, PromptStates
@@ -43,17 +46,95 @@ class PackedContext:
 
     blocks: list[attn_hook.CompletionContext]
     offsets: list[int]
+    masks: dict = field(default_factory=dict)  # (sliding window, dtype) -> the one-call path's additive mask
 
     def attend(self, query, key, value, layer: int, kwargs: dict) -> torch.Tensor:
         """The attention hook's work for this call: ``query`` (1, Hq, T, d), ``key``/``value`` (1, Hkv, T, d)
         post-RoPE; each block viewed as its (n, S) rows in place and attended as its own pass would be
-        (``attention_hook.attend``), ancestors first. Returns (1, T, Hq, dv)."""
-        outs = []
-        for offset, block in zip(self.offsets, self.blocks):
-            n, S = block.key_mask.shape
-            rows = (t[0, :, offset : offset + n * S].unflatten(1, (n, S)).transpose(0, 1) for t in (query, key, value))
-            outs.append(attn_hook.attend(block, *rows, layer, kwargs).flatten(0, 1))
+        (``attention_hook.attend``), ancestors first, or all of them as one masked attention (``_one_call``).
+        Returns (1, T, Hq, dv)."""
+        views = [self._rows(b, query, key, value) for b in range(len(self.blocks))]
+        if self._one_call(query, key, value, kwargs):
+            return self._attend_once(query, key, value, layer, kwargs, views)
+        outs = [attn_hook.attend(block, *rows, layer, kwargs).flatten(0, 1) for block, rows in zip(self.blocks, views)]
         return torch.cat(outs)[None] if len(outs) > 1 else outs[0][None]
+
+    def _rows(self, b: int, *tensors):
+        """Block ``b`` of (1, H, T, d) ``tensors`` as its (n, H, S, d) rows, in place."""
+        n, S = self.blocks[b].key_mask.shape
+        sl = slice(self.offsets[b], self.offsets[b] + n * S)
+        return tuple(t[0, :, sl].unflatten(1, (n, S)).transpose(0, 1) for t in tensors)
+
+    def _one_call(self, query, key, value, kwargs) -> bool:
+        """Whether every block attends in one masked attention call over the packed tokens: CPU tensors the cpu
+        backend takes (``_backends.resolve``), no soft-capping or sinks, key and value heads of one width, every
+        region an earlier block's (no K/V kept from another call) and a (T x T) mask within
+        ``attention_cpu.MASK_BYTES_LIMIT``. Then a layer calls ATen's fused CPU attention once (forward and backward),
+        as stock does, instead of once per block and region entry; the numbers are the same softmax over the same
+        visible keys."""
+        T = query.shape[2]
+        if query.device.type != "cpu" or value.shape[-1] != key.shape[-1] or kwargs.get("s_aux") is not None:
+            return False
+        if kwargs.get("softcap") is not None or 4 * T * T > attention_cpu.MASK_BYTES_LIMIT or not self._pays(T):
+            return False
+        captures = {id(b.capture) for b in self.blocks if b.capture is not None}
+        if any(id(r.kv) not in captures for b in self.blocks for r in b.regions):
+            return False
+        window = attn_hook.layer_features(kwargs)["sliding_window"]
+        if window is not None and window < 1:  # refused by name on the op's path
+            return False
+        needs = {"sliding_window"} if window is not None else set()
+        return resolve("multi_region_attention", "auto", query, needs) == "cpu"
+
+    def _pays(self, T: int) -> bool:
+        """Whether one call's (T x T) scores cost no more than twice the blocks' own (each row's causal keys and the
+        regions it reads), or the call is small (T <= 512), where the launches saved outweigh the extra scores: one
+        masked call scores every pair, the blocks only the pairs they read."""
+        scores = 0
+        for block in self.blocks:
+            n, S = block.key_mask.shape
+            scores += n * S * (S + 1) // 2 + sum(n * S * r.mask.shape[1] for r in block.regions)
+        return T * T <= max(2 * scores, 512 * 512)
+
+    def _attend_once(self, query, key, value, layer: int, kwargs: dict, views) -> torch.Tensor:
+        """``attend`` as one masked attention (``_one_call``), each block's K/V recorded as ``attend`` records them."""
+        for block, (_, k, v) in zip(self.blocks, views):
+            if block.capture is not None:
+                block.capture.setdefault(layer, (k, v))
+        q, k, v = attn_hook.op_tensors((query, key, value))
+        scaling, window = kwargs.get("scaling"), attn_hook.layer_features(kwargs)["sliding_window"]
+        mask = self.masks.get((window, q.dtype))
+        if mask is None:
+            mask = self.masks[(window, q.dtype)] = attention_cpu.additive(self._visible(window), q.dtype)[None, None]
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        return out.transpose(1, 2)
+
+    def _visible(self, window: int | None) -> torch.Tensor:
+        """(T, T) bool: packed query i sees key j iff both are of one row, j <= i and j is real, or j is a real key
+        of a row i's row reads (an ancestor block's row, through a region's index); with a sliding window W also
+        ``pos_i - pos_j < W``."""
+        starts, rows, tpos, real, pos, first = {}, [], [], [], [], 0
+        for block in self.blocks:
+            n, S = block.key_mask.shape
+            starts[id(block.capture)] = first
+            rows.append(torch.arange(first, first + n).repeat_interleave(S))
+            tpos.append(torch.arange(S).repeat(n))
+            real.append(block.key_mask.reshape(-1))
+            pos.append(block.positions.reshape(-1))
+            first += n
+        reads = torch.zeros(first, first, dtype=torch.bool)
+        for block, block_rows in zip(self.blocks, rows):
+            reader = block_rows.view(-1, block.key_mask.shape[1])[:, 0]
+            for region in block.regions:  # a row with index -1 marks its own ancestor's first row unread: false
+                read = region.index.cpu() >= 0
+                reads[reader, starts[id(region.kv)] + region.index.cpu().clamp(min=0)] = read
+        rows, tpos, real, pos = (torch.cat(x) for x in (rows, tpos, real, pos))
+        visible = ((rows[:, None] == rows[None, :]) & (tpos[None, :] <= tpos[:, None])) | reads[rows][:, rows]
+        visible &= real[None, :]
+        return visible if window is None else visible & (pos[:, None] - pos[None, :] < window)
 
 
 class _Call:

@@ -158,7 +158,7 @@ def aten_cpu_attention():
         return None
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool visibility → additive mask (0 visible, −inf hidden) in ``dtype``, as the ATen CPU kernels take it."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
@@ -180,7 +180,7 @@ def _own_mask(q, key_mask, Hkv, sliding_window):
     rows = torch.arange(B, device=q.device)
     visible = completion_visibility(rows, 0, C, C, Hq // Hkv, key_mask, q.device, sliding_window)
     seen = visible[:, 0, :C].any(-1)[:, None]  # the rep query heads of a position see the same keys
-    return _additive(visible, q.dtype), seen
+    return additive(visible, q.dtype), seen
 
 
 MASK_BYTES_LIMIT = 64 * 2**20
@@ -288,7 +288,7 @@ def _entry_span(mask, u, rows, feat, k_pos, rep, dtype):
     sees; None when no query sees a key. Without a sliding window the whole entry (queries see every real key); with
     one only the keys in reach, so a long prompt costs O(W + C) keys per query, not O(S)."""
     if feat.sliding_window is None:
-        return (0, mask.shape[1], _additive(mask[u][None, None, None, :], dtype), None) if mask[u].any() else None
+        return (0, mask.shape[1], additive(mask[u][None, None, None, :], dtype), None) if mask[u].any() else None
     W, q_pos = feat.sliding_window
     vis = sliding_window_visible(W, q_pos.index_select(0, rows), k_pos[u]) & mask[u]  # (n, C, S)
     cols = vis.any(1).any(0).nonzero()
@@ -297,7 +297,7 @@ def _entry_span(mask, u, rows, feat, k_pos, rep, dtype):
     lo, hi = int(cols[0]), int(cols[-1]) + 1
     vis = vis[..., lo:hi]
     n, C, _ = vis.shape
-    return lo, hi, _additive(repeat_rows(vis, rep).reshape(1, 1, n * rep * C, hi - lo), dtype), vis.any(-1)[:, None]
+    return lo, hi, additive(repeat_rows(vis, rep).reshape(1, 1, n * rep * C, hi - lo), dtype), vis.any(-1)[:, None]
 
 
 def multi_region_attention_fwd(q, k, v, regions, key_mask, params, positions=None):
