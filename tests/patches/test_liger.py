@@ -28,7 +28,7 @@ from helpers import (
 from transformers import TrainerCallback
 
 import grpo_mem
-from grpo_mem.model import fallback
+from grpo_mem.model import fallback, packed
 from grpo_mem.model.sharing import SharingSession
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -53,17 +53,35 @@ UNTIMED = ("runtime", "per_second", "step_time")
 
 class BackboneRecorder(TrainerCallback):
     """Per optimizer step: the rows (padding id 0 dropped) and token count of every embedding call made with
-    gradients in training (the backbone passes of the loss), and the step's prompts."""
+    gradients in training (the backbone passes of the loss), and the step's prompts. A packed call of the prompt-once
+    path embeds one (1, T) sequence of blocks; its rows are its blocks' rows (``packed._Call.add``)."""
 
     def __init__(self, trainer):
         self.trainer, self.steps = trainer, []
-        self._rows, self._tokens = [], 0
+        self._rows, self._tokens, self._blocks = [], 0, []
         self.hook = trainer.model.get_input_embeddings().register_forward_hook(self._record)
+        self._add = packed._Call.add
+
+        def add(call, ids, positions, ctx):
+            self._blocks.append(ids)
+            return self._add(call, ids, positions, ctx)
+
+        packed._Call.add = add
+
+    def remove(self):
+        self.hook.remove()
+        packed._Call.add = self._add
 
     def _record(self, module, args, out):
+        ids, blocks, self._blocks = args[0], self._blocks, []
         if torch.is_grad_enabled() and module.training:
-            self._rows += [tuple(r[r != 0].tolist()) for r in args[0]]
-            self._tokens += args[0].numel()
+            # a packed call's blocks are the last ones added (blocks of calls this hook does not see precede them)
+            rows, tokens = [], 0
+            while blocks and tokens < ids.numel():
+                rows[:0], tokens = list(blocks[-1]), tokens + blocks.pop().numel()
+            rows = rows if ids.shape[0] == 1 and tokens == ids.numel() else ids
+            self._rows += [tuple(r[r != 0].tolist()) for r in rows]
+            self._tokens += ids.numel()
 
     def on_step_end(self, args, state, control, **kwargs):
         prompts = {
@@ -82,7 +100,7 @@ def _train(tmp_path, *, patch, sharing="tree", **args):
     try:
         trainer.train()
     finally:
-        recorder.hook.remove()
+        recorder.remove()
         if handle is not None:
             handle.revert()
     return trainer, recorder.steps
@@ -199,8 +217,9 @@ def test_liger_rope_kernel_in_the_prompt_once_path(monkeypatch):
     session = SharingSession("tree", min_shared_tokens=4)
     with session.recording() as decisions:
         ours, ours_ent = session.score(model, ids, mask, C, compute_entropy=True)
-    # one call a layer and pass: stock's one pass; ours the shared node, the prompts' own parts, the completions
-    assert [d.path for d in decisions] == ["tree"] and (stock_calls, calls["rope"]) == (2, 6)
+    # one call a layer: stock's one pass; ours one packed call of the shared node, the prompts' own parts and the
+    # completions, each block at its own positions
+    assert [d.path for d in decisions] == ["tree"] and (stock_calls, calls["rope"]) == (2, 2)
     assert_close(ours, ref, 1e-5, "log-probs", mask=mask[:, -C:])
     assert_close(ours_ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     assert_grads_close(grads_of(model, ours, ours_ent), ref_grads, 1e-4)
