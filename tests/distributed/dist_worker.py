@@ -1,8 +1,9 @@
 """One rank of the 2-process (gloo, CPU) parity runs, launched by test_distributed.py through torch.distributed.run.
 
-Usage: dist_worker.py KIND STACK PATCH OUT_JSON [SCENARIO]
+Usage: dist_worker.py KIND STACK RUNS OUT [SCENARIO [ARCH]]
 
-- KIND: grpo | rloo. STACK: ddp | fsdp2 | zero2 | zero3. PATCH: patch | stock.
+- KIND: grpo | rloo. STACK: ddp | fsdp2 | zero2 | zero3. RUNS: ``stock``, ``patch`` or both (``stock,patch``), trained
+  one after the other in this process (the launch and its imports once); run R's result goes to ``OUT-R.json``.
 - SCENARIO: ``split`` (default) trains 3 optimizer steps with gradient accumulation 2 on groups of 8 completions, so
   each rank holds half a group spread over two micro-batches of 2. ``uneven`` gives the ranks different prompts,
   group sizes and completion lengths (one rank's micro-batches without a repeated prompt, the other's with) to show
@@ -266,31 +267,48 @@ def _result(trainer, record, kept: list, summaries: list, weights: dict) -> dict
     }
 
 
-def main(kind: str, stack: str, patch: str, out: str, scenario: str = "split", arch: str = "llama") -> None:
+def reset_accelerate() -> None:
+    """Forget the accelerate state a finished trainer set up (its accelerator, gradient state and plugins), keeping the
+    process group and the configured ``PartialState``, so that the next trainer of this process sets up its own."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+
+
+def main(kind: str, stack: str, runs: str, out: str, scenario: str = "split", arch: str = "llama") -> None:
+    """Train each of ``runs`` (``stock``, ``patch``, comma-separated) in turn in this process, from the same seed;
+    rank 0 writes run R's result to ``OUT-R.json``."""
     from helpers import make_trainer
 
-    trainer, handle = make_trainer(
-        kind,
-        patch=patch == "patch",
-        arch=arch,
-        output_dir=out + ".run",
-        **_scenario_args(scenario),
-        **stack_args(stack),
-    )
-    record = _Record()
-    trainer.add_callback(record)
+    extra = stack_args(stack)
     kept = _count_kept_prompts()
     passes = _record_passes()
-    trainer.train()
-    weights = gathered_weights(trainer)
-    summaries = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(summaries, _pass_summary(passes))
-    if trainer.accelerator.is_main_process:
-        with open(out, "w") as f:
-            json.dump(_result(trainer, record, kept, summaries, weights), f)
-    if handle is not None:
-        handle.revert()
-    torch.distributed.barrier()
+    for number, patch in enumerate(runs.split(",")):
+        if number:
+            reset_accelerate()
+        kept[0] = 0
+        passes.clear()
+        trainer, handle = make_trainer(
+            kind,
+            patch=patch == "patch",
+            arch=arch,
+            output_dir=f"{out}-{patch}.run",
+            **_scenario_args(scenario),
+            **extra,
+        )
+        record = _Record()
+        trainer.add_callback(record)
+        trainer.train()
+        weights = gathered_weights(trainer)
+        summaries = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(summaries, _pass_summary(passes))
+        if trainer.accelerator.is_main_process:
+            with open(f"{out}-{patch}.json", "w") as f:
+                json.dump(_result(trainer, record, kept, summaries, weights), f)
+        if handle is not None:
+            handle.revert()
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ from launch import launch
 from grpo_mem.model.distributed import IMAGE_PASSES_DIFFER
 
 
-def _train(tmp_path, kind, stack, patch, scenario="split", arch="llama") -> dict:
-    out = tmp_path / f"{kind}-{stack}-{patch}-{scenario}-{arch}.json"
-    launch("dist_worker.py", kind, stack, patch, out, scenario, arch)
-    return json.loads(out.read_text())
+def _train(tmp_path, kind, stack, scenario="split", arch="llama") -> tuple[dict, dict]:
+    """(stock's result, the patched result): both trained in one launch, stock first."""
+    out = tmp_path / f"{kind}-{stack}-{scenario}-{arch}"
+    launch("dist_worker.py", kind, stack, "stock,patch", out, scenario, arch)
+    return tuple(json.loads(out.with_name(f"{out.name}-{run}.json").read_text()) for run in ("stock", "patch"))
 
 
 def _assert_same_training(ours: dict, stock: dict, stack: str) -> None:
@@ -45,8 +46,7 @@ def test_two_process_training_matches_stock(tmp_path, kind, stack):
     """3 optimizer steps, gradient accumulation 2, each rank's half of a group of 8 split over two micro-batches."""
     if stack.startswith("zero"):
         pytest.importorskip("deepspeed")
-    stock = _train(tmp_path, kind, stack, "stock")
-    ours = _train(tmp_path, kind, stack, "patch")
+    stock, ours = _train(tmp_path, kind, stack)
     _assert_same_training(ours, stock, stack)
     if stack in ("fsdp2", "zero3"):
         assert ours["sharded"], "parameters were not sharded"
@@ -63,8 +63,7 @@ def test_unbalanced_ranks_train_like_stock(tmp_path, kind, stack):
     and a whole group, so the ranks' micro-batches split their groups differently. Without lockstep this hung."""
     if stack.startswith("zero"):
         pytest.importorskip("deepspeed")
-    stock = _train(tmp_path, kind, stack, "stock", "uneven")
-    ours = _train(tmp_path, kind, stack, "patch", "uneven")
+    stock, ours = _train(tmp_path, kind, stack, "uneven")
     _assert_same_training(ours, stock, stack)
     assert ours["passes_differ"] > 0, "the ranks never planned different pass structures"
     assert sum(ours["stand_ins"]) > 0
@@ -85,8 +84,7 @@ def test_tree_sharing_on_ranks_whose_tries_differ(tmp_path, kind, stack, arch, s
     the system prompt forwarded once per optimizer step on each rank, and the weights after 3 steps equal stock's."""
     if stack.startswith("zero"):
         pytest.importorskip("deepspeed")
-    stock = _train(tmp_path, kind, stack, "stock", scenario, arch)
-    ours = _train(tmp_path, kind, stack, "patch", scenario, arch)
+    stock, ours = _train(tmp_path, kind, stack, scenario, arch)
     _assert_same_training(ours, stock, stack)
     assert ours["sharded"], "parameters were not sharded"
     assert ours["passes_differ"] > 0 and sum(ours["stand_ins"]) > 0, "the ranks' tries never differed"
@@ -139,6 +137,18 @@ def test_fsdp2_prompt_once_matches_unsharded(tmp_path):
             assert c["kept"] == [2, 1, 0], where  # the split group's pass, and rank 0's prefix (rank 1's stand-in)
 
 
+def _train_images(out, stack, sharing, *rows) -> tuple[dict, dict]:
+    """(stock's result, the patched result) of ``vlm_dist_worker``: both trained in one launch, stock first, except
+    under ZeRO-3 (a second image-model trainer of a process does not train as the first did, stock's own included:
+    grad norms 0.99 instead of 1.12 at the first step), one launch each."""
+    if stack == "zero3":
+        for run in ("stock", "patch"):
+            launch("vlm_dist_worker.py", stack, sharing, run, out, *rows)
+    else:
+        launch("vlm_dist_worker.py", stack, sharing, "stock,patch", out, *rows)
+    return tuple(json.loads(out.with_name(f"{out.name}-{run}.json").read_text()) for run in ("stock", "patch"))
+
+
 # (stack, sharing mode): one patched run each against its stock run, both modes across the stacks (both modes of
 # this run are checked in one process by tests/vlm/test_vlm.py)
 IMAGE_RUNS = [("ddp", "group"), ("fsdp2", "tree"), ("zero3", "tree")]
@@ -156,26 +166,20 @@ def test_image_prompts_train_like_stock(tmp_path, stack, sharing):
     it was added to the previous step's (weights 7e-4 off after 3 steps)."""
     if stack == "zero3":
         pytest.importorskip("deepspeed")
-    runs = {}
-    for patch in ("stock", "patch"):
-        out = tmp_path / f"vlm-{stack}-{patch}-{sharing}.json"
-        launch("vlm_dist_worker.py", stack, sharing, patch, out)
-        runs[patch, sharing] = json.loads(out.read_text())
-    stock = runs.pop(("stock", sharing))
+    stock, ours = _train_images(tmp_path / f"vlm-{stack}-{sharing}", stack, sharing)
     expected = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero3": "DEEPSPEED"}[stack]
     assert stock["path"] == [] and stock["fallbacks"] == [[], []]
     assert any(name.startswith("model.visual.") for name in stock["weights"])
-    for (_, sharing), ours in runs.items():
-        assert stock["world_size"] == ours["world_size"] == 2
-        assert ours["distributed_type"] == stock["distributed_type"] == f"DistributedType.{expected}"
-        assert ours["sharded"] == stock["sharded"] == (stack != "ddp")
-        assert ours["global_step"] == stock["global_step"] == 3
-        assert ours["fallbacks"] == [[], []] and ours["path"] == [1.0, 1.0, 1.0], (sharing, ours["path"])
-        for a, b in zip(ours["grad_norms"], stock["grad_norms"], strict=True):
-            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (sharing, ours["grad_norms"], stock["grad_norms"])
-        for name, ref in stock["weights"].items():
-            err = max(abs(a - b) for a, b in zip(ours["weights"][name], ref, strict=True))
-            assert err <= 1e-5, f"{sharing}, {name}: max |diff| {err:.3e}"
+    assert stock["world_size"] == ours["world_size"] == 2
+    assert ours["distributed_type"] == stock["distributed_type"] == f"DistributedType.{expected}"
+    assert ours["sharded"] == stock["sharded"] == (stack != "ddp")
+    assert ours["global_step"] == stock["global_step"] == 3
+    assert ours["fallbacks"] == [[], []] and ours["path"] == [1.0, 1.0, 1.0], (sharing, ours["path"])
+    for a, b in zip(ours["grad_norms"], stock["grad_norms"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (sharing, ours["grad_norms"], stock["grad_norms"])
+    for name, ref in stock["weights"].items():
+        err = max(abs(a - b) for a, b in zip(ours["weights"][name], ref, strict=True))
+        assert err <= 1e-5, f"{sharing}, {name}: max |diff| {err:.3e}"
 
 
 @pytest.mark.slow
@@ -187,12 +191,7 @@ def test_image_prompts_on_ranks_whose_passes_differ(tmp_path, stack):
     Those micro-batches fall back on both ranks, named; the others take the tree path; the weights are stock's."""
     if stack == "zero3":
         pytest.importorskip("deepspeed")
-    runs = {}
-    for patch in ("stock", "patch"):
-        out = tmp_path / f"vlm-{stack}-{patch}-uneven.json"
-        launch("vlm_dist_worker.py", stack, "tree", patch, out, 3)
-        runs[patch] = json.loads(out.read_text())
-    stock, ours = runs["stock"], runs["patch"]
+    stock, ours = _train_images(tmp_path / f"vlm-{stack}-uneven", stack, "tree", 3)
     assert ours["global_step"] == stock["global_step"] == 3 and ours["sharded"] and stock["path"] == []
     assert ours["fallbacks"][0] == ours["fallbacks"][1] and ours["fallbacks"][0], ours["fallbacks"]
     assert set(ours["fallbacks"][0]) == {IMAGE_PASSES_DIFFER}

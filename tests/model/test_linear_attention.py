@@ -228,7 +228,10 @@ def test_kimi_delta_attention_matches_stock_trl(sharing):
     place (that copy is the node's final state). Its NoPE attention is admitted (no positions declared). Checkpointing
     on in the tree case."""
     kinds = ["linear_attention", "full_attention", "linear_attention"]  # KDA, MLA without RoPE, KDA
-    model = hybrid_model("kimi_linear", kinds, sharing == "tree", moe_intermediate_size=48, num_key_value_heads=4)
+    sizes = dict(linear_num_heads=2, linear_head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    model = hybrid_model(
+        "kimi_linear", kinds, sharing == "tree", moe_intermediate_size=48, num_key_value_heads=4, **sizes
+    )
     assert unsupported_cause(model) is None
     prompts = TREES["three_levels"] if sharing == "tree" else None
     ids, mask, C, _ = make_batch(prompts or [5, 9, 1, 7], 3, 6, prompts=prompts, shuffle=True, junk_in_padding=True)

@@ -39,13 +39,24 @@ def _run(model, fn, ids, mask, C, w, autocast):
     return logps.double().detach(), ent.double().detach(), grads
 
 
+def _bf16_batch():
+    ids, mask, C, _ = make_batch([12, 20, 7], 3, 10, seed=3, shuffle=True)
+    w = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return ids, mask, C, w
+
+
+@functools.cache
+def _bf16_truth(scale: float):
+    """Stock's fp64 log-probs, entropies and gradients on the bf16 tests' batch (shared by both precision modes)."""
+    return _run(smollm2_shaped(embed_scale=scale).double(), stock_logps, *_bf16_batch(), autocast=False)
+
+
 @pytest.mark.parametrize("logits", ["init", "peaked"])
 @pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
 def test_bf16_error_within_stock_error(mode, logits):
-    ids, mask, C, _ = make_batch([12, 20, 7], 3, 10, seed=3, shuffle=True)
-    w = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ids, mask, C, w = _bf16_batch()
     scale = 4.0 if logits == "peaked" else 1.0
-    truth = _run(smollm2_shaped(embed_scale=scale).double(), stock_logps, ids, mask, C, w, autocast=False)
+    truth = _bf16_truth(scale)
     model = smollm2_shaped(embed_scale=scale)
     if mode == "bf16_weights":
         model = model.to(torch.bfloat16)
