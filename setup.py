@@ -26,7 +26,7 @@ def read_version() -> str:
 def tested_minimum(package: str) -> str:
     """The lower bound of ``package``'s tested range in ``grpo_mem/versions.py`` (``TESTED``, the range's one
     definition), as a requirement: ``"transformers>=5.23"``. No upper bound: pip must never replace a user's
-    transformers or TRL; a newer release is served as ``grpo_mem.versions`` says."""
+    transformers, TRL or accelerate; a newer release is served as ``grpo_mem.versions`` says."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_mem", "versions.py")) as f:
         match = re.search(rf'^    "{package}": "(>=[0-9.]+),<[0-9.]+",$', f.read(), re.MULTILINE)
     if match is None:
@@ -90,7 +90,7 @@ setup(
         # signature checks pass; CI and the README's fresh-machine command pin the tested releases (constraints.txt)
         tested_minimum("transformers"),
         tested_minimum("trl"),
-        "accelerate>=1.0",
+        tested_minimum("accelerate"),
         "triton; platform_system == 'Linux'",
     ],
     extras_require={

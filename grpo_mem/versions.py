@@ -1,4 +1,4 @@
-"""The transformers and TRL releases grpo_mem was tested on, and what an installed release outside them gets.
+"""The transformers, TRL and accelerate releases grpo_mem was tested on, and what a release outside them gets.
 
 ``TESTED`` is the one definition of the tested ranges: ``setup.py`` reads its lower bounds as the install
 requirements (as text: importing the package at build time would need its dependencies), docs/compatibility.md states
@@ -9,6 +9,9 @@ never replaces a user's transformers or TRL with an older one. A release outside
   range), and the run-time confirmation (``grpo_mem.model.confirm``) stays on whatever ``confirm=False`` or
   ``GRPO_MEM_CONFIRM=0`` say: only the model classes whose tiny copy matches its own forward on the prompt-once path
   take that path, every other falls back to the stock path with a named cause.
+- accelerate: a warning once per process. grpo_mem replaces two steps of accelerate's setup (the sequence- and
+  context-parallel preparation, ``grpo_mem.patches.trl_sp``) and reads its distributed state; a release that changed
+  them is one no test has run.
 - TRL: a warning once per process; ``patch_trl`` then patches only if the methods it replaces have the signatures it
   was written against and the trainer has the attributes it reads (``grpo_mem.patches.checks``), and refuses
   (``TypeError``, naming the difference) otherwise. TRL older than the range is refused (``RuntimeError``).
@@ -27,12 +30,13 @@ __all__ = ["TESTED", "UntestedReleaseWarning", "check_tested", "installed", "is_
 TESTED: dict[str, str] = {
     "transformers": ">=5.23,<5.25",
     "trl": ">=1.10,<1.17",
+    "accelerate": ">=1.15,<1.17",
 }
 """Package -> the PEP 440 range of releases the whole suite was run on (docs/compatibility.md)."""
 
 
 class UntestedReleaseWarning(UserWarning):
-    """An installed transformers or TRL release lies outside ``TESTED``."""
+    """An installed transformers, TRL or accelerate release lies outside ``TESTED``."""
 
 
 _warned: set[str] = set()
@@ -44,7 +48,7 @@ def _check_package(package: str) -> None:
 
 
 def installed(package: str) -> str:
-    """The installed release of ``package`` ("transformers" or "trl"): its module's ``__version__``.
+    """The installed release of ``package`` ("transformers", "trl" or "accelerate"): its module's ``__version__``.
 
     Raises:
         ValueError: ``package`` is not a key of ``TESTED``.
@@ -95,6 +99,8 @@ def check_tested(package: str) -> bool:
             "the stock path with the cause",
             "trl": "patch_trl checks the signatures of the methods it replaces and the trainer attributes it reads "
             "and refuses a release that changed them; run grpo_mem.verify(trainer) on your model before a long run",
+            "accelerate": "its distributed setup (FSDP2, DeepSpeed, sequence and context parallelism) has not been run "
+            "with grpo_mem; run grpo_mem.verify(trainer) on your setup before a long run",
         }[package]
         warnings.warn(
             f"grpo_mem: {package} {version} is outside the tested range {package}{TESTED[package]} "

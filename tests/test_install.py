@@ -93,6 +93,9 @@ def test_ci_and_constraints_pin_tested_releases_and_the_docs_state_the_ranges():
         ("trl", "1.10.0", True),
         ("trl", "1.16.0", True),
         ("trl", "1.17.0", False),
+        ("accelerate", "1.15.0", True),
+        ("accelerate", "1.16.0", True),
+        ("accelerate", "1.17.0", False),
         ("trl", "2.0.0", False),
     ],
 )
@@ -101,7 +104,7 @@ def test_is_tested(package, version, tested):
 
 
 def test_unknown_package_is_named():
-    with pytest.raises(ValueError, match=r"no tested range for package 'peft'; known: transformers, trl"):
+    with pytest.raises(ValueError, match=r"no tested range for package 'peft'; known: accelerate, transformers, trl"):
         versions.is_tested("peft", "1.0")
 
 

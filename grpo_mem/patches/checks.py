@@ -80,6 +80,7 @@ def check_trl_version() -> None:
             raise RuntimeError(f"grpo_mem does not patch trl {full}: {why}")
     versions.check_tested("trl")
     versions.check_tested("transformers")
+    versions.check_tested("accelerate")
 
 
 def check_signature(owner, name: str, expected: tuple[str, ...]) -> None:
