@@ -83,6 +83,27 @@ def check_trl_version() -> None:
     versions.check_tested("accelerate")
 
 
+def check_not_async(owner) -> None:
+    """Refuse TRL's asynchronous GRPO trainer (``trl.experimental.async_grpo.AsyncGRPOTrainer``, or a subclass) by name.
+
+    It does not score through ``GRPOTrainer``'s ``_get_per_token_logps_and_entropies``, the method ``patch_trl``
+    replaces: its ``compute_loss`` forwards each micro-batch as packed prefix tries of its own
+    (``trl.experimental.async_grpo.packing.TreeRow``, each shared token forwarded once, through FlashAttention-3 tree
+    attention on CUDA), so it already shares prompts, and there is nothing of its loss path for the patch to stand in.
+
+    Raises:
+        TypeError: ``owner`` (a trainer class or instance) is an AsyncGRPOTrainer, naming it and why.
+    """
+    cls = owner if isinstance(owner, type) else type(owner)
+    if any(c.__name__ == "AsyncGRPOTrainer" and c.__module__.startswith("trl.") for c in cls.__mro__):
+        raise TypeError(
+            f"grpo_mem does not patch TRL's AsyncGRPOTrainer ({cls.__name__}): it scores in its compute_loss over "
+            "packed prefix tries of its own (each shared token forwarded once, FlashAttention-3 tree attention on "
+            "CUDA), not through GRPOTrainer's _get_per_token_logps_and_entropies, the method patch_trl replaces; "
+            "train it without patch_trl, or use GRPOTrainer with patch_trl"
+        )
+
+
 def check_signature(owner, name: str, expected: tuple[str, ...]) -> None:
     fn = getattr(owner, name, None)
     if fn is None:

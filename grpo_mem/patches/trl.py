@@ -50,6 +50,7 @@ from .checks import (
     LOGPS_PARAMS,
     PREPARE_METHOD,
     PREPARE_PARAMS,
+    check_not_async,
     check_signature,
     check_trainer_attrs,
     check_trl_version,
@@ -373,7 +374,9 @@ def patch_trl(
             active patch's (naming both values) where they cannot be changed: a sharing window is open (mid-step:
             prompt passes planned or pending), or the target is an instance of a patched class (the class's patch
             would change for every instance).
-        TypeError: ``sequence_parallel`` is not None, True or False (naming the value); a target lacks the methods or the attributes the patch reads, or the methods' signatures differ
+        TypeError: ``sequence_parallel`` is not None, True or False (naming the value); the target is TRL's
+            AsyncGRPOTrainer (``checks.check_not_async``: it scores through packed prefix tries of its own); a target
+            lacks the methods or the attributes the patch reads, or the methods' signatures differ
             from TRL 1.16's, or (with sequence parallelism) a hooked TRL/accelerate/transformers function changed
             (``trl_sp.check_hooks``); nothing is changed then.
     """
@@ -411,6 +414,7 @@ def _covering(owners: list, options: dict) -> PatchHandle | None:
     """Check each owner's patched methods' signatures (TypeError); the active handle already covering one (an instance
     of a patched class), or None."""
     for owner in owners:
+        check_not_async(owner)
         check_signature(owner, LOGPS_METHOD, LOGPS_PARAMS)
         check_signature(owner, PREPARE_METHOD, PREPARE_PARAMS)
         covering = covering_handle(owner, options)

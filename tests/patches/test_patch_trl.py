@@ -359,6 +359,24 @@ def test_changed_signature_is_refused():
     assert inspect.signature(Changed._get_per_token_logps_and_entropies).parameters.get("extra") is not None
 
 
+def test_async_grpo_trainer_is_refused_by_name(monkeypatch):
+    """TRL's AsyncGRPOTrainer scores through packed prefix tries of its own, not the method the patch replaces:
+    ``patch_trl`` on it (or a subclass) names it and why, and changes nothing."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    module = pytest.importorskip("trl.experimental.async_grpo.async_grpo_trainer")
+
+    class Mine(module.AsyncGRPOTrainer):
+        pass
+
+    for target in (module.AsyncGRPOTrainer, Mine):
+        before = dict(vars(target))
+        with pytest.raises(
+            TypeError, match=rf"does not patch TRL.s AsyncGRPOTrainer \({target.__name__}\).*prefix tries"
+        ):
+            grpo_mem.patch_trl(target)
+        assert dict(vars(target)) == before
+
+
 def test_micro_batch_without_repeated_prompt_falls_back_once(tmp_path):
     trainer, handle = make_trainer(patch=False, output_dir=tmp_path, per_device_train_batch_size=4)
     inputs = trainer._prepare_inputs(_generation_batch(trainer))
