@@ -400,12 +400,13 @@ def make_trainer(
     model_args=None,
     peft_config=None,
     backend=None,
+    trainer_kwargs=None,
     **args,
 ):
     """A tiny GRPOTrainer/RLOOTrainer on CPU: a random ``tiny_model(arch, **model_args)`` (Llama with a tied head by
     default), character tokenizer, string prompts (default: the 8 of ``PROMPTS``), the trainer's PEFT adapter from
-    ``peft_config`` if given. ``group_shuffle=None`` patches with ``patch_trl``'s default; ``backend`` is passed to
-    ``patch_trl`` when given."""
+    ``peft_config`` if given, and the trainer's own arguments ``trainer_kwargs`` (``rollout_func=``, ...).
+    ``group_shuffle=None`` patches with ``patch_trl``'s default; ``backend`` is passed to ``patch_trl`` when given."""
     from datasets import Dataset
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -425,6 +426,7 @@ def make_trainer(
         train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
         processing_class=char_tokenizer(),
         **({} if peft_config is None else {"peft_config": peft_config}),
+        **(trainer_kwargs or {}),
     )
     options = dict(sharing=sharing) if group_shuffle is None else dict(sharing=sharing, group_shuffle=group_shuffle)
     if backend is not None:
