@@ -604,6 +604,18 @@ _SYNC_OPS = {
 _ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
+class OpNames(TorchDispatchMode):
+    """Records the name of every aten op dispatched inside it (``names``), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 class HostSyncsAndCopies(TorchDispatchMode):
     """Records, outside Triton's interpreter machinery, every aten op that synchronises with the device on CUDA
     (``syncs``) and every op other than an allocation whose output holds ``big`` elements or more (``copies``: a copy

@@ -3,8 +3,7 @@ it pays, as one masked call over the packed tokens; both paths against stock TRL
 
 import pytest
 import torch
-from helpers import assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import OpNames, assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model
 
 import grpo_mem
 from grpo_mem.model import packed
@@ -13,22 +12,10 @@ from grpo_mem.model.sharing import SharingSession
 FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 
-class Ops(TorchDispatchMode):
-    """Counts every op dispatched by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _score(model, ids, mask, C, sharing="tree"):
     """log-probs, entropies (temperature 0.7) and their gradients through grpo_mem in one micro-batch, with the
     forward's ops counted."""
-    with Ops() as ops:
+    with OpNames() as ops:
         logps, ent = grpo_mem.shared_prompt_logprobs(
             model, ids, mask, C, temperature=0.7, compute_entropy=True, sharing=sharing
         )
@@ -79,7 +66,7 @@ def test_a_pass_kept_from_an_earlier_micro_batch_is_read_in_place():
         for n, g in grads_of(model, ref, ref_e).items():
             ref_g[n] = ref_g.get(n, 0) + g
     for a, b in halves:
-        with Ops() as ops:
+        with OpNames() as ops:
             logps, ent = session.score(model, ids[a:b], mask[a:b], C, compute_entropy=True)
         ref, _ = stock_logps(model, ids[a:b], mask[a:b], C)
         assert_close(logps, ref.detach(), 1e-5, f"log-probs of rows {a}-{b}", mask[a:b, -C:])

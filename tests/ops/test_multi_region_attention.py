@@ -6,6 +6,7 @@ from helpers import (
     INTERPRETING,
     HostSyncsAndCopies,
     LaunchRecorder,
+    OpNames,
     assert_close,
     attention_inputs,
     check_fp32_against_truth,
@@ -158,15 +159,6 @@ def test_one_region_equals_shared_prefix_attention(backend):
     """One region read by every row: multi_region_attention runs exactly the aten ops of shared_prefix_attention,
     forward and backward (so it costs the same, with the same host reads), and gives the same bits."""
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     t, meta, km, go = attention_inputs(
         5, 4, 2, 6, 64, [(3, 11, [2, 1, 0, 2, 0], ("left", [11, 4, 7]))], [6, 2, 6, 4, 1]
     )
@@ -177,10 +169,10 @@ def test_one_region_equals_shared_prefix_attention(backend):
         attention_cpu._MEMO.clear()
 
     fresh()
-    with Ops() as ops_a:
+    with OpNames() as ops_a:
         a = run(backend_path(backend), t, meta, km, go, scale=0.125)
     fresh()
-    with Ops() as ops_b:
+    with OpNames() as ops_b:
         b = run(_shared_prefix_as_multi, t, meta, km, go, scale=0.125, backend=backend)
     assert ops_a.names == ops_b.names
     for n in a:
