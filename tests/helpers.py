@@ -347,6 +347,9 @@ def char_tokenizer():
     )
 
 
+SYSTEM_PROMPT = "You are a careful assistant. Think it through first, then answer briefly: "
+"""A 74-token system prompt (``char_tokenizer``: 1 token a character), longer than the default ``min_shared_tokens``."""
+
 PROMPTS = ["1+2=", "What is 7-3?", "Say hi", "Count: 1 2 3", "Add 4 and 5:", "x", "Spell cat", "9*9="]
 
 

@@ -15,6 +15,7 @@ import torch
 import trl
 from helpers import (
     PROMPTS,
+    SYSTEM_PROMPT,
     assert_close,
     assert_grads_close,
     grads_of,
@@ -35,7 +36,7 @@ HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 needs_liger = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (the test extra has it)")
 LIGER_LOSS = hasattr(trl.GRPOTrainer, "compute_liger_loss")  # TRL 1.10-1.13
 KERNELS_OFF = dict(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=False)
-SYSTEM_TEXT = "You are a careful assistant. Think it through first, then answer briefly: "  # 74 tokens, 1 a character
+SYSTEM_TEXT = SYSTEM_PROMPT
 # GA 2 micro-batches of 3 rows, groups of 2: each step holds 3 prompts, the middle one split over both micro-batches
 ARGS = dict(
     max_steps=3,

@@ -11,9 +11,8 @@ repeats.
 
 import pytest
 import torch
-from helpers import EOS, VOCAB, assert_close, assert_grads_close, train_recorded
+from helpers import EOS, SYSTEM_PROMPT, VOCAB, assert_close, assert_grads_close, train_recorded
 
-SYSTEM = "You are a careful assistant. Think it through first, then answer briefly: "  # 74 tokens, 1 a character
 
 ARGS = dict(
     max_steps=3,
@@ -23,7 +22,7 @@ ARGS = dict(
     max_completion_length=12,
     optim="sgd",
     beta=0.04,
-    prompts=[SYSTEM + p for p in ("1+2=", "What is 7-3?", "Say hi", "Count: 1 2 3")],
+    prompts=[SYSTEM_PROMPT + p for p in ("1+2=", "What is 7-3?", "Say hi", "Count: 1 2 3")],
 )
 
 
