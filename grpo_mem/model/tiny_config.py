@@ -31,7 +31,7 @@ import dataclasses
 import itertools
 import math
 
-__all__ = ["TINY_SIZES", "build_tiny", "shrink", "tiny_config", "tiny_layers"]
+__all__ = ["TINY_SIZES", "as_built", "build_tiny", "shrink", "tiny_config", "tiny_layers"]
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -257,20 +257,44 @@ def derived_fields(config, d: dict) -> frozenset[str]:
     return frozenset(found)
 
 
+def _default(config) -> dict | None:
+    """The class's default config of ``config`` as a dict, or None where the class has none."""
+    try:
+        return type(config)().to_dict()
+    except Exception:  # a class that cannot be built without arguments
+        return None
+
+
 def fixed_lists(config) -> frozenset[str]:
     """The list fields of ``config`` whose length does not follow the layer count: in the class's default config
     their length is not its layer count (Falcon-H1's five ``ssm_multipliers``, whatever the layer count)."""
-    try:
-        default = type(config)().to_dict()
-    except Exception:  # a class without a default config: every list as long as the layer count is per-layer
+    default = _default(config)
+    if default is None:  # every list as long as the layer count is per-layer
         return frozenset()
     full = next((default[k] for k in _LAYER_KEYS if isinstance(default.get(k), int)), None)
     return frozenset(k for k, v in default.items() if isinstance(v, list) and len(v) != full)
 
 
+def as_built(config, d: dict) -> dict:
+    """``d`` (``config.to_dict()``) with each per-layer list cut to the layers the model has: a config whose layer
+    count was lowered after it was made (``config.num_hidden_layers = 2``, as tests and held-out sweeps do) keeps
+    its class's lists of the default length, of which the model reads the first entries only, while the class's
+    validators ask for lists as long as the layer count (Laguna's ``num_attention_heads_per_layer``, the
+    ``layer_types`` of Cohere 2 MoE, EXAONE-MoE, Kimi Linear, Mellum, MiMo-V2-Flash, MiniMax-M3). A per-layer list is
+    one whose length is the layer count in the class's default config; lists of other lengths are left alone."""
+    key = next((k for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
+    default = _default(config) if key is not None else None
+    if default is None:
+        return d
+    full = next((default[k] for k in _LAYER_KEYS if isinstance(default.get(k), int)), None)
+    per_layer = {k for k, v in default.items() if isinstance(v, list) and len(v) == full}
+    return {k: v[: d[key]] if k in per_layer and isinstance(v, list) and len(v) > d[key] else v for k, v in d.items()}
+
+
 def tiny_config(config, repeats: int = 1):
     """A config of the same class as ``config`` (a transformers ``PretrainedConfig``) at the tiny sizes
-    (``shrink``, its derived fields left to the class, ``repeats`` layers of each kind), fp32.
+    (``shrink`` of its lists as the model has them, ``as_built``; its derived fields left to the class, ``repeats``
+    layers of each kind), fp32.
 
     Raises:
         Exception: whatever transformers' config class raises for the tiny values (its validation).
@@ -278,6 +302,7 @@ def tiny_config(config, repeats: int = 1):
     d = config.to_dict()
     d.pop("dtype", None)
     d.pop("torch_dtype", None)
+    d = as_built(config, d)
     return type(config).from_dict(shrink(d, derived_fields(config, d), fixed_lists(config), repeats))
 
 
