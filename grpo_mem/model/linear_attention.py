@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on the prompt-once path: each node's state at its end, handed on.
+"""Gated DeltaNet layers (Qwen3.5, Qwen3-Next) and their kin on the prompt-once path: each node's states, handed on.
 
 A Gated DeltaNet layer keeps per value head a recurrent state S (dk, dv), updated token by token by the gated delta rule
 (Yang et al., "Gated Delta Networks", arXiv 2412.06464), and before it runs a causal depthwise convolution of kernel K
@@ -6,9 +6,16 @@ over the projected q/k/v. A row that continues a prompt (a trie node below the r
 the prompt ended: from S at the prompt's last token and the last K − 1 convolution inputs. transformers' layer reads
 and writes these two states through its cache argument (``cache``; ``cache_params`` before transformers 5.24:
 ``get_conv_state`` / ``update_conv_state`` /
-``get_recurrent_state`` / ``update_recurrent_state``), so grpo_mem runs the layer's own forward with a cache of its own
-(``_HandOff``): its states are the parents' (gathered by row, differentiable, so gradient flows back into the prompt),
-and it records the states each node ends with.
+``get_recurrent_state`` / ``update_recurrent_state``; 5.25 also asks ``get_recurrent_states_to_keep`` and passes
+``state_idx=``), so grpo_mem runs the layer's own forward with a cache of its own (``_HandOff``): its states are the
+parents' (gathered by row, differentiable, so gradient flows back into the prompt), and it records the states each
+node ends with. Kimi Delta Attention and the short convolutions of LFM2/LFM3 (a convolution state only) work the same
+way.
+
+Which layers: a candidate (``is_candidate``: an integer ``layer_idx`` and ``conv_kernel_size``, a cache parameter)
+is admitted by what it does, not by its source (``hand_off_cause``): run once on its meta twin through this very
+hand-off (``recurrent_probe``), it must write its states through the cache and its output must depend on the states
+it is handed; the run-time confirmation (``confirm``) then compares the numbers on a tiny copy.
 
 Padding. A pass holds right-padded spans, and a padding token would still move the state (its decay comes from the
 zeroed hidden state plus a bias). The rows of a node pass are therefore re-laid for these layers only: rows starting
@@ -36,81 +43,70 @@ import torch.nn.functional as F
 from . import attention_hook as attn_hook
 from .attention_hook import WRAPPED_FORWARD, own_class
 from .extension import PassExtension
+from .recurrent_probe import CACHE_PARAMETERS, continues_cause, kernel_cause, observe
 
-__all__ = ["LinearContext", "LinearState", "hands_off_state", "install", "linear_layers"]
-
-# what a layer's forward must do for the hand-off to be exact: read both states from its cache, write both back, and
-# run the chunked gated delta rule from the read recurrent state (transformers' Qwen3.5 / Qwen3-Next layers); ``{cache}``
-# stands for the name of the layer's cache parameter, read from its signature
-_HAND_OFF_CALLS = (
-    "{cache}.get_conv_state(self.layer_idx",
-    "{cache}.get_recurrent_state(self.layer_idx",
-    "{cache}.update_conv_state(",
-    "{cache}.update_recurrent_state(",
-    "initial_state=recurrent_state",
-    "apply_mask_to_padding_states(hidden_states, attention_mask)",
-)
-# the chunked delta rules run from the read recurrent state: Gated DeltaNet's, and Kimi Delta Attention's (KDA, a gated
-# delta rule with a per-channel forget gate; transformers' Kimi Linear)
-_DELTA_RULES = ("chunk_gated_delta_rule(", "chunk_kimi_delta_attention(")
-# what a short convolution's forward must do (transformers' LFM2/LFM3 ``ShortConv``): its only state is the convolution's
-# last K − 1 inputs, read and written through the cache; the convolution runs over [state ++ inputs] and the outputs of
-# the state's positions are dropped
-_SHORT_CONV_CALLS = (
-    "{cache}.get_conv_state(self.layer_idx",
-    "{cache}.update_conv_state(",
-    "causal_conv1d_fn(",
-    "[:, :, -seq_len:]",
-    "apply_mask_to_padding_states(hidden_states, attention_mask)",
-)
-# the cache parameter of a linear-attention layer's forward: transformers 5.24 renamed ``cache_params`` (and the short
-# convolutions' ``past_key_values``) to ``cache``
-_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
+__all__ = [
+    "LinearContext",
+    "LinearState",
+    "hand_off_cause",
+    "hands_off_state",
+    "install",
+    "is_candidate",
+    "linear_layers",
+]
 
 
 @functools.lru_cache(maxsize=None)
 def cache_parameter(cls: type) -> str | None:
-    """The name under which ``cls.forward`` takes its cache (``cache`` or ``cache_params``), from its signature (which
-    transformers' ``deprecate_kwarg`` wrapper keeps through ``__wrapped__``); None when it takes neither."""
+    """The name under which ``cls.forward`` takes its cache (``cache``, ``cache_params`` or ``past_key_values``), from
+    its signature (which transformers' ``deprecate_kwarg`` wrapper keeps through ``__wrapped__``); None when it takes
+    none."""
     try:
         params = inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return None
-    return next((name for name in _CACHE_PARAMETERS if name in params), None)
+    return next((name for name in CACHE_PARAMETERS if name in params), None)
 
 
-@functools.lru_cache(maxsize=None)
-def makes_calls(cls: type, calls: tuple[str, ...]) -> bool:
-    """Whether ``cls.forward`` takes a cache parameter and its source makes every call of ``calls`` on it (``{cache}``
-    standing for that parameter's name; False when the source cannot be read). The source is read because the calls
-    are the contract; the parameter's name is taken from the signature, so a rename of it does not turn the check into
-    a silent fallback."""
-    name = cache_parameter(cls)
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
+def is_candidate(module: torch.nn.Module) -> bool:
+    """Whether ``module`` looks like a recurrent layer transformers runs with a cache: an integer ``layer_idx``, an
+    integer ``conv_kernel_size`` and a forward taking a cache parameter (``cache_parameter``); what it does with the
+    cache is ``hand_off_cause``'s question."""
+    return (
+        isinstance(getattr(module, "layer_idx", None), int)
+        and isinstance(getattr(module, "conv_kernel_size", None), int)
+        and cache_parameter(own_class(module)) is not None
+    )
+
+
+def _bind(twin: torch.nn.Module, original: Callable) -> Callable:
+    return _LayerForward(twin).bind(original, cache_parameter(own_class(twin)), {})
+
+
+def hand_off_cause(module: torch.nn.Module, width: int | None = None) -> str | None:
+    """Why the states of ``module`` (``is_candidate``) cannot be handed from a prompt to its continuations by running
+    its own forward with grpo_mem's cache (``_HandOff``), or None; ``width``: its input width, where it has no
+    integer ``hidden_size``.
+
+    Decided by behaviour (``recurrent_probe``): run once on its meta twin through the call that serves it, the layer
+    must write a convolution state through its cache and, if it reads a recurrent state, write one, and its output over
+    several tokens and over one must depend on each state it is handed (Gated DeltaNet, Kimi Delta Attention: both;
+    LFM2/LFM3 short convolutions: the convolution state only); a forward or state function swapped for a Hub kernel is
+    refused by name (``recurrent_probe.kernel_cause``)."""
+    name = f"{own_class(module).__name__} (layer {module.layer_idx})"
+    cause = kernel_cause(module)
+    if cause is None:
+        cause = continues_cause(name, observe(module, "linear", _bind, _HandOff, width))
+    return cause
+
+
+def hands_off_state(module: torch.nn.Module, width: int | None = None) -> bool:
+    """Whether ``module`` is a layer whose states grpo_mem hands from a prompt to its continuations through the
+    layer's own forward: a candidate (``is_candidate``) that is no state-space mixer (an integer ``ssm_state_size``:
+    ``mamba_state``, ``mamba2_state``) and that ``hand_off_cause`` admits."""
+    if not is_candidate(module) or isinstance(getattr(module, "ssm_state_size", None), int):
         return False
-    return name is not None and all(call.format(cache=name) in source for call in calls)
-
-
-def _hands_off_class(cls: type) -> bool:
-    """Whether ``cls.forward`` makes every call of ``_HAND_OFF_CALLS`` and a delta rule's (Gated DeltaNet, KDA), or every call of
-    ``_SHORT_CONV_CALLS`` and reads no recurrent state (a short convolution)."""
-    if makes_calls(cls, _HAND_OFF_CALLS) and any(makes_calls(cls, (rule,)) for rule in _DELTA_RULES):
-        return True
-    return makes_calls(cls, _SHORT_CONV_CALLS) and not makes_calls(cls, ("{cache}.get_recurrent_state(",))
-
-
-def hands_off_state(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a layer whose states grpo_mem can hand from a prompt to its continuations: an integer
-    ``layer_idx``, a ``conv_kernel_size``, and a forward that reads and writes its convolution and recurrent states
-    through its cache parameter and runs the chunked gated delta rule from the read state (Gated DeltaNet), or reads
-    and writes its convolution state and convolves over it (a short convolution: LFM2, LFM3)."""
-    if not isinstance(getattr(module, "layer_idx", None), int):
-        return False
-    if not isinstance(getattr(module, "conv_kernel_size", None), int):
-        return False
-    return _hands_off_class(own_class(module))
+    return hand_off_cause(module, width) is None
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -171,6 +167,15 @@ class _HandOff:
     def update_recurrent_state(self, recurrent, layer_idx, state_idx=0, **kwargs):
         self.final_recurrent = recurrent
         return recurrent
+
+    def get_recurrent_states_to_keep(self, layer_idx=None):
+        """0: no state after an intermediate token is kept (transformers 5.25 asks before its chunked scans, for
+        speculative decoding); only the state after the call's last token, through ``update_recurrent_state``."""
+        return 0
+
+    def increase_count(self, layer_idx, state_idx=0):
+        """Nothing to count: transformers 5.25 calls it beside the in-place single-token convolution update, which
+        ``is_recording_past`` never lets a layer take here."""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -337,9 +342,9 @@ class _LayerForward:
                 f"grpo_mem: linear-attention layer {module.layer_idx} got context {token!r} without linear-attention "
                 "states (freed before its layer was replayed, or built without them)"
             )
-        if args or any(kwargs.get(name) is not None for name in _CACHE_PARAMETERS):
+        if args or any(kwargs.get(name) is not None for name in CACHE_PARAMETERS):
             raise ValueError("grpo_mem: a pass with a grpo_mem context must not carry a cache (use_cache=False)")
-        for name in (*_CACHE_PARAMETERS, "attention_mask"):
+        for name in (*CACHE_PARAMETERS, "attention_mask"):
             kwargs.pop(name, None)
         layer_call = self.bind(original, cache_parameter(own_class(module)), kwargs)
         return linear.run(layer_call, module.layer_idx, hidden_states)

@@ -7,17 +7,22 @@ and the output is y_t = S_t C_t + D_h x_t. A row that continues a prompt (a trie
 must start where the prompt ended: from S at the prompt's last token and the last K − 1 convolution inputs.
 
 transformers' mixers (``Mamba2Mixer``, and the copies ``NemotronHMamba2Mixer``, ``BambaMixer``,
-``GraniteMoeHybridMambaLayer``, ``FalconH1Mixer``, transformers 5.24) read and write both states through their cache
+``GraniteMoeHybridMambaLayer``, ``FalconH1Mixer``, ``Zamba2MambaMixer``) read and write both states through their cache
 argument with the protocol of the Gated DeltaNet layers, and their chunked scan (``mamba2_chunk_scan``, the SSD
-algorithm's ``initial_states`` slot) continues a segment of any length from the state read. So grpo_mem runs the
-mixer's own forward with the hand-off cache of ``linear_attention`` (``_HandOff``, driven by its ``LinearContext``):
-its states are the parents' (gathered by row, differentiable), and it records the states each node ends with.
+algorithm's ``initial_states`` slot) continues a segment of any length from the state read (transformers 5.25 moved
+both into shared ``causal_conv1d_forward`` / ``mamba2_scan_forward`` functions; the protocol is the same). So grpo_mem
+runs the mixer's own forward with the hand-off cache of ``linear_attention`` (``_HandOff``, driven by its
+``LinearContext``): its states are the parents' (gathered by row, differentiable), and it records the states each node
+ends with. A mixer is one by its interface (``is_ssd_mixer``: the integer attributes of a Mamba-2 mixer) and is
+admitted by its behaviour on its meta twin through ``SSDForward`` (``_mixer_cause``, ``recurrent_probe``).
 
 One call differs: a single-token segment with a state takes the mixer's recurrent form
-(``mamba2_selective_state_update``), which writes the new SSM state into the state it was given in place
-(``state.copy_``) instead of handing it to the cache, after reading it for the output. The state handed to such a call
-is a ``_RecordedState`` view of the parent's state, whose in-place ``copy_`` is recorded as the call's final state
-instead of performed: the output's graph keeps the state it read, the record is the new state's graph node.
+(``mamba2_selective_state_update``), which writes the new SSM state in place (``state.copy_``) after reading it for
+the output: into the state it was given (transformers 5.24) or into a clone of it that it then hands to the cache
+(5.25). An in-place write into a tensor the output's graph saved would fail autograd, so the state handed to such a
+call is a ``_RecordedState`` view of the parent's state, whose ``copy_`` (and its clones' ``copy_``) is recorded as
+the call's final state instead of performed: the output's graph keeps the state it read, the record is the new
+state's graph node.
 
 Padding is stock's, exactly: a left-padded prompt's padding is masked by the mixer (``apply_mask_to_padding_states``)
 before its input projection and after its convolution, so its x and B are zero and a zero state stays zero through it
@@ -36,43 +41,36 @@ import weakref
 import torch
 
 from .attention_hook import own_class
-from .linear_attention import _HandOff, _LayerForward, makes_calls, wrap
+from .linear_attention import _HandOff, _LayerForward, cache_parameter, is_candidate, wrap
+from .recurrent_probe import continues_cause, kernel_cause, observe
 
-__all__ = ["SSDForward", "hands_off_ssd_state", "install", "ssd_cause", "ssd_layers"]
+__all__ = ["SSDForward", "hands_off_ssd_state", "install", "is_ssd_mixer", "ssd_cause", "ssd_layers"]
 
-# what a mixer's forward must do for the hand-off to be exact: read both states from its cache, write both back (the
-# SSM state through the cache after a chunked scan, in place in the single-token recurrent form), run the chunked scan
-# from the read state, and mask padding as stock does; ``{cache}`` stands for the name of its cache parameter
-_SSD_CALLS = (
-    "{cache}.get_conv_state(self.layer_idx",
-    "{cache}.get_recurrent_state(self.layer_idx",
-    "{cache}.update_conv_state(",
-    "{cache}.update_recurrent_state(",
-    "{cache}.is_recording_past(self.layer_idx)",
-    "mamba2_chunk_scan(",
-    "initial_states=recurrent_state",
-    "mamba2_selective_state_update(",
-    "apply_mask_to_padding_states(hidden_states, attention_mask)",
-)
 _SSD_ATTRIBUTES = ("layer_idx", "conv_kernel_size", "ssm_state_size", "num_heads", "head_dim", "chunk_size")
 
 
 def is_ssd_mixer(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a transformers Mamba-2 mixer: integer ``_SSD_ATTRIBUTES`` and a forward making the calls
-    of ``_SSD_CALLS`` (bias or not)."""
-    if not all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRIBUTES):
-        return False
-    return makes_calls(own_class(module), _SSD_CALLS)
+    """Whether ``module`` has a Mamba-2 mixer's interface: integer ``_SSD_ATTRIBUTES`` and a forward taking a cache
+    (``linear_attention.is_candidate``); what it does with the cache is ``_mixer_cause``'s question."""
+    return all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRIBUTES) and is_candidate(module)
+
+
+def _bind(twin: torch.nn.Module, original) -> object:
+    return SSDForward(twin).bind(original, cache_parameter(own_class(twin)), {})
 
 
 def _mixer_cause(module: torch.nn.Module) -> str | None:
-    """Why the states of the Mamba-2 mixer ``module`` cannot be handed on exactly, or None."""
+    """Why the states of the Mamba-2 mixer ``module`` cannot be handed on exactly, or None: an input projection bias
+    (read from the module), a Hub kernel handling its cache (``recurrent_probe.kernel_cause``), or what it does when
+    run once on its meta twin through ``SSDForward`` (``recurrent_probe.continues_cause``: it must write both states
+    through its cache, and its output over several tokens and over one must depend on both states it is handed)."""
     if getattr(getattr(module, "in_proj", None), "bias", None) is not None:
         return (
             f"{type(module).__name__} has an input projection bias: stock feeds it into the convolution at each "
             "left-padding position, so its prompts' first tokens depend on the batch's padding"
         )
-    return None
+    name = f"{own_class(module).__name__} (layer {module.layer_idx})"
+    return kernel_cause(module) or continues_cause(name, observe(module, "ssd", _bind, _HandOff))
 
 
 def hands_off_ssd_state(module: torch.nn.Module) -> bool:
@@ -108,7 +106,16 @@ class _RecordedState(torch.Tensor):
         if func is torch.Tensor.copy_ and isinstance(args[0], _RecordedState):
             args[0]._sink.final_recurrent = args[1]
             return args[0]
+        if func is torch.Tensor.clone and isinstance(args[0], _RecordedState):  # transformers 5.25 writes into a clone
+            return _recorded(_plain(super().__torch_function__(func, types, args, kwargs)), args[0]._sink)
         return _plain(super().__torch_function__(func, types, args, kwargs))
+
+
+def _recorded(state: torch.Tensor, sink: _SSDCache) -> _RecordedState:
+    """``state`` as a ``_RecordedState`` whose writes go to ``sink``."""
+    view = state.as_subclass(_RecordedState)
+    view._sink = sink
+    return view
 
 
 def _plain(value):
@@ -143,9 +150,7 @@ class _SSDCache:
         state = self.hand_off.get_recurrent_state(layer_idx, state_idx)
         if state is None or not self.single_token:
             return state
-        view = state.as_subclass(_RecordedState)
-        view._sink = self
-        return view
+        return _recorded(state, self)
 
     def is_recording_past(self, layer_idx):
         return True  # the convolution state goes through update_conv_state, never the in-place single-token update
@@ -154,7 +159,17 @@ class _SSDCache:
         return self.hand_off.update_conv_state(conv_inputs, layer_idx, state_idx, conv_kernel_size, **kwargs)
 
     def update_recurrent_state(self, recurrent, layer_idx, state_idx=0, **kwargs):
+        """The state after the call; a ``_RecordedState`` (transformers 5.25's single-token form hands back the clone
+        it wrote into) stands for the write recorded into it, if any."""
+        if isinstance(recurrent, _RecordedState):
+            return self.final_recurrent
         return self.hand_off.update_recurrent_state(recurrent, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_states_to_keep(self, layer_idx=None):
+        return self.hand_off.get_recurrent_states_to_keep(layer_idx)
+
+    def increase_count(self, layer_idx, state_idx=0):
+        return self.hand_off.increase_count(layer_idx, state_idx)
 
 
 MIN_CHUNK = 16

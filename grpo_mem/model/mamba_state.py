@@ -5,11 +5,14 @@ A Mamba-1 mixer (Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective 
 projects each token to an input x and a gate z, runs a causal depthwise convolution of kernel K over x, then the
 selective scan h_t = exp(Δ_t A) h_{t−1} + Δ_t B_t x_t, y_t = (C_t · h_t + D x_t) silu(z_t). A row that continues a
 prompt (a trie node below the root, or a completion) starts from what the prompt ended with: its last K − 1 convolution
-inputs (rows, intermediate, K − 1) and its SSM state h (rows, intermediate, d_state). transformers 5.24's mixer reads
-both from its cache, but its multi-token scan (``mamba_selective_scan``) always starts from a zero state, so a
-continuation cannot run through the mixer's own forward: ``mixer_ref`` is that forward's torch path (convolution over
-[previous inputs ++ segment], then the sequential scan from h0) written out op for op, run for every mixer call that
-carries a grpo_mem context; a call without one runs the mixer unchanged.
+inputs (rows, intermediate, K − 1) and its SSM state h (rows, intermediate, d_state). transformers' mixer reads both
+from its cache, but its multi-token scan (``mamba_selective_scan``, 5.24 and 5.25 alike) always starts from a zero
+state, so a continuation cannot run through the mixer's own forward: ``mixer_ref`` is that forward's torch path
+(convolution over [previous inputs ++ segment], then the sequential scan from h0) written out op for op, run for
+every mixer call that carries a grpo_mem context; a call without one runs the mixer unchanged. Which mixers: the
+classes of ``_MIXERS`` (their math is ``mixer_ref``'s), admitted by behaviour (``mixer_cause``: on the mixer's meta
+twin, its own forward keeps both states in its cache and ``mixer_ref`` keeps states of the same shapes and continues
+from both), their numbers confirmed on a tiny copy (``confirm``).
 
 The pass's ``linear_attention.LinearContext`` does the rest as for Gated DeltaNet: rows from a zero state (roots) run
 left-aligned with their padding masked, as stock TRL's left padding (the mixer's ``apply_mask_to_padding_states``:
@@ -17,16 +20,13 @@ masked inputs leave a zero state zero and, without an ``in_proj`` bias, feed zer
 parent's state run per length unpadded, and each state's gradient reaches the parent's pass through a differentiable
 gather. Mamba backbones pass their blocks no keyword arguments but the attention mask, so the context token travels in
 its place (``_Relay``) from the backbone; Jamba's decoder layers get the backbone's keyword arguments but hand their
-mixer only the mask, so there the relay starts at the layer. (A Jamba configuration with attention layers falls back:
-its attention takes no positions, a case the capability rule does not admit.) This module knows torch and
-transformers' Mamba modules.
+mixer only the mask, so there the relay starts at the layer. Whether a backbone, block or layer hands the relay on is
+observed on its meta twin with its children standing in (``_hands_relay``, ``recurrent_probe.reaches``), not read
+from its source. This module knows torch and transformers' Mamba modules.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import re
 import weakref
 
 import torch
@@ -34,9 +34,10 @@ import torch.nn.functional as F
 
 from . import attention_hook as attn_hook
 from .attention_hook import WRAPPED_FORWARD, own_class
-from .linear_attention import LinearContext, _LayerForward
+from .linear_attention import LinearContext, _HandOff, _LayerForward, cache_parameter
+from .recurrent_probe import continues_cause, observe, reaches
 
-__all__ = ["backbone_cause", "install", "mamba_layers", "mixer_ref", "selective_scan_ref", "takes_state"]
+__all__ = ["backbone_cause", "install", "mamba_layers", "mixer_cause", "mixer_ref", "selective_scan_ref", "takes_state"]
 
 # the Mamba-1 mixers compared against stock (tests/model/test_mamba_state.py), and whether each normalises Δ, B and C
 _MIXERS = {
@@ -47,49 +48,46 @@ _MIXERS = {
 # mixers whose decoder layer gets the backbone's keyword arguments (the context token) and hands its mixer only the
 # attention mask: the relay starts at that layer (Jamba); the others' backbones pass no keyword arguments on (Mamba)
 _LAYER_RELAY = frozenset({"JambaMambaMixer"})
-# what the mixer's forward must compute for ``mixer_ref`` to be it (transformers 5.23 and 5.24)
-_CONTRACT = (
-    "apply_mask_to_padding_states(hidden_states, attention_mask)",
-    "self.in_proj(hidden_states).transpose(1, 2)",
-    "A = -torch.exp(self.A_log.float())",
-    "projected_states.chunk(2, dim=1)",
-    "self.x_proj(hidden_states_B_C)",
-    "self.dt_proj.weight @ time_step.transpose(1, 2)",
-    "D=self.D.float()",
-    "z=gate",
-    "delta_softplus=True",
-    "self.out_proj(scan_output.transpose(1, 2).to(dtype))",
-)
-_NORMS = ("self.dt_layernorm(time_step)", "self.b_layernorm(B)", "self.c_layernorm(C)")
-# how a backbone hands the attention mask on: to each block, and each block to its mixer
-_BACKBONE_CALL = "attention_mask=attention_mask"
-# (the cache keyword is ``cache`` from transformers 5.24, ``cache_params`` before)
-# how a relaying decoder layer calls its mixer (Jamba: ``cache=cache`` from 5.24, ``cache_params=past_key_values`` before)
-_LAYER_CALL = re.compile(
-    r"self\.\w+\(\s*hidden_states=hidden_states,\s*cache(_params)?=\w+,\s*attention_mask=attention_mask,?\s*\)"
-)
-_BLOCK_CALL = re.compile(
-    r"self\.mixer\(hidden_states, cache(_params)?=cache(_params)?, attention_mask=attention_mask\)"
-)
 
 
-@functools.cache
-def _source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return ""
+def _own_bind(twin: torch.nn.Module, original):
+    return _LayerForward(twin).bind(original, cache_parameter(own_class(twin)), {})
+
+
+def _ref_bind(twin: torch.nn.Module, original):
+    return _ref_call(twin)
+
+
+def mixer_cause(module: torch.nn.Module) -> str | None:
+    """Why ``module`` is no Mamba-1 mixer whose states grpo_mem hands on, or None.
+
+    In: one of the classes of ``_MIXERS`` (module types: what ``mixer_ref`` computes is their math, confirmed on
+    numbers by ``tests/model/test_mamba_state.py`` and at run time by ``confirm``), an integer ``layer_idx``, and by
+    behaviour (``recurrent_probe.observe``, on the mixer's meta twin): its own forward keeps a convolution and an SSM
+    state in its cache, and ``mixer_ref`` keeps states of the same shapes, continues from both and its output
+    depends on both (``recurrent_probe.continues_cause``)."""
+    cls = own_class(module)
+    if (cls.__module__, cls.__name__) not in _MIXERS or not isinstance(getattr(module, "layer_idx", None), int):
+        return f"{cls.__name__} is not one of the Mamba-1 mixers grpo_mem's reference scan computes"
+    name = f"{cls.__name__} (layer {module.layer_idx})"
+    own = observe(module, "mamba-own", _own_bind, _HandOff)
+    if own.conv is None or own.recurrent is None:
+        why = f": it {own.error}" if own.error else ""
+        return f"{name} does not keep a convolution and an SSM state in its cache{why}"
+    ref = observe(module, "mamba-ref", _ref_bind, _HandOff)
+    cause = continues_cause(f"grpo_mem's reference scan of {name}", ref)
+    if cause is None and (ref.conv, ref.recurrent) != (own.conv, own.recurrent):
+        cause = (
+            f"grpo_mem's reference scan of {name} keeps states of shapes {ref.conv} and {ref.recurrent}, its own "
+            f"forward {own.conv} and {own.recurrent}"
+        )
+    return cause
 
 
 def takes_state(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a Mamba-1 mixer whose states grpo_mem hands on: one of transformers' ``MambaMixer`` and
-    ``FalconMambaMixer``, with an integer ``layer_idx``, whose forward computes what ``mixer_ref`` computes."""
+    """Whether ``module`` is a Mamba-1 mixer whose states grpo_mem hands on (``mixer_cause`` is None)."""
     cls = own_class(module)
-    normed = _MIXERS.get((cls.__module__, cls.__name__))
-    if normed is None or not isinstance(getattr(module, "layer_idx", None), int):
-        return False
-    source = _source(cls)
-    return all(c in source for c in _CONTRACT + (_NORMS if normed else ()))
+    return (cls.__module__, cls.__name__) in _MIXERS and mixer_cause(module) is None
 
 
 def mamba_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -112,21 +110,26 @@ def backbone_cause(base: torch.nn.Module, handed: list, otherwise: str) -> str |
     lists = [m for m in base.children() if isinstance(m, torch.nn.ModuleList)]
     if len(lists) != 1:
         return f"{type(base).__name__} has {len(lists)} layer lists, not one list of Mamba blocks"
+    relayed = [block for block in lists[0] if relayed_layer(block)]
+    plain = [block for block in lists[0] if not any(block is r for r in relayed)]
+    checked: set[type] = set()
     for i, block in enumerate(lists[0]):
-        if relayed_layer(block):
-            if _source(own_class(base)).count("**kwargs") < 2:
-                return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
+        if any(block is r for r in relayed):
             continue
         held = [m for m in block.modules() if id(m) in mixers]
         if len(held) != 1 or getattr(block, "mixer", None) is not held[0]:
             return f"layer {i} ({type(block).__name__}) is not one Mamba block around its mixer"
-        if not _BLOCK_CALL.search(_source(own_class(block))):
+        if own_class(block) not in checked and not _hands_relay(block, held, held[0].hidden_size):
             return f"{type(block).__name__} does not hand its attention mask to its mixer"
+        checked.add(own_class(block))
     for name, module in base.named_modules():
         if isinstance(module, torch.nn.Conv1d) and not any(module is getattr(m, "conv1d", None) for m in handed):
             return f"a convolution over the sequence ({name}) outside the Mamba mixers"
-    if _BACKBONE_CALL not in _source(own_class(base)) and not all(relayed_layer(b) for b in lists[0]):
+    width = handed[0].hidden_size
+    if plain and not _hands_relay(base, plain, width, backbone=True):
         return f"{type(base).__name__} does not hand its attention mask to its blocks"
+    if relayed and not _hands_relay(base, relayed, width, backbone=True, token=True):
+        return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
     if any(m.in_proj.bias is not None for m in handed):
         return "a Mamba in_proj bias (use_bias=True): stock feeds it to the convolution at left-padding positions"
     return None
@@ -257,19 +260,24 @@ class _Forward(_LayerForward):
                 f"grpo_mem: Mamba mixer {self.module.layer_idx} got context {relay.token!r} without recurrent states "
                 "(freed before its layer was replayed, or built without them)"
             )
-        module = self.module
+        return linear.run(_ref_call(self.module), self.module.layer_idx, hidden_states)
 
-        def layer_call(x, cache, attention_mask):
-            y, cache.final_conv, cache.final_recurrent = mixer_ref(
-                module,
-                x,
-                attention_mask,
-                cache.get_conv_state(module.layer_idx),
-                cache.get_recurrent_state(module.layer_idx),
-            )
-            return y
 
-        return linear.run(layer_call, module.layer_idx, hidden_states)
+def _ref_call(module: torch.nn.Module):
+    """``layer_call(x, cache, attention_mask)`` for ``LinearContext.run``: ``mixer_ref`` of ``module`` from the states
+    of ``cache`` (a ``linear_attention._HandOff``), its final states recorded there."""
+
+    def layer_call(x, cache, attention_mask):
+        y, cache.final_conv, cache.final_recurrent = mixer_ref(
+            module,
+            x,
+            attention_mask,
+            cache.get_conv_state(module.layer_idx),
+            cache.get_recurrent_state(module.layer_idx),
+        )
+        return y
+
+    return layer_call
 
 
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixers ``takes_state`` recognises
@@ -314,7 +322,31 @@ def relay_layers(base: torch.nn.Module, relayed: list) -> list[torch.nn.Module]:
 
 def relayed_layer(layer: torch.nn.Module) -> bool:
     """Whether ``layer``'s only token mixing is one Mamba-1 mixer whose context ``install`` relays from the layer's
-    keyword arguments, handed on as the mixer's attention mask (the layer need not pass its keyword arguments on)."""
+    keyword arguments, handed on as the mixer's attention mask (the layer need not pass its keyword arguments on):
+    a mixer of ``_LAYER_RELAY`` that receives, run on the layer's meta twin, the relay the layer is given as its
+    attention mask (``_hands_relay``)."""
     mixers = [m for m in layer.modules() if takes_state(m)]
-    source = _source(own_class(layer))
-    return len(mixers) == 1 and own_class(mixers[0]).__name__ in _LAYER_RELAY and _LAYER_CALL.search(source) is not None
+    if len(mixers) != 1 or own_class(mixers[0]).__name__ not in _LAYER_RELAY:
+        return False
+    return _hands_relay(layer, mixers, mixers[0].hidden_size)
+
+
+def _hands_relay(outer, inner: list, width: int, backbone: bool = False, token: bool = False) -> bool:
+    """Whether each module of ``inner`` gets the relay (a ``_Relay``, as the attention mask) that ``outer`` is called
+    with, or, with ``token``, the context token among its keyword arguments; observed on ``outer``'s meta twin
+    (``recurrent_probe.reaches``), called as a pass calls it: a backbone (``backbone``) with its embeddings and
+    ``use_cache=False``, a layer or block with its hidden states."""
+    relay = _Relay("probe")
+    x = torch.zeros(1, 2, width, device="meta")
+    # the token travels beside a mask the mask builders return as is (what ``packed`` passes), not one they read
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device="meta")
+    given = {attn_hook.CTX_KWARG: relay.token, "attention_mask": placeholder} if token else {"attention_mask": relay}
+    if backbone:  # (no positions: a backbone reads them as values, e.g. to find packed sequences)
+        got = reaches(outer, inner, lambda twin: twin(inputs_embeds=x, use_cache=False, **given))
+    else:
+        got = reaches(outer, inner, lambda twin: twin(x, **given))
+    if got is None:
+        return False
+    if token:
+        return all(g.get(attn_hook.CTX_KWARG) == relay.token for g in got)
+    return all(g.get("attention_mask") is relay for g in got)

@@ -65,7 +65,7 @@ def _takes_positions(cls: type) -> bool:
 _HEAD_LINES = (
     r"hidden_states = \w+\.last_hidden_state( if return_dict else \w+\[0\])?",
     r"hidden_states = \w+\[0\]",
-    r"hidden_states = slice_logits_to_keep\(hidden_states, logits_to_keep\)",
+    r"hidden_states = slice_logits_to_keep\((hidden_states|\w+\.last_hidden_state), logits_to_keep\)",
     r"hidden_states = hidden_states / self\.config\.logits_scaling",
     r"(lm_)?logits = self\.{head}\(hidden_states(\[[^\]]*\])?(\.to\([\w.= ]*\))?\)(\.float\(\)|\.contiguous\(\))?"
     r"( \* self\.(config\.logits_scaling|model\.lm_head_multiplier))?",
@@ -255,7 +255,8 @@ def _handed_layers(config, base) -> tuple[list, str | None]:
         return [], None
     from .handed import handed_layers
 
-    return handed_layers(base)
+    width = getattr(config, "hidden_size", None)
+    return handed_layers(base, width if isinstance(width, int) else None)
 
 
 def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:
