@@ -92,8 +92,21 @@ def hand_off_cause(module: torch.nn.Module, width: int | None = None) -> str | N
     must write a convolution state through its cache and, if it reads a recurrent state, write one, and its output over
     several tokens and over one must depend on each state it is handed (Gated DeltaNet, Kimi Delta Attention: both;
     LFM2/LFM3 short convolutions: the convolution state only); a forward or state function swapped for a Hub kernel is
-    refused by name (``recurrent_probe.kernel_cause``)."""
+    refused by name (``recurrent_probe.kernel_cause``). An input projection with a bias (a ``torch.nn.Linear`` child
+    other than the output projection, read from the module: LFM2's ``conv_bias=True``) is refused by name: the layer
+    zeroes its input at left padding but the projection adds its bias there, which the convolution then reads, so
+    stock's scores of a prompt's first K − 1 tokens depend on how much padding precedes it in the batch."""
     name = f"{own_class(module).__name__} (layer {module.layer_idx})"
+    biased = [
+        child
+        for child, m in module.named_children()
+        if isinstance(m, torch.nn.Linear) and m.bias is not None and not child.startswith(("out_proj", "o_proj"))
+    ]
+    if biased:
+        return (
+            f"{name} has an input projection bias ({biased[0]}.bias): stock feeds it into the convolution at each "
+            "left-padding position, so its prompts' first tokens depend on the batch's padding"
+        )
     cause = kernel_cause(module)
     if cause is None:
         cause = continues_cause(name, observe(module, "linear", _bind, _HandOff, width))

@@ -213,12 +213,40 @@ def test_short_convolutions_match_stock_trl(arch, sharing):
     inputs start the rows that continue it; in the three-level tree own parts of 1 and 2 tokens convolve across two
     node boundaries. Gradient checkpointing on for LFM3."""
     kinds = ["conv", "full_attention", "conv"]
-    sizes = dict(block_ff_dim=96, num_key_value_heads=2, conv_L_cache=3, conv_bias=True)
+    sizes = dict(block_ff_dim=96, num_key_value_heads=2, conv_L_cache=3)
     model = hybrid_model(arch, kinds, checkpointing=arch == "lfm3", **sizes)
     assert unsupported_cause(model) is None
     prompts = TREES["three_levels"] if sharing == "tree" else None
     ids, mask, C, _ = make_batch(prompts or [5, 9, 2, 7], 3, 6, prompts=prompts, shuffle=True, junk_in_padding=True)
     _check(model, ids, mask, C, sharing)
+
+
+def test_a_short_convolution_with_an_input_bias_is_refused_by_name():
+    """LFM2 with ``conv_bias=True``: its input projection's bias reaches the convolution at left padding, so stock's
+    log-probs of a prompt depend on how much padding precedes it (shown here: 0 vs 2 padding tokens); the layer is
+    refused by name rather than served with other numbers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "lfm2", layer_types=["conv", "full_attention"], vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, conv_bias=True,
+        block_ff_dim=96, pad_token_id=0,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.model.layers[0].conv.in_proj.bias.normal_()  # transformers initialises it to zero
+    tokens = torch.tensor([[5, 9, 11, 13]])
+    with torch.no_grad():
+        bare = model(tokens, attention_mask=torch.ones_like(tokens)).logits[0]
+        padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), tokens], 1)
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+        behind_padding = model(padded, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits[0]
+    assert float((behind_padding[2:] - bare).abs().max()) > 1e-3  # stock's own numbers move with the padding
+    assert unsupported_cause(model) == (
+        "Lfm2ShortConv (layer 0) has an input projection bias (in_proj.bias): stock feeds it into the convolution at "
+        "each left-padding position, so its prompts' first tokens depend on the batch's padding"
+    )
 
 
 @pytest.mark.parametrize("sharing", ["group", "tree"])
@@ -304,3 +332,29 @@ def test_all_linear_attention_configuration(sharing):
     prompts = TREES["system"] if sharing == "tree" else None
     ids, mask, C, _ = make_batch(prompts or [5, 9, 2, 7], 2, 4, prompts=prompts, shuffle=True, junk_in_padding=True)
     _check(model, ids, mask, C, sharing)
+
+
+@pytest.mark.parametrize("where", ["forward", "state function"])
+def test_a_layer_a_hub_kernel_took_over_is_refused_by_name(where):
+    """``from_pretrained(use_kernels=True)`` (transformers 5.25's default where the ``kernels`` package is installed)
+    lets ``kernels.kernelize`` replace a layer's forward, or from 5.25 a function it hands its cache to
+    (``causal_conv1d_forward`` in the layer's ``_kernel_funcs``), and leaves the kernel's repository in that module's
+    ``_kernel_repo``: such a layer handles the cache itself, so it is refused by name (load with ``use_kernels=False``
+    or ``USE_HUB_KERNELS=0``). Marked here as kernelize marks it; no kernel is downloaded."""
+    model = qwen3_next()
+    owner = layer = model.model.layers[0].linear_attn
+    if where == "state function":
+        owner = torch.nn.Module()  # what 5.25's ``use_kernelized_func`` keeps per function, kernelized
+        layer.__dict__.setdefault("_kernel_funcs", {})["causal_conv1d_forward"] = owner
+    owner.__dict__["_kernel_repo"] = "kernels-community/causal-conv1d"
+    name = "forward" if where == "forward" else "causal_conv1d_forward"
+    cause = unsupported_cause(model)
+    assert (
+        cause is not None
+        and (
+            f"Qwen3NextGatedDeltaNet's {name} is a Hub kernel (kernels-community/causal-conv1d, from use_kernels) that "
+            "handles the cache itself: load the model with use_kernels=False or USE_HUB_KERNELS=0"
+        )
+        in cause
+    ), cause
+    assert unsupported_cause(qwen3_next()) is None  # the same model, its layers its own
