@@ -154,12 +154,33 @@ def sp_gradient_reduction(trainer) -> str | None:
     the flattened ``dp_shard_cp`` mesh dimension, and the all-reduce over ``dp_replicate``, average: torch
     ``_fully_shard._fsdp_collectives._get_gradient_divide_factors`` without a divide factor set, torch 2.13). Each
     averages over data-parallel ranks. With ``"sum"`` the SP ranks' losses must add up to their DP rank's loss; with
-    ``"mean"`` each must be the group size times its share."""
+    ``"mean"`` each must be the group size times its share. DeepSpeed 0.20.2 makes ZeRO-3 sum over the SP group too
+    (deepspeedai/DeepSpeed#8854, as transformers 5.25's ``deepspeed_sp_compute_loss`` reads it), so ZeRO-3 is
+    ``"mean"`` only before that release (``deepspeed_sums_sp_gradients``)."""
     if layout(trainer) is None:
         return None
     if context_parallel(trainer.args):
         return "mean"
-    return "mean" if _zero_config(trainer.args).get("stage") == 3 else "sum"
+    if _zero_config(trainer.args).get("stage") == 3 and not deepspeed_sums_sp_gradients():
+        return "mean"
+    return "sum"
+
+
+ZERO3_SUMS_FROM = (0, 20, 2)
+"""The DeepSpeed release from which ZeRO-3 sums the gradients of an SP group (deepspeedai/DeepSpeed#8854)."""
+
+
+def deepspeed_sums_sp_gradients(version: str | None = None) -> bool:
+    """Whether the installed DeepSpeed (``version``: this release instead) sums an SP group's gradients under ZeRO-3
+    (from ``ZERO3_SUMS_FROM``) rather than averaging them. A development or local build counts as its release."""
+    import importlib.metadata
+    import re
+
+    release = version if version is not None else importlib.metadata.version("deepspeed")
+    parts = re.match(r"(\d+)\.(\d+)\.(\d+)", release)
+    if parts is None:
+        raise ValueError(f"cannot read a DeepSpeed release from {release!r}")
+    return tuple(int(p) for p in parts.groups()) >= ZERO3_SUMS_FROM
 
 
 def config_classes(owner) -> list:

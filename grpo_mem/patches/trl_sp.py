@@ -54,7 +54,8 @@ all ranks (``seq_data_parallel_group``). ZeRO 1/2 divide by ``world / sp_size`` 
 SP group, averaged over DP ranks. ZeRO-3 does so only in its contiguous path
 (``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_contiguous_grads``, ``allreduce_bucket``); with ``reduce_scatter`` (its
 default) every bucket goes through ``reduce_scatter_coalesced``, which divides by the world size: averaged over the SP
-group too. ZeRO-3 with ``reduce_scatter=False`` mixes both and is refused. FSDP2 under ``cp_size`` reduce-scatters
+group too (before deepspeed 0.20.2; from it ZeRO-3 sums over the SP group as ZeRO 1/2 do: deepspeedai/DeepSpeed#8854,
+``sp_config.deepspeed_sums_sp_gradients``). ZeRO-3 with ``reduce_scatter=False`` mixes both and is refused. FSDP2 under ``cp_size`` reduce-scatters
 over the flattened ``dp_shard_cp`` mesh dimension (accelerate's ``fsdp_dim_names``) and averages: over the SP group
 too.
 """

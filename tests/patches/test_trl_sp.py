@@ -306,3 +306,37 @@ def test_a_stand_in_row_finishes_after_its_first_token_and_leaves_no_trace(tmp_p
         dist.destroy_process_group()
     config.prefill_chunk_size = 2
     assert stand_in_prompts(trainer, prompts) == [[7, 8, 9]]
+
+
+@pytest.mark.parametrize(
+    "stage,release,expected",
+    [
+        (3, "0.19.8", "mean"),
+        (3, "0.20.1", "mean"),
+        (3, "0.20.2", "sum"),
+        (3, "0.21.0.dev0+abc", "sum"),
+        (2, "0.19.8", "sum"),
+    ],
+)
+def test_zero3_sums_the_sp_gradients_from_deepspeed_0_20_2(monkeypatch, stage, release, expected):
+    """How a DeepSpeed SP group's gradients combine follows the installed DeepSpeed: ZeRO-3 averages them before
+    0.20.2 and sums them from it (deepspeedai/DeepSpeed#8854, the switch transformers 5.25's
+    ``deepspeed_sp_compute_loss`` makes), ZeRO 1/2 always sum. The multi-process check of 0.19.8's averaging is
+    tests/distributed/test_trl_sequence_parallel.py; no DeepSpeed from 0.20.2 was installable here."""
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    from grpo_mem.patches import sp_config
+    from grpo_mem.patches.sp_ranks import Layout
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: release if name == "deepspeed" else real_version(name)
+    )
+    monkeypatch.setattr(sp_config, "layout", lambda trainer: Layout(sp_size=2, sp_rank=0, dp_size=1, dp_rank=0))
+    args = SimpleNamespace(
+        parallelism_config=None, hf_deepspeed_config=SimpleNamespace(config={"zero_optimization": {"stage": stage}})
+    )
+    assert sp_config.sp_gradient_reduction(SimpleNamespace(args=args)) == expected
+    with pytest.raises(ValueError, match="cannot read a DeepSpeed release from 'main'"):
+        sp_config.deepspeed_sums_sp_gradients("main")
