@@ -404,11 +404,14 @@ def make_trainer(
     peft_config=None,
     backend=None,
     trainer_kwargs=None,
+    processing_class=None,
+    reward_funcs=length_reward,
     **args,
 ):
     """A tiny GRPOTrainer/RLOOTrainer on CPU: a random ``tiny_model(arch, **model_args)`` (Llama with a tied head by
     default), character tokenizer, string prompts (default: the 8 of ``PROMPTS``), the trainer's PEFT adapter from
-    ``peft_config`` if given, and the trainer's own arguments ``trainer_kwargs`` (``rollout_func=``, ...).
+    ``peft_config`` if given, and the trainer's own arguments ``trainer_kwargs`` (``rollout_func=``, ...);
+    ``processing_class``: the tokenizer instead of ``char_tokenizer()``; ``reward_funcs``: TRL's argument.
     ``group_shuffle=None`` patches with ``patch_trl``'s default; ``backend`` is passed to ``patch_trl`` when given."""
     from datasets import Dataset
     from transformers import set_seed
@@ -424,10 +427,10 @@ def make_trainer(
     model_dir = _saved(model, output_dir)
     trainer = trainer_cls(
         model=model_dir,
-        reward_funcs=length_reward,
+        reward_funcs=reward_funcs,
         args=config_cls(**defaults),
         train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
-        processing_class=char_tokenizer(),
+        processing_class=processing_class if processing_class is not None else char_tokenizer(),
         **({} if peft_config is None else {"peft_config": peft_config}),
         **(trainer_kwargs or {}),
     )
