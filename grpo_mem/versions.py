@@ -28,7 +28,7 @@ import warnings
 __all__ = ["TESTED", "UntestedReleaseWarning", "check_tested", "installed", "is_tested", "minimum"]
 
 TESTED: dict[str, str] = {
-    "transformers": ">=5.23,<5.25",
+    "transformers": ">=5.23,<5.26",
     "trl": ">=1.10,<1.17",
     "accelerate": ">=1.15,<1.17",
 }

@@ -88,7 +88,8 @@ def test_ci_and_constraints_pin_tested_releases_and_the_docs_state_the_ranges():
         ("transformers", "5.23.0", True),
         ("transformers", "5.24.0", True),
         ("transformers", "5.24.1.dev0", True),
-        ("transformers", "5.25.0", False),
+        ("transformers", "5.25.0", True),
+        ("transformers", "5.26.0", False),
         ("transformers", "5.22.2", False),
         ("trl", "1.10.0", True),
         ("trl", "1.16.0", True),
@@ -141,7 +142,7 @@ def test_untested_transformers_warns_once_and_always_confirms(fake_release, monk
         grpo_mem.shared_prompt_logprobs(model, ids, mask, C, confirm=False)
         assert confirm.verdicts() == {}, "tested release: confirm=False is honoured"
 
-        fake_release("transformers", "5.25.0")
+        fake_release("transformers", "5.26.0")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ours, _ = grpo_mem.shared_prompt_logprobs(model, ids, mask, C, confirm=False)
@@ -149,7 +150,7 @@ def test_untested_transformers_warns_once_and_always_confirms(fake_release, monk
         untested = [str(w.message) for w in caught if issubclass(w.category, versions.UntestedReleaseWarning)]
         assert (
             len(untested) == 1
-            and "transformers 5.25.0 is outside the tested range transformers>=5.23,<5.25" in (untested[0])
+            and "transformers 5.26.0 is outside the tested range transformers>=5.23,<5.26" in (untested[0])
         )
         assert not any("falling back" in str(w.message) for w in caught)
         (verdict,) = confirm.verdicts().values()

@@ -71,7 +71,7 @@ _HEAD_LINES = (
     r"( \* self\.(config\.logits_scaling|model\.lm_head_multiplier))?",
     r"logits = (logits|logits\.float\(\)) [*/] (self\.config\.)?final_logit_softcapping",
     r"logits = torch\.tanh\(logits\)",
-    r"logits = logits \* self\.logit_scale",
+    r"logits = logits \* self\.(config\.text_config\.)?logit_scale",  # the config's: Aya Vision from 5.25
     r"logits = logits / self\.config\.logits_scaling",
 )
 _ASSIGNMENT = re.compile(r"^(lm_)?(hidden_states|logits)(\[[^=]*\])? [-+*/]?= ")  # not `logits=logits,`
@@ -255,8 +255,7 @@ def _handed_layers(config, base) -> tuple[list, str | None]:
         return [], None
     from .handed import handed_layers
 
-    width = getattr(config, "hidden_size", None)
-    return handed_layers(base, width if isinstance(width, int) else None)
+    return handed_layers(base, config.hidden_size if isinstance(getattr(config, "hidden_size", None), int) else None)
 
 
 def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:

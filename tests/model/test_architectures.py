@@ -124,9 +124,18 @@ def write_table(path: str, only: list[str] | None = None) -> list[ArchitectureRo
 
 
 if __name__ == "__main__":
+    import argparse
+
     warnings.simplefilter("ignore")
-    root = REPO
-    table = write_table(os.path.join(root, "benchmarks", "results", "architectures.csv"), sys.argv[1:] or None)
+    parser = argparse.ArgumentParser(description="The architecture sweep: one row per causal LM type.")
+    parser.add_argument("types", nargs="*", help="only these types (the other rows kept as the table holds them)")
+    parser.add_argument(
+        "--out",
+        default=os.path.join(REPO, "benchmarks", "results", "architectures.csv"),
+        help="the CSV to write (default: benchmarks/results/architectures.csv, the newest tested transformers')",
+    )
+    cli = parser.parse_args()
+    table = write_table(cli.out, cli.types or None)
     print("| model type | class | path | cause |\n|---|---|---|---|")
     for r in table:
         print(f"| `{r.model_type}` | {r.model_class} | {r.status} | {r.cause.replace('|', '/')} |")
