@@ -326,15 +326,20 @@ def check_window_against_stock(model, batches, C, assert_grads=assert_grads_clos
     assert_grads(ours, ref_grads)
 
 
-def char_tokenizer():
-    """A character-level fast tokenizer of VOCAB ids built in memory (no hub): ids 0-3 are pad/bos/unk/eos."""
+def char_tokenizer(extra_chars: str = "", special_tokens: tuple = (), eos: str = "</s>"):
+    """A character-level fast tokenizer of at most VOCAB ids built in memory (no hub): ids 0-3 are pad/bos/unk/eos
+    ``</s>``, then one id per character (``extra_chars`` after the default ones), then ``special_tokens`` (each one
+    id, never split); ``eos``: the EOS token (``</s>`` or one of ``special_tokens``)."""
     import string
 
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(string.ascii_letters + string.digits + " .,:;!?+-*/=()'\"\n")[: VOCAB - 4]
+    chars = list(string.ascii_letters + string.digits + " .,:;!?+-*/=()'\"\n" + extra_chars)[: VOCAB - 4]
     vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "</s>": EOS, **{c: i + 4 for i, c in enumerate(chars)}}
+    vocab.update({t: len(vocab) + i for i, t in enumerate(special_tokens)})
+    if len(vocab) > VOCAB:
+        raise ValueError(f"{len(vocab)} tokens do not fit the tiny models' vocabulary of {VOCAB}")
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     return PreTrainedTokenizerFast(
@@ -342,9 +347,34 @@ def char_tokenizer():
         pad_token="<pad>",
         bos_token="<s>",
         unk_token="<unk>",
-        eos_token="</s>",
+        eos_token=eos,
         padding_side="left",
+        **({"additional_special_tokens": list(special_tokens)} if special_tokens else {}),
     )
+
+
+MULTI_TURN_ARGS = dict(
+    gradient_accumulation_steps=2, per_device_train_batch_size=4, num_generations=4, optim="sgd", beta=0.04
+)
+"""The trainer arguments of the multi-turn tests (``test_rollouts``, ``test_tools``): 2 micro-batches of 4 rows per
+step, groups of 4, SGD, a KL term."""
+
+
+def assert_trained_like_stock_on_the_tree_path(stock, stock_rec, ours, ours_rec, steps: int) -> None:
+    """A patched training run ``ours`` equals stock's (``train_recorded`` pairs): ``steps`` steps each, every step's
+    gradients within 1e-4, the final weights within 1e-5; and every step's micro-batches on the prompt-once path with
+    tree sharing, the backbone forwarding under half of stock's tokens."""
+    assert ours.state.global_step == stock.state.global_step == steps
+    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
+        assert_grads_close(g_ours, g_stock, 1e-4)
+    stock_params = dict(stock.model.named_parameters())
+    for name, p in ours.model.named_parameters():
+        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
+    logged = [h for h in ours.state.log_history if "grpo_mem/token_ratio" in h]
+    assert len(logged) == steps
+    for log in logged:
+        assert log["grpo_mem/path/tree"] == 1.0 and log["grpo_mem/path/stock"] == 0.0, log
+        assert log["grpo_mem/token_ratio"] < 0.5, log
 
 
 SYSTEM_PROMPT = "You are a careful assistant. Think it through first, then answer briefly: "

@@ -15,7 +15,7 @@ import string
 
 import pytest
 import torch
-from helpers import VOCAB, assert_close, assert_grads_close, train_recorded
+from helpers import MULTI_TURN_ARGS, assert_trained_like_stock_on_the_tree_path, char_tokenizer, train_recorded
 from trl import GRPOTrainer
 
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -24,40 +24,21 @@ CHAT_TOKENS += ["<think>", "</think>"]
 QUESTIONS = ["What is 1+2?", "Add 7 and 3.", "Sum of 4 and 5?", "Compute 2+2."]
 
 ARGS = dict(
+    MULTI_TURN_ARGS,
     max_steps=2,
-    gradient_accumulation_steps=2,
-    per_device_train_batch_size=4,
-    num_generations=4,
     max_completion_length=128,
-    optim="sgd",
-    beta=0.04,
     prompts=[[{"role": "user", "content": q}] for q in QUESTIONS],
 )
 
 
 def tool_tokenizer():
-    """A character-level fast tokenizer (at most ``VOCAB`` ids, built in memory) whose chat template is TRL's Qwen3
-    template, with its turn and tool-call markers as single tokens and ``<|im_end|>`` as EOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """``char_tokenizer`` with the characters of JSON and the chat markup, Qwen3's turn and tool-call markers as single
+    tokens, ``<|im_end|>`` as EOS, decoding without separators, and TRL's Qwen3 chat and response templates."""
+    from tokenizers import decoders
     from trl.chat_template_utils import add_response_schema, qwen3_chat_template
 
-    chars = list(string.ascii_letters + string.digits + " .,:;!?+-*/=()'\"\n<>|_{}[]#")
-    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    vocab.update({t: len(vocab) + i for i, t in enumerate(CHAT_TOKENS)})
-    assert len(vocab) <= VOCAB
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        padding_side="left",
-        additional_special_tokens=CHAT_TOKENS,
-    )
+    tokenizer = char_tokenizer("<>|_{}[]#", tuple(CHAT_TOKENS), eos="<|im_end|>")
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # the templates' text back as it was rendered
     tokenizer.chat_template = qwen3_chat_template
     return add_response_schema(tokenizer)
 
@@ -139,16 +120,7 @@ def test_tool_calling_trains_like_stock(tmp_path, how):
     trainer_kwargs = dict(tools=[add]) if how == "tools" else dict(environment_factory=Calculator)
     stock, stock_rec = _train(tmp_path / "stock", False, trainer_kwargs)
     ours, ours_rec = _train(tmp_path / "ours", True, trainer_kwargs)
-    assert ours.state.global_step == stock.state.global_step == ARGS["max_steps"]
     calls = [h["tools/call_frequency"] for h in stock.state.log_history if "tools/call_frequency" in h]
     assert calls and all(c > 0 for c in calls), calls  # tool results sit inside the completions
-    for g_ours, g_stock in zip(ours_rec.grads, stock_rec.grads, strict=True):
-        assert_grads_close(g_ours, g_stock, 1e-4)
-    stock_params = dict(stock.model.named_parameters())
-    for name, p in ours.model.named_parameters():
-        assert_close(p.detach(), stock_params[name].detach(), 1e-5, name)
-    logged = [h for h in ours.state.log_history if "grpo_mem/token_ratio" in h]
-    assert len(logged) == ARGS["max_steps"]
-    for log in logged:  # the tool schemas and the question forwarded once per micro-batch, no prompt repeated or not
-        assert log["grpo_mem/path/tree"] == 1.0 and log["grpo_mem/path/stock"] == 0.0, log
-        assert log["grpo_mem/token_ratio"] < 0.5, log
+    # the tool schemas and the question forwarded once per micro-batch, whether a prompt repeats or not
+    assert_trained_like_stock_on_the_tree_path(stock, stock_rec, ours, ours_rec, ARGS["max_steps"])
