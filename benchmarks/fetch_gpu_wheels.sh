@@ -12,7 +12,7 @@
 #   datasets      TRL's GRPOTrainer imports it; not in that environment
 #   dill, multiprocess   datasets' dependencies, not in that environment
 #   regex         transformers checks regex>=2025.10.22 when imported; its version there is unknown (insurance)
-#   peft          TRL imports peft when present; its version there is unknown against transformers 5.24 (insurance)
+#   peft          TRL imports peft when present; its version there is unknown against transformers 5.25 (insurance)
 #
 # Usage: benchmarks/fetch_gpu_wheels.sh [DEST]   (DEST defaults to .whl at the repository root; existing wheels kept)
 set -euo pipefail
@@ -22,6 +22,6 @@ mkdir -p "$dest"
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dest" \
-  transformers==5.24.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 regex==2026.11.19 peft==0.21.2
+  transformers==5.25.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 regex==2026.11.19 peft==0.21.2
 ls -l "$dest"/*.whl
 du -cb "$dest"/*.whl | tail -1
