@@ -54,6 +54,18 @@ def test_a_model_of_few_layers_is_confirmed(model_type, layers):
     assert verdict.cause is None, verdict.cause
 
 
+@pytest.mark.parametrize("model_type", [t for t in LOST if t != "flint"] + ["kimi_linear"])
+def test_a_model_of_its_own_sizes_is_confirmed(model_type):
+    """The classes a held-out sweep lost to the confirmation's builder (its own tiny configs, not the project's), at
+    sizes of a user's choosing: 6 layers, hidden 96, 6 query and 3 key/value heads, narrow MLPs, vocabulary 256."""
+    sizes = dict(hidden_size=96, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3)
+    sizes.update(intermediate_size=64, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = _user_model(model_type, **sizes)
+    assert support.unsupported_cause(model) is None
+    verdict = confirm.confirmation(model)
+    assert verdict.cause is None, verdict.cause
+
+
 @pytest.mark.parametrize("layers", [1, 2, 6])
 def test_beam_is_refused_by_the_rule(layers):
     """Beam's NoPE layers scale queries by ``(1 + position / 2048) ** 0.1``: tree sharing shifts positions (its tiny
