@@ -358,3 +358,20 @@ def test_a_layer_a_hub_kernel_took_over_is_refused_by_name(where):
         in cause
     ), cause
     assert unsupported_cause(qwen3_next()) is None  # the same model, its layers its own
+
+
+def test_recurrent_modules_sharing_a_layer_index_are_refused_by_name():
+    """Inkling keeps four short convolutions per layer (keys, values, attention and MLP outputs), told apart by the
+    ``state_idx`` they hand the cache; grpo_mem keeps one module's states per layer index, so such a model falls back
+    naming it (before the behavioural probe runs them)."""
+    from helpers import default_config
+    from transformers import AutoModelForCausalLM
+
+    from grpo_mem.model.tiny_config import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(default_config("inkling_text")))
+    assert unsupported_cause(model) == (
+        "4 recurrent modules of layer 0 (InklingShortConvolution) keep states of their own under one layer index; "
+        "grpo_mem hands on one module's states per layer"
+    )
