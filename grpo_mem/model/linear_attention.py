@@ -56,6 +56,14 @@ __all__ = [
 ]
 
 
+PADDING_BIAS = (
+    "stock feeds it into the convolution at each left-padding position, so its prompts' first tokens depend on the "
+    "batch's padding"
+)
+"""Why an input projection bias refuses a recurrent layer (``hand_off_cause``, ``mamba2_state``): the layer zeroes
+its input at padding, the bias makes it nonzero again before the convolution reads it."""
+
+
 @functools.lru_cache(maxsize=None)
 def cache_parameter(cls: type) -> str | None:
     """The name under which ``cls.forward`` takes its cache (``cache``, ``cache_params`` or ``past_key_values``), from
@@ -103,10 +111,7 @@ def hand_off_cause(module: torch.nn.Module, width: int | None = None) -> str | N
         if isinstance(m, torch.nn.Linear) and m.bias is not None and not child.startswith(("out_proj", "o_proj"))
     ]
     if biased:
-        return (
-            f"{name} has an input projection bias ({biased[0]}.bias): stock feeds it into the convolution at each "
-            "left-padding position, so its prompts' first tokens depend on the batch's padding"
-        )
+        return f"{name} has an input projection bias ({biased[0]}.bias): {PADDING_BIAS}"
     cause = kernel_cause(module)
     if cause is None:
         cause = continues_cause(name, observe(module, "linear", _bind, _HandOff, width))

@@ -41,7 +41,7 @@ import weakref
 import torch
 
 from .attention_hook import own_class
-from .linear_attention import _HandOff, _LayerForward, cache_parameter, is_candidate, wrap
+from .linear_attention import PADDING_BIAS, _HandOff, _LayerForward, cache_parameter, is_candidate, wrap
 from .recurrent_probe import continues_cause, kernel_cause, observe
 
 __all__ = ["SSDForward", "hands_off_ssd_state", "install", "is_ssd_mixer", "ssd_cause", "ssd_layers"]
@@ -65,10 +65,7 @@ def _mixer_cause(module: torch.nn.Module) -> str | None:
     run once on its meta twin through ``SSDForward`` (``recurrent_probe.continues_cause``: it must write both states
     through its cache, and its output over several tokens and over one must depend on both states it is handed)."""
     if getattr(getattr(module, "in_proj", None), "bias", None) is not None:
-        return (
-            f"{type(module).__name__} has an input projection bias: stock feeds it into the convolution at each "
-            "left-padding position, so its prompts' first tokens depend on the batch's padding"
-        )
+        return f"{type(module).__name__} has an input projection bias: {PADDING_BIAS}"
     name = f"{own_class(module).__name__} (layer {module.layer_idx})"
     return kernel_cause(module) or continues_cause(name, observe(module, "ssd", _bind, _HandOff))
 
