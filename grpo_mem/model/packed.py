@@ -25,6 +25,7 @@ to pass outside attention. This module knows torch and the attention hook.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from ..ops import attention_cpu
 from ..ops._backends import resolve
 from . import attention_hook as attn_hook
+from .last_layer import Cut, Prior
 from .plan import PassSpec, known_index, to_device
 from .store import ForwardedPass, PromptStates
 
@@ -42,17 +44,23 @@ class PackedContext:
     """Context of a packed call: every pass of a micro-batch that is backpropagated together, each a block of
     ``n x S`` tokens (its rows right-padded to its width, row-major) of the call's one (1, T) sequence, at ``offsets``.
     ``blocks`` are ordered ancestors first: a block's ``regions`` may hold an earlier block's ``capture`` (filled by
-    that block in the same layer call, so read after it)."""
+    that block in the same layer call, so read after it) or a ``prior`` block's."""
 
     blocks: list[attn_hook.CompletionContext]
     offsets: list[int]
     masks: dict = field(default_factory=dict)  # (sliding window, dtype) -> the one-call path's additive mask
+    after: int | None = None  # the last layer's index once ``last_layer.Cut`` ran it: no attention may follow
+    prior: Prior | None = None
 
     def attend(self, query, key, value, layer: int, kwargs: dict) -> torch.Tensor:
         """The attention hook's work for this call: ``query`` (1, Hq, T, d), ``key``/``value`` (1, Hkv, T, d)
         post-RoPE; each block viewed as its (n, S) rows in place and attended as its own pass would be
         (``attention_hook.attend``), ancestors first, or all of them as one masked attention (``_one_call``).
         Returns (1, T, Hq, dv)."""
+        if self.after is not None:
+            raise RuntimeError(
+                f"grpo_mem: layer {layer} attended after layer {self.after}, taken as the model's last decoder layer"
+            )
         views = [self._rows(b, query, key, value) for b in range(len(self.blocks))]
         if self._one_call(query, key, value, kwargs):
             return self._attend_once(query, key, value, layer, kwargs, views)
@@ -65,19 +73,24 @@ class PackedContext:
         sl = slice(self.offsets[b], self.offsets[b] + n * S)
         return tuple(t[0, :, sl].unflatten(1, (n, S)).transpose(0, 1) for t in tensors)
 
+    def _key_blocks(self) -> list[attn_hook.CompletionContext]:
+        """The blocks whose keys one masked call attends: the prior ones, then this call's."""
+        return ([] if self.prior is None else self.prior.blocks) + self.blocks
+
     def _one_call(self, query, key, value, kwargs) -> bool:
         """Whether every block attends in one masked attention call over the packed tokens: CPU tensors the cpu
         backend takes (``_backends.resolve``), no soft-capping or sinks, key and value heads of one width, every
-        region an earlier block's (no K/V kept from another call) and a (T x T) mask within
-        ``attention_cpu.MASK_BYTES_LIMIT``. Then a layer calls ATen's fused CPU attention once (forward and backward),
-        as stock does, instead of once per block and region entry; the numbers are the same softmax over the same
-        visible keys."""
+        region a block's of this call or a prior one (no K/V kept from another micro-batch or release) and a (T x K)
+        mask within ``attention_cpu.MASK_BYTES_LIMIT`` (K: the prior and own keys). Then a layer calls ATen's fused
+        CPU attention once (forward and backward), as stock does, instead of once per block and region entry; the
+        numbers are the same softmax over the same visible keys."""
         T = query.shape[2]
+        K = T + (0 if self.prior is None else self.prior.key.shape[2])
         if query.device.type != "cpu" or value.shape[-1] != key.shape[-1] or kwargs.get("s_aux") is not None:
             return False
-        if kwargs.get("softcap") is not None or 4 * T * T > attention_cpu.MASK_BYTES_LIMIT or not self._pays(T):
+        if kwargs.get("softcap") is not None or 4 * T * K > attention_cpu.MASK_BYTES_LIMIT or not self._pays(T, K):
             return False
-        captures = {id(b.capture) for b in self.blocks if b.capture is not None}
+        captures = {id(b.capture) for b in self._key_blocks() if b.capture is not None}
         if any(id(r.kv) not in captures for b in self.blocks for r in b.regions):
             return False
         window = attn_hook.layer_features(kwargs)["sliding_window"]
@@ -86,21 +99,23 @@ class PackedContext:
         needs = {"sliding_window"} if window is not None else set()
         return resolve("multi_region_attention", "auto", query, needs) == "cpu"
 
-    def _pays(self, T: int) -> bool:
-        """Whether one call's (T x T) scores cost no more than twice the blocks' own (each row's causal keys and the
-        regions it reads), or the call is small (T <= 512), where the launches saved outweigh the extra scores: one
-        masked call scores every pair, the blocks only the pairs they read."""
+    def _pays(self, T: int, K: int) -> bool:
+        """Whether one call's (T x K) scores cost no more than twice the blocks' own (each row's causal keys and the
+        regions it reads), or the call is small (T x K <= 512^2), where the launches saved outweigh the extra scores:
+        one masked call scores every pair, the blocks only the pairs they read."""
         scores = 0
         for block in self.blocks:
             n, S = block.key_mask.shape
             scores += n * S * (S + 1) // 2 + sum(n * S * r.mask.shape[1] for r in block.regions)
-        return T * T <= max(2 * scores, 512 * 512)
+        return T * K <= max(2 * scores, 512 * 512)
 
     def _attend_once(self, query, key, value, layer: int, kwargs: dict, views) -> torch.Tensor:
         """``attend`` as one masked attention (``_one_call``), each block's K/V recorded as ``attend`` records them."""
         for block, (_, k, v) in zip(self.blocks, views):
             if block.capture is not None:
                 block.capture.setdefault(layer, (k, v))
+        if self.prior is not None:
+            key, value = torch.cat([self.prior.key, key], 2), torch.cat([self.prior.value, value], 2)
         q, k, v = attn_hook.op_tensors((query, key, value))
         scaling, window = kwargs.get("scaling"), attn_hook.layer_features(kwargs)["sliding_window"]
         mask = self.masks.get((window, q.dtype))
@@ -113,28 +128,36 @@ class PackedContext:
         return out.transpose(1, 2)
 
     def _visible(self, window: int | None) -> torch.Tensor:
-        """(T, T) bool: packed query i sees key j iff both are of one row, j <= i and j is real, or j is a real key
-        of a row i's row reads (an ancestor block's row, through a region's index); with a sliding window W also
-        ``pos_i - pos_j < W``."""
-        starts, rows, tpos, real, pos, first = {}, [], [], [], [], 0
-        for block in self.blocks:
+        """(T, K) bool over this call's queries and the prior keys then its own: query i sees key j iff both are of
+        one row, j <= i and j is real, or j is a key a region of i's row shows it (an ancestor block's row, through the
+        region's index and mask); with a sliding window W also ``pos_i - pos_j < W``."""
+        starts, rows, tpos, real, pos, first, token = {}, [], [], [], [], 0, 0
+        for block in self._key_blocks():
             n, S = block.key_mask.shape
-            starts[id(block.capture)] = first
+            starts[id(block.capture)] = (token, S)
             rows.append(torch.arange(first, first + n).repeat_interleave(S))
             tpos.append(torch.arange(S).repeat(n))
             real.append(block.key_mask.reshape(-1))
             pos.append(block.positions.reshape(-1))
-            first += n
-        reads = torch.zeros(first, first, dtype=torch.bool)
-        for block, block_rows in zip(self.blocks, rows):
-            reader = block_rows.view(-1, block.key_mask.shape[1])[:, 0]
-            for region in block.regions:  # a row with index -1 marks its own ancestor's first row unread: false
-                read = region.index.cpu() >= 0
-                reads[reader, starts[id(region.kv)] + region.index.cpu().clamp(min=0)] = read
+            first, token = first + n, token + n * S
+        reads = torch.zeros(first, token, dtype=torch.bool)
+        reader = first - sum(b.key_mask.shape[0] for b in self.blocks)  # this call's first row
+        for block in self.blocks:
+            n, S = block.key_mask.shape
+            for region in block.regions:  # a row with index -1 reads nothing of the region
+                start, width = starts[id(region.kv)]
+                index = region.index.cpu()
+                entry = index.clamp(min=0)
+                keys = start + entry[:, None] * width + torch.arange(width)
+                reads[torch.arange(reader, reader + n)[:, None], keys] = (
+                    region.mask.cpu()[entry] & (index >= 0)[:, None]
+                )
+            reader += n
         rows, tpos, real, pos = (torch.cat(x) for x in (rows, tpos, real, pos))
-        visible = ((rows[:, None] == rows[None, :]) & (tpos[None, :] <= tpos[:, None])) | reads[rows][:, rows]
+        q = slice(len(rows) - sum(b.key_mask.numel() for b in self.blocks), len(rows))
+        visible = ((rows[q, None] == rows[None, :]) & (tpos[None, :] <= tpos[q, None])) | reads[rows[q]]
         visible &= real[None, :]
-        return visible if window is None else visible & (pos[:, None] - pos[None, :] < window)
+        return visible if window is None else visible & (pos[q, None] - pos[None, :] < window)
 
 
 class _Call:
@@ -218,30 +241,35 @@ def _completion_block(window, mb, call: _Call, completion_ids, completion_mask, 
     return call.add(ids, positions, ctx)
 
 
-def _run(mb, call: _Call) -> torch.Tensor:
-    """The backbone on ``call``'s packed sequence; returns its (T, H) final hidden states, holding the call's context
-    for the replay of checkpointed layers."""
+def _run(mb, call: _Call, lengths: dict[int, list[int]]):
+    """The backbone on ``call``'s packed sequence, its last layer cut where it can be (``last_layer.Cut``; node block
+    b's rows have ``lengths[b]`` real tokens). Returns its final hidden states (T, H) or, cut, (T', H), the call's
+    context (held by the hidden states' graph for the replay of checkpointed layers) and the cut or None."""
     ctx = PackedContext(blocks=call.blocks, offsets=call.offsets)
     ids, positions = torch.cat(call.ids)[None], torch.cat(call.positions)[None]
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=mb.device)  # returned as is by the mask builders
-    out = mb.causal_lm.base_model(
-        input_ids=ids,
-        position_ids=positions,
-        attention_mask=placeholder,
-        use_cache=False,
-        grpo_mem_ctx=attn_hook.context_token(ctx),
-    )
-    return attn_hook.keep_alive(out.last_hidden_state[0], ctx), ctx
+    cut = Cut.of(mb.causal_lm.base_model, ctx, call, lengths, mb.device)
+    with cut or contextlib.nullcontext():
+        out = mb.causal_lm.base_model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=placeholder,
+            use_cache=False,
+            grpo_mem_ctx=attn_hook.context_token(ctx),
+        )
+    return attn_hook.keep_alive(out.last_hidden_state[0], ctx), ctx, cut if cut is not None and cut.ran else None
 
 
-def _register(window, mb, call: _Call, hidden, ctx, passes) -> None:
+def _register(window, mb, call: _Call, hidden, ctx, cut, passes) -> None:
     """Register every node block of a finished call as its pass: its K/V per layer and each row's last hidden
     state."""
     for block, spec, mask, positions, lengths in passes:
         n, S = mask.shape
-        offset = call.offsets[block]
-        rows = hidden[offset : offset + n * S].unflatten(0, (n, S))
-        last = rows[torch.arange(n, device=mb.device), to_device(torch.tensor(lengths), mb.device) - 1]
+        if cut is not None:
+            last = cut.last(hidden, block)
+        else:
+            rows = hidden[call.offsets[block] : call.offsets[block] + n * S].unflatten(0, (n, S))
+            last = rows[torch.arange(n, device=mb.device), to_device(torch.tensor(lengths), mb.device) - 1]
         capture = call.blocks[block].capture
         kv = {i: tuple(attn_hook.keep_alive(t, ctx) for t in capture[i]) for i in sorted(capture)}
         window.table.register(ForwardedPass(spec=spec, mask=mask, positions=positions), PromptStates(kv, last))
@@ -264,9 +292,9 @@ def forward(window, mb, completion_ids, completion_mask, width: int) -> torch.Te
             completion = _completion_block(window, mb, call, completion_ids, completion_mask, width)
         if not call.blocks:
             continue
-        out, ctx = _run(mb, call)
-        _register(window, mb, call, out, ctx, passes)
+        out, ctx, cut = _run(mb, call, {p[0]: p[-1] for p in passes})
+        _register(window, mb, call, out, ctx, cut, passes)
         if completion is not None:
-            offset = call.offsets[completion]
+            offset = call.offsets[completion] if cut is None else cut.offset(completion)
             hidden = out[offset : offset + completion_ids.shape[0] * width].unflatten(0, (-1, width))
     return hidden

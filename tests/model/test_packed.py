@@ -6,7 +6,7 @@ import torch
 from helpers import OpNames, assert_close, assert_grads_close, grads_of, make_batch, stock_logps, tiny_model
 
 import grpo_mem
-from grpo_mem.model import packed
+from grpo_mem.model import last_layer, packed
 from grpo_mem.model.sharing import SharingSession
 
 FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
@@ -25,8 +25,9 @@ def _score(model, ids, mask, C, sharing="tree"):
 @pytest.mark.parametrize("sharing", ["group", "tree"])
 def test_one_call_per_layer_and_the_blocks_agree_with_stock(monkeypatch, sharing):
     """A small text micro-batch on CPU: one backbone call; each decoder layer's attention one call of ATen's fused
-    CPU kernel, as stock's; log-probs, entropies and gradients equal stock TRL's, and equal (to rounding) those of the
-    per-block path, which calls the kernel once per block and region entry."""
+    CPU kernel, as stock's (the last layer's too, cut to the node rows' last tokens and the completions reading the
+    nodes' K/V: ``last_layer``); log-probs, entropies and gradients equal stock TRL's, and equal (to rounding) those of the
+    per-block path, which calls the kernel once per block and region entry, and those of the uncut last layer."""
     model = tiny_model("llama")
     ids, mask, C, _ = make_batch([6, 9, 4], 3, 5, shuffle=True, seed=11)
     ref, ref_e = stock_logps(model, ids, mask, C, temperature=0.7, compute_entropy=True)
@@ -36,16 +37,20 @@ def test_one_call_per_layer_and_the_blocks_agree_with_stock(monkeypatch, sharing
     once = _score(model, ids, mask, C, sharing)
     hook.remove()
     assert len(calls) == 1 and calls[0][0] == 1  # one packed call
-    assert once[3].count(FLASH) == model.config.num_hidden_layers
+    with monkeypatch.context() as m:
+        m.setattr(last_layer.Cut, "of", classmethod(lambda *a: None))
+        whole = _score(model, ids, mask, C, sharing)
+    assert once[3].count(FLASH) == whole[3].count(FLASH) == model.config.num_hidden_layers
     monkeypatch.setattr(packed.PackedContext, "_one_call", lambda self, *a: False)
     blocks = _score(model, ids, mask, C, sharing)
     assert blocks[3].count(FLASH) > 2 * model.config.num_hidden_layers
     keep = mask[:, -C:]
-    for ours in (once, blocks):
+    for ours in (once, blocks, whole):
         assert_close(ours[0], ref, 1e-5, "log-probs", keep)
         assert_close(ours[1], ref_e, 1e-5, "entropies", keep)
         assert_grads_close(ours[2], ref_g)
     assert_close(once[0], blocks[0], 2e-6, "one call against the blocks", keep)
+    assert_close(once[0], whole[0], 2e-6, "the cut last layer against the whole", keep)
 
 
 def test_a_pass_kept_from_an_earlier_micro_batch_is_read_in_place():

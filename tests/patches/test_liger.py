@@ -219,8 +219,9 @@ def test_liger_rope_kernel_in_the_prompt_once_path(monkeypatch):
     with session.recording() as decisions:
         ours, ours_ent = session.score(model, ids, mask, C, compute_entropy=True)
     # one call a layer: stock's one pass; ours one packed call of the shared node, the prompts' own parts and the
-    # completions, each block at its own positions
-    assert [d.path for d in decisions] == ["tree"] and (stock_calls, calls["rope"]) == (2, 2)
+    # completions, each block at its own positions, its last layer in two steps (the nodes' K/V, then the rows' last
+    # tokens and the completions: ``last_layer``)
+    assert [d.path for d in decisions] == ["tree"] and (stock_calls, calls["rope"]) == (2, 3)
     assert_close(ours, ref, 1e-5, "log-probs", mask=mask[:, -C:])
     assert_close(ours_ent, ref_ent, 1e-5, "entropies", mask=mask[:, -C:])
     assert_grads_close(grads_of(model, ours, ours_ent), ref_grads, 1e-4)
