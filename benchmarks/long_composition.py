@@ -13,6 +13,7 @@ is the allocator's and the kernels' scratch, which no tensor holds).
     python benchmarks/long_composition.py                      # qwen3-4b (CPU cut), P=4096, C=64, G=8, grpo_mem
     python benchmarks/long_composition.py --provider full_seq  # the same for the stock baseline (slow)
     python benchmarks/long_composition.py --model qwen2 --layers 4   # the issue's Qwen2 shape (hidden 512, 4 layers)
+    python benchmarks/long_composition.py --whole-last-layer   # the last layer over every prompt token, as before
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(1, _HERE)
 
 from grpo_mem.bench.measure import PeakRSS, TensorMemoryTracker, release_free_memory  # noqa: E402
+from grpo_mem.model import last_layer  # noqa: E402
+from grpo_mem.model.last_layer import decoder_stack  # noqa: E402
 
 MB = 1e6
 
@@ -91,7 +94,8 @@ def coarse(fine: dict[str, float], layers: int) -> dict[str, float]:
 def labeller(model, C: int, wide: str = "prompt"):
     """(label function, hooks, state): the label names the backbone pass (by its width: wider than C is a prompt
     pass, named ``wide``; the completion pass runs C - 1 tokens a row) and the module
-    running (the innermost module under a decoder layer, or the backbone's own child), else ``head``."""
+    running (the innermost module under a decoder layer, or the backbone's own child; the last decoder layer as a
+    whole), else ``head``."""
     state = {"pass": None, "stack": [], "backward": False}
     backbone = model.get_decoder()
     hooks = []
@@ -110,7 +114,11 @@ def labeller(model, C: int, wide: str = "prompt"):
         if module is backbone:
             state["pass"] = None
 
+    stack = decoder_stack(backbone)  # the last layer's modules stay unhooked: hooks keep it whole (``last_layer``)
+    inside = {id(m) for m in stack[-1].modules() if m is not stack[-1]} if stack is not None else set()
     for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
         hooks.append(module.register_forward_pre_hook(enter(name), with_kwargs=True))
         hooks.append(module.register_forward_hook(leave, with_kwargs=True))
 
@@ -144,7 +152,10 @@ def main(argv=None) -> int:
     ap.add_argument("-C", type=int, default=64)
     ap.add_argument("-G", type=int, default=8)
     ap.add_argument("--by-layer", action="store_true", help="keep the layer index in the labels")
+    ap.add_argument("--whole-last-layer", action="store_true", help="run the last layer over every prompt token")
     args = ap.parse_args(argv)
+    if args.whole_last_layer:
+        last_layer.Cut.of = classmethod(lambda *a, **k: None)
     if args.model in bench_long.MODELS:
         config = bench_long.model_config(args.model, cpu_cut=True)
     else:
