@@ -126,6 +126,23 @@ def _cut_args(value, T: int, index):
     return value
 
 
+_IDENTITY: dict[tuple[int, str], torch.Tensor] = {}  # (rows, device) -> arange(rows) there, marked in range
+
+
+def _own_index(lengths: list[int], device, mask: torch.Tensor) -> torch.Tensor:
+    """The index of step 2's region of each row's own earlier keys: row i reads entry i, or nothing (-1) where its
+    last token is its first. Where every row has earlier keys it is one tensor per row count and device for the
+    process, so a backend deriving per-index bookkeeping from it (the torch backend's entry groups, read back once
+    per index tensor) does so once, not once per call."""
+    if min(lengths) > 1:
+        key = (len(lengths), str(device))
+        if key not in _IDENTITY:
+            _IDENTITY[key] = known_index(torch.arange(len(lengths)), device, mask)
+        return _IDENTITY[key]
+    own = torch.tensor([i if length > 1 else -1 for i, length in enumerate(lengths)], dtype=torch.long)
+    return known_index(own, device, mask)
+
+
 class Cut:
     """The last layer of one packed call run in two steps (module docstring); a context manager that puts the two
     steps in place of the layer's ``forward`` for the call.
@@ -200,9 +217,8 @@ class Cut:
             n, S = ctx.key_mask.shape
             index.append(call.offsets[b] + torch.arange(n) * S + lengths - 1)
             before = torch.arange(S)[None, :] < (lengths - 1)[:, None]  # the row's own keys before its last token
-            own = torch.where(lengths > 1, torch.arange(n), -1)
             mask = to_device(before, self.device)
-            region = attn_hook.Region(ctx.capture, known_index(own, self.device, mask), mask, ctx.positions)
+            region = attn_hook.Region(ctx.capture, _own_index(self.lengths[b], self.device, mask), mask, ctx.positions)
             last = to_device(lengths - 1, self.device)[:, None]
             contexts.append(
                 attn_hook.CompletionContext(
