@@ -19,8 +19,9 @@ precision (fp64 for fp32, fp32 for bf16/fp16); the bounds and the report: :mod:`
 This module runs the steps; what is scored: ``verify_inputs``; the runs: ``verify_runs``; the truth: ``verify_truth``;
 the gradient sketches: ``verify_sketch``; what is put back afterwards: ``verify_state``.
 
-Memory: verify is for the user whose training runs out of memory, so no run holds more than the patched training
-step it checks (measured: ``benchmarks/results/verify_memory.csv``):
+Memory: verify is for the user whose training runs out of memory, so no run holds much more than the patched
+training step it checks (measured: ``benchmarks/results/verify_memory.csv``; one row of stock's or the truth's run can
+top a step whose last layer runs its prompts only as far as their K/V: 1.01x on the bench shape, 1.054x on a tiny one):
 
 - grpo_mem's path runs first, exactly as in training, with nothing else held.
 - Stock TRL's method runs in row chunks: as many whole rows (P + C tokens each) as fit in the most backbone tokens
