@@ -498,39 +498,54 @@ def train_recorded(tmp_path, kind, patch, group_shuffle=None, **args):
     return trainer, record
 
 
-def run_under_interpreter(test_file: str, select: str) -> None:
-    """Run the tests of ``test_file`` matching ``-k select`` in a fresh ``TRITON_INTERPRET=1`` process (Triton fixes
-    interpreter mode at its first import) and assert that they ran and passed: some passed, none skipped, failed or
-    in error (a skip there means the interpreter did not run what the main process skips)."""
+_INTERPRETER_DRIVER = """
+import json, sys, pytest
+
+class Count:
+    def __init__(self):
+        self.n = {"passed": 0, "failed": 0, "skipped": 0}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            self.n[report.outcome] += 1
+
+out = {}
+for path, select in json.loads(sys.argv[1]):
+    count = Count()
+    code = pytest.main([path, "-q", "-x", "-p", "no:cacheprovider", "-k", select], plugins=[count])
+    out[path] = [int(code), count.n]
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def run_under_interpreter(runs: list[tuple[str, str]]) -> None:
+    """Run, for each ``(test_file, select)`` of ``runs``, the tests of ``test_file`` matching ``-k select``, all in one
+    fresh ``TRITON_INTERPRET=1`` process (Triton fixes interpreter mode at its first import; one process pays the
+    imports once), and assert that each selection ran and passed: some passed, none skipped, failed or in error (a
+    skip there means the interpreter did not run what the main process skips)."""
+    import json
     import subprocess
     import sys
 
-    root = REPO
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    runs = [(os.path.abspath(path), select) for path, select in runs]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            os.path.abspath(test_file),
-            "-q",
-            "-x",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            select,
-        ],
-        cwd=root,
+        [sys.executable, "-c", _INTERPRETER_DRIVER, json.dumps(runs)],
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
     )
-    report = proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert " passed" in tail and not any(word in tail for word in ("skipped", "failed", "error")), report
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, report
+    results = json.loads(lines[-1][len("RESULTS ") :])
+    for path, _ in runs:
+        code, n = results[path]
+        assert code == 0 and n["passed"] > 0 and n["failed"] == n["skipped"] == 0, (path, code, n, report)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 from helpers import (
-    INTERPRETING,
     FakeKernel,
     HostSyncsAndCopies,
     LaunchRecorder,
@@ -13,7 +12,6 @@ from helpers import (
     attention_inputs,
     check_fp32_against_truth,
     needs_interpreter,
-    run_under_interpreter,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -394,12 +392,6 @@ def test_triton_batch_offsets_past_int32():
         assert_close(res["d" + n], want, 1e-5 * max(want.abs().max().item(), 1.0), "d" + n)
     del far, base
     buf.close()
-
-
-def test_triton_kernels_under_interpreter():
-    if INTERPRETING:
-        pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
-    run_under_interpreter(__file__, "triton and not under_interpreter")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import INTERPRETING, assert_close, attention_inputs, needs_interpreter, run_under_interpreter
+from helpers import assert_close, attention_inputs, needs_interpreter
 
 from grpo_mem.ops import multi_region_attention, multi_region_attention_ref
 from grpo_mem.ops.attention import MultiRegionAttentionFunction, MultiRegionAttentionParams
@@ -319,9 +319,3 @@ def test_window_on_large_unordered_positions(backend, window):
         multi_region_attention_ref, t, meta, km, go, feats, dtype=torch.float64, positions=(q_pos, k_pos), scale=scale
     )
     check_fp32(run(backend_fn(backend), t, meta, km, go, feats, positions=(q_pos, k_pos), scale=scale), truth)
-
-
-def test_triton_kernels_under_interpreter():
-    if INTERPRETING:
-        pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
-    run_under_interpreter(__file__, "triton and not under_interpreter")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, INTERPRETING, FakeKernel, needs_interpreter, recording_launch_device, run_under_interpreter
+from helpers import REPO, INTERPRETING, FakeKernel, needs_interpreter, recording_launch_device
 
 from grpo_mem.ops import _ext
 from grpo_mem.ops._backends import BackendUnavailableError, resolve
@@ -478,15 +478,8 @@ def test_torch_compile_of_linear_logprobs_matches_eager():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # triton backend on CPU tensors through the interpreter (small shapes). triton.language's own helpers are decorated
-# when triton is first imported, so the interpreter must be on before that: test_triton_interpreter_suite reruns the
+# when triton is first imported, so the interpreter must be on before that: tests/ops/test_interpreter.py reruns the
 # tests below in a fresh TRITON_INTERPRET=1 process and checks they all passed there.
-
-
-def test_triton_interpreter_suite():
-    if INTERPRETING:
-        pytest.skip("already inside the interpreter process")
-    pytest.importorskip("triton")
-    run_under_interpreter(__file__, "triton_interpreter and not suite")
 
 
 TRITON_CASES = [("fp32", c) for c in ("plain", "softcap", "bias", "frozen_weight", "confident", "ignored")]

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from helpers import (
-    INTERPRETING,
     HostSyncsAndCopies,
     LaunchRecorder,
     OpNames,
@@ -11,7 +10,6 @@ from helpers import (
     attention_inputs,
     check_fp32_against_truth,
     needs_interpreter,
-    run_under_interpreter,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -432,12 +430,6 @@ def test_triton_region_read_through_a_strided_view():
 
     truth = result(multi_region_attention_ref, torch.float64)
     check_fp32_against_truth(result(multi_region_attention, torch.float32, backend="triton"), truth)
-
-
-def test_triton_kernels_under_interpreter():
-    if INTERPRETING:
-        pytest.skip("this process has the interpreter: the Triton tests above ran here directly")
-    run_under_interpreter(__file__, "triton and not under_interpreter and not launch")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

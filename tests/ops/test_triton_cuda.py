@@ -37,7 +37,7 @@ result instead of reading zeros. Also cuda-only: the forward and backward make n
 (``torch.cuda.set_sync_debug_mode("error")``) and are bitwise deterministic.
 
 Sizes: CUDA runs the realistic shapes (``GPU_CHECK_SIZES=toy`` selects the toy ones, e.g. under compute-sanitizer);
-under ``TRITON_INTERPRET=1`` (CPU) the toy shapes run, through ``test_triton_cuda_cases_under_interpreter`` in CI.
+under ``TRITON_INTERPRET=1`` (CPU) the toy shapes run, through ``tests/ops/test_interpreter.py`` in CI.
 Without CUDA or the interpreter every case skips.
 """
 
@@ -47,7 +47,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import INTERPRETING, attention_inputs, run_under_interpreter
+from helpers import INTERPRETING, attention_inputs
 
 from grpo_mem.ops import (
     linear_logprobs,
@@ -65,7 +65,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 TOY = not CUDA or os.environ.get("GPU_CHECK_SIZES", "full") == "toy"
 runs_here = pytest.mark.skipif(
     not (CUDA or INTERPRETING),
-    reason="needs CUDA; in CPU CI run at toy shapes by test_triton_cuda_cases_under_interpreter",
+    reason="needs CUDA; in CPU CI run at toy shapes by tests/ops/test_interpreter.py",
 )
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled kernels)")
 large = pytest.mark.xdist_group("large")
@@ -645,18 +645,3 @@ def test_scoring_call_host_syncs():
     ours = [w for w, s in zip(where, syncs) if "/grpo_mem/" in s.filename]
     assert not [w for w in ours if w.startswith("ops/")], where
     assert len(ours) <= SCORING_SYNC_BUDGET, where
-
-
-@pytest.mark.slow
-def test_triton_cuda_cases_under_interpreter():
-    """The cases above at toy shapes in a fresh TRITON_INTERPRET=1 process (CPU CI; on CUDA they ran directly): about
-    a minute of CPU time, hence slow-marked (CI runs it)."""
-    if INTERPRETING or CUDA:
-        pytest.skip("the cases above ran in this process")
-    # the CUDA-only checks (host synchronisations, compiled kernels, the op-times writer) and the reader of
-    # JITFunctions have nothing to run under the interpreter
-    kernels_only = (
-        "not under_interpreter and not no_host_sync and not host_syncs and not compiled_kernel_rows"
-        " and not op_times_writer_on_cuda"
-    )
-    run_under_interpreter(__file__, f"{kernels_only} and not (fp16 and not d128 and attention)")

@@ -22,7 +22,6 @@ from helpers import (
     make_batch,
     make_trainer,
     needs_interpreter,
-    run_under_interpreter,
     stock_logps,
     tiny_model,
 )
@@ -181,11 +180,6 @@ def test_unserved_liger_loss_warns_once(tmp_path):
         trainer._prepare_inputs(batch)
         trainer._prepare_inputs(batch)
     assert sum("use_liger_kernel=True" in str(w.message) for w in caught) == 1
-
-
-@needs_liger
-def test_liger_rope_kernel_under_interpreter():
-    run_under_interpreter(__file__, "rope_kernel_in_the_prompt_once_path")
 
 
 @needs_interpreter
