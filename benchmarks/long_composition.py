@@ -29,7 +29,6 @@ sys.path.insert(1, _HERE)
 
 from grpo_mem.bench.measure import PeakRSS, TensorMemoryTracker, release_free_memory  # noqa: E402
 from grpo_mem.model import last_layer  # noqa: E402
-from grpo_mem.model.last_layer import decoder_stack  # noqa: E402
 
 MB = 1e6
 
@@ -114,7 +113,9 @@ def labeller(model, C: int, wide: str = "prompt"):
         if module is backbone:
             state["pass"] = None
 
-    stack = decoder_stack(backbone)  # the last layer's modules stay unhooked: hooks keep it whole (``last_layer``)
+    stack = last_layer.decoder_stack(
+        backbone
+    )  # the last layer's modules stay unhooked: hooks keep it whole (``last_layer``)
     inside = {id(m) for m in stack[-1].modules() if m is not stack[-1]} if stack is not None else set()
     for name, module in model.named_modules():
         if id(module) in inside:
@@ -138,24 +139,13 @@ def labeller(model, C: int, wide: str = "prompt"):
     return label, hooks, state
 
 
-def main(argv=None) -> int:
+def model_config(args) -> dict:
+    """The config of ``args.model`` (a bench_long model at its CPU cut, or a ``BENCH_MODELS`` name), at ``args.layers``
+    layers when given."""
     import bench_long
 
-    from grpo_mem.bench.group import build_model, make_inputs, make_logprob_fn
     from grpo_mem.bench.presets import bench_model_config
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-4b", help="a bench_long model (CPU cut) or a BENCH_MODELS name")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--provider", default="grpo_mem", choices=("grpo_mem", "full_seq"))
-    ap.add_argument("-P", type=int, default=4096)
-    ap.add_argument("-C", type=int, default=64)
-    ap.add_argument("-G", type=int, default=8)
-    ap.add_argument("--by-layer", action="store_true", help="keep the layer index in the labels")
-    ap.add_argument("--whole-last-layer", action="store_true", help="run the last layer over every prompt token")
-    args = ap.parse_args(argv)
-    if args.whole_last_layer:
-        last_layer.Cut.of = classmethod(lambda *a, **k: None)
     if args.model in bench_long.MODELS:
         config = bench_long.model_config(args.model, cpu_cut=True)
     else:
@@ -165,22 +155,11 @@ def main(argv=None) -> int:
         config["num_hidden_layers"] = args.layers
         if "layer_types" in config:
             config["layer_types"] = config["layer_types"][: args.layers]
-    model = build_model(config)
-    ids, mask, cmask = make_inputs(args.G, args.P, args.C, 1, config["vocab_size"], seed=1)
-    fn = make_logprob_fn(args.provider, model, args.C)
-    lp, _ = fn(ids[:2, : args.P // 8 + 16 + args.C], mask[:2, : args.P // 8 + 16 + args.C])  # warm-up
-    lp.sum().backward()
-    model.zero_grad(set_to_none=True)
-    label, hooks, state = labeller(model, args.C, "prompt" if args.provider == "grpo_mem" else "full-sequence")
-    release_free_memory()
-    with PeakRSS() as rss, ComposedTracker(label) as tracker:
-        lp, ent = fn(ids, mask)
-        loss = (lp * cmask.float()).sum()
-        forward_end = tracker.snapshot()
-        state["backward"] = True
-        loss.backward()
-    for h in hooks:
-        h.remove()
+    return config
+
+
+def report(args, model, config, rss, tracker, forward_end) -> None:
+    """Print the run's peaks and the live storages by label at the end of the forward and at the peak."""
     grads = {
         p.grad.untyped_storage().data_ptr(): "parameter gradients" for p in model.parameters() if p.grad is not None
     }
@@ -199,6 +178,41 @@ def main(argv=None) -> int:
                 print(f"  {v:9.1f}  {k}")
     kv = 2 * config["num_key_value_heads"] * config.get("head_dim", 64) * 4 * layers
     print(f"\nrecorded prompt K/V (inside the prompt pass's self_attn terms): {kv / MB:.4f} MB per prompt token")
+
+
+def main(argv=None) -> int:
+    from grpo_mem.bench.group import build_model, make_inputs, make_logprob_fn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-4b", help="a bench_long model (CPU cut) or a BENCH_MODELS name")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--provider", default="grpo_mem", choices=("grpo_mem", "full_seq"))
+    ap.add_argument("-P", type=int, default=4096)
+    ap.add_argument("-C", type=int, default=64)
+    ap.add_argument("-G", type=int, default=8)
+    ap.add_argument("--by-layer", action="store_true", help="keep the layer index in the labels")
+    ap.add_argument("--whole-last-layer", action="store_true", help="run the last layer over every prompt token")
+    args = ap.parse_args(argv)
+    if args.whole_last_layer:  # as before model/last_layer.py: no call cuts its last layer
+        last_layer.Cut.of = classmethod(lambda *a, **k: None)
+    config = model_config(args)
+    model = build_model(config)
+    ids, mask, cmask = make_inputs(args.G, args.P, args.C, 1, config["vocab_size"], seed=1)
+    fn = make_logprob_fn(args.provider, model, args.C)
+    lp, _ = fn(ids[:2, : args.P // 8 + 16 + args.C], mask[:2, : args.P // 8 + 16 + args.C])  # warm-up
+    lp.sum().backward()
+    model.zero_grad(set_to_none=True)
+    label, hooks, state = labeller(model, args.C, "prompt" if args.provider == "grpo_mem" else "full-sequence")
+    release_free_memory()
+    with PeakRSS() as rss, ComposedTracker(label) as tracker:
+        lp, ent = fn(ids, mask)
+        loss = (lp * cmask.float()).sum()
+        forward_end = tracker.snapshot()
+        state["backward"] = True
+        loss.backward()
+    for h in hooks:
+        h.remove()
+    report(args, model, config, rss, tracker, forward_end)
     return 0
 
 
