@@ -1,22 +1,25 @@
-"""pytest plugin for TRL's own tests run offline, stock or with grpo_mem's patch (loaded by ``run_trl_vlm.py`` with
+"""pytest plugin for TRL's own tests run offline, stock or with grpo_mem's patch (loaded by ``run_trl.py`` with
 ``-p trl_offline_plugin``; not a conftest, so the repository's own suite never loads it).
 
 Read from the environment the runner sets:
 
 - ``GRPO_MEM_UPSTREAM_CACHE``: the directory ``offline_assets`` wrote. Models resolve through the hub cache there
-  (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1``, set by the runner); this plugin resolves the rest:
-  ``AutoProcessor.from_pretrained("trl-internal-testing/<name>")`` builds the stand-in's processor image-only and
-  ``datasets.load_dataset("trl-internal-testing/<name>", config, split=...)`` loads the saved stand-in. A
-  ``trl-internal-testing`` name without a stand-in raises ``OSError`` naming it (nothing is downloaded).
+  (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1``, set by the runner), text stand-ins' tokenizers too; this plugin resolves
+  the rest: ``AutoProcessor.from_pretrained("trl-internal-testing/<name>")`` of a vision-language stand-in builds
+  its processor image-only, and ``datasets.load_dataset("trl-internal-testing/<name>", config, split=...,
+  streaming=...)`` loads the saved stand-in (``streaming=True``: as an iterable dataset). A ``trl-internal-testing``
+  name without a stand-in raises ``OSError`` naming it (nothing is downloaded).
+- ``GRPO_MEM_UPSTREAM_DESELECT``: a JSON list of test names to deselect, each a test's name with its parameters
+  (``test_x[a-b]``) or without (every parametrization of ``test_x``); exact names, not substrings.
 - ``GRPO_MEM_UPSTREAM_MODE``: ``stock`` or ``patched``; ``patched`` applies ``grpo_mem.patch_trl`` (TRL's classes,
   default sharing) at session start for the whole session and reverts it at the end.
 - ``GRPO_MEM_UPSTREAM_REPORT``: a JSON file written at the end: per test its outcome, a one-line error, and (patched)
   the mean of each logged ``grpo_mem/path/<name>`` fraction over the test's logged steps plus every fallback cause
   grpo_mem gave (``fallback.recording_fallbacks``), so one can tell which tests took the prompt-once path; and the
-  norm of each parameter's gradient at the first trainer's first optimizer step that has a gradient, to set
-  the two runs side by side (TRL's tests only check that parameters moved).
-- ``GRPO_MEM_UPSTREAM_FP32``: ``1`` trains in fp32 (``bf16=False`` for every ``GRPOConfig``, whose default is bf16
-  autocast), so the two runs' gradients can be compared at fp32 rounding.
+  norm of each parameter's gradient at the first trainer's (``GRPOTrainer`` or ``RLOOTrainer``) first optimizer
+  step that has a gradient, to set the two runs side by side (TRL's tests only check that parameters moved).
+- ``GRPO_MEM_UPSTREAM_FP32``: ``1`` trains in fp32 (``bf16=False`` for every ``GRPOConfig`` and ``RLOOConfig``,
+  whose default is bf16 autocast), so the two runs' gradients can be compared at fp32 rounding.
 - ``GRPO_MEM_UPSTREAM_GROUP_SHUFFLE``: ``1`` keeps ``patch_trl``'s group-aware shuffle; by default the patched run
   uses ``group_shuffle=False``, so both runs put the same rows in the same micro-batches and their first steps'
   gradients are comparable (grpo_mem still forwards a split group's prompt once per step).
@@ -44,7 +47,7 @@ _MISSING = object()
 def _cache() -> Path:
     value = os.environ.get("GRPO_MEM_UPSTREAM_CACHE")
     if not value:
-        raise RuntimeError("GRPO_MEM_UPSTREAM_CACHE is not set: run the tests through tests/upstream/run_trl_vlm.py")
+        raise RuntimeError("GRPO_MEM_UPSTREAM_CACHE is not set: run the tests through tests/upstream/run_trl.py")
     return Path(value)
 
 
@@ -66,17 +69,19 @@ def _install_resolvers() -> None:
         if not (isinstance(name, str) and name.startswith(ORG)):
             return original_processor(cls, name, *args, **kwargs)
         snapshot = snapshot_dir(_cache(), name)
-        if not (snapshot / "offline_processor.json").is_file():
-            raise OSError(f"no offline stand-in for the processor {name!r} under {_cache()}")
+        if not (snapshot / "offline_processor.json").is_file():  # a text stand-in: its tokenizer, from the hub cache
+            return original_processor(cls, name, *args, **kwargs)
         return load_processor(snapshot, **kwargs)
 
-    def load_dataset(path, name=None, *args, split=None, **kwargs):
+    def load_dataset(path, name=None, *args, split=None, streaming=False, **kwargs):
         if not (isinstance(path, str) and path.startswith(ORG)):
-            return original_dataset(path, name, *args, split=split, **kwargs)
+            return original_dataset(path, name, *args, split=split, streaming=streaming, **kwargs)
         where = _cache() / "datasets" / path[len(ORG) :] / (name or "default")
         if not where.is_dir():
             raise OSError(f"no offline stand-in for the dataset {path!r} (config {name!r}) under {_cache()}")
         data = datasets.load_from_disk(str(where))
+        if streaming:
+            data = datasets.IterableDatasetDict({key: part.to_iterable_dataset() for key, part in data.items()})
         return data if split is None else data[split]
 
     _patch(transformers.AutoProcessor, "from_pretrained", classmethod(processor_from_pretrained))
@@ -105,19 +110,21 @@ def _first_step_gradients():
 
 
 def _install_trainer_log() -> None:
-    """Remember every GRPOTrainer a test trains (with a ``_first_step_gradients`` callback added), to read its
-    ``log_history`` and first gradients after the test."""
+    """Remember every GRPOTrainer or RLOOTrainer a test trains (with a ``_first_step_gradients`` callback added), to
+    read its ``log_history`` and first gradients after the test."""
     import trl
 
-    original = trl.GRPOTrainer.train
+    def logged(original):
+        def train(self, *args, **kwargs):
+            callback = _first_step_gradients()
+            self.add_callback(callback)
+            _trainers.append((self, callback))
+            return original(self, *args, **kwargs)
 
-    def train(self, *args, **kwargs):
-        callback = _first_step_gradients()
-        self.add_callback(callback)
-        _trainers.append((self, callback))
-        return original(self, *args, **kwargs)
+        return train
 
-    _patch(trl.GRPOTrainer, "train", train)
+    for trainer in (trl.GRPOTrainer, trl.RLOOTrainer):
+        _patch(trainer, "train", logged(trainer.train))
 
 
 def _install_availability_checks() -> None:
@@ -141,17 +148,20 @@ def _install_availability_checks() -> None:
 
 
 def _install_fp32() -> None:
-    """Every ``GRPOConfig`` built without an explicit ``bf16`` trains in fp32 (TRL's default is ``bf16=True``)."""
+    """Every ``GRPOConfig`` or ``RLOOConfig`` built without an explicit ``bf16`` trains in fp32 (TRL's default is
+    ``bf16=True``)."""
     import trl
 
-    original = trl.GRPOConfig.__post_init__
+    def fp32(original):
+        def post_init(self):
+            if self.bf16 is None:
+                self.bf16 = False
+            original(self)
 
-    def post_init(self):
-        if self.bf16 is None:
-            self.bf16 = False
-        original(self)
+        return post_init
 
-    _patch(trl.GRPOConfig, "__post_init__", post_init)
+    for config in (trl.GRPOConfig, trl.RLOOConfig):
+        _patch(config, "__post_init__", fp32(config.__post_init__))
 
 
 def pytest_configure(config):
@@ -170,6 +180,19 @@ def pytest_configure(config):
 
         shuffle = os.environ.get("GRPO_MEM_UPSTREAM_GROUP_SHUFFLE") == "1"
         config._grpo_mem_handle = grpo_mem.patch_trl(group_shuffle=shuffle)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the tests ``GRPO_MEM_UPSTREAM_DESELECT`` names (by name with parameters, or by function name)."""
+    names = set(json.loads(os.environ.get("GRPO_MEM_UPSTREAM_DESELECT") or "[]"))
+    if not names:
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if {item.name, getattr(item, "originalname", item.name)} & names else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_unconfigure(config):
