@@ -59,27 +59,10 @@ def _takes_positions(cls: type) -> bool:
     return "position_embeddings" in params or "position_ids" in params
 
 
-# assignments of the causal LM's forward that make the logits from the backbone's last hidden state and that the
-# completion head reproduces (``head.logit_transform``: logit scale, logits scaling, final softcapping); ``{head}`` is
-# the attribute holding the output embeddings
-_HEAD_LINES = (
-    r"hidden_states = \w+\.last_hidden_state( if return_dict else \w+\[0\])?",
-    r"hidden_states = \w+\[0\]",
-    r"hidden_states = slice_logits_to_keep\((hidden_states|\w+\.last_hidden_state), logits_to_keep\)",
-    r"hidden_states = hidden_states / self\.config\.logits_scaling",
-    r"(lm_)?logits = self\.{head}\(hidden_states(\[[^\]]*\])?(\.to\([\w.= ]*\))?\)(\.float\(\)|\.contiguous\(\))?"
-    r"( \* self\.(config\.logits_scaling|model\.lm_head_multiplier))?",
-    r"logits = (logits|logits\.float\(\)) [*/] (self\.config\.)?final_logit_softcapping",
-    r"logits = torch\.tanh\(logits\)",
-    r"logits = logits \* self\.(config\.text_config\.)?logit_scale",  # the config's: Aya Vision from 5.25
-    r"logits = logits / self\.config\.logits_scaling",
-)
-_ASSIGNMENT = re.compile(r"^(lm_)?(hidden_states|logits)(\[[^=]*\])? [-+*/]?= ")  # not `logits=logits,`
-
-
 def _head_cause(causal_lm) -> str | None:
     """Why the completion head (one linear layer on the backbone's last hidden state, then logit scale and softcap)
-    would not compute ``causal_lm``'s own logits, or None."""
+    would not compute ``causal_lm``'s own logits, or None: the output embeddings' interface here, what the forward
+    computes from the backbone's output observed by ``head_probe`` (on stand-ins, never the user's parameters)."""
     base, head = causal_lm.base_model, causal_lm.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return f"the output embeddings are a {type(head).__name__}, not one linear layer"
@@ -94,18 +77,12 @@ def _head_cause(causal_lm) -> str | None:
     names = [n for n, m in causal_lm.named_children() if m is head]
     if not names:
         return "the output embeddings are not a direct child of the causal LM"
-    allowed = [re.compile(p.replace("{head}", re.escape(names[0])) + r"$") for p in _HEAD_LINES]
-    calls = 0
-    for line in _forward_source(type(causal_lm)).splitlines():
-        line = re.sub(r"\s+", " ", line.split("#")[0].strip())
-        if not _ASSIGNMENT.match(line):
-            continue
-        if not any(p.match(line) for p in allowed):
-            return f"the LM head computes more than grpo_mem's head reproduces (`{line}`)"
-        calls += f"self.{names[0]}(" in line
-    if calls != 1:
-        return f"the causal LM's forward does not compute its logits as `self.{names[0]}(hidden_states)` once"
-    return None
+    bases = [n for n, m in causal_lm.named_children() if m is base]
+    if not bases:
+        return "the backbone is not a direct child of the causal LM"
+    from .head_probe import head_probe_cause
+
+    return head_probe_cause(causal_lm, attn_hook.own_class(causal_lm).forward, bases[0], names[0])
 
 
 _ROPE_CALL = re.compile(r"=.*\b\w*(rotary|rope)\w*\(")  # the line applying RoPE to the queries and keys
