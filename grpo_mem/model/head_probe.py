@@ -54,7 +54,7 @@ class _Backbone(torch.nn.Module):
         except AttributeError:
             value = getattr(object.__getattribute__(self, "_real"), name)
             if isinstance(value, (torch.nn.Module, torch.Tensor)) or callable(value):
-                raise AttributeError(f"the stand-in backbone does not lend the backbone's {name!r}") from None
+                raise AttributeError(f"the stand-in backbone does not lend the backbone's {name!r}") from None  # noqa: TRY004
             return value
 
     def forward(self, *args, **kwargs):
