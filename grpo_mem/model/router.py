@@ -14,19 +14,17 @@ through that node" (G for a group), a completion token with its completion mask,
 stock's, up to summation order. Gradients flow through p (the top-k indicator has none), as in stock.
 
 Which models compute this loss is recognised from the model's own modeling module: its ``load_balancing_loss_func``
-must be, up to its docstring, the source of Mixtral's (the one TRL's fused head calls for every family, and the one
-the family modules of transformers 5.x copy). Anything else is a named fallback cause. ``RouterLoss`` is the window's
+must compute Mixtral's loss (the one TRL's fused head calls for every family, and the one the family modules of
+transformers 5.x copy), judged by its numbers on random router logits, not by its source (``reproduces_loss``).
+Anything else is a named fallback cause. ``RouterLoss`` is the window's
 pass extension that records each pass's router logits and computes the loss. This module knows torch and
 transformers, not TRL.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
 import sys
-import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -47,39 +45,35 @@ __all__ = [
 ]
 
 
-def normalized_function(source: str) -> str:
-    """The AST dump of the first function defined in ``source``, without its docstring (of the whole ``source`` when
-    it defines none): equal for two functions exactly when their code is."""
-    tree = ast.parse(textwrap.dedent(source))
-    func = tree.body[0] if tree.body else None
-    if not isinstance(func, ast.FunctionDef):  # a lambda, an assignment: compared as a whole
-        return ast.dump(tree)
-    if func.body and isinstance(func.body[0], ast.Expr) and isinstance(func.body[0].value, ast.Constant):
-        func.body = func.body[1:]
-    return ast.dump(func)
+# (E, k, layers, rows, tokens per row, masked): the cases a modeling module's loss must agree with
+# ``load_balancing_loss`` on, in fp64 (one row fully padded but for one token, top-k of 1 and of more)
+_LOSS_CASES = ((4, 2, 2, 3, 5, True), (6, 1, 1, 2, 4, False), (8, 3, 3, 2, 6, True))
 
 
-@functools.lru_cache(maxsize=None)
-def _normalized_source(fn) -> str | None:
-    """``normalized_function`` of ``fn``'s source (None when it cannot be read)."""
-    try:
-        return normalized_function(inspect.getsource(fn))
-    except (OSError, TypeError, SyntaxError):
-        return None
-
-
+@functools.cache
 def reproduces_loss(fn) -> bool:
-    """Whether ``fn`` (a modeling module's ``load_balancing_loss_func``) is the loss ``load_balancing_loss``
-    reproduces: Mixtral's, or a function with its code."""
-    reference = _reference_loss()
-    return fn is reference or (_normalized_source(fn) or "") == _normalized_source(reference)
-
-
-def _reference_loss():
-    """transformers' Mixtral ``load_balancing_loss_func``: the math ``load_balancing_loss`` reproduces."""
-    from transformers.models.mixtral import modeling_mixtral
-
-    return modeling_mixtral.load_balancing_loss_func
+    """Whether ``fn`` (a modeling module's ``load_balancing_loss_func``) computes the loss ``load_balancing_loss``
+    reproduces (transformers' Mixtral loss), judged by its numbers: called as ``fn(router_logits, E, k,
+    attention_mask)`` on random fp64 router logits of several layers, with and without padding, it must return
+    ``load_balancing_loss`` of the unpadded tokens within 1e-5 (relative; it sums in fp32). A function that raises, or whose numbers
+    differ, is not recognised; one rewritten with the same math is."""
+    generator = torch.Generator().manual_seed(0)
+    for E, k, layers, rows, tokens, masked in _LOSS_CASES:
+        logits = tuple(torch.randn(rows * tokens, E, generator=generator, dtype=torch.float64) for _ in range(layers))
+        mask = torch.ones(rows, tokens, dtype=torch.long)
+        if masked:
+            mask[0, :-1] = 0
+            mask[1:, : tokens // 2] = torch.randint(0, 2, (rows - 1, tokens // 2), generator=generator)
+        try:
+            got = fn(logits, E, k, mask if masked else None)
+        except Exception:  # noqa: BLE001 - another signature or other code: not the loss reproduced
+            return False
+        want = load_balancing_loss([RouterTerm(logits, mask.flatten().double())], RouterLossShape(E, k))
+        if not isinstance(got, torch.Tensor) or got.numel() != 1:
+            return False
+        if not abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -106,8 +100,8 @@ def router_loss_shape(causal_lm) -> RouterLossShape:
 def router_loss_cause(causal_lm) -> str | None:
     """Why the prompt-once path cannot give ``causal_lm``'s router aux loss as stock computes it, or None.
 
-    Recognised: the model's modeling module defines ``load_balancing_loss_func`` with the source of Mixtral's (up to
-    the docstring), the text config gives integer ``num_experts`` and ``num_experts_per_tok``, and the backbone
+    Recognised: the model's modeling module defines ``load_balancing_loss_func`` computing Mixtral's loss
+    (``reproduces_loss``), the text config gives integer ``num_experts`` and ``num_experts_per_tok``, and the backbone
     records ``router_logits`` when asked for ``output_router_logits``.
     """
     cls = own_class(causal_lm)
