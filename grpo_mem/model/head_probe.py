@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from .attention_hook import own_class
 from .head import logit_transform
 
-__all__ = ["head_probe_cause"]
+__all__ = ["head_cause", "head_probe_cause"]
 
 _TOKENS = 3
 _WIDTH = 8  # the stand-in hidden size: the forward only passes the hidden states on, whatever their width
@@ -137,3 +138,27 @@ def head_probe_cause(causal_lm, forward, base_name: str, head_name: str) -> str 
             f"from {made} (the config's logit scale and soft cap)"
         )
     return None
+
+
+def head_cause(causal_lm) -> str | None:
+    """Why the completion head (one linear layer on the backbone's last hidden state, then logit scale and softcap)
+    would not compute ``causal_lm``'s own logits, or None: the output embeddings' interface here, what the forward
+    computes from the backbone's output observed by ``head_probe`` (on stand-ins, never the user's parameters)."""
+    base, head = causal_lm.base_model, causal_lm.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return f"the output embeddings are a {type(head).__name__}, not one linear layer"
+    own_params = sorted(n for n, _ in head.named_parameters())
+    if type(head).forward is not torch.nn.Linear.forward or not set(own_params) <= {"weight", "bias"}:
+        extra = ", ".join(n for n in own_params if n not in ("weight", "bias")) or "its own forward"
+        return f"the output embeddings are a {type(head).__name__}, a linear layer with more ({extra})"
+    own = {id(p) for p in base.parameters()} | {id(p) for p in head.parameters()}
+    extra = [n for n, p in causal_lm.named_parameters() if id(p) not in own]
+    if extra:
+        return f"the LM head has parameters beyond one linear layer ({extra[0]})"
+    names = [n for n, m in causal_lm.named_children() if m is head]
+    if not names:
+        return "the output embeddings are not a direct child of the causal LM"
+    bases = [n for n, m in causal_lm.named_children() if m is base]
+    if not bases:
+        return "the backbone is not a direct child of the causal LM"
+    return head_probe_cause(causal_lm, own_class(causal_lm).forward, bases[0], names[0])

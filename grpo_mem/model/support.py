@@ -9,12 +9,10 @@ checks the decision on every causal LM type transformers ships. This module know
 
 from __future__ import annotations
 
-import ast
 import functools
 import inspect
 import re
 import sys
-import textwrap
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -22,6 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from . import attention_hook as attn_hook
 from .attention_hook import language_model_of
 from .fallback import forward_params
+from .head_probe import head_cause
 
 # RoPE variants whose frequencies do not depend on the sequence length (dynamic/NTK and longrope do; "proportional",
 # of LFM3 and Gemma 4, leaves ``seq_len`` unused in transformers 5.24's ``_compute_proportional_rope_parameters``).
@@ -45,11 +44,6 @@ def _calls_attention_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
 
 
-def _passes_kwargs(cls: type) -> bool:
-    """Whether ``cls.forward`` hands its ``**kwargs`` on to a call (grpo_mem's context travels in them)."""
-    return _forward_source(cls).count("**kwargs") >= 2
-
-
 def _takes_positions(cls: type) -> bool:
     """Whether ``cls.forward`` receives ``position_ids`` or the rotary ``position_embeddings`` made of them."""
     try:
@@ -57,32 +51,6 @@ def _takes_positions(cls: type) -> bool:
     except (TypeError, ValueError):
         return False
     return "position_embeddings" in params or "position_ids" in params
-
-
-def _head_cause(causal_lm) -> str | None:
-    """Why the completion head (one linear layer on the backbone's last hidden state, then logit scale and softcap)
-    would not compute ``causal_lm``'s own logits, or None: the output embeddings' interface here, what the forward
-    computes from the backbone's output observed by ``head_probe`` (on stand-ins, never the user's parameters)."""
-    base, head = causal_lm.base_model, causal_lm.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        return f"the output embeddings are a {type(head).__name__}, not one linear layer"
-    own_params = sorted(n for n, _ in head.named_parameters())
-    if type(head).forward is not torch.nn.Linear.forward or not set(own_params) <= {"weight", "bias"}:
-        extra = ", ".join(n for n in own_params if n not in ("weight", "bias")) or "its own forward"
-        return f"the output embeddings are a {type(head).__name__}, a linear layer with more ({extra})"
-    own = {id(p) for p in base.parameters()} | {id(p) for p in head.parameters()}
-    extra = [n for n, p in causal_lm.named_parameters() if id(p) not in own]
-    if extra:
-        return f"the LM head has parameters beyond one linear layer ({extra[0]})"
-    names = [n for n, m in causal_lm.named_children() if m is head]
-    if not names:
-        return "the output embeddings are not a direct child of the causal LM"
-    bases = [n for n, m in causal_lm.named_children() if m is base]
-    if not bases:
-        return "the backbone is not a direct child of the causal LM"
-    from .head_probe import head_probe_cause
-
-    return head_probe_cause(causal_lm, attn_hook.own_class(causal_lm).forward, bases[0], names[0])
 
 
 _ROPE_CALL = re.compile(r"=.*\b\w*(rotary|rope)\w*\(")  # the line applying RoPE to the queries and keys
@@ -120,20 +88,47 @@ def _after_rope_cause(module) -> str | None:
     return None
 
 
-def _reruns_layers(base, layer_lists: list[str]) -> bool:
-    """Whether the backbone's forward runs its layers (the ModuleLists named ``layer_lists``) inside an outer loop:
-    a layer called several times per forward (recurrent loops) records one K/V per layer in a prompt pass."""
-    try:
-        tree = ast.parse(textwrap.dedent(_forward_source(attn_hook.own_class(base))))
-    except SyntaxError:
-        return False
-    for outer in ast.walk(tree):
-        if not isinstance(outer, (ast.For, ast.While)):
+def _observed_layers(base, mixing: list[str], handed: set[int]) -> tuple[dict, str | None]:
+    """(id(attention module) -> its ``backbone_probe.AttentionCalls``, None), or ({}, why the backbone does not run
+    each decoder layer once handing it its keyword arguments, nor each layer its attention and handed recurrent
+    modules). Observed by running the backbone on stand-in layers, then each layer on its twin
+    (``backbone_probe``), never read from source: a layer run several times per forward (recurrent loops) would
+    record one K/V per layer in a prompt pass, and grpo_mem's context travels in the keyword arguments. ``mixing``:
+    the names of the token-mixing modules; ``handed``: ids of the recurrent layers whose states are handed on."""
+    from .backbone_probe import PROBE_TOKEN, attention_calls, layer_calls
+
+    name = type(base).__name__
+    lists = [
+        n
+        for n, m in base.named_children()
+        if isinstance(m, torch.nn.ModuleList) and any(a.startswith(f"{n}.") for a in mixing)
+    ]
+    if not lists:
+        return {}, f"{name} holds its token-mixing layers in no module list of its own"
+    width = getattr(base.config, "hidden_size", None)
+    width = width if isinstance(width, int) else base.get_input_embeddings().embedding_dim
+    calls, error = layer_calls(base, lists, width)
+    if error is not None:
+        return {}, f"{name}'s forward could not be run on stand-in layers to observe how it calls them ({error})"
+    ran = [c for c in calls.values() if c]
+    if any(len(c) > 1 for c in ran):
+        return {}, f"{name} runs its layers several times per forward (recurrent loops over layers)"
+    if not ran or any(c[0].get(attn_hook.CTX_KWARG) != PROBE_TOKEN for c in ran):
+        return {}, f"{name} does not pass its keyword arguments on to its layers"
+    observed = {}
+    for layer in (layer for n in lists for layer in getattr(base, n)):
+        attention = [m for m in layer.modules() if _calls_attention_interface(type(m)) and not _own_registry(m)]
+        recurrent = [c for c in layer.children() if id(c) in handed]
+        if not calls[id(layer)] or not (attention or recurrent) or (handed and _relayed(layer)):
             continue
-        for inner in ast.walk(ast.Module(body=outer.body, type_ignores=[])):
-            if isinstance(inner, ast.For) and any(f"self.{n}" in ast.unparse(inner.iter) for n in layer_lists):
-                return True
-    return False
+        run, error = attention_calls(layer, attention, calls[id(layer)][0], width)
+        if error is not None:
+            return {}, f"{type(layer).__name__} could not be run on its twin to observe its attention ({error})"
+        got = [r.handed for r in run.attention] + [run.children.get(id(c)) for c in recurrent]
+        if any(g is None or g.get(attn_hook.CTX_KWARG) != PROBE_TOKEN for g in got):
+            return {}, f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
+        observed.update({id(m): r for m, r in zip(attention, run.attention, strict=True)})
+    return observed, None
 
 
 _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|pos_emb\w*|positional_embedding\w*)$")
@@ -184,25 +179,34 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
                     continue
                 if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
-                if not _passes_kwargs(type(layer)) and not (handed and _relayed(layer)):
-                    return f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
-    if not _passes_kwargs(type(base)):
-        return f"{type(base).__name__} does not pass its keyword arguments on to its layers"
-    lists = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]
-    if _reruns_layers(base, lists):
-        return f"{type(base).__name__} runs its layers several times per forward (recurrent loops over layers)"
-    causes = (_attention_module_cause(module, base.config, features, bool(handed)) for _, module in attention)
+    observed, cause = _observed_layers(base, mixing, handed)
+    if cause is not None:
+        return cause
+    causes = (
+        _attention_module_cause(module, base.config, features, bool(handed), observed.get(id(module)))
+        for _, module in attention
+    )
     return next((c for c in causes if c is not None), None)
 
 
-def _attention_module_cause(module, config, features: dict[str, str], beside_recurrent: bool) -> str | None:
-    """Why one attention ``module`` is out of reach (``beside_recurrent``: its backbone has handed layers), or None."""
+def _own_registry(module) -> bool:
+    """Whether ``module``'s modeling file looks attention functions up in a registry of its own (Doge's)."""
+    own = sys.modules.get(attn_hook.own_class(module).__module__)
+    return getattr(own, "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS
+
+
+def _attention_module_cause(module, config, features: dict[str, str], beside_recurrent: bool, seen) -> str | None:
+    """Why one attention ``module`` is out of reach (``beside_recurrent``: its backbone has handed layers; ``seen``:
+    its ``backbone_probe.AttentionCalls`` in one run of its layer, None where its layer did not run), or None."""
+    from .backbone_probe import PROBE_TOKEN
+
     cls = attn_hook.own_class(module)
-    if getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS:
+    if _own_registry(module):
         return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
-    if _forward_source(cls).count("attention_interface(") > 1:
+    calls = [] if seen is None else seen.interface
+    if len(calls) > 1:
         return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
-    if not _passes_kwargs(cls):
+    if seen is not None and not all(c.get(attn_hook.CTX_KWARG) == PROBE_TOKEN for c in calls):
         return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
     nope = not _POSITIONAL.search(_forward_source(cls)) or not getattr(config, "rope_parameters", None)
     if not _takes_positions(cls) and not (beside_recurrent and nope):  # NoPE beside recurrent layers (Kimi's MLA)
@@ -218,7 +222,7 @@ def _attention_module_cause(module, config, features: dict[str, str], beside_rec
     if any(p.endswith("sinks") for p, _ in module.named_parameters()):
         needs["s_aux"] = "attention sinks"
     for keyword, feature in needs.items():
-        if f"{keyword}=" not in _forward_source(cls):
+        if seen is not None and not all(keyword in c for c in calls):
             return f"{feature} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
     return None
 
@@ -376,7 +380,7 @@ def architecture_cause(causal_lm) -> str | None:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
     handed, cause = _handed_layers(config, base)
     cause, features = (cause, {}) if cause else _attention_features(config, handed)
-    return cause or _positions_cause(config, base) or _layers_cause(base, features, handed) or _head_cause(causal_lm)
+    return cause or _positions_cause(config, base) or _layers_cause(base, features, handed) or head_cause(causal_lm)
 
 
 def _reentrant_checkpointing(model) -> bool:

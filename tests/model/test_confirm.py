@@ -237,13 +237,13 @@ def test_types_admitted_wrongly_before_fall_back_by_name(model_type):
 def test_dory_head_and_hunyuan_norms_are_caught_without_the_rules(monkeypatch):
     """The confirmation is the backstop: with the rule's new checks off, it still refuses both, by name."""
     monkeypatch.setattr(support, "_after_rope_cause", lambda module: None)
-    monkeypatch.setattr(support, "_reruns_layers", lambda base, lists: False)
+    monkeypatch.setattr(support, "_observed_layers", lambda base, mixing, handed: ({}, None))
     for model_type in ("hunyuan_v1_dense", "dory"):
         _needs(model_type)
         model = build_tiny(model_type)
         if model_type == "dory":
-            assert support._head_cause(model).startswith("the output embeddings are a DoryLMHead")
-            monkeypatch.setattr(support, "_head_cause", lambda causal_lm: None)
+            assert support.head_cause(model).startswith("the output embeddings are a DoryLMHead")
+            monkeypatch.setattr(support, "head_cause", lambda causal_lm: None)
         assert support.unsupported_cause(model) is None
         cause = confirm.confirm_cause(model)
         assert cause is not None and cause.startswith(f"not confirmed: a tiny {type(model).__name__}"), cause
