@@ -1,9 +1,10 @@
 """One rank of the 2-process (gloo, CPU) parity runs, launched by test_distributed.py through torch.distributed.run.
 
-Usage: dist_worker.py KIND STACK RUNS OUT [SCENARIO [ARCH]]
+Usage: dist_worker.py STACK OUT CASE [CASE ...]
 
-- KIND: grpo | rloo. STACK: ddp | fsdp2 | zero2 | zero3. RUNS: ``stock``, ``patch`` or both (``stock,patch``), trained
-  one after the other in this process (the launch and its imports once); run R's result goes to ``OUT-R.json``.
+- STACK: ddp | fsdp2 | zero2 | zero3. CASE: ``KIND:SCENARIO:ARCH`` (KIND grpo | rloo; ARCH a ``helpers.tiny_model``
+  architecture). Each case trains stock, then patched, one after the other in this process (the launch and its
+  imports once for every case of a stack); rank 0 writes run R of a case to ``OUT/KIND-SCENARIO-ARCH-R.json``.
 - SCENARIO: ``split`` (default) trains 3 optimizer steps with gradient accumulation 2 on groups of 8 completions, so
   each rank holds half a group spread over two micro-batches of 2. ``uneven`` gives the ranks different prompts,
   group sizes and completion lengths (one rank's micro-batches without a repeated prompt, the other's with) to show
@@ -276,39 +277,39 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-def main(kind: str, stack: str, runs: str, out: str, scenario: str = "split", arch: str = "llama") -> None:
-    """Train each of ``runs`` (``stock``, ``patch``, comma-separated) in turn in this process, from the same seed;
-    rank 0 writes run R's result to ``OUT-R.json``."""
+def main(stack: str, out: str, *cases: str) -> None:
+    """Train each case (``KIND:SCENARIO:ARCH``) stock, then patched, in turn in this process, from the same seed;
+    rank 0 writes each run's result to ``OUT/KIND-SCENARIO-ARCH-R.json`` (R: stock, patch)."""
     from helpers import make_trainer
 
     extra = stack_args(stack)
     kept = _count_kept_prompts()
     passes = _record_passes()
-    for number, patch in enumerate(runs.split(",")):
-        if number:
-            reset_accelerate()
-        kept[0] = 0
-        passes.clear()
-        trainer, handle = make_trainer(
-            kind,
-            patch=patch == "patch",
-            arch=arch,
-            output_dir=f"{out}-{patch}.run",
-            **_scenario_args(scenario),
-            **extra,
-        )
-        record = _Record()
-        trainer.add_callback(record)
-        trainer.train()
-        weights = gathered_weights(trainer)
-        summaries = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(summaries, _pass_summary(passes))
-        if trainer.accelerator.is_main_process:
-            with open(f"{out}-{patch}.json", "w") as f:
-                json.dump(_result(trainer, record, kept, summaries, weights), f)
-        if handle is not None:
-            handle.revert()
-        torch.distributed.barrier()
+    number = 0
+    for case in cases:
+        kind, scenario, arch = case.split(":")
+        for patch in ("stock", "patch"):
+            if number:
+                reset_accelerate()
+            number += 1
+            kept[0] = 0
+            passes.clear()
+            name = os.path.join(out, f"{kind}-{scenario}-{arch}-{patch}")
+            trainer, handle = make_trainer(
+                kind, patch=patch == "patch", arch=arch, output_dir=f"{name}.run", **_scenario_args(scenario), **extra
+            )
+            record = _Record()
+            trainer.add_callback(record)
+            trainer.train()
+            weights = gathered_weights(trainer)
+            summaries = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(summaries, _pass_summary(passes))
+            if trainer.accelerator.is_main_process:
+                with open(f"{name}.json", "w") as f:
+                    json.dump(_result(trainer, record, kept, summaries, weights), f)
+            if handle is not None:
+                handle.revert()
+            torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -8,16 +8,9 @@ collectives) fails the test instead of stalling the suite.
 import json
 
 import pytest
-from launch import launch
+from launch import TIMEOUT, launch
 
 from grpo_mem.model.distributed import IMAGE_PASSES_DIFFER
-
-
-def _train(tmp_path, kind, stack, scenario="split", arch="llama") -> tuple[dict, dict]:
-    """(stock's result, the patched result): both trained in one launch, stock first."""
-    out = tmp_path / f"{kind}-{stack}-{scenario}-{arch}"
-    launch("dist_worker.py", kind, stack, "stock,patch", out, scenario, arch)
-    return tuple(json.loads(out.with_name(f"{out.name}-{run}.json").read_text()) for run in ("stock", "patch"))
 
 
 def _assert_same_training(ours: dict, stock: dict, stack: str) -> None:
@@ -37,58 +30,73 @@ def _assert_same_training(ours: dict, stock: dict, stack: str) -> None:
         assert err <= 1e-5, f"{name}: max |diff| {err:.3e}"
 
 
-PARITY = [("grpo", "ddp"), ("rloo", "ddp"), ("grpo", "fsdp2"), ("rloo", "fsdp2"), ("grpo", "zero3"), ("grpo", "zero2")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,stack", PARITY, ids=[f"{k}-{s}" for k, s in PARITY])
-def test_two_process_training_matches_stock(tmp_path, kind, stack):
+def _split(ours: dict, stack: str) -> None:
     """3 optimizer steps, gradient accumulation 2, each rank's half of a group of 8 split over two micro-batches."""
-    if stack.startswith("zero"):
-        pytest.importorskip("deepspeed")
-    stock, ours = _train(tmp_path, kind, stack)
-    _assert_same_training(ours, stock, stack)
     if stack in ("fsdp2", "zero3"):
         assert ours["sharded"], "parameters were not sharded"
     assert ours["prompts_kept"] > 0, "no group was split over micro-batches"
 
 
-UNEVEN = [("grpo", "zero3"), ("grpo", "fsdp2"), ("rloo", "zero2")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,stack", UNEVEN, ids=[f"{k}-{s}" for k, s in UNEVEN])
-def test_unbalanced_ranks_train_like_stock(tmp_path, kind, stack):
+def _uneven(ours: dict, stack: str) -> None:
     """Groups of 4 over micro-batches of 3: rank 0 holds a whole group and half of another, rank 1 the other half
     and a whole group, so the ranks' micro-batches split their groups differently. Without lockstep this hung."""
-    if stack.startswith("zero"):
-        pytest.importorskip("deepspeed")
-    stock, ours = _train(tmp_path, kind, stack, "uneven")
-    _assert_same_training(ours, stock, stack)
     assert ours["passes_differ"] > 0, "the ranks never planned different pass structures"
     assert sum(ours["stand_ins"]) > 0
 
 
-# Qwen3.5 (Gated DeltaNet hybrid): its stand-in passes and kept passes carry linear-attention states too. Not FSDP2:
-# accelerate's auto-wrap looks for Qwen3_5ForCausalLM's _no_split_modules, whose vision block the text model lacks.
-# FSDP2 runs the window in one micro-batch ("tree1"): the system prompt's pass is then not kept, and its output gets no
-# gradient (its K/V are read inside its layers), which crashed FSDP2's per-layer backward before ``store.touch``.
-TREE = [("grpo", "fsdp2", "llama", "tree1"), ("grpo", "zero3", "llama", "tree"), ("grpo", "zero3", "qwen3_5", "tree")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,stack,arch,scenario", TREE, ids=[f"{k}-{s}-{a}" for k, s, a, _ in TREE])
-def test_tree_sharing_on_ranks_whose_tries_differ(tmp_path, kind, stack, arch, scenario):
+def _tree(ours: dict, stack: str) -> None:
     """Sharded ranks share their own tries (a system prompt, few-shot blocks) although the tries differ in depth and
     width between ranks: every rank makes the same backbone calls (stand-in passes where it has fewer), no hang,
-    the system prompt forwarded once per optimizer step on each rank, and the weights after 3 steps equal stock's."""
-    if stack.startswith("zero"):
-        pytest.importorskip("deepspeed")
-    stock, ours = _train(tmp_path, kind, stack, scenario, arch)
-    _assert_same_training(ours, stock, stack)
+    the system prompt forwarded once per optimizer step on each rank. Qwen3.5 (Gated DeltaNet hybrid): its stand-in
+    passes and kept passes carry linear-attention states too. FSDP2 runs the window in one micro-batch ("tree1"):
+    the system prompt's pass is then not kept, and its output gets no gradient (its K/V are read inside its layers),
+    which crashed FSDP2's per-layer backward before ``store.touch``."""
     assert ours["sharded"], "parameters were not sharded"
     assert ours["passes_differ"] > 0 and sum(ours["stand_ins"]) > 0, "the ranks' tries never differed"
     assert ours["system_passes"] == [[1, 1, 1], [1, 1, 1]], ours["system_passes"]
+
+
+CHECKS = {"split": _split, "uneven": _uneven, "tree": _tree, "tree1": _tree}
+# stack -> (kind, scenario, arch) of the cases its one launch trains, each stock then patched. Not Qwen3.5 under
+# FSDP2: accelerate's auto-wrap looks for Qwen3_5ForCausalLM's _no_split_modules, whose vision block the text model
+# lacks.
+CASES = {
+    "ddp": [("grpo", "split", "llama"), ("rloo", "split", "llama")],
+    "fsdp2": [
+        ("grpo", "split", "llama"),
+        ("rloo", "split", "llama"),
+        ("grpo", "uneven", "llama"),
+        ("grpo", "tree1", "llama"),
+    ],
+    "zero2": [("grpo", "split", "llama"), ("rloo", "uneven", "llama")],
+    "zero3": [
+        ("grpo", "split", "llama"),
+        ("grpo", "uneven", "llama"),
+        ("grpo", "tree", "llama"),
+        ("grpo", "tree", "qwen3_5"),
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", list(CASES))
+def test_two_process_training_matches_stock(tmp_path, stack):
+    """Each case of ``CASES[stack]`` (``dist_worker.py``: its scenarios), patched against stock trained in the same
+    launch: the same accounting, grad norms within 1e-5 and final weights within 1e-5 after 3 optimizer steps, and the
+    scenario's own checks (``_split``, ``_uneven``, ``_tree``). One launch per stack: a launch's imports cost each
+    rank several CPU seconds."""
+    if stack.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    launch("dist_worker.py", stack, tmp_path, *(":".join(case) for case in CASES[stack]), timeout=2 * TIMEOUT)
+    for kind, scenario, arch in CASES[stack]:
+        stock, ours = (
+            json.loads((tmp_path / f"{kind}-{scenario}-{arch}-{run}.json").read_text()) for run in ("stock", "patch")
+        )
+        try:
+            _assert_same_training(ours, stock, stack)
+            CHECKS[scenario](ours, stack)
+        except AssertionError as e:
+            raise AssertionError(f"{kind} {scenario} {arch} under {stack}: {e}") from e
 
 
 @pytest.mark.slow
