@@ -31,25 +31,26 @@ PROBE_TOKEN = "grpo_mem_probe"
 _TOKENS = 4
 _ARGS = "*args"  # the key under which a layer call's positional arguments after the hidden states are recorded
 _LARGEST = 1 << 20  # elements of a child copied to the CPU; a larger one becomes a stand-in
-_LARGEST_ATTENTION = 1 << 24  # elements of an attention module copied to the CPU where it cannot run on meta
+_LARGEST_ATTENTION = 1 << 27  # elements of an attention module copied (zeros) where it cannot run on meta
 
 
-def _zero_own(module: torch.nn.Module) -> None:
-    """Make ``module``'s own meta parameters, buffers and tensor attributes (not its children's) CPU zeros."""
+def _zero_own(module: torch.nn.Module, device="cpu") -> None:
+    """Make ``module``'s own meta parameters, buffers and tensor attributes (not its children's) zeros on
+    ``device``."""
     for kind in ("_parameters", "_buffers"):
         for key, value in module.__dict__[kind].items():
             if value is not None and value.device.type == "meta":
-                zeros = torch.zeros(value.shape, dtype=value.dtype)
+                zeros = torch.zeros(value.shape, dtype=value.dtype, device=device)
                 module.__dict__[kind][key] = torch.nn.Parameter(zeros, False) if kind == "_parameters" else zeros
     for key, value in list(vars(module).items()):
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
-            module.__dict__[key] = torch.zeros(value.shape, dtype=value.dtype)
+            module.__dict__[key] = torch.zeros(value.shape, dtype=value.dtype, device=device)
 
 
-def _zeroed_copy(child: torch.nn.Module, largest: int | None = None) -> torch.nn.Module:
-    """A CPU module of ``child``'s class and attributes whose parameters, buffers and tensor attributes are zeros of
-    their full shapes; where they exceed ``_LARGEST`` elements a stand-in returning its first argument, or, given
-    ``largest``, ValueError past that many."""
+def _zeroed_copy(child: torch.nn.Module, largest: int | None = None, device="cpu") -> torch.nn.Module:
+    """A module of ``child``'s class and attributes whose parameters, buffers and tensor attributes are zeros of
+    their full shapes on ``device``; where they exceed ``_LARGEST`` elements a stand-in returning its first argument,
+    or, given ``largest``, ValueError past that many."""
     tensors = itertools.chain(child.parameters(), child.buffers())
     elements = sum(_meta(t).numel() for t in tensors)
     if elements > (largest or _LARGEST):
@@ -58,7 +59,7 @@ def _zeroed_copy(child: torch.nn.Module, largest: int | None = None) -> torch.nn
         return _stand_in(child)
     twin = meta_twin(child)
     for module in twin.modules():
-        _zero_own(module)
+        _zero_own(module, device)
     return twin
 
 
@@ -166,10 +167,10 @@ def _meta_of(value):
     return value
 
 
-def _attention_twin(module: torch.nn.Module, record: AttentionCalls, on_cpu: bool) -> torch.nn.Module:
-    """``module``'s meta twin (``on_cpu``: its zeroed CPU copy), its config naming the recording implementation, its
-    forward recording its keywords."""
-    twin = _zeroed_copy(module, _LARGEST_ATTENTION) if on_cpu else meta_twin(module)
+def _attention_twin(module: torch.nn.Module, record: AttentionCalls, device) -> torch.nn.Module:
+    """``module``'s meta twin (given a ``device``: its zeroed copy there), its config naming the recording
+    implementation, its forward recording its keywords."""
+    twin = meta_twin(module) if device is None else _zeroed_copy(module, _LARGEST_ATTENTION, device)
     twin.__dict__["config"] = _ConfigView(module.config, _IMPLEMENTATION)
     own = type(twin).forward.__get__(twin)
 
@@ -191,36 +192,51 @@ def attention_calls(
     The layer is called with hidden states (1, 4, ``width``) and ``kwargs`` (what its backbone handed it,
     ``layer_calls``); its attention modules run their own forward up to a recording attention interface, every other
     direct child of the layer (norms, MLP, MoE block) is a stand-in returning its input (a tuple of it where the
-    layer unpacks one). First on the meta device (nothing computed or allocated); where an attention module reads
-    its data (JetMoE's mixture of attention heads routes by value), again with zeroed CPU copies of the attention
-    modules, if each holds at most 2^24 elements. The user's modules are untouched.
+    layer unpacks one). First on the meta device (nothing computed or allocated); where that raises (an attention module
+    reading its data: JetMoE's mixture of attention heads routes by value; a RoPE function replaced by a kernel that
+    takes no meta tensor: Liger's Triton kernel on CUDA), again with zeroed copies of the attention modules, in their
+    dtype, on the device of their parameters (the CPU for meta ones), if each holds at most 2^27 elements; the
+    hidden states and keywords follow them there. The user's modules are untouched.
 
     Returns:
         (a ``LayerRun``, None), or (None, what the layer's forward raised).
     """
     dtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.float32)
+    device = next((p.device for m in attention for p in m.parameters()), torch.device("cpu"))
+    device = torch.device("cpu") if device.type == "meta" else device
     ALL_ATTENTION_FUNCTIONS[_IMPLEMENTATION] = _recording_attention
     try:
-        records, error = _run_layer(
-            layer, attention, kwargs, torch.empty(1, _TOKENS, width, dtype=dtype, device="meta")
-        )
-        if error is not None and error.startswith("NotImplementedError"):  # an op reading a meta tensor's data
-            hidden = torch.zeros(1, _TOKENS, width)
-            records, error = _run_layer(layer, attention, kwargs, hidden, on_cpu=True)
+        hidden = torch.empty(1, _TOKENS, width, dtype=dtype, device="meta")
+        records, error = _run_layer(layer, attention, _meta_of(kwargs), hidden, None)
+        if error is not None:  # run on zeroed copies where the layer's code needs data or a real device
+            hidden = torch.zeros(1, _TOKENS, width, dtype=dtype, device=device)
+            records, error = _run_layer(layer, attention, _moved(kwargs, device, dtype), hidden, device)
         return records, error
     finally:
         del ALL_ATTENTION_FUNCTIONS[_IMPLEMENTATION]
         _RECORDS.clear()
 
 
-def _run_layer(layer, attention, kwargs: dict, hidden: torch.Tensor, on_cpu: bool = False):
-    """``attention_calls``'s runs on ``hidden``'s device: (records, None) or ([], the error)."""
+def _moved(value, device, dtype):
+    """``value`` with every tensor, in tuples, lists and dicts too, on ``device``, floating ones in ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _moved(v, device, dtype) for k, v in value.items()}
+    return value
+
+
+def _run_layer(layer, attention, kwargs: dict, hidden: torch.Tensor, device):
+    """``attention_calls``'s runs on ``hidden`` and ``kwargs`` (attention twins on the meta device, or zeroed copies on
+    ``device``): (a ``LayerRun``, None) or (None, the error)."""
     outputs: dict[int, int] = {}  # id(child) -> how many values its stand-in returns (1: its input alone)
     last: list[int] = [0]  # the child whose stand-in ran last
     for _ in range(4):  # a child whose caller unpacks n values returns its input n times in the next run
         records = [AttentionCalls() for _ in attention]
         try:
-            replace = {id(m): _attention_twin(m, r, on_cpu) for m, r in zip(attention, records, strict=True)}
+            replace = {id(m): _attention_twin(m, r, device) for m, r in zip(attention, records, strict=True)}
         except ValueError as e:  # too large for a CPU copy
             return None, f"ValueError: {e}"
         held = {id(d) for child in layer.children() for d in child.modules() if id(d) in replace}
@@ -229,8 +245,7 @@ def _run_layer(layer, attention, kwargs: dict, hidden: torch.Tensor, on_cpu: boo
             plain = not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict))
             if id(child) not in replace and plain and not any(id(d) in held for d in child.modules()):
                 replace[id(child)] = _repeating_stand_in(child, outputs, last, seen)
-        handed = kwargs if on_cpu else _meta_of(kwargs)
-        handed = dict(handed)
+        handed = dict(kwargs)
         args = handed.pop(_ARGS, ())
         try:
             with torch.inference_mode(False), torch.no_grad():

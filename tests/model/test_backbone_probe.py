@@ -80,3 +80,21 @@ def test_the_probes_leave_the_model_and_the_registry_as_they_were():
     assert seen == [] and set(ALL_ATTENTION_FUNCTIONS) == names
     assert all(torch.equal(before[k], v) and v.device.type == "cpu" for k, v in model.state_dict().items())
     assert isinstance(model, LlamaForCausalLM) and model.config._attn_implementation == "sdpa"
+
+
+def test_a_rope_kernel_that_takes_no_meta_tensor_is_run_on_zeroed_copies(monkeypatch):
+    """A RoPE function replaced by a kernel that refuses meta tensors (Liger's Triton kernel on CUDA): the layer's
+    attention runs again on zeroed copies on the device of its parameters, and the model is admitted."""
+    model = tiny_model("llama").train()
+    rope = modeling_llama.apply_rotary_pos_emb
+    devices = []
+
+    def kernel(q, k, *args, **kwargs):
+        devices.append(q.device.type)
+        if q.device.type == "meta":
+            raise ValueError("Pointer argument (at 0) cannot be accessed from Triton")
+        return rope(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", kernel)
+    assert support.unsupported_cause(model) is None
+    assert devices == ["meta", "cpu"] * 2  # each of the 2 layers: the meta run, then the copies
