@@ -128,9 +128,12 @@ def head_probe_cause(causal_lm, forward, base_name: str, head_name: str) -> str 
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != tuple(want.shape):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         return f"the causal LM's forward returns logits of shape {shape}, not {tuple(want.shape)} from its LM head"
+    # the config's transform applied by the forward, or left to the fused head (TRL 1.16's reads it from the config
+    # too: Aya Vision's forward before transformers 5.25 applies no logit scale)
+    plain = _expected(hidden, probe, 1.0, None)
     tolerance = (1e-4 if logits.dtype in (torch.float32, torch.float64) else 2e-2) * float(want.abs().max())
-    error = float((logits.double() - want).abs().max())
-    if not error <= tolerance:
+    error = min(float((logits.double() - want).abs().max()), float((logits.double() - plain).abs().max()))
+    if not error <= tolerance * max(1.0, float(plain.abs().max()) / max(float(want.abs().max()), 1e-12)):
         made = f"{scale:g} * {head_name}(hidden_states)"
         made = f"{softcap:g} * tanh({made} / {softcap:g})" if softcap is not None else made
         return (
