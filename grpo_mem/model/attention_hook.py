@@ -33,6 +33,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from ..ops.attention import multi_region_attention
+from .mechanisms import keywords
 
 PREFIX = "grpo_mem_"
 CTX_KWARG = "grpo_mem_ctx"
@@ -180,21 +181,25 @@ class _ModuleView:
         return getattr(self._module, name)
 
 
+_FEATURES = tuple((m.keyword, m.feature, m.convert) for m in keywords())
+
+
 def layer_features(kwargs) -> dict:
-    """The attention features a layer hands the attention interface, as ``multi_region_attention`` keywords.
+    """The attention features a layer hands the attention interface, as ``multi_region_attention`` keywords: those of
+    the keyword mechanisms of ``mechanisms.TABLE``, None where the layer hands none.
 
     Modules pass them as keyword arguments, which is what transformers' flash-attention path reads too:
     ``sliding_window`` (this layer's sliding window W, None for a full-attention layer; a key is visible iff
     ``0 <= i - j < W``, the test of transformers' sliding-window mask), ``softcap`` (Gemma 2's
-    ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's per-head learnable sink logits). The eager and SDPA paths
-    read the sliding window from the mask instead, which the model builds from the same per-layer setting.
+    ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's per-head learnable sink logits, as ``sinks``). The eager
+    and SDPA paths read the sliding window from the mask instead, which the model builds from the same per-layer
+    setting.
     """
-    sliding, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    return {
-        "sliding_window": None if sliding is None else int(sliding),
-        "softcap": None if softcap is None else float(softcap),
-        "sinks": sinks,
-    }
+    features = {}
+    for keyword, feature, convert in _FEATURES:
+        value = kwargs.get(keyword)
+        features[feature] = value if value is None or convert is None else convert(value)
+    return features
 
 
 def own_class(module) -> type:
@@ -359,25 +364,9 @@ def inner_implementation(model) -> str:
     return impl[len(PREFIX) :] if impl.startswith(PREFIX) else impl
 
 
-# model -> whether it has linear-attention layers (``has_linear``), decided once per model
-_LINEAR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # instance attribute of a module whose forward a pass extension wrapped (``linear_attention.install``): the forward it
 # replaced (None: the class's), which ``restore_forwards`` puts back
 WRAPPED_FORWARD = "_grpo_mem_linear_forward"
-
-
-def has_linear(model) -> bool:
-    """Whether ``model`` has linear-attention (recurrent-state) layers: modules with an integer ``layer_idx`` and an
-    integer ``conv_kernel_size``, as transformers' Gated DeltaNet layers have (whether grpo_mem can hand their states
-    on is ``linear_attention.hands_off_state``'s test). Decided once per model; its passes then carry the
-    ``linear_attention.LinearState`` extension."""
-    known = _LINEAR.get(model)
-    if known is None:
-        known = _LINEAR[model] = any(
-            isinstance(getattr(m, "layer_idx", None), int) and isinstance(getattr(m, "conv_kernel_size", None), int)
-            for m in model.modules()
-        )
-    return known
 
 
 def restore_forwards(model) -> None:

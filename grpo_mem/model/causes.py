@@ -9,6 +9,7 @@ calls that need them. This module knows transformers, not TRL.
 
 from __future__ import annotations
 
+from . import mechanisms
 from .confirm import confirm_cause
 from .confirm import enabled as confirm_enabled
 from .support import unsupported_cause
@@ -18,14 +19,11 @@ __all__ = ["model_cause", "sequence_parallel_cause", "sequence_parallel_of", "sp
 
 def model_cause(causal_lm, compute_aux_loss: bool, confirm: bool | None) -> str | None:
     """Why the prompt-once path cannot serve ``causal_lm`` (an unwrapped transformers causal LM) exactly, or None:
-    ``support.unsupported_cause``, then with ``compute_aux_loss`` a router loss the path does not reproduce
-    (``router.router_loss_cause``), then, when the confirmation is on (``confirm.enabled(confirm)``), a tiny copy
-    whose numbers differ (``confirm.confirm_cause``)."""
-    cause = unsupported_cause(causal_lm)
-    if cause is None and compute_aux_loss:
-        from .router import router_loss_cause
-
-        cause = router_loss_cause(causal_lm)
+    ``support.unsupported_cause`` of the call (``compute_aux_loss``: the router loss is part of it; the admission
+    answers of the mechanisms of ``mechanisms.TABLE`` it brings, such as a router loss the path does not reproduce),
+    then, when the confirmation is on (``confirm.enabled(confirm)``), a tiny copy whose numbers differ
+    (``confirm.confirm_cause``)."""
+    cause = unsupported_cause(causal_lm, mechanisms.Call(router=compute_aux_loss))
     if cause is None and confirm_enabled(confirm):  # the same verdict on every rank: no collective
         cause = confirm_cause(causal_lm, compute_aux_loss=compute_aux_loss)
     return cause
@@ -52,14 +50,14 @@ def sequence_parallel_cause(name: str) -> str:
 
 def sp_cause(sp, causal_lm, compute_aux_loss: bool, vision, input_ids, attention_mask) -> str | None:
     """Why the micro-batch ``input_ids``/``attention_mask`` (B, P + C) cannot be split over the sequence-parallel
-    group ``sp`` (``sequence_parallel.SP_CAUSES``), or None. Every rank of the group calls it (one collective: whether
-    the ranks hold the same micro-batch). ``vision``: the micro-batch's image inputs, or None."""
+    group ``sp`` (``sequence_parallel.SP_CAUSES``), or None: the ranks hold different micro-batches (one collective,
+    so every rank of the group calls it), or the micro-batch brings a mechanism of ``mechanisms.TABLE`` that the
+    sequence-sharded layout does not carry (its ``sequence_parallel`` key: image inputs, recurrent state, the MoE
+    router loss). ``vision``: the micro-batch's image inputs, or None."""
     if not sp.same_inputs(input_ids, attention_mask):
         return sequence_parallel_cause("differ")
-    if vision is not None:
-        return sequence_parallel_cause("images")
-    if compute_aux_loss:
-        return sequence_parallel_cause("router")
-    from .attention_hook import has_linear  # Gated DeltaNet layers and Mamba-2 mixers alike
-
-    return sequence_parallel_cause("linear") if has_linear(causal_lm) else None
+    call = mechanisms.Call(router=compute_aux_loss, images=vision, sp=sp)
+    key = next(
+        (m.sequence_parallel for m in mechanisms.TABLE if m.sequence_parallel and m.present(causal_lm, call)), None
+    )
+    return None if key is None else sequence_parallel_cause(key)

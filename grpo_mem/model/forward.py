@@ -24,6 +24,7 @@ import torch
 from transformers.modeling_outputs import ModelOutput
 
 from . import attention_hook as attn_hook
+from . import mechanisms
 from .distributed import clear_zero3_grads_before_first_backward, fsdp_wrapped
 from .window import OneRank
 
@@ -359,35 +360,19 @@ def pass_extensions(model, causal_lm, *, router: bool = False, images=None, sp=N
     """The pass extensions and layout of a micro-batch the window runs on ``causal_lm`` (inside ``model``, possibly
     wrapped), chosen from the model's capabilities and the call (``window.Window.run``'s ``extensions``, ``layout``).
 
-    Extensions, in order: ``images`` (bound image inputs, ``vision_passes.VisionPasses``) when given; the
-    linear-attention state (``linear_attention.LinearState``, with the Mamba-2 mixers ``mamba2_state.install`` wraps)
-    when ``attention_hook.has_linear``; the MoE router loss
-    (``router.RouterLoss``) when ``router``. Layout: ``sequence_parallel.SequenceSharded`` over ``sp`` (a
-    ``SequenceParallel``) when given, else ``window.OneRank`` with ``touch_unread`` when FSDP shards the model
-    (``distributed.fsdp_wrapped`` of ``causal_lm``, decided once per ``model`` object and class: ``fully_shard`` swaps
-    the class of what it shards, FSDP1 wraps it in a new object). Each extension's module is imported only when the
-    micro-batch takes it.
+    Extensions: those of the mechanisms of ``mechanisms.TABLE`` that the model or the call brings, in the table's
+    order (image inputs ``images``, a ``vision_passes.VisionPasses``; the recurrent state, when
+    ``mechanisms.has_recurrent``; the MoE router loss when ``router``). Layout: the first present mechanism's
+    (``sequence_parallel.SequenceSharded`` over ``sp``, a ``SequenceParallel``, when given), else ``window.OneRank``;
+    either with ``touch_unread`` when FSDP shards the model (``distributed.fsdp_wrapped`` of ``causal_lm``, decided
+    once per ``model`` object and class: ``fully_shard`` swaps the class of what it shards, FSDP1 wraps it in a new
+    object). Each mechanism's module is imported only when the micro-batch takes it.
     """
-    extensions = [] if images is None else [images]
-    if attn_hook.has_linear(causal_lm):
-        from .linear_attention import LinearState, has_state_space
-        from .mamba_state import install as install_mamba
-
-        install_mamba(causal_lm)  # Mamba-1 mixers read the same context as Gated DeltaNet layers
-        extensions.append(LinearState.of(causal_lm))
-        if has_state_space(causal_lm):  # Mamba-2 mixers run in the same extension's contexts
-            from .mamba2_state import install as install_mamba2
-
-            install_mamba2(causal_lm)
-    if router:
-        from .router import RouterLoss, router_loss_shape
-
-        extensions.append(RouterLoss(router_loss_shape(causal_lm)))
+    call = mechanisms.Call(router=router, images=images, sp=sp)
+    present = [m for m in mechanisms.TABLE if (m.extension or m.layout) and m.present(causal_lm, call)]
+    extensions = tuple(mechanisms.resolve(m.extension)(causal_lm, call) for m in present if m.extension)
     known = _FSDP.get(model)
     if known is None or known[0] is not type(model):
         known = _FSDP[model] = (type(model), fsdp_wrapped(causal_lm))
-    if sp is not None:
-        from .sequence_parallel import SequenceSharded
-
-        return tuple(extensions), SequenceSharded(touch_unread=known[1], sp=sp)
-    return tuple(extensions), OneRank(touch_unread=known[1])
+    layouts = [m.layout for m in present if m.layout]
+    return extensions, (mechanisms.resolve(layouts[0])(call, known[1]) if layouts else OneRank(touch_unread=known[1]))

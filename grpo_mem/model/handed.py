@@ -2,29 +2,28 @@
 
 Imported by ``support`` only for a config whose ``layer_types`` name such layers. Every candidate (a module with an
 integer ``layer_idx`` and ``conv_kernel_size`` whose forward takes a cache: ``linear_attention.is_candidate``) is
-sorted by its interface and admitted by its behaviour: Mamba-2 mixers (the integer attributes of
-``mamba2_state.is_ssd_mixer``) by ``mamba2_state``, other state-space mixers (an integer ``ssm_state_size``) by
-``mamba_state`` (Mamba-1), every other by ``linear_attention`` (Gated DeltaNet, Kimi Delta Attention, short
-convolutions). This module knows torch only.
+sorted by its interface to the first kind of ``mechanisms.RECURRENT`` that claims it and admitted by that kind's
+judgement of its behaviour: Mamba-2 mixers (the integer attributes of ``mamba2_state.is_ssd_mixer``) by
+``mamba2_state``, other state-space mixers (an integer ``ssm_state_size``) by ``mamba_state`` (Mamba-1), every other
+by ``linear_attention`` (Gated DeltaNet, Kimi Delta Attention, short convolutions). This module knows torch only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .linear_attention import hand_off_cause, is_candidate
-from .mamba_state import mixer_cause, relayed_layer
+from .linear_attention import is_candidate
+from .mamba_state import relayed_layer
+from . import mechanisms
 
 __all__ = ["handed_layers", "relayed_layer"]
 
 
 def _cause(module: torch.nn.Module, width: int | None) -> str | None:
-    """Why the candidate ``module``'s states are not handed on, or None (by the module that serves its kind)."""
-    if not isinstance(getattr(module, "ssm_state_size", None), int):
-        return hand_off_cause(module, width)
-    from .mamba2_state import _mixer_cause, is_ssd_mixer
-
-    return _mixer_cause(module) if is_ssd_mixer(module) else mixer_cause(module)
+    """Why the candidate ``module``'s states are not handed on, or None: the answer of the first kind of
+    ``mechanisms.RECURRENT`` that claims it (every candidate is claimed: the last kind takes the rest)."""
+    kind = next(k for k in mechanisms.RECURRENT if k.claims(module))
+    return kind.state_cause(module, width)
 
 
 def handed_layers(base: torch.nn.Module, width: int | None = None) -> tuple[list[torch.nn.Module], str | None]:

@@ -118,6 +118,15 @@ def hand_off_cause(module: torch.nn.Module, width: int | None = None) -> str | N
     return cause
 
 
+def claims(module: torch.nn.Module) -> bool:
+    """Whether this module serves the recurrent layer ``module`` (``mechanisms.RECURRENT``): every candidate
+    (``is_candidate``) the state-space kinds before it left."""
+    return is_candidate(module)
+
+
+state_cause = hand_off_cause  # the kind's admission answer (``mechanisms.Recurrent.state_cause``)
+
+
 def hands_off_state(module: torch.nn.Module, width: int | None = None) -> bool:
     """Whether ``module`` is a layer whose states grpo_mem hands from a prompt to its continuations through the
     layer's own forward: a candidate (``is_candidate``) that is no state-space mixer (an integer ``ssm_state_size``:
@@ -401,31 +410,17 @@ def wrap(layers: list[torch.nn.Module], wrapper: type[_LayerForward]) -> None:
             module.forward = wrapper(module)
 
 
-_STATE_SPACE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> whether it has state-space modules
-
-
-def has_state_space(model: torch.nn.Module) -> bool:
-    """Whether ``model`` has state-space modules (an integer ``ssm_state_size``: Mamba mixers), whose hand-off
-    (``mamba2_state.install``) runs in the same ``LinearContext``; decided once per model."""
-    known = _STATE_SPACE.get(model)
-    if known is None:
-        known = _STATE_SPACE[model] = any(isinstance(getattr(m, "ssm_state_size", None), int) for m in model.modules())
-    return known
+_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the recurrent kinds it may hold
 
 
 class LinearState(PassExtension):
-    """The window's pass extension for a model with linear-attention layers (``attention_hook.has_linear``): each
+    """The window's pass extension for a model with linear-attention layers (``mechanisms.has_recurrent``): each
     pass's context carries a ``LinearContext`` whose rows start from the states their parent node (a completion row:
     its leaf) ended with, and each node pass keeps the states its rows end with (``PromptStates.extras["linear"]``).
 
-    Build with ``LinearState.of(causal_lm)``, which wraps the model's layers (``install``)."""
+    Build with ``extension(causal_lm)``, which wraps the model's recurrent layers first."""
 
     name = "linear"
-
-    @classmethod
-    def of(cls, causal_lm: torch.nn.Module) -> LinearState:
-        install(causal_lm)
-        return cls()
 
     def context(self, mb, starts, lengths, release):
         batch = len(starts) if lengths is None else len(lengths)
@@ -439,3 +434,19 @@ class LinearState(PassExtension):
         return {
             i: tuple(None if t is None else attn_hook.keep_alive(t, ctx) for t in pair) for i, pair in captured.items()
         }
+
+
+def extension(causal_lm: torch.nn.Module, call=None) -> LinearState:
+    """The recurrent-state mechanism's pass extension (``mechanisms.TABLE``): every recurrent kind of
+    ``mechanisms.RECURRENT`` whose ``hint`` some module of ``causal_lm`` meets wraps its layers (``install``; the
+    kinds are found once per model, a kind's module imported only for a model that may hold it), then a
+    ``LinearState``, whose contexts every kind's wrapped layers read."""
+    from . import mechanisms
+
+    kinds = _KINDS.get(causal_lm)
+    if kinds is None:
+        modules = list(causal_lm.modules())
+        kinds = _KINDS[causal_lm] = tuple(k for k in mechanisms.RECURRENT if any(k.hint(m) for m in modules))
+    for kind in kinds:
+        kind.install(causal_lm)
+    return LinearState()

@@ -70,6 +70,14 @@ def _mixer_cause(module: torch.nn.Module) -> str | None:
     return kernel_cause(module) or continues_cause(name, observe(module, "ssd", _bind, _HandOff))
 
 
+claims = is_ssd_mixer  # the kind's interface (``mechanisms.RECURRENT``)
+
+
+def state_cause(module: torch.nn.Module, width: int | None = None) -> str | None:
+    """``_mixer_cause`` (``mechanisms.Recurrent.state_cause``; a mixer's input width is its own)."""
+    return _mixer_cause(module)
+
+
 def hands_off_ssd_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a Mamba-2 mixer whose states grpo_mem hands from a prompt to its continuations
     (``is_ssd_mixer`` and no cause of its own)."""

@@ -84,6 +84,17 @@ def mixer_cause(module: torch.nn.Module) -> str | None:
     return cause
 
 
+def claims(module: torch.nn.Module) -> bool:
+    """Whether this module serves the recurrent layer ``module`` (``mechanisms.RECURRENT``): a state-space module (an
+    integer ``ssm_state_size``) that the Mamba-2 kind before it left; ``mixer_cause`` names one it cannot serve."""
+    return isinstance(getattr(module, "ssm_state_size", None), int)
+
+
+def state_cause(module: torch.nn.Module, width: int | None = None) -> str | None:
+    """``mixer_cause`` (``mechanisms.Recurrent.state_cause``; a mixer's input width is its own)."""
+    return mixer_cause(module)
+
+
 def takes_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a Mamba-1 mixer whose states grpo_mem hands on (``mixer_cause`` is None)."""
     cls = own_class(module)

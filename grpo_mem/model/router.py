@@ -229,3 +229,12 @@ class RouterLoss(PassExtension):
 
 def _by_layer(record: dict[int, tuple[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     return tuple(record[i][0] for i in sorted(record))
+
+
+def extension(causal_lm, call=None) -> RouterLoss:
+    """The router-loss mechanism's pass extension (``mechanisms.TABLE``) for ``causal_lm``'s E and k.
+
+    Raises:
+        ValueError: the config has no integer ``num_experts`` / ``num_experts_per_tok`` (``router_loss_shape``).
+    """
+    return RouterLoss(router_loss_shape(causal_lm))

@@ -439,3 +439,8 @@ class SequenceSharded(OneRank):
         logps, entropy = completion_head(mb.causal_lm, hidden, ids, mask, options)
         entropy = None if entropy is None else gather_scores(entropy, sp, C)
         return gather_scores(logps, sp, C), entropy
+
+
+def layout(call, touch_unread: bool) -> SequenceSharded:
+    """The sequence-sharded layout of a micro-batch split over ``call.sp`` (``mechanisms.TABLE``)."""
+    return SequenceSharded(touch_unread=touch_unread, sp=call.sp)

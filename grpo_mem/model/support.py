@@ -18,6 +18,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import attention_hook as attn_hook
+from . import mechanisms
 from .attention_hook import language_model_of
 from .fallback import forward_params
 from .head_probe import head_cause
@@ -39,7 +40,7 @@ def _forward_source(cls: type) -> str:
         return ""
 
 
-def _calls_attention_interface(cls: type) -> bool:
+def calls_attention_interface(cls: type) -> bool:
     """Whether ``cls.forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS`` (where grpo_mem's hook sits)."""
     return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
 
@@ -117,7 +118,7 @@ def _observed_layers(base, mixing: list[str], handed: set[int]) -> tuple[dict, s
         return {}, f"{name} does not pass its keyword arguments on to its layers"
     observed = {}
     for layer in (layer for n in lists for layer in getattr(base, n)):
-        attention = [m for m in layer.modules() if _calls_attention_interface(type(m)) and not _own_registry(m)]
+        attention = [m for m in layer.modules() if calls_attention_interface(type(m)) and not _own_registry(m)]
         recurrent = [c for c in layer.children() if id(c) in handed]
         if not calls[id(layer)] or not (attention or recurrent) or (handed and _relayed(layer)):
             continue
@@ -144,14 +145,14 @@ def _relayed(layer) -> bool:
     return relayed_layer(layer)
 
 
-def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
+def _layers_cause(base, config, handed: list) -> str | None:
     """Why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", or None.
 
-    ``features``: keyword -> what the config asks of the attention (``sliding_window``, ``softcap``), which each
-    attention module must hand the attention interface; ``handed``: the recurrent layers whose states are handed on
-    (``_handed_layers``); an MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
+    ``config``: the text config, which says what each attention module must hand the attention interface
+    (``mechanisms.keywords``); ``handed``: the recurrent layers whose states are handed on (``_handed_layers``); an
+    MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
     """
-    attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
+    attention = [(n, m) for n, m in base.named_modules() if calls_attention_interface(type(m))]
     if not attention:
         names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
         named = ", ".join(names[:2]) or "no attention module"
@@ -177,14 +178,13 @@ def _layers_cause(base, features: dict[str, str], handed: list) -> str | None:
             for i, layer in enumerate(module):
                 if getattr(layer, "block_type", None) in ("mlp", "moe"):
                     continue
-                if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
+                if not any(calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
     observed, cause = _observed_layers(base, mixing, handed)
     if cause is not None:
         return cause
     causes = (
-        _attention_module_cause(module, base.config, features, bool(handed), observed.get(id(module)))
-        for _, module in attention
+        _attention_module_cause(module, config, bool(handed), observed.get(id(module))) for _, module in attention
     )
     return next((c for c in causes if c is not None), None)
 
@@ -195,9 +195,11 @@ def _own_registry(module) -> bool:
     return getattr(own, "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS
 
 
-def _attention_module_cause(module, config, features: dict[str, str], beside_recurrent: bool, seen) -> str | None:
+def _attention_module_cause(module, config, beside_recurrent: bool, seen) -> str | None:
     """Why one attention ``module`` is out of reach (``beside_recurrent``: its backbone has handed layers; ``seen``:
-    its ``backbone_probe.AttentionCalls`` in one run of its layer, None where its layer did not run), or None."""
+    its ``backbone_probe.AttentionCalls`` in one run of its layer, None where its layer did not run), or None: each
+    keyword mechanism of ``mechanisms.TABLE`` the text ``config`` or the module asks for (a sliding window, logit
+    softcapping, sinks) must reach the attention interface as its keyword."""
     from .backbone_probe import PROBE_TOKEN
 
     cls = attn_hook.own_class(module)
@@ -218,12 +220,10 @@ def _attention_module_cause(module, config, features: dict[str, str], beside_rec
     cause = _after_rope_cause(module)
     if cause is not None:
         return cause
-    needs = dict(features)
-    if any(p.endswith("sinks") for p, _ in module.named_parameters()):
-        needs["s_aux"] = "attention sinks"
-    for keyword, feature in needs.items():
-        if seen is not None and not all(keyword in c for c in calls):
-            return f"{feature} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
+    for mechanism in mechanisms.keywords():
+        keyword = mechanism.keyword
+        if mechanism.asks(config, module) and seen is not None and not all(keyword in c for c in calls):
+            return f"{mechanism.name} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
     return None
 
 
@@ -239,13 +239,12 @@ def _handed_layers(config, base) -> tuple[list, str | None]:
     return handed_layers(base, config.hidden_size if isinstance(getattr(config, "hidden_size", None), int) else None)
 
 
-def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str]]:
-    """(why the config's attention is out of reach, or None; the features the attention modules must pass on).
+def _layer_types_cause(config, handed: list) -> str | None:
+    """Why the config's layer types are out of reach, or None.
 
-    Sliding-window layers (per-layer ``layer_types`` or a global ``sliding_window``) and attention-logit softcapping
-    are served by the hook from what each module passes the attention interface; ``linear_attention`` layers when
-    the backbone has Gated DeltaNet layers whose states are handed on (``handed``, each checked in
-    ``_layers_cause``); chunked and other layer types are not.
+    Sliding-window layers are served by the hook from what each module passes the attention interface (checked in
+    ``_attention_module_cause``); ``linear_attention`` layers when the backbone has Gated DeltaNet layers whose states
+    are handed on (``handed``, each checked in ``_layers_cause``); chunked and other layer types are not.
     """
     layer_types = set(getattr(config, "layer_types", None) or [])
     other = layer_types - {"full_attention", "sliding_attention"}
@@ -254,14 +253,8 @@ def _attention_features(config, handed: list) -> tuple[str | None, dict[str, str
         other -= set(_HANDED_LAYER_TYPES)
     other -= {"mlp", "moe"}  # blocks without token mixing (Nemotron-H), each checked in ``_layers_cause``
     if other:
-        return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)", {}
-    features = {}
-    global_window = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    if "sliding_attention" in layer_types or global_window:
-        features["sliding_window"] = "a sliding window"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        features["softcap"] = "attention logit softcapping"
-    return None, features
+        return f"layer types {sorted(other)} (chunked, linear-attention or other non-attention layers)"
+    return None
 
 
 def _positions_cause(config, base) -> str | None:
@@ -379,8 +372,8 @@ def architecture_cause(causal_lm) -> str | None:
     if base is causal_lm:
         return "the causal LM is its own base model (no backbone returning last_hidden_state)"
     handed, cause = _handed_layers(config, base)
-    cause, features = (cause, {}) if cause else _attention_features(config, handed)
-    return cause or _positions_cause(config, base) or _layers_cause(base, features, handed) or head_cause(causal_lm)
+    cause = cause or _layer_types_cause(config, handed) or _positions_cause(config, base)
+    return cause or _layers_cause(base, config, handed) or head_cause(causal_lm)
 
 
 def _reentrant_checkpointing(model) -> bool:
@@ -429,8 +422,11 @@ def dropout_cause(causal_lm) -> str | None:
     So any dropout active in a module in training mode falls back: a dropout module with ``p > 0`` (``nn.Dropout``
     and its variants, any ``*Dropout`` class with a ``p``; PEFT's ``lora_dropout``), or a positive probability a
     module's forward reads as ``self.<name>`` or ``self.config.<name>`` with "drop" in the name (functional residual
-    or hidden dropout, attention dropout, layer drop, MoE router jitter). The cause names the module and the value.
+    or hidden dropout, attention dropout, layer drop, MoE router jitter), or the config's ``attention_dropout``. The
+    cause names the module and the value.
     """
+    if causal_lm.training and getattr(causal_lm.config, "attention_dropout", 0.0):
+        return "attention dropout is active"
     for name, module in causal_lm.named_modules():
         if not module.training:
             continue
@@ -456,26 +452,25 @@ def dropout_cause(causal_lm) -> str | None:
     return None
 
 
-def unsupported_cause(causal_lm) -> str | None:
-    """Why the prompt-once path cannot be exact for ``causal_lm`` (an unwrapped transformers causal LM), or None:
-    ``architecture_cause``, then what depends on its current state (attention implementation, active dropout:
-    ``dropout_cause``, reentrant checkpointing)."""
+def unsupported_cause(causal_lm, call: mechanisms.Call = mechanisms.CALL) -> str | None:
+    """Why the prompt-once path cannot be exact for ``causal_lm`` (an unwrapped transformers causal LM) in a call
+    bringing ``call`` (a ``mechanisms.Call``; default: nothing beside the model), or None: ``architecture_cause``,
+    then what depends on its current state (attention implementation, reentrant checkpointing), then the admission
+    answer of each mechanism of ``mechanisms.TABLE`` the model or the call brings (active dropout:
+    ``dropout_cause``; the MoE router loss: ``router.router_loss_cause``)."""
     cause = architecture_cause(causal_lm)
     if cause is not None:
         return cause
-    config = causal_lm.config
     inner = attn_hook.inner_implementation(causal_lm)
     if inner not in SUPPORTED_ATTENTION:
         return f"attention implementation {inner!r}"
     if inner == "eager":
         for module in causal_lm.modules():
-            if _calls_attention_interface(type(module)) and attn_hook.module_eager(module) is None:
+            if calls_attention_interface(type(module)) and attn_hook.module_eager(module) is None:
                 return f"eager attention of {type(module).__name__} is not its modeling file's eager_attention_forward"
-    if causal_lm.training and getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is active"
-    cause = dropout_cause(causal_lm)
-    if cause is not None:
-        return cause
     if _reentrant_checkpointing(causal_lm):
         return "reentrant gradient checkpointing drops gradients of tensors passed as kwargs"
-    return None
+    causes = (
+        mechanisms.resolve(m.cause)(causal_lm) for m in mechanisms.TABLE if m.cause and m.present(causal_lm, call)
+    )
+    return next((c for c in causes if c is not None), None)

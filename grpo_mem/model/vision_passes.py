@@ -156,3 +156,8 @@ class VisionPasses(PassExtension):
         """(3, B, width) positions of completion tokens 0 … width − 1, or None (the passes' own positions)."""
         positions = self.positions()
         return None if positions is None else positions[:, :, self.prompt_width : self.prompt_width + width]
+
+
+def extension(causal_lm, call) -> VisionPasses:
+    """The image mechanism's pass extension (``mechanisms.TABLE``): the call's bound image inputs, ``call.images``."""
+    return call.images
