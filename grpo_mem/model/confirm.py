@@ -76,6 +76,9 @@ UNBUILT = "not confirmed: a tiny {cls} could not be built from the model's confi
 # three prompts of 5-7 tokens sharing a 4-token prefix (a trie node of its own in tree sharing), 2 completions each
 _PROMPTS = ([5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 20], [5, 6, 7, 8, 30, 31, 32])
 _COMPLETION = 4
+SHIFT = 7  # positions the shift check moves every token by
+SHIFT_RTOL = 1e-4  # its largest hidden-state difference, relative to the largest hidden state (fp32 RoPE: ~1e-6)
+SHIFTED = "hidden states depend on the absolute positions"  # in the shift check's cause
 _MIN_SHARED_TOKENS = 3
 
 
@@ -213,6 +216,36 @@ def grad_difference(ours: dict, ref: dict, rtol: float = GRAD_RTOL) -> str | Non
     return None
 
 
+def shift_cause(cls_name: str, model, ids) -> str | None:
+    """Why the tiny ``model``'s hidden states depend on where its tokens sit, not only on their distances, or None.
+
+    The prompt-once passes place a prompt at other positions than stock TRL (tree sharing keeps each node's position
+    differences, which is all relative RoPE scores depend on), so the text backbone, run in eval mode without
+    gradients on the tokens ``ids`` (1, T) (no padding) at ``position_ids`` 0 … T − 1 and again at ``SHIFT`` …
+    ``SHIFT`` + T − 1, must give the same last hidden states, up to ``SHIFT_RTOL`` of their largest. Observed, not read:
+    a learned transform of the rotated queries or keys (a norm with a weight after RoPE: HunYuan v1), a scale by the
+    absolute position, absolute position tables. A backbone whose forward takes no ``position_ids`` has nothing to
+    shift (None)."""
+    base = attn_hook.language_model_of(model.base_model)[1] or model.base_model
+    if "position_ids" not in forward_params(attn_hook.own_class(base)):
+        return None
+    positions = torch.arange(ids.shape[1])[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = [base(input_ids=ids, position_ids=positions + s, use_cache=False)[0] for s in (0, SHIFT)]
+    finally:
+        model.train(was_training)
+    err = float((out[1] - out[0]).abs().max() / out[0].abs().max().clamp_min(1e-30))
+    if not err <= SHIFT_RTOL:
+        return (
+            f"not confirmed: a tiny {cls_name}'s {SHIFTED} (every position moved by {SHIFT} changes them by "
+            f"{err:.1e} of their largest): the prompt-once passes place prompts at other positions than stock"
+        )
+    return None
+
+
 def _compare(cls_name: str, model, ids, mask, C, generator, aux: bool) -> tuple[str | None, str | None]:
     keep = mask[:, -C:].bool()
     weights = _weights(generator, (ids.shape[0], C))
@@ -295,7 +328,9 @@ def confirmation(causal_lm) -> Verdict:
                 cause = f"not confirmed: a tiny {cls.__name__} is not admitted ({admitted})"
             else:
                 ids, mask, C = _batch(generator, model.config.get_text_config().vocab_size)
-                cause, router_cause = _confirm_built(cls.__name__, model, ids, mask, C, generator)
+                cause = _shift_cause(cls.__name__, model, ids[:1, -C - len(_PROMPTS[0]) :])
+                if cause is None:
+                    cause, router_cause = _confirm_built(cls.__name__, model, ids, mask, C, generator)
         # the tiny copy's ops ran on CPU: what the user's model ran stays the record (``verify`` reports it)
         RESOLVED.clear()
         RESOLVED.update(resolved)
@@ -323,6 +358,14 @@ def _confirm_built(cls_name: str, model, ids, mask, C, generator) -> tuple[str |
             restore(model)  # the attention hook is registered only while models run it
             model.zero_grad(set_to_none=True)
     return f"not confirmed: scoring a tiny {cls_name} raised {error}"[:300], router_cause
+
+
+def _shift_cause(cls_name: str, model, ids) -> str | None:
+    """``shift_cause``, or the cause naming what its run raised."""
+    try:
+        return shift_cause(cls_name, model, ids)
+    except Exception as e:  # the tiny model's own forward
+        return f"not confirmed: a tiny {cls_name}'s backbone raised {type(e).__name__}: {e}"[:300]
 
 
 def _router_confirmable(model) -> bool:

@@ -54,41 +54,6 @@ def _takes_positions(cls: type) -> bool:
     return "position_embeddings" in params or "position_ids" in params
 
 
-_ROPE_CALL = re.compile(r"=.*\b\w*(rotary|rope)\w*\(")  # the line applying RoPE to the queries and keys
-_QK_ASSIGNMENT = re.compile(r"^\(?(q|k|query|key)\w*(, \w+)*\)? (\*|/)?= ")
-_SELF_ATTRIBUTE = re.compile(r"\bself\.(\w+)")
-
-
-def _after_rope_cause(module) -> str | None:
-    """Why the attention ``module`` transforms its queries or keys after RoPE with learned parameters, or None.
-
-    The prompt-once passes may place a prompt at other positions than stock TRL (tree mode keeps position
-    differences, which is all RoPE scores depend on); a per-channel weight applied to the rotated queries or keys (a
-    norm with a weight, a learned scale) does not commute with the rotation, so its scores, and always its gradient,
-    depend on the absolute positions. Parameter-free norms of the rotated vectors (their length is unchanged) are
-    fine.
-    """
-    lines = [re.sub(r"\s+", " ", line.split("#")[0].strip()) for line in _forward_source(type(module)).splitlines()]
-    starts = [i for i, line in enumerate(lines) if _ROPE_CALL.search(line)]
-    ends = [i for i, line in enumerate(lines) if "attention_interface(" in line]
-    if not starts or not ends:
-        return None
-    for line in lines[starts[0] + 1 : max(ends)]:
-        if not _QK_ASSIGNMENT.match(line):
-            continue
-        for name in _SELF_ATTRIBUTE.findall(line.split("=", 1)[1]):
-            value = getattr(module, name, None)
-            learned = isinstance(value, torch.nn.Parameter) or (
-                isinstance(value, torch.nn.Module) and any(True for _ in value.parameters())
-            )
-            if learned:
-                return (
-                    f"{type(module).__name__} transforms queries or keys after RoPE with learned parameters "
-                    f"(`{line}`): not invariant to the positions the prompt-once passes use"
-                )
-    return None
-
-
 def _observed_layers(base, mixing: list[str], handed: set[int]) -> tuple[dict, str | None]:
     """(id(attention module) -> its ``backbone_probe.AttentionCalls``, None), or ({}, why the backbone does not run
     each decoder layer once handing it its keyword arguments, nor each layer its attention and handed recurrent
@@ -133,9 +98,6 @@ def _observed_layers(base, mixing: list[str], handed: set[int]) -> tuple[dict, s
 
 
 _POSITION_MODULE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings|pos_emb\w*|positional_embedding\w*)$")
-# what the attention of a hybrid with recurrent layers lacks when it has no positions at all (Nemotron-H's NoPE
-# attention: the recurrent layers order the tokens); attention of other models must take positions
-_POSITIONAL = re.compile(r"position|rotary|rope|arange|alibi|relative", re.IGNORECASE)
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d)
 
 
@@ -210,16 +172,10 @@ def _attention_module_cause(module, config, beside_recurrent: bool, seen) -> str
         return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
     if seen is not None and not all(c.get(attn_hook.CTX_KWARG) == PROBE_TOKEN for c in calls):
         return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
-    nope = not _POSITIONAL.search(_forward_source(cls)) or not getattr(config, "rope_parameters", None)
-    if not _takes_positions(cls) and not (beside_recurrent and nope):  # NoPE beside recurrent layers (Kimi's MLA)
+    if not _takes_positions(cls) and not beside_recurrent:  # NoPE beside recurrent layers (Kimi's MLA, Jamba's)
         return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
-    if "alibi" in _forward_source(type(module)).lower():
-        return "ALiBi position biases"
     if "attention_scaling" in inspect.signature(cls.forward).parameters:  # Beam's (1 + position / 2048) ** 0.1
         return f"{cls.__name__} scales queries by the absolute position (attention_scaling from position_ids)"
-    cause = _after_rope_cause(module)
-    if cause is not None:
-        return cause
     for mechanism in mechanisms.keywords():
         keyword = mechanism.keyword
         if mechanism.asks(config, module) and seen is not None and not all(keyword in c for c in calls):

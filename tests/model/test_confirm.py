@@ -225,18 +225,38 @@ def _needs(model_type):
 @pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "hunyuan_v1_moe", "dory"])
 def test_types_admitted_wrongly_before_fall_back_by_name(model_type):
     _needs(model_type)
+    shifted = "'s hidden states depend on the absolute positions (every position moved by 7"
     causes = {
-        "hunyuan_v1_dense": "HunYuanDenseV1Attention transforms queries or keys after RoPE",
-        "hunyuan_v1_moe": "HunYuanMoEV1Attention transforms queries or keys after RoPE",
+        "hunyuan_v1_dense": f"not confirmed: a tiny HunYuanDenseV1ForCausalLM{shifted}",
+        "hunyuan_v1_moe": f"not confirmed: a tiny HunYuanMoEV1ForCausalLM{shifted}",
         "dory": "DoryModel runs its layers several times per forward",
     }
     row = check_architecture(model_type)  # the fallback matches the model's own forward, per parameter
     assert row.status == "fallback" and row.cause.startswith(causes[model_type]), row
 
 
+def test_the_shift_check_sees_a_learned_transform_after_rope():
+    """``confirm.shift_cause``: a Llama's hidden states are the same with every position moved by 7 (RoPE scores
+    depend on distances only); HunYuan v1's, whose query and key norms with a weight follow RoPE, are not; the
+    model's training mode is restored."""
+    _needs("hunyuan_v1_dense")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    assert confirm.shift_cause("LlamaForCausalLM", tiny_model("llama").train(), ids) is None
+    model = build_tiny("hunyuan_v1_dense").train()
+    assert confirm.shift_cause("HunYuan", model, ids) is None  # norm weights of 1: no transform yet
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=generator))
+    cause = confirm.shift_cause("HunYuan", model, ids)
+    assert cause is not None and "depend on the absolute positions" in cause and model.training, cause
+
+
 def test_dory_head_and_hunyuan_norms_are_caught_without_the_rules(monkeypatch):
-    """The confirmation is the backstop: with the rule's new checks off, it still refuses both, by name."""
-    monkeypatch.setattr(support, "_after_rope_cause", lambda module: None)
+    """The confirmation's comparison is the backstop: with the rule's checks and the shift check off, it still
+    refuses both, by name."""
+    monkeypatch.setattr(confirm, "shift_cause", lambda cls_name, model, ids: None)
     monkeypatch.setattr(support, "_observed_layers", lambda base, mixing, handed: ({}, None))
     for model_type in ("hunyuan_v1_dense", "dory"):
         _needs(model_type)
