@@ -5,10 +5,11 @@ first time a model class is scored with a given architecture (its config's archi
 module confirms that decision on numbers: it builds a tiny random model of the same class from the user's config
 (``tiny_config``: 2 layers, or enough to hold every kind of layer a per-layer list names; small hidden size, head
 counts and vocabulary; the same flags; what the config class validates kept true; fp32; the same attention
-implementation), scores one small batch of prompts sharing a prefix (left padding, 2 completions each) on the
-prompt-once path (tree and group sharing) and with the model's own forward, and compares log-probs, entropies,
-every parameter's gradient and, for a model whose router loss the path reproduces, that loss and its gradients. A
-difference is a fallback cause; the verdict is kept per process, keyed by (class, attention implementation,
+implementation), runs its text backbone with every position moved (``shift_cause``: hidden states that move with
+the positions depend on more than their distances, which the prompt-once passes do not keep), then scores one small
+batch of prompts sharing a prefix (left padding, 2 completions each) on the prompt-once path (tree and group
+sharing) and with the model's own forward, and compares log-probs, entropies, every parameter's gradient and, for a
+model whose router loss the path reproduces, that loss and its gradients. A difference is a fallback cause; the verdict is kept per process, keyed by (class, attention implementation,
 checkpointing, the tiny config). The prompt-once path is run as the session runs a shared micro-batch, without the
 session (``_prompt_once``: a ``Window`` over a one-micro-batch ``WindowPlan``): this module sits below ``sharing``.
 
