@@ -72,7 +72,7 @@ from .verify_criteria import (
     truth_failures,
 )
 from .verify_inputs import Setup, autocast_dtype, check_batch, is_trainer, lay_out, low_precision
-from .verify_runs import checkpointed_layers, chunk_ranges, row_chunk, score, trl_head_tile
+from .verify_runs import checkpointed_layers, chunk_ranges, row_chunk, score, stock_entropy_coef, trl_head_tile
 from .verify_state import PeakMemory, preserved, sync
 from .verify_truth import widened_truth
 
@@ -194,12 +194,15 @@ def _score_both(setup: Setup, low: str | None, seed: int, timings: dict):
             window = setup.slices[i : i + setup.window]
             session.begin_window([prompt_ids[lo:hi] for lo, hi in window], [prompt_mask[lo:hi] for lo, hi in window])
 
+    entropy_coef = stock_entropy_coef(setup)  # the loss stock's entropies can carry (one row's forward)
     sync(device)
     t = time.perf_counter()
     RESOLVED.clear()
     try:
         with session.recording() as decided:  # each call's last decision: its micro-batch's
-            ours = score_with(ours_fn, before_call, None, lambda: decisions.append(decided[-1]), label="grpo_mem")
+            ours = score_with(
+                ours_fn, before_call, entropy_coef, lambda: decisions.append(decided[-1]), label="grpo_mem"
+            )
     finally:
         with contextlib.suppress(RuntimeError):
             session.close_window()

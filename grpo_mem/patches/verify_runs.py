@@ -104,6 +104,29 @@ def _backward(setup: Setup, lo: int, hi: int, logps, ent, aux, entropy_coef: flo
         loss.backward()
 
 
+def stock_entropy_coef(setup: Setup) -> float:
+    """The entropy term's coefficient of the fixed loss: ``ENTROPY_COEF`` where stock TRL's method returns entropies
+    that carry gradient, else 0 (TRL 1.10-1.13 compute them under ``torch.no_grad()`` unless the trainer's entropy
+    bonus is on; grpo_mem's always carry it, and the loss then uses them only where stock's do). Observed on one
+    forward of stock's method over the first row (the first micro-batch where the call carries multimodal inputs), no
+    backward, before grpo_mem's run, so that every run weighs the same loss."""
+    lo, hi = setup.slices[0]
+    hi = hi if setup.extras else lo + 1
+    with setup.self_obj.accelerator.autocast(), torch.enable_grad():
+        _, ent, _ = setup.stock_fn(
+            setup.self_obj,
+            setup.model,
+            setup.ids[lo:hi],
+            setup.mask[lo:hi],
+            setup.loss_mask.shape[1],
+            batch_size=hi - lo,
+            compute_entropy=True,
+            compute_aux_loss=setup.aux_coef != 0.0,
+            **setup.extras,
+        )
+    return ENTROPY_COEF if ent.requires_grad else 0.0
+
+
 def row_chunk(setup: Setup, scale: float) -> int:
     """Rows per chunk of a stock-path run whose activations take ``scale`` x the bytes per token of the model's own
     dtype: as many full rows (P + C tokens each) as fit in the most tokens grpo_mem's path ran through the backbone in

@@ -287,7 +287,8 @@ def test_peak_memory_within_the_patched_step():
     layer runs a prompt only as far as its K/V (``model/last_layer.py``) the step itself peaks below one such row
     (before it, the step's 3,966,312 B set verify's peak, 196 B above it). On the bench shape of
     ``benchmarks/verify_memory.py`` the one-row runs are far below the step, and verify's peak stays within it.
-    Stock TRL's method over one whole micro-batch (what verify ran before) takes more than 3x the step. Not so for a
+    Stock TRL's method over one whole micro-batch (what verify ran before) takes more than 2x the step (59x with TRL
+    1.16's fused head at its own tile, 2.4x with TRL 1.13's logits). Not so for a
     101-token vocabulary, where one row's activations outweigh the parameters: there the fp32 truth's one 254-token row
     peaks at 2.82 MB vs the step's 2.02 MB (without its 33 KB input concatenation)."""
     from grpo_mem.bench.measure import TensorMemoryTracker
@@ -305,7 +306,7 @@ def test_peak_memory_within_the_patched_step():
     with TensorMemoryTracker() as whole:
         setup = lay_out(model, batch, 4, 1.0, 0)
         score(setup.stock_fn, setup, 0.1, chunks=[(0, 4)])
-    assert whole.peak_bytes > 3 * step, (whole.peak_bytes, step)
+    assert whole.peak_bytes > 2 * step, (whole.peak_bytes, step)
 
 
 def test_trl_head_tile_changes_only_summation_order():
@@ -316,6 +317,9 @@ def test_trl_head_tile_changes_only_summation_order():
     entropies (about 10.6), 3.4e-07 relative in the gradient (2 ulps of fp32 at those values); bounded here at
     1e-5 / 1e-5 / 1e-5. The tile is restored after."""
     import trl.trainer.utils as trl_utils
+
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("this TRL release has no fused LM head (TRL 1.15 added it); trl_head_tile changes nothing there")
     from trl.trainer.utils import add_fused_lm_head
 
     model = tiny_model(vocab_size=40000, hidden_size=32, intermediate_size=64)
