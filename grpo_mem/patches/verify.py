@@ -194,7 +194,8 @@ def _score_both(setup: Setup, low: str | None, seed: int, timings: dict):
             window = setup.slices[i : i + setup.window]
             session.begin_window([prompt_ids[lo:hi] for lo, hi in window], [prompt_mask[lo:hi] for lo, hi in window])
 
-    entropy_coef = stock_entropy_coef(setup)  # the loss stock's entropies can carry (one row's forward)
+    with checkpointed_layers(unwrap_causal_lm(setup.model)), trl_head_tile(setup):  # as stock's run, below
+        entropy_coef = stock_entropy_coef(setup)  # the loss stock's entropies can carry (one row's forward)
     sync(device)
     t = time.perf_counter()
     RESOLVED.clear()

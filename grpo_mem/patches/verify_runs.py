@@ -109,7 +109,8 @@ def stock_entropy_coef(setup: Setup) -> float:
     that carry gradient, else 0 (TRL 1.10-1.13 compute them under ``torch.no_grad()`` unless the trainer's entropy
     bonus is on; grpo_mem's always carry it, and the loss then uses them only where stock's do). Observed on one
     forward of stock's method over the first row (the first micro-batch where the call carries multimodal inputs), no
-    backward, before grpo_mem's run, so that every run weighs the same loss."""
+    backward, before grpo_mem's run, so that every run weighs the same loss. Call it as stock's run is called (inside
+    ``checkpointed_layers`` and ``trl_head_tile``), or TRL's fused head allocates its full vocabulary tile."""
     lo, hi = setup.slices[0]
     hi = hi if setup.extras else lo + 1
     with setup.self_obj.accelerator.autocast(), torch.enable_grad():
