@@ -94,7 +94,11 @@ class BackboneRecorder(TrainerCallback):
 
 
 def _train(tmp_path, *, patch, sharing="tree", **args):
-    trainer, handle = make_trainer(patch=patch, sharing=sharing, output_dir=tmp_path, **{**ARGS, **args})
+    """Train ``ARGS`` (stock's row order: TRL 1.10's Liger loss normalises by each micro-batch's tokens, so a group
+    shuffle would change its objective; 1.13 passes it the generation batch's count)."""
+    trainer, handle = make_trainer(
+        patch=patch, sharing=sharing, group_shuffle=False, output_dir=tmp_path, **{**ARGS, **args}
+    )
     recorder = BackboneRecorder(trainer)
     trainer.add_callback(recorder)
     try:
