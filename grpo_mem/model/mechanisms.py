@@ -163,7 +163,8 @@ def _softcapped(config, module=None) -> bool:
 
 
 def _sinks(config, module) -> bool:
-    """Whether the attention ``module`` has learned sink logits (a parameter named ``*sinks``: gpt-oss)."""
+    """Whether ``module`` (an attention module, or the whole model) has learned sink logits (a parameter named
+    ``*sinks``: gpt-oss)."""
     return any(name.endswith("sinks") for name, _ in module.named_parameters())
 
 
@@ -203,7 +204,7 @@ TABLE: tuple[Mechanism, ...] = (
     ),
     Mechanism(
         "attention sinks",
-        lambda lm, call: any(name.endswith("sinks") for name, _ in lm.named_parameters()),
+        lambda lm, call: _sinks(None, lm),
         keyword="s_aux",
         asks=_sinks,
         feature="sinks",

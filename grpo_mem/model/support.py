@@ -40,7 +40,7 @@ def _forward_source(cls: type) -> str:
         return ""
 
 
-def calls_attention_interface(cls: type) -> bool:
+def _calls_attention_interface(cls: type) -> bool:
     """Whether ``cls.forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS`` (where grpo_mem's hook sits)."""
     return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
 
@@ -83,7 +83,7 @@ def _observed_layers(base, mixing: list[str], handed: set[int]) -> tuple[dict, s
         return {}, f"{name} does not pass its keyword arguments on to its layers"
     observed = {}
     for layer in (layer for n in lists for layer in getattr(base, n)):
-        attention = [m for m in layer.modules() if calls_attention_interface(type(m)) and not _own_registry(m)]
+        attention = [m for m in layer.modules() if _calls_attention_interface(type(m)) and not _own_registry(m)]
         recurrent = [c for c in layer.children() if id(c) in handed]
         if not calls[id(layer)] or not (attention or recurrent) or (handed and _relayed(layer)):
             continue
@@ -114,7 +114,7 @@ def _layers_cause(base, config, handed: list) -> str | None:
     (``mechanisms.keywords``); ``handed``: the recurrent layers whose states are handed on (``_handed_layers``); an
     MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
     """
-    attention = [(n, m) for n, m in base.named_modules() if calls_attention_interface(type(m))]
+    attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
     if not attention:
         names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
         named = ", ".join(names[:2]) or "no attention module"
@@ -140,7 +140,7 @@ def _layers_cause(base, config, handed: list) -> str | None:
             for i, layer in enumerate(module):
                 if getattr(layer, "block_type", None) in ("mlp", "moe"):
                     continue
-                if not any(calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
+                if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
                     return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
     observed, cause = _observed_layers(base, mixing, handed)
     if cause is not None:
@@ -422,7 +422,7 @@ def unsupported_cause(causal_lm, call: mechanisms.Call = mechanisms.CALL) -> str
         return f"attention implementation {inner!r}"
     if inner == "eager":
         for module in causal_lm.modules():
-            if calls_attention_interface(type(module)) and attn_hook.module_eager(module) is None:
+            if _calls_attention_interface(type(module)) and attn_hook.module_eager(module) is None:
                 return f"eager attention of {type(module).__name__} is not its modeling file's eager_attention_forward"
     if _reentrant_checkpointing(causal_lm):
         return "reentrant gradient checkpointing drops gradients of tensors passed as kwargs"
