@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention_hook import CTX_KWARG, _ConfigView
+from .attention_hook import CTX_KWARG, _ConfigView, own_class
 from .recurrent_probe import _meta, _stand_in, meta_twin
 
 __all__ = ["PROBE_TOKEN", "AttentionCalls", "LayerRun", "attention_calls", "layer_calls"]
@@ -141,11 +142,14 @@ class AttentionCalls:
 
     Attributes:
         handed: the keyword arguments its forward was called with (None: it was not called).
-        interface: the keyword arguments of each of its calls of transformers' attention interface, in order.
+        interface: the keyword arguments of each of its calls of an attention interface, in order.
+        own_registry: whether a call looked its function up in a registry of its modeling file's own, not
+            transformers' ``ALL_ATTENTION_FUNCTIONS`` (Doge's).
     """
 
     handed: dict | None = None
     interface: list[dict] = field(default_factory=list)
+    own_registry: bool = False
 
 
 def _recording_attention(module, query, key, value, attention_mask, **kwargs):
@@ -154,6 +158,23 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
     _RECORDS[id(module)].interface.append(kwargs)
     batch, heads, tokens = query.shape[:3]
     return query.new_empty(batch, tokens, heads, value.shape[-1]), None
+
+
+def _recording_own(module, *args, **kwargs):
+    """``_recording_attention`` for a call looked up in a modeling file's own registry: also notes that."""
+    _RECORDS[id(module)].own_registry = True
+    return _recording_attention(module, *args, **kwargs)
+
+
+def _own_registries(attention: list[torch.nn.Module]) -> list:
+    """The attention registries other than transformers' that the modeling files of ``attention`` hold as their
+    ``ALL_ATTENTION_FUNCTIONS`` (a module attribute, as transformers' own is one)."""
+    own = {}
+    for module in attention:
+        registry = getattr(sys.modules.get(own_class(module).__module__), "ALL_ATTENTION_FUNCTIONS", None)
+        if registry is not None and registry is not ALL_ATTENTION_FUNCTIONS and hasattr(registry, "__setitem__"):
+            own[id(registry)] = registry
+    return list(own.values())
 
 
 def _meta_of(value):
@@ -186,8 +207,8 @@ def _attention_twin(module: torch.nn.Module, record: AttentionCalls, device) -> 
 def attention_calls(
     layer: torch.nn.Module, attention: list[torch.nn.Module], kwargs: dict, width: int
 ) -> tuple[LayerRun | None, str | None]:
-    """What each module of ``attention`` (attention modules inside the decoder ``layer``) is handed, and hands
-    transformers' attention interface, when ``layer``'s forward runs once on its twin.
+    """What each module of ``attention`` (modules inside the decoder ``layer`` that may call an attention interface)
+    is handed, and hands the attention interface, when ``layer``'s forward runs once on its twin.
 
     The layer is called with hidden states (1, 4, ``width``) and ``kwargs`` (what its backbone handed it,
     ``layer_calls``); its attention modules run their own forward up to a recording attention interface, every other
@@ -196,7 +217,9 @@ def attention_calls(
     reading its data: JetMoE's mixture of attention heads routes by value; a RoPE function replaced by a kernel that
     takes no meta tensor: Liger's Triton kernel on CUDA), again with zeroed copies of the attention modules, in their
     dtype, on the device of their parameters (the CPU for meta ones), if each holds at most 2^27 elements; the
-    hidden states and keywords follow them there. The user's modules are untouched.
+    hidden states and keywords follow them there. Each module's config names a recording implementation, registered in
+    transformers' registry and in any registry of the modules' modeling files' own while this runs: a module that
+    never calls the interface records no call. The user's modules are untouched.
 
     Returns:
         (a ``LayerRun``, None), or (None, what the layer's forward raised).
@@ -204,7 +227,10 @@ def attention_calls(
     dtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.float32)
     device = next((p.device for m in attention for p in m.parameters()), torch.device("cpu"))
     device = torch.device("cpu") if device.type == "meta" else device
+    own = _own_registries(attention)
     ALL_ATTENTION_FUNCTIONS[_IMPLEMENTATION] = _recording_attention
+    for registry in own:
+        registry[_IMPLEMENTATION] = _recording_own
     try:
         hidden = torch.empty(1, _TOKENS, width, dtype=dtype, device="meta")
         records, error = _run_layer(layer, attention, _meta_of(kwargs), hidden, None)
@@ -214,6 +240,8 @@ def attention_calls(
         return records, error
     finally:
         del ALL_ATTENTION_FUNCTIONS[_IMPLEMENTATION]
+        for registry in own:
+            del registry[_IMPLEMENTATION]
         _RECORDS.clear()
 
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import sys
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import attention_hook as attn_hook
 from . import mechanisms
@@ -40,11 +38,6 @@ def _forward_source(cls: type) -> str:
         return ""
 
 
-def _calls_attention_interface(cls: type) -> bool:
-    """Whether ``cls.forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS`` (where grpo_mem's hook sits)."""
-    return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
-
-
 def _takes_positions(cls: type) -> bool:
     """Whether ``cls.forward`` receives ``position_ids`` or the rotary ``position_embeddings`` made of them."""
     try:
@@ -54,23 +47,33 @@ def _takes_positions(cls: type) -> bool:
     return "position_embeddings" in params or "position_ids" in params
 
 
-def _observed_layers(base, mixing: list[str], handed: set[int]) -> tuple[dict, str | None]:
-    """(id(attention module) -> its ``backbone_probe.AttentionCalls``, None), or ({}, why the backbone does not run
-    each decoder layer once handing it its keyword arguments, nor each layer its attention and handed recurrent
-    modules). Observed by running the backbone on stand-in layers, then each layer on its twin
-    (``backbone_probe``), never read from source: a layer run several times per forward (recurrent loops) would
-    record one K/V per layer in a prompt pass, and grpo_mem's context travels in the keyword arguments. ``mixing``:
-    the names of the token-mixing modules; ``handed``: ids of the recurrent layers whose states are handed on."""
+def _candidates(base, handed: list) -> list[tuple[str, torch.nn.Module]]:
+    """The (name, module) of ``base``'s modules that may call an attention interface, asked by ``_observed_layers``:
+    an integer ``layer_idx`` (by which the hook knows a call's layer), a ``config`` (which names the implementation a
+    call looks up) and a forward taking ``attention_mask`` (what it hands the interface; not an MoE gate's), neither
+    one of the recurrent layers ``handed`` on nor inside or around one."""
+    inside = {id(d) for m in handed for d in m.modules()}
+    return [
+        (n, m)
+        for n, m in base.named_modules()
+        if isinstance(getattr(m, "layer_idx", None), int)
+        and hasattr(m, "config")
+        and "attention_mask" in forward_params(type(m))
+        and not any(id(d) in inside for d in m.modules())
+    ]
+
+
+def _observed_layers(base, lists: list[str], candidates: set[int], handed: set[int]) -> tuple[dict, str | None]:
+    """({id(candidate): its ``backbone_probe.AttentionCalls``}, None), or ({}, why the backbone does not run each
+    decoder layer of its module lists ``lists`` once handing it its keyword arguments, nor each layer the modules
+    that call the attention interface and its ``handed`` recurrent layers, or a layer could not be run). Observed by running the backbone on stand-in
+    layers, then each layer holding ``candidates`` (ids of modules that may call the attention interface) or
+    ``handed`` recurrent layers on its twin (``backbone_probe``), never read from source: a layer run several times
+    per forward (recurrent loops) would record one K/V per layer in a prompt pass, and grpo_mem's context travels in
+    the keyword arguments."""
     from .backbone_probe import PROBE_TOKEN, attention_calls, layer_calls
 
     name = type(base).__name__
-    lists = [
-        n
-        for n, m in base.named_children()
-        if isinstance(m, torch.nn.ModuleList) and any(a.startswith(f"{n}.") for a in mixing)
-    ]
-    if not lists:
-        return {}, f"{name} holds its token-mixing layers in no module list of its own"
     width = getattr(base.config, "hidden_size", None)
     width = width if isinstance(width, int) else base.get_input_embeddings().embedding_dim
     calls, error = layer_calls(base, lists, width)
@@ -83,14 +86,14 @@ def _observed_layers(base, mixing: list[str], handed: set[int]) -> tuple[dict, s
         return {}, f"{name} does not pass its keyword arguments on to its layers"
     observed = {}
     for layer in (layer for n in lists for layer in getattr(base, n)):
-        attention = [m for m in layer.modules() if _calls_attention_interface(type(m)) and not _own_registry(m)]
+        attention = [m for m in layer.modules() if id(m) in candidates and m is not layer]
         recurrent = [c for c in layer.children() if id(c) in handed]
         if not calls[id(layer)] or not (attention or recurrent) or (handed and _relayed(layer)):
             continue
         run, error = attention_calls(layer, attention, calls[id(layer)][0], width)
         if error is not None:
             return {}, f"{type(layer).__name__} could not be run on its twin to observe its attention ({error})"
-        got = [r.handed for r in run.attention] + [run.children.get(id(c)) for c in recurrent]
+        got = [r.handed for r in run.attention if r.interface] + [run.children.get(id(c)) for c in recurrent]
         if any(g is None or g.get(attn_hook.CTX_KWARG) != PROBE_TOKEN for g in got):
             return {}, f"{type(layer).__name__} does not pass its keyword arguments on to its attention"
         observed.update({id(m): r for m, r in zip(attention, run.attention, strict=True)})
@@ -107,70 +110,84 @@ def _relayed(layer) -> bool:
     return relayed_layer(layer)
 
 
-def _layers_cause(base, config, handed: list) -> str | None:
-    """Why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", or None.
+def _layers_cause(base, config, handed: list) -> tuple[str | None, list]:
+    """(why the backbone's token mixing is not "every layer attends through the interface, by ``layer_idx``", the
+    attention modules, each of which called the interface): the cause None where it is.
 
+    Which modules call transformers' attention interface is observed (``_observed_layers``), not read from source.
     ``config``: the text config, which says what each attention module must hand the attention interface
     (``mechanisms.keywords``); ``handed``: the recurrent layers whose states are handed on (``_handed_layers``); an
     MLP or MoE block (its ``block_type``, Nemotron-H) mixes no tokens.
     """
-    attention = [(n, m) for n, m in base.named_modules() if _calls_attention_interface(type(m))]
-    if not attention:
-        names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
-        named = ", ".join(names[:2]) or "no attention module"
-        cause = f"attention is not computed through transformers' attention interface ({named})"
-        if not handed:
-            return cause
-        from .mamba_state import backbone_cause, takes_state
+    handed_ids = {id(m) for m in handed}
+    within = tuple(n + "." for n, m in base.named_modules() if id(m) in handed_ids)
+    candidates = _candidates(base, handed)
+    reach = [n for n, _ in candidates] + [w[:-1] for w in within]
+    lists = [
+        n
+        for n, m in base.named_children()
+        if isinstance(m, torch.nn.ModuleList) and any(a.startswith(f"{n}.") for a in reach)
+    ]
+    depth = {f"{n}.{i}" for n in lists for i in range(len(getattr(base, n)))}
+    inner = [(n, m) for n, m in candidates if any(n.startswith(f"{d}.") for d in depth)]
+    names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
+    named = ", ".join(names[:2]) or "no attention module"
+    otherwise = f"attention is not computed through transformers' attention interface ({named})"
+    if not candidates and not handed:
+        return otherwise, []
+    if not inner and any(_takes_state(m) for m in handed):  # a Mamba-1 backbone: its blocks relay the context
+        from .mamba_state import backbone_cause
 
-        if any(takes_state(m) for m in handed):  # a Mamba-1 backbone: its blocks relay the context to their mixers
-            return backbone_cause(base, handed, cause)
-    indices = [getattr(m, "layer_idx", None) for _, m in attention]
-    if not all(isinstance(i, int) for i in indices):
-        return f"{type(attention[indices.index(None)][1]).__name__} has no integer layer_idx"
-    if len(set(indices)) != len(indices):
-        return "several attention modules share one layer_idx (a block shared between layers)"
-    handed = {id(m) for m in handed}
-    within = [n + "." for n, m in base.named_modules() if id(m) in handed]
-    mixing = [n for n, _ in attention] + within
+        return backbone_cause(base, handed, otherwise), []
     for name, module in base.named_modules():
-        if isinstance(module, _CONVOLUTIONS) and not name.startswith(tuple(within)):
-            return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)"
-        if isinstance(module, torch.nn.ModuleList) and any(a.startswith(f"{name}.") for a in mixing):
-            for i, layer in enumerate(module):
-                if getattr(layer, "block_type", None) in ("mlp", "moe"):
-                    continue
-                if not any(_calls_attention_interface(type(m)) or id(m) in handed for m in layer.modules()):
-                    return f"layer {i} ({type(layer).__name__}) mixes tokens without attention"
-    observed, cause = _observed_layers(base, mixing, handed)
+        if isinstance(module, _CONVOLUTIONS) and not name.startswith(within):
+            return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)", []
+    outside = [(n, m) for n, m in candidates if n not in depth and not any(n.startswith(f"{d}.") for d in depth)]
+    if outside:
+        n, m = outside[0]
+        return f"{type(m).__name__} ({n}, layer_idx {m.layer_idx}) sits outside the layer lists its backbone runs", []
+    if not lists:
+        return f"{type(base).__name__} holds its token-mixing layers in no module list of its own", []
+    observed, cause = _observed_layers(base, lists, {id(m) for _, m in inner}, handed_ids)
     if cause is not None:
-        return cause
-    causes = (
-        _attention_module_cause(module, config, bool(handed), observed.get(id(module))) for _, module in attention
-    )
-    return next((c for c in causes if c is not None), None)
+        return cause, []
+    attention = [(n, m) for n, m in inner if observed.get(id(m)) is not None and observed[id(m)].interface]
+    if not attention and not handed:
+        return otherwise, []
+    indices = [m.layer_idx for _, m in attention]
+    if len(set(indices)) != len(indices):
+        return "several attention modules share one layer_idx (a block shared between layers)", []
+    calling = {id(m) for _, m in attention} | handed_ids
+    for name in lists:
+        for i, layer in enumerate(getattr(base, name)):
+            if getattr(layer, "block_type", None) in ("mlp", "moe"):
+                continue
+            if not any(id(m) in calling for m in layer.modules()):
+                return f"layer {i} ({type(layer).__name__}) mixes tokens without attention", []
+    causes = (_attention_module_cause(m, config, bool(handed), observed[id(m)]) for _, m in attention)
+    return next((c for c in causes if c is not None), None), [m for _, m in attention]
 
 
-def _own_registry(module) -> bool:
-    """Whether ``module``'s modeling file looks attention functions up in a registry of its own (Doge's)."""
-    own = sys.modules.get(attn_hook.own_class(module).__module__)
-    return getattr(own, "ALL_ATTENTION_FUNCTIONS", None) is not ALL_ATTENTION_FUNCTIONS
+def _takes_state(module) -> bool:
+    from .mamba_state import takes_state
+
+    return takes_state(module)
 
 
 def _attention_module_cause(module, config, beside_recurrent: bool, seen) -> str | None:
     """Why one attention ``module`` is out of reach (``beside_recurrent``: its backbone has handed layers; ``seen``:
-    its ``backbone_probe.AttentionCalls`` in one run of its layer, None where its layer did not run), or None: each
+    its ``backbone_probe.AttentionCalls`` in one run of its layer), or None: each
     keyword mechanism of ``mechanisms.TABLE`` the text ``config`` or the module asks for (a sliding window, logit
     softcapping, sinks) must reach the attention interface as its keyword."""
     from .backbone_probe import PROBE_TOKEN
 
     cls = attn_hook.own_class(module)
-    if _own_registry(module):
+    if seen.own_registry:
         return f"{cls.__name__} dispatches through its own attention registry, not transformers'"
-    calls = [] if seen is None else seen.interface
+    calls = seen.interface
     if len(calls) > 1:
         return f"{cls.__name__} calls the attention interface more than once per layer (differential attention)"
-    if seen is not None and not all(c.get(attn_hook.CTX_KWARG) == PROBE_TOKEN for c in calls):
+    if not all(c.get(attn_hook.CTX_KWARG) == PROBE_TOKEN for c in calls):
         return f"{cls.__name__} does not pass its keyword arguments on to the attention interface"
     if not _takes_positions(cls) and not beside_recurrent:  # NoPE beside recurrent layers (Kimi's MLA, Jamba's)
         return f"{type(module).__name__} takes no position_ids or rotary position_embeddings"
@@ -178,7 +195,7 @@ def _attention_module_cause(module, config, beside_recurrent: bool, seen) -> str
         return f"{cls.__name__} scales queries by the absolute position (attention_scaling from position_ids)"
     for mechanism in mechanisms.keywords():
         keyword = mechanism.keyword
-        if mechanism.asks(config, module) and seen is not None and not all(keyword in c for c in calls):
+        if mechanism.asks(config, module) and not all(keyword in c for c in calls):
             return f"{mechanism.name} applied outside the attention interface ({cls.__name__} passes no {keyword}=)"
     return None
 
@@ -311,25 +328,34 @@ def architecture_cause(causal_lm) -> str | None:
     recurrent/state-space/linear-attention, chunked-attention and convolution layers, absolute or ALiBi positions,
     other LM heads.
     """
+    return _architecture(causal_lm)[0]
+
+
+def _architecture(causal_lm) -> tuple[str | None, list]:
+    """(``architecture_cause``, the modules observed to call the attention interface: none where a cause came before
+    the observation)."""
     config = causal_lm.config
     cls = attn_hook.own_class(causal_lm)
     if not cls.__module__.startswith("transformers."):
-        return f"remote code ({cls.__module__}.{cls.__name__})"
+        return f"remote code ({cls.__module__}.{cls.__name__})", []
     base = causal_lm.base_model
     if config.get_text_config() is not config:
         cause = vision_language_cause(causal_lm)
         if cause is not None:
-            return cause
+            return cause, []
         config, base = config.get_text_config(), language_model_of(base)[1]
     if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder model"
+        return "encoder-decoder model", []
     if hasattr(config, "is_decoder"):
-        return "an encoder run as a decoder (is_decoder, BERT-style)"
+        return "an encoder run as a decoder (is_decoder, BERT-style)", []
     if base is causal_lm:
-        return "the causal LM is its own base model (no backbone returning last_hidden_state)"
+        return "the causal LM is its own base model (no backbone returning last_hidden_state)", []
     handed, cause = _handed_layers(config, base)
     cause = cause or _layer_types_cause(config, handed) or _positions_cause(config, base)
-    return cause or _layers_cause(base, config, handed) or head_cause(causal_lm)
+    if cause is not None:
+        return cause, []
+    cause, attention = _layers_cause(base, config, handed)
+    return cause or head_cause(causal_lm), attention
 
 
 def _reentrant_checkpointing(model) -> bool:
@@ -414,15 +440,15 @@ def unsupported_cause(causal_lm, call: mechanisms.Call = mechanisms.CALL) -> str
     then what depends on its current state (attention implementation, reentrant checkpointing), then the admission
     answer of each mechanism of ``mechanisms.TABLE`` the model or the call brings (active dropout:
     ``dropout_cause``; the MoE router loss: ``router.router_loss_cause``)."""
-    cause = architecture_cause(causal_lm)
+    cause, attention = _architecture(causal_lm)
     if cause is not None:
         return cause
     inner = attn_hook.inner_implementation(causal_lm)
     if inner not in SUPPORTED_ATTENTION:
         return f"attention implementation {inner!r}"
     if inner == "eager":
-        for module in causal_lm.modules():
-            if _calls_attention_interface(type(module)) and attn_hook.module_eager(module) is None:
+        for module in attention:
+            if attn_hook.module_eager(module) is None:
                 return f"eager attention of {type(module).__name__} is not its modeling file's eager_attention_forward"
     if _reentrant_checkpointing(causal_lm):
         return "reentrant gradient checkpointing drops gradients of tensors passed as kwargs"

@@ -6,10 +6,12 @@ without its keyword arguments); here, forwards rewritten so that source text and
 
 from __future__ import annotations
 
+import types
+
 import torch
-from helpers import tiny_model
+from helpers import check_against_stock, make_batch, tiny_model
 from transformers import LlamaForCausalLM
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.llama import modeling_llama
 
 from grpo_mem.model import support
@@ -67,6 +69,68 @@ def test_attention_calling_the_interface_twice_or_without_a_feature_is_named(mon
         cause
         == "attention logit softcapping applied outside the attention interface (LlamaAttention passes no softcap=)"
     )
+
+
+def _llama_attention(module, hidden_states, position_embeddings, attention_mask, interface, **kwargs):
+    """Llama's attention computed through ``interface`` (what ``LlamaAttention.forward`` does without a cache)."""
+    shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    q, k, v = (
+        proj(hidden_states).view(shape).transpose(1, 2) for proj in (module.q_proj, module.k_proj, module.v_proj)
+    )
+    q, k = modeling_llama.apply_rotary_pos_emb(q, k, *position_embeddings)
+    out, weights = interface(module, q, k, v, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs)
+    return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+class Delegating(modeling_llama.LlamaAttention):
+    """Llama's attention reached through a subclass whose forward never names the registry."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+
+class HandAttention(modeling_llama.LlamaAttention):
+    """Attention computed by the modeling file's eager function whatever the config names: no interface call."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        eager = modeling_llama.eager_attention_forward
+        return _llama_attention(self, hidden_states, position_embeddings, attention_mask, eager, **kwargs)
+
+
+_OWN = types.ModuleType("own_registry_modeling")
+_OWN.ALL_ATTENTION_FUNCTIONS = AttentionInterface()  # a modeling file's own registry (Doge's shape)
+
+
+class OwnRegistry(modeling_llama.LlamaAttention):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        impl = self.config._attn_implementation
+        interface = _OWN.ALL_ATTENTION_FUNCTIONS.get_interface(impl, modeling_llama.eager_attention_forward)
+        return _llama_attention(self, hidden_states, position_embeddings, attention_mask, interface, **kwargs)
+
+
+OwnRegistry.__module__ = _OWN.__name__
+
+
+def test_which_modules_call_the_attention_interface_is_observed(monkeypatch):
+    """Which modules attend through transformers' attention interface is seen in their calls, not read from their
+    forward's text: a subclass delegating to Llama's forward (its text names no registry) is admitted and exact
+    against stock TRL; attention computed by hand leaves its layers without attention, and one looked up in a
+    modeling file's own registry is named."""
+    monkeypatch.setitem(__import__("sys").modules, _OWN.__name__, _OWN)
+    for cls, cause in (
+        (Delegating, None),
+        (HandAttention, "attention is not computed through transformers' attention interface (HandAttention)"),
+        (OwnRegistry, "OwnRegistry dispatches through its own attention registry, not transformers'"),
+    ):
+        model = tiny_model("llama").train()
+        for layer in model.model.layers:
+            layer.self_attn.__class__ = cls
+        assert support.unsupported_cause(model) == cause, cls.__name__
+    ids, mask, C, _ = make_batch([5, 7], G=2, C=4, seed=3)
+    model = tiny_model("llama").train()
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = Delegating
+    check_against_stock(model, ids, mask, C, "tree")
 
 
 def test_the_probes_leave_the_model_and_the_registry_as_they_were():

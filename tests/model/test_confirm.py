@@ -29,7 +29,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, eager_attention_forward
 
 import grpo_mem
-from grpo_mem.model import confirm, fallback, support
+from grpo_mem.model import backbone_probe, confirm, fallback, support
 from grpo_mem.model.sharing import SharingSession
 from grpo_mem.patches.trl import patch_trl
 
@@ -257,7 +257,8 @@ def test_dory_head_and_hunyuan_norms_are_caught_without_the_rules(monkeypatch):
     """The confirmation's comparison is the backstop: with the rule's checks and the shift check off, it still
     refuses both, by name."""
     monkeypatch.setattr(confirm, "shift_cause", lambda cls_name, model, ids: None)
-    monkeypatch.setattr(support, "_observed_layers", lambda base, mixing, handed: ({}, None))
+    observe = backbone_probe.layer_calls  # Dory's loop over its layers unseen: each layer's first call only
+    monkeypatch.setattr(backbone_probe, "layer_calls", lambda *a: ({k: v[:1] for k, v in observe(*a)[0].items()}, None))
     for model_type in ("hunyuan_v1_dense", "dory"):
         _needs(model_type)
         model = build_tiny(model_type)
