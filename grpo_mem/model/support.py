@@ -371,9 +371,9 @@ def _reentrant_checkpointing(model) -> bool:
 
 
 # dropout modules (TRL's ``disable_dropout=True`` sets the ``p`` of every ``nn.Dropout`` to 0, PEFT's ``lora_dropout``
-# included), and probabilities a forward reads from its module or config for functional dropout, attention dropout
-# or layer drop (``nn.functional.dropout(x, p=self.resid_pdrop, training=self.training)``; TRL leaves those alone), and
-# MoE router jitter (Mixtral's ``self.jitter_noise``: a random factor per token in training, drawn per row by stock)
+# included), and probabilities a module keeps as attributes of its own for functional dropout, attention dropout or
+# layer drop (``nn.functional.dropout(x, p=self.residual_dropout, training=self.training)``; TRL leaves those alone),
+# and MoE router jitter (Mixtral's ``self.jitter_noise``: a random factor per token in training, drawn per row by stock)
 _DROPOUT_MODULES = (
     torch.nn.Dropout,
     torch.nn.Dropout1d,
@@ -382,14 +382,7 @@ _DROPOUT_MODULES = (
     torch.nn.AlphaDropout,
     torch.nn.FeatureAlphaDropout,
 )
-_DROP_READ = re.compile(r"\bself\.(config\.)?(\w*(?:drop|jitter)\w*)")
-
-
-@functools.lru_cache(maxsize=None)
-def _drop_reads(cls: type) -> tuple[tuple[str, str], ...]:
-    """The (``"config."`` or "", name) of every ``self.<name>`` / ``self.config.<name>`` whose name holds "drop" or
-    "jitter" that ``cls.forward`` reads."""
-    return tuple(sorted(set(_DROP_READ.findall(_forward_source(cls)))))
+_DROP_NAME = re.compile(r"drop|jitter")
 
 
 def _positive(value) -> bool:
@@ -402,10 +395,11 @@ def dropout_cause(causal_lm) -> str | None:
     Stock forwards every row's prompt and draws a dropout mask per row; a prompt forwarded once for its group draws
     one mask that every completion of the group shares: the same expectation over masks, other draws, other numbers.
     So any dropout active in a module in training mode falls back: a dropout module with ``p > 0`` (``nn.Dropout``
-    and its variants, any ``*Dropout`` class with a ``p``; PEFT's ``lora_dropout``), or a positive probability a
-    module's forward reads as ``self.<name>`` or ``self.config.<name>`` with "drop" in the name (functional residual
-    or hidden dropout, attention dropout, layer drop, MoE router jitter), or the config's ``attention_dropout``. The
-    cause names the module and the value.
+    and its variants, any ``*Dropout`` class with a ``p``; PEFT's ``lora_dropout``), or a positive number a module
+    keeps as an attribute of its own named with "drop" or "jitter" (functional residual or hidden dropout, attention
+    dropout, layer drop, MoE router jitter: set from the config when built, read by its forward), or the config's
+    ``attention_dropout``. Read from the modules' attributes, not their forward's text: an attribute a forward
+    leaves unread falls back too (DBRX's ``emb_pdrop``, where positive). The cause names the module and the value.
     """
     if causal_lm.training and getattr(causal_lm.config, "attention_dropout", 0.0):
         return "attention dropout is active"
@@ -422,14 +416,12 @@ def dropout_cause(causal_lm) -> str | None:
                     f"sets nn.Dropout p to 0)"
                 )
             continue
-        for config, attr in _drop_reads(cls):
-            owner = getattr(module, "config", None) if config else module
-            value = getattr(owner, attr, None)
-            if _positive(value):
+        for attr, value in vars(module).items():
+            if _DROP_NAME.search(attr) and _positive(value):
                 return (
-                    f"dropout or noise is active in training ({name or cls.__name__}: {cls.__name__}.forward "
-                    f"reads self.{config}{attr} = {value:g}); stock draws it per row, a prompt forwarded once "
-                    f"would share one draw across its group (TRL's disable_dropout leaves it)"
+                    f"dropout or noise is active in training ({name or cls.__name__}: {cls.__name__}.{attr} = "
+                    f"{value:g}); stock draws it per row, a prompt forwarded once would share one draw across its "
+                    f"group (TRL's disable_dropout leaves it)"
                 )
     return None
 

@@ -460,7 +460,7 @@ DROPOUT = {
     # functional dropout with a probability the module keeps: TRL's disable_dropout leaves it, stock still drops
     "starcoder2-residual-dropout-disabled": (
         dict(arch="starcoder2", model_args=dict(residual_dropout=0.1), disable_dropout=True),
-        r"Starcoder2Attention\.forward reads self\.residual_dropout = 0\.1",
+        r"Starcoder2Attention\.residual_dropout = 0\.1",
     ),
     "lora-dropout-disabled": (dict(peft_config=lambda: _lora(0.1), disable_dropout=True), None),
     "phi3-resid-pdrop-disabled": (dict(arch="phi3", model_args=dict(resid_pdrop=0.1), disable_dropout=True), None),
