@@ -31,6 +31,9 @@ PROBE_TOKEN = "grpo_mem_probe"
 
 _TOKENS = 4
 _ARGS = "*args"  # the key under which a layer call's positional arguments after the hidden states are recorded
+GIVEN = (
+    "position_ids given"  # the key under which ``language_model_calls`` records whether the positions were handed on
+)
 _LARGEST = 1 << 20  # elements of a child copied to the CPU; a larger one becomes a stand-in
 _LARGEST_ATTENTION = 1 << 27  # elements of an attention module copied (zeros) where it cannot run on meta
 
@@ -308,3 +311,43 @@ def _repeating_stand_in(
 
     twin.forward = forward
     return twin
+
+
+def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: int, avoid: set[int], positions=True):
+    """The keyword arguments of every call of ``base``'s language model (its child ``name``) when ``base``'s forward
+    (a vision-language base model's, on its twin: parameters on the meta device, nothing of the model's size
+    allocated, the user's modules untouched) runs once on a text prompt: ``input_ids`` (1, 4) of token ids below
+    ``vocab`` outside ``avoid`` (image and other special tokens), no attention mask, ``position_ids`` 3 … 6 (none
+    without ``positions``) and the context keyword ``CTX_KWARG=PROBE_TOKEN``; the input embeddings a stand-in returning zeros (1, 4, ``width``) on
+    the CPU (a mask's construction reads the positions' values), the language model a stand-in recording its keywords
+    and returning those embeddings as its last hidden state. Each record also holds ``_ARGS``, its positional
+    arguments, and ``GIVEN``, whether the ``position_ids`` handed on are the tensor given.
+
+    Returns:
+        ([kwargs of each call, in order], None), or ([], what the forward raised).
+    """
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    got: list[dict] = []
+    given = torch.arange(3, 3 + _TOKENS)[None]
+    language_model = getattr(base, name)
+    embeddings = base.get_input_embeddings()
+    zeros = meta_twin(embeddings)
+    zeros.forward = lambda ids, *args, **kwargs: torch.zeros(*ids.shape, width)
+
+    def forward(*args, **kwargs):
+        got.append({**kwargs, _ARGS: args, GIVEN: kwargs.get("position_ids") is given})
+        embeds = kwargs.get("inputs_embeds")
+        return BaseModelOutputWithPast(last_hidden_state=embeds if embeds is not None else args[0])
+
+    twin_lm = meta_twin(language_model, {id(embeddings): zeros})
+    twin_lm.forward = forward
+    twin = meta_twin(base, {id(language_model): twin_lm, id(embeddings): zeros})
+    ids = torch.tensor([[t for t in range(1, vocab) if t not in avoid][:_TOKENS]])
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            given_ids = {"position_ids": given} if positions else {}
+            twin(input_ids=ids, use_cache=False, **given_ids, **{CTX_KWARG: PROBE_TOKEN})
+    except Exception as e:  # noqa: BLE001 - the model's own code on its twin: named by the caller
+        return [], f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    return got, None

@@ -29,15 +29,6 @@ SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_at
 # ---------------------------------------------------------------------------------------------- what the model is made of
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_source(cls: type) -> str:
-    """The source of ``cls.forward`` ("" when it cannot be read)."""
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return ""
-
-
 def _takes_positions(cls: type) -> bool:
     """Whether ``cls.forward`` receives ``position_ids`` or the rotary ``position_embeddings`` made of them."""
     try:
@@ -66,11 +57,11 @@ def _candidates(base, handed: list) -> list[tuple[str, torch.nn.Module]]:
 def _observed_layers(base, lists: list[str], candidates: set[int], handed: set[int]) -> tuple[dict, str | None]:
     """({id(candidate): its ``backbone_probe.AttentionCalls``}, None), or ({}, why the backbone does not run each
     decoder layer of its module lists ``lists`` once handing it its keyword arguments, nor each layer the modules
-    that call the attention interface and its ``handed`` recurrent layers, or a layer could not be run). Observed by running the backbone on stand-in
-    layers, then each layer holding ``candidates`` (ids of modules that may call the attention interface) or
-    ``handed`` recurrent layers on its twin (``backbone_probe``), never read from source: a layer run several times
-    per forward (recurrent loops) would record one K/V per layer in a prompt pass, and grpo_mem's context travels in
-    the keyword arguments."""
+    that call the attention interface and its ``handed`` recurrent layers, or a layer could not be run). Observed
+    by running the backbone on stand-in layers, then each layer holding ``candidates`` (ids of modules that may call
+    the attention interface) or ``handed`` recurrent layers on its twin (``backbone_probe``), never read from
+    source: a layer run several times per forward (recurrent loops) would record one K/V per layer in a prompt
+    pass, and grpo_mem's context travels in the keyword arguments."""
     from .backbone_probe import PROBE_TOKEN, attention_calls, layer_calls
 
     name = type(base).__name__
@@ -258,8 +249,6 @@ def _positions_cause(config, base) -> str | None:
 _VISION_METHODS = ("get_image_features",)
 _MULTI_AXIS_METHODS = ("get_placeholder_mask", "compute_3d_position_ids")  # called by grpo_mem for M-RoPE models
 _VISION_FORWARD_PARAMS = frozenset({"input_ids", "position_ids", "attention_mask", "mm_encoder_outputs"})
-# (the cache is ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24: both spellings are accepted, as
-# this list is matched against the forward's source text, the one place where no signature says what is handed on)
 _LANGUAGE_MODEL_ARGS = frozenset(
     {
         "input_ids",
@@ -272,9 +261,19 @@ _LANGUAGE_MODEL_ARGS = frozenset(
         "return_dict",
         "visual_pos_masks",
         "deepstack_visual_embeds",
+        attn_hook.CTX_KWARG,
     }
 )
-_OWN_POSITIONS = re.compile(r"^\s*position_ids(\[[^\]]*\])? = ", re.MULTILINE)  # assigned, not a keyword
+
+
+def _special_tokens(config) -> set[int]:
+    """The token ids a config (and its text config) names (``*_token_id``, ``*_token_index``: image, video, ...)."""
+    fields = {**config.to_dict(), **config.get_text_config().to_dict()}
+    found = set()
+    for key, value in fields.items():
+        if key.endswith(("token_id", "token_index", "token_ids")):
+            found.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+    return found
 
 
 def vision_language_cause(causal_lm) -> str | None:
@@ -283,36 +282,59 @@ def vision_language_cause(causal_lm) -> str | None:
 
     In: a base model with ``get_image_features`` and a language model (``language_model``/``text_model``), whose
     forward takes ``input_ids``, ``position_ids``, ``attention_mask`` and precomputed image features
-    (``mm_encoder_outputs``: it merges features into the embeddings), and hands its language model only merged
-    embeddings, positions, the mask and per-image-token additions (``_LANGUAGE_MODEL_ARGS``). Positions are either
-    multi-axis, from the model's own ``compute_3d_position_ids`` (with ``get_placeholder_mask``: Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL), or the ``position_ids`` given, which the forward never computes itself (LLaVA, LLaVA-NeXT, Gemma 3,
-    Idefics3, ...). Out, named: models without that interface, computing their own 1D positions (PaliGemma's
-    1-based positions), or handing the language model anything else.
+    (``mm_encoder_outputs``: it merges features into the embeddings), calls its language model once, handing it its
+    keyword arguments (grpo_mem's context among them), the ``position_ids`` it was given, and otherwise only merged
+    embeddings, the mask and per-image-token additions (``_LANGUAGE_MODEL_ARGS``). Multi-axis positions come from the
+    model's own ``compute_3d_position_ids`` (with ``get_placeholder_mask``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL). What the
+    forward hands on is observed on a text prompt (``backbone_probe.language_model_calls``: its twin, the language
+    model a recording stand-in), not read from its source. Out, named: models without that interface, computing
+    positions of their own in place of those given or, given none, other than ``0 … T-1`` (PaliGemma's 1-based),
+    or handing the language model anything else.
     """
+    from .backbone_probe import _ARGS, GIVEN, PROBE_TOKEN, language_model_calls
+
     base = causal_lm.base_model
     missing = [n for n in _VISION_METHODS if not callable(getattr(base, n, None))]
     name, language_model = language_model_of(base)
     if language_model is None:
         missing.append("language_model")
-    multi_axis = callable(getattr(base, "compute_3d_position_ids", None))
-    if multi_axis:
+    if callable(getattr(base, "compute_3d_position_ids", None)):
         missing += [n for n in _MULTI_AXIS_METHODS if not callable(getattr(base, n, None))]
     if missing:
         return f"vision-language model without {', '.join(missing)} (the interface grpo_mem drives)"
-    cls = attn_hook.own_class(base)
-    absent = sorted(_VISION_FORWARD_PARAMS - forward_params(cls))
+    absent = sorted(_VISION_FORWARD_PARAMS - forward_params(attn_hook.own_class(base)))
     if absent:
         return f"vision-language model whose forward takes no {', '.join(absent)}"
-    source = _forward_source(cls)
-    if not multi_axis and _OWN_POSITIONS.search(source):
-        return "vision-language model computing its own positions in its forward"
-    calls = re.findall(rf"self\.{name}\(([^)]*)\)", re.sub(r"\s+", " ", source))
-    args = {a.split("=")[0].strip() for call in calls for a in call.split(",") if "=" in a}
-    if len(calls) != 1 or not args <= _LANGUAGE_MODEL_ARGS:
-        extra = sorted(args - _LANGUAGE_MODEL_ARGS) or ["several language-model calls"]
+    text = causal_lm.config.get_text_config()
+    probe = (base, name, text.hidden_size, text.vocab_size, _special_tokens(causal_lm.config))
+    calls, error = language_model_calls(*probe)
+    defaults, error = language_model_calls(*probe, positions=False) if error is None else ([], error)
+    if error is not None:
+        return (
+            f"vision-language model whose forward could not be run on its twin to observe its language model ({error})"
+        )
+    if len(calls) != 1:
+        return f"vision-language model calling its language model {len(calls)} times per forward"
+    handed = calls[0]
+    if handed.get(attn_hook.CTX_KWARG) != PROBE_TOKEN:
+        return "vision-language model not passing its keyword arguments on to its language model"
+    extra = sorted(set(handed) - _LANGUAGE_MODEL_ARGS - {_ARGS, GIVEN}) + (
+        ["positional arguments"] if handed[_ARGS] else []
+    )
+    if extra:
         return f"vision-language model handing its language model more than merged embeddings ({', '.join(extra)})"
+    if not handed[GIVEN] or not _counted_from_zero(defaults[0].get("position_ids") if defaults else None):
+        return "vision-language model computing its own positions in its forward"
     return None
+
+
+def _counted_from_zero(positions) -> bool:
+    """Whether ``positions`` a forward handed its language model when given none are none or ``0 … T-1`` on every
+    axis and row (what the passes' own positions continue; PaliGemma's are 1-based)."""
+    if not isinstance(positions, torch.Tensor) or positions.device.type == "meta":
+        return positions is None
+    rows = positions.reshape(-1, positions.shape[-1])
+    return torch.equal(rows, torch.arange(positions.shape[-1]).expand_as(rows))
 
 
 def architecture_cause(causal_lm) -> str | None:
