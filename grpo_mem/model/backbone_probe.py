@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_hook import CTX_KWARG, _ConfigView, own_class
@@ -313,6 +314,16 @@ def _repeating_stand_in(
     return twin
 
 
+class _LanguageModelOutput(BaseModelOutputWithPast):
+    """The stand-in language model's output: its last hidden state, and None for any other field a forward reads
+    (Gemma 4's ``shared_kv_states`` in transformers 5.23)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: int, avoid: set[int], positions=True):
     """The keyword arguments of every call of ``base``'s language model (its child ``name``) when ``base``'s forward
     (a vision-language base model's, on its twin: parameters on the meta device, nothing of the model's size
@@ -326,8 +337,6 @@ def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: in
     Returns:
         ([kwargs of each call, in order], None), or ([], what the forward raised).
     """
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
     got: list[dict] = []
     given = torch.arange(3, 3 + _TOKENS)[None]
     language_model = getattr(base, name)
@@ -338,7 +347,7 @@ def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: in
     def forward(*args, **kwargs):
         got.append({**kwargs, _ARGS: args, GIVEN: kwargs.get("position_ids") is given})
         embeds = kwargs.get("inputs_embeds")
-        return BaseModelOutputWithPast(last_hidden_state=embeds if embeds is not None else args[0])
+        return _LanguageModelOutput(last_hidden_state=embeds if embeds is not None else args[0])
 
     twin_lm = meta_twin(language_model, {id(embeddings): zeros})
     twin_lm.forward = forward
