@@ -132,7 +132,7 @@ def _layers_cause(base, config, handed: list) -> tuple[str | None, list]:
         return backbone_cause(base, handed, otherwise), []
     for name, module in base.named_modules():
         if isinstance(module, _CONVOLUTIONS) and not name.startswith(within):
-            return f"a convolution over the sequence ({name}: recurrent, state-space or linear-attention layer)", []
+            return f"a convolution ({name}) outside the recurrent layers grpo_mem hands on", []
     outside = [(n, m) for n, m in candidates if n not in depth and not any(n.startswith(f"{d}.") for d in depth)]
     if outside:
         n, m = outside[0]
