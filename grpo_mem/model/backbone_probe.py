@@ -8,7 +8,8 @@ zero CPU hidden states (``inputs_embeds``, no attention mask), with each layer o
 stand-in that returns its input and records the keywords of every call, the input embeddings by a stand-in, and every
 other child (final norm, rotary embeddings, per-layer-type rotary lists, ...) by a CPU copy of its own class with its
 weights, buffers and tensors zeroed (a stand-in where that copy would hold more than 2^20 elements). The numbers are
-the run-time confirmation's (``confirm``). This module knows torch only.
+the run-time confirmation's (``confirm``). ``language_model_calls`` observes what a vision-language forward hands
+its language model the same way. This module knows torch and transformers' attention registry.
 """
 
 from __future__ import annotations
@@ -25,16 +26,24 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .attention_hook import CTX_KWARG, _ConfigView, own_class
 from .recurrent_probe import _meta, _stand_in, meta_twin
 
-__all__ = ["PROBE_TOKEN", "AttentionCalls", "LayerRun", "attention_calls", "layer_calls"]
+__all__ = [
+    "ARGS",
+    "GIVEN",
+    "PROBE_TOKEN",
+    "AttentionCalls",
+    "LayerRun",
+    "attention_calls",
+    "language_model_calls",
+    "layer_calls",
+]
 
 PROBE_TOKEN = "grpo_mem_probe"
 """The value of the context keyword the backbone is called with: a layer call that holds it was handed it."""
 
 _TOKENS = 4
-_ARGS = "*args"  # the key under which a layer call's positional arguments after the hidden states are recorded
-GIVEN = (
-    "position_ids given"  # the key under which ``language_model_calls`` records whether the positions were handed on
-)
+ARGS = "*args"  # the key under which a layer call's positional arguments after the hidden states are recorded
+# the key under which ``language_model_calls`` records whether the positions given were handed on
+GIVEN = "position_ids given"
 _LARGEST = 1 << 20  # elements of a child copied to the CPU; a larger one becomes a stand-in
 _LARGEST_ATTENTION = 1 << 27  # elements of an attention module copied (zeros) where it cannot run on meta
 
@@ -74,7 +83,7 @@ def _layer_stand_in(layer: torch.nn.Module, got: list, pair: bool) -> torch.nn.M
     twin = meta_twin(layer)
 
     def forward(*args, **kwargs):
-        got.append({**kwargs, _ARGS: args[1:]})
+        got.append({**kwargs, ARGS: args[1:]})
         x = args[0] if args else kwargs.get("hidden_states")
         return (x, None) if pair else x
 
@@ -278,7 +287,7 @@ def _run_layer(layer, attention, kwargs: dict, hidden: torch.Tensor, device):
             if id(child) not in replace and plain and not any(id(d) in held for d in child.modules()):
                 replace[id(child)] = _repeating_stand_in(child, outputs, last, seen)
         handed = dict(kwargs)
-        args = handed.pop(_ARGS, ())
+        args = handed.pop(ARGS, ())
         try:
             with torch.inference_mode(False), torch.no_grad():
                 meta_twin(layer, replace)(hidden, *args, **handed)
@@ -329,10 +338,11 @@ def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: in
     (a vision-language base model's, on its twin: parameters on the meta device, nothing of the model's size
     allocated, the user's modules untouched) runs once on a text prompt: ``input_ids`` (1, 4) of token ids below
     ``vocab`` outside ``avoid`` (image and other special tokens), no attention mask, ``position_ids`` 3 … 6 (none
-    without ``positions``) and the context keyword ``CTX_KWARG=PROBE_TOKEN``; the input embeddings a stand-in returning zeros (1, 4, ``width``) on
-    the CPU (a mask's construction reads the positions' values), the language model a stand-in recording its keywords
-    and returning those embeddings as its last hidden state. Each record also holds ``_ARGS``, its positional
-    arguments, and ``GIVEN``, whether the ``position_ids`` handed on are the tensor given.
+    without ``positions``) and the context keyword ``CTX_KWARG=PROBE_TOKEN``; the input embeddings a stand-in
+    returning zeros (1, 4, ``width``) on the CPU (a mask's construction reads the positions' values), the language
+    model a stand-in recording its keywords and returning those embeddings as its last hidden state. Each record
+    also holds ``ARGS``, its positional arguments, and ``GIVEN``, whether the ``position_ids`` handed on are the
+    tensor given.
 
     Returns:
         ([kwargs of each call, in order], None), or ([], what the forward raised).
@@ -345,7 +355,7 @@ def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: in
     zeros.forward = lambda ids, *args, **kwargs: torch.zeros(*ids.shape, width)
 
     def forward(*args, **kwargs):
-        got.append({**kwargs, _ARGS: args, GIVEN: kwargs.get("position_ids") is given})
+        got.append({**kwargs, ARGS: args, GIVEN: kwargs.get("position_ids") is given})
         embeds = kwargs.get("inputs_embeds")
         return _LanguageModelOutput(last_hidden_state=embeds if embeds is not None else args[0])
 

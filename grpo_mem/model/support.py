@@ -291,7 +291,7 @@ def vision_language_cause(causal_lm) -> str | None:
     positions of their own in place of those given or, given none, other than ``0 … T-1`` (PaliGemma's 1-based),
     or handing the language model anything else.
     """
-    from .backbone_probe import _ARGS, GIVEN, PROBE_TOKEN, language_model_calls
+    from .backbone_probe import ARGS, GIVEN, PROBE_TOKEN, language_model_calls
 
     base = causal_lm.base_model
     missing = [n for n in _VISION_METHODS if not callable(getattr(base, n, None))]
@@ -318,8 +318,8 @@ def vision_language_cause(causal_lm) -> str | None:
     handed = calls[0]
     if handed.get(attn_hook.CTX_KWARG) != PROBE_TOKEN:
         return "vision-language model not passing its keyword arguments on to its language model"
-    extra = sorted(set(handed) - _LANGUAGE_MODEL_ARGS - {_ARGS, GIVEN}) + (
-        ["positional arguments"] if handed[_ARGS] else []
+    extra = sorted(set(handed) - _LANGUAGE_MODEL_ARGS - {ARGS, GIVEN}) + (
+        ["positional arguments"] if handed[ARGS] else []
     )
     if extra:
         return f"vision-language model handing its language model more than merged embeddings ({', '.join(extra)})"
