@@ -187,8 +187,8 @@ def test_layouts_slice_as_trl_and_key_rows_by_their_images():
 def test_models_that_compute_their_own_positions_are_a_named_cause():
     """PaliGemma places text at 1-based positions of its own when given none (seen in what its forward hands its
     language model): not the positions the passes continue, so the stock path. (Measured on this tiny PaliGemma with
-    two-image prompts: stock's log-probs move by up to 5.2e-4 when its positions start at 0 instead of 1, and the
-    group-shared passes, which start at 0, differ from stock by as much.)"""
+    the family prompts' two-image prompt in a group of 3: stock's log-probs move by up to 5.2e-4 when its positions
+    start at 0 instead of 1; group sharing differed from stock by as much, tree sharing did not.)"""
     config = AutoConfig.for_model(
         "paligemma",
         text_config=dict(FAMILY_TEXT, model_type="gemma"),
