@@ -333,21 +333,22 @@ class _LanguageModelOutput(BaseModelOutputWithPast):
         return None
 
 
-def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: int, avoid: set[int], positions=True):
+def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: int, avoid: set[int]):
     """The keyword arguments of every call of ``base``'s language model (its child ``name``) when ``base``'s forward
     (a vision-language base model's, on its twin: parameters on the meta device, nothing of the model's size
-    allocated, the user's modules untouched) runs once on a text prompt: ``input_ids`` (1, 4) of token ids below
-    ``vocab`` outside ``avoid`` (image and other special tokens), no attention mask, ``position_ids`` 3 … 6 (none
-    without ``positions``) and the context keyword ``CTX_KWARG=PROBE_TOKEN``; the input embeddings a stand-in
-    returning zeros (1, 4, ``width``) on the CPU (a mask's construction reads the positions' values), the language
-    model a stand-in recording its keywords and returning those embeddings as its last hidden state. Each record
-    also holds ``ARGS``, its positional arguments, and ``GIVEN``, whether the ``position_ids`` handed on are the
-    tensor given.
+    allocated, the user's modules untouched) runs on a text prompt, twice: with ``position_ids`` 3 … 6, then with
+    none. Each run gets ``input_ids`` (1, 4) of token ids below ``vocab`` outside ``avoid`` (image and other special
+    tokens), no attention mask and the context keyword ``CTX_KWARG=PROBE_TOKEN``; the input embeddings are a
+    stand-in returning zeros (1, 4, ``width``) on the CPU (a mask's construction reads the positions' values), the
+    language model a stand-in recording its keywords and returning those embeddings as its last hidden state. Each
+    record also holds ``ARGS``, its positional arguments, and ``GIVEN``, whether the ``position_ids`` handed on are
+    the tensor given.
 
     Returns:
-        ([kwargs of each call, in order], None), or ([], what the forward raised).
+        ([kwargs of each call with positions given], [… with none given], None), or ([], [], what the forward
+        raised).
     """
-    got: list[dict] = []
+    runs: list[list[dict]] = []  # one list of calls per run
     given = torch.arange(3, 3 + _TOKENS)[None]
     language_model = getattr(base, name)
     embeddings = base.get_input_embeddings()
@@ -355,7 +356,7 @@ def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: in
     zeros.forward = lambda ids, *args, **kwargs: torch.zeros(*ids.shape, width)
 
     def forward(*args, **kwargs):
-        got.append({**kwargs, ARGS: args, GIVEN: kwargs.get("position_ids") is given})
+        runs[-1].append({**kwargs, ARGS: args, GIVEN: kwargs.get("position_ids") is given})
         embeds = kwargs.get("inputs_embeds")
         return _LanguageModelOutput(last_hidden_state=embeds if embeds is not None else args[0])
 
@@ -365,8 +366,9 @@ def language_model_calls(base: torch.nn.Module, name: str, width: int, vocab: in
     ids = torch.tensor([[t for t in range(1, vocab) if t not in avoid][:_TOKENS]])
     try:
         with torch.inference_mode(False), torch.no_grad():
-            given_ids = {"position_ids": given} if positions else {}
-            twin(input_ids=ids, use_cache=False, **given_ids, **{CTX_KWARG: PROBE_TOKEN})
+            for positions in ({"position_ids": given}, {}):
+                runs.append([])
+                twin(input_ids=ids, use_cache=False, **positions, **{CTX_KWARG: PROBE_TOKEN})
     except Exception as e:  # noqa: BLE001 - the model's own code on its twin: named by the caller
-        return [], f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
-    return got, None
+        return [], [], f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    return runs[0], runs[1], None

@@ -121,15 +121,12 @@ def _layers_cause(base, config, handed: list) -> tuple[str | None, list]:
     ]
     depth = {f"{n}.{i}" for n in lists for i in range(len(getattr(base, n)))}
     inner = [(n, m) for n, m in candidates if any(n.startswith(f"{d}.") for d in depth)]
-    names = sorted({type(m).__name__ for _, m in base.named_modules() if "Attention" in type(m).__name__})
-    named = ", ".join(names[:2]) or "no attention module"
-    otherwise = f"attention is not computed through transformers' attention interface ({named})"
     if not candidates and not handed:
-        return otherwise, []
+        return _no_interface_cause(base), []
     if not inner and any(_takes_state(m) for m in handed):  # a Mamba-1 backbone: its blocks relay the context
         from .mamba_state import backbone_cause
 
-        return backbone_cause(base, handed, otherwise), []
+        return backbone_cause(base, handed, _no_interface_cause(base)), []
     for name, module in base.named_modules():
         if isinstance(module, _CONVOLUTIONS) and not name.startswith(within):
             return f"a convolution ({name}) outside the recurrent layers grpo_mem hands on", []
@@ -144,7 +141,7 @@ def _layers_cause(base, config, handed: list) -> tuple[str | None, list]:
         return cause, []
     attention = [(n, m) for n, m in inner if observed.get(id(m)) is not None and observed[id(m)].interface]
     if not attention and not handed:
-        return otherwise, []
+        return _no_interface_cause(base), []
     indices = [m.layer_idx for _, m in attention]
     if len(set(indices)) != len(indices):
         return "several attention modules share one layer_idx (a block shared between layers)", []
@@ -157,6 +154,14 @@ def _layers_cause(base, config, handed: list) -> tuple[str | None, list]:
                 return f"layer {i} ({type(layer).__name__}) mixes tokens without attention", []
     causes = (_attention_module_cause(m, config, bool(handed), observed[id(m)]) for _, m in attention)
     return next((c for c in causes if c is not None), None), [m for _, m in attention]
+
+
+def _no_interface_cause(base) -> str:
+    """The cause of a backbone whose attention does not go through transformers' attention interface, naming up to
+    two of its classes with "Attention" in their name."""
+    names = sorted({type(m).__name__ for m in base.modules() if "Attention" in type(m).__name__})
+    named = ", ".join(names[:2]) or "no attention module"
+    return f"attention is not computed through transformers' attention interface ({named})"
 
 
 def _takes_state(module) -> bool:
@@ -306,9 +311,8 @@ def vision_language_cause(causal_lm) -> str | None:
     if absent:
         return f"vision-language model whose forward takes no {', '.join(absent)}"
     text = causal_lm.config.get_text_config()
-    probe = (base, name, text.hidden_size, text.vocab_size, _special_tokens(causal_lm.config))
-    calls, error = language_model_calls(*probe)
-    defaults, error = language_model_calls(*probe, positions=False) if error is None else ([], error)
+    tokens = _special_tokens(causal_lm.config)
+    calls, defaults, error = language_model_calls(base, name, text.hidden_size, text.vocab_size, tokens)
     if error is not None:
         return (
             f"vision-language model whose forward could not be run on its twin to observe its language model ({error})"
